@@ -1,3 +1,43 @@
-"""TorchLens: capture one eager PyTorch forward pass, every op and every module's facets."""
+"""TorchLens: capture one eager PyTorch forward pass, every op and every module's facets.
+
+The public surface is small:
+
+- [`trace`][torchlens.trace] runs a model once and returns a [`Trace`][torchlens.Trace].
+- `trace.ops`, `trace.modules[address].facets[name]`, `trace.output` read what was captured.
+- [`torchlens.mechinterp`](api/mechinterp.md) translates other libraries' hook names to
+  TorchLens sites.
+- Every deliberate error derives from [`TorchLensError`][torchlens.TorchLensError].
+"""
+
+from .errors import (
+    AmbiguousModuleCall,
+    CaptureError,
+    FacetNotFound,
+    FacetNotSaved,
+    ModuleNotFoundInTrace,
+    SaveSpecError,
+    TorchLensError,
+)
+from .facets import FACETS
+from .records import FacetMap, FacetSite, ModuleCall, ModuleRecord, OpRecord, Trace
+from .tracing import trace
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "trace",
+    "Trace",
+    "OpRecord",
+    "ModuleRecord",
+    "ModuleCall",
+    "FacetMap",
+    "FacetSite",
+    "FACETS",
+    "TorchLensError",
+    "SaveSpecError",
+    "CaptureError",
+    "ModuleNotFoundInTrace",
+    "FacetNotFound",
+    "FacetNotSaved",
+    "AmbiguousModuleCall",
+]

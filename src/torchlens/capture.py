@@ -1,0 +1,284 @@
+"""Capturing one eager forward pass: a `TorchFunctionMode` for ops, module hooks for structure.
+
+How it works, in one paragraph: `trace` registers a forward pre-hook and a forward hook on every
+module of the model and enters a `TorchFunctionMode`. Every torch function the forward calls
+passes through the mode, which runs it and appends an [`OpRecord`][torchlens.records.OpRecord]:
+its name, the module running it, references to the ops that produced its tensor inputs, and the
+shapes of its outputs. The hooks keep a stack of module calls, so each op knows where it ran.
+Nothing is patched globally; every hook and the mode are removed before `trace` returns or
+raises.
+
+Saved tensors are detached *aliases*, not copies, which keeps capture fast and memory-lean.
+They still behave as copies: before any op that writes in place (`add_`, `x[i] = ...`,
+`inplace=True`, `out=`), the recorder clones every saved alias that shares storage with the
+tensor about to be written. Each alias's version counter is checked at the end, so a write the
+mode could not see is reported on the op (`mutated`) instead of silently corrupting it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from .families import FUSED_ATTENTION_OPS
+from .records import ModuleCall, OpRecord, Ref
+
+__all__ = ["Recorder"]
+
+_SKIP, _PLAIN, _INPLACE = 0, 1, 2
+# Attribute reads that never produce a tensor: answered without any bookkeeping.
+_METADATA_GETTERS = frozenset(
+    {"shape", "dtype", "device", "ndim", "is_cuda", "is_sparse", "is_quantized", "is_meta", "layout",
+     "requires_grad", "is_leaf", "names", "itemsize", "nbytes", "_version", "grad_fn", "output_nr"}
+)
+_METADATA_METHODS = frozenset(
+    {"size", "dim", "numel", "stride", "storage_offset", "is_contiguous", "is_floating_point",
+     "is_complex", "element_size", "data_ptr", "__len__", "__bool__", "item", "tolist", "__repr__",
+     "__format__", "__hash__", "__index__", "__int__", "__float__", "get_device", "untyped_storage",
+     "__reduce_ex__", "__deepcopy__", "__array__", "__iter__", "__contains__", "has_names",
+     "is_inference", "__dlpack__", "__dlpack_device__"}
+)
+_INPLACE_DUNDERS = frozenset(
+    {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+)
+_FUNC_INFO: dict[Any, tuple[str, int]] = {}
+
+
+def _classify(func: Any) -> tuple[str, int]:
+    """Name a torch function and say whether it is metadata-only, plain, or in place."""
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name == "__get__":  # a property read such as `x.shape` or `x.T`
+        owner = getattr(func, "__self__", None)
+        name = getattr(owner, "__name__", name)
+        kind = _SKIP if name in _METADATA_GETTERS else _PLAIN
+    elif name in _METADATA_METHODS:
+        kind = _SKIP
+    elif name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__")):
+        kind = _INPLACE
+    else:
+        kind = _PLAIN
+    info = (name.lstrip("_") if name.startswith("_") and not name.startswith("__") else name, kind)
+    try:
+        _FUNC_INFO[func] = info
+    except TypeError:  # unhashable callables are classified each time
+        pass
+    return info
+
+
+def _tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors among an op's arguments, one level into lists and tuples (e.g. `torch.cat`)."""
+    found = []
+    for a in args:
+        if isinstance(a, Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(x for x in a if isinstance(x, Tensor))
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, Tensor):
+                found.append(a)
+            elif isinstance(a, (list, tuple)):
+                found.extend(x for x in a if isinstance(x, Tensor))
+    return found
+
+
+def first_tensor(value: Any) -> Tensor | None:
+    """The tensor a module output or input stands for: itself, element 0, or the first value."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return value[0] if value and isinstance(value[0], Tensor) else None
+    if isinstance(value, Mapping):
+        for v in value.values():
+            if isinstance(v, Tensor):
+                return v
+    return None
+
+
+class Recorder(TorchFunctionMode):
+    """Records ops (as a torch function mode) and module calls (through hooks) for one forward.
+
+    Not part of the public API: [`trace`][torchlens.trace] creates one per call.
+
+    Args:
+        names: module object to canonical address.
+        roles: address to role.
+        retain_all: keep every op output.
+        retain_modules: addresses whose calls (and everything inside them) keep their op outputs.
+        param_names: `id(parameter)` to qualified name.
+    """
+
+    def __init__(self, names, roles, retain_all, retain_modules, param_names):
+        super().__init__()
+        self.names = names
+        self.roles = roles
+        self.retain_all = retain_all
+        self.retain_modules = retain_modules
+        self.param_names = param_names
+        self.ops: list[OpRecord] = []
+        self.calls: list[ModuleCall] = []
+        self.stack: list[ModuleCall] = []
+        self.call_counts: dict[str, int] = {}
+        self.producer: dict[int, tuple[Ref, Any]] = {}
+        self.thread = threading.get_ident()
+        self.versions: dict[tuple[int, int], int] = {}  # (op, slot) -> version when saved
+        self._cow: dict[int, list[tuple[int, int]]] = {}
+        self._cow_upto = 0
+
+    # -- ops -----------------------------------------------------------------------------------
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        info = _FUNC_INFO.get(func) or _classify(func)
+        if info[1] == _SKIP:
+            return func(*args, **kwargs)
+        self.pending = info[0]
+        mutated = info[1] == _INPLACE or (
+            bool(kwargs) and (kwargs.get("out") is not None or kwargs.get("inplace") is True)
+        )
+        if mutated:
+            self._before_write(args, kwargs)
+        out = func(*args, **kwargs)
+        if isinstance(out, Tensor):
+            outs = (out,)
+        elif isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+            outs = tuple(o for o in out if isinstance(o, Tensor))
+        else:
+            return out
+        self._record(info[0], outs, _tensor_args(args, kwargs), mutated, args, kwargs)
+        return out
+
+    def _ref(self, t: Tensor):
+        entry = self.producer.get(id(t))
+        if entry is not None and entry[1]() is t:
+            return entry[0]
+        return self.param_names.get(id(t))
+
+    def _record(self, name, outs, ins, mutated, args=(), kwargs=None):
+        idx = len(self.ops)
+        call = self.stack[-1] if self.stack else None
+        inputs = tuple([self._ref(t) for t in ins])
+        producer = self.producer
+        retain = self.retain_all or (call is not None and call.retained)
+        if retain:
+            tensors = tuple([o.detach() for o in outs])
+            for slot, t in enumerate(tensors):
+                self.versions[idx, slot] = t._version
+        else:
+            tensors = (None,) * len(outs)
+        for slot, o in enumerate(outs):
+            producer[id(o)] = (Ref(idx, slot), weakref.ref(o))
+        extra = None
+        if name in FUSED_ATTENTION_OPS and retain:
+            extra = {
+                "args": tuple(a.detach() if isinstance(a, Tensor) else a for a in args),
+                "kwargs": {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in kwargs.items()},
+            }
+        o0 = outs[0]
+        self.ops.append(
+            OpRecord(
+                idx,
+                name,
+                call.address if call is not None else "",
+                call.index if call is not None else 0,
+                inputs,
+                tuple([o.shape for o in outs]),
+                tuple([o.dtype for o in outs]),
+                o0.device,
+                tensors,
+                mutated,
+                extra,
+            )
+        )
+        return idx
+
+    def _before_write(self, args, kwargs) -> None:
+        """Clone every saved alias that shares storage with a tensor an op is about to write."""
+        targets = [args[0]] if args and isinstance(args[0], Tensor) else []
+        out = kwargs.get("out")
+        targets += [out] if isinstance(out, Tensor) else [t for t in (out or ()) if isinstance(t, Tensor)]
+        if not targets:
+            return
+        ops, cow = self.ops, self._cow
+        for i in range(self._cow_upto, len(ops)):
+            for slot, t in enumerate(ops[i].tensors):
+                if t is not None:
+                    cow.setdefault(t.untyped_storage().data_ptr(), []).append((i, slot))
+        self._cow_upto = len(ops)
+        for target in targets:
+            for i, slot in cow.pop(target.untyped_storage().data_ptr(), ()):
+                tensors = list(ops[i].tensors)
+                tensors[slot] = tensors[slot].clone()
+                ops[i].tensors = tuple(tensors)
+                self.versions[i, slot] = tensors[slot]._version
+
+    def add_external(self, t: Tensor, where: ModuleCall | None) -> Ref:
+        """Record a tensor that enters the forward from outside (a model input) as an `input` op."""
+        self.stack.append(where) if where is not None else None
+        try:
+            self._record("input", (t,), (), False)
+        finally:
+            self.stack.pop() if where is not None else None
+        return Ref(len(self.ops) - 1, 0)
+
+    # -- modules -------------------------------------------------------------------------------
+
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        if threading.get_ident() != self.thread:
+            return None
+        addr = self.names[module]
+        n = self.call_counts.get(addr, 0)
+        self.call_counts[addr] = n + 1
+        parent = self.stack[-1] if self.stack else None
+        call = ModuleCall(addr, n, self.roles[addr], type(module).__name__, len(self.ops), parent=parent)
+        call.retained = self.retain_all or addr in self.retain_modules or bool(parent and parent.retained)
+        if parent is None:  # the root: its tensor inputs become `input` ops
+            for t in _tensor_args(args, kwargs):
+                if self._ref(t) is None:
+                    self.add_external(t, call)
+        t = args[0] if args and isinstance(args[0], Tensor) else None
+        if t is None and not args:
+            t = next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
+        if t is not None:
+            call._in_ref = self._ref(t)
+            if call._in_ref is None or isinstance(call._in_ref, str) or (call.retained and not self.retain_all):
+                call._in = t.detach()
+        self.stack.append(call)
+        self.calls.append(call)
+        return None
+
+    def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        if threading.get_ident() != self.thread:
+            return None
+        addr = self.names[module]
+        while self.stack:  # pop up to and including this module's call (robust to errors)
+            call = self.stack.pop()
+            call.end_op = len(self.ops)
+            if call.address == addr:
+                break
+        else:
+            return None
+        t = first_tensor(output)
+        if t is not None:
+            call._out_ref = self._ref(t)
+            if call._out_ref is None or isinstance(call._out_ref, str) or (call.retained and not self.retain_all):
+                call._out = t.detach()
+        return None
+
+    def check_versions(self) -> list[int]:
+        """Indices of ops whose saved alias was written by something the mode could not see."""
+        ops = self.ops
+        bad = []
+        for (i, slot), version in self.versions.items():
+            t = ops[i].tensors[slot]
+            if t is not None and t._version != version:
+                bad.append(i)
+        return sorted(set(bad))

@@ -1,0 +1,124 @@
+"""The exceptions TorchLens raises, and the helper that makes their messages teach.
+
+Every error the library raises on purpose derives from [`TorchLensError`][torchlens.TorchLensError],
+so callers can catch one type. Lookup errors also derive from `KeyError` and argument errors
+from `ValueError`, so code written against plain mappings keeps working.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+__all__ = [
+    "TorchLensError",
+    "SaveSpecError",
+    "ModuleNotFoundInTrace",
+    "FacetNotFound",
+    "FacetNotSaved",
+    "AmbiguousModuleCall",
+    "CaptureError",
+    "close_matches",
+]
+
+
+def close_matches(word: str, choices: Iterable[str], n: int = 3) -> list[str]:
+    """Return up to `n` entries of `choices` that look like `word`, best first.
+
+    Matching ignores case and treats `_`, `-`, `.`, and spaces alike, so
+    `"Resid-Post"` still finds `"resid_post"`.
+
+    Examples:
+        >>> close_matches("resid_pst", ["resid_pre", "resid_post", "output"])
+        ['resid_post', 'resid_pre']
+    """
+    choices = list(dict.fromkeys(choices))
+
+    def norm(s: str) -> str:
+        return "".join("_" if c in "-. " else c for c in s.lower())
+
+    by_norm: dict[str, str] = {}
+    for c in choices:
+        by_norm.setdefault(norm(c), c)
+    hits = difflib.get_close_matches(norm(word), list(by_norm), n=n, cutoff=0.6)
+    return [by_norm[h] for h in hits]
+
+
+def _suggest(word: str, choices: Iterable[str]) -> str:
+    hits = close_matches(word, choices)
+    return f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+
+
+class TorchLensError(Exception):
+    """Base class of every error TorchLens raises on purpose."""
+
+
+class SaveSpecError(TorchLensError, ValueError):
+    """The `save=` argument of [`trace`][torchlens.trace] is not one TorchLens accepts."""
+
+
+class CaptureError(TorchLensError, RuntimeError):
+    """The forward pass could not be captured (for example a compiled submodule hid its ops)."""
+
+
+class ModuleNotFoundInTrace(TorchLensError, KeyError):
+    """A module address is not in the trace."""
+
+    def __init__(self, address: str, known: Iterable[str]):
+        known = list(known)
+        self.address = address
+        msg = f"no module at address {address!r} in this trace.{_suggest(address, known)}"
+        if not close_matches(address, known):
+            msg += f" The trace has {len(known)} module addresses, e.g. {known[:4]!r}."
+        super().__init__(msg)
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0]
+
+
+class FacetNotFound(TorchLensError, KeyError):
+    """A facet name does not exist on this module."""
+
+    def __init__(self, address: str, facet: str, known: Iterable[str], role: str | None = None):
+        known = list(known)
+        self.address, self.facet = address, facet
+        what = f"the {role} module" if role else "the module"
+        msg = (
+            f"{what} {address!r} has no facet {facet!r}.{_suggest(facet, known)}"
+            f" Its facets are: {', '.join(known) or '(none)'}."
+        )
+        super().__init__(msg)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class FacetNotSaved(TorchLensError, KeyError):
+    """The facet exists on this module, but this trace's `save=` did not keep its tensor."""
+
+    def __init__(self, address: str, facet: str, reason: str = ""):
+        self.address, self.facet = address, facet
+        msg = (
+            f"facet {facet!r} of {address!r} exists but was not saved by this trace. "
+            f"{reason + ' ' if reason else ''}Trace again with save='all', "
+            f"save=[{address!r}] or save=[{facet!r}] to keep it."
+        )
+        super().__init__(msg)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class AmbiguousModuleCall(TorchLensError, KeyError):
+    """A module ran more than once, so `.facets` must name the call."""
+
+    def __init__(self, address: str, n_calls: int):
+        self.address = address
+        msg = (
+            f"module {address!r} ran {n_calls} times in this forward pass, so its facets are "
+            f"per call: use trace.modules[{address!r}].calls[i].facets with i in 0..{n_calls - 1}."
+        )
+        super().__init__(msg)
+
+    def __str__(self) -> str:
+        return self.args[0]

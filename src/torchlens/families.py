@@ -1,0 +1,136 @@
+"""Everything TorchLens knows about model families, kept as data in one place.
+
+Facets are found from the recorded data flow (which op consumed which tensor) and the module
+tree. The only family knowledge the rules need is which modules play which *role* in a
+decoder: a block, its attention, its MLP, a norm, an embedding, the unembedding. Those hints
+live in the tables below, so supporting a new family means adding a name here, never an
+`if family == ...` branch in the capture or facet code.
+
+Role rules, in order (first match wins):
+
+1. `embedding`: an `nn.Embedding`.
+2. `norm`: a class in `NORM_CLASSES`, or a class whose name ends with one of `NORM_SUFFIXES`.
+3. `block`: an element of an `nn.ModuleList` that has a direct child with the attention role
+   and a direct child with the MLP role.
+4. `attention` / `mlp`: a direct child of a block whose attribute name is in
+   `ATTENTION_ATTRS` / `MLP_ATTRS`, or whose class name contains `Attention` / `MLP`.
+5. `unembed`: a linear layer named in `UNEMBED_ATTRS` that is a direct child of the root.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+#: Attribute names under which decoder blocks keep their attention sublayer.
+ATTENTION_ATTRS = ("attn", "self_attn", "attention", "self_attention")
+#: Attribute names under which decoder blocks keep their MLP sublayer.
+MLP_ATTRS = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
+#: Class-name fragments that mark an attention or MLP child of a block.
+ATTENTION_CLASS_FRAGMENTS = ("Attention",)
+MLP_CLASS_FRAGMENTS = ("MLP", "FeedForward")
+#: Norm classes by type, and by class-name suffix (covers every `*RMSNorm` of transformers).
+NORM_CLASSES = (nn.LayerNorm, nn.GroupNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+NORM_SUFFIXES = ("RMSNorm", "LayerNorm", "Norm")
+#: Attribute names a norm keeps its epsilon under.
+EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps")
+#: Names of the output projection (unembedding) on a language-model root.
+UNEMBED_ATTRS = ("lm_head", "embed_out", "output", "unembed")
+
+#: How a projection layer stores its weight. `"out_in"` is `nn.Linear` (`[out, in]`, y = x W^T);
+#: `"in_out"` is GPT-2's `Conv1D` (`[in, out]`, y = x W). Looked up by class name.
+WEIGHT_LAYOUT = {"Linear": "out_in", "Conv1D": "in_out"}
+
+#: Op names (as TorchLens records them) that are the softmax of an eager attention.
+SOFTMAX_OPS = frozenset({"softmax", "_softmax"})
+#: Op names of fused attention kernels whose pattern TorchLens rebuilds from the inputs.
+FUSED_ATTENTION_OPS = frozenset({"scaled_dot_product_attention"})
+#: Op names that multiply two tensors (matmul-like), used to find z = pattern @ v.
+MATMUL_OPS = frozenset({"matmul", "__matmul__", "bmm", "einsum"})
+#: Elementwise products, used to find the gate of a gated MLP.
+MUL_OPS = frozenset({"mul", "__mul__", "__rmul__", "mul_", "__imul__"})
+#: Additions, used to find the residual stream between attention and MLP.
+ADD_OPS = frozenset({"add", "__add__", "__radd__", "add_", "__iadd__"})
+#: Ops that split one tensor into several along a dimension.
+SPLIT_OPS = frozenset({"split", "chunk", "tensor_split", "unbind", "split_with_sizes"})
+#: Ops that reshape without changing values.
+RESHAPE_OPS = frozenset({"view", "reshape", "unflatten", "_unsafe_view"})
+#: Ops that only pass a value through (casts, copies, identity dropout in eval).
+PASS_THROUGH_OPS = frozenset({"to", "type", "float", "half", "bfloat16", "contiguous", "clone", "dropout"})
+
+ROLES = ("root", "block", "attention", "mlp", "norm", "embedding", "unembed", "other")
+
+
+def is_norm(module: nn.Module) -> bool:
+    """Whether `module` is a normalization layer (LayerNorm, any RMSNorm, GroupNorm)."""
+    if isinstance(module, NORM_CLASSES):
+        return True
+    name = type(module).__name__
+    return name.endswith(NORM_SUFFIXES) and not name.endswith("BatchNorm")
+
+
+def _child_role(attr: str, module: nn.Module) -> str | None:
+    cls = type(module).__name__
+    if attr in ATTENTION_ATTRS or any(f in cls for f in ATTENTION_CLASS_FRAGMENTS):
+        return "attention"
+    if attr in MLP_ATTRS or any(f in cls for f in MLP_CLASS_FRAGMENTS):
+        return "mlp"
+    return None
+
+
+def assign_roles(model: nn.Module, names: dict[nn.Module, str]) -> dict[str, str]:
+    """Give every module address of `model` one role from `ROLES`.
+
+    Args:
+        model: the root module.
+        names: module object to its canonical address (`""` for the root).
+
+    Returns:
+        A mapping from address to role.
+    """
+    roles = {addr: "other" for addr in names.values()}
+    roles[""] = "root"
+    for module, addr in names.items():
+        if isinstance(module, nn.Embedding):
+            roles[addr] = "embedding"
+        elif is_norm(module):
+            roles[addr] = "norm"
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList):
+            continue
+        for block in module:
+            kids = {_child_role(a, m): (a, m) for a, m in block.named_children()}
+            if "attention" in kids and "mlp" in kids:
+                roles[names[block]] = "block"
+                for role in ("attention", "mlp"):
+                    roles[names[kids[role][1]]] = role
+    for attr, child in model.named_children():
+        if attr in UNEMBED_ATTRS and isinstance(child, nn.Linear):
+            roles[names[child]] = "unembed"
+    return roles
+
+
+def weight_layout(module: nn.Module) -> str | None:
+    """`"out_in"` or `"in_out"` for a projection layer, from `WEIGHT_LAYOUT`; None if unknown."""
+    return WEIGHT_LAYOUT.get(type(module).__name__) or (
+        "out_in" if isinstance(module, nn.Linear) else None
+    )
+
+
+def norm_eps(module: nn.Module) -> float:
+    """The epsilon a norm adds under its square root (read from the module, default 1e-5)."""
+    for attr in EPS_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return 1e-5
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    """Whether the norm divides by the root mean square (no centering, no bias)."""
+    return "RMS" in type(module).__name__ or (hasattr(nn, "RMSNorm") and isinstance(module, nn.RMSNorm))
+
+
+def reconstruction_tolerance(dtype: torch.dtype) -> float:
+    """Absolute tolerance (relative to the kernel output's scale) for checking a rebuild."""
+    return {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}.get(dtype, 1e-4)

@@ -1,0 +1,304 @@
+"""The records a trace is made of: ops, module calls, facets, and the `Trace` itself."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from .errors import AmbiguousModuleCall, FacetNotFound, FacetNotSaved, ModuleNotFoundInTrace
+
+__all__ = ["Ref", "OpRecord", "FacetSite", "FacetMap", "ModuleCall", "ModuleRecord", "ModuleMap", "Trace"]
+
+
+class Ref(NamedTuple):
+    """Where a tensor came from: output `slot` of op number `op`."""
+
+    op: int
+    slot: int = 0
+
+
+class OpRecord:
+    """One executed torch operation.
+
+    Attributes:
+        index: position in execution order (0-based).
+        name: the torch function's name, e.g. `"linear"`, `"__add__"`, `"softmax"`.
+        module: address of the innermost module that was running (`""` for the root).
+        call: which call of that module (0 for the first).
+        inputs: for each tensor argument, in order, a [`Ref`][torchlens.records.Ref] to the op
+            that produced it, the parameter's qualified name (a `str`), or None for a tensor from
+            outside the forward (a model input).
+        shapes, dtypes: one entry per tensor output.
+        tensors: one entry per tensor output: a detached copy when saved, else None.
+        mutated: True when the op changed one of its inputs in place.
+    """
+
+    __slots__ = ("index", "name", "module", "call", "inputs", "shapes", "dtypes", "device", "tensors", "mutated", "extra")
+
+    def __init__(self, index, name, module, call, inputs, shapes, dtypes, device, tensors, mutated=False, extra=None):
+        self.index = index
+        self.name = name
+        self.module = module
+        self.call = call
+        self.inputs = inputs
+        self.shapes = shapes
+        self.dtypes = dtypes
+        self.device = device
+        self.tensors = tensors
+        self.mutated = mutated
+        self.extra = extra
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the first output."""
+        return self.shapes[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the first output."""
+        return self.dtypes[0]
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The first output, when this trace saved it."""
+        return self.tensors[0]
+
+    def __repr__(self) -> str:
+        where = self.module or "<root>"
+        shape = "x".join(map(str, self.shape)) or "scalar"
+        return f"OpRecord(#{self.index} {self.name} in {where}[{self.call}] -> {shape} {str(self.dtype).replace('torch.', '')})"
+
+
+@dataclass
+class FacetSite:
+    """What TorchLens knows about one facet of one module call.
+
+    Attributes:
+        name: the facet name (`"resid_post"`, `"pattern"`, ...).
+        kind: `"real"` (the output of an op the model ran), `"computed"` (derived from recorded
+            tensors and the module's weights, read-only), or `"reconstructed"` (rebuilt from a
+            fused kernel's recorded inputs and checked against the kernel output, read-only).
+        shape, dtype: of the tensor, known even when it was not saved.
+        tensor: the tensor, or None when this trace's `save=` did not keep it.
+        op: index of the op whose output this is, for real facets.
+        check_error: for reconstructed facets, the largest absolute difference between the rebuilt
+            and the recorded kernel output.
+        note: how the facet was found or computed, in one line.
+    """
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tensor: torch.Tensor | None = None
+    op: int | None = None
+    check_error: float | None = None
+    note: str = ""
+
+    @property
+    def saved(self) -> bool:
+        """Whether the tensor is held by the trace."""
+        return self.tensor is not None
+
+    @property
+    def read_only(self) -> bool:
+        """True for computed and reconstructed facets: no op in the model produced this tensor."""
+        return self.kind != "real"
+
+
+class FacetMap(Mapping):
+    """The facets of one module call: a read-only mapping from facet name to tensor.
+
+    Iteration, `len` and `in` cover the facets whose tensor this trace saved. `sites` lists every
+    facet the module has, saved or not, with its kind and shape. Asking for a facet that exists
+    but was not saved raises [`FacetNotSaved`][torchlens.errors.FacetNotSaved]; asking for one that
+    does not exist raises [`FacetNotFound`][torchlens.errors.FacetNotFound] with close matches.
+    """
+
+    def __init__(self, address: str, role: str, sites: dict[str, FacetSite]):
+        self.address = address
+        self.role = role
+        self.sites = sites
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        site = self.sites.get(name)
+        if site is None:
+            raise FacetNotFound(self.address, name, self.sites, self.role)
+        if site.tensor is None:
+            raise FacetNotSaved(self.address, name)
+        return site.tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return (n for n, s in self.sites.items() if s.tensor is not None)
+
+    def __len__(self) -> int:
+        return sum(s.tensor is not None for s in self.sites.values())
+
+    def __contains__(self, name: object) -> bool:
+        site = self.sites.get(name)  # type: ignore[arg-type]
+        return site is not None and site.tensor is not None
+
+    def site(self, name: str) -> FacetSite:
+        """The [`FacetSite`][torchlens.records.FacetSite] of `name`, saved or not."""
+        try:
+            return self.sites[name]
+        except KeyError:
+            raise FacetNotFound(self.address, name, self.sites, self.role) from None
+
+    def __repr__(self) -> str:
+        items = []
+        for n, s in self.sites.items():
+            flag = "" if s.kind == "real" else f" {s.kind}"
+            flag += "" if s.saved else " not saved"
+            items.append(f"{n}{list(s.shape)}{flag}")
+        return f"FacetMap({self.address!r}: {', '.join(items)})"
+
+
+@dataclass
+class ModuleCall:
+    """One call of one module during the forward pass.
+
+    Attributes:
+        address: the module's address, e.g. `"transformer.h.1"` (`""` for the root).
+        index: 0 for the module's first call, 1 for the second, ...
+        role: the module's role (`"block"`, `"attention"`, `"mlp"`, `"norm"`, `"embedding"`,
+            `"unembed"`, `"root"` or `"other"`).
+        first_op, end_op: the ops of this call are `trace.ops[first_op:end_op]` (children's ops
+            included).
+        facets: this call's [`FacetMap`][torchlens.records.FacetMap].
+    """
+
+    address: str
+    index: int
+    role: str
+    class_name: str
+    first_op: int
+    end_op: int = -1
+    facets: FacetMap | None = None
+    parent: ModuleCall | None = field(default=None, repr=False)
+    retained: bool = field(default=False, repr=False)
+    # Set during capture, dropped when the trace is finished.
+    _in: Any = field(default=None, repr=False)
+    _out: Any = field(default=None, repr=False)
+    _in_ref: Any = field(default=None, repr=False)
+    _out_ref: Any = field(default=None, repr=False)
+
+
+@dataclass
+class ModuleRecord:
+    """Everything the trace holds about one module address.
+
+    Attributes:
+        address: the module's address.
+        class_name: the module's class, e.g. `"GPT2Block"`.
+        role: see [`ModuleCall`][torchlens.records.ModuleCall].
+        calls: one [`ModuleCall`][torchlens.records.ModuleCall] per time the module ran; empty if
+            it never ran in this forward.
+        aliases: other addresses the same module object is registered under (shared modules).
+    """
+
+    address: str
+    class_name: str
+    role: str
+    calls: list[ModuleCall] = field(default_factory=list)
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def facets(self) -> FacetMap:
+        """The facets of the module's only call (raises if it ran zero or several times)."""
+        if len(self.calls) == 1:
+            return self.calls[0].facets  # type: ignore[return-value]
+        if not self.calls:
+            return FacetMap(self.address, self.role, {})
+        raise AmbiguousModuleCall(self.address, len(self.calls))
+
+    def __repr__(self) -> str:
+        return f"ModuleRecord({self.address!r}, {self.class_name}, role={self.role}, calls={len(self.calls)})"
+
+
+class ModuleMap(Mapping):
+    """Module records by address. A missed lookup raises with close matches."""
+
+    def __init__(self, records: dict[str, ModuleRecord], aliases: dict[str, str]):
+        self._records = records
+        self._aliases = aliases
+
+    def __getitem__(self, address: str) -> ModuleRecord:
+        if not isinstance(address, str):
+            raise ModuleNotFoundInTrace(repr(address), self._records)
+        rec = self._records.get(address)
+        if rec is None and address in self._aliases:
+            rec = self._records[self._aliases[address]]
+        if rec is None:
+            if address in ("self", "<root>", "root"):
+                return self._records[""]
+            raise ModuleNotFoundInTrace(address, self._records)
+        return rec
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, address: object) -> bool:
+        return address in self._records or address in self._aliases
+
+    def __repr__(self) -> str:
+        return f"ModuleMap({len(self)} modules)"
+
+
+class Trace:
+    """One captured forward pass.
+
+    Attributes:
+        ops: every executed torch operation, in order ([`OpRecord`][torchlens.records.OpRecord]).
+        modules: module records by address ([`ModuleMap`][torchlens.records.ModuleMap]); `""` is the
+            root.
+        output: what the model returned.
+        blocks: addresses of the decoder blocks in the order they ran; a layer index is a position
+            in this list.
+        model_class: the root module's class name.
+        save: the normalized `save=` selection the trace was taken with.
+    """
+
+    def __init__(self, ops, modules, output, blocks, model_class, save):
+        self.ops: list[OpRecord] = ops
+        self.modules: ModuleMap = modules
+        self.output = output
+        self.blocks: list[str] = blocks
+        self.model_class: str = model_class
+        self.save = save
+
+    def by_role(self, role: str) -> list[str]:
+        """Addresses of the modules with `role` that ran, in the order they first ran."""
+        recs = [r for r in self.modules.values() if r.role == role and r.calls]
+        return [r.address for r in sorted(recs, key=lambda r: r.calls[0].first_op)]
+
+    def __repr__(self) -> str:
+        saved = sum(t is not None for op in self.ops for t in op.tensors)
+        return (
+            f"Trace({self.model_class}: {len(self.ops)} ops, {len(self.modules)} modules, "
+            f"{len(self.blocks)} blocks, {saved} tensors saved)"
+        )
+
+    def summary(self, max_rows: int | None = None) -> str:
+        """A plain-text table of the modules that ran: address, role, calls, facets with shapes."""
+        rows = [("module", "role", "calls", "facets")]
+        for rec in self.modules.values():
+            if not rec.calls:
+                continue
+            fac = rec.calls[0].facets
+            facets = ", ".join(
+                f"{n}{list(s.shape)}" + ("" if s.saved else "*") for n, s in (fac.sites.items() if fac else [])
+            )
+            rows.append((rec.address or "<root>", rec.role, str(len(rec.calls)), facets))
+        if max_rows is not None:
+            rows = rows[: max_rows + 1]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = ["  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
+        lines.append("(* = exists but not saved)")
+        return "\n".join(lines)
