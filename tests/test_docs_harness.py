@@ -1,0 +1,567 @@
+"""Tests of the docs harness (tests/docs_harness.py), run on throwaway pages with pytester."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import pathlib
+import re
+import textwrap
+
+import pytest
+
+import docs_harness
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# Inner runs load only the two plugins they need (plugin autoloading is switched off in
+# the `docs` fixture), which keeps each run well under a second.
+INI = """\
+[pytest]
+addopts = -p pytest_markdown_docs.plugin -p docs_harness
+    --markdown-docs --markdown-docs-syntax=superfences --strict-markers
+testpaths = docs
+filterwarnings = ignore::pytest.PytestAssertRewriteWarning
+"""
+
+FENCE = "```"
+
+
+def page(text: str) -> str:
+    """Dedent a page and turn ''' into ``` so pages can be written inside this file."""
+    return textwrap.dedent(text).lstrip("\n").replace("'''", FENCE)
+
+
+@pytest.fixture
+def docs(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
+    """Write pages into a fresh project; return a function that writes one page."""
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pytester.makefile(".ini", pytest=INI)
+    (pytester.path / "docs").mkdir()
+
+    def write(text: str, name: str = "page.md") -> pathlib.Path:
+        path = pytester.path / "docs" / name
+        path.write_text(page(text), encoding="utf-8")
+        return path
+
+    return write
+
+
+def expect_lines(result: pytest.RunResult, patterns: list[str]) -> None:
+    """Like ``fnmatch_lines``, but only ``*`` is special (pages are full of brackets)."""
+    regexes = ["^" + ".*".join(re.escape(part) for part in pattern.split("*")) + "$" for pattern in patterns]
+    result.stdout.re_match_lines(regexes)
+
+
+def line_of(path: pathlib.Path, needle: str) -> int:
+    """Return the 1-based line of the first line of ``path`` that contains ``needle``."""
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if needle in line:
+            return number
+    raise AssertionError(f"{needle!r} not in {path}")
+
+
+CHECKED = """
+    # Page
+
+    Some prose.
+
+    '''python
+    # migration-test: tool=torchlens expected=(2, 'ab')
+    def build():
+        return (1 + 1, "a" + "b")
+
+    RESULT = build()
+    '''
+    """
+
+
+def test_passing_block(docs, pytester):
+    docs(CHECKED)
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1)
+
+
+def test_changed_expected_fails_with_page_and_line_and_update_restores_it(docs, pytester):
+    path = docs(CHECKED)
+    original = path.read_text()
+    path.write_text(original.replace("expected=(2, 'ab')", "expected=(3, 'ab')"))
+    fence = line_of(path, "```python")
+
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    expect_lines(result, 
+        [
+            f"docs/page.md:{fence}: RESULT != expected (tool=torchlens, header on line {fence + 1})",
+            "  expected: (3, 'ab')",
+            "  RESULT:   (2, 'ab')",
+        ]
+    )
+
+    result = pytester.runpytest("--update-expected")
+    result.assert_outcomes(passed=1)
+    expect_lines(result, 
+        ["*rewrote 1 expected= literal(s):", f"  docs/page.md:{fence + 1}: expected=(3, 'ab')  ->  expected=(2, 'ab')"]
+    )
+    assert path.read_text() == original
+    pytester.runpytest().assert_outcomes(passed=1)
+
+
+def test_long_values_are_shown_as_a_diff(docs, pytester):
+    expected = {f"site_{i}": i for i in range(12)}
+    actual = dict(expected, site_7=70)
+    docs(
+        f"""
+        '''python
+        # migration-test: tool=torchlens expected={expected!r}
+        RESULT = {actual!r}
+        '''
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    expect_lines(result, ["*diff (- expected, + RESULT):*", "*-*'site_7': 7,*", "*+*'site_7': 70,*"])
+
+
+def test_update_refuses_values_that_do_not_round_trip(docs, pytester):
+    path = docs(
+        """
+        '''python
+        # migration-test: tool=torchlens expected=[0, 1, 2]
+        RESULT = range(3)
+        '''
+        """
+    )
+    before = path.read_text()
+    result = pytester.runpytest("--update-expected")
+    result.assert_outcomes(failed=1)
+    expect_lines(result, ["*not updated: repr(RESULT) does not read back*"])
+    assert path.read_text() == before
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ("# migration-test: tool=torchlens expected=len([1])", "*expected= is not a Python literal*ast.Call*"),
+        ("# migration-test: tool=torchlens expected=(1,", "*expected= is not a Python literal*"),
+        ("# migration-test: tool=torchlens", "*has no `expected=LITERAL`*"),
+        ("# migration-test tool=torchlens expected=1", "*write the header as*"),
+        ("# migration-test: tool=torchlens colour=red expected=1", "*unknown header key `colour`*"),
+        ("# migration-test: expected=1", "*has no `tool=NAME`*"),
+        ("# migration-test: tool=pytorch-lightning expected=1", "*unknown tool `pytorch-lightning`*"),
+        ("# migration-test: tool=torchlens timeout=soon expected=1", "*timeout=`soon` is not a number*"),
+    ],
+)
+def test_malformed_header_fails(docs, pytester, header, message):
+    docs(
+        f"""
+        '''python
+        {header}
+        RESULT = 1
+        '''
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    expect_lines(result, ["docs/page.md:1: malformed `# migration-test:` header (line 2): " + message])
+
+
+def test_block_that_never_binds_result_fails(docs, pytester):
+    docs(
+        """
+        '''python
+        # migration-test: tool=torchlens expected=1
+        result = 1  # lower case: not RESULT
+        '''
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    expect_lines(result, ["docs/page.md:1: the block has a `# migration-test:` header but never binds RESULT"])
+
+
+def test_syntax_error_names_page_and_line(docs, pytester):
+    docs(
+        """
+        # Page
+
+        '''python
+        x = 1
+        def broken(:
+            pass
+        '''
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    expect_lines(result, 
+        ["docs/page.md:3: SyntaxError in the block (line 5)", '*File "docs/page.md", line 5*', "*def broken(:*"]
+    )
+
+
+def test_traceback_points_into_the_page(docs, pytester):
+    docs(
+        """
+        # Page
+
+        '''python
+        def helper(mapping):
+            return mapping["missing"]
+
+        helper({})
+        '''
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    expect_lines(result, 
+        [
+            "docs/page.md:3: KeyError: 'missing' (raised at line 5)",
+            "> 5  *return mapping[\"missing\"]",
+            "Traceback (most recent call last):",
+            '  File "docs/page.md", line 7, in <module>',
+            "    helper({})",
+            '  File "docs/page.md", line 5, in helper',
+            '    return mapping["missing"]',
+            "KeyError: 'missing'",
+        ]
+    )
+
+
+def test_plain_blocks_run_too(docs, pytester):
+    docs(
+        """
+        '''python
+        assert 1 + 1 == 2
+        '''
+
+        '''py
+        raise RuntimeError("plain blocks are executed")
+        '''
+
+        '''{.python notest}
+        raise RuntimeError("notest blocks are not")
+        '''
+
+        '''bash
+        exit 1
+        '''
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1, failed=1)
+    expect_lines(result, ["*RuntimeError: plain blocks are executed*"])
+
+
+needs_missing_tool = pytest.mark.skipif(
+    importlib.util.find_spec("interp_engine") is not None, reason="interp_engine is installed here"
+)
+MISSING_TOOL = """
+    '''python
+    # migration-test: tool=interp-engine expected=1
+    import interp_engine
+    RESULT = 1
+    '''
+
+    '''python
+    # migration-test: tool=torchlens expected=1
+    RESULT = 1
+    '''
+    """
+
+
+@needs_missing_tool
+def test_missing_tool_is_skipped_with_the_reason(docs, pytester):
+    docs(MISSING_TOOL)
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    expect_lines(result, ["*docs/page.md:1: tool=interp-engine needs `import interp_engine`, which is not installed*"])
+
+
+@needs_missing_tool
+def test_missing_tool_fails_under_ci(docs, pytester, monkeypatch):
+    docs(MISSING_TOOL)
+    monkeypatch.setenv("CI", "true")
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1, failed=1)
+    expect_lines(result, ["*tool=interp-engine needs `import interp_engine`*(CI=true: every tool must be installed)"])
+
+
+def test_tool_markers_select_blocks(docs, pytester):
+    docs(MISSING_TOOL)
+    result = pytester.runpytest("-m", "tool_torchlens", "--collect-only", "-q")
+    expect_lines(result, ["docs/page.md::top[2]", "*1/2 tests collected (1 deselected)*"])
+    result = pytester.runpytest("-m", "tool_interp_engine and migration_test", "--collect-only", "-q")
+    expect_lines(result, ["docs/page.md::top[1]", "*1/2 tests collected (1 deselected)*"])
+
+
+def test_blocks_in_tabs_and_admonitions_are_collected(docs, pytester):
+    docs(
+        """
+        # Engines
+
+        === "TorchLens"
+
+            '''python
+            # migration-test: tool=torchlens expected=1
+            RESULT = 1
+            '''
+
+        === "Other"
+
+            ??? note "Collapsed"
+
+                '''python
+                # migration-test: tool=torchlens expected=2
+                RESULT = 2
+                '''
+
+        !!! warning
+
+            '''python
+            # migration-test: tool=torchlens expected=3
+            RESULT = 3
+            '''
+
+        ???+ tip
+
+            '''markdown
+            !!! note
+                this is shown, not parsed
+            '''
+        """
+    )
+    result = pytester.runpytest("-v")
+    result.assert_outcomes(passed=3)
+    expect_lines(result, 
+        ["docs/page.md::engines[1] PASSED*", "docs/page.md::engines[2] PASSED*", "docs/page.md::engines[3] PASSED*"]
+    )
+
+
+def test_tracebacks_in_containers_keep_page_lines(docs, pytester):
+    path = docs(
+        """
+        !!! note
+
+            '''python
+            x = 1
+            raise ValueError("inside an admonition")
+            '''
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    line = line_of(path, "raise ValueError")
+    expect_lines(result, [f'  File "docs/page.md", line {line}, in <module>'])
+
+
+def test_uncollected_headers_fail(docs, pytester):
+    docs(
+        """
+        '''python
+        x = 1
+        # migration-test: tool=torchlens expected=1
+        RESULT = 1
+        '''
+
+        '''{.python notest}
+        # migration-test: tool=torchlens expected=1
+        RESULT = 1
+        '''
+
+        '''markdown
+        # migration-test: tool=torchlens expected=1
+        '''
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1, failed=2)
+    expect_lines(result, 
+        [
+            "docs/page.md:3: a `# migration-test:` header was not collected: a header must be the first line*",
+            "docs/page.md:8: a `# migration-test:` header was not collected: no collected Python block holds it*",
+        ]
+    )
+
+
+def test_timeout_fires_on_a_hanging_block(docs, pytester):
+    docs(
+        """
+        # Page
+
+        '''python
+        # migration-test: tool=torchlens expected=1 timeout=0.2
+        while True:
+            pass
+        '''
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    expect_lines(result, 
+        ["docs/page.md:3: the example did not finish within 0.2 s (it was running line *)", '*File "docs/page.md", line *']
+    )
+
+
+def test_large_output_is_captured_and_truncated(docs, pytester):
+    docs(
+        """
+        '''python
+        print("x" * 200_000)
+        raise RuntimeError("after a lot of output")
+        '''
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    expect_lines(result, ["*Captured stdout call*", "[... 197001 characters cut ...]"])
+    assert len(result.stdout.str()) < 20_000
+
+
+def test_output_of_passing_blocks_is_not_shown(docs, pytester):
+    docs(
+        """
+        '''python
+        print("noise from a passing block")
+        '''
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1)
+    assert "noise from a passing block" not in result.stdout.str()
+
+
+def test_ids_are_stable_when_other_sections_change(docs, pytester):
+    body = """
+        # Page
+
+        ## First
+
+        '''python
+        a = 1
+        '''
+
+        ## Second
+
+        '''python
+        b = 2
+        '''
+        """
+    docs(body)
+    before = pytester.runpytest("--collect-only", "-q").stdout.lines
+    edited = body.replace("a = 1", "a = 1\n        '''\n\n        More text.\n\n        '''python\n        c = 3")
+    docs(edited.replace("## First", "Intro paragraph.\n\n        ## First"))
+    after = pytester.runpytest("--collect-only", "-q").stdout.lines
+    assert "docs/page.md::second[1]" in before
+    assert "docs/page.md::second[1]" in after
+    assert "docs/page.md::first[2]" in after
+
+
+def test_status_file_records_each_page(docs, pytester):
+    path = docs(CHECKED)
+    docs(
+        """
+        '''python
+        raise RuntimeError("no")
+        '''
+        """,
+        name="other.md",
+    )
+    pytester.runpytest()
+    status = json.loads((pytester.path / "build" / "doc-examples.json").read_text())
+    entry = status["pages"]["docs/page.md"]
+    assert (entry["examples"], entry["passed"], entry["failed"], entry["skipped"]) == (1, 1, 0, 0)
+    assert entry["sha256"] == docs_harness.page_sha256(path.read_text())
+    assert {"torchlens_version", "timestamp"} <= set(entry)
+    assert status["pages"]["docs/other.md"]["failed"] == 1
+
+    # A later run of one page keeps the other page's entry.
+    pytester.runpytest("docs/page.md")
+    status = json.loads((pytester.path / "build" / "doc-examples.json").read_text())
+    assert set(status["pages"]) == {"docs/page.md", "docs/other.md"}
+
+
+def test_python_docstrings_are_not_run_as_markdown(docs, pytester):
+    docs(CHECKED)
+    pytester.makepyfile(
+        tools='''
+        def helper():
+            """Docs.
+
+            ```python
+            raise RuntimeError("pytest-markdown-docs would run this")
+            ```
+            """
+        '''
+    )
+    result = pytester.runpytest("tools.py", "docs")
+    result.assert_outcomes(passed=1)
+
+
+def test_pytest_markdown_docs_internals_used_by_the_harness_are_there():
+    """Fails loudly if an upgrade of pytest-markdown-docs moves what the harness uses."""
+    from pytest_markdown_docs.definitions import FenceTestDefinition
+    from pytest_markdown_docs.plugin import MarkdownInlinePythonItem, extract_fence_tests
+
+    fields = {field.name for field in dataclasses.fields(FenceTestDefinition)}
+    assert {"source", "fixture_names", "start_line", "source_path", "runner_name"} <= fields
+    assert callable(extract_fence_tests)
+    assert hasattr(MarkdownInlinePythonItem, "setup")
+
+
+def test_flattening_keeps_line_count():
+    text = page(
+        """
+        === "A"
+
+            !!! note
+
+                '''python
+                x = 1
+                '''
+        text
+        """
+    )
+    flat = docs_harness.flatten_containers(text)
+    assert flat.count("\n") == text.count("\n")
+    assert flat.splitlines()[4:7] == ["```python", "x = 1", "```"]
+
+
+# --- The MkDocs hook ------------------------------------------------------------------
+
+
+def load_hooks():
+    spec = importlib.util.spec_from_file_location("torchlens_mkdocs_hooks", REPO / "scripts" / "mkdocs_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hook_notes():
+    hooks = load_hooks()
+    entry = {"examples": 3, "passed": 3, "failed": 0, "skipped": 0, "sha256": "abc", "timestamp": "t"}
+    assert hooks._note(entry, "abc").startswith('!!! success "3/3 examples verified"')
+    assert hooks._note(entry, "def").startswith('!!! warning "stale: page changed since the last test run"')
+    failing = dict(entry, passed=1, failed=1, skipped=1)
+    assert hooks._note(failing, "abc").startswith('!!! failure "1/3 examples verified"')
+    assert hooks._note(dict(entry, examples=0), "abc") is None
+
+
+def test_hook_puts_the_note_under_the_title():
+    hooks = load_hooks()
+    markdown = "```python\n# not a title\n```\n# Title\n\nText"
+    assert hooks._insert_after_title(markdown, "NOTE").split("\n")[3:6] == ["# Title", "", "NOTE"]
+
+
+def test_hook_tolerates_a_missing_status_file(tmp_path):
+    hooks = load_hooks()
+
+    class Config:
+        config_file_path = str(tmp_path / "mkdocs.yml")
+
+    assert hooks._load_status(Config()) == {}
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "doc-examples.json").write_text("{not json")
+    assert hooks._load_status(Config()) == {}
