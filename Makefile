@@ -1,0 +1,38 @@
+# Two entry points for a fresh machine (see README.md):
+#   make docs   install into .venv, then serve the site with `mkdocs serve`
+#   make test   install into .venv, then run the whole test suite with `pytest`
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DOCS_ADDR ?= 127.0.0.1:8000
+PYTEST_ARGS ?=
+
+# The torch pin comes from constraints.txt. It is installed on its own, before the
+# project: if pip resolved the project's bare `torch>=2.4` first, it could pull a
+# multi-GB CUDA build.
+TORCH_PIN := $(shell grep -E '^torch==' constraints.txt)
+
+# Silence Material's banner about MkDocs 2 on every build.
+export NO_MKDOCS_2_WARNING := 1
+
+STAMP := $(VENV)/.torchlens-installed
+
+.PHONY: docs test install
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install $(TORCH_PIN)
+	$(BIN)/python -m pip install -c constraints.txt -e ".[test,docs]"
+	touch $@
+
+docs: $(STAMP)
+	$(BIN)/mkdocs serve --dev-addr $(DOCS_ADDR)
+
+# pytest exits 5 when it collected no tests; that is a failure here, like any other.
+test: $(STAMP)
+	@status=0; $(BIN)/pytest $(PYTEST_ARGS) || status=$$?; \
+	if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
+	exit $$status
