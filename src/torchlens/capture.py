@@ -131,12 +131,15 @@ class Recorder(TorchFunctionMode):
         self.versions: dict[tuple[int, int], int] = {}  # (op, slot) -> version when saved
         self._cow: dict[int, list[tuple[int, int]]] = {}
         self._cow_upto = 0
+        self._quiet = False  # True while the hooks run torch functions of their own
 
     # -- ops -----------------------------------------------------------------------------------
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if self._quiet:
+            return func(*args, **kwargs)
         info = _FUNC_INFO.get(func) or _classify(func)
         if info[1] == _SKIP:
             return func(*args, **kwargs)
@@ -234,6 +237,14 @@ class Recorder(TorchFunctionMode):
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         if threading.get_ident() != self.thread:
             return None
+        self._quiet = True
+        try:
+            self._enter(module, args, kwargs)
+        finally:
+            self._quiet = False
+        return None
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         addr = self.names[module]
         n = self.call_counts.get(addr, 0)
         self.call_counts[addr] = n + 1
@@ -253,11 +264,18 @@ class Recorder(TorchFunctionMode):
                 call._in = t.detach()
         self.stack.append(call)
         self.calls.append(call)
-        return None
 
     def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         if threading.get_ident() != self.thread:
             return None
+        self._quiet = True
+        try:
+            self._leave(module, output)
+        finally:
+            self._quiet = False
+        return None
+
+    def _leave(self, module: nn.Module, output: Any) -> None:
         addr = self.names[module]
         while self.stack:  # pop up to and including this module's call (robust to errors)
             call = self.stack.pop()
@@ -265,13 +283,12 @@ class Recorder(TorchFunctionMode):
             if call.address == addr:
                 break
         else:
-            return None
+            return
         t = first_tensor(output)
         if t is not None:
             call._out_ref = self._ref(t)
             if call._out_ref is None or isinstance(call._out_ref, str) or (call.retained and not self.retain_all):
                 call._out = t.detach()
-        return None
 
     def check_versions(self) -> list[int]:
         """Indices of ops whose saved alias was written by something the mode could not see."""

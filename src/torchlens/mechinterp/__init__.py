@@ -1,0 +1,41 @@
+"""Names other interpretability libraries use, translated to TorchLens sites.
+
+- [`resolve_alias`][torchlens.mechinterp.resolve_alias]`(trace, name)`: one name to its site.
+- [`alias_report`][torchlens.mechinterp.alias_report]`(trace, generation=...)`: every name of a
+  generation, instantiated on a trace, with an honest status.
+- `GENERATIONS`: the tables, one per naming generation (`"2.x"`, `"3.x"`, `"4.x"`, `"nnterp"`,
+  `"interp-engine"`).
+"""
+
+from .resolver import (
+    GENERATIONS,
+    STATUSES,
+    AliasError,
+    AliasReport,
+    AliasResolution,
+    LayerOutOfRange,
+    MalformedAlias,
+    UnknownAlias,
+    UnknownGeneration,
+    alias_report,
+    resolve_alias,
+    table,
+)
+from .tables import Row, Table
+
+__all__ = [
+    "resolve_alias",
+    "alias_report",
+    "table",
+    "AliasResolution",
+    "AliasReport",
+    "GENERATIONS",
+    "STATUSES",
+    "Row",
+    "Table",
+    "AliasError",
+    "UnknownAlias",
+    "UnknownGeneration",
+    "LayerOutOfRange",
+    "MalformedAlias",
+]

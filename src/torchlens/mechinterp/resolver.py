@@ -1,0 +1,418 @@
+"""One resolver for every naming generation: `resolve_alias` and `alias_report`."""
+
+from __future__ import annotations
+
+import html
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..errors import TorchLensError, close_matches
+from ..records import Trace
+from . import targets
+from .tables import Row, Table, interp_engine, nnterp, tl2, tl3, tl4
+
+__all__ = [
+    "AliasResolution",
+    "AliasError",
+    "UnknownAlias",
+    "UnknownGeneration",
+    "LayerOutOfRange",
+    "MalformedAlias",
+    "GENERATIONS",
+    "STATUSES",
+    "resolve_alias",
+    "alias_report",
+    "table",
+]
+
+#: The naming generations, by the key `generation=` takes.
+GENERATIONS: dict[str, Table] = {
+    t.generation: t for t in (tl2.TABLE, tl3.TABLE, tl4.TABLE, nnterp.TABLE, interp_engine.TABLE)
+}
+
+#: What each status means.
+STATUSES = {
+    "real": "an op of the forward produced this tensor; the trace holds it",
+    "reconstructed_read_only": "derived from recorded tensors (e.g. a fused attention kernel's inputs, checked "
+    "against its output): readable, not editable",
+    "needs_capture": "the site exists, but this trace's save= did not keep it",
+    "structurally_absent": "this architecture has no such site, or TorchLens has no facet for it",
+    "ambiguous": "several sites match the name",
+}
+
+
+class AliasError(TorchLensError, KeyError):
+    """A name could not be resolved (base class of the errors below)."""
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""
+
+
+class UnknownAlias(AliasError):
+    """The name is in no naming table."""
+
+
+class UnknownGeneration(AliasError, ValueError):
+    """`generation=` is not one of `GENERATIONS`."""
+
+
+class LayerOutOfRange(AliasError, IndexError):
+    """The name's layer index is outside the trace's blocks."""
+
+
+class MalformedAlias(AliasError, ValueError):
+    """The name looks like a known spelling but breaks its grammar."""
+
+
+@dataclass(frozen=True)
+class AliasResolution:
+    """Where one name of another library points in a trace, and whether it can be read there.
+
+    Attributes:
+        query: the name as given (per-layer rows of a report carry their layer).
+        generation: the naming generation the name was found in.
+        status: one of `STATUSES`: `real`, `reconstructed_read_only`, `needs_capture`,
+            `structurally_absent`, `ambiguous`.
+        module_address: the module that holds the site (None when there is none).
+        facet: the facet read there (None when TorchLens has no facet for the name).
+        layer: the layer index, for per-layer names.
+        reason: why the status is what it is, in one sentence.
+        remedy: what to do to read the tensor, when the status is not `real`.
+        pattern: the table row's pattern (`"blocks.{L}.hook_resid_post"`).
+        meaning: what the other library reads there.
+        note: where the two sides differ (layout, mask fill, conditions).
+        shape: the site's tensor shape, when known.
+    """
+
+    query: str
+    generation: str
+    status: str
+    module_address: str | None
+    facet: str | None
+    layer: int | None
+    reason: str
+    remedy: str
+    pattern: str
+    meaning: str
+    note: str = ""
+    shape: tuple[int, ...] | None = None
+
+    @property
+    def readable(self) -> bool:
+        """Whether the trace holds the tensor (status `real` or `reconstructed_read_only`)."""
+        return self.status in ("real", "reconstructed_read_only")
+
+    def tensor(self, trace: Trace):
+        """The tensor this name reads in `trace` (raises the facet's error when not readable)."""
+        if self.module_address is None or self.facet is None:
+            raise AliasError(f"{self.query!r} has no site in this trace: {self.reason}")
+        return trace.modules[self.module_address].facets[self.facet]
+
+    def __repr__(self) -> str:
+        where = f"{self.module_address or '-'}:{self.facet or '-'}"
+        return f"AliasResolution({self.query!r} -> {where} [{self.status}], generation={self.generation!r})"
+
+    def _repr_html_(self) -> str:
+        return _html_table([self])
+
+
+def _html_table(rows: list[AliasResolution]) -> str:
+    colors = {"real": "#2e7d32", "reconstructed_read_only": "#1565c0", "needs_capture": "#ef6c00",
+              "structurally_absent": "#757575", "ambiguous": "#c62828"}
+    head = "".join(f"<th>{h}</th>" for h in ("name", "status", "module", "facet", "reason"))
+    body = "".join(
+        f"<tr><td><code>{html.escape(r.query)}</code></td>"
+        f"<td style='color:{colors.get(r.status, '#000')}'>{r.status}</td>"
+        f"<td><code>{html.escape(r.module_address or '')}</code></td><td>{html.escape(r.facet or '')}</td>"
+        f"<td>{html.escape(r.reason)}</td></tr>"
+        for r in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+class AliasReport(list):
+    """The list `alias_report` returns: `AliasResolution`s that print as a table."""
+
+    def __repr__(self) -> str:
+        if not self:
+            return "AliasReport([])"
+        w = max(len(r.query) for r in self)
+        lines = [f"{'name'.ljust(w)}  {'status':24}  site"]
+        for r in self:
+            site = f"{r.module_address}:{r.facet}" if r.facet else f"- ({r.reason})"
+            lines.append(f"{r.query.ljust(w)}  {r.status:24}  {site}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        return _html_table(list(self))
+
+    def counts(self) -> dict[str, int]:
+        """How many rows have each status."""
+        out: dict[str, int] = {}
+        for r in self:
+            out[r.status] = out.get(r.status, 0) + 1
+        return out
+
+
+# -- parsing -----------------------------------------------------------------------------------
+
+_LAYER = r"(-?\d+)"
+
+
+@lru_cache(maxsize=None)
+def _compiled(generation: str) -> list[tuple[re.Pattern, Row]]:
+    out = []
+    for row in GENERATIONS[generation].rows:
+        parts = row.name.split("{L}")
+        out.append((re.compile("^" + _LAYER.join(re.escape(p) for p in parts) + "$"), row))
+    return out
+
+
+def _layer_value(text: str, table: Table, query: str, trace: Trace) -> int:
+    n = len(trace.blocks)
+    value = int(text)
+    canonical = str(value)
+    if text != canonical and not (text.startswith("-") and table.negative_layers):
+        raise MalformedAlias(f"{query!r}: write the layer as {canonical}, without leading zeros.")
+    if value < 0:
+        if not table.negative_layers:
+            raise MalformedAlias(
+                f"{query!r}: {table.generation} layer indices are non-negative (0..{n - 1} in this trace)."
+            )
+        value += n
+    if not 0 <= value < n:
+        raise LayerOutOfRange(
+            f"{query!r}: layer {text} is out of range: this trace ran {n} decoder block"
+            f"{'s' if n != 1 else ''}, so layers are 0..{n - 1}" if n else
+            f"{query!r}: this trace ran no decoder block, so no per-layer name resolves"
+        )
+    return value
+
+
+def _matches(query: str, tables: list[Table], trace: Trace) -> list[tuple[Table, Row, int | None]]:
+    found = []
+    for table in tables:
+        for rx, row in _compiled(table.generation):
+            m = rx.match(query)
+            if m:
+                layer = _layer_value(m.group(1), table, query, trace) if row.per_layer else None
+                found.append((table, row, layer))
+    return found
+
+
+def _interp_engine_special(query: str, trace: Trace) -> AliasResolution | None:
+    """`path.<module>` addresses and `.stream-K` coordinates of interp-engine."""
+    table = interp_engine.TABLE
+    if query.startswith("path."):
+        address = query[len("path."):]
+        if address not in trace.modules:
+            hits = close_matches(address, trace.modules)
+            hint = f" Did you mean {', '.join('path.' + h for h in hits)}?" if hits else ""
+            raise UnknownAlias(f"{query!r}: no module at address {address!r} in this trace.{hint}")
+        row = Row(query, None, "output", "module output (interp-engine path address)")
+        return _status(trace, table, row, None, query, trace.modules[address].address)
+    m = re.match(r"^([a-z][a-z0-9_]*)(?:\.(\d+))?\.([a-z][a-z0-9_]*)-(\d+)$", query)
+    if not m:
+        return None
+    name, layer, coord, _ = m.groups()
+    if coord != "stream":
+        raise MalformedAlias(f"{query!r}: interp-engine addresses know one coordinate, stream-K, not {coord!r}.")
+    if name not in interp_engine.STREAM_POINTS:
+        raise MalformedAlias(
+            f"{query!r}: only {', '.join(sorted(interp_engine.STREAM_POINTS))} take a stream coordinate."
+        )
+    if layer is None:
+        raise MalformedAlias(f"{query!r}: {name} is per-layer: write {name}.N.stream-K")
+    idx = _layer_value(layer, table, query, trace)
+    row = next(r for r in table.rows if r.name == f"{name}.{{L}}")
+    return AliasResolution(
+        query, table.generation, "structurally_absent", None, None, idx,
+        "this model has a single residual stream, so no stream coordinate names a site",
+        f"drop the coordinate: {name}.{idx}", row.name, row.meaning,
+    )
+
+
+def _unknown(query: str, tables: list[Table], trace: Trace) -> AliasError:
+    for table in tables:
+        if table.unmapped and query in table.unmapped:
+            return UnknownAlias(f"{query!r}: {table.unmapped[query]}")
+    n = max(len(trace.blocks), 1)
+    digits = re.findall(r"\d+", query)
+    layer = digits[0] if digits and int(digits[0]) < n else "0"
+    names = [r.name.replace("{L}", layer) for t in tables for r in t.rows]
+    hits = close_matches(query.strip(), names, n=3)
+    if not hits:
+        hits = close_matches(re.sub(r"\d+", layer, query.strip()), names, n=3)
+    where = tables[0].generation if len(tables) == 1 else "any naming generation"
+    hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+    return UnknownAlias(
+        f"{query!r} is not a name in {where}.{hint} Generations: {', '.join(GENERATIONS)}; "
+        f"list a generation's names with torchlens.mechinterp.table(generation)."
+    )
+
+
+# -- resolving ---------------------------------------------------------------------------------
+
+
+def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
+            address: str | None = None) -> AliasResolution:
+    def res(status, addr, facet, reason, remedy="", shape=None):
+        return AliasResolution(query, table.generation, status, addr, facet, layer, reason, remedy,
+                               row.name, row.meaning, row.note, shape)
+
+    if row.facet is None:
+        return res("structurally_absent", None, None, f"TorchLens has no site for it: {row.note}", "")
+    if address is None:
+        if row.per_layer and layer is None:
+            return res("structurally_absent", None, row.facets[0], "per-layer name without a layer")
+        address, why = targets.find(trace, row.target, layer)
+        if address is None:
+            return res("structurally_absent", None, row.facets[0], f"{why}.")
+    rec = trace.modules[address]
+    if len(rec.calls) != 1:
+        if not rec.calls:
+            return res("structurally_absent", address, row.facets[0], f"{address} did not run in this forward.")
+        return res(
+            "ambiguous", address, row.facets[0], f"{address} ran {len(rec.calls)} times in this forward.",
+            f"read trace.modules[{address!r}].calls[i].facets[{row.facets[0]!r}] for the call you mean",
+        )
+    sites = rec.calls[0].facets.sites
+    facet = next((f for f in row.facets if f in sites), None)
+    if facet is None:
+        absent = _ABSENT.get(row.facets[0], "the module does not compute it")
+        return res("structurally_absent", address, row.facets[0],
+                   f"{address} ({rec.class_name}) has no {row.facets[0]!r} facet: {absent}.")
+    site = sites[facet]
+    if site.tensor is None:
+        if site.kind == "reconstructed" and trace.save.keep(address, facet):
+            return res("needs_capture", address, facet, f"{facet} could not be rebuilt: {site.note}.",
+                       "trace a copy of the model loaded with attn_implementation='eager'", site.shape)
+        return res("needs_capture", address, facet, f"{address}:{facet} exists but save= did not keep it.",
+                   f"trace again with save='all', save=[{address!r}] or save=[{facet!r}]", site.shape)
+    if site.kind == "real":
+        return res("real", address, facet, f"{site.note}.", "", site.shape)
+    how = "rebuilt from the fused kernel's inputs and checked against its output" if site.kind == "reconstructed" \
+        else "computed from recorded tensors"
+    return res("reconstructed_read_only", address, facet, f"{how}; no op produced this tensor.",
+               "to edit it, trace a model with attn_implementation='eager' (real softmax op)"
+               if site.kind == "reconstructed" else "edit the tensors it is computed from", site.shape)
+
+
+#: Why a facet can be missing on a module that exists.
+_ABSENT = {
+    "pre_linear": "the MLP is not gated (one input projection, no linear branch)",
+    "gated_out": "the MLP is not gated",
+    "resid_mid": "attention and MLP read the same residual in parallel, so no residual lies between them",
+    "rot_q": "nothing transforms the queries between the projection and the kernel (no RoPE)",
+    "rot_k": "nothing transforms the keys between the projection and the kernel (no RoPE)",
+    "scores": "no softmax or fused attention kernel ran inside it",
+    "pattern": "no softmax or fused attention kernel ran inside it",
+}
+
+
+def _tables(generation: str | None) -> list[Table]:
+    if generation is None:
+        return list(GENERATIONS.values())
+    if generation not in GENERATIONS:
+        hits = close_matches(str(generation), GENERATIONS)
+        hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+        raise UnknownGeneration(
+            f"unknown generation {generation!r}.{hint} Generations: {', '.join(repr(g) for g in GENERATIONS)}."
+        )
+    return [GENERATIONS[generation]]
+
+
+def table(generation: str) -> tuple[Row, ...]:
+    """The rows of one naming generation, as the resolver reads them."""
+    return _tables(generation)[0].rows
+
+
+def resolve_alias(trace: Trace, name: str, generation: str | None = None) -> AliasResolution:
+    """Resolve a name from another library to the site it reads in `trace`.
+
+    Args:
+        trace: a [`Trace`][torchlens.Trace].
+        name: a TransformerLens 2.x hook name, 3.x bridge-cache name or 4.x canonical name, an
+            nnterp accessor (`"layers_output[1]"`), or an interp-engine address
+            (`"resid_post.1"`, `"path.transformer.wpe"`). Surrounding whitespace is ignored.
+        generation: look only in this generation's table; by default every table is tried and
+            a name found in several must point at the same site.
+
+    Returns:
+        An [`AliasResolution`][torchlens.mechinterp.AliasResolution] whose `status` says whether
+        the trace holds the tensor.
+
+    Raises:
+        UnknownAlias: the name is in no table (close matches are suggested).
+        LayerOutOfRange: the layer index is not one of the trace's blocks.
+        MalformedAlias: the name breaks its generation's grammar.
+        UnknownGeneration: `generation` is not a known generation.
+
+    Examples:
+        >>> import torch, transformers, torchlens
+        >>> from torchlens.mechinterp import resolve_alias
+        >>> _ = torch.manual_seed(0)
+        >>> cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+        >>> t = torchlens.trace(transformers.GPT2LMHeadModel(cfg).eval(), torch.tensor([[1, 2, 3]]))
+        >>> resolve_alias(t, "blocks.1.hook_resid_post")
+        AliasResolution('blocks.1.hook_resid_post' -> transformer.h.1:resid_post [real], generation='2.x')
+    """
+    if not isinstance(name, str):
+        raise UnknownAlias(f"a name must be a string, got {type(name).__name__} {name!r}.")
+    tables = _tables(generation)
+    query = name.strip()
+    if not query:
+        raise UnknownAlias("an empty name resolves to nothing; pass e.g. 'blocks.0.hook_resid_pre'.")
+    found = _matches(query, tables, trace)
+    if not found:
+        if interp_engine.TABLE in tables:
+            special = _interp_engine_special(query, trace)
+            if special is not None:
+                return special
+        raise _unknown(query, tables, trace)
+    results = [_status(trace, t, row, layer, query) for t, row, layer in found]
+    sites = {(r.module_address, r.facet) for r in results}
+    if len(sites) == 1:
+        return results[0]
+    listing = "; ".join(f"{r.generation}: {r.module_address}:{r.facet}" for r in results)
+    first = results[0]
+    return AliasResolution(
+        query, first.generation, "ambiguous", None, None, first.layer,
+        f"{query!r} names different sites in different generations ({listing})",
+        f"pass generation= one of {', '.join(repr(r.generation) for r in results)}", first.pattern, first.meaning,
+    )
+
+
+def alias_report(trace: Trace, generation: str = "2.x") -> AliasReport:
+    """Every name of one generation, instantiated on `trace`, with its status.
+
+    Per-layer names get one row per decoder block that ran (layer = position in run order).
+    For interp-engine, a point TorchLens has no site for is listed once, without a layer.
+
+    Args:
+        trace: a [`Trace`][torchlens.Trace].
+        generation: one of `GENERATIONS`: `"2.x"`, `"3.x"`, `"4.x"`, `"nnterp"`,
+            `"interp-engine"`.
+
+    Returns:
+        An `AliasReport` (a list of [`AliasResolution`][torchlens.mechinterp.AliasResolution])
+        that prints as a table.
+    """
+    table_ = _tables(generation)[0]
+    rows = AliasReport()
+    for row in table_.rows:
+        if not row.in_report:
+            continue
+        if row.per_layer and not (table_.absent_once and row.facet is None):
+            for layer in range(len(trace.blocks)):
+                rows.append(_status(trace, table_, row, layer, row.name.replace("{L}", str(layer))))
+        else:
+            query = _bare(row.name) if row.per_layer else row.name
+            rows.append(_status(trace, table_, row, None, query))
+    return rows
+
+
+def _bare(pattern: str) -> str:
+    """A per-layer pattern without its layer: `"q_norm_in.{L}"` -> `"q_norm_in"`."""
+    return re.sub(r"[.\[]?\{L\}\]?", "", pattern)
