@@ -556,10 +556,11 @@ class DocExampleItem(MarkdownInlinePythonItem):
             found = False
         if found:
             return
-        message = f"{self.where}: tool={header.tool} needs `import {header.import_name}`, which is not installed"
+        message = f"tool={header.tool} needs `import {header.import_name}`, which is not installed"
         if ci_is_on():
-            raise DocExampleFailure(message + " (CI=true: every tool must be installed)")
-        pytest.skip(message)
+            raise DocExampleFailure(f"{self.where}: {message} (CI=true: every tool must be installed)")
+        # Report the skip at the page's line, not at this line of the harness.
+        raise pytest.skip.Exception(message, _use_item_location=True)
 
     def _namespace(self) -> dict[str, Any]:
         namespace = types.ModuleType("docs_example").__dict__

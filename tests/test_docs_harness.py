@@ -277,7 +277,7 @@ def test_missing_tool_is_skipped_with_the_reason(docs, pytester):
     docs(MISSING_TOOL)
     result = pytester.runpytest("-rs")
     result.assert_outcomes(passed=1, skipped=1)
-    expect_lines(result, ["*docs/page.md:1: tool=interp-engine needs `import interp_engine`, which is not installed*"])
+    expect_lines(result, ["SKIPPED [1] docs/page.md:1: tool=interp-engine needs `import interp_engine`, which is not installed"])
 
 
 @needs_missing_tool
