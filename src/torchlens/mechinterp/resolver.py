@@ -198,6 +198,8 @@ def _matches(query: str, tables: list[Table], trace: Trace) -> list[tuple[Table,
             if m:
                 layer = _layer_value(m.group(1), table, query, trace) if row.per_layer else None
                 found.append((table, row, layer))
+            elif table.absent_once and row.facet is None and query == _bare(row.name):
+                found.append((table, row, None))  # the report's own spelling of a refused point
     return found
 
 

@@ -26,6 +26,8 @@ ROWS = (
     Row("blocks.{L}.attn.hook_v", "attention", "v", "values per head", "kv heads under GQA"),
     Row("blocks.{L}.attn.hook_rot_q", "attention", "rot_q", "queries after RoPE", "absent without rotary embeddings"),
     Row("blocks.{L}.attn.hook_rot_k", "attention", "rot_k", "keys after RoPE", "absent without rotary embeddings"),
+    Row("blocks.{L}.attn.hook_attn_input", None, None, "residual plus position embedding fed to q and k",
+        "shortformer positional embeddings only; TorchLens has no facet for it"),
     Row("blocks.{L}.attn.hook_attn_scores", "attention", "scores", "attention logits entering softmax",
         "TL 2.x masks with -inf; TorchLens keeps the model's fill (HF: the dtype minimum): compare visible entries"),
     Row("blocks.{L}.attn.hook_pattern", "attention", "pattern", "softmax of the scores"),

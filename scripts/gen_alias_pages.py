@@ -1,0 +1,131 @@
+"""Generate the alias-table pages (docs/aliases/*.md) from the tables the resolver reads.
+
+Each page has a hand-written part (kept as is) and a generated part between two marker
+comments. The generated part lists every row of one naming generation, with the site and
+status it resolves to on a 2-layer GPT-2 and a 2-layer Llama built from small configs with
+random weights, under the default (sdpa) attention.
+
+Usage:
+    python scripts/gen_alias_pages.py          # rewrite the pages
+    python scripts/gen_alias_pages.py --check  # exit 1 if a committed page is stale
+
+`tests/test_alias_pages.py` runs the check, so a table edit without regenerating fails the
+suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+import torchlens as tl
+import torchlens.mechinterp as mi
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = ROOT / "docs" / "aliases"
+BEGIN = "<!-- BEGIN GENERATED: scripts/gen_alias_pages.py; edit the tables in src/torchlens/mechinterp/tables -->"
+END = "<!-- END GENERATED -->"
+SLUGS = {"2.x": "tl-2x", "3.x": "tl-3x", "4.x": "tl-4x", "nnterp": "nnterp", "interp-engine": "interp-engine"}
+
+
+def reference_traces() -> dict[str, tl.Trace]:
+    """The two models every page is generated against (fixed seed, offline)."""
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    ).eval()
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=48, vocab_size=64, max_position_embeddings=16,
+        )
+    ).eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    return {"GPT-2": tl.trace(gpt2, ids), "Llama": tl.trace(llama, ids)}
+
+
+def _cell(trace: tl.Trace, row: mi.Row, generation: str) -> str:
+    query = row.name.replace("{L}", "0")
+    if row.per_layer and row.facet is None and mi.GENERATIONS[generation].absent_once:
+        query = row.name.split(".{L}")[0]
+    r = mi.resolve_alias(trace, query, generation=generation)
+    block0 = trace.blocks[0] if trace.blocks else None
+    if r.module_address is None:
+        site = "—"
+    else:
+        addr = r.module_address
+        if row.per_layer and block0 and (addr == block0 or addr.startswith(block0 + ".")):
+            addr = block0[: -len("0")] + "{L}" + addr[len(block0):]
+        site = f"`{addr or '<root>'}` : `{r.facet}`"
+    return f"{site}<br>*{r.status}*"
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def generated_section(generation: str, traces: dict[str, tl.Trace]) -> str:
+    table = mi.GENERATIONS[generation]
+    names = list(traces)
+    lines = [
+        BEGIN,
+        "",
+        f"{len(table.rows)} names. `{{L}}` is the layer: the decoder block's position in the order the blocks ran. "
+        "Sites and statuses are those of a 2-layer model with random weights and the default `sdpa` attention "
+        "(under `attn_implementation=\"eager\"` the `scores` and `pattern` rows are `real`).",
+        "",
+        "| name | reads | TorchLens facet | " + " | ".join(names) + " | note |",
+        "|---|---|---|" + "---|" * len(names) + "---|",
+    ]
+    for row in table.rows:
+        facet = " or ".join(f"`{f}`" for f in row.facets) if row.facets else "—"
+        target = f"{row.target} : {facet}" if row.target else "—"
+        cells = [_cell(traces[n], row, generation) for n in names]
+        note = row.note + (" (not in the report)" if not row.in_report else "")
+        lines.append(
+            f"| `{_escape(row.name)}` | {_escape(row.meaning)} | {_escape(target)} | "
+            + " | ".join(cells) + f" | {_escape(note)} |"
+        )
+    if table.unmapped:
+        lines += ["", "Names this library defines that have no row (resolving one raises with this text):", ""]
+        lines += [f"- `{name}`: {_escape(text)}" for name, text in table.unmapped.items()]
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def render(page: Path, generation: str, traces: dict[str, tl.Trace]) -> str:
+    text = page.read_text() if page.exists() else f"# {mi.GENERATIONS[generation].title}\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{page}: missing the generated-section markers")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return head + generated_section(generation, traces) + tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="report stale pages instead of writing them")
+    args = parser.parse_args(argv)
+    traces = reference_traces()
+    stale = []
+    for generation, slug in SLUGS.items():
+        page = PAGES / f"{slug}.md"
+        new = render(page, generation, traces)
+        if args.check:
+            if not page.exists() or page.read_text() != new:
+                stale.append(str(page.relative_to(ROOT)))
+        else:
+            page.parent.mkdir(parents=True, exist_ok=True)
+            page.write_text(new)
+    if stale:
+        print("stale alias pages (run python scripts/gen_alias_pages.py):", *stale, sep="\n  ")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
