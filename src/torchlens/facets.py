@@ -216,6 +216,24 @@ def _head_split(g: _Graph, kernel_ref: Ref, lo: int, d_head: int) -> tuple[Ref, 
     return None
 
 
+def _pre_norm_source(g: _Graph, split_ref: Ref, kids: list[ModuleCall]) -> Any:
+    """The input of a norm child whose output the head split views, else None.
+
+    A QK-norm applied to the flat projection before the head view (OLMo-2) sits between the
+    projection and the reshape; `q`/`k` are the projection output, so the split must look
+    through the norm to its input.
+    """
+    src = g.ops[split_ref.op].inputs[0]
+    if type(src) is not Ref:
+        return None
+    norm = next((k for k in kids if k.role == "norm" and k._out_ref == src), None)
+    if norm is None:
+        return None
+    ref = _io(g, norm, "in")
+    m = g.meta(ref)
+    return ref if m is not None and m[0] == g.meta(src)[0] else None
+
+
 def _path_has_math(g: _Graph, start: int, ref: Ref) -> bool:
     """Whether values are transformed between op `start` and `ref` (RoPE, QK-norm), not just moved.
 
@@ -280,11 +298,19 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
         site = _site(g, name, split_ref, note="projection viewed per head")
         if site is None:
             continue
+        start = split_ref.op
+        pre_norm = _pre_norm_source(g, split_ref, kids)
+        if pre_norm is not None:  # QK-norm on the flat projection (OLMo-2): q is the norm's input
+            t = g.value(pre_norm)
+            site.tensor = None if t is None else t.reshape(site.shape)
+            site.op = pre_norm.op if type(pre_norm) is Ref else None
+            site.note = "projection viewed per head, before the QK-norm"
+            start = pre_norm.op if type(pre_norm) is Ref else start
         if site.shape[-1] != d_head:
             site.shape = site.shape[:-1] + (d_head,)
             site.tensor = None if site.tensor is None else site.tensor[..., offset : offset + d_head]
         sites[name] = site
-        if name in ("q", "k") and _path_has_math(g, split_ref.op, ref):
+        if name in ("q", "k") and _path_has_math(g, start, ref):
             sites["rot_" + name] = _rot_site(g, "rot_" + name, ref, site.shape)
     sites.update(_result_site(g, call, kids, sites.get("z")))
     return {k: v for k, v in sites.items() if v is not None}
