@@ -70,7 +70,7 @@ FACETS: dict[str, dict[str, str]] = {
     "embedding": {"indices": "[batch, pos] token ids entering the embedding"},
     "root": {
         "final_norm_input": "[batch, pos, d_model] input of the final norm (the last block's output)",
-        "logits": "[batch, pos, vocab] the unembedding's output",
+        "logits": "[batch, pos, vocab] the model's logits: the unembedding's output, or the root output when it is computed from it with the same shape (e.g. Gemma-2's final softcap)",
     },
 }
 
@@ -566,11 +566,29 @@ def derive(
         call._sites = sites  # type: ignore[attr-defined]
 
 
+def _logits_site(g: _Graph, root: ModuleCall, unembed: ModuleCall) -> FacetSite | None:
+    """The model's logits: the root output when it is computed from the unembedding output
+    with the same shape (a final softcap, a cast), else the unembedding output itself."""
+    u_ref, r_ref = _io(g, unembed, "out"), _io(g, root, "out")
+    u_m, r_m = g.meta(u_ref), g.meta(r_ref)
+    if (
+        type(unembed._out_ref) is Ref
+        and type(root._out_ref) is Ref
+        and root._out_ref != unembed._out_ref
+        and u_m is not None
+        and r_m is not None
+        and u_m[0] == r_m[0]
+        and unembed._out_ref.op in g.ancestors(root._out_ref, unembed._out_ref.op)
+    ):
+        return _site(g, "logits", r_ref, note="model output, computed from the unembedding output")
+    return _site(g, "logits", u_ref, note="unembedding output")
+
+
 def _root_facets(g: _Graph, root: ModuleCall, calls: list[ModuleCall]) -> dict[str, FacetSite]:
     sites = {}
     unembed = next((c for c in calls if c.role == "unembed"), None)
     if unembed is not None:
-        s = _site(g, "logits", _io(g, unembed, "out"), note="unembedding output")
+        s = _logits_site(g, root, unembed)
         if s:
             sites["logits"] = s
         in_block = set()
