@@ -17,6 +17,7 @@ mode could not see is reported on the op (`mutated`) instead of silently corrupt
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Mapping
@@ -131,6 +132,10 @@ class Recorder(TorchFunctionMode):
         self.versions: dict[tuple[int, int], int] = {}  # (op, slot) -> version when saved
         self._cow: dict[int, list[tuple[int, int]]] = {}
         self._cow_upto = 0
+        self.pending: str | None = None  # name of the op running now, for error notes
+        #: (exception, module path) where a forward raised, seen by the innermost hook that
+        #: unwound it; `trace` names it in the note it adds to the exception.
+        self.failure: tuple[BaseException, list[str]] | None = None
         self._quiet = False  # True while the hooks run torch functions of their own
 
     # -- ops -----------------------------------------------------------------------------------
@@ -150,6 +155,7 @@ class Recorder(TorchFunctionMode):
         if mutated:
             self._before_write(args, kwargs)
         out = func(*args, **kwargs)
+        self.pending = None
         if isinstance(out, Tensor):
             outs = (out,)
         elif isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
@@ -277,6 +283,10 @@ class Recorder(TorchFunctionMode):
 
     def _leave(self, module: nn.Module, output: Any) -> None:
         addr = self.names[module]
+        if output is None:  # torch runs always_call hooks with output None while an exception unwinds
+            exc = sys.exc_info()[1]
+            if exc is not None and (self.failure is None or self.failure[0] is not exc):
+                self.failure = (exc, [c.address or "<root>" for c in self.stack])
         while self.stack:  # pop up to and including this module's call (robust to errors)
             call = self.stack.pop()
             call.end_op = len(self.ops)

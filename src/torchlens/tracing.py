@@ -172,9 +172,15 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", **kwargs: Any) -> Tra
 
 
 def _annotate(exc: BaseException, rec: Recorder) -> None:
-    where = " > ".join(c.address or "<root>" for c in rec.stack) or "<outside any module>"
-    op = getattr(rec, "pending", None)
-    note = f"torchlens: raised during op #{len(rec.ops)} ({op}) in module {where}"
+    if rec.failure is not None and rec.failure[0] is exc:  # the hooks unwound the stack already
+        where = " > ".join(rec.failure[1]) or "<outside any module>"
+    else:
+        where = " > ".join(c.address or "<root>" for c in rec.stack) or "<outside any module>"
+    op = rec.pending
+    if op is not None or not rec.ops:
+        note = f"torchlens: raised during op #{len(rec.ops)} ({op}) in module {where}"
+    else:
+        note = f"torchlens: raised after op #{len(rec.ops) - 1} ({rec.ops[-1].name}) in module {where}"
     if hasattr(exc, "add_note"):
         exc.add_note(note)
 
