@@ -10,8 +10,8 @@ raises.
 
 Saved tensors are detached *aliases*, not copies, which keeps capture fast and memory-lean.
 They still behave as copies: before any op that writes in place (`add_`, `x[i] = ...`,
-`inplace=True`, `out=`), the recorder clones every saved alias that shares storage with the
-tensor about to be written. Each alias's version counter is checked at the end, so a write the
+`inplace=True`, `out=`), the recorder clones every saved alias (op outputs, and the module
+inputs/outputs the hooks kept) that shares storage with the tensor about to be written. Each alias's version counter is checked at the end, so a write the
 mode could not see is reported on the op (`mutated`) instead of silently corrupting it.
 """
 
@@ -132,6 +132,8 @@ class Recorder(TorchFunctionMode):
         self.versions: dict[tuple[int, int], int] = {}  # (op, slot) -> version when saved
         self._cow: dict[int, list[tuple[int, int]]] = {}
         self._cow_upto = 0
+        self._hook_aliases: list[tuple[ModuleCall, str]] = []  # module inputs/outputs the hooks kept
+        self._hook_upto = 0
         self.pending: str | None = None  # name of the op running now, for error notes
         #: (exception, module path) where a forward raised, seen by the innermost hook that
         #: unwound it; `trace` names it in the note it adds to the exception.
@@ -222,8 +224,14 @@ class Recorder(TorchFunctionMode):
                 if t is not None:
                     cow.setdefault(t.untyped_storage().data_ptr(), []).append((i, slot))
         self._cow_upto = len(ops)
+        for call, attr in self._hook_aliases[self._hook_upto :]:
+            cow.setdefault(getattr(call, attr).untyped_storage().data_ptr(), []).append((call, attr))
+        self._hook_upto = len(self._hook_aliases)
         for target in targets:
             for i, slot in cow.pop(target.untyped_storage().data_ptr(), ()):
+                if isinstance(i, ModuleCall):  # a module input/output alias kept by a hook
+                    setattr(i, slot, getattr(i, slot).clone())
+                    continue
                 tensors = list(ops[i].tensors)
                 tensors[slot] = tensors[slot].clone()
                 ops[i].tensors = tuple(tensors)
@@ -268,6 +276,7 @@ class Recorder(TorchFunctionMode):
             call._in_ref = self._ref(t)
             if call._in_ref is None or isinstance(call._in_ref, str) or (call.retained and not self.retain_all):
                 call._in = t.detach()
+                self._hook_aliases.append((call, "_in"))
         self.stack.append(call)
         self.calls.append(call)
 
@@ -299,6 +308,7 @@ class Recorder(TorchFunctionMode):
             call._out_ref = self._ref(t)
             if call._out_ref is None or isinstance(call._out_ref, str) or (call.retained and not self.retain_all):
                 call._out = t.detach()
+                self._hook_aliases.append((call, "_out"))
 
     def check_versions(self) -> list[int]:
         """Indices of ops whose saved alias was written by something the mode could not see."""
