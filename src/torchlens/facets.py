@@ -265,7 +265,8 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
             frontier = [c for c in nxt if g.ops[c].name in fam.PASS_THROUGH_OPS]
         if z_op is not None:
             z_ref = Ref(z_op, 0)
-            v_ref = next((r for r in g.ops[z_op].inputs[1:2]), None)
+            iv = fam.MATMUL_OPERANDS.get(g.ops[z_op].name, (0, 1))[1]
+            v_ref = next((r for r in g.ops[z_op].inputs[iv : iv + 1]), None)
         # q and k: the matmul upstream of the scores.
         r = scores_ref
         for _ in range(12):
@@ -273,7 +274,8 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
             if op is None or op.index < call.first_op:
                 break
             if op.name in fam.MATMUL_OPS:
-                q_ref, kt = op.inputs[0], op.inputs[1]
+                iq, ik = fam.MATMUL_OPERANDS.get(op.name, (0, 1))
+                q_ref, kt = op.inputs[iq], op.inputs[ik]
                 kop = g.op(kt)
                 k_ref = kop.inputs[0] if kop is not None and kop.name in ("transpose", "mT", "T") else kt
                 break

@@ -46,7 +46,10 @@ SOFTMAX_OPS = frozenset({"softmax", "_softmax"})
 #: Op names of fused attention kernels whose pattern TorchLens rebuilds from the inputs.
 FUSED_ATTENTION_OPS = frozenset({"scaled_dot_product_attention"})
 #: Op names that multiply two tensors (matmul-like), used to find z = pattern @ v.
-MATMUL_OPS = frozenset({"matmul", "__matmul__", "bmm", "einsum"})
+MATMUL_OPS = frozenset({"matmul", "__matmul__", "bmm", "einsum", "baddbmm"})
+#: Which tensor arguments of a matmul-like op are its two factors, where not the first two
+#: (`baddbmm(input, batch1, batch2)`: GPT-2's `reorder_and_upcast_attn` scores).
+MATMUL_OPERANDS = {"baddbmm": (1, 2)}
 #: Elementwise products, used to find the gate of a gated MLP.
 MUL_OPS = frozenset({"mul", "__mul__", "__rmul__", "mul_", "__imul__"})
 #: Additions, used to find the residual stream between attention and MLP.
