@@ -5,8 +5,11 @@
   generation, instantiated on a trace, with an honest status.
 - `GENERATIONS`: the tables, one per naming generation (`"2.x"`, `"3.x"`, `"4.x"`, `"nnterp"`,
   `"interp-engine"`).
+- [`compare`][torchlens.mechinterp.compare]`(trace, {name: tensor})`: check another engine's
+  tensors against the trace, converting layouts, with a hint for each mismatch.
 """
 
+from .compare import Comparison, ComparisonReport, compare
 from .resolver import (
     GENERATIONS,
     STATUSES,
@@ -27,6 +30,9 @@ __all__ = [
     "resolve_alias",
     "alias_report",
     "table",
+    "compare",
+    "Comparison",
+    "ComparisonReport",
     "AliasResolution",
     "AliasReport",
     "GENERATIONS",

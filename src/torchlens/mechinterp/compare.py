@@ -1,0 +1,227 @@
+"""`compare`: check tensors read from another engine against a TorchLens trace, name by name."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import TorchLensError
+from ..records import Trace
+from .resolver import AliasError, AliasResolution, resolve_alias
+
+__all__ = ["compare", "Comparison", "ComparisonReport"]
+
+#: Facets with a [..., heads, d_head] tail that engines often flatten.
+_PER_HEAD = frozenset({"q", "k", "v", "rot_q", "rot_k", "z", "result"})
+#: Facets whose heads are kv heads (an engine may hand them expanded to query heads).
+_KV = frozenset({"k", "v", "rot_k"})
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One name's comparison.
+
+    Attributes:
+        name: the name as given.
+        status: the resolution status (see `torchlens.mechinterp.STATUSES`), or `"refused"`.
+        module_address, facet: the TorchLens site (None when there is none).
+        engine_shape, reference_shape: shapes as handed in / as TorchLens holds them.
+        layout: the conversion applied to the TorchLens tensor to match the engine's layout.
+        max_abs_error: the largest absolute difference after conversion (None if not compared).
+        passed: whether the two agree within tolerance.
+        hint: what to look at when they do not agree.
+    """
+
+    name: str
+    status: str
+    module_address: str | None
+    facet: str | None
+    engine_shape: tuple[int, ...] | None
+    reference_shape: tuple[int, ...] | None
+    layout: str
+    max_abs_error: float | None
+    passed: bool
+    hint: str = ""
+
+
+class ComparisonReport(list):
+    """The list `compare` returns; prints as a table."""
+
+    @property
+    def ok(self) -> bool:
+        """True when every name was compared and agreed."""
+        return all(c.passed for c in self)
+
+    @property
+    def mismatched(self) -> list[str]:
+        """The names that did not pass (including names without a readable site)."""
+        return [c.name for c in self if not c.passed]
+
+    def __repr__(self) -> str:
+        if not self:
+            return "ComparisonReport([])"
+        w = max(len(c.name) for c in self)
+        lines = [f"{'name'.ljust(w)}  ok  {'max |diff|':>10}  {'status':24}  site / hint"]
+        for c in self:
+            err = "-" if c.max_abs_error is None else f"{c.max_abs_error:.3g}"
+            tail = f"{c.module_address}:{c.facet}" + (f" [{c.layout}]" if c.layout != "as is" else "")
+            if c.hint:
+                tail += f"  ({c.hint})"
+            lines.append(f"{c.name.ljust(w)}  {'yes' if c.passed else 'NO ':3} {err:>10}  {c.status:24}  {tail}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{h}</th>" for h in ("name", "ok", "max |diff|", "status", "site", "hint"))
+        body = "".join(
+            f"<tr><td><code>{html.escape(c.name)}</code></td><td>{'✔' if c.passed else '✘'}</td>"
+            f"<td>{'' if c.max_abs_error is None else f'{c.max_abs_error:.3g}'}</td><td>{c.status}</td>"
+            f"<td><code>{html.escape(f'{c.module_address}:{c.facet}')}</code></td><td>{html.escape(c.hint)}</td></tr>"
+            for c in self
+        )
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _candidates(ref: Tensor, facet: str) -> Iterator[tuple[str, Tensor]]:
+    """The TorchLens tensor in each layout an engine plausibly uses, most literal first."""
+    majors = [("", ref)]
+    if facet == "z" and ref.dim() == 4:  # TorchLens z is head-major; engines are token-major
+        majors.append(("token-major", ref.transpose(1, 2)))
+    for major_name, t in majors:
+        batches = [("", t)]
+        if t.shape[0] == 1:
+            batches.append(("batch dropped", t[0]))
+        for batch_name, u in batches:
+            flats = [("", u)]
+            if facet in _PER_HEAD and u.dim() >= 3:
+                flats.append(("heads flattened", u.flatten(-2)))
+            for flat_name, w in flats:
+                label = ", ".join(x for x in (major_name, batch_name, flat_name) if x) or "as is"
+                yield label, w
+
+
+def _expand_kv(ref: Tensor, engine: Tensor, facet: str) -> Tensor | None:
+    """k/v with kv heads, repeated to the engine's query-head count (GQA), if that fits."""
+    if facet not in _KV or ref.dim() != 4:
+        return None
+    for axis in (2, 1):  # token-major [B, T, kv, d] first, then head-major
+        if engine.dim() == 4 and engine.shape[axis] % ref.shape[2] == 0 and engine.shape[axis] > ref.shape[2]:
+            rep = engine.shape[axis] // ref.shape[2]
+            expanded = ref.repeat_interleave(rep, dim=2)
+            return expanded if axis == 2 else expanded.transpose(1, 2)
+    return None
+
+
+def _diff(engine: Tensor, ref: Tensor, facet: str) -> tuple[float, Tensor]:
+    e, r = engine.float(), ref.float()
+    if facet == "scores":  # a masked entry is masked whichever fill each side uses
+        floor = torch.finfo(torch.float32).min / 2
+        e_masked, r_masked = e <= floor, r <= floor
+        same_mask = e_masked == r_masked
+        d = torch.where(e_masked & r_masked, torch.zeros_like(e), (e - r).abs())
+        d = torch.where(same_mask, d, torch.full_like(d, float("inf")))
+    else:
+        d = (e - r).abs()
+    d = d.nan_to_num(nan=float("inf"))
+    return (float(d.max()) if d.numel() else 0.0), d
+
+
+def compare(
+    trace: Trace,
+    engine_values: Mapping[str, Any],
+    generation: str | None = None,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    editable: bool = False,
+) -> ComparisonReport:
+    """Compare tensors read from another engine with the trace's tensors at the same names.
+
+    Each name is resolved with [`resolve_alias`][torchlens.mechinterp.resolve_alias]. The
+    TorchLens tensor is converted to the engine's layout when the shapes say how: a batch axis of
+    1 dropped, heads flattened into the width, z moved from head-major to token-major, k/v
+    repeated from kv heads to query heads. Both sides are compared in float32; a masked attention
+    score counts as equal whether its fill is `-inf` or the dtype minimum.
+
+    Args:
+        trace: the reference [`Trace`][torchlens.Trace].
+        engine_values: `{name: tensor}` as read from the engine (a tuple is taken at element 0,
+            and the row says so).
+        generation: resolve names in this generation only (default: any).
+        atol, rtol: tolerance, as in `torch.allclose`; loosen them for bf16/fp16 engines.
+        editable: the engine's hooks will *write* these sites. A site TorchLens only
+            reconstructed (read-only) is then refused instead of compared.
+
+    Returns:
+        A [`ComparisonReport`][torchlens.mechinterp.ComparisonReport]: one row per name, in order;
+        `.ok` and `.mismatched` summarize it. A name without a readable site is a failed row with
+        the reason, never dropped.
+
+    Raises:
+        AliasError: a name is not in any table (or breaks its grammar).
+    """
+    report = ComparisonReport()
+    for name, value in engine_values.items():
+        res = resolve_alias(trace, name, generation=generation)
+        report.append(_compare_one(trace, name, value, res, atol, rtol, editable))
+    return report
+
+
+def _compare_one(trace, name, value, res: AliasResolution, atol, rtol, editable) -> Comparison:
+    hints = []
+    if isinstance(value, (tuple, list)):
+        hints.append(f"engine value is a {type(value).__name__} of {len(value)}: compared element 0")
+        value = value[0]
+    if not isinstance(value, Tensor):
+        value = getattr(value, "value", value)  # proxies that wrap a saved value
+    engine = torch.as_tensor(value) if not isinstance(value, Tensor) else value
+    engine = engine.detach().cpu()
+
+    def row(status, passed, hint, ref_shape=None, layout="as is", err=None):
+        return Comparison(name, status, res.module_address, res.facet, tuple(engine.shape), ref_shape, layout,
+                          err, passed, "; ".join(hints + ([hint] if hint else [])))
+
+    if not res.readable:
+        return row(res.status, False, f"no readable TorchLens site: {res.reason} {res.remedy}".strip())
+    if editable and res.status == "reconstructed_read_only":
+        return row("refused", False, "TorchLens only reconstructs this site (read-only): an engine writing it "
+                   "edits a tensor the eager model never materializes; trace with attn_implementation='eager'")
+    ref = res.tensor(trace).detach().cpu()
+    if engine.dtype != ref.dtype:
+        hints.append(f"dtypes differ (engine {str(engine.dtype)[6:]}, TorchLens {str(ref.dtype)[6:]})")
+    options = [(label, t) for label, t in _candidates(ref, res.facet) if tuple(t.shape) == tuple(engine.shape)]
+    expanded = _expand_kv(ref, engine, res.facet)
+    if expanded is not None:
+        options += [(f"kv heads repeated, {label}", t) for label, t in _candidates(expanded, res.facet)
+                    if tuple(t.shape) == tuple(engine.shape)]
+    if not options:
+        return row(res.status, False, f"shapes do not line up under any layout conversion "
+                   f"(engine {list(engine.shape)}, TorchLens {list(ref.shape)})", tuple(ref.shape))
+    best = None
+    for label, t in options:
+        err, d = _diff(engine, t, res.facet)
+        if best is None or err < best[1]:
+            best = (label, err, t, d)
+    label, err, t, d = best
+    scale = t.float().abs().nan_to_num(posinf=0.0, neginf=0.0)
+    passed = bool((d <= atol + rtol * scale).all())
+    hint = ""
+    if not passed:
+        hint = _mismatch_hint(res, d, atol, rtol, scale, engine, t)
+    return row(res.status, passed, hint, tuple(ref.shape), label, err)
+
+
+def _mismatch_hint(res: AliasResolution, d: Tensor, atol, rtol, scale, engine: Tensor, ref: Tensor) -> str:
+    bad = d > atol + rtol * scale
+    if res.status == "reconstructed_read_only":
+        return "TorchLens rebuilt this site from a fused kernel's inputs; compare an eager-attention copy to be sure"
+    if engine.dtype in (torch.bfloat16, torch.float16) or ref.dtype in (torch.bfloat16, torch.float16):
+        return "half-precision run: loosen atol/rtol to the engine's precision"
+    if bad.dim() >= 2 and ref.dim() >= 2:
+        per_pos = bad.flatten(0, -2).any(-1) if bad.dim() > 2 else bad.any(-1)
+        if 0 < int(per_pos.sum()) < per_pos.numel() // 2:
+            return "only some positions differ: check padding and the attention mask on both sides"
+    return "a different tensor: the engine's hook may sit before/after another op (dropout, norm, cast) or a fused kernel"
