@@ -38,6 +38,7 @@ import dataclasses
 import datetime
 import difflib
 import faulthandler
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -52,6 +53,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import traceback
 import types
 import unicodedata
@@ -331,11 +333,18 @@ class Block:
     header_error: str | None = None
 
 
+def block_body(definition: FenceTestDefinition) -> str:
+    """Return the block's own code, without the padding (or earlier blocks) before it."""
+    source, offset = definition.source, definition.start_line
+    if source.startswith("\n" * offset):
+        return source[offset:]
+    return "\n".join(source.split("\n")[offset:])  # a `continuation` block
+
+
 def _first_code_line(definition: FenceTestDefinition) -> tuple[int, str] | None:
-    lines = definition.source.split("\n")
-    for index in range(definition.start_line, len(lines)):
-        if lines[index].strip():
-            return index + 1, lines[index]
+    for index, line in enumerate(block_body(definition).split("\n")):
+        if line.strip():
+            return definition.start_line + index + 1, line
     return None
 
 
@@ -361,7 +370,7 @@ def extract_blocks(text: str, path: pathlib.Path, display: str, syntax: FenceSyn
             if heading_line < fence_line:
                 section = slug
         ordinals[section] = ordinals.get(section, 0) + 1
-        last_line = definition.source.rstrip("\n").count("\n") + 1
+        last_line = fence_line + block_body(definition).rstrip("\n").count("\n") + 1
         block = Block(definition, fence_line, f"{section}[{ordinals[section]}]", last_line)
         first = _first_code_line(definition)
         if first is not None and is_header_line(first[1]):
@@ -421,14 +430,74 @@ def truncate(text: str, limit: int) -> str:
     return f"{text[:head]}\n[... {cut} characters cut ...]\n{text[-tail:]}"
 
 
+class _Watchdog:
+    """One background thread that ends the process if a block is stuck past its deadline.
+
+    This is the backstop for code stuck in C that never returns to Python, where the
+    ``SIGALRM`` exception cannot land. Arming and disarming only take a lock, so it
+    costs next to nothing per block (``faulthandler.dump_traceback_later`` would start
+    and join a thread every time).
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._deadline: float | None = None
+        self._message = ""
+        self._thread: threading.Thread | None = None
+        self._sleeping_until: float | None = None  # when the thread wakes up by itself
+
+    def arm(self, seconds: float, message: str) -> None:
+        with self._condition:
+            self._deadline, self._message = time.monotonic() + seconds, message
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="docs-harness-watchdog", daemon=True)
+                self._thread.start()
+            # Wake the thread only if it would otherwise sleep past the new deadline.
+            if self._sleeping_until is None or self._deadline < self._sleeping_until:
+                self._condition.notify()
+
+    def disarm(self) -> None:
+        with self._condition:
+            self._deadline = None
+
+    def _watch(self) -> None:
+        with self._condition:
+            while True:
+                if self._deadline is None:
+                    self._sleeping_until = None
+                    self._condition.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._sleeping_until = self._deadline
+                    self._condition.wait(left)
+                    continue
+                if _TERMINAL_STDERR is not None:
+                    os.write(_TERMINAL_STDERR, f"\n{self._message}\n".encode())
+                    faulthandler.dump_traceback(file=_TERMINAL_STDERR, all_threads=True)
+                os._exit(1)
+
+
+_WATCHDOG = _Watchdog()
+
+# pytest's capture redirects file descriptor 2 while tests run, and the watchdog ends
+# the process without letting pytest print what it captured. This module is imported
+# (by `-p docs_harness`) before capture starts, so keep a copy of the terminal's stderr.
+try:
+    _TERMINAL_STDERR: int | None = os.dup(2)
+except OSError:
+    _TERMINAL_STDERR = None
+
+
 @contextlib.contextmanager
-def time_limit(seconds: float, where: str, hard_backstop: bool) -> Iterator[None]:
+def time_limit(seconds: float, where: str, grace: float | None = None) -> Iterator[None]:
     """Interrupt the block after ``seconds`` with :class:`DocExampleTimeout`.
 
-    The alarm is a ``SIGALRM`` timer, so it works in the main thread on POSIX. As a
-    backstop for code stuck in C that never returns to Python, :mod:`faulthandler`
-    dumps every thread's stack (frames in the page show as ``File "docs/page.md"``) and
-    ends the process some seconds later.
+    The alarm is a ``SIGALRM`` timer, so it works in the main thread on POSIX. If the
+    exception cannot land (the block is stuck in C), a watchdog prints the page and
+    line, dumps every thread's stack (frames in the page show as ``File
+    "docs/page.md"``) and ends the process ``grace`` seconds later (by default a
+    quarter of the limit, between 5 and 60 seconds).
     """
     use_alarm = hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
     previous = None
@@ -439,17 +508,20 @@ def time_limit(seconds: float, where: str, hard_backstop: bool) -> Iterator[None
     if use_alarm:
         previous = signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, seconds)
-    if hard_backstop:
+    if grace is None:
         grace = min(60.0, max(5.0, seconds / 4))
-        faulthandler.dump_traceback_later(seconds + grace, exit=True, file=sys.__stderr__)
+    _WATCHDOG.arm(
+        seconds + grace,
+        f"{where}: the example is still running {seconds + grace:g} s after it started; "
+        "ending the test run (stacks follow)",
+    )
     try:
         yield
     finally:
+        _WATCHDOG.disarm()
         if use_alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
-        if hard_backstop:
-            faulthandler.cancel_dump_traceback_later()
 
 
 def _literal_round_trips(value: Any) -> str | None:
@@ -520,13 +592,7 @@ class DocExampleItem(MarkdownInlinePythonItem):
         if header is not None:
             self._require_tool(header)
         namespace = self._namespace()
-        code = compile(
-            block.definition.source,
-            filename=self.parent.code_filename,
-            mode="exec",
-            flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
-            dont_inherit=True,
-        )
+        code = self._compile()
         timeout = header.timeout if header is not None and header.timeout else settings.timeout
         capture = self.config.getoption("capture") != "no"
         stdout, stderr = io.StringIO(), io.StringIO()
@@ -535,7 +601,7 @@ class DocExampleItem(MarkdownInlinePythonItem):
                 if capture:
                     stack.enter_context(contextlib.redirect_stdout(stdout))
                     stack.enter_context(contextlib.redirect_stderr(stderr))
-                stack.enter_context(time_limit(timeout, self.where, settings.hard_backstop))
+                stack.enter_context(time_limit(timeout, self.where, settings.kill_grace))
                 if code.co_flags & inspect.CO_COROUTINE:
                     asyncio.run(eval(code, namespace))
                 else:
@@ -546,6 +612,31 @@ class DocExampleItem(MarkdownInlinePythonItem):
                     self.add_report_section("call", stream, truncate(buffer.getvalue(), settings.output_limit))
         if header is not None:
             self._check_result(header, namespace)
+
+    def _compile(self) -> types.CodeType:
+        """Compile the block so that its line numbers are the page's line numbers.
+
+        pytest-markdown-docs pads the source with one newline per line of the page
+        above the block; compiling the block alone and shifting its line numbers gives
+        the same code objects without parsing the padding again for every block.
+        """
+        source, offset = self.block.definition.source, self.block.definition.start_line
+        filename, flags = self.parent.code_filename, ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+        if source[:offset] != "\n" * offset:  # a `continuation` block: compile it whole
+            return compile(source, filename, "exec", flags=flags, dont_inherit=True)
+        try:
+            # Parsed under a name that is not a file: for a file that exists, CPython would
+            # take the error's text from the page at the unshifted line.
+            tree = compile(source[offset:], "<docs block>", "exec", flags=flags | ast.PyCF_ONLY_AST, dont_inherit=True)
+        except SyntaxError as error:
+            error.filename = filename
+            if error.lineno is not None:
+                error.lineno += offset
+            if getattr(error, "end_lineno", None) is not None:
+                error.end_lineno += offset
+            raise
+        ast.increment_lineno(tree, offset)
+        return compile(tree, filename, "exec", flags=flags, dont_inherit=True)
 
     def _require_tool(self, header: Header) -> None:
         if header.tool in ALWAYS_PRESENT_TOOLS:
@@ -677,8 +768,9 @@ class MissedHeaderItem(pytest.Item):
 class DocPage(pytest.File):
     """A Markdown page whose Python blocks are tests."""
 
-    @property
+    @functools.cached_property
     def display(self) -> str:
+        """The page's path relative to the repository root, e.g. ``docs/index.md``."""
         return display_path(self.path, self.config.rootpath)
 
     @property
@@ -692,6 +784,7 @@ class DocPage(pytest.File):
         linecache.cache[self.code_filename] = (len(text), None, lines, self.code_filename)
         syntax = FenceSyntax(self.config.option.markdowndocs_syntax)
         blocks = extract_blocks(text, self.path, self.display, syntax)
+        self.config.stash[_SETTINGS].page_blocks[self.display] = len(blocks)
         for block in blocks:
             yield DocExampleItem.from_parent(
                 self, name=block.name, test_definition=block.definition, block=block
@@ -724,8 +817,9 @@ class Settings:
     timeout: float
     output_limit: int
     status_file: pathlib.Path
-    hard_backstop: bool
+    kill_grace: float | None
     outcomes: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)  # nodeid -> (page, outcome)
+    page_blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # page -> blocks collected
     edits: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     applied: list[str] = dataclasses.field(default_factory=list)
 
@@ -750,6 +844,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=str(DEFAULT_OUTPUT_LIMIT),
     )
     parser.addini("doc_example_status_file", "where the per-page status JSON is written", default=DEFAULT_STATUS_FILE)
+    parser.addini(
+        "doc_example_kill_grace",
+        "seconds after a block's timeout before a block stuck in C ends the run (default: a quarter of the timeout, 5-60 s)",
+        default="",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -757,12 +856,11 @@ def pytest_configure(config: pytest.Config) -> None:
     for import_name in sorted(set(TOOL_IMPORTS.values())):
         names = ", ".join(sorted(tool for tool, imp in TOOL_IMPORTS.items() if imp == import_name))
         config.addinivalue_line("markers", f"{tool_marker(import_name)}: docs blocks with tool={names}")
-    faulthandler_timeout = float(config.getini("faulthandler_timeout") or 0)
     settings = Settings(
         timeout=float(config.getini("doc_example_timeout")),
         output_limit=int(config.getini("doc_example_output_limit")),
         status_file=config.rootpath / config.getini("doc_example_status_file"),
-        hard_backstop=faulthandler_timeout <= 0,
+        kill_grace=float(config.getini("doc_example_kill_grace")) if config.getini("doc_example_kill_grace") else None,
     )
     config.stash[_SETTINGS] = settings
     config.pluginmanager.register(SessionResults(config, settings), "docs_harness_results")
@@ -887,7 +985,9 @@ def write_status(settings: Settings, root: pathlib.Path) -> None:
             text = read_page(page_path)
         except OSError:
             continue
-        examples = len(extract_blocks(text, page_path, page, FenceSyntax.superfences))
+        examples = settings.page_blocks.get(page)
+        if examples is None or settings.edits:  # xdist controller, or the page was rewritten
+            examples = len(extract_blocks(text, page_path, page, FenceSyntax.superfences))
         status["pages"][page] = {
             "examples": examples,
             **counts,

@@ -405,6 +405,28 @@ def test_timeout_fires_on_a_hanging_block(docs, pytester):
     )
 
 
+def test_block_stuck_where_the_alarm_cannot_land_ends_the_run_naming_page_and_line(docs, pytester, monkeypatch):
+    """A block that blocks SIGALRM stands in for code stuck in C: the watchdog ends the run."""
+    pytester.makefile(".ini", pytest=INI + "doc_example_kill_grace = 0.5\n")
+    docs(
+        """
+        # Page
+
+        '''python
+        # migration-test: tool=torchlens expected=1 timeout=0.2
+        import signal, time
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(30)
+        '''
+        """
+    )
+    monkeypatch.setenv("PYTHONPATH", str(pathlib.Path(docs_harness.__file__).parent))
+    result = pytester.runpytest_subprocess(timeout=60)
+    assert result.ret == 1
+    assert "docs/page.md:3: the example is still running 0.7 s after it started" in result.stderr.str()
+    assert 'File "docs/page.md", line 7' in result.stderr.str()
+
+
 def test_large_output_is_captured_and_truncated(docs, pytester):
     docs(
         """
