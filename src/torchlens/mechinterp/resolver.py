@@ -159,6 +159,24 @@ class AliasReport(list):
 
 _LAYER = r"(-?\d+)"
 
+#: Longer digit strings are out of range of any trace, and need not be converted to an int
+#: (Python refuses int() on more than 4300 digits).
+_MAX_DIGITS = 18
+
+
+def _canonical_index(text: str) -> str:
+    """`text` (an optional '-' and Unicode digits) as it must be written: ASCII, no leading zeros, no '-0'."""
+    negative = text.startswith("-")
+    digits = "".join(str(int(c)) for c in (text[1:] if negative else text)).lstrip("0") or "0"
+    return "-" + digits if negative and digits != "0" else digits
+
+
+def _index_value(canonical: str) -> int:
+    """The int a canonical index names; a huge one is clamped to a value no trace reaches."""
+    if len(canonical.lstrip("-")) > _MAX_DIGITS:
+        return -(10**_MAX_DIGITS) if canonical.startswith("-") else 10**_MAX_DIGITS
+    return int(canonical)
+
 
 @lru_cache(maxsize=None)
 def _compiled(generation: str) -> list[tuple[re.Pattern, Row]]:
@@ -171,10 +189,10 @@ def _compiled(generation: str) -> list[tuple[re.Pattern, Row]]:
 
 def _layer_value(text: str, table: Table, query: str, trace: Trace) -> int:
     n = len(trace.blocks)
-    value = int(text)
-    canonical = str(value)
-    if text != canonical and not (text.startswith("-") and table.negative_layers):
-        raise MalformedAlias(f"{query!r}: write the layer as {canonical}, without leading zeros.")
+    canonical = _canonical_index(text)
+    if text != canonical:
+        raise MalformedAlias(f"{query!r}: write the layer as {canonical} (ASCII digits, no leading zeros).")
+    value = _index_value(canonical)
     if value < 0:
         if not table.negative_layers:
             raise MalformedAlias(
@@ -208,18 +226,28 @@ def _interp_engine_special(query: str, trace: Trace) -> AliasResolution | None:
     table = interp_engine.TABLE
     if query.startswith("path."):
         address = query[len("path."):]
+        top = [a for a in trace.modules if a and "." not in a]
+        if not address:
+            raise MalformedAlias(
+                f"{query!r}: path. takes a module address, e.g. {', '.join('path.' + a for a in top[:3])}."
+            )
         if address not in trace.modules:
             hits = close_matches(address, trace.modules)
-            hint = f" Did you mean {', '.join('path.' + h for h in hits)}?" if hits else ""
+            hint = (f" Did you mean {', '.join('path.' + h for h in hits)}?" if hits else
+                    f" Top-level modules: {', '.join('path.' + a for a in top[:6])}.")
             raise UnknownAlias(f"{query!r}: no module at address {address!r} in this trace.{hint}")
         row = Row(query, None, "output", "module output (interp-engine path address)")
         return _status(trace, table, row, None, query, trace.modules[address].address)
     m = re.match(r"^([a-z][a-z0-9_]*)(?:\.(\d+))?\.([a-z][a-z0-9_]*)-(\d+)$", query)
     if not m:
         return None
-    name, layer, coord, _ = m.groups()
+    name, layer, coord, stream = m.groups()
     if coord != "stream":
         raise MalformedAlias(f"{query!r}: interp-engine addresses know one coordinate, stream-K, not {coord!r}.")
+    if stream != _canonical_index(stream):
+        raise MalformedAlias(
+            f"{query!r}: write the stream index as {_canonical_index(stream)} (ASCII digits, no leading zeros)."
+        )
     if name not in interp_engine.STREAM_POINTS:
         raise MalformedAlias(
             f"{query!r}: only {', '.join(sorted(interp_engine.STREAM_POINTS))} take a stream coordinate."
@@ -240,8 +268,8 @@ def _unknown(query: str, tables: list[Table], trace: Trace) -> AliasError:
         if table.unmapped and query in table.unmapped:
             return UnknownAlias(f"{query!r}: {table.unmapped[query]}")
     n = max(len(trace.blocks), 1)
-    digits = re.findall(r"\d+", query)
-    layer = digits[0] if digits and int(digits[0]) < n else "0"
+    digits = re.findall(r"[0-9]+", query)
+    layer = digits[0] if digits and _index_value(_canonical_index(digits[0])) < n else "0"
     names = [r.name.replace("{L}", layer) for t in tables for r in t.rows]
     hits = close_matches(query.strip(), names, n=3)
     if not hits:
@@ -313,10 +341,10 @@ _ABSENT = {
 }
 
 
-def _tables(generation: str | None) -> list[Table]:
-    if generation is None:
+def _tables(generation: str | None, *, any_generation: bool = False) -> list[Table]:
+    if generation is None and any_generation:
         return list(GENERATIONS.values())
-    if generation not in GENERATIONS:
+    if not isinstance(generation, str) or generation not in GENERATIONS:
         hits = close_matches(str(generation), GENERATIONS)
         hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
         raise UnknownGeneration(
@@ -362,7 +390,7 @@ def resolve_alias(trace: Trace, name: str, generation: str | None = None) -> Ali
     """
     if not isinstance(name, str):
         raise UnknownAlias(f"a name must be a string, got {type(name).__name__} {name!r}.")
-    tables = _tables(generation)
+    tables = _tables(generation, any_generation=True)
     query = name.strip()
     if not query:
         raise UnknownAlias("an empty name resolves to nothing; pass e.g. 'blocks.0.hook_resid_pre'.")
