@@ -752,6 +752,7 @@ class MissedHeaderItem(pytest.Item):
         super().__init__(name, parent)
         self.line, self.reason = line, reason
         self.user_properties.append((_USER_PROPERTY_PAGE, parent.display))
+        self.add_marker("migration_test")
 
     def runtest(self) -> None:
         raise DocExampleFailure(

@@ -255,13 +255,10 @@ def test_plain_blocks_run_too(docs, pytester):
     expect_lines(result, ["*RuntimeError: plain blocks are executed*"])
 
 
-needs_missing_tool = pytest.mark.skipif(
-    importlib.util.find_spec("interp_engine") is not None, reason="interp_engine is installed here"
-)
 MISSING_TOOL = """
     '''python
-    # migration-test: tool=interp-engine expected=1
-    import interp_engine
+    # migration-test: tool=absent-engine expected=1
+    import absent_engine
     RESULT = 1
     '''
 
@@ -272,29 +269,41 @@ MISSING_TOOL = """
     """
 
 
-@needs_missing_tool
-def test_missing_tool_is_skipped_with_the_reason(docs, pytester):
+@pytest.fixture
+def absent_tool(monkeypatch):
+    """Register a tool whose module is certainly not installed (real engines may be)."""
+    assert importlib.util.find_spec("absent_engine") is None
+    monkeypatch.setitem(docs_harness.TOOL_IMPORTS, "absent-engine", "absent_engine")
+
+
+def test_missing_tool_is_skipped_with_the_reason(docs, pytester, absent_tool):
     docs(MISSING_TOOL)
     result = pytester.runpytest("-rs")
     result.assert_outcomes(passed=1, skipped=1)
-    expect_lines(result, ["SKIPPED [1] docs/page.md:1: tool=interp-engine needs `import interp_engine`, which is not installed"])
+    expect_lines(result, ["SKIPPED [1] docs/page.md:1: tool=absent-engine needs `import absent_engine`, which is not installed"])
 
 
-@needs_missing_tool
-def test_missing_tool_fails_under_ci(docs, pytester, monkeypatch):
+def test_missing_tool_fails_under_ci(docs, pytester, monkeypatch, absent_tool):
     docs(MISSING_TOOL)
     monkeypatch.setenv("CI", "true")
     result = pytester.runpytest()
     result.assert_outcomes(passed=1, failed=1)
-    expect_lines(result, ["*tool=interp-engine needs `import interp_engine`*(CI=true: every tool must be installed)"])
+    expect_lines(result, ["*tool=absent-engine needs `import absent_engine`*(CI=true: every tool must be installed)"])
 
 
-def test_tool_markers_select_blocks(docs, pytester):
+def test_tool_markers_select_blocks(docs, pytester, absent_tool):
     docs(MISSING_TOOL)
     result = pytester.runpytest("-m", "tool_torchlens", "--collect-only", "-q")
     expect_lines(result, ["docs/page.md::top[2]", "*1/2 tests collected (1 deselected)*"])
-    result = pytester.runpytest("-m", "tool_interp_engine and migration_test", "--collect-only", "-q")
+    result = pytester.runpytest("-m", "tool_absent_engine and migration_test", "--collect-only", "-q")
     expect_lines(result, ["docs/page.md::top[1]", "*1/2 tests collected (1 deselected)*"])
+
+
+def test_tool_names_map_to_import_names():
+    imports = docs_harness.TOOL_IMPORTS
+    assert imports["interp-engine"] == "interp_engine"
+    assert imports["transformer-lens"] == imports["transformerlens"] == "transformer_lens"
+    assert all(imports[name] == name for name in ("torchlens", "nnsight", "nnterp", "vllm"))
 
 
 def test_blocks_in_tabs_and_admonitions_are_collected(docs, pytester):
@@ -520,6 +529,29 @@ def test_python_docstrings_are_not_run_as_markdown(docs, pytester):
     )
     result = pytester.runpytest("tools.py", "docs")
     result.assert_outcomes(passed=1)
+
+
+def test_every_header_in_the_real_docs_is_collected(pytester):
+    """Session-level check on this repository's docs/: every `# migration-test:` line that a
+    plain scan finds in any page must be a collected test (a page in a folder pytest skips,
+    such as docs/build/, would not be)."""
+    expected: dict[str, int] = {}
+    for path in sorted((REPO / "docs").rglob("*.md")):
+        headers = docs_harness.scan_python_headers(docs_harness.read_page(path))
+        if headers:
+            expected[path.relative_to(REPO).as_posix()] = len(headers)
+    result = pytester.runpytest_inprocess(
+        "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "migration_test",
+        "--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), str(REPO / "docs"),
+    )
+    collected: dict[str, int] = {}
+    for line in result.stdout.lines:
+        if "::" in line and line.startswith("docs/"):
+            page_name = line.split("::")[0]
+            collected[page_name] = collected.get(page_name, 0) + 1
+    assert "docs/getting-started.md" in expected
+    assert not [line for line in result.stdout.lines if "uncollected-header" in line]
+    assert collected == expected
 
 
 def test_pytest_markdown_docs_internals_used_by_the_harness_are_there():
