@@ -593,6 +593,14 @@ class DocExampleItem(MarkdownInlinePythonItem):
             self._require_tool(header)
         namespace = self._namespace()
         code = self._compile()
+        # What `linecache` (and so tracebacks, `inspect.getsource` and tools that read
+        # their caller's source, like nnsight's tracer) sees under the page's name while
+        # this block runs: the block's code at its page lines, every other line blank.
+        # The page itself is Markdown, which would not parse as Python.
+        source = block.definition.source
+        linecache.cache[self.parent.code_filename] = (
+            len(source), None, source.splitlines(keepends=True), self.parent.code_filename
+        )
         timeout = header.timeout if header is not None and header.timeout else settings.timeout
         capture = self.config.getoption("capture") != "no"
         stdout, stderr = io.StringIO(), io.StringIO()
@@ -776,13 +784,11 @@ class DocPage(pytest.File):
 
     @property
     def code_filename(self) -> str:
-        """The file name blocks are compiled with, seeded into :mod:`linecache`."""
+        """The file name blocks are compiled with (see :meth:`DocExampleItem.runtest`)."""
         return self.display
 
     def collect(self):
         text = read_page(self.path)
-        lines = text.splitlines(keepends=True)
-        linecache.cache[self.code_filename] = (len(text), None, lines, self.code_filename)
         syntax = FenceSyntax(self.config.option.markdowndocs_syntax)
         blocks = extract_blocks(text, self.path, self.display, syntax)
         self.config.stash[_SETTINGS].page_blocks[self.display] = len(blocks)

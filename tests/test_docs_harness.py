@@ -230,6 +230,33 @@ def test_traceback_points_into_the_page(docs, pytester):
     )
 
 
+def test_code_that_reads_its_own_source_sees_python(docs, pytester):
+    """Tools such as nnsight parse their caller's source; the page's prose must not show."""
+    docs(
+        """
+        # Page
+
+        Prose that is not Python: don't parse me.
+
+        !!! note
+
+            '''python
+            # migration-test: tool=torchlens expected=(True, 'def helper():')
+            import ast
+            import inspect
+
+            def helper():
+                return 1
+
+            frame = inspect.currentframe()
+            ast.parse("".join(inspect.getsourcelines(frame)[0]))
+            RESULT = (frame.f_lineno > 5, inspect.getsource(helper).splitlines()[0])
+            '''
+        """
+    )
+    pytester.runpytest().assert_outcomes(passed=1)
+
+
 def test_plain_blocks_run_too(docs, pytester):
     docs(
         """
