@@ -18,6 +18,8 @@ Markdown collector with one that suits the TorchLens site:
   imported is skipped, or fails when the environment variable ``CI`` is true.
 * ``pytest --update-expected`` rewrites stale ``expected=`` literals in place.
 * Each block has a time limit, and its output is captured and truncated.
+* A page fails if a ``# migration-test:`` header in a Python fence was not collected, or
+  if a Python fence's info string would make Material render the block as plain text.
 * At the end of the session ``build/doc-examples.json`` records, per page, how many
   examples passed; ``scripts/mkdocs_hooks.py`` turns that into a note on each page.
 
@@ -317,6 +319,34 @@ def scan_python_headers(text: str) -> list[int]:
             fence = None
         elif language in PYTHON_LANGUAGES and is_header_line(line):
             found.append(number)
+    return found
+
+
+_INFO_TOKEN = re.compile(r'[^\s=]+="[^"]*"|\S+')
+
+
+def scan_unrenderable_python_fences(text: str) -> list[tuple[int, str]]:
+    """Find Python fences whose info string Material would not render as code.
+
+    PyMdown's superfences accepts ``python`` followed by ``key="value"`` options, or the
+    brace form ``{.python notest}``. A bare extra word (```` ```python notest ````) turns
+    the whole block into inline text on the site, silently.
+    """
+    found: list[tuple[int, str]] = []
+    fence: str | None = None
+    for number, line in enumerate(text.split("\n"), start=1):
+        if fence is not None:
+            if _fence_closes(line, fence):
+                fence = None
+            continue
+        match = _FENCE_OPENER.match(line)
+        if match is None or (match["fence"][0] == "`" and "`" in match["info"]):
+            continue
+        fence, info = match["fence"], match["info"].strip()
+        if info.startswith("{") or fence_language(info) not in PYTHON_LANGUAGES:
+            continue
+        if any("=" not in token for token in _INFO_TOKEN.findall(info)[1:]):
+            found.append((number, info))
     return found
 
 
@@ -753,19 +783,19 @@ class DocExampleItem(MarkdownInlinePythonItem):
         return "\n".join(shown)
 
 
-class MissedHeaderItem(pytest.Item):
-    """Fails because a ``# migration-test:`` line was not collected as a test."""
+class PageProblemItem(pytest.Item):
+    """Fails because of a problem found in the page itself, such as a header that was
+    not collected as a test."""
 
-    def __init__(self, name: str, parent: "DocPage", line: int, reason: str):
+    def __init__(self, name: str, parent: "DocPage", line: int, message: str, header: bool):
         super().__init__(name, parent)
-        self.line, self.reason = line, reason
+        self.line, self.message = line, message
         self.user_properties.append((_USER_PROPERTY_PAGE, parent.display))
-        self.add_marker("migration_test")
+        if header:
+            self.add_marker("migration_test")
 
     def runtest(self) -> None:
-        raise DocExampleFailure(
-            f"{self.parent.display}:{self.line}: a `# migration-test:` header was not collected: {self.reason}"
-        )
+        raise DocExampleFailure(f"{self.parent.display}:{self.line}: {self.message}")
 
     def repr_failure(self, excinfo, style=None) -> str:
         return str(excinfo.value)
@@ -807,8 +837,24 @@ class DocPage(pytest.File):
                     "no collected Python block holds it (a fence indented in an unsupported "
                     "container, a `notest` fence, or a fence the parser did not see?)"
                 )
-            yield MissedHeaderItem.from_parent(
-                self, name=f"uncollected-header[line-{line}]", line=line, reason=reason
+            yield PageProblemItem.from_parent(
+                self,
+                name=f"uncollected-header[line-{line}]",
+                line=line,
+                message=f"a `# migration-test:` header was not collected: {reason}",
+                header=True,
+            )
+        for line, info in scan_unrenderable_python_fences(text):
+            words = info.split(None, 1)
+            yield PageProblemItem.from_parent(
+                self,
+                name=f"fence-info[line-{line}]",
+                line=line,
+                message=(
+                    f"the site would show this block as plain text: PyMdown does not accept "
+                    f"the fence info `{info}`; write it as `{{.{words[0]} {words[1]}}}`"
+                ),
+                header=False,
             )
 
 

@@ -422,6 +422,30 @@ def test_uncollected_headers_fail(docs, pytester):
     )
 
 
+def test_fence_info_that_material_would_not_render_fails(docs, pytester):
+    docs(
+        """
+        '''python notest
+        x = 1
+        '''
+
+        '''python title="fine.py" hl_lines="1 2"
+        x = 1
+        '''
+
+        '''{.python notest}
+        x = 1
+        '''
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1, failed=1)
+    expect_lines(
+        result,
+        ["docs/page.md:1: the site would show this block as plain text: *`python notest`; write it as `{.python notest}`"],
+    )
+
+
 def test_timeout_fires_on_a_hanging_block(docs, pytester):
     docs(
         """
