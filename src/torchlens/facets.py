@@ -414,6 +414,8 @@ def _result_site(g: _Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSi
         return {}
     module = g.modules[proj.address]
     layout = fam.weight_layout(module)
+    if len(z.shape) != 4:  # no head axis (e.g. a single-head attention without a reshape)
+        return {}
     b, h, t, dh = z.shape
     out_m = g.meta(_io(g, proj, "out"))
     if layout is None or out_m is None:

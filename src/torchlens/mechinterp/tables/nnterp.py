@@ -21,9 +21,9 @@ ROWS = (
     Row("input_ids", "token_embed", "indices", "token ids entering the embedding"),
     Row("token_embeddings", "token_embed", "output", "token embedding (no position embedding)"),
     Row("embed_tokens.output", "token_embed", "output", "token embedding module output"),
-    Row("logits", "root", "output", "logits the model returns (nnterp reads output.logits)",
+    Row("logits", "root", "logits", "logits the model returns (nnterp reads output.logits)",
         "after any step that follows the unembedding (Gemma-2's final logit softcap); lm_head.output is "
-        "the unembedding's own output. A forward given labels returns the loss first: read lm_head.output"),
+        "the unembedding's own output"),
     Row("lm_head.output", "unembed", "output", "unembedding module output"),
 )
 
