@@ -484,7 +484,7 @@ def expected_sites(c: Case, addr: str) -> set[str] | None:
     if _is_norm(m):
         return base | {"normalized", "scale", "inv_rms" if "RMS" in type(m).__name__ else "inv_std"}
     if isinstance(m, nn.Embedding):
-        return base | {"indices"}
+        return base | {"indices", "lookup"}
     return base
 
 
@@ -774,6 +774,9 @@ def test_embedding_and_root(family, impl, dtype):
     for addr, m in c.model.named_modules():
         if isinstance(m, nn.Embedding) and addr in c.gt.calls:
             assert_same(c.facets(addr)["indices"], c.gt.inputs[addr], f"{addr}.indices")
+            # The raw rows, before anything the module does after the lookup (Gemma scales them).
+            lookup = nn.functional.embedding(c.gt.inputs[addr], m.weight)
+            assert_same(c.facets(addr)["lookup"], lookup, f"{addr}.lookup")
     root = c.facets("")
     assert_same(root["logits"], c.out.logits, "logits")
     assert_same(root["final_norm_input"], c.gt.inputs[c.spec["final_norm"]], "final_norm_input")

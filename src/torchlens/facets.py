@@ -67,7 +67,10 @@ FACETS: dict[str, dict[str, str]] = {
         "inv_std": "[batch, pos, 1] 1/sqrt(var(x)+eps) of a LayerNorm",
         "scale": "[batch, pos, 1] the divisor sqrt(mean(x^2)+eps) or sqrt(var(x)+eps): 1/inv_rms (TransformerLens hook_scale)",
     },
-    "embedding": {"indices": "[batch, pos] token ids entering the embedding"},
+    "embedding": {
+        "indices": "[batch, pos] token ids entering the embedding",
+        "lookup": "[batch, pos, d_model] the rows looked up, before anything the module does after the lookup (Gemma's sqrt(d_model) scaling); equals output elsewhere",
+    },
     "root": {
         "final_norm_input": "[batch, pos, d_model] input of the final norm (the last block's output)",
         "logits": "[batch, pos, vocab] the model's logits: the unembedding's output, or the root output when it is computed from it with the same shape (e.g. Gemma-2's final softcap)",
@@ -561,6 +564,9 @@ def derive(
             sites.update(norm_facets(g, call))
         elif role == "embedding" and "input" in sites:
             sites["indices"] = _site(g, "indices", _io(g, call, "in"), note="token ids")
+            lookup = next((op for op in g.ops[call.first_op : call.end_op] if op.name == "embedding"), None)
+            if lookup is not None:
+                sites["lookup"] = _site(g, "lookup", Ref(lookup.index, 0), note="the embedding lookup op")
         elif role == "root":
             sites.update(_root_facets(g, call, calls))
         if keep is not None:

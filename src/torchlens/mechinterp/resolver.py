@@ -402,8 +402,7 @@ def resolve_alias(trace: Trace, name: str, generation: str | None = None) -> Ali
                 return special
         raise _unknown(query, tables, trace)
     results = [_status(trace, t, row, layer, query) for t, row, layer in found]
-    sites = {(r.module_address, r.facet) for r in results}
-    if len(sites) == 1:
+    if len({_same_tensor_key(trace, r) for r in results}) == 1:
         return results[0]
     listing = "; ".join(f"{r.generation}: {r.module_address}:{r.facet}" for r in results)
     first = results[0]
@@ -412,6 +411,20 @@ def resolve_alias(trace: Trace, name: str, generation: str | None = None) -> Ali
         f"{query!r} names different sites in different generations ({listing})",
         f"pass generation= one of {', '.join(repr(r.generation) for r in results)}", first.pattern, first.meaning,
     )
+
+
+def _same_tensor_key(trace: Trace, r: AliasResolution) -> tuple:
+    """Two resolutions read the same tensor if they name the same site, or two facets of one op.
+
+    On GPT-2 the 2.x `hook_embed` (the lookup) and the 3.x `hook_embed` (the module output) are
+    one op's output; on Gemma the module scales the lookup, so they differ and the bare name is
+    ambiguous.
+    """
+    if r.module_address is not None and r.facet is not None and r.readable:
+        site = trace.modules[r.module_address].calls[0].facets.sites[r.facet]
+        if site.op is not None and site.kind == "real":
+            return ("op", site.op, tuple(site.shape))
+    return ("site", r.module_address, r.facet)
 
 
 def alias_report(trace: Trace, generation: str = "2.x") -> AliasReport:

@@ -9,7 +9,8 @@ _HEADS_OF_RESID = (
 
 ROWS = (
     Row("hook_tokens", "token_embed", "indices", "token ids (cfg.use_hook_tokens)"),
-    Row("hook_embed", "token_embed", "output", "token embedding lookup"),
+    Row("hook_embed", "token_embed", "lookup", "token embedding lookup",
+        "before any scaling the embedding module applies (Gemma multiplies by sqrt(d_model) afterwards)"),
     Row("hook_pos_embed", "pos_embed", "output", "learned position embedding",
         "absent on rotary models: they have no position embedding module"),
     Row("blocks.{L}.hook_resid_pre", "block", "resid_pre", "residual entering the block"),

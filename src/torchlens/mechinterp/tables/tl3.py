@@ -11,7 +11,7 @@ from . import Row, Table, tl2, tl4
 #: 2.x names a 3.x bridge keeps as aliases of its canonical hook points.
 LEGACY_ALIASES = frozenset(
     {
-        "hook_embed", "hook_pos_embed", "blocks.{L}.hook_resid_pre", "blocks.{L}.hook_resid_mid",
+        "hook_pos_embed", "blocks.{L}.hook_resid_pre", "blocks.{L}.hook_resid_mid",
         "blocks.{L}.hook_resid_post", "blocks.{L}.hook_attn_out", "blocks.{L}.hook_mlp_out",
         "blocks.{L}.hook_attn_in", "blocks.{L}.hook_q_input", "blocks.{L}.hook_k_input",
         "blocks.{L}.hook_v_input", "blocks.{L}.attn.hook_q", "blocks.{L}.attn.hook_k",
@@ -23,7 +23,11 @@ LEGACY_ALIASES = frozenset(
 ROWS = (
     tl4.ROWS
     + tuple(r for r in tl2.ROWS if r.name in LEGACY_ALIASES)
-    + (Row("hook_unembed", "unembed", "output", "logits (alias of unembed.hook_out)"),)
+    + (
+        Row("hook_embed", "token_embed", "output", "token embedding (alias of embed.hook_out)",
+            "the embedding module's output: after Gemma's sqrt(d_model) scaling, unlike 2.x hook_embed"),
+        Row("hook_unembed", "unembed", "output", "logits (alias of unembed.hook_out)"),
+    )
 )
 
 TABLE = Table("3.x", "TransformerLens 3.x TransformerBridge cache names (canonical and legacy)", ROWS)
