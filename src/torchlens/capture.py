@@ -248,9 +248,14 @@ class Recorder(TorchFunctionMode):
 
     # -- modules -------------------------------------------------------------------------------
 
-    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+    # The hooks accept the signatures with and without kwargs: another thread can run the model
+    # while `trace` removes its hooks, and `Module._call_impl` then calls a hook it listed before
+    # the removal without the kwargs it no longer knows the hook wants.
+
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict | None = None):
         if threading.get_ident() != self.thread:
             return None
+        kwargs = kwargs or {}
         self._quiet = True
         try:
             self._enter(module, args, kwargs)
@@ -280,9 +285,10 @@ class Recorder(TorchFunctionMode):
         self.stack.append(call)
         self.calls.append(call)
 
-    def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    def post_hook(self, module: nn.Module, args: tuple, *kwargs_and_output: Any):
         if threading.get_ident() != self.thread:
             return None
+        output = kwargs_and_output[-1]
         self._quiet = True
         try:
             self._leave(module, output)
