@@ -13,6 +13,8 @@ They still behave as copies: before any op that writes in place (`add_`, `x[i] =
 `inplace=True`, `out=`), the recorder clones every saved alias (op outputs, and the module
 inputs/outputs the hooks kept) that shares storage with the tensor about to be written. Each alias's version counter is checked at the end, so a write the
 mode could not see is reported on the op (`mutated`) instead of silently corrupting it.
+Inference tensors (`torch.inference_mode()`) have no version counter, so that last check
+cannot cover them.
 """
 
 from __future__ import annotations
@@ -182,7 +184,8 @@ class Recorder(TorchFunctionMode):
         if retain:
             tensors = tuple([o.detach() for o in outs])
             for slot, t in enumerate(tensors):
-                self.versions[idx, slot] = t._version
+                if not t.is_inference():  # inference tensors have no version counter
+                    self.versions[idx, slot] = t._version
         else:
             tensors = (None,) * len(outs)
         for slot, o in enumerate(outs):
@@ -235,7 +238,10 @@ class Recorder(TorchFunctionMode):
                 tensors = list(ops[i].tensors)
                 tensors[slot] = tensors[slot].clone()
                 ops[i].tensors = tuple(tensors)
-                self.versions[i, slot] = tensors[slot]._version
+                if tensors[slot].is_inference():  # a clone made under inference_mode
+                    self.versions.pop((i, slot), None)
+                else:
+                    self.versions[i, slot] = tensors[slot]._version
 
     def add_external(self, t: Tensor, where: ModuleCall | None) -> Ref:
         """Record a tensor that enters the forward from outside (a model input) as an `input` op."""
