@@ -6,7 +6,8 @@ passes through the mode, which runs it and appends an [`OpRecord`][torchlens.rec
 its name, the module running it, references to the ops that produced its tensor inputs, and the
 shapes of its outputs. The hooks keep a stack of module calls, so each op knows where it ran.
 Nothing is patched globally; every hook and the mode are removed before `trace` returns or
-raises.
+raises. Traces nest: an outer trace records the model ops an inner trace runs, never the inner
+recorder's own bookkeeping (which runs with torch functions disabled when a mode lies below).
 
 Saved tensors are detached *aliases*, not copies, which keeps capture fast and memory-lean.
 They still behave as copies: before any op that writes in place (`add_`, `x[i] = ...`,
@@ -19,6 +20,7 @@ cannot cover them.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import weakref
@@ -52,6 +54,7 @@ _INPLACE_DUNDERS = frozenset(
      "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
 )
 _FUNC_INFO: dict[Any, tuple[str, int]] = {}
+_NO_HIDING = contextlib.nullcontext()
 
 
 def _classify(func: Any) -> tuple[str, int]:
@@ -141,6 +144,17 @@ class Recorder(TorchFunctionMode):
         #: unwound it; `trace` names it in the note it adds to the exception.
         self.failure: tuple[BaseException, list[str]] | None = None
         self._quiet = False  # True while the hooks run torch functions of their own
+        #: True when another torch function mode (an outer trace, a user's mode) was active when
+        #: this recorder was entered: the recorder's own bookkeeping is then hidden from it.
+        self.nested = False
+
+    def __enter__(self):
+        self.nested = torch._C._len_torch_function_stack() > 0
+        return super().__enter__()
+
+    def hidden(self):
+        """A context in which the recorder's own torch calls reach no outer torch function mode."""
+        return torch._C.DisableTorchFunction() if self.nested else _NO_HIDING
 
     # -- ops -----------------------------------------------------------------------------------
 
@@ -157,7 +171,8 @@ class Recorder(TorchFunctionMode):
             bool(kwargs) and (kwargs.get("out") is not None or kwargs.get("inplace") is True)
         )
         if mutated:
-            self._before_write(args, kwargs)
+            with self.hidden():
+                self._before_write(args, kwargs)
         out = func(*args, **kwargs)
         self.pending = None
         if isinstance(out, Tensor):
@@ -166,7 +181,8 @@ class Recorder(TorchFunctionMode):
             outs = tuple(o for o in out if isinstance(o, Tensor))
         else:
             return out
-        self._record(info[0], outs, _tensor_args(args, kwargs), mutated, args, kwargs)
+        with self.hidden():
+            self._record(info[0], outs, _tensor_args(args, kwargs), mutated, args, kwargs)
         return out
 
     def _ref(self, t: Tensor):
@@ -264,7 +280,8 @@ class Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         self._quiet = True
         try:
-            self._enter(module, args, kwargs)
+            with self.hidden():
+                self._enter(module, args, kwargs)
         finally:
             self._quiet = False
         return None
@@ -297,7 +314,8 @@ class Recorder(TorchFunctionMode):
         output = kwargs_and_output[-1]
         self._quiet = True
         try:
-            self._leave(module, output)
+            with self.hidden():
+                self._leave(module, output)
         finally:
             self._quiet = False
         return None

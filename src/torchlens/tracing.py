@@ -168,7 +168,8 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", **kwargs: Any) -> Tra
     finally:
         for h in handles:
             h.remove()
-    return _assemble(rec, model, names, aliases, roles, spec, output)
+    with rec.hidden():  # inside an outer trace, deriving the facets is not part of the forward
+        return _assemble(rec, model, names, aliases, roles, spec, output)
 
 
 def _annotate(exc: BaseException, rec: Recorder) -> None:
