@@ -4,7 +4,7 @@ The public surface is small:
 
 - [`trace`][torchlens.trace] runs a model once and returns a [`Trace`][torchlens.Trace].
 - `trace.ops`, `trace.modules[address].facets[name]`, `trace.output` read what was captured.
-- [`torchlens.mechinterp`](api/mechinterp.md) translates other libraries' hook names to
+- [`torchlens.mechinterp`][torchlens.mechinterp] translates other libraries' hook names to
   TorchLens sites.
 - Every deliberate error derives from [`TorchLensError`][torchlens.TorchLensError].
 """

@@ -151,7 +151,8 @@ def compare(
         engine_values: `{name: tensor}` as read from the engine (a tuple is taken at element 0,
             and the row says so).
         generation: resolve names in this generation only (default: any).
-        atol, rtol: tolerance, as in `torch.allclose`; loosen them for bf16/fp16 engines.
+        atol: absolute tolerance, as in `torch.allclose`; loosen it for bf16/fp16 engines.
+        rtol: relative tolerance, as in `torch.allclose`.
         editable: the engine's hooks will *write* these sites. A site TorchLens only
             reconstructed (read-only) is then refused instead of compared.
 
