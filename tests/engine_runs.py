@@ -1,0 +1,464 @@
+"""Run each peer engine on tiny random-init models and compare what it reads with TorchLens.
+
+Used by `tests/test_engines.py` (which asserts on the results) and by
+`scripts/gen_verified.py` (which counts them for `docs/guides/verified.md`), so that the page
+reports exactly the comparisons the tests make.
+
+Every engine gets its own freshly built model: nnsight and nnterp wrap each submodule's
+forward, interp-engine freezes the parameters, and the TransformerLens bridge replaces
+submodules and switches the attention to eager. The builders in `tests/_models.py` seed
+torch, so each copy has the same weights (norm gains and biases are perturbed, which makes a
+pre-gain tensor differ from a post-gain one).
+
+One run is one engine reading one model (family x attention implementation) under one naming
+generation. A site the engine cannot read under sdpa (attention probabilities or scores: no
+softmax runs in a fused kernel) is read from an eager copy of the same weights and compared
+with what TorchLens reconstructed from the sdpa trace; the run lists those names in
+`from_eager_copy`. Nothing TorchLens has a site for is left out of a run without a reason.
+
+The engines are imported inside the functions, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.metadata
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missed local path then fails fast instead of trying the hub
+
+import torch
+
+import torchlens
+import torchlens.mechinterp as mi
+
+import _models
+
+#: engine -> (distribution name, import name)
+ENGINES: dict[str, tuple[str, str]] = {
+    "nnsight": ("nnsight", "nnsight"),
+    "nnterp": ("nnterp", "nnterp"),
+    "interp-engine": ("interp-engine", "interp_engine"),
+    "transformer-lens": ("transformer-lens", "transformer_lens"),
+}
+FAMILIES = ("gpt2", "llama")
+IMPLS = ("eager", "sdpa")
+IDS = torch.tensor([[1, 2, 3, 4]])
+
+#: Tolerance of every comparison: all four engines run the same float32 modules on the CPU, so
+#: the tensors agree to rounding (most exactly).
+ATOL = 1e-6
+RTOL = 1e-6
+
+#: interp-engine's status words for "TorchLens has a site for this address".
+HAS_SITE = ("real", "reconstructed_read_only", "needs_capture")
+
+#: Where the modules sit in each family (the plain attribute paths nnsight walks).
+_PATHS = {
+    "gpt2": dict(base="transformer", layers="h", attn="attn", embed="wte"),
+    "llama": dict(base="model", layers="layers", attn="self_attn", embed="embed_tokens"),
+}
+
+
+def model(family: str, impl: str) -> torch.nn.Module:
+    """A fresh random-init model (same weights every call for the same family)."""
+    return _models.FAMILIES[family][0](impl)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(family: str, impl: str):
+    """The TorchLens trace every engine of this configuration is compared with."""
+    return torchlens.trace(model(family, impl), IDS, save="all")
+
+
+def versions() -> dict[str, str]:
+    """Installed versions of torch, transformers and the four engines."""
+    out = {}
+    for dist in ("torch", "transformers", *(d for d, _ in ENGINES.values())):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+@dataclass
+class Run:
+    """One engine x family x attention implementation x generation comparison.
+
+    Attributes:
+        engine, family, impl, generation: what ran (impl is the attention implementation the
+            TorchLens trace and the engine's model were built with).
+        what: which of the engine's reads this run covers, in a few words.
+        report: `mi.compare`'s rows, one per name compared.
+        expected: the names that had to be compared (TorchLens has a site for each).
+        no_site: names the engine offered that TorchLens's table has no site for, with the
+            table's reason; they are listed, never compared.
+        from_eager_copy: names the engine read from an eager copy (see the module docstring).
+        notes: anything else the run found out about the engine.
+    """
+
+    engine: str
+    family: str
+    impl: str
+    generation: str
+    what: str
+    report: mi.ComparisonReport
+    expected: tuple[str, ...]
+    no_site: dict[str, str] = field(default_factory=dict)
+    from_eager_copy: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def compared(self) -> int:
+        return len(self.report)
+
+    @property
+    def matched(self) -> int:
+        return sum(c.passed for c in self.report)
+
+    @property
+    def max_abs_error(self) -> float:
+        return max((c.max_abs_error or 0.0 for c in self.report), default=0.0)
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine}/{self.family}/{self.impl}/{self.generation} ({self.what})"
+
+    def problems(self) -> list[str]:
+        """Why this run is not clean (empty when every expected name was compared and matched)."""
+        out = []
+        names = [c.name for c in self.report]
+        missing = sorted(set(self.expected) - set(names))
+        extra = sorted(set(names) - set(self.expected))
+        if missing:
+            out.append(f"not compared: {missing}")
+        if extra:
+            out.append(f"compared but not expected: {extra}")
+        if len(names) != len(set(names)):
+            out.append("a name was compared twice")
+        for c in self.report:
+            if not c.passed:
+                out.append(f"{c.name}: {c.status} {c.module_address}:{c.facet} err={c.max_abs_error} ({c.hint})")
+        return out
+
+
+def _compare(trace, values: Mapping[str, Any], generation: str) -> mi.ComparisonReport:
+    return mi.compare(trace, values, generation=generation, atol=ATOL, rtol=RTOL)
+
+
+def _merge(trace, generation: str, first: Mapping[str, Any], later: Mapping[str, Any], order) -> mi.ComparisonReport:
+    """Compare two sets of engine values in the report order `order`."""
+    values = {**first, **later}
+    return _compare(trace, {name: values[name] for name in order if name in values}, generation)
+
+
+# -- nnsight -----------------------------------------------------------------------------------
+
+
+def _nnsight_read(family: str, impl: str, with_probs: bool) -> dict[str, Any]:
+    from nnsight import NNsight
+
+    p = _PATHS[family]
+    engine = NNsight(model(family, impl))
+    values: dict[str, Any] = {}  # made before the trace: a dict made inside the body is gone after it
+    with engine.trace(IDS):
+        base = getattr(engine, p["base"])
+        embed = getattr(base, p["embed"])
+        values["input_ids"] = embed.input.save()
+        values["token_embeddings"] = embed.output.save()
+        for i, block in enumerate(getattr(base, p["layers"])):
+            attn = getattr(block, p["attn"])
+            values[f"layers_input[{i}]"] = block.input.save()
+            values[f"attentions_input[{i}]"] = attn.input.save()
+            if with_probs:  # eager attention returns (output, weights)
+                values[f"attention_probabilities[{i}]"] = attn.output[1].save()
+            values[f"attentions_output[{i}]"] = attn.output[0].save()
+            values[f"mlps_input[{i}]"] = block.mlp.input.save()
+            values[f"mlps_output[{i}]"] = block.mlp.output.save()
+            values[f"layers_output[{i}]"] = block.output.save()
+        values["lm_head.output"] = engine.lm_head.output.save()
+        output = engine.output.save()
+    values["logits"] = output.logits
+    values["embed_tokens.output"] = values["token_embeddings"]  # the same module output
+    return values
+
+
+@functools.lru_cache(maxsize=None)
+def nnsight_run(family: str, impl: str) -> Run:
+    """Every nnterp-named site, read through plain nnsight module access."""
+    trace = reference(family, impl)
+    order = [r.query for r in mi.alias_report(trace, "nnterp")]
+    expected = tuple(r.query for r in mi.alias_report(trace, "nnterp") if r.readable)
+    values = _nnsight_read(family, impl, with_probs=impl == "eager")
+    eager_copy: dict[str, Any] = {}
+    notes = []
+    if impl != "eager":
+        notes.append(f"under {impl} the attention module returns no weights: probabilities come from an eager copy")
+        full = _nnsight_read(family, "eager", with_probs=True)
+        eager_copy = {k: v for k, v in full.items() if k.startswith("attention_probabilities")}
+    report = _merge(trace, "nnterp", values, eager_copy, order)
+    return Run("nnsight", family, impl, "nnterp", "module inputs/outputs keyed by nnterp names", report,
+               expected, from_eager_copy=tuple(eager_copy), notes=tuple(notes))
+
+
+# -- nnterp ------------------------------------------------------------------------------------
+
+
+def word_level_tokenizer():
+    """A 64-token tokenizer built in memory (`t4`..`t63`, specials 0-3): nothing is downloaded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<bos>": 1, "<eos>": 2, "<pad>": 3, **{f"t{i}": i for i in range(4, _models.VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<bos>",
+                                   eos_token="<eos>", pad_token="<pad>")
+
+
+def _nnterp_read(family: str, impl: str, with_probs: bool) -> dict[str, Any]:
+    from nnterp import StandardizedTransformer
+    from nnterp.rename_utils import RenameConfig, default_attention_prob_source
+
+    kwargs: dict[str, Any] = {}
+    if with_probs:
+        kwargs["enable_attention_probs"] = True
+        if family == "gpt2":
+            # nnterp 1.3's GPT-2 probability hook looks for `attn_dropout(...)` in the attention
+            # source; transformers 5 calls nn.functional.dropout there. The generic source works.
+            kwargs["rename_config"] = RenameConfig(attn_prob_source=default_attention_prob_source)
+    st = StandardizedTransformer(model(family, impl), tokenizer=word_level_tokenizer(), device_map=None, **kwargs)
+    values: dict[str, Any] = {}
+    with st.trace(IDS):  # forward order: probabilities before the attention output, logits last
+        values["input_ids"] = st.input_ids.save()
+        values["token_embeddings"] = st.token_embeddings.save()
+        values["embed_tokens.output"] = st.embed_tokens.output.save()
+        for i in range(st.num_layers):
+            values[f"layers_input[{i}]"] = st.layers_input[i].save()
+            values[f"attentions_input[{i}]"] = st.attentions_input[i].save()
+            if with_probs:
+                values[f"attention_probabilities[{i}]"] = st.attention_probabilities[i].save()
+            values[f"attentions_output[{i}]"] = st.attentions_output[i].save()
+            values[f"mlps_input[{i}]"] = st.mlps_input[i].save()
+            values[f"mlps_output[{i}]"] = st.mlps_output[i].save()
+            values[f"layers_output[{i}]"] = st.layers_output[i].save()
+        values["lm_head.output"] = st.lm_head.output.save()
+        values["logits"] = st.logits.save()
+    return values
+
+
+@functools.lru_cache(maxsize=None)
+def nnterp_run(family: str, impl: str) -> Run:
+    """Every nnterp accessor in the table, read through `StandardizedTransformer`."""
+    trace = reference(family, impl)
+    report_rows = mi.alias_report(trace, "nnterp")
+    order = [r.query for r in report_rows]
+    expected = tuple(r.query for r in report_rows if r.readable)
+    values = _nnterp_read(family, impl, with_probs=impl == "eager")
+    eager_copy: dict[str, Any] = {}
+    notes = []
+    if impl != "eager":
+        # enable_attention_probs needs a model that already runs eager attention.
+        full = _nnterp_read(family, "eager", with_probs=True)
+        eager_copy = {k: v for k, v in full.items() if k.startswith("attention_probabilities")}
+        notes.append("enable_attention_probs=True fails on an sdpa model: probabilities come from an eager copy")
+    report = _merge(trace, "nnterp", values, eager_copy, order)
+    return Run("nnterp", family, impl, "nnterp", "StandardizedTransformer accessors", report, expected,
+               from_eager_copy=tuple(eager_copy), notes=tuple(notes))
+
+
+# -- interp-engine -----------------------------------------------------------------------------
+
+
+class _StubTokenizer:
+    """What EagerModel reads from a tokenizer when it is given token ids (it never tokenizes)."""
+
+    bos_token_id, eos_token_id, pad_token_id = 1, 2, 3
+    chat_template = None
+
+
+def _interp_engine(family: str, impl: str):
+    from interp_engine import EagerModel
+
+    return EagerModel(f"local-{family}", hf_model=model(family, impl), tokenizer=_StubTokenizer(), device="cpu")
+
+
+def _interp_engine_served(engine) -> list[str]:
+    """Every address the engine would capture on this model (its points, per layer, unrefused)."""
+    out = []
+    for point in engine.points():
+        layers = range(engine.n_layers) if point.scope.name == "LAYER" else [None]
+        out += [point.name if layer is None else f"{point.name}.{layer}" for layer in layers]
+    return [a for a in out if engine.refuses(a) is None]
+
+
+def _capture(engine, addresses: list[str]) -> dict[str, torch.Tensor]:
+    captured = asyncio.run(engine.capture(IDS[0].tolist(), addresses))
+    return {str(address): tensor for address, tensor in captured.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def interp_engine_run(family: str, impl: str) -> Run:
+    """Every address `alias_report(trace, "interp-engine")` gives a site, captured by interp-engine."""
+    trace = reference(family, impl)
+    rows = mi.alias_report(trace, "interp-engine")
+    sited = [r.query for r in rows if r.status in HAS_SITE]
+    engine = _interp_engine(family, impl)
+    refused = {a: engine.refuses(a).splitlines()[0] for a in sited if engine.refuses(a) is not None}
+    values = _capture(engine, [a for a in sited if a not in refused])
+    eager_copy: dict[str, Any] = {}
+    notes = []
+    if refused:
+        reasons = sorted(set(refused.values()))
+        notes.append(f"refused under {impl}: {sorted(refused)} ({'; '.join(reasons)})")
+        eager_copy = _capture(_interp_engine(family, "eager"), list(refused))
+    no_site = {}
+    for address in _interp_engine_served(engine):
+        if address not in sited:
+            res = mi.resolve_alias(trace, address, generation="interp-engine")
+            no_site[address] = res.reason
+    report = _merge(trace, "interp-engine", values, eager_copy, sited)
+    return Run("interp-engine", family, impl, "interp-engine", "async capture of point addresses", report,
+               tuple(sited), no_site=no_site, from_eager_copy=tuple(eager_copy), notes=tuple(notes))
+
+
+# -- TransformerLens 4.x TransformerBridge -----------------------------------------------------
+
+#: Flag setters of the bridge, run as two groups: set_use_attn_in excludes set_use_split_qkv_input.
+TL_FLAG_GROUPS = (
+    ("set_use_attn_result", "set_use_split_qkv_input", "set_use_hook_mlp_in"),
+    ("set_use_attn_in",),
+)
+
+
+def _bridge(family: str, impl: str, flags: tuple[str, ...] = ()):
+    from transformer_lens.model_bridge import TransformerBridge
+
+    hf_model = model(family, impl)
+    with tempfile.TemporaryDirectory(prefix="torchlens-tok-") as tokdir:
+        # boot re-loads the tokenizer from its name_or_path, so it must exist on disk.
+        word_level_tokenizer().save_pretrained(tokdir)
+        bridge = TransformerBridge.boot_transformers(tokdir, hf_model=hf_model, device="cpu")
+    for flag in flags:
+        getattr(bridge, flag)(True)
+    return bridge, hf_model
+
+
+def _cache(bridge) -> dict[str, torch.Tensor]:
+    _, cache = bridge.run_with_cache(IDS)
+    return {name: cache[name] for name in cache.keys()}
+
+
+@dataclass
+class TLResult:
+    """The bridge's cache on one configuration, split by what TorchLens's tables say of each key."""
+
+    keys: tuple[str, ...]
+    runs: tuple[Run, ...]
+    attn_after_boot: str
+    flag_keys: dict[str, tuple[str, ...]]  # flag group -> keys it added to the cache
+    flag_dropped: dict[str, tuple[str, ...]]  # flag group -> keys it removed from the cache
+    flag_changed: dict[str, tuple[str, ...]]  # flag group -> keys kept whose value moved past tolerance
+    not_in_cache: dict[str, tuple[str, ...]]  # generation -> readable report rows no cache held
+    per_head_resid: dict[str, bool]  # per-head input key -> equals hook_resid_pre repeated over heads
+
+
+def _split_by_site(trace, names, generation: str) -> tuple[list[str], dict[str, str]]:
+    readable, no_site = [], {}
+    for name in names:
+        res = mi.resolve_alias(trace, name, generation=generation)
+        if res.readable:
+            readable.append(name)
+        else:
+            no_site[name] = f"{res.status}: {res.reason}"
+    return readable, no_site
+
+
+@functools.lru_cache(maxsize=None)
+def transformer_lens_result(family: str, impl: str) -> TLResult:
+    """`run_with_cache` on a booted bridge: every cache key under 3.x, canonical keys under 4.x,
+    legacy keys under 2.x, and the keys the flag setters add, under 3.x."""
+    trace = reference(family, impl)
+    bridge, hf_model = _bridge(family, impl)
+    attn_after = hf_model.config._attn_implementation
+    cache = _cache(bridge)
+    keys = tuple(cache)
+    notes = [f"the bridge switched the model to {attn_after!r} attention"] if attn_after != impl else []
+
+    runs = []
+    readable, no_site = _split_by_site(trace, keys, "3.x")
+    runs.append(Run("transformer-lens", family, impl, "3.x", "every run_with_cache key",
+                    _compare(trace, {k: cache[k] for k in readable}, "3.x"), tuple(readable), no_site,
+                    notes=tuple(notes)))
+
+    canonical_names = {r.name for r in mi.table("4.x")}
+    legacy_names = {r.name for r in mi.table("2.x")}
+    canonical = [k for k in keys if _in_table(k, canonical_names)]
+    legacy = [k for k in keys if _in_table(k, legacy_names)]
+    for generation, names, what in (("4.x", canonical, "cache keys that are 4.x names"),
+                                    ("2.x", legacy, "cache keys that are 2.x names")):
+        readable, no_site = _split_by_site(trace, names, generation)
+        runs.append(Run("transformer-lens", family, impl, generation, what,
+                        _compare(trace, {k: cache[k] for k in readable}, generation), tuple(readable), no_site,
+                        notes=tuple(notes)))
+
+    flag_keys, flag_dropped, flag_changed, per_head_resid = {}, {}, {}, {}
+    flagged_values: dict[str, torch.Tensor] = {}
+    for group in TL_FLAG_GROUPS:
+        flagged = _cache(_bridge(family, impl, group)[0])
+        label = "+".join(group)
+        flag_keys[label] = tuple(k for k in flagged if k not in cache)
+        flag_dropped[label] = tuple(k for k in cache if k not in flagged)
+        flag_changed[label] = tuple(k for k in cache if k in flagged and not torch.allclose(
+            flagged[k], cache[k], atol=ATOL, rtol=RTOL))
+        flagged_values.update({k: flagged[k] for k in flag_keys[label]})
+        for key in flag_keys[label]:
+            m = re.fullmatch(r"blocks\.(\d+)\.(?:attn\.)?hook_(?:q_input|k_input|v_input|attn_in)", key)
+            if m:  # [batch, pos, heads, d_model]: the block's input, once per head?
+                resid = flagged[f"blocks.{m[1]}.hook_resid_pre"].unsqueeze(2)
+                value = flagged[key]
+                per_head_resid[key] = value.dim() == 4 and bool(torch.equal(value, resid.expand_as(value)))
+    readable, no_site = _split_by_site(trace, flagged_values, "3.x")
+    runs.append(Run("transformer-lens", family, impl, "3.x", "keys only the flag setters add",
+                    _compare(trace, {k: flagged_values[k] for k in readable}, "3.x"), tuple(readable), no_site,
+                    notes=tuple(notes)))
+    every_key = set(keys) | set(flagged_values)
+    not_in_cache = {
+        generation: tuple(r.query for r in mi.alias_report(trace, generation) if r.readable and r.query not in every_key)
+        for generation in ("3.x", "4.x", "2.x")
+    }
+    return TLResult(keys, tuple(runs), attn_after, flag_keys, flag_dropped, flag_changed, not_in_cache,
+                    per_head_resid)
+
+
+def _in_table(name: str, patterns: set[str]) -> bool:
+    return any(re.fullmatch(re.escape(p).replace(r"\{L\}", r"\d+"), name) for p in patterns)
+
+
+# -- everything --------------------------------------------------------------------------------
+
+RUNNERS = {
+    "nnsight": lambda f, i: (nnsight_run(f, i),),
+    "nnterp": lambda f, i: (nnterp_run(f, i),),
+    "interp-engine": lambda f, i: (interp_engine_run(f, i),),
+    "transformer-lens": lambda f, i: transformer_lens_result(f, i).runs,
+}
+
+
+def available(engine: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(ENGINES[engine][1]) is not None
+
+
+def all_runs(engines=tuple(ENGINES)) -> list[Run]:
+    """Every run, in a fixed order: engine, family, attention implementation."""
+    return [run for engine in engines for family in FAMILIES for impl in IMPLS
+            for run in RUNNERS[engine](family, impl)]
