@@ -1,0 +1,289 @@
+"""Run the peer engines against TorchLens and render docs/guides/verified.md from the counts.
+
+The comparisons are the ones `tests/test_engines.py` asserts on: both import the engine runs
+from `tests/engine_runs.py`. This script counts them per engine, model family, attention
+implementation and naming generation, writes the full record (names, reasons, largest
+differences, installed versions) to `build/verified.json`, and renders the page from the parts
+of it that do not change between machines: no date and no floating-point differences appear on
+the page, so a fresh run reproduces it byte for byte.
+
+Usage:
+    python scripts/gen_verified.py          # write build/verified.json and docs/guides/verified.md
+    python scripts/gen_verified.py --check  # exit 1 when the committed page differs from a fresh run
+
+`tests/test_verified_page.py` runs the check. The page states the versions pinned in
+constraints.txt, so the script refuses to write it from an environment with other versions of
+the engines, torch or transformers installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+import engine_runs as er  # noqa: E402  (needs the paths above)
+
+PAGE = ROOT / "docs" / "guides" / "verified.md"
+JSON_OUT = ROOT / "build" / "verified.json"
+CONSTRAINTS = ROOT / "constraints.txt"
+
+ENGINE_TITLES = {"nnsight": "nnsight", "nnterp": "nnterp", "interp-engine": "interp-engine",
+                 "transformer-lens": "TransformerLens"}
+FAMILY_TITLES = {"gpt2": "GPT-2", "llama": "Llama"}
+PINNED = ("torch", "transformers", "nnsight", "nnterp", "interp-engine", "transformer-lens")
+
+
+def pins(path: Path = CONSTRAINTS) -> dict[str, str]:
+    """The versions constraints.txt pins for torch, transformers and the four engines."""
+    found = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"^\s*([A-Za-z0-9_.\-]+)\s*==\s*([^\s#;]+)", line)
+        if m and m[1].lower() in PINNED:
+            found[m[1].lower()] = m[2]
+    return {name: found.get(name, "unpinned") for name in PINNED}
+
+
+def drift(record: dict) -> dict[str, tuple[str, str]]:
+    """Packages whose installed version does not satisfy the pin: {name: (installed, pinned)}.
+
+    A local version label is ignored, as pip does (`2.13.0+cpu` satisfies `==2.13.0`).
+    """
+    from packaging.specifiers import SpecifierSet
+
+    out = {}
+    for name, pinned in record["pinned"].items():
+        installed = record["installed"].get(name, "not installed")
+        try:
+            ok = installed in SpecifierSet(f"=={pinned}")
+        except Exception:  # "unpinned", "not installed"
+            ok = installed == pinned
+        if not ok:
+            out[name] = (installed, pinned)
+    return out
+
+
+def _pattern(name: str) -> str:
+    """A per-layer name with its layer index replaced by {L} (`blocks.1.hook_x` -> `blocks.{L}.hook_x`)."""
+    return re.sub(r"(?<=[.\[])\d+(?=[.\]]|$)", "{L}", name)
+
+
+def collect(runs: list[er.Run] | None = None) -> dict:
+    """Run every engine (or take `runs`) and return the JSON-able record."""
+    if runs is None:
+        runs = er.all_runs()
+    record = {
+        "pinned": pins(),
+        "installed": {k: v for k, v in er.versions().items() if k in PINNED},
+        "tolerance": {"atol": er.ATOL, "rtol": er.RTOL},
+        "inputs": {"ids": er.IDS.tolist(), "families": list(er.FAMILIES), "impls": list(er.IMPLS)},
+        "runs": [],
+    }
+    for run in runs:
+        record["runs"].append({
+            "engine": run.engine, "family": run.family, "impl": run.impl, "generation": run.generation,
+            "what": run.what, "compared": run.compared, "matched": run.matched,
+            "expected": list(run.expected),
+            "mismatched": run.report.mismatched,
+            "from_eager_copy": list(run.from_eager_copy),
+            "no_site": dict(run.no_site),
+            "statuses": _count(c.status for c in run.report),
+            "max_abs_error": run.max_abs_error,
+            "notes": list(run.notes),
+        })
+    if any(r.engine == "transformer-lens" for r in runs):
+        record["transformer_lens"] = {
+            f"{f}/{i}": {
+                "cache_keys": len(res.keys), "attn_after_boot": res.attn_after_boot,
+                "flag_keys": {k: list(v) for k, v in res.flag_keys.items()},
+                "flag_dropped": {k: list(v) for k, v in res.flag_dropped.items()},
+                "flag_changed": {k: list(v) for k, v in res.flag_changed.items()},
+                "not_in_cache": {k: list(v) for k, v in res.not_in_cache.items()},
+            }
+            for f in er.FAMILIES for i in er.IMPLS
+            for res in [er.transformer_lens_result(f, i)]
+        }
+    return record
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return dict(sorted(out.items()))
+
+
+INTRO = """# Verified against
+
+This page is generated by `scripts/gen_verified.py` from a run of the four peer engines that
+`tests/test_engines.py` checks. Each engine reads a tiny random-init model (2 layers, d_model
+32; GPT-2 with 2 heads, Llama with 4 query heads over 2 key/value heads), the same weights are
+traced once with `torchlens.trace(model, ids, save="all")`, and every tensor the engine reads
+under a name from one of TorchLens's [alias tables](../aliases/index.md) is checked with
+`torchlens.mechinterp.compare` against the tensor that name resolves to. The input is the
+four token ids `[[1, 2, 3, 4]]`; everything runs in float32 on the CPU, with
+`atol={atol}` and `rtol={rtol}`.
+
+Nothing is downloaded: the models are built from small configs with a fixed seed (norm gains
+and biases perturbed, so a tensor read before a norm's gain differs from one read after it),
+and the tokenizer the engines ask for is built in code (the TransformerLens bridge reloads it
+from a temporary directory). Each engine gets a fresh copy of
+the model, because all but TorchLens change the model they wrap (nnsight and nnterp wrap every
+module's forward, interp-engine freezes the parameters, the TransformerLens bridge replaces
+submodules).
+"""
+
+COLUMNS = """
+Columns: **names** is the naming generation the engine's names were resolved in; **compared**
+counts the names compared (every name TorchLens has a site for in that run, none skipped);
+**matched** counts those within tolerance; **eager copy** counts names the engine cannot
+read under sdpa, read instead from an eager copy of the same weights and compared with the
+tensor TorchLens reconstructed from the fused kernel; **no site** counts names the engine
+offered that TorchLens's tables have no site for (listed below, not compared).
+"""
+
+
+def render(record: dict) -> str:
+    """The page, from the deterministic part of the record."""
+    tol = record["tolerance"]
+    out = [INTRO.format(atol=tol["atol"], rtol=tol["rtol"]).rstrip(), "", "## Versions", "",
+           "The versions pinned in `constraints.txt`, the ones CI installs:", "",
+           "| package | version |", "|---|---|"]
+    out += [f"| {name} | {version} |" for name, version in record["pinned"].items()]
+    out += ["", "## Comparisons", "", COLUMNS.strip(), "",
+            "| engine | model | attention | names | what the engine read | compared | matched | eager copy | no site |",
+            "|---|---|---|---|---|---:|---:|---:|---:|"]
+    for r in record["runs"]:
+        out.append(
+            f"| {ENGINE_TITLES[r['engine']]} | {FAMILY_TITLES[r['family']]} | {r['impl']} | `{r['generation']}` "
+            f"| {r['what']} | {r['compared']} | {r['matched']} | {len(r['from_eager_copy'])} | {len(r['no_site'])} |"
+        )
+    compared = sum(r["compared"] for r in record["runs"])
+    matched = sum(r["matched"] for r in record["runs"])
+    out += ["", f"In all: {compared} comparisons in {len(record['runs'])} runs, {matched} within tolerance.", ""]
+
+    out += ["## Names without a TorchLens site", "",
+            "Names an engine offered in these runs that the tables map to no TorchLens site, with the "
+            "tables' reason. Per-layer names are shown once, with `{L}` for the layer.", ""]
+    seen: dict[tuple[str, str], tuple[set[str], str]] = {}
+    for r in record["runs"]:
+        for name, reason in r["no_site"].items():
+            key = (r["engine"], _pattern(name))
+            families, _ = seen.setdefault(key, (set(), reason))
+            families.add(FAMILY_TITLES[r["family"]])
+    if not seen:
+        out += ["None.", ""]
+    for (engine, pattern), (families, reason) in sorted(seen.items()):
+        reason = re.sub(r"^structurally_absent: ", "", reason)
+        reason = re.sub(r"^TorchLens has no site for it: ", "", reason)
+        out.append(f"- {ENGINE_TITLES[engine]}, `{pattern}` ({', '.join(sorted(families))}): {reason}")
+    out.append("")
+
+    out += [FINDINGS.strip(), ""]
+    if "transformer_lens" in record:
+        out += _tl_section(record["transformer_lens"])
+    out += [REGENERATE.strip(), ""]
+    return "\n".join(out)
+
+
+FINDINGS = """
+## What the runs show about the engines
+
+- **nnsight** reads module inputs and outputs. Under eager attention the attention module
+  returns its weights as element 1 of its output, so `attention_probabilities[L]` is
+  `attn.output[1]`; under sdpa that element is `None`.
+- **nnterp** serves `attention_probabilities` only with `enable_attention_probs=True`, and only
+  on a model that already runs eager attention (the flag does not switch a built model). On
+  GPT-2 under transformers 5.x it also needs
+  `rename_config=RenameConfig(attn_prob_source=default_attention_prob_source)`: its GPT-2
+  source hook looks for an `attn_dropout` call that transformers 5 no longer makes.
+- **interp-engine** refuses `attn_scores.L` and `attn_probs.L` on an sdpa model (it rebuilds
+  them from a real softmax), and its async `capture` returns tensors without the batch axis;
+  `compare` drops TorchLens's batch axis of 1, flattens `value.L`'s heads and turns `z.L`
+  token-major to match.
+- **TransformerLens** 4.x `TransformerBridge.boot_transformers` switches the model it is given
+  to eager attention, so on the sdpa rows the bridge ran eager while TorchLens traced sdpa:
+  its scores and pattern are compared with TorchLens's reconstruction. Every cache key is a 3.x
+  name; the canonical ones are also 4.x names and the legacy aliases (and the norm, score and
+  pattern names the two generations share) are 2.x names. `hook_normalized` on the bridge is
+  the normalized input before the gain, and `hook_scale` the divisor `sqrt(var + eps)`, as in
+  TorchLens's `normalized` and `scale` facets; the bridge recomputes GPT-2's LayerNorm in Python,
+  so those tensors agree with TorchLens's to rounding, not bit for bit.
+"""
+
+REGENERATE = """
+## Regenerating this page
+
+```bash
+make install                                       # .venv with the versions of constraints.txt
+.venv/bin/python scripts/gen_verified.py           # writes build/verified.json and this page
+.venv/bin/python scripts/gen_verified.py --check   # exit 1 if this page is stale
+```
+
+`build/verified.json` keeps what the page leaves out: every name compared, the largest
+absolute difference per run, the TorchLens status of each site, and the installed versions.
+`tests/test_verified_page.py` renders the page from the run the test suite makes and fails
+when it differs from the committed one.
+"""
+
+
+def _tl_section(tl: dict) -> list[str]:
+    first = next(iter(tl.values()))
+    out = ["### TransformerLens flag-gated hooks", "",
+           "The last TransformerLens row per configuration covers the keys that appear only after the bridge's "
+           "flag setters are called (two bridges: `set_use_attn_in` cannot be combined with "
+           "`set_use_split_qkv_input`). `hook_result` excludes the output bias, as TorchLens's `result` does. "
+           "The per-head input copies (`hook_q_input`, `hook_k_input`, `hook_v_input`, `hook_attn_in`) "
+           "equal the block's input repeated over heads; TorchLens keeps that tensor once "
+           "(`blocks.{L}.hook_resid_pre`). The flags also remove keys from the cache:", ""]
+    for group, dropped in first["flag_dropped"].items():
+        names = sorted({_pattern(k) for k in dropped})
+        out.append(f"- `{group}`: no more {', '.join(f'`{n}`' for n in names)}")
+    out.append("")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the committed page is stale")
+    args = parser.parse_args(argv)
+    missing = [e for e in er.ENGINES if not er.available(e)]
+    if missing:
+        print(f"gen_verified: not installed: {', '.join(missing)} (pip install -c constraints.txt -e '.[test]')",
+              file=sys.stderr)
+        return 2
+    record = collect()
+    drifted = drift(record)
+    JSON_OUT.parent.mkdir(parents=True, exist_ok=True)
+    JSON_OUT.write_text(json.dumps({**record, "date": datetime.date.today().isoformat()}, indent=1) + "\n")
+    bad = [f"{r['engine']}/{r['family']}/{r['impl']}/{r['generation']}: {r['mismatched']}"
+           for r in record["runs"] if r["mismatched"] or r["compared"] != len(r["expected"])]
+    if bad:
+        print("gen_verified: comparisons failed:\n  " + "\n  ".join(bad), file=sys.stderr)
+        return 1
+    page = render(record)
+    if args.check:
+        if drifted:
+            print(f"gen_verified: installed versions differ from constraints.txt: {drifted}", file=sys.stderr)
+        if PAGE.exists() and PAGE.read_text(encoding="utf-8") == page:
+            print(f"{PAGE.relative_to(ROOT)} is up to date")
+            return 0
+        print(f"{PAGE.relative_to(ROOT)} is stale: run python scripts/gen_verified.py", file=sys.stderr)
+        return 1
+    if drifted:
+        print("gen_verified: the page states the pinned versions, but these differ here "
+              f"(installed, pinned): {drifted}; not writing it", file=sys.stderr)
+        return 1
+    PAGE.write_text(page, encoding="utf-8")
+    print(f"wrote {PAGE.relative_to(ROOT)} and {JSON_OUT.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""docs/guides/verified.md must be what a fresh run of the engine comparisons renders.
+
+The page's numbers come from `scripts/gen_verified.py`, which counts the runs in
+`tests/engine_runs.py`, the same runs `tests/test_engines.py` asserts on (they are cached, so a
+full test session runs each engine once). A table edit, an engine upgrade or a changed
+comparison that moves a count makes this test fail until the page is regenerated.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import pathlib
+
+import pytest
+
+from docs_harness import ci_is_on
+
+import engine_runs as er
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gen():
+    spec = importlib.util.spec_from_file_location("gen_verified", REPO / "scripts" / "gen_verified.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _skip_or_fail(message: str) -> None:
+    if ci_is_on():
+        pytest.fail(f"{message} (CI=true)")
+    pytest.skip(message)
+
+
+def test_page_matches_a_fresh_run(gen):
+    missing = [e for e in er.ENGINES if not er.available(e)]
+    if missing:
+        _skip_or_fail(f"not installed: {', '.join(missing)}")
+    record = gen.collect()
+    drift = gen.drift(record)
+    if drift:
+        _skip_or_fail(f"installed versions differ from constraints.txt (installed, pinned): {drift}")
+    fresh = gen.render(record)
+    committed = gen.PAGE.read_text(encoding="utf-8")
+    if fresh != committed:
+        diff = "".join(difflib.unified_diff(committed.splitlines(True), fresh.splitlines(True),
+                                            "docs/guides/verified.md (committed)", "fresh run", n=1))
+        pytest.fail(f"docs/guides/verified.md is stale; run python scripts/gen_verified.py\n{diff}")
+    assert all(r["matched"] == r["compared"] == len(r["expected"]) for r in record["runs"])
+
+
+def test_render_moves_with_the_counts(gen):
+    """The page shows the counts (so the test above can fail), and no date or float errors."""
+    run = {"engine": "nnsight", "family": "gpt2", "impl": "eager", "generation": "nnterp", "what": "w",
+           "compared": 19, "matched": 19, "expected": [], "mismatched": [], "from_eager_copy": [],
+           "no_site": {"x.1": "reason"}, "statuses": {}, "max_abs_error": 1.25e-7, "notes": []}
+    record = {"pinned": gen.pins(), "tolerance": {"atol": 1e-6, "rtol": 1e-6}, "runs": [run]}
+    page = gen.render(record)
+    assert "| nnsight | GPT-2 | eager | `nnterp` | w | 19 | 19 | 0 | 1 |" in page
+    assert "`x.{L}`" in page and "1.25e-07" not in page
+    assert gen.render({**record, "runs": [{**run, "matched": 18}]}) != page
+
+
+def test_pins_come_from_constraints(gen):
+    pinned = gen.pins()
+    assert set(pinned) == set(gen.PINNED) and "unpinned" not in pinned.values()
+    assert pinned["nnsight"] == "0.7.0"
