@@ -95,16 +95,24 @@ def _tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
     return found
 
 
-def first_tensor(value: Any) -> Tensor | None:
-    """The tensor a module output or input stands for: itself, element 0, or the first value."""
+def first_tensor(value: Any, _depth: int = 0) -> Tensor | None:
+    """The tensor a module output stands for: the first tensor in it, depth first.
+
+    A tensor is itself; a tuple or list gives the first tensor among its elements (so element 0
+    when that is a tensor, and `(None, x)` or `(("a", (x, 2)), y)` give `x`); a mapping (a dict,
+    a `ModelOutput`) gives the first tensor among its values. Anything else has none.
+    """
     if isinstance(value, Tensor):
         return value
-    if isinstance(value, (tuple, list)):
-        return value[0] if value and isinstance(value[0], Tensor) else None
-    if isinstance(value, Mapping):
-        for v in value.values():
-            if isinstance(v, Tensor):
-                return v
+    if _depth < 8:
+        if isinstance(value, Mapping):
+            value = value.values()
+        elif not isinstance(value, (tuple, list)):
+            return None
+        for v in value:
+            t = first_tensor(v, _depth + 1)
+            if t is not None:
+                return t
     return None
 
 

@@ -35,7 +35,7 @@ from .records import FacetSite, ModuleCall, OpRecord, Ref
 FACETS: dict[str, dict[str, str]] = {
     "any": {
         "input": "the module's first positional argument, or its first tensor keyword argument when called with keywords only",
-        "output": "the module's output tensor, or element 0 of a tuple output, or the first tensor of a dict/ModelOutput",
+        "output": "the module's output tensor, or else the first tensor in its output, depth first: element 0 of a tuple, the first tensor value of a dict/ModelOutput, inside nested tuples/lists/dicts",
     },
     "block": {
         "resid_pre": "[batch, pos, d_model] residual stream entering the block (the block input)",
