@@ -147,7 +147,9 @@ class Recorder(TorchFunctionMode):
         self._cow_upto = 0
         self._hook_aliases: list[tuple[ModuleCall, str]] = []  # module inputs/outputs the hooks kept
         self._hook_upto = 0
-        self.pending: str | None = None  # name of the op running now, for error notes
+        #: (exception, op name) of the last op that raised, for the note `trace` adds; an op
+        #: failure the model caught and handled is never mistaken for a later error.
+        self.op_failure: tuple[BaseException, str] | None = None
         #: (exception, module path) where a forward raised, seen by the innermost hook that
         #: unwound it; `trace` names it in the note it adds to the exception.
         self.failure: tuple[BaseException, list[str]] | None = None
@@ -174,15 +176,17 @@ class Recorder(TorchFunctionMode):
         info = _FUNC_INFO.get(func) or _classify(func)
         if info[1] == _SKIP:
             return func(*args, **kwargs)
-        self.pending = info[0]
         mutated = info[1] == _INPLACE or (
             bool(kwargs) and (kwargs.get("out") is not None or kwargs.get("inplace") is True)
         )
         if mutated:
             with self.hidden():
                 self._before_write(args, kwargs)
-        out = func(*args, **kwargs)
-        self.pending = None
+        try:
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            self.op_failure = (exc, info[0])
+            raise
         if isinstance(out, Tensor):
             outs = (out,)
         elif isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):

@@ -177,9 +177,10 @@ def _annotate(exc: BaseException, rec: Recorder) -> None:
         where = " > ".join(rec.failure[1]) or "<outside any module>"
     else:
         where = " > ".join(c.address or "<root>" for c in rec.stack) or "<outside any module>"
-    op = rec.pending
-    if op is not None or not rec.ops:
-        note = f"torchlens: raised during op #{len(rec.ops)} ({op}) in module {where}"
+    if rec.op_failure is not None and rec.op_failure[0] is exc:
+        note = f"torchlens: raised during op #{len(rec.ops)} ({rec.op_failure[1]}) in module {where}"
+    elif not rec.ops:
+        note = f"torchlens: raised before the first op, in module {where}"
     else:
         note = f"torchlens: raised after op #{len(rec.ops) - 1} ({rec.ops[-1].name}) in module {where}"
     if hasattr(exc, "add_note"):
