@@ -68,3 +68,10 @@ def test_pins_come_from_constraints(gen):
     pinned = gen.pins()
     assert set(pinned) == set(gen.PINNED) and "unpinned" not in pinned.values()
     assert pinned["nnsight"] == "0.7.0"
+
+
+def test_engines_page_lists_the_pinned_versions(gen):
+    """docs/guides/engines.md types the versions table by hand; it must follow constraints.txt."""
+    page = (REPO / "docs" / "guides" / "engines.md").read_text(encoding="utf-8")
+    for name, version in gen.pins().items():
+        assert f"| {name} | {version} |" in page, f"engines.md: {name} is pinned at {version} in constraints.txt"
