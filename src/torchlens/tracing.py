@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +108,84 @@ def _retained_modules(spec: SaveSpec, roles: dict[str, str]) -> set[str]:
     return keep
 
 
+class _CompiledRunsEagerly:
+    """While at least one trace runs, `torch.compile`d code runs its eager Python instead.
+
+    A compiled module or function would otherwise run a graph that TorchLens's hooks and torch
+    function mode cannot see into (or fail to compile with them, under `fullgraph=True`). The
+    compiler's stance is process-wide, so the first trace to start sets `force_eager` and the
+    last to finish restores whatever stance was set before; a counter under a lock keeps
+    concurrent and nested traces from restoring it early. Without `torch.compiler.set_stance`
+    (torch < 2.6) this does nothing, and `_check_compiled` reports a compiled module whose ops
+    the trace missed.
+    """
+
+    _lock = threading.Lock()
+    _depth = 0
+    _token: Any = None
+
+    def __enter__(self) -> _CompiledRunsEagerly:
+        self.active = False
+        dynamo = sys.modules.get("torch._dynamo")  # never imported: nothing can be compiled
+        set_stance = getattr(dynamo, "set_stance", None)
+        if set_stance is None:
+            return self
+        cls = type(self)
+        with cls._lock:
+            if cls._depth == 0:
+                try:
+                    cls._token = set_stance("force_eager")  # remembers the stance it replaces
+                except RuntimeError:  # trace() called inside a compiled region
+                    return self
+            cls._depth += 1
+            self.active = True
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if not self.active:
+            return
+        cls = type(self)
+        with cls._lock:
+            cls._depth -= 1
+            if cls._depth == 0:
+                token, cls._token = cls._token, None
+                token.__exit__(None, None, None)  # back to the stance before the first trace
+
+
+def _compiled_module_class() -> type | None:
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    """A `torch.compile(module)` wrapper, or a module compiled in place with `module.compile()`."""
+    wrapper = _compiled_module_class()
+    return (wrapper is not None and isinstance(module, wrapper)) or getattr(
+        module, "_compiled_call_impl", None
+    ) is not None
+
+
+def _check_compiled(rec: Recorder, modules: dict[str, nn.Module]) -> None:
+    """Refuse a trace in which a compiled module produced a tensor while no op of it was seen."""
+    for call in rec.calls:
+        if (
+            call.first_op == call.end_op
+            and call._out_ref is None
+            and call._out is not None
+            and _is_compiled(modules[call.address])
+        ):
+            raise CaptureError(
+                f"module {call.address or '<root>'!r} is compiled with torch.compile and its compiled code "
+                "ran without TorchLens seeing a single op of it, so the trace would have a hole there. "
+                "TorchLens runs compiled code eagerly during a trace with torch.compiler.set_stance"
+                "('force_eager') where torch has it (2.6 and later), which did not happen here. Trace the "
+                "eager module instead: replace a torch.compile(module) wrapper by its `_orig_mod` "
+                "(model.sub = model.sub._orig_mod), undo module.compile() with "
+                "module._compiled_call_impl = None, or call trace() under "
+                "torch.compiler.set_stance('force_eager')."
+            )
+
+
 def trace(model: nn.Module, *args: Any, save: Any = "all", **kwargs: Any) -> Trace:
     """Run `model(*args, **kwargs)` once in eager mode and record everything it does.
 
@@ -126,6 +206,10 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", **kwargs: Any) -> Tra
     Raises:
         SaveSpecError: `save=` is not accepted, or selects nothing in this forward.
         TorchLensError: `model` is not a module.
+        CaptureError: a `torch.compile`d module ran code the capture could not see. TorchLens runs
+            compiled modules and functions eagerly while it traces (`torch.compiler.set_stance(
+            "force_eager")`, torch 2.6+), so this only happens where torch cannot do that; a
+            `torch.compile(model)` wrapper passed as `model` is traced as its `_orig_mod`.
         Exception: whatever the forward raises propagates unchanged, with a note naming the op
             and module where it happened; nothing TorchLens installed is left behind.
 
@@ -140,6 +224,9 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", **kwargs: Any) -> Tra
     """
     if not isinstance(model, nn.Module):
         raise TorchLensError(f"trace() needs a torch.nn.Module as its first argument, got {type(model).__name__}.")
+    wrapper = _compiled_module_class()
+    if wrapper is not None and isinstance(model, wrapper):  # torch.compile(model): trace the eager model
+        model = model._orig_mod
     names: dict[nn.Module, str] = {}
     aliases: dict[str, str] = {}
     for addr, m in model.named_modules(remove_duplicate=False):
@@ -160,7 +247,7 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", **kwargs: Any) -> Tra
         for m in names:
             handles.append(m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True))
             handles.append(m.register_forward_hook(rec.post_hook, with_kwargs=True, always_call=True))
-        with rec:
+        with _CompiledRunsEagerly(), rec:
             output = model(*args, **kwargs)
     except BaseException as exc:
         _annotate(exc, rec)
@@ -188,6 +275,8 @@ def _annotate(exc: BaseException, rec: Recorder) -> None:
 
 
 def _assemble(rec, model, names, aliases, roles, spec, output) -> Trace:
+    modules = {addr: m for m, addr in names.items()}
+    _check_compiled(rec, modules)
     overwritten = rec.check_versions()
     if overwritten:
         import warnings
@@ -198,7 +287,6 @@ def _assemble(rec, model, names, aliases, roles, spec, output) -> Trace:
             f"could not see ({labels}); their saved values show the later contents.",
             stacklevel=3,
         )
-    modules = {addr: m for m, addr in names.items()}
     keep = None if spec.everything else spec.keep
     with torch.no_grad():
         derive(rec.ops, rec.calls, modules, keep)
