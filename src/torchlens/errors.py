@@ -79,14 +79,17 @@ class ModuleNotFoundInTrace(TorchLensError, KeyError):
 class FacetNotFound(TorchLensError, KeyError):
     """A facet name does not exist on this module."""
 
-    def __init__(self, address: str, facet: str, known: Iterable[str], role: str | None = None):
+    def __init__(self, address: str, facet: str, known: Iterable[str], role: str | None = None, reason: str = ""):
         known = list(known)
         self.address, self.facet = address, facet
         what = f"the {role} module" if role else "the module"
-        msg = (
-            f"{what} {address!r} has no facet {facet!r}.{_suggest(facet, known)}"
-            f" Its facets are: {', '.join(known) or '(none)'}."
-        )
+        if reason:
+            msg = f"{what} {address!r} has no facet {facet!r}: {reason}."
+        else:
+            msg = (
+                f"{what} {address!r} has no facet {facet!r}.{_suggest(facet, known)}"
+                f" Its facets are: {', '.join(known) or '(none)'}."
+            )
         super().__init__(msg)
 
     def __str__(self) -> str:

@@ -118,15 +118,20 @@ class FacetMap(Mapping):
     does not exist raises [`FacetNotFound`][torchlens.errors.FacetNotFound] with close matches.
     """
 
-    def __init__(self, address: str, role: str, sites: dict[str, FacetSite]):
+    def __init__(self, address: str, role: str, sites: dict[str, FacetSite], ran: bool = True):
         self.address = address
         self.role = role
         self.sites = sites
+        self.ran = ran  # False for the empty map of a module that did not run in the forward
+
+    def _not_found(self, name: str) -> FacetNotFound:
+        reason = "" if self.ran else "it did not run in this forward pass, so it has no facets"
+        return FacetNotFound(self.address, name, self.sites, self.role, reason)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         site = self.sites.get(name)
         if site is None:
-            raise FacetNotFound(self.address, name, self.sites, self.role)
+            raise self._not_found(name)
         if site.tensor is None:
             raise FacetNotSaved(self.address, name)
         return site.tensor
@@ -146,7 +151,7 @@ class FacetMap(Mapping):
         try:
             return self.sites[name]
         except KeyError:
-            raise FacetNotFound(self.address, name, self.sites, self.role) from None
+            raise self._not_found(name) from None
 
     def __repr__(self) -> str:
         items = []
@@ -212,7 +217,7 @@ class ModuleRecord:
         if len(self.calls) == 1:
             return self.calls[0].facets  # type: ignore[return-value]
         if not self.calls:
-            return FacetMap(self.address, self.role, {})
+            return FacetMap(self.address, self.role, {}, ran=False)
         raise AmbiguousModuleCall(self.address, len(self.calls))
 
     def __repr__(self) -> str:
