@@ -240,7 +240,9 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", **kwargs: Any) -> Tra
         spec.everything, frozenset(aliases.get(a, a) for a in spec.addresses), spec.facets, spec.predicate
     )
     retain_all = spec.everything or spec.predicate is not None
-    params = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    params: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        params.setdefault(id(p), n)  # a shared (tied) weight keeps its first, canonical name
     rec = Recorder(names, roles, retain_all, _retained_modules(spec, roles), params)
     handles = []
     try:
