@@ -7,6 +7,12 @@ _HEADS_OF_RESID = (
     "blocks.{L}.hook_resid_pre and broadcast it over heads"
 )
 
+_UNFOLDED_LN = (
+    "TL hooks this after the gain and bias on an unfolded LayerNorm (fold_ln=False): that tensor is the "
+    "norm's output (ln*.hook_out in 4.x). A folded model (fold_ln=True, from_pretrained's default) and "
+    "RMSNorm hook it before the gain, like TorchLens's normalized"
+)
+
 ROWS = (
     Row("hook_tokens", "token_embed", "indices", "token ids (cfg.use_hook_tokens)"),
     Row("hook_embed", "token_embed", "lookup", "token embedding lookup",
@@ -21,7 +27,7 @@ ROWS = (
     Row("blocks.{L}.ln1.hook_scale", "ln1", "scale", "pre-attention norm divisor sqrt(var+eps) or sqrt(mean(x^2)+eps)",
         "TorchLens also offers its reciprocal, inv_std / inv_rms"),
     Row("blocks.{L}.ln1.hook_normalized", "ln1", "normalized", "pre-attention norm output before the gain",
-        "TL's unfolded LayerNorm applies the gain and bias first; TorchLens's normalized is always pre-gain"),
+        _UNFOLDED_LN),
     Row("blocks.{L}.attn.hook_q", "attention", "q", "queries per head, before RoPE", "[batch, pos, heads, d_head]"),
     Row("blocks.{L}.attn.hook_k", "attention", "k", "keys per head, before RoPE", "kv heads under GQA"),
     Row("blocks.{L}.attn.hook_v", "attention", "v", "values per head", "kv heads under GQA"),
@@ -43,7 +49,7 @@ ROWS = (
     Row("blocks.{L}.hook_mlp_in", "block", "resid_mid", "pre-norm residual feeding the MLP branch (cfg.use_hook_mlp_in)",
         "the same tensor as hook_resid_mid"),
     Row("blocks.{L}.ln2.hook_scale", "ln2", "scale", "pre-MLP norm divisor"),
-    Row("blocks.{L}.ln2.hook_normalized", "ln2", "normalized", "pre-MLP norm output before the gain"),
+    Row("blocks.{L}.ln2.hook_normalized", "ln2", "normalized", "pre-MLP norm output before the gain", _UNFOLDED_LN),
     Row("blocks.{L}.mlp.hook_pre", "mlp", "pre", "activation input (GPT-2 c_fc, Llama gate_proj output)"),
     Row("blocks.{L}.mlp.hook_pre_linear", "mlp", "pre_linear", "linear branch of a gated MLP (Llama up_proj)",
         "absent on a non-gated MLP"),
@@ -65,7 +71,7 @@ ROWS = (
     Row("blocks.{L}.mlp.hook_expert_weights", None, None, "MoE softmax over all experts", "TorchLens has no MoE routing facets"),
     Row("blocks.{L}.mlp.hook_expert_indices", None, None, "MoE chosen experts", "TorchLens has no MoE routing facets"),
     Row("ln_final.hook_scale", "final_norm", "scale", "final norm divisor"),
-    Row("ln_final.hook_normalized", "final_norm", "normalized", "final norm output before the gain"),
+    Row("ln_final.hook_normalized", "final_norm", "normalized", "final norm output before the gain", _UNFOLDED_LN),
 )
 
 TABLE = Table("2.x", "TransformerLens 2.x HookedTransformer hook names", ROWS)
