@@ -197,3 +197,23 @@ def test_a_missing_engine_skips_locally_and_fails_under_ci(monkeypatch):
     monkeypatch.setenv("CI", "")
     with pytest.raises(pytest.skip.Exception):
         require("absent-engine")
+
+
+# -- conventions compare reports (no engine needed) --------------------------------------------
+
+
+def test_compare_names_the_unfolded_layernorm_convention():
+    """TransformerLens 2.x hooks hook_normalized after the gain on an unfolded LayerNorm (checked
+    with TL 2.18: HookedTransformer with fold_ln=False). compare fails such a row and says so;
+    the pre-gain tensor of a folded model passes."""
+    trace = er.reference("gpt2", "eager")  # norm gains and biases perturbed: pre- and post-gain differ
+    post = mi.resolve_alias(trace, "blocks.0.ln2.hook_out", generation="4.x").tensor(trace)
+    pre = mi.resolve_alias(trace, "blocks.0.ln2.hook_normalized", generation="2.x").tensor(trace)
+    row = mi.compare(trace, {"blocks.0.ln2.hook_normalized": post}, generation="2.x")[0]
+    assert not row.passed and "fold_ln=False" in row.hint
+    assert mi.compare(trace, {"blocks.0.ln2.hook_normalized": pre}, generation="2.x").ok
+    # A computed (reconstructed) facet that differs for another reason is not blamed on a fused kernel.
+    scale = mi.resolve_alias(trace, "blocks.0.ln2.hook_scale", generation="2.x").tensor(trace)
+    row = mi.compare(trace, {"blocks.0.ln2.hook_scale": 2 * scale}, generation="2.x")[0]
+    assert row.status == "reconstructed_read_only" and not row.passed
+    assert "fused kernel" not in row.hint and "computed" in row.hint

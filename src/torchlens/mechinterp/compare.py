@@ -211,14 +211,42 @@ def _compare_one(trace, name, value, res: AliasResolution, atol, rtol, editable)
     passed = bool((d <= atol + rtol * scale).all())
     hint = ""
     if not passed:
-        hint = _mismatch_hint(res, d, atol, rtol, scale, engine, t)
+        hint = _mismatch_hint(trace, res, d, atol, rtol, scale, engine, t)
     return row(res.status, passed, hint, tuple(ref.shape), label, err)
 
 
-def _mismatch_hint(res: AliasResolution, d: Tensor, atol, rtol, scale, engine: Tensor, ref: Tensor) -> str:
+#: Facets TorchLens rebuilds from a fused attention kernel's inputs (when no softmax op ran).
+_KERNEL_REBUILT = frozenset({"scores", "pattern"})
+
+
+def _equals_facet(trace, res: AliasResolution, facet: str, engine: Tensor, atol, rtol) -> bool:
+    """Whether the engine tensor equals another facet of the same module (in some layout)."""
+    try:
+        other = trace.modules[res.module_address].facets[facet]
+    except Exception:  # the module has no such facet, or it was not kept
+        return False
+    if not isinstance(other, Tensor):
+        return False
+    other = other.detach().cpu()
+    for _, t in _candidates(other, facet):
+        if tuple(t.shape) == tuple(engine.shape):
+            err, d = _diff(engine, t, facet)
+            if bool((d <= atol + rtol * t.float().abs().nan_to_num(posinf=0.0, neginf=0.0)).all()):
+                return True
+    return False
+
+
+def _mismatch_hint(trace, res: AliasResolution, d: Tensor, atol, rtol, scale, engine: Tensor, ref: Tensor) -> str:
     bad = d > atol + rtol * scale
+    if res.facet == "normalized" and _equals_facet(trace, res, "output", engine, atol, rtol):
+        return ("the engine's tensor is this norm's output, after the gain and bias: TransformerLens 2.x hooks "
+                "hook_normalized there on an unfolded LayerNorm (fold_ln=False); TorchLens's normalized is the "
+                "tensor before the gain, which a folded model (fold_ln=True) hooks")
     if res.status == "reconstructed_read_only":
-        return "TorchLens rebuilt this site from a fused kernel's inputs; compare an eager-attention copy to be sure"
+        if res.facet in _KERNEL_REBUILT:
+            return "TorchLens rebuilt this site from a fused kernel's inputs; compare an eager-attention copy to be sure"
+        return "TorchLens computed this site from recorded tensors; check the engine's convention for it" + (
+            f" ({res.note})" if res.note else "")
     if engine.dtype in (torch.bfloat16, torch.float16) or ref.dtype in (torch.bfloat16, torch.float16):
         return "half-precision run: loosen atol/rtol to the engine's precision"
     if bad.dim() >= 2 and ref.dim() >= 2:
