@@ -1,5 +1,8 @@
 """interp-engine canonical point addresses (pinned to interp-engine 1.14.3, commit 2afe000d).
 
+The tests run against 1.14.2, the newest release on PyPI; its point table has the same 34
+points.
+
 An address is `name[.layer][.stream-K]`. `layer` is interp-engine's flattened forward order,
 which is the block index on single-stack decoders (GPT-2, Llama-style models), the only
 layouts this table was checked on. `path.<module address>` reads any module's output.
