@@ -307,3 +307,32 @@ class Trace:
         lines = ["  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
         lines.append("(* = exists but not saved)")
         return "\n".join(lines)
+
+    def _repr_html_(self, max_rows: int = 60) -> str:
+        """The modules that ran as an HTML table (what `summary()` prints), for notebooks.
+
+        Facets are listed with their shapes; a facet this trace did not save is grey and starred,
+        and a computed or reconstructed (read-only) facet is in italics. Past `max_rows` modules
+        the table says how many it left out.
+        """
+        from ._html import code, esc, table
+
+        ran = [rec for rec in self.modules.values() if rec.calls]
+        rows = []
+        for rec in ran[:max_rows]:
+            facets = rec.calls[0].facets
+            cells = []
+            for name, site in (facets.sites.items() if facets else []):
+                style = ("" if site.saved else "color:#8c959f;") + ("font-style:italic;" if site.read_only else "")
+                note = site.kind + ("" if site.saved else ", not saved") + (f": {site.note}" if site.note else "")
+                cells.append(code(f"{name}{list(site.shape)}" + ("" if site.saved else "*"), style, note))
+            depth = rec.address.count(".") + 1 if rec.address else 0
+            address = code(rec.address or "<root>", f"margin-left:{depth * 0.8:.1f}em" if depth else "")
+            rows.append([address, esc(rec.role), esc(len(rec.calls)), " ".join(cells)])
+        notes = []
+        if len(ran) > max_rows:
+            notes.append(f"{len(ran) - max_rows} more modules ran; trace.summary() lists them all.")
+        if any(not s.saved for rec in ran for c in rec.calls[:1] if c.facets for s in c.facets.sites.values()):
+            notes.append("* exists but not saved.")
+        notes.append("Italic: computed or reconstructed, read-only.")
+        return table(["module", "role", "calls", "facets"], rows, caption=repr(self), note=" ".join(notes))

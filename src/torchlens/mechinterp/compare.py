@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,24 +65,47 @@ class ComparisonReport(list):
         if not self:
             return "ComparisonReport([])"
         w = max(len(c.name) for c in self)
-        lines = [f"{'name'.ljust(w)}  ok  {'max |diff|':>10}  {'status':24}  site / hint"]
+        s = max(len(c.status) for c in self)
+        lines = [f"{'name'.ljust(w)}  ok   {'max |diff|':>10}  {'status'.ljust(s)}  site / hint"]
         for c in self:
-            err = "-" if c.max_abs_error is None else f"{c.max_abs_error:.3g}"
-            tail = f"{c.module_address}:{c.facet}" + (f" [{c.layout}]" if c.layout != "as is" else "")
+            tail = _site(c) + (f" [{c.layout}]" if c.layout != "as is" else "")
             if c.hint:
                 tail += f"  ({c.hint})"
-            lines.append(f"{c.name.ljust(w)}  {'yes' if c.passed else 'NO ':3} {err:>10}  {c.status:24}  {tail}")
+            ok = "yes" if c.passed else "NO "
+            lines.append(f"{c.name.ljust(w)}  {ok}  {_err(c):>10}  {c.status.ljust(s)}  {tail}")
+        lines.append(f"({_summary(self)})")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{h}</th>" for h in ("name", "ok", "max |diff|", "status", "site", "hint"))
-        body = "".join(
-            f"<tr><td><code>{html.escape(c.name)}</code></td><td>{'✔' if c.passed else '✘'}</td>"
-            f"<td>{'' if c.max_abs_error is None else f'{c.max_abs_error:.3g}'}</td><td>{c.status}</td>"
-            f"<td><code>{html.escape(f'{c.module_address}:{c.facet}')}</code></td><td>{html.escape(c.hint)}</td></tr>"
+        from .._html import code, esc, table
+
+        rows = [
+            [
+                code(c.name),
+                '<span style="color:#2e7d32">yes</span>' if c.passed else '<span style="color:#c62828">no</span>',
+                esc(_err(c)) if c.max_abs_error is not None else "",
+                esc(c.status),
+                code(_site(c)) + (f" <small>[{esc(c.layout)}]</small>" if c.layout != "as is" else ""),
+                esc(c.hint),
+            ]
             for c in self
-        )
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        ]
+        return table(["name", "ok", "max |diff|", "status", "site", "hint"], rows, note=_summary(self) if self else "")
+
+
+def _site(c: Comparison) -> str:
+    if c.module_address is None or c.facet is None or c.status == "structurally_absent":
+        return "-"
+    return f"{c.module_address or '<root>'}:{c.facet}"
+
+
+def _err(c: Comparison) -> str:
+    return "-" if c.max_abs_error is None else f"{c.max_abs_error:.3g}"
+
+
+def _summary(report: ComparisonReport) -> str:
+    failed = sum(not c.passed for c in report)
+    return f"{len(report)} compared: {len(report) - failed} agree, {failed} do not"
 
 
 def _candidates(ref: Tensor, facet: str) -> Iterator[tuple[str, Tensor]]:

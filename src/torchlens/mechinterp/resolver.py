@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -110,38 +109,70 @@ class AliasResolution:
         return trace.modules[self.module_address].facets[self.facet]
 
     def __repr__(self) -> str:
-        where = f"{self.module_address or '-'}:{self.facet or '-'}"
-        return f"AliasResolution({self.query!r} -> {where} [{self.status}], generation={self.generation!r})"
+        return f"AliasResolution({self.query!r} -> {_site(self)} [{self.status}], generation={self.generation!r})"
 
     def _repr_html_(self) -> str:
         return _html_table([self])
 
 
-def _html_table(rows: list[AliasResolution]) -> str:
-    colors = {"real": "#2e7d32", "reconstructed_read_only": "#1565c0", "needs_capture": "#ef6c00",
-              "structurally_absent": "#757575", "ambiguous": "#c62828"}
-    head = "".join(f"<th>{h}</th>" for h in ("name", "status", "module", "facet", "reason"))
-    body = "".join(
-        f"<tr><td><code>{html.escape(r.query)}</code></td>"
-        f"<td style='color:{colors.get(r.status, '#000')}'>{r.status}</td>"
-        f"<td><code>{html.escape(r.module_address or '')}</code></td><td>{html.escape(r.facet or '')}</td>"
-        f"<td>{html.escape(r.reason)}</td></tr>"
-        for r in rows
-    )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+def _site(r: AliasResolution) -> str:
+    """`module:facet` (`<root>` for the root module), `-` for a missing part."""
+    address = "<root>" if r.module_address == "" else (r.module_address or "-")
+    return f"{address}:{r.facet or '-'}"
+
+
+_STATUS_COLORS = {"real": "#2e7d32", "reconstructed_read_only": "#1565c0", "needs_capture": "#ef6c00",
+                  "structurally_absent": "#757575", "ambiguous": "#c62828"}
+
+
+def _counts_line(rows) -> str:
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    listed = ", ".join(f"{n} {status}" for status, n in counts.items())
+    return f"{len(rows)} name{'s' if len(rows) != 1 else ''}: {listed}"
+
+
+def _html_table(rows: list[AliasResolution], caption: str = "") -> str:
+    from .._html import code, esc, table
+
+    body = []
+    for r in rows:
+        color = _STATUS_COLORS.get(r.status, "#1f2328")
+        has_site = r.module_address is not None and r.facet is not None and r.status != "structurally_absent"
+        why = r.reason + (f" Remedy: {r.remedy}" if r.remedy and not r.readable else "")
+        body.append([
+            code(r.query),
+            f'<span style="color:{color}">{esc(r.status)}</span>',
+            code(_site(r)) if has_site else "",
+            esc(list(r.shape)) if r.shape is not None else "",
+            esc(why),
+        ])
+    return table(["name", "status", "site", "shape", "reason"], body, caption=caption,
+                 note=_counts_line(rows) if len(rows) > 1 else "")
 
 
 class AliasReport(list):
-    """The list `alias_report` returns: `AliasResolution`s that print as a table."""
+    """The list `alias_report` returns: `AliasResolution`s that print as a table.
+
+    `print(report)` shows one line per name: its status, and the `module:facet` it reads, or, when
+    there is no site to read, `-` and the reason; a last line counts the statuses. In a notebook
+    the report renders as an HTML table with the reasons and remedies.
+    """
 
     def __repr__(self) -> str:
         if not self:
             return "AliasReport([])"
         w = max(len(r.query) for r in self)
-        lines = [f"{'name'.ljust(w)}  {'status':24}  site"]
+        s = max(len(r.status) for r in self)
+        lines = [f"{'name'.ljust(w)}  {'status'.ljust(s)}  site"]
         for r in self:
-            site = f"{r.module_address}:{r.facet}" if r.facet else f"- ({r.reason})"
-            lines.append(f"{r.query.ljust(w)}  {r.status:24}  {site}")
+            if r.module_address is not None and r.facet is not None and r.status != "structurally_absent":
+                site = _site(r)
+            else:
+                site = f"- ({r.reason})"
+            lines.append(f"{r.query.ljust(w)}  {r.status.ljust(s)}  {site}".rstrip())
+        lines.append(f"({_counts_line(self)})")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
