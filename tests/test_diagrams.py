@@ -1,0 +1,158 @@
+"""The block diagrams (docs/assets/diagrams/*.svg) and their page must match a fresh run.
+
+`scripts/gen_diagrams.py --check` traces one small model per family, draws it, and reports the
+committed files that differ. The first test runs that check on the working tree; the others
+make sure it can fail (an edited naming table, an edited SVG) and that what it draws is what
+the trace and the tables say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import re
+import shutil
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+import torchlens.mechinterp as mi
+from torchlens.mechinterp import resolver
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gen_diagrams.py"
+SVG_NS = "{http://www.w3.org/2000/svg}"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("gen_diagrams", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def gen():
+    return _load_script()
+
+
+@pytest.fixture(scope="module")
+def fresh(gen):
+    """What a fresh run writes: {path: text}."""
+    return gen.outputs()
+
+
+@pytest.fixture
+def fresh_parser_cache():
+    """The resolver caches compiled patterns per generation: never let an edited table leak."""
+    resolver._compiled.cache_clear()
+    yield
+    resolver._compiled.cache_clear()
+
+
+def _texts(svg: str) -> list[str]:
+    root = ET.fromstring(svg)
+    return [t.text or "" for t in root.iter(SVG_NS + "text")]
+
+
+def test_committed_files_are_current(gen, fresh):
+    stale = [str(p.relative_to(REPO)) for p, text in fresh.items()
+             if not p.exists() or p.read_text(encoding="utf-8") != text]
+    assert not stale, f"stale diagrams; run `python scripts/gen_diagrams.py` and commit them: {stale}"
+    assert {p.name for p in gen.OUT.glob("*.svg")} == {f"{s}.svg" for s in gen.FAMILIES}
+
+
+def test_check_mode_passes_and_writes_nothing(gen, capsys, tmp_path, monkeypatch):
+    out, page = tmp_path / "diagrams", tmp_path / "diagrams.md"
+    shutil.copytree(gen.OUT, out)
+    shutil.copy(gen.PAGE, page)
+    monkeypatch.setattr(gen, "OUT", out)
+    monkeypatch.setattr(gen, "PAGE", page)
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    before = {p: p.read_bytes() for p in [*out.glob("*.svg"), page]}
+    assert gen.main(["--check"]) == 0, capsys.readouterr().out
+    assert {p: p.read_bytes() for p in before} == before
+
+
+def test_check_reports_an_edited_svg(gen, capsys, tmp_path, monkeypatch):
+    out = tmp_path / "diagrams"
+    shutil.copytree(gen.OUT, out)
+    monkeypatch.setattr(gen, "OUT", out)
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    svg = out / "llama.svg"
+    svg.write_text(svg.read_text().replace("layers_output[0]", "layers_output[9]"))
+    assert gen.main(["--check", "llama", "gpt2"]) == 1
+    report = capsys.readouterr().out
+    assert "diagrams/llama.svg" in report and "gpt2.svg" not in report
+
+
+def test_an_edited_table_changes_the_drawing(gen, fresh, monkeypatch, fresh_parser_cache):
+    """The names come from the tables, through alias_report: rename one and the SVG follows."""
+    table = mi.GENERATIONS["nnterp"]
+    rows = list(table.rows)
+    i = next(i for i, r in enumerate(rows) if r.name == "layers_output[{L}]")
+    rows[i] = dataclasses.replace(rows[i], name="layer_outputs_renamed[{L}]")
+    monkeypatch.setitem(mi.GENERATIONS, "nnterp", dataclasses.replace(table, rows=tuple(rows)))
+    svg = gen.render("gpt2")
+    assert svg != fresh[gen.OUT / "gpt2.svg"]
+    texts = _texts(svg)
+    assert "layer_outputs_renamed[0]" in texts and "layers_output[0]" not in texts
+
+
+def test_render_is_deterministic(gen, fresh):
+    assert gen.render("gpt-neox") == fresh[gen.OUT / "gpt-neox.svg"]
+
+
+@pytest.mark.parametrize("slug", ["gpt2", "gemma-2"])
+def test_every_readable_name_is_drawn(gen, fresh, slug):
+    """Each layer-0 or global name with a site is on the diagram; a name without one is not."""
+    d = gen.build(slug)
+    texts = set(_texts(fresh[gen.OUT / f"{slug}.svg"]))
+    readable, absent = set(), set()
+    for generation in mi.GENERATIONS:
+        for r in mi.alias_report(d.trace, generation=generation):
+            if r.layer in (None, 0):
+                (readable if r.readable else absent).add(r.query)
+    assert readable and absent
+    assert sorted(readable - texts) == []
+    assert sorted((absent - readable) & texts) == []
+
+
+def test_svgs_are_well_formed_and_self_describing(fresh, gen):
+    for path, text in fresh.items():
+        if path.suffix != ".svg":
+            continue
+        root = ET.fromstring(text)
+        assert root.tag == SVG_NS + "svg"
+        assert root.find(SVG_NS + "title") is not None and root.find(SVG_NS + "desc") is not None
+        w, h = int(root.get("width")), int(root.get("height"))
+        assert root.get("viewBox") == f"0 0 {w} {h}"
+        assert 1000 < w < 2000 and 1000 < h < 3000, (path.name, w, h)
+        assert not re.search(r"\d{4}-\d{2}-\d{2}", text), "no dates in a generated file"
+
+
+def test_structure_follows_the_data_flow(gen, fresh):
+    """Sandwich norms, QK-norm and the parallel block come from the trace, not the family name."""
+    neox = _texts(fresh[gen.OUT / "gpt-neox.svg"])
+    assert "resid_mid" not in neox and any("parallel" in t for t in neox)
+    gemma = gen.build("gemma-2")
+    assert [b.address.rsplit(".", 1)[-1] for b in gemma.attn_branch] == [
+        "input_layernorm", "self_attn", "post_attention_layernorm"]
+    assert [b.address.rsplit(".", 1)[-1] for b in gemma.mlp_branch] == [
+        "pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm"]
+    olmo = gen.build("olmo-2")
+    assert [b.address.rsplit(".", 1)[-1] for b in olmo.attn_branch] == ["self_attn", "post_attention_layernorm"]
+    qwen = gen.build("qwen3")
+    inner = [e.address.rsplit(".", 1)[-1] for e in qwen.attn_branch[0 if qwen.attn_branch[0].role == "attention"
+             else 1].entries if isinstance(e, gen.Box)]
+    assert inner == ["q_norm", "k_norm", "o_proj"]
+
+
+def test_page_embeds_every_diagram(gen):
+    text = gen.PAGE.read_text(encoding="utf-8")
+    for slug, (title, _) in gen.FAMILIES.items():
+        assert f"## {title}\n" in text
+        assert f"(../assets/diagrams/{slug}.svg)" in text
