@@ -96,7 +96,6 @@ class Box:
     class_name: str
     role: str
     entries: list = field(default_factory=list)  # FacetRow | Box
-    title: str = ""
 
     def rows(self):
         for e in self.entries:
@@ -151,13 +150,12 @@ def _facet_rows(trace: tl.Trace, address: str) -> list[FacetRow]:
                 row.facets.append(name)
                 break
         else:
-            kind = site.kind if site.kind != "real" else "real"
-            rows.append((FacetRow(address, [name], tuple(site.shape), kind), site))
-    # A merged `output` row sits where its first facet sits; a lone `output` stays last.
+            rows.append((FacetRow(address, [name], tuple(site.shape), site.kind), site))
+    # A merged row sits where its first facet sits (`down_out = output` before a dropout).
     return [r for r, _ in rows]
 
 
-def _box(trace: tl.Trace, address: str, inner: list[str] = (), title: str = "") -> Box:
+def _box(trace: tl.Trace, address: str, inner: list[str] = ()) -> Box:
     """A module box; `inner` are addresses of modules drawn inside it, placed by when they ran."""
     rec = trace.modules[address]
     rows = _facet_rows(trace, address)
@@ -176,7 +174,7 @@ def _box(trace: tl.Trace, address: str, inner: list[str] = (), title: str = "") 
             if op is not None and op < start and "output" not in row.facets:
                 at = i + 1
         entries.insert(at, _box(trace, child))
-    return Box(address, rec.class_name, rec.role, entries, title)
+    return Box(address, rec.class_name, rec.role, entries)
 
 
 def _inner_modules(trace: tl.Trace, address: str, also: set[str]) -> list[str]:
@@ -266,7 +264,7 @@ def build(slug: str) -> Diagram:
             four = set(row.names.get("4.x", []))
             row.names["3.x"] = [n for n in row.names.get("3.x", []) if n not in four]
     # Modules of block 0 that play a role must all be placed.
-    placed = {b.address for b in _all_boxes(diagram)} | {b.address for box in _all_boxes(diagram) for b in _walk(box)}
+    placed = {b.address for box in _all_boxes(diagram) for b in _walk(box)}
     missing = [a for a, r in trace.modules.items()
                if a.startswith(block_addr + ".") and r.calls and r.role != "other" and a not in placed]
     if missing:
@@ -346,12 +344,10 @@ class Canvas:
         self.mid: list[str] = []  # boxes, lines
         self.front: list[str] = []  # text, chips
 
-    def text(self, x, y, s, size=FS, color="ink", weight="normal", anchor="start", layer="front", italic=False):
-        style = ' font-style="italic"' if italic else ""
+    def text(self, x, y, s, size=FS, color="ink", weight="normal", layer="front"):
         w = ' font-weight="bold"' if weight == "bold" else ""
-        a = f' text-anchor="{anchor}"' if anchor != "start" else ""
         getattr(self, layer).append(
-            f'<text x="{x}" y="{y}" font-size="{size}" fill="{COLORS.get(color, color)}"{w}{a}{style}>{_esc(s)}</text>'
+            f'<text x="{x}" y="{y}" font-size="{size}" fill="{COLORS.get(color, color)}"{w}>{_esc(s)}</text>'
         )
 
     def rect(self, x, y, w, h, fill, stroke="none", rx=0, dash=False, layer="mid", width=1):
@@ -518,7 +514,7 @@ class Layout:
             self.c.circle(STREAM_X, mid, 4, "stream", "stream")
         return mid
 
-    def read_arrow(self, box: Box, from_y: int | None = None):
+    def read_arrow(self, box: Box):
         top = self.box_y[id(box)][0]
         y = top + HEAD // 2
         self.c.line([(STREAM_X, y), (BOX_X - 2, y)], arrow=True)
@@ -545,7 +541,6 @@ class Layout:
         self.y = 0
         title = f"{d.title}: decoder block 0 and the names that read each facet"
         c.text(10, 22, title, size=16, weight="bold")
-        attn = t.modules[d.attn_branch[[b.role for b in d.attn_branch].index("attention")].address]
         c.text(10, 42, f"{t.model_class}, {n_layers} layers, random weights, eager attention, "
                        f"{N_TOKENS} tokens; names from alias_report on this trace (layer 0 and global names)",
                size=FS_SMALL, color="muted")
