@@ -23,12 +23,18 @@ def code(value: object, style: str = "", title: str = "") -> str:
     return f"<code{attrs}>{esc(value)}</code>"
 
 
+def nowrap(html_text: str) -> str:
+    """HTML that must not break across lines (a shape, an address)."""
+    return f'<span style="white-space:nowrap">{html_text}</span>'
+
+
 def table(head: list[str], rows: list[list[str]], caption: str = "", note: str = "") -> str:
     """An HTML table: `head` is plain text, `rows` are cells of HTML, `note` a last full-width row."""
     parts = ['<table class="tl-repr">']
     if caption:
         parts.append(f'<caption style="text-align:left;caption-side:top;padding:2px 8px">{esc(caption)}</caption>')
-    parts.append("<thead><tr>" + "".join(f'<th style="{_CELL}">{esc(h)}</th>' for h in head) + "</tr></thead>")
+    parts.append("<thead><tr>" + "".join(f'<th style="{_CELL};white-space:nowrap">{esc(h)}</th>' for h in head)
+                 + "</tr></thead>")
     parts.append("<tbody>")
     for row in rows:
         parts.append("<tr>" + "".join(f'<td style="{_CELL}">{cell}</td>' for cell in row) + "</tr>")

@@ -323,7 +323,8 @@ class Trace:
             facets = rec.calls[0].facets
             cells = []
             for name, site in (facets.sites.items() if facets else []):
-                style = ("" if site.saved else "color:#8c959f;") + ("font-style:italic;" if site.read_only else "")
+                style = "white-space:nowrap;" + ("" if site.saved else "color:#8c959f;") + (
+                    "font-style:italic;" if site.read_only else "")
                 note = site.kind + ("" if site.saved else ", not saved") + (f": {site.note}" if site.note else "")
                 cells.append(code(f"{name}{list(site.shape)}" + ("" if site.saved else "*"), style, note))
             depth = rec.address.count(".") + 1 if rec.address else 0

@@ -77,7 +77,7 @@ class ComparisonReport(list):
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        from .._html import code, esc, table
+        from .._html import code, esc, nowrap, table
 
         rows = [
             [
@@ -85,7 +85,7 @@ class ComparisonReport(list):
                 '<span style="color:#2e7d32">yes</span>' if c.passed else '<span style="color:#c62828">no</span>',
                 esc(_err(c)) if c.max_abs_error is not None else "",
                 esc(c.status),
-                code(_site(c)) + (f" <small>[{esc(c.layout)}]</small>" if c.layout != "as is" else ""),
+                nowrap(code(_site(c))) + (f" <small>[{esc(c.layout)}]</small>" if c.layout != "as is" else ""),
                 esc(c.hint),
             ]
             for c in self

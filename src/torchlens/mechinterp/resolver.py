@@ -134,7 +134,7 @@ def _counts_line(rows) -> str:
 
 
 def _html_table(rows: list[AliasResolution], caption: str = "") -> str:
-    from .._html import code, esc, table
+    from .._html import code, esc, nowrap, table
 
     body = []
     for r in rows:
@@ -144,8 +144,8 @@ def _html_table(rows: list[AliasResolution], caption: str = "") -> str:
         body.append([
             code(r.query),
             f'<span style="color:{color}">{esc(r.status)}</span>',
-            code(_site(r)) if has_site else "",
-            esc(list(r.shape)) if r.shape is not None else "",
+            nowrap(code(_site(r))) if has_site else "",
+            nowrap(esc(list(r.shape))) if r.shape is not None else "",
             esc(why),
         ])
     return table(["name", "status", "site", "shape", "reason"], body, caption=caption,
