@@ -349,8 +349,10 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
         if site.kind == "reconstructed" and trace.save.keep(address, facet):
             return res("needs_capture", address, facet, f"{facet} could not be rebuilt: {site.note}.",
                        "trace a copy of the model loaded with attn_implementation='eager'", site.shape)
-        return res("needs_capture", address, facet, f"{address}:{facet} exists but save= did not keep it.",
-                   f"trace again with save='all', save=[{address!r}] or save=[{facet!r}]", site.shape)
+        where = address or "<root>"
+        pick = f"save=[{facet!r}]" if not address else f"save=[{address!r}] or save=[{facet!r}]"
+        return res("needs_capture", address, facet, f"{where}:{facet} exists but save= did not keep it.",
+                   f"trace again with save='all' or {pick}", site.shape)
     if site.kind == "real":
         return res("real", address, facet, f"{site.note}.", "", site.shape)
     how = "rebuilt from the fused kernel's inputs and checked against its output" if site.kind == "reconstructed" \
