@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +76,7 @@ def parse_save(save: Any, addresses: Iterable[str]) -> SaveSpec:
         return SaveSpec(predicate=save)
     if not isinstance(save, (list, tuple, set, frozenset)):
         raise SaveSpecError(f"save={save!r} is a {type(save).__name__}; {accepted}.")
-    addr_set, facet_set = set(addresses), set()
+    addr_set = set(addresses)
     picked_addresses, picked_facets = set(), set()
     for item in save:
         if not isinstance(item, str):
@@ -93,7 +94,6 @@ def parse_save(save: Any, addresses: Iterable[str]) -> SaveSpec:
                 f"save= item {item!r} is neither a module address of this model nor a facet name.{hint} "
                 f"Facet names: {', '.join(sorted(ALL_FACETS))}."
             )
-    del facet_set
     return SaveSpec(addresses=frozenset(picked_addresses), facets=frozenset(picked_facets))
 
 
@@ -281,8 +281,6 @@ def _assemble(rec, model, names, aliases, roles, spec, output) -> Trace:
     _check_compiled(rec, modules)
     overwritten = rec.check_versions()
     if overwritten:
-        import warnings
-
         labels = ", ".join(f"#{i} {rec.ops[i].name}" for i in overwritten[:5])
         warnings.warn(
             f"torchlens: {len(overwritten)} saved op outputs were written in place by code the capture "
@@ -294,9 +292,8 @@ def _assemble(rec, model, names, aliases, roles, spec, output) -> Trace:
         derive(rec.ops, rec.calls, modules, keep)
     if not spec.everything:
         for op in rec.ops:
-            if op.tensors[0] is not None or len(op.tensors) > 1:
-                if not spec.covers(op.module):
-                    op.tensors = (None,) * len(op.tensors)
+            if not spec.covers(op.module) and any(t is not None for t in op.tensors):
+                op.tensors = (None,) * len(op.tensors)
     records: dict[str, ModuleRecord] = {}
     alias_of: dict[str, list[str]] = {}
     for a, canonical in aliases.items():
