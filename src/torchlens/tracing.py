@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-import threading
 import warnings
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,176 +10,13 @@ from torch import nn
 
 from . import families as fam
 from .capture import Recorder
-from .errors import CaptureError, SaveSpecError, TorchLensError, close_matches
-from .facets import ALL_FACETS, FACETS, derive
+from .compiled import CompiledRunsEagerly, check_compiled, compiled_module_class
+from .errors import SaveSpecError, TorchLensError
+from .facets import derive
 from .records import FacetMap, ModuleMap, ModuleRecord, Trace
+from .selection import SaveSpec, parse_save, retained_modules
 
-__all__ = ["trace", "SaveSpec"]
-
-#: Facets whose tensors live on a module other than the one that reports them: keep these
-#: roles' ops when the facet is selected by name.
-_FACET_SOURCE_ROLES = {"logits": ("unembed",), "final_norm_input": ("norm",)}
-
-
-@dataclass(frozen=True)
-class SaveSpec:
-    """A normalized `save=` argument: what the finished trace keeps.
-
-    Attributes:
-        everything: keep every op output and every facet (`save="all"`).
-        addresses: module addresses whose facets and ops (children included) are kept.
-        facets: facet names kept on every module that has them.
-        predicate: `predicate(address, facet) -> bool`, for any other rule.
-    """
-
-    everything: bool = False
-    addresses: frozenset[str] = frozenset()
-    facets: frozenset[str] = frozenset()
-    predicate: Callable[[str, str], bool] | None = field(default=None, compare=False)
-
-    def keep(self, address: str, facet: str) -> bool:
-        """Whether the facet `facet` of module `address` is kept."""
-        if self.everything or facet in self.facets or self.covers(address):
-            return True
-        return bool(self.predicate and self.predicate(address, facet))
-
-    def covers(self, address: str) -> bool:
-        """Whether `address` is selected or lies inside a selected module."""
-        return any(address == a or address.startswith(a + ".") or a == "" for a in self.addresses)
-
-    def describe(self) -> str:
-        """The selection in words, for reprs and remedies."""
-        if self.everything:
-            return "all"
-        parts = sorted(self.addresses) + sorted(self.facets) + (["<predicate>"] if self.predicate else [])
-        return ", ".join(repr(p) for p in parts) or "none"
-
-
-def parse_save(save: Any, addresses: Iterable[str]) -> SaveSpec:
-    """Turn a `save=` argument into a [`SaveSpec`][torchlens.tracing.SaveSpec], or explain why not."""
-    addresses = list(addresses)
-    accepted = (
-        "save= accepts 'all', 'none', a module address or facet name, a list of those, "
-        "or a callable predicate(address, facet) -> bool"
-    )
-    if save is None or save == "none":
-        return SaveSpec()
-    if isinstance(save, str):
-        if save == "all":
-            return SaveSpec(everything=True)
-        save = [save]
-    if callable(save):
-        return SaveSpec(predicate=save)
-    if not isinstance(save, (list, tuple, set, frozenset)):
-        raise SaveSpecError(f"save={save!r} is a {type(save).__name__}; {accepted}.")
-    addr_set = set(addresses)
-    picked_addresses, picked_facets = set(), set()
-    for item in save:
-        if not isinstance(item, str):
-            raise SaveSpecError(f"save= list item {item!r} is not a string; {accepted}.")
-        if item in ("all", "none"):
-            raise SaveSpecError(f"save= list item {item!r}: pass save={item!r} on its own, not inside a list.")
-        if item in addr_set:
-            picked_addresses.add(item)
-        elif item in ALL_FACETS:
-            picked_facets.add(item)
-        else:
-            hits = close_matches(item, list(ALL_FACETS) + addresses)
-            hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
-            raise SaveSpecError(
-                f"save= item {item!r} is neither a module address of this model nor a facet name.{hint} "
-                f"Facet names: {', '.join(sorted(ALL_FACETS))}."
-            )
-    return SaveSpec(addresses=frozenset(picked_addresses), facets=frozenset(picked_facets))
-
-
-def _retained_modules(spec: SaveSpec, roles: dict[str, str]) -> set[str]:
-    keep = set(spec.addresses)
-    for facet in spec.facets:
-        wanted = set(_FACET_SOURCE_ROLES.get(facet, ()))
-        wanted |= {role for role, table in FACETS.items() if facet in table}
-        if "any" in wanted:
-            return set(roles)
-        keep |= {a for a, r in roles.items() if r in wanted}
-    return keep
-
-
-class _CompiledRunsEagerly:
-    """While at least one trace runs, `torch.compile`d code runs its eager Python instead.
-
-    A compiled module or function would otherwise run a graph that TorchLens's hooks and torch
-    function mode cannot see into (or fail to compile with them, under `fullgraph=True`). The
-    compiler's stance is process-wide, so the first trace to start sets `force_eager` and the
-    last to finish restores whatever stance was set before; a counter under a lock keeps
-    concurrent and nested traces from restoring it early. Without `torch.compiler.set_stance`
-    (torch < 2.6) this does nothing, and `_check_compiled` reports a compiled module whose ops
-    the trace missed.
-    """
-
-    _lock = threading.Lock()
-    _depth = 0
-    _token: Any = None
-
-    def __enter__(self) -> _CompiledRunsEagerly:
-        self.active = False
-        dynamo = sys.modules.get("torch._dynamo")  # never imported: nothing can be compiled
-        set_stance = getattr(dynamo, "set_stance", None)
-        if set_stance is None:
-            return self
-        cls = type(self)
-        with cls._lock:
-            if cls._depth == 0:
-                try:
-                    cls._token = set_stance("force_eager")  # remembers the stance it replaces
-                except RuntimeError:  # trace() called inside a compiled region
-                    return self
-            cls._depth += 1
-            self.active = True
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        if not self.active:
-            return
-        cls = type(self)
-        with cls._lock:
-            cls._depth -= 1
-            if cls._depth == 0:
-                token, cls._token = cls._token, None
-                token.__exit__(None, None, None)  # back to the stance before the first trace
-
-
-def _compiled_module_class() -> type | None:
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return getattr(eval_frame, "OptimizedModule", None)
-
-
-def _is_compiled(module: nn.Module) -> bool:
-    """A `torch.compile(module)` wrapper, or a module compiled in place with `module.compile()`."""
-    wrapper = _compiled_module_class()
-    return (wrapper is not None and isinstance(module, wrapper)) or getattr(
-        module, "_compiled_call_impl", None
-    ) is not None
-
-
-def _check_compiled(rec: Recorder, modules: dict[str, nn.Module]) -> None:
-    """Refuse a trace in which a compiled module produced a tensor while no op of it was seen."""
-    for call in rec.calls:
-        if (
-            call.first_op == call.end_op
-            and call._out_ref is None
-            and call._out is not None
-            and _is_compiled(modules[call.address])
-        ):
-            raise CaptureError(
-                f"module {call.address or '<root>'!r} is compiled with torch.compile and its compiled code "
-                "ran without TorchLens seeing a single op of it, so the trace would have a hole there. "
-                "TorchLens runs compiled code eagerly during a trace with torch.compiler.set_stance"
-                "('force_eager') where torch has it (2.6 and later), which did not happen here. Trace the "
-                "eager module instead: replace a torch.compile(module) wrapper by its `_orig_mod` "
-                "(model.sub = model.sub._orig_mod), undo module.compile() with "
-                "module._compiled_call_impl = None, or call trace() under "
-                "torch.compiler.set_stance('force_eager')."
-            )
+__all__ = ["trace"]
 
 
 def trace(model: nn.Module, *args: Any, save: Any = "all", **kwargs: Any) -> Trace:
@@ -224,7 +57,7 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", **kwargs: Any) -> Tra
     """
     if not isinstance(model, nn.Module):
         raise TorchLensError(f"trace() needs a torch.nn.Module as its first argument, got {type(model).__name__}.")
-    wrapper = _compiled_module_class()
+    wrapper = compiled_module_class()
     if wrapper is not None and isinstance(model, wrapper):  # torch.compile(model): trace the eager model
         model = model._orig_mod
     names: dict[nn.Module, str] = {}
@@ -243,13 +76,13 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", **kwargs: Any) -> Tra
     params: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), n)  # a shared (tied) weight keeps its first, canonical name
-    rec = Recorder(names, roles, retain_all, _retained_modules(spec, roles), params)
+    rec = Recorder(names, roles, retain_all, retained_modules(spec, roles), params)
     handles = []
     try:
         for m in names:
             handles.append(m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True))
             handles.append(m.register_forward_hook(rec.post_hook, with_kwargs=True, always_call=True))
-        with _CompiledRunsEagerly(), rec:
+        with CompiledRunsEagerly(), rec:
             output = model(*args, **kwargs)
     except BaseException as exc:
         _annotate(exc, rec)
@@ -278,7 +111,7 @@ def _annotate(exc: BaseException, rec: Recorder) -> None:
 
 def _assemble(rec, model, names, aliases, roles, spec, output) -> Trace:
     modules = {addr: m for m, addr in names.items()}
-    _check_compiled(rec, modules)
+    check_compiled(rec, modules)
     overwritten = rec.check_versions()
     if overwritten:
         labels = ", ".join(f"#{i} {rec.ops[i].name}" for i in overwritten[:5])

@@ -9,9 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import TorchLensError
 from ..records import Trace
-from .resolver import AliasError, AliasResolution, resolve_alias
+from .resolver import AliasResolution, resolve_alias
 
 __all__ = ["compare", "Comparison", "ComparisonReport"]
 
