@@ -1125,7 +1125,7 @@ class _Fail(nn.Module):
         self.exc = exc
 
     def forward(self, x):
-        y = x * 2
+        x = x * 2  # one op runs before the failure
         raise self.exc
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import gc
 import threading
-import warnings
 import weakref
 
 import pytest
