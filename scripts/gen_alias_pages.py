@@ -25,6 +25,9 @@ import transformers
 import torchlens as tl
 import torchlens.mechinterp as mi
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _outputs import write_or_check  # noqa: E402  (a sibling of this script)
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ROOT / "docs" / "aliases"
 BEGIN = "<!-- BEGIN GENERATED: scripts/gen_alias_pages.py; edit the tables in src/torchlens/mechinterp/tables -->"
@@ -111,20 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="report stale pages instead of writing them")
     args = parser.parse_args(argv)
     traces = reference_traces()
-    stale = []
-    for generation, slug in SLUGS.items():
-        page = PAGES / f"{slug}.md"
-        new = render(page, generation, traces)
-        if args.check:
-            if not page.exists() or page.read_text() != new:
-                stale.append(str(page.relative_to(ROOT)))
-        else:
-            page.parent.mkdir(parents=True, exist_ok=True)
-            page.write_text(new)
-    if stale:
-        print("stale alias pages (run python scripts/gen_alias_pages.py):", *stale, sep="\n  ")
-        return 1
-    return 0
+    outputs = {PAGES / f"{slug}.md": render(PAGES / f"{slug}.md", generation, traces)
+               for generation, slug in SLUGS.items()}
+    return write_or_check(outputs, args.check, ROOT, "python scripts/gen_alias_pages.py")
 
 
 if __name__ == "__main__":

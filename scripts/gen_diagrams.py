@@ -36,11 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "scripts")]
 
 import torch  # noqa: E402  (needs the paths above)
 
 import _models  # noqa: E402
+from _outputs import write_or_check  # noqa: E402
 import torchlens as tl  # noqa: E402
 import torchlens.mechinterp as mi  # noqa: E402
 from torchlens.facets import FACETS  # noqa: E402
@@ -744,18 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in args.families if s not in FAMILIES]
     if unknown:
         parser.error(f"unknown family {unknown}; known: {', '.join(FAMILIES)}")
-    stale = []
-    for path, new in outputs(args.families or None).items():
-        if args.check:
-            if not path.exists() or path.read_text(encoding="utf-8") != new:
-                stale.append(str(path.relative_to(ROOT)))
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(new, encoding="utf-8")
-    if stale:
-        print("stale diagrams (run python scripts/gen_diagrams.py):", *stale, sep="\n  ")
-        return 1
-    return 0
+    return write_or_check(outputs(args.families or None), args.check, ROOT, "python scripts/gen_diagrams.py")
 
 
 if __name__ == "__main__":

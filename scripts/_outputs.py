@@ -1,0 +1,24 @@
+"""Write generated files, or (with --check) report the committed ones that are stale."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_or_check(outputs: dict[Path, str], check: bool, root: Path, rerun: str) -> int:
+    """Write each `path: text`, or with `check` only list the paths whose committed text differs.
+
+    Returns the exit status: 1 when `check` found a stale file, else 0.
+    """
+    stale = []
+    for path, new in outputs.items():
+        if check:
+            if not path.exists() or path.read_text(encoding="utf-8") != new:
+                stale.append(str(path.relative_to(root)))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(new, encoding="utf-8")
+    if stale:
+        print(f"stale generated files (run {rerun}):", *stale, sep="\n  ")
+        return 1
+    return 0
