@@ -21,6 +21,7 @@ cannot cover them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 import threading
 import weakref
@@ -81,17 +82,11 @@ def _classify(func: Any) -> tuple[str, int]:
 def _tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
     """The tensors among an op's arguments, one level into lists and tuples (e.g. `torch.cat`)."""
     found = []
-    for a in args:
+    for a in itertools.chain(args, kwargs.values()):
         if isinstance(a, Tensor):
             found.append(a)
         elif isinstance(a, (list, tuple)):
             found.extend(x for x in a if isinstance(x, Tensor))
-    if kwargs:
-        for a in kwargs.values():
-            if isinstance(a, Tensor):
-                found.append(a)
-            elif isinstance(a, (list, tuple)):
-                found.extend(x for x in a if isinstance(x, Tensor))
     return found
 
 
@@ -240,7 +235,6 @@ class Recorder(TorchFunctionMode):
                 extra,
             )
         )
-        return idx
 
     def _before_write(self, args, kwargs) -> None:
         """Clone every saved alias that shares storage with a tensor an op is about to write."""
@@ -271,14 +265,25 @@ class Recorder(TorchFunctionMode):
                 else:
                     self.versions[i, slot] = tensors[slot]._version
 
-    def add_external(self, t: Tensor, where: ModuleCall | None) -> Ref:
+    def add_external(self, t: Tensor, where: ModuleCall) -> None:
         """Record a tensor that enters the forward from outside (a model input) as an `input` op."""
-        self.stack.append(where) if where is not None else None
+        self.stack.append(where)
         try:
             self._record("input", (t,), (), False)
         finally:
-            self.stack.pop() if where is not None else None
-        return Ref(len(self.ops) - 1, 0)
+            self.stack.pop()
+
+    def _keep_io(self, call: ModuleCall, side: str, t: Tensor) -> None:
+        """Note which op produced a module's input or output; keep an alias where that is not enough.
+
+        The alias is kept when no op of the forward produced the tensor (a model input, a
+        parameter) or when only this module's subtree is retained (the producer's output is not).
+        """
+        ref = self._ref(t)
+        setattr(call, side + "_ref", ref)
+        if ref is None or isinstance(ref, str) or (call.retained and not self.retain_all):
+            setattr(call, side, t.detach())
+            self._hook_aliases.append((call, side))
 
     # -- modules -------------------------------------------------------------------------------
 
@@ -313,10 +318,7 @@ class Recorder(TorchFunctionMode):
         if t is None and not args:
             t = next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
         if t is not None:
-            call._in_ref = self._ref(t)
-            if call._in_ref is None or isinstance(call._in_ref, str) or (call.retained and not self.retain_all):
-                call._in = t.detach()
-                self._hook_aliases.append((call, "_in"))
+            self._keep_io(call, "_in", t)
         self.stack.append(call)
         self.calls.append(call)
 
@@ -347,10 +349,7 @@ class Recorder(TorchFunctionMode):
             return
         t = first_tensor(output)
         if t is not None:
-            call._out_ref = self._ref(t)
-            if call._out_ref is None or isinstance(call._out_ref, str) or (call.retained and not self.retain_all):
-                call._out = t.detach()
-                self._hook_aliases.append((call, "_out"))
+            self._keep_io(call, "_out", t)
 
     def check_versions(self) -> list[int]:
         """Indices of ops whose saved alias was written by something the mode could not see."""
