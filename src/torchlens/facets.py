@@ -80,14 +80,6 @@ FACETS: dict[str, dict[str, str]] = {
 ALL_FACETS: frozenset[str] = frozenset(n for table in FACETS.values() for n in table)
 
 
-def facets_of_role(role: str) -> list[str]:
-    """The facet names a module of `role` can have."""
-    extra = FACETS.get(role, {})
-    if role == "norm":
-        extra = {k: v for k, v in extra.items()}
-    return list(FACETS["any"]) + list(extra)
-
-
 class _Graph:
     """Read helpers over the recorded ops: producers, consumers, saved values, shapes."""
 
@@ -155,10 +147,6 @@ def _io(g: _Graph, call: ModuleCall, which: str) -> Any:
     if type(ref) is Ref and (alias is None or g.value(ref) is not None):
         return ref
     return alias if alias is not None else ref
-
-
-def _children(call: ModuleCall, calls: list[ModuleCall]) -> list[ModuleCall]:
-    return [c for c in calls if c.parent is call]
 
 
 # -- blocks ------------------------------------------------------------------------------------
