@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -125,11 +126,13 @@ _STATUS_COLORS = {"real": "#2e7d32", "reconstructed_read_only": "#1565c0", "need
                   "structurally_absent": "#757575", "ambiguous": "#c62828"}
 
 
+def _status_counts(rows) -> dict[str, int]:
+    """How many rows have each status, in order of first appearance."""
+    return dict(Counter(r.status for r in rows))
+
+
 def _counts_line(rows) -> str:
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r.status] = counts.get(r.status, 0) + 1
-    listed = ", ".join(f"{n} {status}" for status, n in counts.items())
+    listed = ", ".join(f"{n} {status}" for status, n in _status_counts(rows).items())
     return f"{len(rows)} name{'s' if len(rows) != 1 else ''}: {listed}"
 
 
@@ -180,10 +183,7 @@ class AliasReport(list):
 
     def counts(self) -> dict[str, int]:
         """How many rows have each status."""
-        out: dict[str, int] = {}
-        for r in self:
-            out[r.status] = out.get(r.status, 0) + 1
-        return out
+        return _status_counts(self)
 
 
 # -- parsing -----------------------------------------------------------------------------------
