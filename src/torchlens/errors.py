@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 __all__ = [
     "TorchLensError",
+    "LookupFailed",
     "SaveSpecError",
     "ModuleNotFoundInTrace",
     "FacetNotFound",
@@ -53,6 +54,13 @@ class TorchLensError(Exception):
     """Base class of every error TorchLens raises on purpose."""
 
 
+class LookupFailed(TorchLensError, KeyError):
+    """Base of the lookup errors: a `KeyError` whose message prints as written, not quoted."""
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""
+
+
 class SaveSpecError(TorchLensError, ValueError):
     """The `save=` argument of [`trace`][torchlens.trace] is not one TorchLens accepts."""
 
@@ -61,7 +69,7 @@ class CaptureError(TorchLensError, RuntimeError):
     """The forward pass could not be captured (for example a compiled submodule hid its ops)."""
 
 
-class ModuleNotFoundInTrace(TorchLensError, KeyError):
+class ModuleNotFoundInTrace(LookupFailed):
     """A module address is not in the trace."""
 
     def __init__(self, address: str, known: Iterable[str]):
@@ -72,11 +80,8 @@ class ModuleNotFoundInTrace(TorchLensError, KeyError):
             msg += f" The trace has {len(known)} module addresses, e.g. {known[:4]!r}."
         super().__init__(msg)
 
-    def __str__(self) -> str:  # KeyError would quote the message
-        return self.args[0]
 
-
-class FacetNotFound(TorchLensError, KeyError):
+class FacetNotFound(LookupFailed):
     """A facet name does not exist on this module."""
 
     def __init__(self, address: str, facet: str, known: Iterable[str], role: str | None = None, reason: str = ""):
@@ -92,11 +97,8 @@ class FacetNotFound(TorchLensError, KeyError):
             )
         super().__init__(msg)
 
-    def __str__(self) -> str:
-        return self.args[0]
 
-
-class FacetNotSaved(TorchLensError, KeyError):
+class FacetNotSaved(LookupFailed):
     """The facet exists on this module, but this trace's `save=` did not keep its tensor."""
 
     def __init__(self, address: str, facet: str, reason: str = ""):
@@ -108,11 +110,8 @@ class FacetNotSaved(TorchLensError, KeyError):
         )
         super().__init__(msg)
 
-    def __str__(self) -> str:
-        return self.args[0]
 
-
-class AmbiguousModuleCall(TorchLensError, KeyError):
+class AmbiguousModuleCall(LookupFailed):
     """A module ran more than once, so `.facets` must name the call."""
 
     def __init__(self, address: str, n_calls: int):
@@ -122,6 +121,3 @@ class AmbiguousModuleCall(TorchLensError, KeyError):
             f"per call: use trace.modules[{address!r}].calls[i].facets with i in 0..{n_calls - 1}."
         )
         super().__init__(msg)
-
-    def __str__(self) -> str:
-        return self.args[0]

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..errors import TorchLensError, close_matches
+from ..errors import LookupFailed, close_matches
 from ..records import Trace
 from . import targets
 from .tables import Row, Table, interp_engine, nnterp, tl2, tl3, tl4
@@ -42,11 +42,8 @@ STATUSES = {
 }
 
 
-class AliasError(TorchLensError, KeyError):
+class AliasError(LookupFailed):
     """A name could not be resolved (base class of the errors below)."""
-
-    def __str__(self) -> str:
-        return self.args[0] if self.args else ""
 
 
 class UnknownAlias(AliasError):
