@@ -12,10 +12,25 @@ recorder's own bookkeeping (which runs with torch functions disabled when a mode
 Saved tensors are detached *aliases*, not copies, which keeps capture fast and memory-lean.
 They still behave as copies: before any op that writes in place (`add_`, `x[i] = ...`,
 `inplace=True`, `out=`), the recorder clones every saved alias (op outputs, and the module
-inputs/outputs the hooks kept) that shares storage with the tensor about to be written. Each alias's version counter is checked at the end, so a write the
-mode could not see is reported on the op (`mutated`) instead of silently corrupting it.
-Inference tensors (`torch.inference_mode()`) have no version counter, so that last check
-cannot cover them.
+inputs/outputs the hooks kept) that shares storage with the tensor about to be written. Each
+alias's version counter is checked at the end, so a write the mode could not see is reported
+instead of silently corrupting it. Inference tensors (`torch.inference_mode()`) have no version
+counter, so that last check cannot cover them.
+
+A tensor used after an in-place write is used with its new contents, and the trace says so.
+Every recorded tensor carries a stamp (its version counter, or for an inference tensor the count
+of writes the mode saw into its storage). When a tensor whose stamp changed since its producer
+recorded it is used again (as an op input, or as a module's input or output as the hooks see it),
+the recorder first appends a `written_in_place` op whose output is the tensor as it is now and
+whose input is the op that produced it before the write. This covers writes that no recorded op
+returns: `x[i] = v`, a write through a view (`y.view(-1).add_(1)` changes `y`), a user's forward
+hook that edits a module's output, and writes the mode could not see at all.
+
+When `trace` returns, every saved alias that still shares storage with a tensor the caller can
+reach (the model's inputs, parameters and buffers, the returned output, or any recorded tensor
+still alive) is replaced by a copy, so later in-place writes by the caller (an optimizer step, a
+corrupted prompt built in the same `ids` tensor) leave the finished trace unchanged
+([`Recorder.snapshot`][torchlens.capture.Recorder.snapshot]).
 """
 
 from __future__ import annotations
@@ -140,6 +155,7 @@ class Recorder(TorchFunctionMode):
         self.versions: dict[tuple[int, int], int] = {}  # (op, slot) -> version when saved
         self._cow: dict[int, list[tuple[int, int]]] = {}
         self._cow_upto = 0
+        self._writes: dict[int, int] = {}  # storage data_ptr -> writes the mode saw (for inference tensors)
         self._hook_aliases: list[tuple[ModuleCall, str]] = []  # module inputs/outputs the hooks kept
         self._hook_upto = 0
         #: (exception, op name) of the last op that raised, for the note `trace` adds; an op
@@ -174,8 +190,10 @@ class Recorder(TorchFunctionMode):
         mutated = info[1] == _INPLACE or (
             bool(kwargs) and (kwargs.get("out") is not None or kwargs.get("inplace") is True)
         )
-        if mutated:
+        refs = None
+        if mutated:  # the input refs are taken before the op writes them (the write makes them stale)
             with self.hidden():
+                refs = tuple([self._ref(t) for t in _tensor_args(args, kwargs)])
                 self._before_write(args, kwargs)
         try:
             out = func(*args, **kwargs)
@@ -189,19 +207,29 @@ class Recorder(TorchFunctionMode):
         else:
             return out
         with self.hidden():
-            self._record(info[0], outs, _tensor_args(args, kwargs), mutated, args, kwargs)
+            self._record(info[0], outs, _tensor_args(args, kwargs), mutated, args, kwargs, refs)
         return out
+
+    def _stamp(self, t: Tensor) -> Any:
+        """What changes when `t` is written in place: its version counter, or for an inference
+        tensor (which has none) the number of writes the mode saw into its storage."""
+        try:
+            return t._version
+        except RuntimeError:
+            return ("w", self._writes.get(t.untyped_storage().data_ptr(), 0))
 
     def _ref(self, t: Tensor):
         entry = self.producer.get(id(t))
         if entry is not None and entry[1]() is t:
+            if entry[2] != self._stamp(t):  # written in place since its producer recorded it
+                return self._record("written_in_place", (t,), (), True, refs=(entry[0],))
             return entry[0]
         return self.param_names.get(id(t))
 
-    def _record(self, name, outs, ins, mutated, args=(), kwargs=None):
-        idx = len(self.ops)
+    def _record(self, name, outs, ins, mutated, args=(), kwargs=None, refs=None):
+        inputs = refs if refs is not None else tuple([self._ref(t) for t in ins])
+        idx = len(self.ops)  # after the inputs: a stale input appends a `written_in_place` op first
         call = self.stack[-1] if self.stack else None
-        inputs = tuple([self._ref(t) for t in ins])
         producer = self.producer
         retain = self.retain_all or (call is not None and call.retained)
         if retain:
@@ -211,8 +239,9 @@ class Recorder(TorchFunctionMode):
                     self.versions[idx, slot] = t._version
         else:
             tensors = (None,) * len(outs)
+        stamp = self._stamp
         for slot, o in enumerate(outs):
-            producer[id(o)] = (Ref(idx, slot), weakref.ref(o))
+            producer[id(o)] = (Ref(idx, slot), weakref.ref(o), stamp(o))
         extra = None
         if name in FUSED_ATTENTION_OPS and retain:
             extra = {
@@ -235,6 +264,7 @@ class Recorder(TorchFunctionMode):
                 extra,
             )
         )
+        return Ref(idx, 0)
 
     def _before_write(self, args, kwargs) -> None:
         """Clone every saved alias that shares storage with a tensor an op is about to write."""
@@ -243,6 +273,10 @@ class Recorder(TorchFunctionMode):
         targets += [out] if isinstance(out, Tensor) else [t for t in (out or ()) if isinstance(t, Tensor)]
         if not targets:
             return
+        writes = self._writes
+        for target in targets:
+            ptr = target.untyped_storage().data_ptr()
+            writes[ptr] = writes.get(ptr, 0) + 1
         ops, cow = self.ops, self._cow
         for i in range(self._cow_upto, len(ops)):
             for slot, t in enumerate(ops[i].tensors):
@@ -350,6 +384,66 @@ class Recorder(TorchFunctionMode):
         t = first_tensor(output)
         if t is not None:
             self._keep_io(call, "_out", t)
+
+    def snapshot(self, model: nn.Module, reachable: Any) -> int:
+        """Copy every saved alias that the caller could still write into after `trace` returns.
+
+        A saved tensor is a detached alias of what the model computed. Once the forward is over,
+        most of those tensors are referenced by nothing but the trace; the others share storage
+        with something the caller still holds: the model's parameters and buffers, the inputs
+        and the returned output (`reachable`, walked through tuples, lists and mappings), or any
+        recorded tensor still alive (a cache the model keeps, a tensor a hook stashed). Those
+        aliases are replaced by copies, so no later in-place write (an optimizer step, editing
+        `ids` to build a corrupted prompt, `trace.output.logits.zero_()`) changes the trace.
+
+        Args:
+            model: the traced model.
+            reachable: the forward's inputs and output, in any nesting of containers.
+
+        Returns:
+            The number of bytes copied (the memory this costs on top of the saved aliases).
+        """
+        live: set[int] = set()
+
+        def add(t: Tensor) -> None:
+            live.add(t.untyped_storage().data_ptr())
+
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            add(t)
+        todo, seen = [(reachable, 0)], 0
+        while todo and seen < 100_000:
+            value, depth = todo.pop()
+            seen += 1
+            if isinstance(value, Tensor):
+                add(value)
+            elif depth < 8 and isinstance(value, (Mapping, tuple, list)):
+                items = value.values() if isinstance(value, Mapping) else value
+                todo.extend((v, depth + 1) for v in items)
+        for _, ref, _ in self.producer.values():
+            t = ref()
+            if t is not None:
+                add(t)
+        live.discard(0)  # empty tensors own no memory
+
+        def copy(t: Any) -> Any:
+            nonlocal copied
+            if isinstance(t, Tensor) and t.untyped_storage().data_ptr() in live:
+                copied += t.numel() * t.element_size()
+                return t.clone()
+            return t
+
+        copied = 0
+        for op in self.ops:
+            if any(t is not None and t.untyped_storage().data_ptr() in live for t in op.tensors):
+                op.tensors = tuple(copy(t) for t in op.tensors)
+            if op.extra is not None:
+                op.extra = {
+                    "args": tuple(copy(a) for a in op.extra["args"]),
+                    "kwargs": {k: copy(v) for k, v in op.extra["kwargs"].items()},
+                }
+        for call, attr in self._hook_aliases:
+            setattr(call, attr, copy(getattr(call, attr)))
+        return copied
 
     def check_versions(self) -> list[int]:
         """Indices of ops whose saved alias was written by something the mode could not see."""

@@ -25,7 +25,11 @@ class OpRecord:
 
     Attributes:
         index: position in execution order (0-based).
-        name: the torch function's name, e.g. `"linear"`, `"__add__"`, `"softmax"`.
+        name: the torch function's name, e.g. `"linear"`, `"__add__"`, `"softmax"`; or
+            `"written_in_place"` for the entry TorchLens adds where a tensor is used after an
+            in-place write no recorded op returned (`x[i] = v`, a write through a view, a hook
+            editing a module's output): its output is the tensor as it was used, its input the
+            op that produced it before the write.
         module: address of the innermost module that was running (`""` for the root).
         call: which call of that module (0 for the first).
         inputs: for each tensor argument, in order, a [`Ref`][torchlens.records.Ref] to the op

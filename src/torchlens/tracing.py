@@ -91,7 +91,9 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", **kwargs: Any) -> Tra
         for h in handles:
             h.remove()
     with rec.hidden():  # inside an outer trace, deriving the facets is not part of the forward
-        return _assemble(rec, model, names, aliases, roles, spec, output)
+        overwritten = rec.check_versions()  # before the snapshot replaces written aliases by copies
+        rec.snapshot(model, (args, kwargs, output))
+        return _assemble(rec, model, names, aliases, roles, spec, output, overwritten)
 
 
 def _annotate(exc: BaseException, rec: Recorder) -> None:
@@ -109,10 +111,9 @@ def _annotate(exc: BaseException, rec: Recorder) -> None:
         exc.add_note(note)
 
 
-def _assemble(rec, model, names, aliases, roles, spec, output) -> Trace:
+def _assemble(rec, model, names, aliases, roles, spec, output, overwritten) -> Trace:
     modules = {addr: m for m, addr in names.items()}
     check_compiled(rec, modules)
-    overwritten = rec.check_versions()
     if overwritten:
         labels = ", ".join(f"#{i} {rec.ops[i].name}" for i in overwritten[:5])
         warnings.warn(
