@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from ..errors import TorchLensError
 from ..records import Trace
+from ._diagnose import Candidate, diagnose
 from .resolver import AliasResolution, resolve_alias
 
-__all__ = ["compare", "Comparison", "ComparisonReport"]
+__all__ = ["compare", "Comparison", "ComparisonReport", "Candidate", "ToleranceError", "AUTO_FACTOR"]
+
+#: `tolerance="auto"`: a site's atol is this many times the trace's largest deviation from float64 there.
+AUTO_FACTOR = 4.0
+
+
+class ToleranceError(TorchLensError, ValueError):
+    """`tolerance=` is not accepted, or `"auto"` lacks the model and inputs it reruns."""
 
 #: Facets with a [..., heads, d_head] tail that engines often flatten.
 _PER_HEAD = frozenset({"q", "k", "v", "rot_q", "rot_k", "z", "result"})
@@ -33,6 +43,14 @@ class Comparison:
         max_abs_error: the largest absolute difference after conversion (None if not compared).
         passed: whether the two agree within tolerance.
         hint: what to look at when they do not agree.
+        explanation: for a failed row, what the engine's tensor equals in the trace, in one line
+            and in the generation's own names (`"equals blocks.0.hook_resid_mid: the residual is
+            included"`), or that it matches nothing, with the nearest candidates; `""` for a row
+            that passed.
+        candidates: the ranked `Candidate`s (`torchlens.mechinterp.compare.Candidate`) behind the
+            explanation (site or op, relation, relative error); empty for a row that passed.
+        tolerance: the `(atol, rtol)` the row was checked with (per site under
+            `tolerance="auto"`).
     """
 
     name: str
@@ -45,6 +63,9 @@ class Comparison:
     max_abs_error: float | None
     passed: bool
     hint: str = ""
+    explanation: str = ""
+    candidates: tuple[Candidate, ...] = ()
+    tolerance: tuple[float, float] | None = None
 
 
 class ComparisonReport(list):
@@ -70,6 +91,8 @@ class ComparisonReport(list):
             tail = _site(c) + (f" [{c.layout}]" if c.layout != "as is" else "")
             if c.hint:
                 tail += f"  ({c.hint})"
+            if c.explanation:
+                tail += f"  => {c.explanation}"
             ok = "yes" if c.passed else "NO "
             lines.append(f"{c.name.ljust(w)}  {ok}  {_err(c):>10}  {c.status.ljust(s)}  {tail}")
         lines.append(f"({_summary(self)})")
@@ -85,7 +108,7 @@ class ComparisonReport(list):
                 esc(_err(c)) if c.max_abs_error is not None else "",
                 esc(c.status),
                 nowrap(code(_site(c))) + (f" <small>[{esc(c.layout)}]</small>" if c.layout != "as is" else ""),
-                esc(c.hint),
+                (f"<b>{esc(c.explanation)}</b><br/>" if c.explanation else "") + esc(c.hint),
             ]
             for c in self
         ]
@@ -158,6 +181,10 @@ def compare(
     atol: float = 1e-5,
     rtol: float = 1e-4,
     editable: bool = False,
+    tolerance: str | None = None,
+    model: nn.Module | None = None,
+    inputs: Any = None,
+    explain: bool = True,
 ) -> ComparisonReport:
     """Compare tensors read from another engine with the trace's tensors at the same names.
 
@@ -167,15 +194,42 @@ def compare(
     repeated from kv heads to query heads. Both sides are compared in float32; a masked attention
     score counts as equal whether its fill is `-inf` or the dtype minimum.
 
+    A row that fails is explained: the trace is searched for what the engine's tensor equals
+    (every saved facet and op output under layout conversions, the neighbouring layers, the site
+    before or after its norm or RoPE, with or without the residual, a scalar multiple, the sum of
+    two sites, a rounding to bfloat16/float16, the other elements of a tuple the engine handed),
+    and `Comparison.explanation` names the best match in the generation's own names.
+
+    `tolerance="auto"` sets each site's tolerance from float64. A deep copy of `model` (never
+    `model` itself) is run once in float64 on `inputs`, and, when an engine tensor is in a coarser
+    dtype than the trace at a site (a bfloat16 engine against a float32 trace), once more in that
+    dtype. With `R` the trace's tensor at the site (or the coarser run's), `R64` the float64 one
+    and `eps` the machine epsilon of the coarser of the two dtypes, a row passes when, element by
+    element, `|engine - R| <= AUTO_FACTOR * max|R - R64| + eps * |R|` (`AUTO_FACTOR` is 4): the
+    engine may be up to four times as far from the trace as the trace's own precision is from
+    exact. Limits: the reruns must compute what the trace computed, so the model must be
+    deterministic (eval mode, no sampling) and `inputs` must be the traced inputs; a kernel that
+    is much less accurate than the model's own ops in the same dtype (an approximate fused kernel)
+    can exceed the bound although its hook is right; and a wrong hook whose tensor differs from
+    the right one by less than the dtype's noise (a residual of near-zero norm) passes.
+
     Args:
         trace: the reference [`Trace`][torchlens.Trace].
         engine_values: `{name: tensor}` as read from the engine (a tuple is taken at element 0,
             and the row says so).
-        generation: resolve names in this generation only (default: any).
+        generation: resolve names in this generation only (default: any); explanations name
+            sites in this generation (default: the generation each name was found in).
         atol: absolute tolerance, as in `torch.allclose`; loosen it for bf16/fp16 engines.
         rtol: relative tolerance, as in `torch.allclose`.
         editable: the engine's hooks will *write* these sites. A site TorchLens only
             reconstructed (read-only) is then refused instead of compared.
+        tolerance: None (use `atol`/`rtol`) or `"auto"` (per site, from a float64 rerun; needs
+            `model` and `inputs`; `atol`/`rtol` are then unused).
+        model: the model the trace was taken of, for `tolerance="auto"`. It is deep-copied;
+            the copy is cast and run, `model` is not touched.
+        inputs: what the trace ran the model on, for `tolerance="auto"`: a tensor, a tuple of
+            positional arguments, or a dict of keyword arguments.
+        explain: search the trace to explain each failed row (default True).
 
     Returns:
         A [`ComparisonReport`][torchlens.mechinterp.ComparisonReport]: one row per name, in order;
@@ -184,27 +238,113 @@ def compare(
 
     Raises:
         AliasError: a name is not in any table (or breaks its grammar).
+        ToleranceError: `tolerance` is not None or `"auto"`, or `"auto"` lacks `model`/`inputs`.
     """
+    if tolerance not in (None, "auto"):
+        raise ToleranceError(f"tolerance={tolerance!r} is not accepted: pass None (use atol/rtol) or 'auto' "
+                             "(per-site tolerances from a float64 rerun of a copy of model=).")
+    if tolerance == "auto" and (not isinstance(model, nn.Module) or inputs is None):
+        raise ToleranceError("tolerance='auto' reruns the model in float64: pass model= (the traced module; "
+                             "a deep copy is run) and inputs= (a tensor, a tuple of positional arguments or a "
+                             "dict of keyword arguments).")
     report = ComparisonReport()
-    for name, value in engine_values.items():
-        res = resolve_alias(trace, name, generation=generation)
-        report.append(_compare_one(trace, name, value, res, atol, rtol, editable))
+    resolved = [(name, value, resolve_alias(trace, name, generation=generation))
+                for name, value in engine_values.items()]
+    tolerances = _auto_tolerances(trace, resolved, model, inputs) if tolerance == "auto" else {}
+    for name, value, res in resolved:
+        tol = tolerances.get(name, (atol, rtol, None))
+        report.append(_compare_one(trace, name, value, res, tol, editable, generation, explain))
     return report
 
 
-def _compare_one(trace, name, value, res: AliasResolution, atol, rtol, editable) -> Comparison:
-    hints = []
+def _engine_tensor(value: Any) -> tuple[Tensor | None, tuple, str]:
+    """(element 0 as a CPU tensor, the other elements, hint) for what the engine handed."""
+    rest: tuple = ()
+    hint = ""
     if isinstance(value, (tuple, list)):
-        hints.append(f"engine value is a {type(value).__name__} of {len(value)}: compared element 0")
-        value = value[0]
+        hint = f"engine value is a {type(value).__name__} of {len(value)}: compared element 0"
+        value, rest = value[0], tuple(value[1:])
     if not isinstance(value, Tensor):
         value = getattr(value, "value", value)  # proxies that wrap a saved value
     engine = torch.as_tensor(value) if not isinstance(value, Tensor) else value
-    engine = engine.detach().cpu()
+    return engine.detach().cpu(), tuple(getattr(r, "value", r) for r in rest), hint
+
+
+def _coarser(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    if not b.is_floating_point:
+        return a
+    if not a.is_floating_point:
+        return b
+    return a if torch.finfo(a).eps >= torch.finfo(b).eps else b
+
+
+def _cast_inputs(inputs: Any, dtype: torch.dtype) -> tuple[tuple, dict]:
+    def cast(x):
+        return x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
+
+    if isinstance(inputs, Mapping):
+        return (), {k: cast(v) for k, v in inputs.items()}
+    if isinstance(inputs, tuple):
+        return tuple(cast(x) for x in inputs), {}
+    return (cast(inputs),), {}
+
+
+def _rerun(model: nn.Module, inputs: Any, dtype: torch.dtype, sites: set[tuple[str, str]]) -> Trace:
+    from ..tracing import trace as run_trace
+
+    twin = copy.deepcopy(model).to(dtype)
+    args, kwargs = _cast_inputs(inputs, dtype)
+    with torch.no_grad():
+        return run_trace(twin, *args, save=lambda address, facet: (address, facet) in sites, **kwargs)
+
+
+def _auto_tolerances(trace: Trace, resolved, model: nn.Module, inputs: Any) -> dict[str, tuple[float, float, str]]:
+    """name -> (atol, rtol, note) from the deviation of the trace's dtype from float64 at each site."""
+    wanted: dict[str, tuple[str, str, torch.dtype, torch.dtype]] = {}
+    for name, value, res in resolved:
+        if not res.readable or res.module_address is None or res.facet is None:
+            continue
+        ref = res.tensor(trace)
+        engine, _, _ = _engine_tensor(value)
+        if not ref.is_floating_point():
+            continue
+        wanted[name] = (res.module_address, res.facet, ref.dtype, _coarser(ref.dtype, engine.dtype))
+    if not wanted:
+        return {}
+    sites = {(a, f) for a, f, _, _ in wanted.values()}
+    runs = {torch.float64: _rerun(model, inputs, torch.float64, sites)}
+    for _, _, ref_dtype, coarse in wanted.values():
+        if coarse != ref_dtype and coarse not in runs:
+            runs[coarse] = _rerun(model, inputs, coarse, sites)
+    out = {}
+    for name, (address, facet, ref_dtype, coarse) in wanted.items():
+        exact = runs[torch.float64].modules[address].facets[facet].double()
+        near = (trace if coarse == ref_dtype else runs[coarse]).modules[address].facets[facet].double()
+        if near.shape != exact.shape:
+            continue
+        d = (near - exact).abs()
+        finite = torch.isfinite(exact) & torch.isfinite(near) & (exact.abs() < torch.finfo(torch.float32).max / 4)
+        dev = float(d[finite].max()) if bool(finite.any()) else 0.0
+        out[name] = (AUTO_FACTOR * dev, torch.finfo(coarse).eps, str(coarse)[6:])
+    return out
+
+
+def _compare_one(trace, name, value, res: AliasResolution, tol, editable, generation, explain) -> Comparison:
+    atol, rtol, auto_dtype = tol
+    hints = []
+    engine, rest, tuple_hint = _engine_tensor(value)
+    if tuple_hint:
+        hints.append(tuple_hint)
 
     def row(status, passed, hint, ref_shape=None, layout="as is", err=None):
+        explanation, candidates = "", ()
+        if not passed and explain and engine.is_floating_point() and engine.numel() > 1:
+            explanation, candidates = diagnose(trace, engine, res.module_address if res.readable else None,
+                                               res.facet if res.readable else None, generation or res.generation,
+                                               atol, rtol, rest)
         return Comparison(name, status, res.module_address, res.facet, tuple(engine.shape), ref_shape, layout,
-                          err, passed, "; ".join(hints + ([hint] if hint else [])))
+                          err, passed, "; ".join(hints + ([hint] if hint else [])), explanation, candidates,
+                          (atol, rtol))
 
     if not res.readable:
         return row(res.status, False, f"no readable TorchLens site: {res.reason} {res.remedy}".strip())
@@ -214,6 +354,8 @@ def _compare_one(trace, name, value, res: AliasResolution, atol, rtol, editable)
     ref = res.tensor(trace).detach().cpu()
     if engine.dtype != ref.dtype:
         hints.append(f"dtypes differ (engine {str(engine.dtype)[6:]}, TorchLens {str(ref.dtype)[6:]})")
+    if auto_dtype is not None:
+        hints.append(f"tolerance='auto' at {auto_dtype} precision: atol {atol:.2g}, rtol {rtol:.2g}")
     options = [(label, t) for label, t in _candidates(ref, res.facet) if tuple(t.shape) == tuple(engine.shape)]
     expanded = _expand_kv(ref, engine, res.facet)
     if expanded is not None:

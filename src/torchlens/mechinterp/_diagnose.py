@@ -1,0 +1,713 @@
+"""What an engine's tensor equals in a trace: the search behind `Comparison.explanation`.
+
+When a row of [`compare`][torchlens.mechinterp.compare] fails, the engine handed *some* tensor;
+this module looks for it among everything the trace holds and says how it relates to the site
+the name was meant to read:
+
+- every saved facet and op output, under the layout conversions `compare` accepts and the ones
+  it does not (head-major instead of token-major, kv heads tiled instead of repeated);
+- the same facet at the neighbouring layers, the same site before or after its norm or RoPE,
+  with or without the residual added, a few ops before or after it (a softcap dropped);
+- a scalar multiple of any of those (the factor is the least-squares fit);
+- the sum of two facets; the element-wise rounding of a candidate to bfloat16 or float16;
+- for a tuple the engine handed, its other elements and their sum.
+
+Speed comes from pruning: only tensors whose shape reaches the engine's shape under some
+conversion are looked at, and a tensor is compared element-wise only when its norm and mean
+(computed once per trace) allow a match: `|‖E‖ − ‖C‖|` and `|mean E − mean C|·√n` are lower
+bounds of `‖E − C‖`.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..families import ADD_OPS, PASS_THROUGH_OPS, RESHAPE_OPS
+from ..records import Ref, Trace
+
+__all__ = ["Candidate", "diagnose"]
+
+#: Facets TorchLens keeps token-major ([batch, pos, heads, d_head]) and head-major.
+_TOKEN_MAJOR = frozenset({"q", "k", "v", "rot_q", "rot_k", "result"})
+_HEAD_MAJOR = frozenset({"z", "scores", "pattern"})
+_KV = frozenset({"k", "v", "rot_k"})
+_PER_HEAD = _TOKEN_MAJOR | {"z"}
+_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+#: Relative error under which a candidate is "near" (named as nearly equal when nothing matches).
+NEAR = 1e-2
+#: The relation of a candidate that is the site's own tensor.
+SAME = "the same tensor"
+#: How many candidates a `Comparison` lists.
+KEEP = 5
+#: Candidates whose lower bound of the relative error exceeds this are not compared element-wise.
+_PRUNE = 0.5
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One thing the engine's tensor was compared with while explaining a mismatch.
+
+    Attributes:
+        site: the name in the generation the row was resolved in, else the TorchLens site
+            `module:facet`, else the op (`op #41 add in transformer.h.0`); for the engine's own
+            tuple elements, `element 1 of the engine's tuple`.
+        relation: how it relates to the site the name reads, in words (`"the residual is
+            included"`, `"the neighbouring layer (2 instead of 1)"`), or `""` when nothing
+            more specific than "another tensor" is known.
+        error: relative error `‖E − C‖ / ‖E‖` after the relation's transform (factor, layout,
+            rounding); 0 is exact.
+        max_abs_error: the largest absolute difference after that transform.
+        matches: whether the two agree within the comparison's tolerance.
+        factor: the least-squares scalar `E ≈ factor × C`, for a scale relation; else None.
+        module_address, facet, op: where the candidate lives in the trace (None when unknown).
+    """
+
+    site: str
+    relation: str
+    error: float
+    max_abs_error: float
+    matches: bool
+    factor: float | None = None
+    module_address: str | None = None
+    facet: str | None = None
+    op: int | None = None
+
+    def describe(self) -> str:
+        """`equals 0.22 × blocks.3.hook_attn_out: a scale factor`-style text (without "equals")."""
+        what = f"{_fmt(self.factor)} × {self.site}" if self.factor is not None else self.site
+        return what + (f": {self.relation}" if self.relation else "")
+
+    def __str__(self) -> str:
+        return f"{self.describe()} (rel. error {self.error:.2g})"
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+# -- the pool: every tensor a trace holds, with its statistics -------------------------------------
+
+
+@dataclass
+class _Entry:
+    tensor: Tensor
+    norm: float
+    mean: float
+    module: str | None
+    facet: str | None
+    op: int | None  # op whose output this is (facets: the site's op, when real)
+    slot: int
+    kind: str  # "facet" | "op"
+    order: int  # position in the forward (for ties)
+
+
+class _Pool:
+    def __init__(self, trace: Trace):
+        self.trace = trace
+        self.entries: list[_Entry] = []
+        self.by_shape: dict[tuple[int, ...], list[_Entry]] = {}
+        self.by_op: dict[int, list[_Entry]] = {}
+        self.site: dict[tuple[str, str], _Entry] = {}
+        self.names: dict[str, tuple[dict, dict]] = {}
+        seen: set[tuple[int, tuple]] = set()
+        for rec in trace.modules.values():
+            for call in rec.calls[:1]:
+                for name, site in (call.facets.sites.items() if call.facets else ()):
+                    t = site.tensor
+                    if not isinstance(t, Tensor) or t.dtype not in _FLOATS or t.numel() < 2:
+                        continue
+                    op = site.op if site.kind == "real" else None
+                    e = self._add(t, rec.address, name, op, 0, "facet", site.op if site.op is not None else call.first_op)
+                    self.site[(rec.address, name)] = e
+                    if op is not None:
+                        seen.add((op, tuple(t.shape)))
+        for op in trace.ops:
+            for slot, t in enumerate(op.tensors):
+                if not isinstance(t, Tensor) or t.dtype not in _FLOATS or t.numel() < 2:
+                    continue
+                if (op.index, tuple(t.shape)) in seen and slot == 0:
+                    continue
+                self._add(t, op.module, None, op.index, slot, "op", op.index)
+
+    def _add(self, t, module, facet, op, slot, kind, order) -> _Entry:
+        t = t.detach()
+        with torch.no_grad():
+            norm = float(torch.linalg.vector_norm(t, dtype=torch.float64))
+            mean = float(t.mean(dtype=torch.float64))
+        e = _Entry(t, norm, mean, module, facet, op, slot, kind, order)
+        self.entries.append(e)
+        self.by_shape.setdefault(tuple(t.shape), []).append(e)
+        if op is not None:
+            self.by_op.setdefault(op, []).append(e)
+        return e
+
+
+_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _pool(trace: Trace) -> _Pool:
+    pool = _POOLS.get(trace)
+    if pool is None:
+        pool = _POOLS[trace] = _Pool(trace)
+    return pool
+
+
+# -- names in the user's generation ----------------------------------------------------------------
+
+
+def _names(pool: _Pool, generation: str) -> tuple[dict[tuple[str, str], str], dict[int, str]]:
+    """(module, facet) -> name and op -> name, for the names of `generation` that read a site."""
+    if generation not in pool.names:
+        from .resolver import alias_report
+
+        by_site: dict[tuple[str, str], str] = {}
+        by_op: dict[int, str] = {}
+        for r in alias_report(pool.trace, generation=generation):
+            if not r.readable or r.module_address is None or r.facet is None:
+                continue
+            key = (r.module_address, r.facet)
+            by_site.setdefault(key, r.query)
+            e = pool.site.get(key)
+            if e is not None and e.op is not None:
+                by_op.setdefault((_through(pool.trace, e.op), tuple(e.tensor.shape)), r.query)
+        pool.names[generation] = (by_site, by_op)
+    return pool.names[generation]
+
+
+# -- layouts ---------------------------------------------------------------------------------------
+
+
+def _layouts(c_shape: tuple[int, ...], e_shape: tuple[int, ...], facet: str | None) -> Iterator[tuple[str, bool, list]]:
+    """Conversions of a tensor of `c_shape` that give `e_shape`: (label, accepted, steps).
+
+    `accepted` says whether `compare` itself would accept the conversion for `facet` (the label
+    then describes a layout, not a mistake). Steps are applied in order by `_apply`.
+    """
+    n = len(c_shape)
+    majors: list[tuple[str, bool, list, tuple]] = [("", True, [], c_shape)]
+    if n == 4:
+        swapped = (c_shape[0], c_shape[2], c_shape[1], c_shape[3])
+        if facet in _HEAD_MAJOR:
+            label, ok = ("token-major", facet == "z")
+        elif facet in _TOKEN_MAJOR:
+            label, ok = ("head-major instead of token-major", False)
+        else:
+            label, ok = ("axes 1 and 2 swapped", False)
+        majors.append((label, ok, [("swap",)], swapped))
+    for mlabel, mok, msteps, mshape in majors:
+        kvs: list[tuple[str, bool, list, tuple]] = [("", True, [], mshape)]
+        if facet in _KV and len(mshape) == 4:
+            axis = 1 if mlabel and facet in _TOKEN_MAJOR else 2
+            targets = set(e_shape) | ({e_shape[-1] // mshape[3]} if mshape[3] and e_shape[-1] % mshape[3] == 0 else set())
+            for target in sorted(targets):
+                if target > mshape[axis] and target % mshape[axis] == 0:
+                    rep = target // mshape[axis]
+                    grown = mshape[:axis] + (target,) + mshape[axis + 1:]
+                    kvs.append(("kv heads repeated", True, [("interleave", axis, rep)], grown))
+                    kvs.append(("kv heads tiled (repeat) instead of repeated per head (repeat_interleave)", False,
+                                [("tile", axis, rep)], grown))
+        for klabel, kok, ksteps, kshape in kvs:
+            batches = [("", True, [], kshape)]
+            if kshape and kshape[0] == 1:
+                batches.append(("batch dropped", True, [("drop",)], kshape[1:]))
+            for blabel, bok, bsteps, bshape in batches:
+                flats = [("", True, [], bshape)]
+                if len(bshape) >= 3:
+                    flat = bshape[:-2] + (bshape[-2] * bshape[-1],)
+                    flats.append(("heads flattened", facet in _PER_HEAD, [("flat",)], flat))
+                for flabel, fok, fsteps, fshape in flats:
+                    if fshape == e_shape:
+                        label = ", ".join(x for x in (mlabel, klabel, blabel, flabel) if x) or "as is"
+                        yield label, mok and kok and bok and fok, msteps + ksteps + bsteps + fsteps
+
+
+def _apply(t: Tensor, steps: list) -> Tensor:
+    for s in steps:
+        if s[0] == "swap":
+            t = t.transpose(1, 2)
+        elif s[0] == "interleave":
+            t = t.repeat_interleave(s[2], dim=s[1])
+        elif s[0] == "tile":
+            reps = [1] * t.dim()
+            reps[s[1]] = s[2]
+            t = t.repeat(*reps)
+        elif s[0] == "drop":
+            t = t[0]
+        elif s[0] == "flat":
+            t = t.flatten(-2)
+    return t
+
+
+def _norm_factor(steps: list) -> float:
+    """How a conversion scales the norm (repeating heads r times scales it by sqrt(r))."""
+    f = 1.0
+    for s in steps:
+        if s[0] in ("interleave", "tile"):
+            f *= math.sqrt(s[2])
+    return f
+
+
+# -- data flow -------------------------------------------------------------------------------------
+
+
+def _source(trace: Trace, ref) -> int | None:
+    """The op a Ref comes from, looking through casts, dropout and reshapes."""
+    for _ in range(6):
+        if type(ref) is not Ref:
+            return None
+        op = trace.ops[ref.op]
+        if op.name in PASS_THROUGH_OPS | RESHAPE_OPS and op.inputs:
+            ref = op.inputs[0]
+            continue
+        return ref.op
+    return ref.op if type(ref) is Ref else None
+
+
+def _through(trace: Trace, index: int) -> int:
+    """`index` itself, or the op it copies/casts/reshapes (so two names of one value meet)."""
+    src = _source(trace, Ref(index))
+    return index if src is None else src
+
+
+def _add_operands(trace: Trace, index: int | None) -> list[int]:
+    if index is None:
+        return []
+    op = trace.ops[_through(trace, index)]
+    if op.name not in ADD_OPS:
+        return []
+    return [s for s in (_source(trace, r) for r in op.inputs) if s is not None]
+
+
+def _path(trace: Trace, start: int, end: int, limit: int = 6) -> list[int] | None:
+    """Ops from `start` (exclusive) to `end` (inclusive) along inputs, if `end` is a few ops downstream."""
+    if end <= start:
+        return None
+    frontier = {end: [end]}
+    for _ in range(limit):
+        nxt = {}
+        for idx, path in frontier.items():
+            for r in trace.ops[idx].inputs:
+                if type(r) is not Ref:
+                    continue
+                if r.op == start:
+                    return list(reversed(path))
+                if r.op > start and r.op not in nxt:
+                    nxt[r.op] = path + [r.op]
+        frontier = nxt
+        if not frontier:
+            return None
+    return None
+
+
+def _layer(trace: Trace, address: str | None) -> int | None:
+    if address is None:
+        return None
+    for i, b in enumerate(trace.blocks):
+        if address == b or address.startswith(b + "."):
+            return i
+    return None
+
+
+def _analogue(trace: Trace, address: str, layer: int, other: int) -> str:
+    b = trace.blocks[layer]
+    return trace.blocks[other] + address[len(b):]
+
+
+# -- relations -------------------------------------------------------------------------------------
+
+
+def _norm_of(pool: _Pool, module: str | None) -> bool:
+    return module is not None and module in pool.trace.modules and pool.trace.modules[module].role == "norm"
+
+
+def _norm_around(pool: _Pool, op: int | None) -> tuple[str, int | None] | None:
+    """(norm address, its input op) for the norm whose output or normalized tensor is `op`."""
+    if op is None:
+        return None
+    trace = pool.trace
+    module = trace.ops[op].module
+    while module is not None and not _norm_of(pool, module):
+        module = module.rpartition(".")[0] if module else None
+    if module is None:
+        return None
+    inp = pool.site.get((module, "input"))
+    return module, (inp.op if inp is not None else None)
+
+
+def _relation(pool: _Pool, expected: _Entry | None, cand: _Entry, label: str, accepted: bool) -> str:
+    """How `cand` (converted by `label`) relates to the `expected` site, in words."""
+    trace = pool.trace
+    layout = "" if accepted else label
+    if expected is None:
+        return layout
+    same_site = cand.kind == "facet" and (cand.module, cand.facet) == (expected.module, expected.facet)
+    if same_site or (cand.op is not None and expected.op is not None
+                     and _through(trace, cand.op) == _through(trace, expected.op)):
+        return layout or SAME
+    words: list[str] = []
+    ex_op, c_op = expected.op, cand.op
+    lx, lc = _layer(trace, expected.module), _layer(trace, cand.module)
+    if cand.facet is not None and expected.facet is not None and lx is not None and lc is not None and lx != lc:
+        if cand.facet == expected.facet and cand.module == _analogue(trace, expected.module, lx, lc):
+            words.append(("the neighbouring layer" if abs(lc - lx) == 1 else "another layer")
+                         + f" ({lc} instead of {lx})")
+    if not words and cand.module == expected.module and {cand.facet, expected.facet} in ({"q", "rot_q"}, {"k", "rot_k"}):
+        words.append("after RoPE instead of before" if cand.facet.startswith("rot_") else "before RoPE instead of after")
+    if not words and ex_op is not None and c_op is not None:
+        ex_src, c_src = _through(trace, ex_op), _through(trace, c_op)
+        norm_c = _norm_around(pool, c_op)
+        norm_x = _norm_around(pool, ex_op)
+        if norm_c is not None and norm_c[1] is not None and _through(trace, norm_c[1]) == ex_src:
+            words.append(f"after the norm {_short(pool, norm_c[0])} instead of before it")
+        elif norm_x is not None and norm_x[1] is not None and _through(trace, norm_x[1]) == c_src:
+            words.append(f"before the norm {_short(pool, norm_x[0])}: the raw output, the norm not applied")
+        elif norm_c is not None and norm_c[1] is not None and ex_src in _add_operands(trace, norm_c[1]):
+            words.append(f"the norm {_short(pool, norm_c[0])} of the site plus the residual: a fused add+norm "
+                         "wrote its output into the saved tensor in place")
+        elif ex_src in _add_operands(trace, c_op):
+            words.append("the residual is included")
+        elif c_src in _add_operands(trace, ex_op):
+            words.append("the residual is missing")
+        else:
+            path = _path(trace, c_src, ex_src)
+            if path is not None:
+                names = [trace.ops[i].name for i in path]
+                if "tanh" in names:
+                    words.append("before the softcap: the softcap (tanh) is dropped")
+                else:
+                    words.append(f"{len(path)} op{'s' if len(path) > 1 else ''} before the site ({' → '.join(names)})")
+            else:
+                path = _path(trace, ex_src, c_src)
+                if path is not None:
+                    names = [trace.ops[i].name for i in path]
+                    if "tanh" in names:
+                        words.append("after a softcap (tanh) the site does not have")
+                    else:
+                        words.append(f"{len(path)} op{'s' if len(path) > 1 else ''} after the site ({' → '.join(names)})")
+    if layout:
+        words.append(layout)
+    return "; ".join(words)
+
+
+def _short(pool: _Pool, address: str) -> str:
+    return address or "<root>"
+
+
+def _label(pool: _Pool, e: _Entry, generation: str | None) -> str:
+    if generation is not None:
+        by_site, by_op = _names(pool, generation)
+        if e.kind == "facet" and (e.module, e.facet) in by_site:
+            return by_site[(e.module, e.facet)]
+        alias = (_through(pool.trace, e.op), tuple(e.tensor.shape)) if e.op is not None and e.slot == 0 else None
+        if alias in by_op:
+            return by_op[alias]
+    if e.kind == "facet":
+        return f"{e.module or '<root>'}:{e.facet}"
+    op = pool.trace.ops[e.op]
+    slot = f" (output {e.slot})" if e.slot else ""
+    return f"op #{op.index} {op.name}{slot} in {op.module or '<root>'}"
+
+
+# -- the search ------------------------------------------------------------------------------------
+
+
+def _rel(engine: Tensor, other: Tensor, norm_e: float) -> tuple[float, float]:
+    d = (engine - other.float()).nan_to_num(nan=float("inf"))
+    if d.numel() == 0:
+        return 0.0, 0.0
+    ad = d.abs()
+    return float(torch.linalg.vector_norm(d, dtype=torch.float64)) / max(norm_e, 1e-30), float(ad.max())
+
+
+def _within(engine: Tensor, other: Tensor, atol: float, rtol: float) -> bool:
+    o = other.float()
+    return bool(((engine - o).abs() <= atol + rtol * o.abs()).all())
+
+
+@dataclass
+class _Found:
+    entry: _Entry | None
+    label: str
+    accepted: bool
+    steps: list
+    error: float
+    max_abs: float
+    matches: bool
+    factor: float | None = None
+    relation: str = ""
+    site: str = ""
+    rank: int = 3
+    other: _Entry | None = None  # the second term of a sum
+    extra: str = ""  # a precision note added to the structural relation
+
+
+def diagnose(
+    trace: Trace,
+    engine: Tensor,
+    module_address: str | None,
+    facet: str | None,
+    generation: str | None,
+    atol: float,
+    rtol: float,
+    alternatives: tuple[Tensor, ...] = (),
+) -> tuple[str, tuple[Candidate, ...]]:
+    """Explain what `engine` equals in `trace`: (one-line explanation, ranked candidates).
+
+    Args:
+        trace: the reference trace (it must hold the tensors, e.g. `save="all"`).
+        engine: the engine's tensor (as handed to `compare`).
+        module_address, facet: the site the name reads (None when it has none).
+        generation: the naming generation to name candidates in.
+        atol, rtol: what counts as equal (the row's tolerance).
+        alternatives: the other elements of a tuple the engine handed (element 0 was `engine`).
+    """
+    pool = _pool(trace)
+    e = engine.detach().cpu().float()
+    e = e.nan_to_num(nan=float("nan"))
+    n = e.numel()
+    if n == 0:
+        return "", ()
+    norm_e = float(torch.linalg.vector_norm(e, dtype=torch.float64))
+    mean_e = float(e.mean(dtype=torch.float64))
+    expected = pool.site.get((module_address, facet)) if module_address is not None and facet else None
+    found: list[_Found] = []
+    shape = tuple(e.shape)
+
+    # 1. Every tensor whose shape reaches the engine's shape: norm/mean bounds, then exact diffs.
+    scaled_pending: list[tuple[_Entry, str, bool, list]] = []
+    layouts: dict[tuple, list] = {}
+    for c_shape, entries in pool.by_shape.items():
+        if math.prod(c_shape) > n or n % max(math.prod(c_shape), 1):
+            continue  # no conversion changes the size except repeating kv heads (which grows it)
+        for c in entries:
+            key = (c_shape, c.facet if c.facet in _PER_HEAD | _HEAD_MAJOR else None)
+            if key not in layouts:
+                layouts[key] = list(_layouts(c_shape, shape, key[1]))
+            for label, accepted, steps in layouts[key]:
+                _consider(c, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found, scaled_pending)
+
+    # 2. Scalar multiples of the tensors that did not match as they are.
+    if not any(f.matches for f in found):
+        for c, label, accepted, steps in scaled_pending:
+            _scaled(c, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found)
+
+    # 3. A rounding of a near candidate (or of the site) to half precision.
+    _roundings(found, expected, e, norm_e, engine.dtype, pool, shape)
+
+    # 4. The other elements of the engine's tuple, and their sum.
+    if expected is not None and alternatives:
+        _tuple_elements(expected, alternatives, shape, engine, norm_e, atol, rtol, found)
+
+    # 5. The sum of two facets.
+    if not any(f.matches for f in found):
+        _sums(pool, e, norm_e, mean_e, atol, rtol, found, shape)
+
+    named = _names(pool, generation)[0] if generation is not None else {}
+    for f in found:
+        if f.other is not None:
+            f.site = f"{_label(pool, f.entry, generation)} + {_label(pool, f.other, generation)}"
+            f.relation = "the sum of two sites"
+        if f.entry is not None:
+            f.relation = f.relation or _relation(pool, expected, f.entry, f.label, f.accepted)
+            f.site = f.site or _label(pool, f.entry, generation)
+        if f.factor is not None and f.relation == SAME:
+            f.relation = "a scale factor"
+        if f.extra:
+            f.relation = f.extra if f.relation in ("", SAME) else f"{f.relation}; {f.extra}"
+        f.rank = _rank(f, named)
+    found.sort(key=lambda f: (not f.matches, f.rank, f.error, f.entry.order if f.entry else -1))
+    cands: list[Candidate] = []
+    seen: set = set()
+    for f in found:
+        e_ = f.entry
+        if e_ is None:
+            key = (f.site, f.relation)
+        else:
+            ident = ("op", _through(trace, e_.op)) if e_.op is not None else ("site", e_.module, e_.facet)
+            key = (ident, f.label, None if f.factor is None else round(f.factor, 3), f.other is not None,
+                   bool(f.extra))
+        if key in seen:
+            continue
+        seen.add(key)
+        cands.append(Candidate(f.site, f.relation, f.error, f.max_abs, f.matches, f.factor,
+                               e_.module if e_ else None, e_.facet if e_ else None, e_.op if e_ else None))
+        if len(cands) >= KEEP:
+            break
+    return _explain(cands), tuple(cands)
+
+
+def _rank(f: _Found, named: dict) -> tuple[int, int]:
+    """(how specific the relation is, how the site is named): lower is better."""
+    r = f.relation
+    if not f.matches:
+        quality = 0
+    elif not r or r == SAME:
+        quality = 2
+    elif " op" in r and ("before the site" in r or "after the site" in r):
+        quality = 1
+    else:
+        quality = 0
+    e = f.entry
+    if e is None or (e.kind == "facet" and (e.module, e.facet) in named) or f.site in named.values():
+        naming = 0
+    elif e.kind == "facet":
+        naming = 1
+    else:
+        naming = 2
+    return quality, naming
+
+
+def _consider(c: _Entry, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found, scaled_pending):
+    norm_c = c.norm * _norm_factor(steps)
+    n = e.numel()
+    lb = max(abs(norm_e - norm_c), abs(mean_e - c.mean) * math.sqrt(n)) / max(norm_e, 1e-30)
+    if lb > _PRUNE:
+        scaled_pending.append((c, label, accepted, steps))
+        return
+    v = _apply(c.tensor, steps)
+    err, mx = _rel(e, v, norm_e)
+    ok = _within(e, v, atol, rtol)
+    found.append(_Found(c, label, accepted, steps, err, mx, ok))
+    if not ok and err > 1e-3:
+        scaled_pending.append((c, label, accepted, steps))
+
+
+def _scaled(c: _Entry, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found):
+    """`E ≈ a × C` with the least-squares `a`; pruned by the normalized means (sin θ ≥ |Δ mean|·√(n/2))."""
+    norm_c = c.norm * _norm_factor(steps)
+    if norm_c == 0 or norm_e == 0:
+        return
+    n = e.numel()
+    mu, mv = mean_e / norm_e, c.mean / norm_c
+    if min(abs(mu - mv), abs(mu + mv)) * math.sqrt(n / 2) > NEAR:
+        return
+    v = _apply(c.tensor, steps).float()
+    dot = float(torch.dot(e.reshape(-1), v.reshape(-1)))
+    a = dot / (norm_c * norm_c)
+    if abs(a) < 1e-12 or abs(a - 1) < 1e-3:
+        return
+    cos = dot / (norm_e * norm_c)
+    if 1 - cos * cos > NEAR * NEAR * 4:
+        return
+    err, mx = _rel(e, a * v, norm_e)
+    found.append(_Found(c, label, accepted, steps, err, mx, _within(e, a * v, atol, rtol), factor=a,
+                        relation=""))
+
+
+def _roundings(found, expected, e, norm_e, engine_dtype, pool, shape):
+    """A candidate rounded to bfloat16/float16 that explains the engine's tensor exactly."""
+    dtypes = [engine_dtype] if engine_dtype in (torch.bfloat16, torch.float16) else [torch.bfloat16, torch.float16]
+    pool_near = [f for f in found if f.factor is None and f.error < 0.05 and not f.matches]
+    if expected is not None and not any(f.entry is expected for f in pool_near):
+        for label, accepted, steps in _layouts(tuple(expected.tensor.shape), shape, expected.facet):
+            if accepted:
+                v = _apply(expected.tensor, steps)
+                err, mx = _rel(e, v, norm_e)
+                pool_near.append(_Found(expected, label, accepted, steps, err, mx, False))
+                break
+    for f in pool_near[:8]:
+        v = _apply(f.entry.tensor, f.steps).float()
+        for dt in dtypes:
+            if v.dtype == dt:
+                continue
+            r = v.to(dt).float()
+            err, mx = _rel(e, r, norm_e)
+            name = str(dt)[6:]
+            eps = torch.finfo(dt).eps
+            if bool(((e - r).abs() <= eps * r.abs() + 1e-30).all()):
+                found.append(_Found(f.entry, f.label, f.accepted, f.steps, err, mx, True,
+                                    extra=f"rounded to {name}: the values agree at {name} precision "
+                                    "(compare with tolerance='auto' or loosen atol/rtol)"))
+                return
+            if engine_dtype == dt and f.error < 4 * eps:
+                found.append(_Found(f.entry, f.label, f.accepted, f.steps, f.error, f.max_abs, True,
+                                    extra=f"computed in {name}: differences at {name} precision "
+                                    "(compare with tolerance='auto' or loosen atol/rtol)"))
+                return
+
+
+def _tuple_elements(expected: _Entry, alternatives, shape, engine, norm_e, atol, rtol, found):
+    ref = None
+    for label, accepted, steps in _layouts(tuple(expected.tensor.shape), shape, expected.facet):
+        if accepted:
+            ref, ref_steps, ref_label = _apply(expected.tensor, steps).float(), steps, label
+            break
+    if ref is None:
+        return
+    total = engine.detach().cpu().float()
+    for i, alt in enumerate(alternatives, start=1):
+        if not isinstance(alt, Tensor):
+            continue
+        a = alt.detach().cpu().float()
+        if tuple(a.shape) != shape:
+            continue
+        total = total + a
+        norm_r = float(torch.linalg.vector_norm(ref, dtype=torch.float64))
+        err, mx = _rel(a, ref, norm_r)
+        if _within(a, ref, atol, rtol):
+            found.append(_Found(None, ref_label, True, ref_steps, err, mx, True,
+                                relation=f"element {i} of the engine's tuple is the site: the wrong tuple element was read",
+                                site=f"element {i} of the engine's tuple"))
+            return
+    if len(alternatives) >= 1 and tuple(total.shape) == shape:
+        norm_r = float(torch.linalg.vector_norm(ref, dtype=torch.float64))
+        err, mx = _rel(total, ref, norm_r)
+        if _within(total, ref, atol, rtol):
+            found.append(_Found(None, ref_label, True, ref_steps, err, mx, True,
+                                relation="the sum of the engine's tuple elements is the site: the engine returns "
+                                "(output, residual) and the residual was not added",
+                                site="the sum of the engine's tuple elements"))
+
+
+def _sums(pool: _Pool, e, norm_e, mean_e, atol, rtol, found, shape):
+    """`E ≈ A + B` for two facets A, B of the engine's shape (as is or batch dropped)."""
+    facets: list[tuple[_Entry, Tensor, float]] = []
+    n = e.numel()
+    for c_shape, entries in pool.by_shape.items():
+        for label, accepted, steps in _layouts(c_shape, shape, None):
+            if not accepted or any(s[0] == "flat" for s in steps):
+                continue
+            for c in entries:
+                if c.kind != "facet":
+                    continue
+                v = _apply(c.tensor, steps).float()
+                dot = float(torch.dot(e.reshape(-1), v.reshape(-1)))
+                facets.append((c, v, dot))
+    if len(facets) > 600:
+        facets = facets[:600]
+    best = None
+    for i, (a, va, da) in enumerate(facets):
+        r2 = norm_e * norm_e + a.norm * a.norm - 2 * da
+        ra = math.sqrt(max(r2, 0.0))
+        if ra < 1e-3 * norm_e:
+            continue
+        rmean = mean_e - a.mean
+        for b, vb, db in facets[i + 1:]:
+            if b.op is not None and b.op == a.op:
+                continue
+            lb = max(abs(ra - b.norm), abs(rmean - b.mean) * math.sqrt(n)) / norm_e
+            if lb > NEAR:
+                continue
+            s = va.float() + vb.float()
+            err, mx = _rel(e, s, norm_e)
+            if best is None or err < best[0]:
+                best = (err, mx, a, b, _within(e, s, atol, rtol))
+    if best is not None and best[0] < NEAR:
+        err, mx, a, b, ok = best
+        found.append(_Found(a, "as is", True, [], err, mx, ok, other=b))
+
+
+def _explain(cands: list[Candidate]) -> str:
+    if cands and cands[0].matches:
+        return f"equals {cands[0].describe()}"
+    if not cands:
+        return "matches no tensor of the trace, and no tensor of the trace has a close norm and mean"
+    near = ", ".join(f"{_fmt(c.factor) + ' × ' if c.factor is not None else ''}{c.site} ({c.error:.2g})"
+                     for c in cands[:3])
+    return f"matches no tensor of the trace; nearest by relative error: {near}"
