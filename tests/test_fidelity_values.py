@@ -236,3 +236,37 @@ def test_snapshot_copies_only_what_the_caller_can_reach():
     assert copied[0] >= logits.numel() * logits.element_size() + ids_bytes
     # ... and far from everything that was saved.
     assert copied[0] < saved / 2
+
+
+# ----------------------------------------------------------------------------------------------
+# save= containers
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "save", [["model.layers"], ["model.layers", "model.layers.0"], ["model.layers.1", "model.layers"], "model.layers"]
+)
+def test_save_a_container_keeps_all_its_children(save):
+    model = _models.llama()
+    addresses = ["model.layers.0", "model.layers.1", "model.layers.0.self_attn", "model.layers.1.mlp"]
+    ground = Ground(model, addresses)
+    with torch.no_grad():
+        model(IDS)
+    ground.remove()
+    with torch.no_grad():
+        tr = torchlens.trace(model, IDS, save=save)
+    for a in addresses:
+        assert torch.equal(tr.modules[a].facets["output"], ground.out[a]), a
+    assert "resid_post" in tr.modules["model.layers.1"].facets
+    assert "pattern" in tr.modules["model.layers.0.self_attn"].facets
+    assert "logits" not in tr.modules[""].facets  # outside the selection
+    assert "output" not in tr.modules["model.embed_tokens"].facets
+
+
+@pytest.mark.parametrize("save", ["", [""], ["model.layers.0", ""]])
+def test_save_empty_string_is_refused_with_what_to_pass(save):
+    with pytest.raises(torchlens.errors.SaveSpecError) as info:
+        torchlens.trace(_models.llama(), IDS, save=save)
+    msg = str(info.value)
+    assert "save='all'" in msg and "'model.layers'" in msg
+    assert isinstance(info.value, TorchLensError)

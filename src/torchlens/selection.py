@@ -50,8 +50,21 @@ class SaveSpec:
         return ", ".join(repr(p) for p in parts) or "none"
 
 
+_EMPTY = (
+    "{what} names no module: the root's address is '' in trace.modules, but as a save= value it "
+    "would quietly mean everything. Pass save='all' to keep everything, or name what to keep: a "
+    "module address such as 'model.layers.0', a container such as 'model.layers' (keeps all its "
+    "children), or a facet name such as 'resid_post'."
+)
+
+
 def parse_save(save: Any, addresses: Iterable[str]) -> SaveSpec:
-    """Turn a `save=` argument into a `SaveSpec`, or explain why not."""
+    """Turn a `save=` argument into a `SaveSpec`, or explain why not.
+
+    A module address selects that module and everything inside it, so a container that never
+    runs itself (an `nn.ModuleList` such as `"model.layers"`) selects all its children. `""`
+    (the root's address) is refused: it would silently mean `"all"`.
+    """
     addresses = list(addresses)
     accepted = (
         "save= accepts 'all', 'none', a module address or facet name, a list of those, "
@@ -60,6 +73,8 @@ def parse_save(save: Any, addresses: Iterable[str]) -> SaveSpec:
     if save is None or save == "none":
         return SaveSpec()
     if isinstance(save, str):
+        if save == "":
+            raise SaveSpecError(_EMPTY.format(what="save=''"))
         if save == "all":
             return SaveSpec(everything=True)
         save = [save]
@@ -72,6 +87,8 @@ def parse_save(save: Any, addresses: Iterable[str]) -> SaveSpec:
     for item in save:
         if not isinstance(item, str):
             raise SaveSpecError(f"save= list item {item!r} is not a string; {accepted}.")
+        if item == "":
+            raise SaveSpecError(_EMPTY.format(what="save= list item ''"))
         if item in ("all", "none"):
             raise SaveSpecError(f"save= list item {item!r}: pass save={item!r} on its own, not inside a list.")
         if item in addr_set:
@@ -89,7 +106,15 @@ def parse_save(save: Any, addresses: Iterable[str]) -> SaveSpec:
 
 
 def retained_modules(spec: SaveSpec, roles: dict[str, str]) -> set[str]:
+    """Addresses whose calls keep their op outputs during capture.
+
+    A selected address brings every module below it: a container such as an `nn.ModuleList` never
+    runs, so its children cannot inherit the selection from a running parent.
+    """
     keep = set(spec.addresses)
+    prefixes = tuple(a + "." for a in spec.addresses if a)
+    if prefixes:
+        keep |= {a for a in roles if a.startswith(prefixes)}
     for facet in spec.facets:
         wanted = set(_FACET_SOURCE_ROLES.get(facet, ()))
         wanted |= {role for role, table in FACETS.items() if facet in table}
