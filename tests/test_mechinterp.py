@@ -322,22 +322,33 @@ class _ToyDecoder(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def test_ambiguous_module_that_ran_twice():
+def test_block_object_run_twice_gives_one_layer_per_call():
+    """Weight-shared layers (one block object in the list twice): one layer per call, in order."""
     torch.manual_seed(0)
-    trace = tl.trace(_ToyDecoder().eval(), torch.tensor([[1, 2, 3]]))
+    model = _ToyDecoder().eval()
+    seen = []  # ground truth: a plain forward hook on the shared block
+    handle = model.layers[0].register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    try:
+        model(torch.tensor([[1, 2, 3]]))
+    finally:
+        handle.remove()
+    trace = tl.trace(model, torch.tensor([[1, 2, 3]]))
     assert len(trace.modules["layers.0"].calls) == 2
-    for name in ("blocks.0.hook_resid_post", "layers_output[0]", "resid_post.0", "blocks.0.attn.hook_pattern",
-                 "mlps_output[0]"):
-        r = mi.resolve_alias(trace, name)
-        assert r.status == "ambiguous", r
-        assert "2 times" in r.reason
-        assert ".calls[" in r.remedy
-        assert not r.readable
+    assert trace.blocks == ["layers.0", "layers.0"]
+    for layer in (0, 1):
+        for name in (f"blocks.{layer}.hook_resid_post", f"layers_output[{layer}]", f"resid_post.{layer}"):
+            r = mi.resolve_alias(trace, name)
+            assert r.status == "real" and r.call == layer, r
+            torch.testing.assert_close(r.tensor(trace), seen[layer], rtol=0, atol=0)
+        assert mi.resolve_alias(trace, f"blocks.{layer}.attn.hook_pattern").call == layer
+    assert not torch.equal(seen[0], seen[1])
+    with pytest.raises(mi.LayerOutOfRange):
+        mi.resolve_alias(trace, "blocks.2.hook_resid_post")
     # Sites outside the shared block are unaffected.
     assert mi.resolve_alias(trace, "hook_embed").status == "real"
     assert mi.resolve_alias(trace, "unembed.hook_out").status == "real"
     report = mi.alias_report(trace, generation="nnterp")
-    assert {r.status for r in report if r.pattern.endswith("[{L}]")} == {"ambiguous"}
+    assert [r.query for r in report if r.pattern == "layers_output[{L}]"] == ["layers_output[0]", "layers_output[1]"]
     # The same toy with two distinct blocks is unambiguous: the sharing is what makes it ambiguous.
     torch.manual_seed(0)
     distinct = tl.trace(_ToyDecoder(shared=False).eval(), torch.tensor([[1, 2, 3]]))

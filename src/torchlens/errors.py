@@ -14,6 +14,7 @@ __all__ = [
     "TorchLensError",
     "LookupFailed",
     "SaveSpecError",
+    "RoleSpecError",
     "ModuleNotFoundInTrace",
     "FacetNotFound",
     "FacetNotSaved",
@@ -63,6 +64,10 @@ class LookupFailed(TorchLensError, KeyError):
 
 class SaveSpecError(TorchLensError, ValueError):
     """The `save=` argument of [`trace`][torchlens.trace] is not one TorchLens accepts."""
+
+
+class RoleSpecError(TorchLensError, ValueError):
+    """`roles=` is not accepted: not a dict, a role TorchLens does not know, or a key naming no module."""
 
 
 class CaptureError(TorchLensError, RuntimeError):

@@ -527,6 +527,7 @@ def derive(
     calls: list[ModuleCall],
     modules: dict[str, nn.Module],
     keep: Callable[[str, str], bool] | None,
+    structure: Any = None,
 ) -> None:
     """Attach a site dict to every call (`call._sites`); tensors dropped where `keep` says no."""
     g = _Graph(ops, modules)
@@ -556,7 +557,7 @@ def derive(
             if lookup is not None:
                 sites["lookup"] = _site(g, "lookup", Ref(lookup.index, 0), note="the embedding lookup op")
         elif role == "root":
-            sites.update(_root_facets(g, call, calls))
+            sites.update(_root_facets(g, call, calls, structure))
         if keep is not None:
             for name, s in sites.items():
                 if s.tensor is not None and not keep(call.address, name):
@@ -582,24 +583,17 @@ def _logits_site(g: _Graph, root: ModuleCall, unembed: ModuleCall) -> FacetSite 
     return _site(g, "logits", u_ref, note="unembedding output")
 
 
-def _root_facets(g: _Graph, root: ModuleCall, calls: list[ModuleCall]) -> dict[str, FacetSite]:
+def _root_facets(g: _Graph, root: ModuleCall, calls: list[ModuleCall], structure: Any) -> dict[str, FacetSite]:
+    """`logits` (from the unembedding) and `final_norm_input` (from `_structure`'s one final-norm rule)."""
     sites = {}
-    unembed = next((c for c in calls if c.role == "unembed"), None)
+    unembed = structure.unembed if structure is not None else next((c for c in calls if c.role == "unembed"), None)
     if unembed is not None:
         s = _logits_site(g, root, unembed)
         if s:
             sites["logits"] = s
-        in_block = set()
-        for c in calls:
-            p = c.parent
-            while p is not None:
-                if p.role == "block":
-                    in_block.add(id(c))
-                    break
-                p = p.parent
-        norms = [c for c in calls if c.role == "norm" and id(c) not in in_block and c.end_op <= unembed.first_op]
-        if norms:
-            s = _site(g, "final_norm_input", _io(g, norms[-1], "in"), note="input of the final norm")
-            if s:
-                sites["final_norm_input"] = s
+    norm = structure.final_norm if structure is not None else None
+    if norm is not None:
+        s = _site(g, "final_norm_input", _io(g, norm, "in"), note="input of the final norm")
+        if s:
+            sites["final_norm_input"] = s
     return sites

@@ -1,20 +1,13 @@
 """Everything TorchLens knows about model families, kept as data in one place.
 
 Facets are found from the recorded data flow (which op consumed which tensor) and the module
-tree. The only family knowledge the rules need is which modules play which *role* in a
-decoder: a block, its attention, its MLP, a norm, an embedding, the unembedding. Those hints
-live in the tables below, so supporting a new family means adding a name here, never an
-`if family == ...` branch in the capture or facet code.
+tree; the rules that give modules their roles (block, attention, MLP, norm, embedding,
+unembedding) live in [`torchlens._structure`][torchlens._structure]. This module holds the data
+those rules and the facet code read: name fragments, op-name sets, weight layouts, tolerances.
+Supporting a new family means adding a name here, never an `if family == ...` branch.
 
-Role rules, in order (first match wins):
-
-1. `embedding`: an `nn.Embedding`.
-2. `norm`: a class in `NORM_CLASSES`, or a class whose name ends with one of `NORM_SUFFIXES`.
-3. `block`: an element of an `nn.ModuleList` that has a direct child with the attention role
-   and a direct child with the MLP role.
-4. `attention` / `mlp`: a direct child of a block whose attribute name is in
-   `ATTENTION_ATTRS` / `MLP_ATTRS`, or whose class name contains `Attention` / `MLP`.
-5. `unembed`: a linear layer named in `UNEMBED_ATTRS` that is a direct child of the root.
+The attribute and class-name hints (`ATTENTION_ATTRS`, `MLP_ATTRS`, ...) are used only *before*
+the forward, to guess which tensors `save=` needs; after it, roles are settled from the data flow.
 """
 
 from __future__ import annotations
@@ -34,8 +27,17 @@ NORM_CLASSES = (nn.LayerNorm, nn.GroupNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMS
 NORM_SUFFIXES = ("RMSNorm", "LayerNorm", "Norm")
 #: Attribute names a norm keeps its epsilon under.
 EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps")
-#: Names of the output projection (unembedding) on a language-model root.
+#: Names of the output projection (unembedding), a hint used before the forward only: after it the
+#: unembedding is the linear layer whose width is the vocabulary and whose output reaches the model
+#: output.
 UNEMBED_ATTRS = ("lm_head", "embed_out", "output", "unembed")
+#: `config.model_type` of encoder-only families (bidirectional attention, no causal mask).
+ENCODER_MODEL_TYPES = frozenset({
+    "bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "xlm-roberta", "camembert",
+    "mpnet", "vit", "deit", "beit", "dinov2", "clip_vision_model", "siglip_vision_model", "modernbert",
+})
+#: Class-name fragments of the module holding an encoder stack (`BertEncoder`, `CLIPEncoder`).
+ENCODER_CLASS_FRAGMENTS = ("Encoder",)
 
 #: How a projection layer stores its weight. `"out_in"` is `nn.Linear` (`[out, in]`, y = x W^T);
 #: `"in_out"` is GPT-2's `Conv1D` (`[in, out]`, y = x W). Looked up by class name.
@@ -72,45 +74,14 @@ def is_norm(module: nn.Module) -> bool:
     return name.endswith(NORM_SUFFIXES) and not name.endswith("BatchNorm")
 
 
-def _child_role(attr: str, module: nn.Module) -> str | None:
+def child_role(attr: str, module: nn.Module) -> str | None:
+    """A guess, from the attribute and class name, of a block child's role (used before the forward only)."""
     cls = type(module).__name__
     if attr in ATTENTION_ATTRS or any(f in cls for f in ATTENTION_CLASS_FRAGMENTS):
         return "attention"
     if attr in MLP_ATTRS or any(f in cls for f in MLP_CLASS_FRAGMENTS):
         return "mlp"
     return None
-
-
-def assign_roles(model: nn.Module, names: dict[nn.Module, str]) -> dict[str, str]:
-    """Give every module address of `model` one role from `ROLES`.
-
-    Args:
-        model: the root module.
-        names: module object to its canonical address (`""` for the root).
-
-    Returns:
-        A mapping from address to role.
-    """
-    roles = {addr: "other" for addr in names.values()}
-    roles[""] = "root"
-    for module, addr in names.items():
-        if isinstance(module, nn.Embedding):
-            roles[addr] = "embedding"
-        elif is_norm(module):
-            roles[addr] = "norm"
-    for module in model.modules():
-        if not isinstance(module, nn.ModuleList):
-            continue
-        for block in module:
-            kids = {_child_role(a, m): (a, m) for a, m in block.named_children()}
-            if "attention" in kids and "mlp" in kids:
-                roles[names[block]] = "block"
-                for role in ("attention", "mlp"):
-                    roles[names[kids[role][1]]] = role
-    for attr, child in model.named_children():
-        if attr in UNEMBED_ATTRS and isinstance(child, nn.Linear):
-            roles[names[child]] = "unembed"
-    return roles
 
 
 def weight_layout(module: nn.Module) -> str | None:

@@ -268,19 +268,22 @@ class Trace:
         modules: module records by address ([`ModuleMap`][torchlens.records.ModuleMap]); `""` is the
             root.
         output: what the model returned.
-        blocks: addresses of the decoder blocks in the order they ran; a layer index is a position
-            in this list.
+        blocks: the block address of each layer of the language-model stack, in run order (a block
+            run several times appears once per call); a layer index is a position in this list.
         model_class: the root module's class name.
         save: the normalized `save=` selection the trace was taken with.
+        structure: the model's stacks, layers and sublayers as TorchLens found them
+            (`structure.stacks`, `structure.kind`; see [`torchlens._structure`][torchlens._structure]).
     """
 
-    def __init__(self, ops, modules, output, blocks, model_class, save):
+    def __init__(self, ops, modules, output, blocks, model_class, save, structure=None):
         self.ops: list[OpRecord] = ops
         self.modules: ModuleMap = modules
         self.output = output
         self.blocks: list[str] = blocks
         self.model_class: str = model_class
         self.save = save
+        self.structure = structure
 
     def by_role(self, role: str) -> list[str]:
         """Addresses of the modules with `role` that ran, in the order they first ran."""

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import families as fam
 from .capture import Recorder
+from ._structure import find as find_structure
+from ._structure import parse_roles, static_roles
 from .compiled import CompiledRunsEagerly, check_compiled, compiled_module_class
 from .errors import SaveSpecError, TorchLensError
 from .facets import derive
@@ -19,7 +20,7 @@ from .selection import SaveSpec, parse_save, retained_modules
 __all__ = ["trace"]
 
 
-def trace(model: nn.Module, *args: Any, save: Any = "all", **kwargs: Any) -> Trace:
+def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, **kwargs: Any) -> Trace:
     """Run `model(*args, **kwargs)` once in eager mode and record everything it does.
 
     Args:
@@ -30,6 +31,11 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", **kwargs: Any) -> Tra
             `"none"` keeps metadata only (names, shapes, dtypes, data flow); a module address or
             facet name, or a list of them, keeps those facets (and the ops inside the named
             modules); a callable `predicate(address, facet) -> bool` keeps the facets it accepts.
+        roles: where TorchLens's structure rules cannot tell, name roles yourself: a dict from a
+            module address or glob pattern (`"encoder.blocks.*"`) to `"block"`, `"attention"`,
+            `"cross_attention"`, `"mlp"`, `"norm"`, `"embedding"`, `"unembed"` or `"other"`.
+            Named blocks form the layers of their holder's stack; inside a block that has named
+            sublayers, only the named ones are taken.
         **kwargs: keyword inputs of the forward.
 
     Returns:
@@ -38,6 +44,7 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", **kwargs: Any) -> Tra
 
     Raises:
         SaveSpecError: `save=` is not accepted, or selects nothing in this forward.
+        RoleSpecError: `roles=` is not a dict, names an unknown role, or a key matches no module.
         TorchLensError: `model` is not a module.
         CaptureError: a `torch.compile`d module ran code the capture could not see. TorchLens runs
             compiled modules and functions eagerly while it traces (`torch.compiler.set_stance(
@@ -67,7 +74,7 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", **kwargs: Any) -> Tra
             aliases[addr] = names[m]
         else:
             names[m] = addr
-    roles = fam.assign_roles(model, names)
+    roles = static_roles(model, names, parse_roles(roles, list(names.values())))
     spec = parse_save(save, list(names.values()) + list(aliases))
     spec = SaveSpec(
         spec.everything, frozenset(aliases.get(a, a) for a in spec.addresses), spec.facets, spec.predicate
@@ -123,7 +130,8 @@ def _assemble(rec, model, names, aliases, roles, spec, output, overwritten) -> T
         )
     keep = None if spec.everything else spec.keep
     with torch.no_grad():
-        derive(rec.ops, rec.calls, modules, keep)
+        structure = find_structure(rec.ops, rec.calls, modules, roles, model, names)
+        derive(rec.ops, rec.calls, modules, keep, structure)
     if not spec.everything:
         for op in rec.ops:
             if not spec.covers(op.module) and any(t is not None for t in op.tensors):
@@ -144,8 +152,5 @@ def _assemble(rec, model, names, aliases, roles, spec, output, overwritten) -> T
                 f"save={spec.describe()} kept nothing in this forward: no module that ran has those facets. "
                 f"Facets that exist here: {', '.join(sorted({n for c in rec.calls for n in c.facets.sites}))}."
             )
-    blocks = []
-    for call in rec.calls:
-        if call.role == "block" and call.address not in blocks:
-            blocks.append(call.address)
-    return Trace(rec.ops, ModuleMap(records, aliases), output, blocks, type(model).__name__, spec)
+    blocks = [layer.call.address for layer in structure.layers]
+    return Trace(rec.ops, ModuleMap(records, aliases), output, blocks, type(model).__name__, spec, structure)

@@ -80,6 +80,8 @@ class AliasResolution:
         meaning: what the other library reads there.
         note: where the two sides differ (layout, mask fill, conditions).
         shape: the site's tensor shape, when known.
+        call: which call of the module holds the site (a block run several times is one layer per
+            call); None when the module ran once or there is no site.
     """
 
     query: str
@@ -94,6 +96,7 @@ class AliasResolution:
     meaning: str
     note: str = ""
     shape: tuple[int, ...] | None = None
+    call: int | None = None
 
     @property
     def readable(self) -> bool:
@@ -104,7 +107,10 @@ class AliasResolution:
         """The tensor this name reads in `trace` (raises the facet's error when not readable)."""
         if self.module_address is None or self.facet is None:
             raise AliasError(f"{self.query!r} has no site in this trace: {self.reason}")
-        return trace.modules[self.module_address].facets[self.facet]
+        rec = trace.modules[self.module_address]
+        if self.call is not None:
+            return rec.calls[self.call].facets[self.facet]
+        return rec.facets[self.facet]
 
     def __repr__(self) -> str:
         return f"AliasResolution({self.query!r} -> {_site(self)} [{self.status}], generation={self.generation!r})"
@@ -315,27 +321,44 @@ def _unknown(query: str, tables: list[Table], trace: Trace) -> AliasError:
 
 def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
             address: str | None = None) -> AliasResolution:
+    call = None
+
     def res(status, addr, facet, reason, remedy="", shape=None):
         return AliasResolution(query, table.generation, status, addr, facet, layer, reason, remedy,
-                               row.name, row.meaning, row.note, shape)
+                               row.name, row.meaning, row.note, shape,
+                               call.index if call is not None and len(trace.modules[call.address].calls) > 1 else None)
 
+    structure = trace.structure
+    if table.decoder_only and structure is not None and structure.kind not in ("decoder-only", "no-stack"):
+        return res("structurally_absent", None, row.facets[0] if row.facets else None,
+                   f"{table.title.split(' ')[0]} names sites of decoder-only language models; this model is "
+                   f"{structure.kind} ({structure.describe()})",
+                   "use a TransformerLens generation, or read trace.modules[address].facets directly")
     if row.facet is None:
         return res("structurally_absent", None, None, f"TorchLens has no site for it: {row.note}", "")
+    if row.per_layer and structure is not None and structure.lm_stack is None and len(structure.stacks) > 1:
+        return res("ambiguous", None, row.facets[0],
+                   f"this model has {len(structure.stacks)} stacks of layers ({structure.describe()}) and none feeds a "
+                   f"language-model head, so a layer index could name a layer of any of them",
+                   "read trace.structure.stacks[name].layers[i] for the stack you mean")
     if address is None:
         if row.per_layer and layer is None:
             return res("structurally_absent", None, row.facets[0], "per-layer name without a layer")
-        address, why = targets.find(trace, row.target, layer)
-        if address is None:
+        call, why = targets.find_call(trace, row.target, layer)
+        if call is None:
             return res("structurally_absent", None, row.facets[0], f"{why}.")
+        address = call.address
     rec = trace.modules[address]
-    if len(rec.calls) != 1:
-        if not rec.calls:
-            return res("structurally_absent", address, row.facets[0], f"{address} did not run in this forward.")
-        return res(
-            "ambiguous", address, row.facets[0], f"{address} ran {len(rec.calls)} times in this forward.",
-            f"read trace.modules[{address!r}].calls[i].facets[{row.facets[0]!r}] for the call you mean",
-        )
-    sites = rec.calls[0].facets.sites
+    if call is None:
+        if len(rec.calls) != 1:
+            if not rec.calls:
+                return res("structurally_absent", address, row.facets[0], f"{address} did not run in this forward.")
+            return res(
+                "ambiguous", address, row.facets[0], f"{address} ran {len(rec.calls)} times in this forward.",
+                f"read trace.modules[{address!r}].calls[i].facets[{row.facets[0]!r}] for the call you mean",
+            )
+        call = rec.calls[0]
+    sites = call.facets.sites
     facet = next((f for f in row.facets if f in sites), None)
     if facet is None:
         absent = _ABSENT.get(row.facets[0], "the module does not compute it")
@@ -451,10 +474,10 @@ def _same_tensor_key(trace: Trace, r: AliasResolution) -> tuple:
     ambiguous.
     """
     if r.module_address is not None and r.facet is not None and r.readable:
-        site = trace.modules[r.module_address].calls[0].facets.sites[r.facet]
+        site = trace.modules[r.module_address].calls[r.call or 0].facets.sites[r.facet]
         if site.op is not None and site.kind == "real":
             return ("op", site.op, tuple(site.shape))
-    return ("site", r.module_address, r.facet)
+    return ("site", r.module_address, r.call, r.facet)
 
 
 def alias_report(trace: Trace, generation: str = "2.x") -> AliasReport:

@@ -4,46 +4,50 @@ A row of a naming table says *what* it reads (`target="ln2"`, `facet="scale"`); 
 says *where* that is in a given trace. Each target is found from module roles and from which
 module's output feeds which module's input, so the same row reads the right module on GPT-2
 (`transformer.h.0.ln_2`), Llama (`model.layers.0.post_attention_layernorm`) or Gemma-2
-(`model.layers.0.pre_feedforward_layernorm`).
+(`model.layers.0.pre_feedforward_layernorm`). Layers, sublayers, embeddings, final norm and
+unembedding come from the trace's structure ([`torchlens._structure`][torchlens._structure]), so
+a layer index counts the calls of the language-model stack's blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..families import PASS_THROUGH_OPS, RESHAPE_OPS, WEIGHT_LAYOUT
-from ..records import ModuleCall, ModuleRecord, Ref, Trace
+from ..families import ADD_OPS, FUSED_ATTENTION_OPS, PASS_THROUGH_OPS, SOFTMAX_OPS, WEIGHT_LAYOUT
+from ..records import ModuleCall, Ref, Trace
+
+# Finders take (trace, layer) and return the ModuleCall the target names, or None.
 
 
-def _first(rec: ModuleRecord) -> ModuleCall | None:
-    return rec.calls[0] if rec.calls else None
+def _layer(trace: Trace, layer: int):
+    return trace.structure.layers[layer]
 
 
-def _children(trace: Trace, parent: str, role: str | None = None) -> list[ModuleRecord]:
-    """Direct children of `parent` that ran, in the order they first ran."""
-    depth = parent.count(".") + 1 if parent else 0
-    prefix = parent + "." if parent else ""
-    kids = [
-        r for a, r in trace.modules.items()
-        if a.startswith(prefix) and a.count(".") == depth and r.calls and (role is None or r.role == role)
-    ]
-    return sorted(kids, key=lambda r: r.calls[0].first_op)
+def _kids(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
+    return trace.structure.children.get(id(call), [])
 
 
-def _sublayer(trace: Trace, layer: int, role: str) -> ModuleRecord | None:
-    kids = _children(trace, trace.blocks[layer], role)
-    return kids[0] if kids else None
+def _below(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
+    out, todo = [], list(_kids(trace, call))
+    while todo:
+        c = todo.pop(0)
+        out.append(c)
+        todo.extend(_kids(trace, c))
+    return out
 
 
-def _norm_where(trace: Trace, layer: int, match: Callable[[ModuleCall, ModuleCall], bool], role: str) -> str | None:
-    sub = _sublayer(trace, layer, role)
+def _sublayer(trace: Trace, layer: int, which: str) -> ModuleCall | None:
+    return getattr(_layer(trace, layer), which)
+
+
+def _norm_where(trace: Trace, layer: int, match: Callable[[ModuleCall, ModuleCall], bool], which: str):
+    sub = _sublayer(trace, layer, which)
     if sub is None:
         return None
-    s = _first(sub)
-    for norm in _children(trace, trace.blocks[layer], "norm"):
-        n = _first(norm)
-        if n is not None and s is not None and match(n, s):
-            return norm.address
+    inside = {id(c) for c in _below(trace, sub)}
+    for norm in _below(trace, _layer(trace, layer).call):
+        if norm.role == "norm" and id(norm) not in inside and match(norm, sub):
+            return norm
     return None
 
 
@@ -55,85 +59,100 @@ def _follows(n: ModuleCall, s: ModuleCall) -> bool:
     return type(s._out_ref) is Ref and n._in_ref == s._out_ref
 
 
-def _outside_blocks(trace: Trace, role: str) -> list[ModuleRecord]:
-    recs = [
-        r for a, r in trace.modules.items()
-        if r.role == role and r.calls and not any(a == b or a.startswith(b + ".") for b in trace.blocks)
-    ]
-    return sorted(recs, key=lambda r: r.calls[0].first_op)
+def _added_to_residual(trace: Trace, layer: int, sub: ModuleCall) -> bool:
+    """Whether the sublayer's output (through casts and dropout) is an operand of an add in the layer.
 
-
-def _from_model_input(trace: Trace, ref) -> bool:
-    """Whether `ref` is a model input, possibly reshaped (`input_ids.view(...)`), not computed."""
-    for _ in range(8):
-        if type(ref) is not Ref:
-            return False
-        op = trace.ops[ref.op]
-        if op.name == "input":
+    That is what makes its output the sublayer's contribution to the residual stream; BERT's
+    self-attention returns the merged heads, and its output projection lies outside it.
+    """
+    block = _layer(trace, layer).call
+    if type(sub._out_ref) is not Ref:
+        return False
+    refs = {sub._out_ref}
+    for op in trace.ops[sub.end_op : block.end_op]:
+        hit = [r for r in op.inputs if r in refs]
+        if not hit:
+            continue
+        if op.name in ADD_OPS:
             return True
-        if op.name not in RESHAPE_OPS | PASS_THROUGH_OPS | {"__getitem__", "long", "int"} or not op.inputs:
-            return False
-        ref = op.inputs[0]
+        if op.name in PASS_THROUGH_OPS:
+            refs.add(Ref(op.index, 0))
     return False
 
 
-def _token_embed(trace: Trace) -> str | None:
-    for rec in _outside_blocks(trace, "embedding"):
-        if _from_model_input(trace, _first(rec)._in_ref):
-            return rec.address
+def _contribution(which: str) -> Callable[[Trace, int], ModuleCall | None]:
+    def find(trace: Trace, layer: int) -> ModuleCall | None:
+        sub = _sublayer(trace, layer, which)
+        return sub if sub is not None and _added_to_residual(trace, layer, sub) else None
+
+    return find
+
+
+def _token_embed(trace: Trace) -> ModuleCall | None:
+    return trace.structure.token_embed
+
+
+def _outside_layers(trace: Trace, role: str) -> list[ModuleCall]:
+    inside = {id(c) for s in trace.structure.stacks.values() for l in s.layers for c in [l.call] + _below(trace, l.call)}
+    return [c for rec in trace.modules.values() for c in rec.calls if c.role == role and id(c) not in inside]
+
+
+def _pos_embed(trace: Trace) -> ModuleCall | None:
+    """The one embedding outside the layers, other than the token embedding, whose indices are positions.
+
+    With several (BERT also embeds token types), the one whose saved indices count 0, 1, 2, ...;
+    none when that cannot be told.
+    """
+    token = _token_embed(trace)
+    others = [c for c in _outside_layers(trace, "embedding") if c is not token]
+    if len(others) <= 1:
+        return others[0] if others else None
+    for c in others:
+        site = c.facets.sites.get("indices") if c.facets else None
+        t = site.tensor if site is not None else None
+        if t is not None and t.numel() and t.shape[-1] > 1 and bool((t.diff(dim=-1) == 1).all()):
+            return c
     return None
 
 
-def _pos_embed(trace: Trace) -> str | None:
-    token = _token_embed(trace)
-    others = [r.address for r in _outside_blocks(trace, "embedding") if r.address != token]
-    return others[0] if others else None
-
-
-def _final_norm(trace: Trace) -> str | None:
-    unembed = _outside_blocks(trace, "unembed")
-    norms = _outside_blocks(trace, "norm")
-    if unembed:
-        start = unembed[0].calls[0].first_op
-        norms = [n for n in norms if n.calls[0].end_op <= start]
-    return norms[-1].address if norms else None
-
-
-def _sub(role: str) -> Callable[[Trace, int], str | None]:
-    def find(trace: Trace, layer: int) -> str | None:
-        rec = _sublayer(trace, layer, role)
-        return rec.address if rec else None
-
-    return find
-
-
-def _attn_o(trace: Trace, layer: int) -> str | None:
+def _attn_o(trace: Trace, layer: int) -> ModuleCall | None:
+    """The attention's output projection: a weighted module inside it that runs after its kernel."""
     attn = _sublayer(trace, layer, "attention")
     if attn is None:
         return None
-    weighted = [r for r in _children(trace, attn.address) if r.class_name in WEIGHT_LAYOUT]
-    return weighted[-1].address if weighted else None
+    kernel = next((op.index for op in trace.ops[attn.first_op : attn.end_op]
+                   if op.name in SOFTMAX_OPS | FUSED_ATTENTION_OPS), None)
+    weighted = [c for c in _below(trace, attn) if c.class_name in WEIGHT_LAYOUT and kernel is not None
+                and c.first_op > kernel]
+    return weighted[-1] if weighted else None
 
 
-def _mlp_gated(trace: Trace, layer: int) -> str | None:
+def _mlp_gated(trace: Trace, layer: int) -> ModuleCall | None:
     mlp = _sublayer(trace, layer, "mlp")
-    if mlp is None or not mlp.calls or "pre_linear" not in mlp.calls[0].facets.sites:
+    if mlp is None or "pre_linear" not in mlp.facets.sites:
         return None
-    return mlp.address
+    return mlp
 
 
-def _or_raw(norm_target: str, role: str) -> Callable[[Trace, int], str | None]:
-    def find(trace: Trace, layer: int) -> str | None:
-        return TARGETS[norm_target][0](trace, layer) or _sub(role)(trace, layer)
+def _or_raw(norm_target: str, which: str) -> Callable[[Trace, int], ModuleCall | None]:
+    def find(trace: Trace, layer: int) -> ModuleCall | None:
+        return TARGETS[norm_target][0](trace, layer) or _contribution(which)(trace, layer)
 
     return find
 
 
-#: target name -> (finder(trace, layer) -> address or None, per_layer, why it can be missing)
+def _root(trace: Trace, layer: int) -> ModuleCall | None:
+    return trace.modules[""].calls[0] if trace.modules[""].calls else None
+
+
+#: target name -> (finder(trace, layer) -> ModuleCall or None, per_layer, why it can be missing)
 TARGETS: dict[str, tuple[Callable, bool, str]] = {
-    "block": (lambda t, i: t.blocks[i], True, "no decoder block"),
-    "attention": (_sub("attention"), True, "the block has no attention sublayer"),
-    "mlp": (_sub("mlp"), True, "the block has no MLP sublayer"),
+    "block": (lambda t, i: _layer(t, i).call, True, "no block"),
+    "attention": (lambda t, i: _sublayer(t, i, "attention"), True, "the block has no attention sublayer"),
+    "cross_attention": (lambda t, i: _sublayer(t, i, "cross_attention"), True,
+                        "the block has no cross-attention sublayer"),
+    "mlp": (lambda t, i: _sublayer(t, i, "mlp"), True,
+            "the block has no MLP sublayer (no single module holds the MLP, or the block has no attention)"),
     "ln1": (lambda t, i: _norm_where(t, i, _feeds, "attention"), True,
             "no norm feeds the attention input (the block normalizes after its sublayers)"),
     "ln2": (lambda t, i: _norm_where(t, i, _feeds, "mlp"), True,
@@ -142,21 +161,30 @@ TARGETS: dict[str, tuple[Callable, bool, str]] = {
                        "no norm is applied to the attention output (no sandwich norm)"),
     "mlp_post_norm": (lambda t, i: _norm_where(t, i, _follows, "mlp"), True,
                       "no norm is applied to the MLP output (no sandwich norm)"),
-    "attn_out_final": (_or_raw("attn_post_norm", "attention"), True, "the block has no attention sublayer"),
-    "mlp_out_final": (_or_raw("mlp_post_norm", "mlp"), True, "the block has no MLP sublayer"),
+    "attn_out_final": (_or_raw("attn_post_norm", "attention"), True,
+                       "no attention sublayer whose output is added to the residual stream"),
+    "mlp_out_final": (_or_raw("mlp_post_norm", "mlp"), True,
+                      "no MLP sublayer whose output is added to the residual stream"),
     "attn_o": (_attn_o, True, "the attention has no output projection module"),
     "mlp_gated": (_mlp_gated, True, "the MLP is not gated (one input projection, no linear branch)"),
     "token_embed": (lambda t, i: _token_embed(t), False, "no embedding module read the model's input ids"),
     "pos_embed": (lambda t, i: _pos_embed(t), False,
-                  "no learned position embedding module ran (positions are rotary or absent)"),
-    "final_norm": (lambda t, i: _final_norm(t), False, "no norm runs between the last block and the unembedding"),
-    "unembed": (lambda t, i: next((r.address for r in _outside_blocks(t, "unembed")), None), False,
-                "the model has no unembedding (lm_head) module"),
-    "root": (lambda t, i: "", False, ""),
+                  "no learned position embedding module ran (positions are rotary or absent), or it cannot be "
+                  "told from the other embeddings"),
+    "final_norm": (lambda t, i: t.structure.final_norm, False,
+                   "no norm runs between the last block and the unembedding"),
+    "unembed": (lambda t, i: t.structure.unembed, False, "the model has no unembedding (lm_head) module"),
+    "root": (_root, False, ""),
 }
+
+
+def find_call(trace: Trace, target: str, layer: int | None) -> tuple[ModuleCall | None, str]:
+    """The module call `target` names in `trace` at `layer` (of the language-model stack), or None and the reason."""
+    finder, _, why = TARGETS[target]
+    return finder(trace, layer), why
 
 
 def find(trace: Trace, target: str, layer: int | None) -> tuple[str | None, str]:
     """The module address `target` names in `trace` at `layer`, or None and the reason."""
-    finder, _, why = TARGETS[target]
-    return finder(trace, layer), why
+    call, why = find_call(trace, target, layer)
+    return (call.address if call is not None else None), why

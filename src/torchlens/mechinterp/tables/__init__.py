@@ -65,6 +65,8 @@ class Table:
         unmapped: names the library defines that have no row, with the reason and where the
             tensor can be read instead; resolving one raises with that text.
         negative_layers: the library indexes layers like a Python list (`[-1]` is the last).
+        decoder_only: the library serves decoder-only language models only; on any other kind of
+            model every name of the table is reported `structurally_absent`, saying so.
     """
 
     generation: str
@@ -73,3 +75,4 @@ class Table:
     absent_once: bool = False
     unmapped: dict[str, str] | None = None
     negative_layers: bool = False
+    decoder_only: bool = False

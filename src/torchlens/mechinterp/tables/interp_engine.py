@@ -66,4 +66,4 @@ ROWS = (
 #: Points that may carry a `.stream-K` coordinate.
 STREAM_POINTS = frozenset({"resid_pre", "resid_mid", "resid_post"})
 
-TABLE = Table("interp-engine", "interp-engine 1.14.3 point addresses", ROWS, absent_once=True)
+TABLE = Table("interp-engine", "interp-engine 1.14.3 point addresses", ROWS, absent_once=True, decoder_only=True)

@@ -47,5 +47,6 @@ UNMAPPED = {
 }
 
 TABLE = Table(
-    "nnterp", "nnterp 1.3 StandardizedTransformer accessors", ROWS, unmapped=UNMAPPED, negative_layers=True
+    "nnterp", "nnterp 1.3 StandardizedTransformer accessors", ROWS, unmapped=UNMAPPED, negative_layers=True,
+    decoder_only=True,
 )
