@@ -20,12 +20,14 @@ from .errors import (
 )
 from .facets import FACETS
 from .records import FacetMap, FacetSite, ModuleCall, ModuleRecord, OpRecord, Trace
+from ._persist import TraceFileError, load
 from .tracing import trace
 
 __version__ = "0.1.0"
 
 __all__ = [
     "trace",
+    "load",
     "Trace",
     "OpRecord",
     "ModuleRecord",
@@ -34,6 +36,7 @@ __all__ = [
     "FacetSite",
     "FACETS",
     "TorchLensError",
+    "TraceFileError",
     "SaveSpecError",
     "CaptureError",
     "ModuleNotFoundInTrace",

@@ -271,7 +271,7 @@ class Trace:
         blocks: the block address of each layer of the language-model stack, in run order (a block
             run several times appears once per call); a layer index is a position in this list.
         model_class: the root module's class name.
-        save: the normalized `save=` selection the trace was taken with.
+        save_spec: the normalized `save=` selection the trace was taken with.
         structure: the model's stacks, layers and sublayers as TorchLens found them
             (`structure.stacks`, `structure.kind`; see [`torchlens._structure`][torchlens._structure]).
     """
@@ -282,8 +282,29 @@ class Trace:
         self.output = output
         self.blocks: list[str] = blocks
         self.model_class: str = model_class
-        self.save = save
+        self.save_spec = save
         self.structure = structure
+
+    def save(self, path, model=None) -> list[str]:
+        """Write this trace to the directory `path`, for [`torchlens.load`][torchlens.load].
+
+        Tensors go to a safetensors file, everything else (module tree, op records, facets,
+        dtypes, versions) to `trace.json`; nothing is pickled.
+
+        Args:
+            path: a directory (created if missing; a trace already there is replaced).
+            model: optionally the traced model, to record its class and (Hugging Face) config.
+
+        Returns:
+            What could not be stored portably (a `save=` predicate, a KV-cache object in the
+            output); also issued as one warning. Empty when everything was stored.
+
+        Raises:
+            TraceFileError: `path` is an existing file.
+        """
+        from ._persist import save
+
+        return save(self, path, model)
 
     def by_role(self, role: str) -> list[str]:
         """Addresses of the modules with `role` that ran, in the order they first ran."""

@@ -366,7 +366,7 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
                    f"{address} ({rec.class_name}) has no {row.facets[0]!r} facet: {absent}.")
     site = sites[facet]
     if site.tensor is None:
-        if site.kind == "reconstructed" and trace.save.keep(address, facet):
+        if site.kind == "reconstructed" and trace.save_spec.keep(address, facet):
             return res("needs_capture", address, facet, f"{facet} could not be rebuilt: {site.note}.",
                        "trace a copy of the model loaded with attn_implementation='eager'", site.shape)
         where = address or "<root>"

@@ -1,0 +1,208 @@
+"""Portable traces: `Trace.save` / `torchlens.load`.
+
+Ground truth comes from outside TorchLens: forward hooks on the model and the eager model's
+`output_attentions`. A loaded trace must serve those values, resolve every alias as the trace
+it was saved from does, and `compare` must give the same verdicts. Loading must refuse
+pickles, files outside the trace directory, classes that are not TorchLens records, truncated
+files and other format versions, each with a TorchLensError that says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+import _models
+import torchlens as tl
+import torchlens.mechinterp as mi
+
+IDS = _models.token_ids(length=6)
+
+
+def _hooked(model, addresses):
+    """Each module's output (first tensor) read by a plain forward hook, plus eager attentions."""
+    seen, handles = {}, []
+    mods = dict(model.named_modules())
+    for a in addresses:
+        def hook(m, args, out, a=a):
+            seen[a] = (out[0] if isinstance(out, tuple) else out).detach().clone()
+        handles.append(mods[a].register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            out = model(IDS, output_attentions=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, out.attentions
+
+
+def _saved_and_loaded(tmp_path, family, save="all", attn="sdpa"):
+    model = _models.build(family, attn)
+    trace = tl.trace(model, IDS, save=save)
+    with pytest.warns(UserWarning, match="KV|cache|Cache") if _has_cache(trace) else _nothing():
+        trace.save(tmp_path / "t", model=model)
+    return model, trace, tl.load(tmp_path / "t")
+
+
+def _has_cache(trace) -> bool:
+    out = trace.output
+    return any("Cache" in type(v).__name__ for v in (out.values() if hasattr(out, "values") else []))
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_loaded_values_equal_forward_hooks_and_eager_attentions(tmp_path, family):
+    model, trace, loaded = _saved_and_loaded(tmp_path, family)
+    blocks = loaded.blocks
+    attn = loaded.by_role("attention")
+    mlps = loaded.by_role("mlp")
+    assert len(blocks) == 2 and len(attn) == 2 and len(mlps) == 2
+    seen, attentions = _hooked(model, blocks + attn + mlps)
+    for a in blocks:
+        torch.testing.assert_close(loaded.modules[a].facets["resid_post"], seen[a], rtol=0, atol=0)
+    for a in attn + mlps:
+        torch.testing.assert_close(loaded.modules[a].facets["output"], seen[a], rtol=0, atol=0)
+    eager_model = _models.build(family, "eager")
+    with torch.no_grad():
+        eager = eager_model(IDS, output_attentions=True).attentions
+    for i, a in enumerate(attn):
+        torch.testing.assert_close(loaded.modules[a].facets["pattern"], eager[i], rtol=1e-4, atol=1e-5)
+    logits = model(IDS).logits
+    torch.testing.assert_close(loaded.output["logits"], logits, rtol=0, atol=0)
+    # Every op output the trace held comes back bit for bit, with its metadata.
+    assert len(loaded.ops) == len(trace.ops)
+    for a, b in zip(trace.ops, loaded.ops):
+        assert (a.name, a.module, a.call, a.inputs, a.shapes, a.dtypes) == (b.name, b.module, b.call, b.inputs, b.shapes, b.dtypes)
+        for x, y in zip(a.tensors, b.tensors):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert torch.equal(x, y) and y.device.type == "cpu"
+    assert loaded.model_info["config"]["vocab_size"] == _models.VOCAB
+    assert loaded.saved_with["torchlens"] == tl.__version__
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_alias_resolution_and_compare_agree_without_the_model(tmp_path, family):
+    model, trace, loaded = _saved_and_loaded(tmp_path, family)
+    del model
+    for generation in mi.GENERATIONS:
+        before = [(r.query, r.status, r.module_address, r.facet, r.layer, r.reason) for r in mi.alias_report(trace, generation)]
+        after = [(r.query, r.status, r.module_address, r.facet, r.layer, r.reason) for r in mi.alias_report(loaded, generation)]
+        assert before == after and before, generation
+    # compare against hook values (outside TorchLens), one planted wrong value.
+    fresh = _models.build(family, "sdpa")
+    seen, _ = _hooked(fresh, loaded.blocks)
+    values = {f"blocks.{i}.hook_resid_post": seen[a] for i, a in enumerate(loaded.blocks)}
+    values["blocks.1.hook_resid_post"] = values["blocks.1.hook_resid_post"] + 1.0
+    ra, rb = mi.compare(trace, values, generation="2.x"), mi.compare(loaded, values, generation="2.x")
+    assert ra.mismatched == rb.mismatched == ["blocks.1.hook_resid_post"]
+    assert len(ra) == len(rb) == 2
+
+
+def test_metadata_only_trace_round_trips(tmp_path):
+    model, trace, loaded = _saved_and_loaded(tmp_path, "gpt2", save="none")
+    assert all(t is None for op in loaded.ops for t in op.tensors)
+    assert [(o.name, o.shapes, o.inputs) for o in loaded.ops] == [(o.name, o.shapes, o.inputs) for o in trace.ops]
+    site = loaded.modules[loaded.blocks[0]].facets.site("resid_post")
+    assert not site.saved and tuple(site.shape) == (1, 6, 32)
+    with pytest.raises(tl.FacetNotSaved):
+        loaded.modules[loaded.blocks[0]].facets["resid_post"]
+
+
+# -- refusing what is not a trace --------------------------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = _models.build("gpt2", "sdpa")
+    trace = tl.trace(model, IDS, save=["resid_post"])
+    with pytest.warns(UserWarning):
+        trace.save(tmp_path / "t")
+    return tmp_path / "t"
+
+
+def _edit(path, fn):
+    doc = json.loads((path / "trace.json").read_text())
+    fn(doc)
+    (path / "trace.json").write_text(json.dumps(doc))
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.mkdir, ("PWNED",))
+
+
+def test_a_pickle_in_place_of_the_tensors_is_never_unpickled(saved, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (saved / "tensors.safetensors").write_bytes(pickle.dumps(_Boom()))
+    torch.save({"x": _Boom()}, tmp_path / "model.pt")
+    with pytest.raises(tl.TraceFileError, match="not a readable safetensors file"):
+        tl.load(saved)
+    _edit(saved, lambda d: d.update(tensor_files=["model.pt"]))
+    with pytest.raises(tl.TraceFileError, match="only a plain \\*.safetensors"):
+        tl.load(saved)
+    with pytest.raises(tl.TraceFileError, match="a file"):
+        tl.load(tmp_path / "model.pt")
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_tensor_files_outside_the_directory_are_refused(saved, tmp_path):
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes((saved / "tensors.safetensors").read_bytes())
+    for bad in ["../outside.safetensors", str(outside)]:
+        _edit(saved, lambda d: d.update(tensor_files=[bad]))
+        with pytest.raises(tl.TraceFileError, match="only a plain"):
+            tl.load(saved)
+    os.symlink(outside, saved / "link.safetensors")
+    _edit(saved, lambda d: d.update(tensor_files=["link.safetensors"]))
+    with pytest.raises(tl.TraceFileError, match="links outside"):
+        tl.load(saved)
+
+
+def test_classes_outside_torchlens_records_are_refused(saved):
+    def plant(doc):
+        doc["objects"][doc["root"]]["class"] = "Popen"
+    _edit(saved, plant)
+    with pytest.raises(tl.TraceFileError, match="may only name TorchLens records"):
+        tl.load(saved)
+
+
+def test_truncated_and_malformed_files_raise_a_clear_error(saved):
+    data = (saved / "tensors.safetensors").read_bytes()
+    (saved / "tensors.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(tl.TraceFileError, match="malformed or truncated"):
+        tl.load(saved)
+    (saved / "tensors.safetensors").write_bytes(data)
+    text = (saved / "trace.json").read_text()
+    (saved / "trace.json").write_text(text[: len(text) // 2])
+    with pytest.raises(tl.TraceFileError, match="not valid JSON"):
+        tl.load(saved)
+    (saved / "trace.json").write_text(text)
+    _edit(saved, lambda d: d["objects"][d["root"]]["fields"]["ops"].append({"tensor": "t999999"}))
+    with pytest.raises(tl.TraceFileError, match="t999999"):
+        tl.load(saved)
+    with pytest.raises(tl.TraceFileError, match="missing"):
+        tl.load(saved / "nowhere")
+
+
+def test_a_format_version_mismatch_says_what_differs(saved):
+    def future(doc):
+        doc["format_version"] = 99
+        doc["versions"]["torchlens"] = "9.9.0"
+    _edit(saved, future)
+    with pytest.raises(tl.TraceFileError) as info:
+        tl.load(saved)
+    msg = str(info.value)
+    assert "version 99" in msg and f"torchlens 9.9.0 there, {tl.__version__} here" in msg
+    assert "torch " not in msg  # torch did not differ
