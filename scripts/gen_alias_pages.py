@@ -16,6 +16,7 @@ suite.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -39,7 +40,9 @@ def reference_traces() -> dict[str, tl.Trace]:
     """The two models every page is generated against (fixed seed, offline)."""
     torch.manual_seed(0)
     gpt2 = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+        transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+        )
     ).eval()
     llama = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
@@ -51,52 +54,74 @@ def reference_traces() -> dict[str, tl.Trace]:
     return {"GPT-2": tl.trace(gpt2, ids), "Llama": tl.trace(llama, ids)}
 
 
-def _cell(trace: tl.Trace, row: mi.Row, generation: str) -> str:
+def _site(trace: tl.Trace, row: mi.Row, generation: str) -> tuple[str, str]:
+    """`(module : facet, status)` of the row's name for layer 0, the layer written `{L}`."""
     query = row.name.replace("{L}", "0")
     if row.per_layer and row.facet is None and mi.GENERATIONS[generation].absent_once:
         query = row.name.split(".{L}")[0]
     r = mi.resolve_alias(trace, query, generation=generation)
     block0 = trace.blocks[0] if trace.blocks else None
     if r.module_address is None:
-        site = "—"
-    else:
-        addr = r.module_address
-        if row.per_layer and block0 and (addr == block0 or addr.startswith(block0 + ".")):
-            addr = block0[: -len("0")] + "{L}" + addr[len(block0):]
-        site = f"`{addr or '<root>'}` : `{r.facet}`"
-    return f"{site}<br>*{r.status}*"
+        return "—", r.status
+    addr = r.module_address
+    if row.per_layer and block0 and (addr == block0 or addr.startswith(block0 + ".")):
+        addr = block0[: -len("0")] + "{L}" + addr[len(block0):]
+    return f"`{addr or '<root>'}` : `{r.facet}`", r.status
 
 
 def _escape(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+_LAYER_WORD = re.compile(r"(?<![`\w])([\w.*\[\]]*\{L\}[\w.*\[\]{}]*?)(?=[,;:)]?(?:\s|$))")
+
+
+def _prose(text: str) -> str:
+    """A table's prose for a cell: names with a `{L}` in them set as code, so they never break."""
+    return _escape(_LAYER_WORD.sub(lambda m: f"`{m[1]}`", text))
+
+
+def _table(generation: str, trace: tl.Trace, family: str) -> list[str]:
+    table = mi.GENERATIONS[generation]
+    lines = [
+        f"| name | site on {family}, status | what it reads, and how the two sides differ |",
+        "|---|---|---|",
+    ]
+    for row in table.rows:
+        site, status = _site(trace, row, generation)
+        facet = " or ".join(f"`{f}`" for f in row.facets) if row.facets else None
+        target = f"target `{row.target}` : {facet}" if row.target else "no TorchLens facet"
+        note = row.note + (" (not in the report)" if not row.in_report else "")
+        reads = _prose(row.meaning) + (f'<br><span class="tl-note">{_prose(note)}</span>' if note else "")
+        lines.append(
+            f'| `{_escape(row.name)}` | <span class="tl-site">{site}</span><br>'
+            f'<span class="tl-status tl-status--{status}">{status}</span>'
+            f' <span class="tl-target">{_escape(target)}</span> | {reads} |'
+        )
+    return lines
+
+
 def generated_section(generation: str, traces: dict[str, tl.Trace]) -> str:
     table = mi.GENERATIONS[generation]
-    names = list(traces)
     lines = [
         BEGIN,
         "",
         f"{len(table.rows)} names. `{{L}}` is the layer: the decoder block's position in the order the blocks ran. "
-        "Sites and statuses are those of a 2-layer model with random weights and the default `sdpa` attention "
-        "(under `attn_implementation=\"eager\"` the `scores` and `pattern` rows are `real`).",
+        "Each tab resolves every name on one family: a 2-layer model with random weights and the default `sdpa` "
+        "attention (under `attn_implementation=\"eager\"` the `scores` and `pattern` rows are `real`). "
+        "Under each site: its status, and the target (the module role the name is defined on, found in any family) "
+        "and the facet read there.",
         "",
-        "| name | reads | TorchLens facet | " + " | ".join(names) + " | note |",
-        "|---|---|---|" + "---|" * len(names) + "---|",
     ]
-    for row in table.rows:
-        facet = " or ".join(f"`{f}`" for f in row.facets) if row.facets else "—"
-        target = f"{row.target} : {facet}" if row.target else "—"
-        cells = [_cell(traces[n], row, generation) for n in names]
-        note = row.note + (" (not in the report)" if not row.in_report else "")
-        lines.append(
-            f"| `{_escape(row.name)}` | {_escape(row.meaning)} | {_escape(target)} | "
-            + " | ".join(cells) + f" | {_escape(note)} |"
-        )
+    for family, trace in traces.items():
+        lines += [f'=== "{family}"', ""]
+        lines += ["    " + line for line in _table(generation, trace, family)]
+        lines.append("")
     if table.unmapped:
-        lines += ["", "Names this library defines that have no row (resolving one raises with this text):", ""]
-        lines += [f"- `{name}`: {_escape(text)}" for name, text in table.unmapped.items()]
-    lines += ["", END]
+        lines += ["Names this library defines that have no row (resolving one raises with this text):", ""]
+        lines += [f"- `{name}`: {_prose(text)}" for name, text in table.unmapped.items()]
+        lines.append("")
+    lines += [END]
     return "\n".join(lines)
 
 

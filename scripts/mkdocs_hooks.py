@@ -11,6 +11,17 @@ were run by the last ``pytest`` run, read from ``build/doc-examples.json`` (writ
 
 The file may be missing (a fresh clone, ``mkdocs serve`` before any test run) or
 unreadable; then pages are left as they are.
+
+It also changes how Python examples are shown (the page source, which is the test, is
+left as it is):
+
+* A block's ``# migration-test: tool=NAME expected=LITERAL`` first line is shown as a
+  compact "tested" badge above the block, with the asserted value, instead of as the
+  block's first code line (except on the pages in ``HEADERS_SHOWN``, which explain it).
+* What a block printed in the last test run is shown under it, from
+  ``build/doc-outputs.json`` (written by the pytest plugin ``tests/doc_outputs.py``). An
+  output is only shown under a block whose code still hashes to the recorded hash, so an
+  edited block shows nothing until the next test run.
 """
 
 from __future__ import annotations
@@ -24,13 +35,16 @@ import re
 log = logging.getLogger("mkdocs.hooks.torchlens")
 
 STATUS_FILE = os.path.join("build", "doc-examples.json")
+OUTPUTS_FILE = os.path.join("build", "doc-outputs.json")
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+#: Pages that teach the header syntax keep it visible in their blocks.
+HEADERS_SHOWN = frozenset({"docs/contributing/executable-docs.md"})
 
 
-def _load_status(config) -> dict:
-    """Return the ``pages`` table of the status file, or an empty one."""
+def _load_status(config, name: str = STATUS_FILE) -> dict:
+    """Return the ``pages`` table of a status file, or an empty one."""
     root = os.path.dirname(os.path.abspath(config.config_file_path))
-    path = os.path.join(root, STATUS_FILE)
+    path = os.path.join(root, name)
     try:
         with open(path, encoding="utf-8") as handle:
             pages = json.load(handle).get("pages", {})
@@ -91,19 +105,138 @@ def _insert_after_title(markdown: str, note: str) -> str:
     return note + "\n" + markdown
 
 
+# -- examples: the header badge and the printed output ------------------------------------
+
+_ANY_FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
+_HEADER = re.compile(r"^\s*#\s*migration-test:(?P<body>.*)$")
+_TIMEOUT = re.compile(r"\s+timeout=[0-9.]+\s*$")
+_PYTHON = frozenset({"py", "python", "python3"})
+
+
+def code_sha256(code: str) -> str:
+    """The block's lines, right-stripped, blank lines around it dropped, hashed.
+
+    The same function is in ``tests/doc_outputs.py``, which records the outputs; a test
+    checks that the two agree on every block of the site.
+    """
+    lines = [line.rstrip() for line in code.split("\n")]
+    return hashlib.sha256("\n".join(lines).strip("\n").encode("utf-8")).hexdigest()
+
+
+def _language(info: str) -> tuple[str, bool]:
+    """(language, notest) of a fence's info string, plain or brace form."""
+    info = info.strip()
+    if info.startswith("{"):
+        words = info.strip("{}").split()
+        dotted = [w[1:].lower() for w in words if w.startswith(".")]
+        return (dotted[0] if dotted else ""), "notest" in words
+    return (info.split()[0].lower() if info else ""), False
+
+
+def python_blocks(markdown: str) -> list[tuple[int, int, str]]:
+    """``(opening line, closing line, indent)`` (0-based) of each runnable Python fence.
+
+    Fences nested inside another fence (a page showing Markdown source) are not blocks.
+    """
+    found, lines = [], markdown.split("\n")
+    index = 0
+    while index < len(lines):
+        match = _ANY_FENCE.match(lines[index])
+        if match is None or (match["fence"][0] == "`" and "`" in match["info"]):
+            index += 1
+            continue
+        fence, indent = match["fence"], match["indent"]
+        close = index + 1
+        while close < len(lines):
+            stripped = lines[close].strip()
+            if len(stripped) >= len(fence) and set(stripped) == {fence[0]}:
+                break
+            close += 1
+        language, notest = _language(match["info"])
+        if language in _PYTHON and not notest and close < len(lines):
+            found.append((index, close, indent))
+        index = close + 1
+    return found
+
+
+def _dedent(line: str, indent: str) -> str:
+    return line[len(indent):] if line.startswith(indent) else line.lstrip(" ")
+
+
+def _badge(header: str, indent: str) -> list[str]:
+    body = _HEADER.match(header)["body"]
+    tool = re.search(r"(?:^|\s)tool=(\S+)", body)
+    expected = body.split("expected=", 1)[1] if "expected=" in body else ""
+    expected = _TIMEOUT.sub("", expected).strip()
+    ticks = "`" * (max((len(run) for run in re.findall(r"`+", expected)), default=0) + 1)
+    pad = " " if expected.startswith("`") or expected.endswith("`") else ""
+    with_tool = "" if not tool or tool[1] == "torchlens" else f' <span class="tl-tested__tool">with {tool[1]}</span>'
+    title = "The test suite runs this block and checks that RESULT equals this value"
+    return [
+        f'{indent}<span class="tl-tested__label" title="{title}">tested</span>{with_tool} '
+        f"{ticks}{pad}RESULT == {expected}{pad}{ticks}",
+        f"{indent}{{: .tl-tested }}",
+        "",
+    ]
+
+
+def _output_block(stdout: str, indent: str, outcome: str) -> list[str]:
+    text = stdout.rstrip("\n")
+    fence = "`" * max(3, max((len(r) for r in re.findall(r"`{3,}", text)), default=0) + 1)
+    classes = ".text .tl-output" + ("" if outcome == "passed" else " .tl-output--failed")
+    return ["", f"{indent}{fence}{{{classes}}}", *(indent + line if line else "" for line in text.split("\n")),
+            f"{indent}{fence}"]
+
+
+def render_examples(markdown: str, outputs: list[dict], show_headers: bool = False) -> str:
+    """Replace each header by a badge and add each block's recorded output under it."""
+    by_hash: dict[str, dict] = {}
+    for entry in outputs:
+        if isinstance(entry, dict) and isinstance(entry.get("stdout"), str) and entry.get("code_sha256"):
+            by_hash.setdefault(entry["code_sha256"], entry)
+    lines = markdown.split("\n")
+    out: list[str] = []
+    done = 0
+    for opening, closing, indent in python_blocks(markdown):
+        out.extend(lines[done:opening])
+        code = [_dedent(line, indent) for line in lines[opening + 1 : closing]]
+        body = lines[opening + 1 : closing]
+        first = next((i for i, line in enumerate(code) if line.strip()), None)
+        if first is not None and not show_headers and _HEADER.match(code[first]):
+            if out and out[-1].strip():
+                out.append("")
+            out.extend(_badge(code[first], indent))
+            body = body[:first] + body[first + 1 :]
+        out.append(lines[opening])
+        out.extend(body)
+        out.append(lines[closing])
+        entry = by_hash.get(code_sha256("\n".join(code)))
+        if entry is not None and entry["stdout"].strip():
+            out.extend(_output_block(entry["stdout"], indent, str(entry.get("outcome", "passed"))))
+        done = closing + 1
+    out.extend(lines[done:])
+    return "\n".join(out)
+
+
 _status: dict = {}
+_outputs: dict = {}
 
 
 def on_config(config):
-    """Read the status file once per build (``mkdocs serve`` rebuilds call this again)."""
-    global _status
+    """Read the status files once per build (``mkdocs serve`` rebuilds call this again)."""
+    global _status, _outputs
     _status = _load_status(config)
+    _outputs = _load_status(config, OUTPUTS_FILE)
     return config
 
 
 def on_page_markdown(markdown, page, config, files):
-    """Add the verification note to pages that have examples."""
-    entry = _status.get(_page_key(page, config))
+    """Add the verification note, the header badges and the recorded outputs."""
+    key = _page_key(page, config)
+    entry = _outputs.get(key)
+    blocks = entry.get("blocks", []) if isinstance(entry, dict) else []
+    markdown = render_examples(markdown, blocks if isinstance(blocks, list) else [], key in HEADERS_SHOWN)
+    entry = _status.get(key)
     if not isinstance(entry, dict):
         return markdown
     source = page.file.content_string

@@ -37,6 +37,8 @@ from docs_harness import ci_is_on
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHOTS = REPO / "build" / "screenshots"
 VIEWPORT = {"width": 1280, "height": 900}
+#: The window widths every page is checked at for clipped and mid-word-broken text.
+WIDTHS = (1280, 1920)
 
 #: screenshot name -> (path under the site, JavaScript returning a truthy value when the page
 #: shows what it is for)
@@ -175,8 +177,16 @@ class Page:
                 return value
             self.tools.pump(0.2)
 
-    def screenshot(self, name: str) -> pathlib.Path:
-        data = self.call("Page.captureScreenshot", format="png")["data"]
+    def resize(self, width: int, height: int = VIEWPORT["height"]) -> None:
+        self.call("Emulation.setDeviceMetricsOverride", deviceScaleFactor=1, mobile=False, width=width, height=height)
+
+    def screenshot(self, name: str, full_page: bool = False) -> pathlib.Path:
+        params = {"format": "png"}
+        if full_page:  # the whole page, up to 12000 px tall
+            height = min(12000, int(self.evaluate("document.documentElement.scrollHeight")))
+            width = int(self.evaluate("document.documentElement.clientWidth"))
+            params.update(captureBeyondViewport=True, clip={"x": 0, "y": 0, "width": width, "height": height, "scale": 1})
+        data = self.call("Page.captureScreenshot", **params)["data"]
         SHOTS.mkdir(parents=True, exist_ok=True)
         path = SHOTS / f"{name}.png"
         path.write_bytes(base64.b64decode(data))
@@ -204,6 +214,77 @@ class Page:
                 else:
                     errors.append(f"{entry.get('source', 'log')}: {entry.get('text', '')} {url}".strip())
         return errors, external
+
+
+#: Returns a list of problems a reader would see in the page's content column:
+#: - "clipped": an element whose content is wider than its box and is cut off or needs a sideways
+#:   scroll (a code block, a table's scroll wrapper), inline code that sticks out of its paragraph,
+#:   or a page that scrolls sideways;
+#: - "broken": a word (a run of non-space characters) that the browser split across two lines
+#:   anywhere but after a hyphen, a slash or a dash.
+LAYOUT_PROBLEMS_JS = r"""
+(() => {
+  const problems = [];
+  const root = document.querySelector('article.md-content__inner') || document.body;
+  const say = el => {
+    const text = (el.textContent || '').trim().replace(/\s+/g, ' ').slice(0, 70);
+    return `<${el.tagName.toLowerCase()}${el.className && typeof el.className === 'string' ? ' class="' + el.className + '"' : ''}> "${text}"`;
+  };
+  const doc = document.documentElement;
+  if (doc.scrollWidth > doc.clientWidth + 1) problems.push(`clipped: the page scrolls sideways (${doc.scrollWidth} > ${doc.clientWidth} px)`);
+  const visible = el => el.getClientRects().length > 0 && getComputedStyle(el).visibility !== 'hidden';
+  for (const el of root.querySelectorAll('*')) {
+    if (!visible(el)) continue;
+    const style = getComputedStyle(el);
+    if (!['auto', 'scroll', 'hidden', 'clip'].includes(style.overflowX)) continue;
+    if (el.scrollWidth > el.clientWidth + 1) problems.push(`clipped: ${say(el)} (${el.scrollWidth} > ${el.clientWidth} px)`);
+  }
+  for (const el of root.querySelectorAll(':not(pre) > code')) {
+    if (!visible(el) || el.closest('.tl-diagram')) continue;
+    const box = el.parentElement.closest('p,li,td,th,dd,dt,h1,h2,h3,h4,h5,h6,div,summary');
+    if (box && el.getBoundingClientRect().right > box.getBoundingClientRect().right + 1)
+      problems.push(`clipped: ${say(el)} sticks out of ${say(box)}`);
+  }
+  const allowed = /[-\/\u2013\u2014]$/;
+  const range = document.createRange();
+  const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    if (!node.parentElement || !visible(node.parentElement)) continue;
+    const text = node.textContent;
+    for (const m of text.matchAll(/\S{2,}/g)) {
+      range.setStart(node, m.index);
+      range.setEnd(node, m.index + m[0].length);
+      const rects = Array.from(range.getClientRects()).filter(r => r.width > 0.5);
+      if (rects.length < 2 || Math.max(...rects.map(r => r.top)) - Math.min(...rects.map(r => r.top)) < 4) continue;
+      // find where the line changes, and allow a break after a hyphen, slash or dash
+      let firstTop = null, breakAt = -1;
+      for (let i = 0; i < m[0].length; i++) {
+        range.setStart(node, m.index + i);
+        range.setEnd(node, m.index + i + 1);
+        const r = Array.from(range.getClientRects()).find(r => r.width > 0.5);
+        if (!r) continue;
+        if (firstTop === null) firstTop = r.top;
+        else if (r.top - firstTop > 4) { breakAt = i; break; }
+      }
+      if (breakAt > 0 && allowed.test(m[0].slice(0, breakAt))) continue;
+      const where = node.parentElement.closest('td,th,li,p,pre,h1,h2,h3,h4,h5,div') || node.parentElement;
+      problems.push(`broken: "${m[0].slice(0, breakAt)} / ${m[0].slice(breakAt)}" in ${say(where)}`);
+    }
+  }
+  return problems;
+})()
+"""
+
+
+def _site_pages(site: pathlib.Path) -> list[str]:
+    """Every page of the built site, as a path under its root (`""` for the home page)."""
+    pages = []
+    for index in sorted(site.rglob("index.html")):
+        relative = index.parent.relative_to(site).as_posix()
+        if relative.split("/")[0] in ("search", "assets"):
+            continue
+        pages.append("" if relative == "." else relative + "/")
+    return pages
 
 
 # -- fixtures ---------------------------------------------------------------------------------------
@@ -338,3 +419,46 @@ def test_the_error_checks_can_fail(page, origin):
     assert "thrown on purpose" in text
     assert "console.error: logged on purpose" in text
     assert "no-such-file.png" in text
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_no_clipped_or_broken_text(page, site, origin, width):
+    """At each width, no page of the site cuts text off or breaks a word in the middle.
+
+    Every page gets a screenshot, `build/screenshots/layout-<page>@<width>.png` (the alias-table
+    pages the whole page, the others what the window shows)."""
+    pages = _site_pages(site)
+    assert len(pages) >= 20, pages
+    found = {}
+    page.resize(width)
+    try:
+        for path in pages:
+            page.open(origin + path)
+            page.tools.pump(0.2)
+            name = (path.strip("/").replace("/", "-") or "home") + f"@{width}"
+            page.screenshot("layout-" + name, full_page=path.startswith("aliases/"))
+            problems = page.evaluate(LAYOUT_PROBLEMS_JS)
+            if problems:
+                found[path or "/"] = problems
+    finally:
+        page.resize(VIEWPORT["width"])
+    listing = "\n".join(f"{p}: {len(v)} problems\n    " + "\n    ".join(v[:8]) for p, v in found.items())
+    assert not found, f"at {width} px:\n{listing}"
+
+
+def test_the_layout_check_can_fail(page, origin):
+    """The layout check sees a clipped code block and a word broken in the middle."""
+    page.open(origin)
+    page.evaluate(
+        "const a = document.createElement('pre'); a.style.overflowX = 'auto'; a.style.width = '200px';"
+        "a.textContent = 'x'.repeat(400);"
+        "const b = document.createElement('p'); b.style.width = '60px'; b.style.wordBreak = 'break-all';"
+        "b.textContent = 'blocks.0.hook_resid_post';"
+        "const c = document.createElement('p'); c.style.width = '80px';"
+        "c.innerHTML = 'see <code>trace.modules.facets.resid_post</code>';"
+        "document.querySelector('article.md-content__inner').append(a, b, c); true"
+    )
+    problems = page.evaluate(LAYOUT_PROBLEMS_JS)
+    assert any(p.startswith("clipped: <pre") for p in problems), problems
+    assert any(p.startswith("broken:") and "hook_resid_post" in p.replace(" / ", "") for p in problems), problems
+    assert any(p.startswith("clipped: <code>") and "sticks out" in p for p in problems), problems

