@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..families import ADD_OPS, PASS_THROUGH_OPS, RESHAPE_OPS
+from ..families import ADD_OPS, MUL_OPS, PASS_THROUGH_OPS, RESHAPE_OPS
 from ..records import Ref, Trace
 
 __all__ = ["Candidate", "diagnose"]
@@ -417,7 +417,9 @@ def _label(pool: _Pool, e: _Entry, generation: str | None) -> str:
 # -- the search ------------------------------------------------------------------------------------
 
 
-def _rel(engine: Tensor, other: Tensor, norm_e: float) -> tuple[float, float]:
+def _rel(engine: Tensor, other: Tensor, norm_e: float, vis: Tensor | None = None) -> tuple[float, float]:
+    if vis is not None:
+        engine, other = engine[vis], other[vis]
     d = (engine - other.float()).nan_to_num(nan=float("inf"))
     if d.numel() == 0:
         return 0.0, 0.0
@@ -425,7 +427,9 @@ def _rel(engine: Tensor, other: Tensor, norm_e: float) -> tuple[float, float]:
     return float(torch.linalg.vector_norm(d, dtype=torch.float64)) / max(norm_e, 1e-30), float(ad.max())
 
 
-def _within(engine: Tensor, other: Tensor, atol: float, rtol: float) -> bool:
+def _within(engine: Tensor, other: Tensor, atol: float, rtol: float, vis: Tensor | None = None) -> bool:
+    if vis is not None:
+        engine, other = engine[vis], other[vis]
     o = other.float()
     return bool(((engine - o).abs() <= atol + rtol * o.abs()).all())
 
@@ -473,8 +477,11 @@ def diagnose(
     n = e.numel()
     if n == 0:
         return "", ()
-    norm_e = float(torch.linalg.vector_norm(e, dtype=torch.float64))
-    mean_e = float(e.mean(dtype=torch.float64))
+    masked = e <= torch.finfo(torch.float32).min / 2  # masked attention scores: compare the visible ones
+    vis = ~masked if bool(masked.any()) else None
+    shown = e if vis is None else e[vis]
+    norm_e = float(torch.linalg.vector_norm(shown, dtype=torch.float64))
+    mean_e = float(shown.mean(dtype=torch.float64)) if shown.numel() else 0.0
     expected = pool.site.get((module_address, facet)) if module_address is not None and facet else None
     found: list[_Found] = []
     shape = tuple(e.shape)
@@ -490,22 +497,28 @@ def diagnose(
             if key not in layouts:
                 layouts[key] = list(_layouts(c_shape, shape, key[1]))
             for label, accepted, steps in layouts[key]:
-                _consider(c, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found, scaled_pending)
+                _consider(c, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found, scaled_pending, vis)
 
     # 2. Scalar multiples of the tensors that did not match as they are.
-    if not any(f.matches for f in found):
+    if vis is None and not any(f.matches for f in found):
         for c, label, accepted, steps in scaled_pending:
             _scaled(c, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found)
 
     # 3. A rounding of a near candidate (or of the site) to half precision.
-    _roundings(found, expected, e, norm_e, engine.dtype, pool, shape)
+    _roundings(found, expected, e, norm_e, engine.dtype, pool, shape, vis)
 
     # 4. The other elements of the engine's tuple, and their sum.
     if expected is not None and alternatives:
         _tuple_elements(expected, alternatives, shape, engine, norm_e, atol, rtol, found)
 
-    # 5. The sum of two facets.
-    if not any(f.matches for f in found):
+    # 5. The softmax of an earlier op on the way to the scores (a softcap or mask left out).
+    if expected is not None and expected.facet == "pattern" and not any(f.matches for f in found):
+        _patterns(pool, expected, e, norm_e, atol, rtol, found, shape, vis)
+        if not any(f.matches for f in found):
+            _qk_patterns(pool, expected, e, norm_e, atol, rtol, found, shape, vis, generation)
+
+    # 6. The sum of two facets.
+    if vis is None and not any(f.matches for f in found):
         _sums(pool, e, norm_e, mean_e, atol, rtol, found, shape)
 
     named = _names(pool, generation)[0] if generation is not None else {}
@@ -518,8 +531,15 @@ def diagnose(
             f.site = f.site or _label(pool, f.entry, generation)
         if f.factor is not None and f.relation == SAME:
             f.relation = "a scale factor"
+        if f.entry is not None and f.factor is None and expected is not None and f.matches:
+            factor = _scalar_path(pool, expected, f.entry)
+            if factor is not None:  # an op that only multiplies the site by a constant
+                f.relation = f"a scale factor (the model computes this product as {f.site})"
+                f.site, f.factor = _label(pool, expected, generation), factor
         if f.extra:
             f.relation = f.extra if f.relation in ("", SAME) else f"{f.relation}; {f.extra}"
+        if "{site}" in f.relation:
+            f.relation = f.relation.replace("{site}", _label(pool, expected, generation))
         f.rank = _rank(f, named)
     found.sort(key=lambda f: (not f.matches, f.rank, f.error, f.entry.order if f.entry else -1))
     cands: list[Candidate] = []
@@ -545,6 +565,8 @@ def diagnose(
 def _rank(f: _Found, named: dict) -> tuple[int, int]:
     """(how specific the relation is, how the site is named): lower is better."""
     r = f.relation
+    if f.entry is None and f.matches:
+        return -1, 0  # the engine's own tuple, or a derived pattern: says most
     if not f.matches:
         quality = 0
     elif not r or r == SAME:
@@ -563,16 +585,18 @@ def _rank(f: _Found, named: dict) -> tuple[int, int]:
     return quality, naming
 
 
-def _consider(c: _Entry, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found, scaled_pending):
+def _consider(c: _Entry, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found, scaled_pending, vis=None):
     norm_c = c.norm * _norm_factor(steps)
     n = e.numel()
     lb = max(abs(norm_e - norm_c), abs(mean_e - c.mean) * math.sqrt(n)) / max(norm_e, 1e-30)
-    if lb > _PRUNE:
+    if vis is not None:
+        lb = 0.0  # the statistics cover masked entries too: no bound
+    elif lb > _PRUNE:
         scaled_pending.append((c, label, accepted, steps))
         return
     v = _apply(c.tensor, steps)
-    err, mx = _rel(e, v, norm_e)
-    ok = _within(e, v, atol, rtol)
+    err, mx = _rel(e, v, norm_e, vis)
+    ok = _within(e, v, atol, rtol, vis)
     found.append(_Found(c, label, accepted, steps, err, mx, ok))
     if not ok and err > 1e-3:
         scaled_pending.append((c, label, accepted, steps))
@@ -600,7 +624,7 @@ def _scaled(c: _Entry, label, accepted, steps, e, norm_e, mean_e, atol, rtol, fo
                         relation=""))
 
 
-def _roundings(found, expected, e, norm_e, engine_dtype, pool, shape):
+def _roundings(found, expected, e, norm_e, engine_dtype, pool, shape, vis):
     """A candidate rounded to bfloat16/float16 that explains the engine's tensor exactly."""
     dtypes = [engine_dtype] if engine_dtype in (torch.bfloat16, torch.float16) else [torch.bfloat16, torch.float16]
     pool_near = [f for f in found if f.factor is None and f.error < 0.05 and not f.matches]
@@ -608,7 +632,7 @@ def _roundings(found, expected, e, norm_e, engine_dtype, pool, shape):
         for label, accepted, steps in _layouts(tuple(expected.tensor.shape), shape, expected.facet):
             if accepted:
                 v = _apply(expected.tensor, steps)
-                err, mx = _rel(e, v, norm_e)
+                err, mx = _rel(e, v, norm_e, vis)
                 pool_near.append(_Found(expected, label, accepted, steps, err, mx, False))
                 break
     for f in pool_near[:8]:
@@ -617,10 +641,11 @@ def _roundings(found, expected, e, norm_e, engine_dtype, pool, shape):
             if v.dtype == dt:
                 continue
             r = v.to(dt).float()
-            err, mx = _rel(e, r, norm_e)
+            err, mx = _rel(e, r, norm_e, vis)
             name = str(dt)[6:]
             eps = torch.finfo(dt).eps
-            if bool(((e - r).abs() <= eps * r.abs() + 1e-30).all()):
+            ee, rr = (e, r) if vis is None else (e[vis], r[vis])
+            if bool(((ee - rr).abs() <= eps * rr.abs() + 1e-30).all()):
                 found.append(_Found(f.entry, f.label, f.accepted, f.steps, err, mx, True,
                                     extra=f"rounded to {name}: the values agree at {name} precision "
                                     "(compare with tolerance='auto' or loosen atol/rtol)"))
@@ -633,35 +658,43 @@ def _roundings(found, expected, e, norm_e, engine_dtype, pool, shape):
 
 
 def _tuple_elements(expected: _Entry, alternatives, shape, engine, norm_e, atol, rtol, found):
-    ref = None
-    for label, accepted, steps in _layouts(tuple(expected.tensor.shape), shape, expected.facet):
-        if accepted:
-            ref, ref_steps, ref_label = _apply(expected.tensor, steps).float(), steps, label
-            break
-    if ref is None:
-        return
+    """Another element of the engine's tuple is the site, or the elements sum to it."""
+
+    def as_site(t: Tensor):
+        for label, accepted, steps in _layouts(tuple(expected.tensor.shape), tuple(t.shape), expected.facet):
+            if accepted:
+                return _apply(expected.tensor, steps).float(), label, steps
+        return None
+
     total = engine.detach().cpu().float()
+    summable = True
     for i, alt in enumerate(alternatives, start=1):
         if not isinstance(alt, Tensor):
+            summable = False
             continue
         a = alt.detach().cpu().float()
-        if tuple(a.shape) != shape:
+        if tuple(a.shape) == shape:
+            total = total + a
+        else:
+            summable = False
+        hit = as_site(a)
+        if hit is None:
             continue
-        total = total + a
-        norm_r = float(torch.linalg.vector_norm(ref, dtype=torch.float64))
-        err, mx = _rel(a, ref, norm_r)
+        ref, label, steps = hit
+        err, mx = _rel(a, ref, float(torch.linalg.vector_norm(a, dtype=torch.float64)))
         if _within(a, ref, atol, rtol):
-            found.append(_Found(None, ref_label, True, ref_steps, err, mx, True,
-                                relation=f"element {i} of the engine's tuple is the site: the wrong tuple element was read",
+            found.append(_Found(None, label, True, steps, err, mx, True,
+                                relation="is {site}: the wrong tuple element was read",
                                 site=f"element {i} of the engine's tuple"))
             return
-    if len(alternatives) >= 1 and tuple(total.shape) == shape:
-        norm_r = float(torch.linalg.vector_norm(ref, dtype=torch.float64))
-        err, mx = _rel(total, ref, norm_r)
+    hit = as_site(total) if summable else None
+    if hit is not None:
+        ref, label, steps = hit
+        err, mx = _rel(total, ref, float(torch.linalg.vector_norm(total, dtype=torch.float64)))
         if _within(total, ref, atol, rtol):
-            found.append(_Found(None, ref_label, True, ref_steps, err, mx, True,
-                                relation="the sum of the engine's tuple elements is the site: the engine returns "
-                                "(output, residual) and the residual was not added",
+            found.append(_Found(None, label, True, steps, err, mx, True,
+                                relation="is {site}: the engine returns (output, residual) and the residual was "
+                                "not added",
                                 site="the sum of the engine's tuple elements"))
 
 
@@ -703,7 +736,135 @@ def _sums(pool: _Pool, e, norm_e, mean_e, atol, rtol, found, shape):
         found.append(_Found(a, "as is", True, [], err, mx, ok, other=b))
 
 
+def _scalar_path(pool: _Pool, expected: _Entry, cand: _Entry) -> float | None:
+    """The constant `a` when `cand` is `a × expected` computed by multiplications by a scalar."""
+    trace = pool.trace
+    if cand.op is None or expected.op is None:
+        return None
+    path = _path(trace, _through(trace, expected.op), _through(trace, cand.op))
+    if not path:
+        return None
+    for i in path:
+        op = trace.ops[i]
+        refs = [r for r in op.inputs if type(r) is Ref and math.prod(trace.ops[r.op].shapes[r.slot]) > 1]
+        if op.name not in MUL_OPS | {"div", "__truediv__"} | PASS_THROUGH_OPS | RESHAPE_OPS or len(refs) != 1:
+            return None
+    x, c = expected.tensor.double().reshape(-1), cand.tensor.double().reshape(-1)
+    if x.numel() != c.numel():
+        return None
+    den = float(x @ x)
+    if not den:
+        return None
+    a = float(x @ c) / den
+    if float(torch.linalg.vector_norm(c - a * x)) > 1e-4 * float(torch.linalg.vector_norm(c)):
+        return None  # not one constant (a per-feature gain, say)
+    return a
+
+
+def _patterns(pool: _Pool, expected: _Entry, e, norm_e, atol, rtol, found, shape, vis):
+    """softmax(U) for each op U a few steps before the module's scores, with and without the mask."""
+    scores = pool.site.get((expected.module, "scores"))
+    if scores is None or scores.op is None:
+        return
+    trace = pool.trace
+    masked = scores.tensor <= torch.finfo(torch.float32).min / 2
+    masked = masked | torch.isinf(scores.tensor)
+    idx = scores.op
+    upstream = []
+    for _ in range(6):
+        op = trace.ops[idx]
+        nxt = next((r.op for r in op.inputs if type(r) is Ref and tuple(trace.ops[r.op].shape) == tuple(op.shape)), None)
+        if nxt is None:
+            break
+        upstream.append(nxt)
+        idx = nxt
+    for u in [scores.op] + upstream:
+        t = trace.ops[u].tensor
+        if t is None or tuple(t.shape) != tuple(scores.tensor.shape):
+            continue
+        for with_mask in (True, False):
+            if u == scores.op and with_mask:
+                continue
+            x = t.float().masked_fill(masked, float("-inf")) if with_mask else t.float()
+            p = torch.softmax(x, dim=-1)
+            for label, accepted, steps in _layouts(tuple(p.shape), shape, "pattern"):
+                if not accepted:
+                    continue
+                v = _apply(p, steps)
+                err, mx = _rel(e, v, norm_e, vis)
+                if err > NEAR:
+                    continue
+                path = _path(trace, u, scores.op) or []
+                names = [trace.ops[i].name for i in path]
+                what = []
+                if "tanh" in names:
+                    what.append("the softcap (tanh) dropped")
+                if not with_mask:
+                    what.append("no causal/attention mask applied")
+                elif names and not what:
+                    what.append(f"the ops {' → '.join(names)} left out")
+                op = trace.ops[u]
+                found.append(_Found(None, label, True, steps, err, mx, _within(e, v, atol, rtol, vis),
+                                    site=f"softmax of op #{op.index} {op.name} in {op.module or '<root>'}",
+                                    relation="the pattern with " + " and ".join(what or ["the scores as they are"])))
+                break
+
+
+def _qk_patterns(pool: _Pool, expected: _Entry, e, norm_e, atol, rtol, found, shape, vis, generation):
+    """softmax(a·q·kᵀ) from the module's q/k facets: without the mask, or without RoPE."""
+    mod = expected.module
+    scores = pool.site.get((mod, "scores"))
+    if scores is None:
+        return
+    s = scores.tensor.float()
+    masked = (s <= torch.finfo(torch.float32).min / 2) | torch.isinf(s)
+    pairs = [("rot_q", "rot_k"), ("q", "k")] if (mod, "rot_q") in pool.site else [("q", "k")]
+    a = None
+    for n, (qn, kn) in enumerate(pairs):
+        q, k = pool.site.get((mod, qn)), pool.site.get((mod, kn))
+        if q is None or k is None or q.tensor.dim() != 4 or k.tensor.dim() != 4:
+            continue
+        qt = q.tensor.float().transpose(1, 2)
+        kt = k.tensor.float().transpose(1, 2)
+        if qt.shape[1] % kt.shape[1]:
+            continue
+        kt = kt.repeat_interleave(qt.shape[1] // kt.shape[1], dim=1)
+        qk = qt @ kt.transpose(-1, -2)
+        if qk.shape != s.shape:
+            continue
+        if a is None:  # the kernel's scale, fitted on the visible scores (else 1/sqrt(d_head))
+            x, y = qk[~masked].double(), s[~masked].double()
+            den = float(x @ x)
+            a = float(x @ y) / den if den else 0.0
+            if not den or float(torch.linalg.vector_norm(y - a * x)) > 1e-3 * float(torch.linalg.vector_norm(y)):
+                a = 1 / math.sqrt(qt.shape[-1])
+        for with_mask in (True, False):
+            if n == 0 and with_mask:
+                continue  # that is the pattern itself
+            x = a * qk
+            p = torch.softmax(x.masked_fill(masked, float("-inf")) if with_mask else x, dim=-1)
+            for label, accepted, steps in _layouts(tuple(p.shape), shape, "pattern"):
+                if not accepted:
+                    continue
+                v = _apply(p, steps)
+                err, mx = _rel(e, v, norm_e, vis)
+                if err > NEAR:
+                    break
+                what = []
+                if n:
+                    what.append("RoPE not applied to q and k")
+                if not with_mask:
+                    what.append("no causal or attention mask applied (an attention module called on its own, "
+                                "such as an eager copy outside the model's forward, gets no mask)")
+                site = f"softmax({_label(pool, q, generation)} · {_label(pool, k, generation)}ᵀ)"
+                found.append(_Found(None, label, True, steps, err, mx, _within(e, v, atol, rtol, vis),
+                                    site=site, relation="; ".join(what)))
+                break
+
+
 def _explain(cands: list[Candidate]) -> str:
+    if cands and cands[0].matches and cands[0].module_address is None and cands[0].relation.startswith("is "):
+        return f"{cands[0].site} {cands[0].relation}"  # the engine's own tuple holds the site
     if cands and cands[0].matches:
         return f"equals {cands[0].describe()}"
     if not cands:
