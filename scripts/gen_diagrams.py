@@ -288,7 +288,10 @@ def _all_boxes(d: Diagram) -> list[Box]:
 
 FONT = "DejaVu Sans Mono, Menlo, Consolas, Liberation Mono, monospace"
 FS = 12  # names and facets
-FS_SMALL = 10
+FS_SMALL = 11  # shapes, class names, notes
+#: The SVG's own size is the drawing's size times this, so a browser with the room shows its
+#: 12 px names at 15 px (a narrower window still scales the whole image down to fit).
+SCALE = 1.25
 CW = 0.62 * FS  # width of one character, a little over what monospace fonts use
 CW_SMALL = 0.62 * FS_SMALL
 LH = 15  # line height of a name cell
@@ -659,7 +662,8 @@ class Layout:
         desc = (f"Decoder block 0 of a small random-init {d.title} model as traced by TorchLens, with every facet "
                 "and the names that resolve to it in TransformerLens 2.x, 3.x, 4.x, nnterp and interp-engine.")
         head = [
-            f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{round(w * SCALE)}" height="{round(h * SCALE)}" '
+            f'viewBox="0 0 {w} {h}" '
             f'font-family="{FONT}" role="img" aria-labelledby="title desc">',
             f'<title id="title">{_esc(d.title)}: block 0, facets and their names</title>',
             f'<desc id="desc">{_esc(desc)}</desc>',
