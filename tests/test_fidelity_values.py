@@ -270,3 +270,296 @@ def test_save_empty_string_is_refused_with_what_to_pass(save):
     msg = str(info.value)
     assert "save='all'" in msg and "'model.layers'" in msg
     assert isinstance(info.value, TorchLensError)
+
+
+# ----------------------------------------------------------------------------------------------
+# Norms: the normalized shape, RMS vs std from the ops, and the affine check
+# ----------------------------------------------------------------------------------------------
+
+
+class _Normed(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = norm
+        with torch.no_grad():  # gains and biases away from 1 and 0
+            for p in norm.parameters():
+                p.copy_(torch.randn(p.shape) * 0.5 + (1.0 if p.dim() and p is norm.weight else 0.0))
+
+    def forward(self, x):
+        return self.norm(x) * 2
+
+
+@pytest.mark.parametrize(
+    "norm,x_shape",
+    [
+        (lambda: nn.LayerNorm((3, 5)), (2, 4, 3, 5)),
+        (lambda: nn.GroupNorm(2, 6), (2, 6, 5)),
+        (lambda: nn.LayerNorm(5), (2, 4, 5)),
+        (lambda: nn.RMSNorm((3, 5)), (2, 4, 3, 5)),
+    ],
+    ids=["layernorm_3x5", "groupnorm", "layernorm_5", "rmsnorm_3x5"],
+)
+def test_normalized_is_over_the_normalized_shape(norm, x_shape):
+    model = _Normed(norm())
+    x = torch.randn(*x_shape, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    with torch.no_grad():
+        tr = torchlens.trace(model, x)
+    n = model.norm
+    # Ground truth: the functional norm without its affine part.
+    if isinstance(n, nn.GroupNorm):
+        want = torch.nn.functional.group_norm(x, n.num_groups, eps=n.eps)
+    elif isinstance(n, nn.LayerNorm):
+        want = torch.nn.functional.layer_norm(x, n.normalized_shape, eps=n.eps)
+    else:
+        want = torch.nn.functional.rms_norm(x, n.normalized_shape, eps=1e-6 if n.eps is None else n.eps)
+    facets = tr.modules["norm"].facets
+    torch.testing.assert_close(facets["normalized"], want, rtol=1e-5, atol=1e-5)
+    if not isinstance(n, nn.GroupNorm):
+        k = len(n.normalized_shape)
+        name = "inv_rms" if isinstance(n, nn.RMSNorm) else "inv_std"
+        assert facets[name].shape == x.shape[:-k] + (1,) * k
+        torch.testing.assert_close(facets["scale"] * facets["normalized"].float(), x - (x.mean(tuple(range(-k, 0)), keepdim=True) if name == "inv_std" else 0), rtol=1e-4, atol=1e-4)
+
+
+def test_t5_rms_norm_gets_inv_rms():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.T5Config(vocab_size=_models.VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4,
+                      decoder_start_token_id=0)
+    model = tf.T5ForConditionalGeneration(cfg).eval()
+    address = "encoder.final_layer_norm"
+    ground = Ground(model, [address])
+    with torch.no_grad():
+        model(input_ids=IDS, decoder_input_ids=IDS[:, :3])
+    ground.remove()
+    with torch.no_grad():
+        tr = torchlens.trace(model, input_ids=IDS, decoder_input_ids=IDS[:, :3])
+    facets = tr.modules[address].facets
+    assert "inv_rms" in facets.sites and "inv_std" not in facets.sites
+    x = ground.inp[address]
+    want = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + model.encoder.final_layer_norm.variance_epsilon)
+    torch.testing.assert_close(facets["inv_rms"], want)
+    torch.testing.assert_close(facets["normalized"], x * want)
+
+
+# ----------------------------------------------------------------------------------------------
+# Logits, lookups by a non-name, scripted submodules
+# ----------------------------------------------------------------------------------------------
+
+
+class _TinyLM(nn.Module):
+    """embed -> blocks(attn, mlp) -> ln_f -> lm_head, returning log-probabilities."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(_models.VOCAB, 8)
+        self.layers = nn.ModuleList([_MHABlock() for _ in range(2)])
+        self.ln_f = nn.LayerNorm(8)
+        self.lm_head = nn.Linear(8, _models.VOCAB)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return torch.log_softmax(self.lm_head(self.ln_f(h)), dim=-1)
+
+
+class _MHABlock(nn.Module):
+    def __init__(self, need_weights: bool = True, batch_first: bool = True):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        self.need_weights, self.batch_first = need_weights, batch_first
+        self.weights = None
+
+    def forward(self, x, mask=None, padding=None):
+        y = x if self.batch_first else x.transpose(0, 1)
+        a, self.weights = self.attn(y, y, y, need_weights=self.need_weights, average_attn_weights=False,
+                                    attn_mask=mask, key_padding_mask=padding)
+        x = x + (a if self.batch_first else a.transpose(0, 1))
+        return x + self.mlp(x)
+
+
+def test_log_softmax_of_lm_head_is_not_served_as_logits():
+    model = _TinyLM().eval()
+    ground = Ground(model, ["lm_head"])
+    with torch.no_grad():
+        out = model(IDS)
+    ground.remove()
+    with torch.no_grad():
+        tr = torchlens.trace(model, IDS)
+    assert torch.equal(tr.modules[""].facets["logits"], ground.out["lm_head"])
+    assert not torch.equal(tr.modules[""].facets["logits"], out)
+
+
+def test_facets_looked_up_by_a_non_name_teach():
+    tr = torchlens.trace(_models.gpt2(), IDS)
+    facets = tr.modules["transformer.h.0"].facets
+    for bad in (0, None, 1.5):
+        with pytest.raises(torchlens.errors.FacetNotFound) as info:
+            facets[bad]
+        assert "by name (a str)" in str(info.value) and "resid_post" in str(info.value)
+        with pytest.raises(torchlens.errors.FacetNotFound):
+            facets.site(bad)
+        assert bad not in facets
+
+
+def test_scripted_submodule_is_refused_naming_it_and_the_remedy():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.inner = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+
+        def forward(self, x):
+            return self.inner(self.a(x))
+
+    net = Net()
+    with pytest.raises(torchlens.errors.CaptureError) as info:
+        torchlens.trace(net, torch.ones(2, 4))
+    msg = str(info.value)
+    assert "'inner'" in msg and "torch.jit.script" in msg and "eager" in msg
+    assert not net.a._forward_hooks and not net.a._forward_pre_hooks
+    assert net(torch.ones(2, 4)).shape == (2, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# nn.MultiheadAttention: rebuilt and checked
+# ----------------------------------------------------------------------------------------------
+
+
+def _mha_ground(mha: nn.MultiheadAttention, x: torch.Tensor):
+    """q, k, v per head [b, t, h, dh] from the module's weights (batch-first input)."""
+    h, e = mha.num_heads, mha.embed_dim
+    qkv = torch.nn.functional.linear(x, mha.in_proj_weight, mha.in_proj_bias)
+    return [t.view(*x.shape[:2], h, e // h) for t in qkv.chunk(3, -1)]
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("masks", ["none", "causal+padding"])
+def test_multihead_attention_facets_are_rebuilt_and_checked(batch_first, masks):
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([_MHABlock(batch_first=batch_first) for _ in range(2)])
+
+        def forward(self, x, mask=None, padding=None):
+            for layer in self.layers:
+                x = layer(x, mask, padding)
+            return x
+
+    net = Net().eval()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    kw = {}
+    if masks != "none":
+        kw["mask"] = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+        kw["padding"] = torch.tensor([[False] * 5, [False, False, False, False, True]])
+    ground = Ground(net, ["layers.0.attn", "layers.1"])
+    with torch.no_grad():
+        net(x, **kw)
+        weights = net.layers[0].weights  # the per-head softmax output nn.MultiheadAttention returns
+    ground.remove()
+    with torch.no_grad():
+        tr = torchlens.trace(net, x, **kw)
+    f = tr.modules["layers.0.attn"].facets
+    assert f.site("pattern").kind == "reconstructed"
+    torch.testing.assert_close(f["pattern"], weights, rtol=1e-5, atol=1e-6)
+    for name, want in zip("qkv", _mha_ground(net.layers[0].attn, x)):
+        torch.testing.assert_close(f[name], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(f["z"], torch.einsum("bhts,bshd->bhtd", weights, f["v"]), rtol=1e-5, atol=1e-6)
+    attn_out = ground.out["layers.0.attn"]
+    attn_out = attn_out if batch_first else attn_out.transpose(0, 1)
+    torch.testing.assert_close(f["result"].sum(2) + net.layers[0].attn.out_proj.bias, attn_out, rtol=1e-5, atol=1e-5)
+    # (the traced run's mask handling can differ from the plain run's in the last bits)
+    torch.testing.assert_close(tr.modules["layers.1"].facets["output"], ground.out["layers.1"], rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# No facet served without proof: a planted wrong derivation is refused, with the reason
+# ----------------------------------------------------------------------------------------------
+
+from torchlens import facets as _facets  # noqa: E402
+
+
+def _refused(tr, address, facet, why):
+    f = tr.modules[address].calls[0].facets
+    assert facet not in f.sites and facet in f.refused, (facet, f.refused)
+    with pytest.raises(torchlens.errors.FacetNotFound, match="not served") as info:
+        f[facet]
+    assert why in str(info.value)
+
+
+def _last_dim_only(x, module, kind):  # the old bug: normalized over the last dimension only
+    xf = x.float()
+    centred = xf - xf.mean(-1, keepdim=True)
+    inv = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + module.eps)
+    return centred * inv, inv
+
+
+def test_planted_norm_derivation_is_refused(monkeypatch):
+    model = _Normed(nn.LayerNorm((3, 5)))
+    x = torch.randn(2, 4, 3, 5, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    assert "normalized" in torchlens.trace(model, x).modules["norm"].facets
+    monkeypatch.setattr(_facets, "_normalize", _last_dim_only)
+    tr = torchlens.trace(model, x)
+    for name in ("normalized", "inv_std", "scale"):
+        _refused(tr, "norm", name, "normalized * gain + bias differs from the norm's output")
+
+
+def test_planted_result_derivation_is_refused(monkeypatch):
+    model = _models.gpt2()
+    assert "result" in torchlens.trace(model, IDS).modules["transformer.h.0.attn"].facets
+    real = _facets.fam.weight_layout
+    monkeypatch.setattr(_facets.fam, "weight_layout", lambda m: {"out_in": "in_out", "in_out": "out_in"}.get(real(m)))
+    tr = torchlens.trace(model, IDS)
+    _refused(tr, "transformer.h.0.attn", "result", "sum over heads plus bias differs")
+
+
+def test_planted_sdpa_rebuild_is_refused(monkeypatch):
+    model = _models.llama("sdpa")
+    attn = "model.layers.0.self_attn"
+    assert "pattern" in torchlens.trace(model, IDS).modules[attn].facets
+    real = _facets.rebuild_attention
+    monkeypatch.setattr(_facets, "rebuild_attention", lambda a, kw, out: real(a, {**kw, "scale": 0.01}, out))
+    tr = torchlens.trace(model, IDS)
+    for name in ("scores", "pattern"):
+        _refused(tr, attn, name, "the rebuild disagreed")
+
+
+def test_planted_mha_rebuild_is_refused(monkeypatch):
+    model = _TinyLM().eval()
+    assert "pattern" in torchlens.trace(model, IDS).modules["layers.0.attn"].facets
+    real = _facets.rebuild_mha
+    monkeypatch.setattr(_facets, "rebuild_mha", lambda a, kw, out: real(a[:4] + (1,) + a[5:], kw, out))
+    tr = torchlens.trace(model, IDS)
+    for name in ("q", "pattern", "z", "result"):
+        _refused(tr, "layers.0.attn", name, "the rebuild disagreed")
+
+
+def test_planted_resid_mid_is_refused(monkeypatch):
+    model = _models.llama()
+    assert "resid_mid" in torchlens.trace(model, IDS).modules["model.layers.0"].facets
+    monkeypatch.setattr(_facets, "_pick_resid_mid", lambda g, attn, adds: attn._out_ref.op)
+    tr = torchlens.trace(model, IDS)
+    _refused(tr, "model.layers.0", "resid_mid", "does not hold")
+
+
+def test_z_is_refused_where_dropout_ran_between_pattern_and_v():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=_models.VOCAB, n_positions=16,
+                        attn_pdrop=0.5, resid_pdrop=0.0, embd_pdrop=0.0)
+    cfg._attn_implementation = "eager"
+    model = tf.GPT2LMHeadModel(cfg)
+    attn = "transformer.h.0.attn"
+    with torch.no_grad():
+        assert "z" in torchlens.trace(model.eval(), IDS).modules[attn].facets
+        tr = torchlens.trace(model.train(), IDS)
+    _refused(tr, attn, "z", "pattern @ v differs from z")
+    assert "pattern" in tr.modules[attn].facets  # the softmax output itself is still real

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from .errors import CaptureError
 from .families import FUSED_ATTENTION_OPS
 from .records import ModuleCall, OpRecord, Ref
 
@@ -69,6 +70,10 @@ _INPLACE_DUNDERS = frozenset(
     {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
      "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
 )
+#: Ops whose arguments are kept (detached) so that facets they hide can be rebuilt and checked:
+#: fused attention kernels, and `F.multi_head_attention_forward`, inside which
+#: `nn.MultiheadAttention` runs everything (a torch function mode sees it as one op).
+_REBUILT_OPS = FUSED_ATTENTION_OPS | {"multi_head_attention_forward"}
 _FUNC_INFO: dict[Any, tuple[str, int]] = {}
 _NO_HIDING = contextlib.nullcontext()
 
@@ -126,6 +131,25 @@ def first_tensor(value: Any, _depth: int = 0) -> Tensor | None:
     return None
 
 
+def _refuse_script_modules(names: dict[nn.Module, str]) -> None:
+    """Raise `CaptureError` naming the first `torch.jit.script`ed module of the model.
+
+    TorchScript runs a scripted module's forward in its own interpreter: it takes no forward
+    hooks and its ops never reach a torch function mode, so nothing inside it could be recorded.
+    """
+    for module, addr in names.items():
+        if isinstance(module, torch.jit.ScriptModule):
+            where = f"module {addr!r}" if addr else "the model itself"
+            raise CaptureError(
+                f"{where} is a torch.jit.ScriptModule ({type(module).__name__}): TorchScript runs its "
+                "forward in its own interpreter, which takes no module hooks and hides its ops, so "
+                "TorchLens cannot record it. Trace the eager module instead: keep the module you "
+                f"passed to torch.jit.script and put it back before tracing"
+                + (f" (model.{addr} = eager_module)" if addr else "")
+                + ", or build the model without scripting."
+            )
+
+
 class Recorder(TorchFunctionMode):
     """Records ops (as a torch function mode) and module calls (through hooks) for one forward.
 
@@ -141,6 +165,7 @@ class Recorder(TorchFunctionMode):
 
     def __init__(self, names, roles, retain_all, retain_modules, param_names):
         super().__init__()
+        _refuse_script_modules(names)
         self.names = names
         self.roles = roles
         self.retain_all = retain_all
@@ -243,7 +268,7 @@ class Recorder(TorchFunctionMode):
         for slot, o in enumerate(outs):
             producer[id(o)] = (Ref(idx, slot), weakref.ref(o), stamp(o))
         extra = None
-        if name in FUSED_ATTENTION_OPS and retain:
+        if name in _REBUILT_OPS and retain:
             extra = {
                 "args": tuple(a.detach() if isinstance(a, Tensor) else a for a in args),
                 "kwargs": {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in kwargs.items()},

@@ -173,8 +173,49 @@ def block_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[st
         if g.ops[i].name in fam.ADD_OPS and g.ops[i].module == call.address and g.ops[i].call == call.index
     ]
     if adds:
-        sites["resid_mid"] = _site(g, "resid_mid", Ref(max(adds), 0), note="residual add after attention")
+        sites["resid_mid"] = _site(g, "resid_mid", Ref(_pick_resid_mid(g, attn, adds), 0), note="residual add after attention")
+        sites.update(_check_resid_mid(g, sites, kids, attn, mlp))
     return sites
+
+
+def _pick_resid_mid(g: _Graph, attn: ModuleCall, adds: list[int]) -> int:
+    """The residual add after attention: the last add fed by the attention and feeding the MLP."""
+    return max(adds)
+
+
+def _check_resid_mid(
+    g: _Graph, sites: dict[str, FacetSite], kids: list[ModuleCall], attn: ModuleCall, mlp: ModuleCall
+) -> dict[str, FacetSite]:
+    """Refuse `resid_mid` unless resid_pre + the attention branch = resid_mid and resid_mid + the
+    MLP branch = resid_post. A branch's output is its sublayer's output or that of a later
+    sibling (a post-sublayer norm, a dropout), so Gemma-2's post-norms pass."""
+    mid, pre, post = (sites.get(n) for n in ("resid_mid", "resid_pre", "resid_post"))
+    if mid is None or mid.tensor is None:
+        return {}
+    if pre is None or post is None or pre.tensor is None or post.tensor is None:
+        mid.tensor = None  # cannot be checked, so not served
+        return {}
+    m = mid.tensor.float()
+    tol = fam.reconstruction_tolerance(mid.dtype) * max(1.0, float(post.tensor.float().abs().max()))
+
+    def best(base: Tensor, target: Tensor, branch: list[ModuleCall]) -> float:
+        errors = [float("inf")]
+        for k in branch:
+            v = g.value(_io(g, k, "out"))
+            if v is not None and v.shape == target.shape:
+                errors.append(float((base + v.float() - target).abs().max()))
+        return min(errors)
+
+    attn_branch = [k for k in kids if attn.first_op <= k.first_op < mlp.first_op]
+    mlp_branch = [k for k in kids if k.first_op >= mlp.first_op]
+    err = max(best(pre.tensor.float(), m, attn_branch), best(m, post.tensor.float(), mlp_branch))
+    if not err <= tol:
+        return _refused(
+            ("resid_mid",),
+            f"resid_pre + attention branch = resid_mid = resid_post - MLP branch does not hold (off by {err:.3g} > {tol:.3g})",
+        )
+    mid.check_error = err
+    return {}
 
 
 # -- attention ---------------------------------------------------------------------------------
@@ -237,6 +278,9 @@ def _path_has_math(g: _Graph, start: int, ref: Ref) -> bool:
 
 def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str, FacetSite]:
     ops = g.ops[call.first_op : call.end_op]
+    mha = next((op for op in ops if op.name == "multi_head_attention_forward"), None)
+    if mha is not None:
+        return _mha_facets(g, mha, getattr(g.modules[call.address], "num_heads", None))
     fused = next((op for op in ops if op.name in fam.FUSED_ATTENTION_OPS), None)
     soft = next((op for op in ops if op.name in fam.SOFTMAX_OPS), None)
     sites: dict[str, FacetSite] = {}
@@ -277,6 +321,8 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
         _reconstruct(g, fused, sites)
     if z_ref is not None:
         sites["z"] = _site(g, "z", z_ref, note="pattern @ v, head-major")
+        if fused is None:
+            sites.update(_check_z(g, sites.get("pattern"), v_ref, sites["z"]))
     qm = g.meta(q_ref)
     if qm is None:
         return {k: v for k, v in sites.items() if v is not None}
@@ -307,6 +353,28 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
             sites["rot_" + name] = _rot_site(g, "rot_" + name, ref, site.shape)
     sites.update(_result_site(g, call, kids, sites.get("z")))
     return {k: v for k, v in sites.items() if v is not None}
+
+
+def _check_z(g: _Graph, pattern: FacetSite | None, v_ref: Any, z: FacetSite | None) -> dict[str, FacetSite]:
+    """Refuse `z` unless `pattern @ v` equals it (it does not when dropout ran between them)."""
+    if z is None or z.tensor is None:
+        return {}
+    v = g.value(v_ref)
+    if pattern is None or pattern.tensor is None or v is None:
+        z.tensor = None  # cannot be checked, so not served
+        return {}
+    p = pattern.tensor
+    if v.shape[-3] != p.shape[-3] and v.dim() == 4 and p.shape[-3] % v.shape[-3] == 0:
+        v = v.repeat_interleave(p.shape[-3] // v.shape[-3], dim=-3)
+    try:
+        err = float((torch.matmul(p.to(v.dtype), v).float() - z.tensor.float()).abs().max())
+    except RuntimeError as exc:
+        return _refused(("z",), f"pattern @ v could not be formed ({exc})")
+    tol = fam.reconstruction_tolerance(z.dtype) * max(1.0, float(v.float().abs().max()))
+    if not err <= tol:
+        return _refused(("z",), f"pattern @ v differs from z by {err:.3g} (> {tol:.3g}), e.g. dropout ran between them")
+    z.check_error = err
+    return {}
 
 
 def _rot_site(g: _Graph, name: str, kernel_ref: Ref, shape: tuple[int, ...]) -> FacetSite | None:
@@ -346,7 +414,114 @@ def _reconstruct(g: _Graph, fused: OpRecord, sites: dict[str, FacetSite]) -> Non
     if err <= tol:
         scores.tensor, pattern.tensor = s, p
     else:
-        scores.note = pattern.note = f"rebuild disagreed with the kernel output by {err:.3g} (> {tol:.3g}); not served"
+        sites.update(_refused(("scores", "pattern"), f"the rebuild disagreed with the kernel output by {err:.3g} (> {tol:.3g})"))
+
+
+_MHA_FACETS = ("q", "k", "v", "scores", "pattern", "z", "result")
+
+
+def _mha_facets(g: _Graph, op: OpRecord, h: int | None) -> dict[str, FacetSite]:
+    """Facets of an `nn.MultiheadAttention` call (`h` heads), rebuilt from
+    `F.multi_head_attention_forward`'s recorded arguments and checked: the rebuilt output
+    projection must match the op's output."""
+    qm, km = g.meta(op.inputs[0]), g.meta(op.inputs[1])
+    if qm is None or km is None or len(qm[0]) != 3 or not isinstance(h, int) or qm[0][2] % h:
+        return {}
+    (t, b, e), s_len, dtype = qm[0], km[0][0], qm[1]
+    note = "rebuilt from multi_head_attention_forward's inputs, checked against its output"
+    dh = e // h
+    shapes = {
+        "q": (b, t, h, dh), "k": (b, s_len, h, dh), "v": (b, s_len, h, dh), "scores": (b, h, t, s_len),
+        "pattern": (b, h, t, s_len), "z": (b, h, t, dh), "result": (b, t, h, e),
+    }
+    sites = {n: FacetSite(n, "reconstructed", shapes[n], dtype, op=op.index, note=note) for n in _MHA_FACETS}
+    if op.tensor is None or op.extra is None:
+        return sites
+    with torch.no_grad():
+        try:
+            rebuilt, err, tol = rebuild_mha(op.extra["args"], op.extra["kwargs"], op.tensor)
+        except ValueError as exc:
+            return _refused(_MHA_FACETS, f"not rebuilt: {exc}")
+    if not err <= tol:
+        return _refused(_MHA_FACETS, f"the rebuild disagreed with the op output by {err:.3g} (> {tol:.3g})")
+    for n, site in sites.items():
+        site.tensor, site.check_error = rebuilt[n], err
+    return sites
+
+
+def rebuild_mha(args: tuple, kwargs: dict, out: Tensor) -> tuple[dict[str, Tensor], float, float]:
+    """Recompute `F.multi_head_attention_forward` step by step, keeping the per-head tensors.
+
+    Returns:
+        The facets (`q`, `k`, `v` token-major, `scores`, `pattern`, `z` head-major, `result`),
+        the largest absolute difference between the rebuilt output and `out`, and the tolerance.
+
+    Raises:
+        ValueError: a variant the rebuild does not cover (dropout in training, bias_k/bias_v,
+            add_zero_attn, static keys, unbatched input).
+    """
+    names = (
+        "query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
+        "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
+        "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight",
+        "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal",
+    )
+    a = dict(zip(names, args))
+    a.update(kwargs)
+    if a.get("dropout_p") and a.get("training", True):
+        raise ValueError("it ran with dropout in training mode")
+    if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
+        raise ValueError("bias_k/bias_v, add_zero_attn and static keys are not rebuilt")
+    query, key, value, h = a["query"], a["key"], a["value"], a["num_heads"]
+    if query.dim() != 3:
+        raise ValueError("unbatched input")
+    t, b, e = query.shape
+    s_len, dh = key.shape[0], e // h
+    if a.get("use_separate_proj_weight"):
+        ws = (a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"])
+    else:
+        ws = a["in_proj_weight"].chunk(3)
+    bias = a.get("in_proj_bias")
+    bs = bias.chunk(3) if bias is not None else (None, None, None)
+    q, k, v = (
+        torch.nn.functional.linear(x, w, bb).view(x.shape[0], b, h, dh).transpose(0, 1)
+        for x, w, bb in zip((query, key, value), ws, bs)
+    )  # [batch, pos, heads, d_head]
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(dh)
+    masked = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    mask = a.get("attn_mask")
+    if mask is not None:
+        mask = mask.view(b, h, t, s_len) if mask.dim() == 3 else mask
+        if mask.dtype == torch.bool:
+            masked = masked | mask
+        else:
+            scores = scores + mask
+    kpm = a.get("key_padding_mask")
+    if kpm is not None:
+        if kpm.dtype == torch.bool:
+            masked = masked | kpm.view(b, 1, 1, s_len)
+        else:
+            scores = scores + kpm.view(b, 1, 1, s_len)
+    scores = scores.masked_fill(masked, float("-inf"))
+    pattern = torch.softmax(scores, dim=-1)
+    z = torch.einsum("bhts,bshd->bhtd", pattern, v)
+    w_o = a["out_proj_weight"]
+    result = torch.einsum("bhtd,ohd->btho", z, w_o.view(e, h, dh))
+    total = result.sum(2) + (a["out_proj_bias"] if a.get("out_proj_bias") is not None else 0)
+    rows = ~masked.all(-1).any(1).unsqueeze(-1)  # [batch, pos, 1]: query rows with a visible key
+    got, want = total.float(), out.transpose(0, 1).float()
+    same_nan = got.isnan() & want.isnan()  # NaN where the model's own output is NaN (an upstream NaN)
+    diff = torch.where(rows & ~same_nan, (got - want).abs(), torch.zeros((), device=out.device))
+    err = float(diff.nan_to_num(nan=float("inf")).max()) if diff.numel() else 0.0
+    tol = fam.reconstruction_tolerance(query.dtype) * max(1.0, float(want.nan_to_num(0.0).abs().max()))
+    facets = {"q": q, "k": k, "v": v, "scores": scores, "pattern": pattern, "z": z, "result": result}
+    return facets, err, tol
+
+
+def _refused(names: tuple[str, ...], reason: str) -> dict[str, FacetSite]:
+    """Sites that are not served: their check failed or could not run. `FacetMap` keeps the
+    reason, and asking for the facet raises `FacetNotFound` with it."""
+    return {n: FacetSite(n, "refused", (), torch.float32, note=reason) for n in names}
 
 
 def rebuild_attention(args: tuple, kwargs: dict, out: Tensor) -> tuple[Tensor, Tensor, float, float]:
@@ -420,10 +595,14 @@ def _result_site(g: _Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSi
             w3 = w.view(d_out, h, dh) if layout == "out_in" else w.view(h, dh, d_out).permute(2, 0, 1)
             result = torch.einsum("bhtd,ohd->btho", zt, w3.to(zt.dtype))
             actual = g.value(_io(g, proj, "out"))
-            if actual is not None:
-                bias = getattr(module, "bias", None)
-                total = result.sum(2) + (bias.detach().to(result.dtype) if isinstance(bias, Tensor) else 0)
-                site.check_error = float((total.float() - actual.float()).abs().max())
+            if actual is None:
+                return {"result": site}  # cannot be checked, so not served (no tensor)
+            bias = getattr(module, "bias", None)
+            total = result.sum(2) + (bias.detach().to(result.dtype) if isinstance(bias, Tensor) else 0)
+            site.check_error = err = float((total.float() - actual.float()).abs().max())
+            tol = fam.reconstruction_tolerance(actual.dtype) * max(1.0, float(actual.float().abs().max()))
+            if not err <= tol:
+                return _refused(("result",), f"the sum over heads plus bias differs from the output projection by {err:.3g} (> {tol:.3g})")
         site.tensor = result
     return {"result": site}
 
@@ -482,41 +661,125 @@ def mlp_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str,
 # -- norms -------------------------------------------------------------------------------------
 
 
+def _norm_kind(module: nn.Module, ops: list[OpRecord]) -> str:
+    """`"rms"`, `"std"` or `"group"`: what the norm divides by, from the ops it ran.
+
+    A fused op names it (`rms_norm`, `layer_norm`, `group_norm`); a norm written out with
+    `rsqrt` centres its input first (a subtraction) only when it is a LayerNorm, so T5's
+    `T5LayerNorm`, which is an RMS norm, is found to be one.
+    """
+    names = {op.name for op in ops}
+    if "group_norm" in names or isinstance(module, nn.GroupNorm):
+        return "group"
+    if "rms_norm" in names:
+        return "rms"
+    if "layer_norm" in names:
+        return "std"
+    if "rsqrt" in names:
+        return "std" if names & fam.SUB_OPS else "rms"
+    return "rms" if fam.is_rms_norm(module) else "std"
+
+
+def _normalized_dims(module: nn.Module, x: Tensor) -> tuple[int, ...]:
+    """The dimensions a LayerNorm/RMSNorm normalizes over: its `normalized_shape` (default: last)."""
+    shape = getattr(module, "normalized_shape", None)
+    n = len(shape) if isinstance(shape, (tuple, list, torch.Size)) and shape else 1
+    return tuple(range(x.dim() - n, x.dim()))
+
+
+def _normalize(x: Tensor, module: nn.Module, kind: str) -> tuple[Tensor, Tensor | None]:
+    """The norm's input centred (unless RMS) and divided by its RMS/std over the normalized
+    dimensions, in float32; and the inverse divisor (None for GroupNorm, whose statistics are
+    per group, not per position)."""
+    xf = x.float()
+    eps = fam.norm_eps(module)
+    if kind == "group":
+        groups = module.num_groups
+        g = xf.reshape(xf.shape[0], groups, -1)
+        g = g - g.mean(-1, keepdim=True)
+        inv = torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+        return (g * inv).reshape(xf.shape), None
+    dims = _normalized_dims(module, x)
+    centred = xf if kind == "rms" else xf - xf.mean(dims, keepdim=True)
+    inv = torch.rsqrt(centred.pow(2).mean(dims, keepdim=True) + eps)
+    return centred * inv, inv
+
+
+def _affine_error(normalized: Tensor, out: Tensor, module: nn.Module, kind: str) -> float:
+    """How far `normalized * gain + bias` is from the norm's output, for the gain the model uses.
+
+    The gain is the module's `weight`, or `1 + weight` (Gemma's RMSNorm stores the offset), or
+    1 without a weight; the smallest error over those is returned.
+    """
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    n, o = normalized.float(), out.float()
+    shape = (-1,) + (1,) * (n.dim() - 2) if kind == "group" else None
+    bias = 0 if not isinstance(b, Tensor) else (b.float().view(shape) if shape else b.float())
+    gains = [None] if not isinstance(w, Tensor) else [w.float(), 1 + w.float()]
+    errors = []
+    for gain in gains:
+        y = n if gain is None else n * (gain.view(shape) if shape else gain)
+        errors.append(float(((y + bias) - o).abs().max()) if o.numel() else 0.0)
+    return min(errors)
+
+
 def norm_facets(g: _Graph, call: ModuleCall) -> dict[str, FacetSite]:
+    """`normalized`, `inv_rms`/`inv_std` and `scale` of a norm call, each checked.
+
+    The real ops (a `rsqrt` and the product with it) are taken where the norm is written out;
+    otherwise (a fused `layer_norm`, `rms_norm`, `group_norm`) they are computed from the input
+    over the normalized shape. Either way the facets are served only if `normalized * gain + bias`
+    equals the norm's output within the dtype's tolerance; else they are refused with the error.
+    GroupNorm has `normalized` only (its statistics are per group).
+    """
     module = g.modules[call.address]
-    rms = fam.is_rms_norm(module)
-    inv_name = "inv_rms" if rms else "inv_std"
-    x_ref = _io(g, call, "in")
-    xm = g.meta(x_ref)
-    if xm is None:
+    x_ref, out_ref = _io(g, call, "in"), _io(g, call, "out")
+    xm, om = g.meta(x_ref), g.meta(out_ref)
+    if xm is None or om is None or xm[0] != om[0]:
         return {}
     ops = g.ops[call.first_op : call.end_op]
-    rsqrt = next((op for op in ops if op.name == "rsqrt"), None)
+    kind = _norm_kind(module, ops)
+    inv_name = "inv_rms" if kind == "rms" else "inv_std"
+    names = ("normalized",) if kind == "group" else ("normalized", inv_name, "scale")
+    rsqrt = next((op for op in ops if op.name == "rsqrt"), None) if kind != "group" else None
     sites: dict[str, FacetSite] = {}
-    stat_shape = xm[0][:-1] + (1,)
     if rsqrt is not None:
-        inv_ref = Ref(rsqrt.index, 0)
-        sites[inv_name] = _site(g, inv_name, inv_ref, note="the norm's rsqrt op")
+        sites[inv_name] = _site(g, inv_name, Ref(rsqrt.index, 0), note="the norm's rsqrt op")
         mul = next((c for c in g.consumers.get(rsqrt.index, []) if g.ops[c].name in fam.MUL_OPS), None)
         if mul is not None:
             n_ref = g.follow(Ref(mul, 0), frozenset({"to", "type", "float", "half", "bfloat16"}))
             sites["normalized"] = _site(g, "normalized", n_ref, note="input times the rsqrt, before the gain")
-    x = g.value(x_ref)
-    if inv_name not in sites or "normalized" not in sites:
+    x, out = g.value(x_ref), g.value(out_ref)
+    if any(sites.get(n) is None for n in names[:2]):
         inv = normalized = None
         if x is not None:
             with torch.no_grad():
-                xf = x.float()
-                centred = xf if rms else xf - xf.mean(-1, keepdim=True)
-                inv = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + fam.norm_eps(module))
-                normalized = (centred * inv).to(x.dtype)
-        note = "computed from the norm's input (the norm ran as one fused op)"
-        sites.setdefault(inv_name, FacetSite(inv_name, "computed", stat_shape, torch.float32, inv, note=note))
-        sites.setdefault("normalized", FacetSite("normalized", "computed", xm[0], xm[1], normalized, note=note))
-    inv_site = sites[inv_name]
-    scale = None if inv_site.tensor is None else torch.reciprocal(inv_site.tensor)
-    sites["scale"] = FacetSite("scale", "computed", inv_site.shape, inv_site.dtype, scale, note=f"1 / {inv_name}")
-    return {k: v for k, v in sites.items() if v is not None}
+                normalized, inv = _normalize(x, module, kind)
+                normalized = normalized.to(x.dtype)
+        note = "computed from the norm's input over its normalized shape (the norm ran as one fused op)"
+        dims = _normalized_dims(module, x) if x is not None else (len(xm[0]) - 1,)
+        stat_shape = tuple(1 if i in dims else d for i, d in enumerate(xm[0]))
+        sites["normalized"] = FacetSite("normalized", "computed", xm[0], xm[1], normalized, note=note)
+        if kind != "group":
+            sites[inv_name] = FacetSite(inv_name, "computed", stat_shape, torch.float32, inv, note=note)
+    if kind != "group":
+        inv_site = sites[inv_name]
+        scale = None if inv_site.tensor is None else torch.reciprocal(inv_site.tensor)
+        sites["scale"] = FacetSite("scale", "computed", inv_site.shape, inv_site.dtype, scale, note=f"1 / {inv_name}")
+    n_site = sites["normalized"]
+    if n_site.tensor is None:
+        return sites  # nothing is served, so nothing needs checking
+    if out is None:  # cannot be checked, so not served; a save= that keeps the norm serves it
+        for site in sites.values():
+            site.tensor = None
+        return sites
+    err = _affine_error(n_site.tensor, out, module, kind)
+    tol = fam.reconstruction_tolerance(out.dtype) * max(1.0, float(out.float().abs().max()))
+    if not err <= tol:
+        return _refused(names, f"normalized * gain + bias differs from the norm's output by {err:.3g} (> {tol:.3g})")
+    for site in sites.values():
+        site.check_error = err
+    return sites
 
 
 # -- the whole trace ---------------------------------------------------------------------------
@@ -567,7 +830,8 @@ def derive(
 
 def _logits_site(g: _Graph, root: ModuleCall, unembed: ModuleCall) -> FacetSite | None:
     """The model's logits: the root output when it is computed from the unembedding output
-    with the same shape (a final softcap, a cast), else the unembedding output itself."""
+    with the same shape by elementwise ops only (a final softcap, a cast: `LOGIT_MAP_OPS`), else
+    the unembedding output itself (so `log_softmax(lm_head(h))` gives `lm_head`'s output)."""
     u_ref, r_ref = _io(g, unembed, "out"), _io(g, root, "out")
     u_m, r_m = g.meta(u_ref), g.meta(r_ref)
     if (
@@ -577,9 +841,13 @@ def _logits_site(g: _Graph, root: ModuleCall, unembed: ModuleCall) -> FacetSite 
         and u_m is not None
         and r_m is not None
         and u_m[0] == r_m[0]
-        and unembed._out_ref.op in g.ancestors(root._out_ref, unembed._out_ref.op)
     ):
-        return _site(g, "logits", r_ref, note="model output, computed from the unembedding output")
+        between = g.ancestors(root._out_ref, unembed._out_ref.op)
+        between.pop(unembed._out_ref.op, None)
+        if unembed._out_ref.op in g.ancestors(root._out_ref, unembed._out_ref.op) and all(
+            g.ops[i].name in fam.LOGIT_MAP_OPS for i in between
+        ):
+            return _site(g, "logits", r_ref, note="model output, computed elementwise from the unembedding output")
     return _site(g, "logits", u_ref, note="unembedding output")
 
 

@@ -56,6 +56,15 @@ MATMUL_OPERANDS = {"baddbmm": (1, 2)}
 MUL_OPS = frozenset({"mul", "__mul__", "__rmul__", "mul_", "__imul__"})
 #: Additions, used to find the residual stream between attention and MLP.
 ADD_OPS = frozenset({"add", "__add__", "__radd__", "add_", "__iadd__"})
+#: Subtractions: a norm written out with `rsqrt` that subtracts (centres) is a LayerNorm, else RMS.
+SUB_OPS = frozenset({"sub", "__sub__", "__rsub__", "sub_", "__isub__"})
+#: Elementwise ops that map logits to logits (a final softcap, casts): the model's output is
+#: taken as `logits` only when nothing else runs between the unembedding and it (not a
+#: log_softmax, which gives log-probabilities).
+LOGIT_MAP_OPS = frozenset(
+    {"__truediv__", "div", "tanh", "__mul__", "mul", "__rmul__", "to", "type", "float", "half", "bfloat16",
+     "contiguous", "clone"}
+)
 #: Ops that split one tensor into several along a dimension.
 SPLIT_OPS = frozenset({"split", "chunk", "tensor_split", "unbind", "split_with_sizes"})
 #: Ops that reshape without changing values.

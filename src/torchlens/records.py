@@ -125,15 +125,26 @@ class FacetMap(Mapping):
     def __init__(self, address: str, role: str, sites: dict[str, FacetSite], ran: bool = True):
         self.address = address
         self.role = role
-        self.sites = sites
+        #: facet name -> why it is not served: its check against a relation the model fixes failed
+        #: or could not run (sites of kind "refused" are kept here, not in `sites`).
+        self.refused = {n: s.note for n, s in sites.items() if s.kind == "refused"}
+        self.sites = {n: s for n, s in sites.items() if s.kind != "refused"} if self.refused else sites
         self.ran = ran  # False for the empty map of a module that did not run in the forward
 
-    def _not_found(self, name: str) -> FacetNotFound:
+    def _not_found(self, name: Any) -> FacetNotFound:
+        if not isinstance(name, str):
+            return FacetNotFound(
+                self.address, repr(name), self.sites, self.role,
+                f"facets are looked up by name (a str), not by {type(name).__name__}; "
+                f"its facets are: {', '.join(self.sites) or '(none)'}",
+            )
+        if name in self.refused:
+            return FacetNotFound(self.address, name, self.sites, self.role, f"it is not served: {self.refused[name]}")
         reason = "" if self.ran else "it did not run in this forward pass, so it has no facets"
         return FacetNotFound(self.address, name, self.sites, self.role, reason)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        site = self.sites.get(name)
+        site = self.sites.get(name) if isinstance(name, str) else None
         if site is None:
             raise self._not_found(name)
         if site.tensor is None:
@@ -147,15 +158,15 @@ class FacetMap(Mapping):
         return sum(s.tensor is not None for s in self.sites.values())
 
     def __contains__(self, name: object) -> bool:
-        site = self.sites.get(name)  # type: ignore[arg-type]
+        site = self.sites.get(name) if isinstance(name, str) else None
         return site is not None and site.tensor is not None
 
     def site(self, name: str) -> FacetSite:
         """The [`FacetSite`][torchlens.records.FacetSite] of `name`, saved or not."""
-        try:
-            return self.sites[name]
-        except KeyError:
-            raise self._not_found(name) from None
+        site = self.sites.get(name) if isinstance(name, str) else None
+        if site is None:
+            raise self._not_found(name)
+        return site
 
     def __repr__(self) -> str:
         items = []
