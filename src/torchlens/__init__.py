@@ -21,6 +21,7 @@ from .errors import (
 from .facets import FACETS
 from .records import FacetMap, FacetSite, ModuleCall, ModuleRecord, OpRecord, Trace
 from ._persist import TraceFileError, load
+from ._store import StoreSpecError
 from .tracing import trace
 
 __version__ = "0.1.0"
@@ -37,6 +38,7 @@ __all__ = [
     "FACETS",
     "TorchLensError",
     "TraceFileError",
+    "StoreSpecError",
     "SaveSpecError",
     "CaptureError",
     "ModuleNotFoundInTrace",

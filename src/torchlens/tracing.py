@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._store import apply_store, parse_store
 from .capture import Recorder
 from ._structure import find as find_structure
 from ._structure import parse_roles, static_roles
@@ -20,7 +21,8 @@ from .selection import SaveSpec, parse_save, retained_modules
 __all__ = ["trace"]
 
 
-def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, **kwargs: Any) -> Trace:
+def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, store: Any = None,
+          **kwargs: Any) -> Trace:
     """Run `model(*args, **kwargs)` once in eager mode and record everything it does.
 
     Args:
@@ -36,14 +38,20 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, **
             `"cross_attention"`, `"mlp"`, `"norm"`, `"embedding"`, `"unembed"` or `"other"`.
             Named blocks form the layers of their holder's stack; inside a block that has named
             sublayers, only the named ones are taken.
+        store: where the saved tensors live once the trace is returned: None (default) leaves
+            them where the model computed them; `"cpu"` copies them to host memory; a directory
+            path writes them to safetensors files there and serves them as memory-mapped views,
+            read back lazily. They are moved after the forward, so the peak memory during
+            capture is unchanged; see `torchlens._store`.
         **kwargs: keyword inputs of the forward.
 
     Returns:
-        The [`Trace`][torchlens.records.Trace]: `trace.ops`, `trace.modules[address].facets`,
-        `trace.output`.
+        The recorded forward pass. Its `ops`, its `modules[address].facets` and its `output`
+        (the model's own return value) hold what ran.
 
     Raises:
         SaveSpecError: `save=` is not accepted, or selects nothing in this forward.
+        StoreSpecError: `store=` is not None, "device", "cpu" or a directory path.
         RoleSpecError: `roles=` is not a dict, names an unknown role, or a key matches no module.
         TorchLensError: `model` is not a module.
         CaptureError: a `torch.compile`d module ran code the capture could not see. TorchLens runs
@@ -76,6 +84,7 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, **
             names[m] = addr
     roles = static_roles(model, names, parse_roles(roles, list(names.values())))
     spec = parse_save(save, list(names.values()) + list(aliases))
+    store_to = parse_store(store)
     spec = SaveSpec(
         spec.everything, frozenset(aliases.get(a, a) for a in spec.addresses), spec.facets, spec.predicate
     )
@@ -100,7 +109,7 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, **
     with rec.hidden():  # inside an outer trace, deriving the facets is not part of the forward
         overwritten = rec.check_versions()  # before the snapshot replaces written aliases by copies
         rec.snapshot(model, (args, kwargs, output))
-        return _assemble(rec, model, names, aliases, roles, spec, output, overwritten)
+        return apply_store(_assemble(rec, model, names, aliases, roles, spec, output, overwritten), store_to)
 
 
 def _annotate(exc: BaseException, rec: Recorder) -> None:
