@@ -563,3 +563,109 @@ def test_z_is_refused_where_dropout_ran_between_pattern_and_v():
         tr = torchlens.trace(model.train(), IDS)
     _refused(tr, attn, "z", "pattern @ v differs from z")
     assert "pattern" in tr.modules[attn].facets  # the softmax output itself is still real
+
+
+# ----------------------------------------------------------------------------------------------
+# Property: random small module graphs with in-place writes and random save= values
+# ----------------------------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_EDITS = ["none", "setitem", "view", "out", "hook", "input_write"]
+
+
+def _zero_first_column(module, args, out):
+    out[:, 0] = 0  # edits in place and returns None: the caller receives the edited tensor
+
+
+class _Layer(nn.Module):
+    """A linear or a small MLP, then one in-place idiom on what it returns (or on its input)."""
+
+    def __init__(self, kind: str, edit: str):
+        super().__init__()
+        self.inner = nn.Linear(6, 6) if kind == "linear" else nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 6))
+        self.edit = edit
+        if edit == "hook":
+            self.register_forward_hook(_zero_first_column)
+
+    def forward(self, x):
+        if self.edit == "input_write":
+            x.mul_(2)  # writes into the tensor its caller passed (the previous layer's output)
+        y = self.inner(x)
+        if self.edit in ("setitem", "view", "out"):
+            if self.edit == "setitem":
+                y[:, 1:3] = -1.0
+            elif self.edit == "view":
+                y.view(-1)[::5].add_(3.0)
+            else:
+                torch.add(y, 1.0, out=y)
+        return y
+
+
+class _Graph(nn.Module):
+    def __init__(self, layers, residual):
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(k, e) for k, e in layers])
+        self.residual = residual
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = x
+        for layer, res in zip(self.layers, self.residual):
+            h = h + layer(h) if res else layer(h)
+        return self.head(h)
+
+
+def _selected(save, address, facet):
+    if save == "all":
+        return True
+    if callable(save):
+        return save(address, facet)
+    return any(s == facet or address == s or address.startswith(s + ".") for s in save)
+
+
+@st.composite
+def _cases(draw):
+    n = draw(st.integers(1, 3))
+    layers = [(draw(st.sampled_from(["linear", "mlp"])), draw(st.sampled_from(_EDITS))) for _ in range(n)]
+    residual = [draw(st.booleans()) for _ in range(n)]
+    addresses = ["layers", "head"] + [f"layers.{i}" for i in range(n)] + [f"layers.{i}.inner" for i in range(n)]
+    save = draw(st.one_of(
+        st.just("all"),
+        st.lists(st.sampled_from(addresses + ["output", "input"]), min_size=1, max_size=3, unique=True),
+        st.sampled_from(addresses[1:]).map(lambda a: (lambda addr, facet, a=a: addr == a)),  # modules that run
+    ))
+    return layers, residual, save
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_cases())
+def test_random_graphs_sites_hold_what_the_model_used_and_never_change(case):
+    layers, residual, save = case
+    torch.manual_seed(0)
+    model = _Graph(layers, residual).eval()
+    watched = [a for a, _ in model.named_modules() if a and a != "layers"]
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    ground = Ground(model, watched)
+    with torch.no_grad():
+        ref = model(x.clone())
+    ground.remove()
+    with torch.no_grad():
+        tr = torchlens.trace(model, x.clone(), save=save)
+    assert torch.equal(tr.output, ref)
+    # Later writes by the caller into the input, the weights and the output change nothing.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+        tr.output.zero_()
+        for op in tr.ops:
+            if op.name == "input":
+                assert op.tensor is None or torch.equal(op.tensor, x)
+    for a in watched:
+        f = tr.modules[a].calls[0].facets
+        for facet, truth in (("output", ground.out), ("input", ground.inp)):
+            if _selected(save, a, facet):
+                assert torch.equal(f[facet], truth[a]), (a, facet)
+            else:
+                assert facet not in f, (a, facet)
