@@ -56,7 +56,11 @@ class TorchLensError(Exception):
 
 
 class LookupFailed(TorchLensError, KeyError):
-    """Base of the lookup errors: a `KeyError` whose message prints as written, not quoted."""
+    """Base of every lookup error: a module, facet or alias name that finds nothing.
+
+    It is a `KeyError` (so `except KeyError` keeps working) whose message prints as written,
+    not quoted. Import it from `torchlens.errors` to catch any failed lookup at once.
+    """
 
     def __str__(self) -> str:
         return self.args[0] if self.args else ""

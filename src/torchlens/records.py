@@ -24,20 +24,23 @@ class OpRecord:
     """One executed torch operation.
 
     Attributes:
-        index: position in execution order (0-based).
-        name: the torch function's name, e.g. `"linear"`, `"__add__"`, `"softmax"`; or
+        index (int): position in execution order (0-based).
+        name (str): the torch function's name, e.g. `"linear"`, `"__add__"`, `"softmax"`; or
             `"written_in_place"` for the entry TorchLens adds where a tensor is used after an
             in-place write no recorded op returned (`x[i] = v`, a write through a view, a hook
             editing a module's output): its output is the tensor as it was used, its input the
             op that produced it before the write.
-        module: address of the innermost module that was running (`""` for the root).
-        call: which call of that module (0 for the first).
-        inputs: for each tensor argument, in order, a [`Ref`][torchlens.records.Ref] to the op
-            that produced it, the parameter's qualified name (a `str`), or None for a tensor from
-            outside the forward (a model input).
-        shapes, dtypes: one entry per tensor output.
-        tensors: one entry per tensor output: a detached copy when saved, else None.
-        mutated: True when the op changed one of its inputs in place.
+        module (str): address of the innermost module that was running (`""` for the root).
+        call (int): which call of that module (0 for the first).
+        inputs (tuple[Ref | str | None, ...]): for each tensor argument, in order, a
+            [`Ref`][torchlens.records.Ref] to the op that produced it, the parameter's qualified
+            name (a `str`), or None for a tensor from outside the forward (a model input).
+        shapes (tuple[torch.Size, ...]): the shape of each tensor output.
+        dtypes (tuple[torch.dtype, ...]): the dtype of each tensor output.
+        device (torch.device): the device of the first output.
+        tensors (tuple[torch.Tensor | None, ...]): one entry per tensor output: a detached copy
+            when saved, else None.
+        mutated (bool): True when the op changed one of its inputs in place.
     """
 
     __slots__ = ("index", "name", "module", "call", "inputs", "shapes", "dtypes", "device", "tensors", "mutated", "extra")
@@ -85,7 +88,11 @@ class FacetSite:
         kind: `"real"` (the output of an op the model ran), `"computed"` (derived from recorded
             tensors and the module's weights, read-only), or `"reconstructed"` (rebuilt from a
             fused kernel's recorded inputs and checked against the kernel output, read-only).
-        shape, dtype: of the tensor, known even when it was not saved.
+            The kind is how TorchLens got the tensor; a name that resolves here (see
+            `torchlens.mechinterp`) gets the status `real` for a real facet and
+            `reconstructed_read_only` for a computed or reconstructed one.
+        shape: the tensor's shape, known even when it was not saved.
+        dtype: the tensor's dtype, known even when it was not saved.
         tensor: the tensor, or None when this trace's `save=` did not keep it.
         op: index of the op whose output this is, for real facets.
         check_error: for reconstructed facets, the largest absolute difference between the rebuilt
@@ -186,8 +193,10 @@ class ModuleCall:
         index: 0 for the module's first call, 1 for the second, ...
         role: the module's role (`"block"`, `"attention"`, `"mlp"`, `"norm"`, `"embedding"`,
             `"unembed"`, `"root"` or `"other"`).
-        first_op, end_op: the ops of this call are `trace.ops[first_op:end_op]` (children's ops
-            included).
+        class_name: the module's class, e.g. `"GPT2Block"`.
+        first_op: index of this call's first op: the call's ops are
+            `trace.ops[first_op:end_op]` (children's ops included).
+        end_op: index one past this call's last op.
         facets: this call's [`FacetMap`][torchlens.records.FacetMap].
     """
 
