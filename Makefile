@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine (see README.md):
 #   make docs   install into .venv, then serve the site with `mkdocs serve`
-#   make test   install into .venv, then run the whole test suite with `pytest`
+#   make test   install into .venv, build the engine environments, then run the whole
+#               test suite with `pytest`
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +19,16 @@ export NO_MKDOCS_2_WARNING := 1
 
 STAMP := $(VENV)/.torchlens-installed
 
-.PHONY: docs test install
+# Peer engines whose pins conflict with the main environment get one virtual environment
+# each: envs/NAME.txt pins it, envs/build.sh builds it into $(ENGINE_DIR)/NAME, and the docs
+# harness runs a block with tool=NAME in that interpreter (tests/docs_harness.py). An
+# environment is rebuilt when its file changes; the three build in parallel.
+ENGINE_ENVS := $(patsubst envs/%.txt,%,$(wildcard envs/*.txt))
+ENGINE_DIR ?= .venv-engines
+ENGINE_STAMPS := $(foreach e,$(ENGINE_ENVS),$(ENGINE_DIR)/$(e)/.built)
+export TORCHLENS_ENGINE_ENVS := $(abspath $(ENGINE_DIR))
+
+.PHONY: docs test install engines
 
 install: $(STAMP)
 
@@ -28,11 +38,18 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -c constraints.txt -e ".[test,docs]"
 	touch $@
 
+engines:
+	@$(MAKE) --no-print-directory -j3 $(ENGINE_STAMPS)
+
+$(ENGINE_DIR)/%/.built: envs/%.txt envs/build.sh
+	bash envs/build.sh $*
+	touch $@
+
 docs: $(STAMP)
 	$(BIN)/mkdocs serve --dev-addr $(DOCS_ADDR)
 
 # pytest exits 5 when it collected no tests; that is a failure here, like any other.
-test: $(STAMP)
+test: $(STAMP) engines
 	@status=0; $(BIN)/pytest $(PYTEST_ARGS) || status=$$?; \
 	if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
 	exit $$status

@@ -16,6 +16,13 @@ Markdown collector with one that suits the TorchLens site:
   tracebacks point at the page's own lines.
 * ``tool=`` becomes a marker (``pytest -m tool_nnsight``). A block whose tool cannot be
   imported is skipped, or fails when the environment variable ``CI`` is true.
+* A block whose tool has an engine environment of its own (:data:`ENGINE_ENVIRONMENTS`:
+  ``vllm``, ``nnterp``, ``transformer-lens-2``) runs in that environment's interpreter,
+  ``.venv-engines/NAME/bin/python`` (built by ``make engines`` from ``envs/NAME.txt``),
+  through ``tests/engine_block_runner.py``; ``RESULT`` comes back as a literal and is
+  checked here as for any block. A ``{.python continuation}`` block continues in the
+  same process as the block before it, so an engine started there is still running.
+  A missing environment skips the block, or fails it under ``CI``.
 * ``pytest --update-expected`` rewrites stale ``expected=`` literals in place.
 * Each block has a time limit, and its output is captured and truncated.
 * A page fails if a ``# migration-test:`` header in a Python fence was not collected, or
@@ -86,8 +93,27 @@ TOOL_IMPORTS: dict[str, str] = {
     "interp-engine": "interp_engine",
     "transformer-lens": "transformer_lens",
     "transformerlens": "transformer_lens",
+    "transformer-lens-2": "transformer_lens",
     "vllm": "vllm",
 }
+
+#: Tools whose blocks run in an engine environment of their own, by environment name:
+#: their pins conflict with the main environment's (vLLM's torch and transformers,
+#: nnterp's nnsight, TransformerLens 2.x's transformers and distribution name).
+#: Environment NAME is described by ``envs/NAME.txt`` and built into
+#: ``ENGINE_ENV_ROOT/NAME`` by ``make engines`` (``make test`` runs it first).
+ENGINE_ENVIRONMENTS: dict[str, str] = {
+    "vllm": "vllm",
+    "nnterp": "nnterp",
+    "transformer-lens-2": "transformer-lens-2",
+}
+
+#: Where the engine environments live, relative to the repository root; the environment
+#: variable ``TORCHLENS_ENGINE_ENVS`` overrides it.
+ENGINE_ENV_ROOT = ".venv-engines"
+
+#: The script that runs blocks inside an engine environment (standard library only).
+ENGINE_BLOCK_RUNNER = pathlib.Path(__file__).with_name("engine_block_runner.py")
 
 #: Tools that are never skipped: if they cannot be imported, the block fails.
 ALWAYS_PRESENT_TOOLS = frozenset({"torchlens"})
@@ -110,6 +136,12 @@ def tool_marker(import_name: str) -> str:
 def ci_is_on() -> bool:
     """Return True when the environment variable ``CI`` says this is a CI run."""
     return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def engine_python(root: pathlib.Path, environment: str) -> pathlib.Path:
+    """The interpreter of engine environment ``environment`` (it may not exist yet)."""
+    base = pathlib.Path(os.environ.get("TORCHLENS_ENGINE_ENVS") or root / ENGINE_ENV_ROOT)
+    return base / environment / "bin" / "python"
 
 
 # --------------------------------------------------------------------------------------
@@ -359,6 +391,7 @@ class Block:
     name: str  #: the stable test name, ``SECTION[N]``
     last_line: int  #: 1-based line of the last code line
     header_line: int | None = None  #: line of the first code line, when it is a header
+    continues: int | None = None  #: fence line of the block a ``continuation`` block continues
     header: Header | None = None
     header_error: str | None = None
 
@@ -402,6 +435,9 @@ def extract_blocks(text: str, path: pathlib.Path, display: str, syntax: FenceSyn
         ordinals[section] = ordinals.get(section, 0) + 1
         last_line = fence_line + block_body(definition).rstrip("\n").count("\n") + 1
         block = Block(definition, fence_line, f"{section}[{ordinals[section]}]", last_line)
+        offset = definition.start_line
+        if blocks and definition.source[:offset] != "\n" * offset:
+            block.continues = blocks[-1].fence_line
         first = _first_code_line(definition)
         if first is not None and is_header_line(first[1]):
             block.header_line = first[0]
@@ -619,6 +655,9 @@ class DocExampleItem(MarkdownInlinePythonItem):
         if block.header_error is not None:
             raise DocExampleFailure(block.header_error)
         header = block.header
+        if header is not None and header.tool in ENGINE_ENVIRONMENTS:
+            self._run_in_engine_environment(header, settings)
+            return
         if header is not None:
             self._require_tool(header)
         namespace = self._namespace()
@@ -675,6 +714,86 @@ class DocExampleItem(MarkdownInlinePythonItem):
             raise
         ast.increment_lineno(tree, offset)
         return compile(tree, filename, "exec", flags=flags, dont_inherit=True)
+
+    def _run_in_engine_environment(self, header: Header, settings: "Settings") -> None:
+        """Run the block in its engine environment's interpreter and check what comes back."""
+        environment = ENGINE_ENVIRONMENTS[header.tool]
+        python = engine_python(self.config.rootpath, environment)
+        if not python.exists():
+            message = (
+                f"tool={header.tool} runs in the engine environment {display_path(python.parent.parent, self.config.rootpath)}, "
+                f"which is not built (`make engines` builds it from envs/{environment}.txt)"
+            )
+            if ci_is_on():
+                raise DocExampleFailure(f"{self.where}: {message} (CI=true: every engine environment must be built)")
+            raise pytest.skip.Exception(message, _use_item_location=True)
+        block, pool = self.block, self.config.stash[_WORKERS]
+        worker = pool.get(environment)
+        offset = block.definition.start_line
+        if (
+            block.continues is not None
+            and worker is not None
+            and worker.page == self.parent.display
+            and worker.last_passed == block.continues
+            and worker.alive()
+        ):
+            source = "\n" * offset + block_body(block.definition)  # the earlier blocks already ran there
+        else:
+            worker = pool.start(environment, python, self.parent.display, self.config.rootpath)
+            source = block.definition.source  # a continuation block brings the blocks it continues
+        timeout = header.timeout or settings.timeout
+        reply, output = worker.run(source, self.parent.code_filename, timeout, settings.kill_grace)
+        limit = settings.output_limit
+        for stream in ("stdout", "stderr"):
+            if reply and reply.get(stream):
+                self.add_report_section("call", stream, truncate(reply[stream], limit))
+        if output:
+            self.add_report_section("call", f"{environment} process output", truncate(output, limit))
+        if reply is None:
+            pool.close(environment)
+            line = worker.running_line(self.parent.code_filename)
+            if worker.timed_out:
+                running = f" (it was running line {line})" if line else ""
+                raise DocExampleFailure(
+                    f"{self.where}: the example did not finish within {timeout:g} s in {environment}{running}\n"
+                    + self._listing(line)
+                )
+            raise DocExampleFailure(
+                f"{self.where}: the {environment} interpreter ended without an answer (exit status "
+                f"{worker.process.returncode}){f' while running line {line}' if line else ''}\n"
+                + truncate(output, limit)
+            )
+        if not reply["ok"]:
+            raise DocExampleFailure(self._remote_failure(reply))
+        worker.last_passed = block.fence_line
+        if not reply["has_result"]:
+            raise DocExampleFailure(
+                f"{self.where}: the block has a `# migration-test:` header but never binds RESULT"
+            )
+        self._check_result(header, {"RESULT": ast.literal_eval(reply["result"])})
+
+    def _remote_failure(self, reply: dict[str, Any]) -> str:
+        """The failure report of a block that raised in an engine environment."""
+        summary = reply["summary"]
+        if reply["kind"] == "result":
+            return f"{self.where}: {summary}"
+        if reply.get("syntax_error_line"):
+            return f"{self.where}: SyntaxError in the block (line {reply['syntax_error_line']})\n{summary}"
+        filename = self.parent.code_filename
+        frames = [traceback.FrameSummary(f, n, name, line=text) for f, n, name, text in reply["frames"]]
+        first = next((i for i, frame in enumerate(frames) if frame.filename == filename), 0)
+        failing_line = next((frame.lineno for frame in reversed(frames) if frame.filename == filename), None)
+        at = f" at line {failing_line}" if failing_line else ""
+        headline = summary.splitlines()[0] if summary else "error"
+        return "\n".join(
+            [
+                f"{self.where}: {headline} (raised{at})",
+                self._listing(failing_line),
+                "Traceback (most recent call last):",
+                "".join(traceback.format_list(frames[first:])).rstrip(),
+                summary,
+            ]
+        )
 
     def _require_tool(self, header: Header) -> None:
         if header.tool in ALWAYS_PRESENT_TOOLS:
@@ -781,6 +900,119 @@ class DocExampleItem(MarkdownInlinePythonItem):
             mark = ">" if failing_line == index + 1 else " "
             shown.append(f"{mark} {index + 1:>{width}}  {lines[index]}")
         return "\n".join(shown)
+
+
+class EngineWorker:
+    """One interpreter of an engine environment, running blocks of one page in order."""
+
+    def __init__(self, environment: str, python: pathlib.Path, page: str, root: pathlib.Path):
+        import subprocess
+        import tempfile
+
+        self.environment, self.page = environment, page
+        self.last_passed: int | None = None  #: fence line of the last block that passed here
+        self.timed_out = False
+        self.log = tempfile.TemporaryFile(mode="w+b")  # the process's own stdout and stderr
+        self._read_at = 0
+        read_fd, write_fd = os.pipe()
+        env = {key: value for key, value in os.environ.items() if key not in ("VIRTUAL_ENV", "PYTHONHOME")}
+        paths = [str(root / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        env["PYTHONUNBUFFERED"] = "1"
+        self.process = subprocess.Popen(
+            [str(python), str(ENGINE_BLOCK_RUNNER), str(write_fd)],
+            stdin=subprocess.PIPE,
+            stdout=self.log,
+            stderr=self.log,
+            pass_fds=(write_fd,),
+            cwd=root,
+            env=env,
+            text=True,
+        )
+        os.close(write_fd)
+        self._replies = os.fdopen(read_fd, "r", encoding="utf-8")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def run(self, source: str, filename: str, timeout: float, grace: float | None) -> tuple[dict[str, Any] | None, str]:
+        """Send one block; return its reply (None if none came) and the process's new output."""
+        import select
+
+        if grace is None:
+            grace = min(60.0, max(5.0, timeout / 4))
+        request = json.dumps({"source": source, "filename": filename, "timeout": timeout})
+        reply = None
+        try:
+            self.process.stdin.write(request + "\n")
+            self.process.stdin.flush()
+            ready, _, _ = select.select([self._replies], [], [], timeout + grace)
+            if ready:
+                line = self._replies.readline()
+                reply = json.loads(line) if line else None
+            else:
+                self.timed_out = True
+        except (BrokenPipeError, OSError, ValueError):
+            reply = None
+        if reply is None and self.alive():
+            self.process.kill()  # stuck past its time limit, or it broke the protocol
+            self.process.wait()
+        return reply, self.new_output()
+
+    def new_output(self) -> str:
+        self.log.seek(self._read_at)
+        data = self.log.read()
+        self._read_at += len(data)
+        self.log.seek(0, os.SEEK_END)
+        return data.decode("utf-8", "replace")
+
+    def running_line(self, filename: str) -> int | None:
+        """The page line in the last stack dump (or traceback) the process wrote, if any."""
+        self.log.seek(0)
+        text = self.log.read().decode("utf-8", "replace")
+        found = re.findall(r'File "' + re.escape(filename) + r'", line (\d+)', text)
+        return int(found[-1]) if found else None
+
+    def close(self) -> None:
+        if self.alive():
+            try:
+                self.process.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.process.wait(timeout=10)
+            except Exception:
+                self.process.kill()
+                self.process.wait()
+        self._replies.close()
+
+
+class EngineWorkers:
+    """The running engine interpreters: at most one per environment, one at a time in all
+    (an engine such as vLLM reserves memory for its cache while it runs)."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, EngineWorker] = {}
+
+    def get(self, environment: str) -> EngineWorker | None:
+        return self.workers.get(environment)
+
+    def start(self, environment: str, python: pathlib.Path, page: str, root: pathlib.Path) -> EngineWorker:
+        self.close_all()
+        worker = self.workers[environment] = EngineWorker(environment, python, page, root)
+        return worker
+
+    def close(self, environment: str) -> None:
+        worker = self.workers.pop(environment, None)
+        if worker is not None:
+            worker.close()
+
+    def close_all(self) -> None:
+        for environment in list(self.workers):
+            self.close(environment)
+
+
+_WORKERS = pytest.StashKey[EngineWorkers]()
 
 
 class PageProblemItem(pytest.Item):
@@ -916,6 +1148,8 @@ def pytest_configure(config: pytest.Config) -> None:
         kill_grace=float(config.getini("doc_example_kill_grace")) if config.getini("doc_example_kill_grace") else None,
     )
     config.stash[_SETTINGS] = settings
+    workers = config.stash[_WORKERS] = EngineWorkers()
+    config.add_cleanup(workers.close_all)
     config.pluginmanager.register(SessionResults(config, settings), "docs_harness_results")
 
 

@@ -670,3 +670,161 @@ def test_hook_tolerates_a_missing_status_file(tmp_path):
     (tmp_path / "build").mkdir()
     (tmp_path / "build" / "doc-examples.json").write_text("{not json")
     assert hooks._load_status(Config()) == {}
+
+
+# -- blocks that run in an engine environment --------------------------------------------------
+
+
+@pytest.fixture
+def fake_env(tmp_path, monkeypatch):
+    """An engine environment `fake` for tool=fake-engine: its `bin/python` is this machine's
+    base interpreter (the block runner needs only the standard library). Returns its path."""
+    import sys
+
+    python = tmp_path / "engines" / "fake" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.symlink_to(pathlib.Path(sys.base_prefix) / "bin" / pathlib.Path(sys.executable).name)
+    monkeypatch.setenv("TORCHLENS_ENGINE_ENVS", str(tmp_path / "engines"))
+    monkeypatch.setitem(docs_harness.TOOL_IMPORTS, "fake-engine", "fake_engine")
+    monkeypatch.setitem(docs_harness.ENGINE_ENVIRONMENTS, "fake-engine", "fake")
+    return python
+
+
+def test_engine_block_runs_in_its_environment_and_counts_as_verified(docs, pytester, fake_env):
+    import os
+
+    docs(
+        f"""
+        # Page
+
+        '''python
+        # migration-test: tool=fake-engine expected=({str(fake_env)!r}, True)
+        import os, sys
+        RESULT = (sys.executable, os.getpid() != {os.getpid()})
+        '''
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1)
+    status = json.loads((pytester.path / "build" / "doc-examples.json").read_text())
+    assert status["pages"]["docs/page.md"]["passed"] == 1
+
+
+ENGINE_PAGE = """
+    # Page
+
+    '''python
+    # migration-test: tool=fake-engine expected=(3, 'ab')
+    import os
+    first_pid = os.getpid()
+    with open("block-1-runs", "a") as runs:  # one character per run of this block
+        runs.write("x")
+    RESULT = (1 + 2, "a" + "b")
+    '''
+
+    '''{.python continuation}
+    # migration-test: tool=fake-engine expected=(4, True)
+    RESULT = (3 + 1, os.getpid() == first_pid)
+    '''
+    """
+
+
+def test_engine_block_mismatch_names_page_line_and_update_expected_rewrites_it(docs, pytester, fake_env):
+    path = docs(ENGINE_PAGE.replace("expected=(3, 'ab')", "expected=(5, 'ab')"))
+    fence = line_of(path, "```python")
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1, failed=1)
+    expect_lines(result, [
+        f"docs/page.md:{fence}: RESULT != expected (tool=fake-engine, header on line {fence + 1})",
+        "  expected: (5, 'ab')",
+        "  RESULT:   (3, 'ab')",
+    ])
+    pytester.runpytest("--update-expected").assert_outcomes(passed=2)
+    assert path.read_text() == page(ENGINE_PAGE)
+    pytester.runpytest().assert_outcomes(passed=2)
+
+
+def test_continuation_runs_in_the_same_process_or_reruns_what_it_continues(docs, pytester, fake_env):
+    docs(ENGINE_PAGE)
+    runs = pytester.path / "block-1-runs"
+    pytester.runpytest().assert_outcomes(passed=2)
+    assert runs.read_text() == "x"  # the continuation went on in block 1's process, not re-running it
+    result = pytester.runpytest("docs/page.md::page[2]")  # alone: block 1's code runs first
+    result.assert_outcomes(passed=1)
+    assert runs.read_text() == "xx"
+
+
+def test_engine_block_error_points_into_the_page(docs, pytester, fake_env):
+    path = docs(
+        """
+        # Page
+
+        '''python
+        # migration-test: tool=fake-engine expected=1
+        def broken():
+            raise ValueError("boom in the engine env")
+
+        broken()
+        '''
+        """
+    )
+    fence = line_of(path, "```python")
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    expect_lines(result, [
+        f"docs/page.md:{fence}: ValueError: boom in the engine env (raised at line {fence + 3})",
+        f">*{fence + 3}      raise ValueError(\"boom in the engine env\")",
+        f'  File "docs/page.md", line {fence + 5}, in <module>',
+        f'  File "docs/page.md", line {fence + 3}, in broken',
+    ])
+
+
+def test_engine_block_result_must_be_a_literal(docs, pytester, fake_env):
+    docs(
+        """
+        '''python
+        # migration-test: tool=fake-engine expected=1
+        RESULT = object()
+        '''
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    expect_lines(result, ["docs/page.md:1: RESULT is a object whose repr does not read back through ast.literal_eval*"])
+
+
+def test_engine_block_timeout_names_the_running_line(docs, pytester, fake_env):
+    pytester.makefile(".ini", pytest=INI + "doc_example_kill_grace = 1\n")
+    docs(
+        """
+        '''python
+        # migration-test: tool=fake-engine expected=1 timeout=0.5
+        import time
+        time.sleep(60)
+        '''
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    expect_lines(result, ["docs/page.md:1: the example did not finish within 0.5 s in fake (it was running line 4)"])
+
+
+def test_missing_engine_environment_skips_or_fails_under_ci(docs, pytester, fake_env, monkeypatch):
+    fake_env.unlink()
+    docs(ENGINE_PAGE)
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(skipped=2)
+    expect_lines(result, ["SKIPPED [1] docs/page.md:3: tool=fake-engine runs in the engine environment *fake, which is not built (`make engines` builds it from envs/fake.txt)"])
+    monkeypatch.setenv("CI", "true")
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=2)
+    expect_lines(result, ["*(CI=true: every engine environment must be built)"])
+
+
+def test_every_engine_environment_has_a_pinned_file():
+    for tool, environment in docs_harness.ENGINE_ENVIRONMENTS.items():
+        pins = (REPO / "envs" / f"{environment}.txt").read_text()
+        assert tool in docs_harness.TOOL_IMPORTS
+        assert re.search(r"^torch==\S+$", pins, re.M), f"envs/{environment}.txt pins no torch"
+        requirements = [l for l in pins.splitlines() if l.strip() and not l.startswith("#")]
+        assert all(re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==\S+", l) for l in requirements), environment

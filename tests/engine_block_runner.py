@@ -1,0 +1,104 @@
+"""Run documentation blocks inside an engine environment, for tests/docs_harness.py.
+
+The docs harness starts this file with the interpreter of an engine's own virtual
+environment (``.venv-engines/<name>/bin/python``, built from ``envs/<name>.txt``) when a
+block's header names that engine. It uses the standard library only, since the engine
+environments hold no pytest.
+
+Protocol: one JSON request per line on stdin, one JSON reply per line on the file
+descriptor given as the first argument. A request is ``{"source": ..., "filename": ...,
+"timeout": ...}``, where ``source`` is the block's code padded with blank lines so that
+its line numbers are the page's. Requests run one after another in one namespace, so a
+``continuation`` block sees the names of the block before it. The reply is
+
+* ``{"ok": true, "result": REPR | null, "stdout": ..., "stderr": ...}``, with ``REPR``
+  the ``repr`` of ``RESULT`` when the block bound it to a value that reads back through
+  :func:`ast.literal_eval` as an equal value, or
+* ``{"ok": false, "kind": "error" | "result", "summary": ..., "frames": [...], ...}``.
+
+If a block runs past its timeout, :mod:`faulthandler` writes every thread's stack to
+stderr (the harness points it at a file and reads the page line from it); the harness
+then ends this process.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import faulthandler
+import inspect
+import io
+import json
+import linecache
+import os
+import sys
+import traceback
+import types
+
+
+def _literal(value):
+    """Return ``repr(value)`` if it reads back as an equal value of the same type, else None."""
+    source = repr(value)
+    try:
+        again = ast.literal_eval(source)
+        same = type(again) is type(value) and bool(again == value)
+    except Exception:
+        return None
+    return source if same else None
+
+
+def _run(request: dict, namespace: dict) -> dict:
+    source, filename = request["source"], request["filename"]
+    lines = source.splitlines(keepends=True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    namespace.pop("RESULT", None)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    faulthandler.dump_traceback_later(float(request["timeout"]), exit=False, file=sys.__stderr__)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = compile(source, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+            if code.co_flags & inspect.CO_COROUTINE:
+                asyncio.run(eval(code, namespace))
+            else:
+                exec(code, namespace)
+    except BaseException as error:  # noqa: BLE001 - everything goes back to the harness
+        faulthandler.cancel_dump_traceback_later()
+        frames = traceback.extract_tb(error.__traceback__)[1:]  # drop this function's frame
+        return {
+            "ok": False,
+            "kind": "error",
+            "summary": "".join(traceback.format_exception_only(type(error), error)).strip(),
+            "syntax_error_line": error.lineno if isinstance(error, SyntaxError) and error.filename == filename else None,
+            "frames": [[f.filename, f.lineno, f.name, f.line or ""] for f in frames],
+            "stdout": stdout.getvalue(),
+            "stderr": stderr.getvalue(),
+        }
+    faulthandler.cancel_dump_traceback_later()
+    reply = {"ok": True, "result": None, "has_result": "RESULT" in namespace,
+             "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+    if "RESULT" in namespace:
+        literal = _literal(namespace["RESULT"])
+        if literal is None:
+            text = repr(namespace["RESULT"])
+            return {**reply, "ok": False, "kind": "result",
+                    "summary": f"RESULT is a {type(namespace['RESULT']).__name__} whose repr does not read back "
+                               f"through ast.literal_eval as an equal value: {text[:300]}"}
+        reply["result"] = literal
+    return reply
+
+
+def main() -> int:
+    out = os.fdopen(int(sys.argv[1]), "w", encoding="utf-8")
+    namespace = types.ModuleType("docs_example").__dict__
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        reply = _run(json.loads(line), namespace)
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
