@@ -141,7 +141,7 @@ def test_report_gives_the_reason_instead_of_a_site_that_is_not_there(trace):
     text = repr(report)
     gated = next(line for line in text.splitlines() if line.startswith("mlp_pre_linear.0 "))
     assert "transformer.h.0.mlp:pre_linear" not in gated
-    assert gated.split()[1] == "structurally_absent" and "- (" in gated and "not gated" in gated
+    assert gated.split()[1] == "structurally_absent" and "  - transformer.h.0.mlp (GPT2MLP) has no" in gated and "not gated" in gated
     assert next(line for line in text.splitlines() if line.startswith("attn_gate ")).split()[2] == "-"
 
 
@@ -214,3 +214,76 @@ def test_comparison_layout_is_shown(trace):
     assert "[token-major, batch dropped]" in report._repr_html_()
     row = Comparison("n", "real", "", "logits", (1,), (1,), "as is", 0.0, True)
     assert "<root>:logits" in repr(ComparisonReport([row]))
+
+
+# -- FacetSite and trace[name] ---------------------------------------------------------------------
+
+
+def test_facet_site_repr_is_one_line_without_the_tensor(trace, partial):
+    site = trace.modules["transformer.h.1"].facets.site("resid_post")
+    text = repr(site)
+    assert "\n" not in text and "tensor(" not in text and len(text) < 120, text
+    assert re.fullmatch(r"FacetSite\(resid_post: \[1, 4, 32\] float32, real, op #\d+, saved\)", text), text
+    pattern = partial.modules["transformer.h.1.attn"].facets.site("pattern")
+    assert re.fullmatch(r"FacetSite\(pattern: \[1, 2, 4, 4\] float32, reconstructed, op #\d+, check error \S+, not saved\)",
+                        repr(pattern)), repr(pattern)
+
+
+def test_trace_getitem_reads_sites_and_other_libraries_names(model, ids, trace):
+    """`trace[...]` against a forward hook on the block itself (ground truth outside TorchLens)."""
+    seen = {}
+    handle = model.transformer.h[1].register_forward_hook(lambda m, a, out: seen.setdefault("out", out if torch.is_tensor(out) else out[0]))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        handle.remove()
+    for name in ("transformer.h.1:resid_post", "blocks.1.hook_resid_post", "layers_output[1]", "resid_post.1"):
+        torch.testing.assert_close(trace[name], seen["out"], rtol=0, atol=0, msg=name)
+    assert torch.equal(trace["<root>:logits"], trace.output.logits)
+
+
+def test_trace_getitem_errors_teach(trace, partial):
+    with pytest.raises(tl.FacetNotFound, match="resid_post"):
+        trace["transformer.h.1:resid_pst"]
+    with pytest.raises(tl.ModuleNotFoundInTrace, match="transformer.h.1"):
+        trace["transformer.h.7:resid_post"]
+    with pytest.raises(mi.UnknownAlias, match="hook_resid_post"):
+        trace["blocks.1.hook_resid_pst"]
+    with pytest.raises(tl.FacetNotSaved, match="save="):
+        partial["blocks.1.hook_resid_pre"]
+    with pytest.raises(mi.AliasError, match="structurally_absent"):
+        trace["blocks.0.hook_attn_in"]
+    with pytest.raises(KeyError, match="trace.ops"):
+        trace[3]
+
+
+# -- wording of reports and errors -------------------------------------------------------------------
+
+
+def test_report_reasons_do_not_nest_parentheses(trace):
+    for line in str(mi.alias_report(trace, generation="2.x")).splitlines()[1:-1]:
+        if "  - " in line:
+            reason = line.split("  - ", 1)[1]
+            assert not reason.startswith("(") and not reason.endswith("."), line
+
+
+def test_a_name_from_another_generation_gets_this_generations_name(trace):
+    with pytest.raises(mi.UnknownAlias) as error:
+        mi.resolve_alias(trace, "blocks.0.attn.hook_pattern", generation="nnterp")
+    assert "in nnterp the same site is 'attention_probabilities[0]'" in str(error.value)
+    assert "2.x" in str(error.value)
+    # The suggestion resolves to the same site as the name in its own generation.
+    assert mi.resolve_alias(trace, "attention_probabilities[0]", generation="nnterp").facet == \
+        mi.resolve_alias(trace, "blocks.0.attn.hook_pattern", generation="2.x").facet == "pattern"
+    with pytest.raises(mi.UnknownAlias, match=r"in 2\.x the same site is 'blocks\.1\.hook_resid_post'"):
+        mi.resolve_alias(trace, "layers_output[1]", generation="2.x")
+    with pytest.raises(mi.UnknownAlias, match=r"nnterp has no name for its site; pass generation='2\.x'"):
+        mi.resolve_alias(trace, "blocks.0.attn.hook_q", generation="nnterp")
+
+
+def test_a_module_without_a_role_is_not_called_the_other_module(trace):
+    with pytest.raises(tl.FacetNotFound) as error:
+        trace.modules["transformer.drop"].facets["resid_post"]
+    assert trace.modules["transformer.drop"].role == "other"
+    assert str(error.value).startswith("the module 'transformer.drop' has no facet"), str(error.value)

@@ -96,7 +96,9 @@ class FacetNotFound(LookupFailed):
     def __init__(self, address: str, facet: str, known: Iterable[str], role: str | None = None, reason: str = ""):
         known = list(known)
         self.address, self.facet = address, facet
-        what = f"the {role} module" if role else "the module"
+        # "other" is the role of a module with no known role: "the other module" would read as a
+        # second module.
+        what = f"the {role} module" if role and role != "other" else "the module"
         if reason:
             msg = f"{what} {address!r} has no facet {facet!r}: {reason}."
         else:

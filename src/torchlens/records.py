@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .errors import AmbiguousModuleCall, FacetNotFound, FacetNotSaved, ModuleNotFoundInTrace
+from .errors import AmbiguousModuleCall, FacetNotFound, FacetNotSaved, LookupFailed, ModuleNotFoundInTrace
 
 __all__ = ["Ref", "OpRecord", "FacetSite", "FacetMap", "ModuleCall", "ModuleRecord", "ModuleMap", "Trace"]
 
@@ -118,6 +118,15 @@ class FacetSite:
     def read_only(self) -> bool:
         """True for computed and reconstructed facets: no op in the model produced this tensor."""
         return self.kind != "real"
+
+    def __repr__(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        how = self.kind
+        if self.op is not None:
+            how += f", op #{self.op}"
+        if self.check_error is not None:
+            how += f", check error {self.check_error:.2g}"
+        return f"FacetSite({self.name}: {list(self.shape)} {dtype}, {how}, {'saved' if self.saved else 'not saved'})"
 
 
 class FacetMap(Mapping):
@@ -325,6 +334,35 @@ class Trace:
         from ._persist import save
 
         return save(self, path, model)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """The tensor at a site: `trace["address:facet"]`, or any name another library uses.
+
+        `trace["transformer.h.1:resid_post"]` is `trace.modules["transformer.h.1"].facets["resid_post"]`
+        (write the root as `"<root>:logits"`). A name without a colon is resolved with
+        [`resolve_alias`][torchlens.mechinterp.resolve_alias] in every naming generation, so
+        `trace["blocks.1.hook_resid_post"]` and `trace["layers_output[1]"]` read the same tensor.
+
+        Raises:
+            LookupFailed: the lookup's own error: no such module, facet or name
+                (`ModuleNotFoundInTrace`, `FacetNotFound`, `UnknownAlias`, ...), a facet `save=`
+                did not keep (`FacetNotSaved`), or a name with no site in this trace (`AliasError`).
+        """
+        if not isinstance(name, str):
+            raise LookupFailed(
+                f"trace[...] takes a name (a str): 'address:facet' or another library's hook name, "
+                f"not {type(name).__name__} {name!r}; the ops are trace.ops[i]."
+            )
+        if ":" in name:
+            address, facet = name.rsplit(":", 1)
+            return self.modules[address.strip()].facets[facet.strip()]
+        from .mechinterp.resolver import AliasError, resolve_alias
+
+        r = resolve_alias(self, name)
+        if r.module_address is None or r.facet is None or r.status in ("structurally_absent", "ambiguous"):
+            remedy = f" {r.remedy[0].upper()}{r.remedy[1:]}." if r.remedy else ""
+            raise AliasError(f"{name!r} has no site to read in this trace ({r.status}): {r.reason}{remedy}")
+        return self.modules[r.module_address].facets[r.facet]
 
     def by_role(self, role: str) -> list[str]:
         """Addresses of the modules with `role` that ran, in the order they first ran."""

@@ -176,7 +176,7 @@ class AliasReport(list):
             if r.module_address is not None and r.facet is not None and r.status != "structurally_absent":
                 site = _site(r)
             else:
-                site = f"- ({r.reason})"
+                site = "- " + r.reason.rstrip(".")
             lines.append(f"{r.query.ljust(w)}  {r.status.ljust(s)}  {site}".rstrip())
         lines.append(f"({_counts_line(self)})")
         return "\n".join(lines)
@@ -309,11 +309,43 @@ def _unknown(query: str, tables: list[Table], trace: Trace) -> AliasError:
     if not hits:
         hits = close_matches(re.sub(r"\d+", layer, query.strip()), names, n=3)
     where = tables[0].generation if len(tables) == 1 else "any naming generation"
+    if len(tables) == 1:
+        elsewhere = _other_generation_hint(query, tables[0], trace)
+        if elsewhere:
+            return UnknownAlias(f"{query!r} is not a name in {where}: {elsewhere}")
     hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
     return UnknownAlias(
         f"{query!r} is not a name in {where}.{hint} Generations: {', '.join(GENERATIONS)}; "
         f"list a generation's names with torchlens.mechinterp.table(generation)."
     )
+
+
+def _other_generation_hint(query: str, table: Table, trace: Trace) -> str:
+    """For a name of another generation: which one it is, and this generation's name for its site."""
+    others = [t for t in GENERATIONS.values() if t is not table]
+    try:
+        found = _matches(query, others, trace)
+    except AliasError:
+        return ""
+    if not found:
+        return ""
+    by_suggestion: dict[str, list[str]] = {}
+    for other, row, layer in found:
+        same = [r for r in table.rows if r.target is not None and r.target == row.target and r.facets == row.facets]
+        same = same or [r for r in table.rows
+                        if r.target is not None and r.target == row.target and set(r.facets) & set(row.facets)]
+        same = [r for r in same if r.per_layer == (layer is not None)]
+        names = ", ".join(repr(r.name.replace("{L}", str(layer))) for r in same)
+        by_suggestion.setdefault(names, []).append(other.generation)
+    parts = []
+    for names, generations in by_suggestion.items():
+        of = ", ".join(generations[:-1]) + " and " + generations[-1] if len(generations) > 1 else generations[0]
+        if names:
+            parts.append(f"it is a name of {of}; in {table.generation} the same site is {names}.")
+        else:
+            parts.append(f"it is a name of {of}, and {table.generation} has no name for its site; "
+                         f"pass generation={generations[0]!r}.")
+    return " ".join(parts)
 
 
 # -- resolving ---------------------------------------------------------------------------------
