@@ -81,7 +81,7 @@ class Stack:
 
     Attributes:
         name: the address of the module holding the repeated layers (`"model.layers"`).
-        layers: one [`Layer`][torchlens._structure.Layer] per call, in run order; the layer index is
+        layers: one `Layer` per call, in run order; the layer index is
             the position here.
         kind: `"decoder"` or `"encoder"` (an encoder-decoder's stacks, or one read by
             cross-attention, or a stack under a class whose name says encoder).
@@ -198,7 +198,7 @@ def _groups(model: nn.Module, names: dict[nn.Module, str]) -> list[tuple[str, li
             by_class.setdefault(type(m), []).append(m)
         for group in by_class.values():
             if len(group) >= 2:
-                out.append((names[holder], group))
+                out.append((names[holder], group))  # `find` drops siblings that are attentions (BART's two)
     return out
 
 
@@ -322,7 +322,7 @@ def _sublayer(flow: _Flow, layer: ModuleCall, pick) -> list[ModuleCall]:
     """Calls under `layer` that `pick` accepts, descending through residual wrappers.
 
     A picked child that adds its own input back (a residual inside it) is replaced by its picked
-    children, when it has any.
+    children, when it has any; so is one that only wraps a picked child returning the same output.
     """
     out: list[ModuleCall] = []
     todo = list(flow.kids.get(id(layer), []))  # iterative: a recursive closure would make a reference cycle
@@ -330,11 +330,13 @@ def _sublayer(flow: _Flow, layer: ModuleCall, pick) -> list[ModuleCall]:
         node = todo.pop(0)
         if not pick(node):
             continue
-        if flow.adds_own_input(node):
-            inner = [k for k in flow.kids.get(id(node), []) if pick(k)]
-            if inner:
-                todo[:0] = inner
-                continue
+        inner = [k for k in flow.kids.get(id(node), []) if pick(k)]
+        if inner and flow.adds_own_input(node):
+            todo[:0] = inner
+            continue
+        if len(inner) == 1 and type(node._out_ref) is Ref and inner[0]._out_ref == node._out_ref:
+            todo.insert(0, inner[0])  # a pure wrapper (GPT-Neo's attn around attn.attention): take the inner one
+            continue
         out.append(node)
     return out
 
@@ -406,7 +408,7 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
         names: module -> canonical address.
 
     Returns:
-        The [`Structure`][torchlens._structure.Structure].
+        The `Structure`.
     """
     overrides = roles.overrides
     flow = _Flow(ops, calls)
@@ -429,6 +431,10 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
         member_calls = sorted((c for m in members for c in calls_of.get(names[m], [])), key=lambda c: c.first_op)
         if not member_calls:
             continue
+        if not named_blocks and not isinstance(modules.get(holder), (nn.ModuleList, nn.Sequential)) and any(
+            op.module == c.address for c in member_calls for op in flow.kernels(c)
+        ):
+            continue  # same-class siblings that run an attention kernel themselves are attentions, not layers
         runs = [member_calls] if named_blocks else _chains(flow, member_calls)
         if not runs:
             if len(members) >= 2 or len(member_calls) >= 2:

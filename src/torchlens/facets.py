@@ -244,6 +244,12 @@ def _head_split(g: _Graph, kernel_ref: Ref, lo: int, d_head: int) -> tuple[Ref, 
             if not splits:
                 continue
             offset = up[min(splits)] * d_head
+        else:  # one view holds every head (Falcon's multi-query q|k|v): the slice taking this input's heads
+            for j in sorted(j for j in up if j > i):
+                sh = tuple(g.ops[j].shapes[up[j]])
+                if (g.ops[j].name in fam.SPLIT_OPS | {"__getitem__"} and len(sh) == 4 and sh[:2] == tuple(op.shape[:2])
+                        and sh[3] == d_head and sh[2] < op.shape[2]):
+                    return Ref(j, up[j]), 0
         return Ref(i, 0), offset
     return None
 
@@ -264,6 +270,21 @@ def _pre_norm_source(g: _Graph, split_ref: Ref, kids: list[ModuleCall]) -> Any:
     ref = _io(g, norm, "in")
     m = g.meta(ref)
     return ref if m is not None and m[0] == g.meta(src)[0] else None
+
+
+def _pre_scale_source(g: _Graph, split_ref: Ref, kids: list[ModuleCall]) -> Any:
+    """The projection output, when the head view reads it multiplied by a constant (OPT's `q_proj(x) * scaling`).
+
+    `q` is the projection viewed per head; the scaled tensor is what the scores' matmul reads.
+    """
+    src = g.ops[split_ref.op].inputs[0]
+    op = g.op(src)
+    if op is None or op.name not in fam.MUL_OPS | {"div", "__truediv__"} or len(op.inputs) != 1:
+        return None
+    proj = next((k for k in kids if k._out_ref == op.inputs[0] and hasattr(g.modules[k.address], "weight")), None)
+    if proj is None or g.meta(op.inputs[0]) is None or g.meta(op.inputs[0])[0] != g.meta(src)[0]:
+        return None
+    return op.inputs[0]
 
 
 def _path_has_math(g: _Graph, start: int, ref: Ref) -> bool:
@@ -345,6 +366,12 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
             site.op = pre_norm.op if type(pre_norm) is Ref else None
             site.note = "projection viewed per head, before the QK-norm"
             start = pre_norm.op if type(pre_norm) is Ref else start
+        elif (unscaled := _pre_scale_source(g, split_ref, kids)) is not None:
+            t = g.value(unscaled)
+            site.tensor = None if t is None else t.reshape(site.shape)
+            site.op = unscaled.op
+            site.note = "projection viewed per head, before the model scales it"
+            start = unscaled.op
         if site.shape[-1] != d_head:
             site.shape = site.shape[:-1] + (d_head,)
             site.tensor = None if site.tensor is None else site.tensor[..., offset : offset + d_head]

@@ -2,7 +2,7 @@
 
 Facets are found from the recorded data flow (which op consumed which tensor) and the module
 tree; the rules that give modules their roles (block, attention, MLP, norm, embedding,
-unembedding) live in [`torchlens._structure`][torchlens._structure]. This module holds the data
+unembedding) live in `torchlens._structure`. This module holds the data
 those rules and the facet code read: name fragments, op-name sets, weight layouts, tolerances.
 Supporting a new family means adding a name here, never an `if family == ...` branch.
 

@@ -302,7 +302,7 @@ class Trace:
         model_class: the root module's class name.
         save_spec: the normalized `save=` selection the trace was taken with.
         structure: the model's stacks, layers and sublayers as TorchLens found them
-            (`structure.stacks`, `structure.kind`; see [`torchlens._structure`][torchlens._structure]).
+            (`structure.stacks`, `structure.kind`; see `torchlens._structure`).
     """
 
     def __init__(self, ops, modules, output, blocks, model_class, save, structure=None):

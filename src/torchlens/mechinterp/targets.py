@@ -5,7 +5,7 @@ says *where* that is in a given trace. Each target is found from module roles an
 module's output feeds which module's input, so the same row reads the right module on GPT-2
 (`transformer.h.0.ln_2`), Llama (`model.layers.0.post_attention_layernorm`) or Gemma-2
 (`model.layers.0.pre_feedforward_layernorm`). Layers, sublayers, embeddings, final norm and
-unembedding come from the trace's structure ([`torchlens._structure`][torchlens._structure]), so
+unembedding come from the trace's structure (`torchlens._structure`), so
 a layer index counts the calls of the language-model stack's blocks.
 """
 
