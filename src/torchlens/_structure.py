@@ -39,7 +39,7 @@ pattern; a named role wins over every rule above.
 
 from __future__ import annotations
 
-import fnmatch
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,8 +137,9 @@ def parse_roles(roles: Any, addresses: list[str]) -> dict[str, str]:
     """Check a `roles=` argument and expand its patterns to addresses.
 
     Args:
-        roles: None, or a dict from a module address or a glob pattern (`"model.layers.*"`) to a
-            role in `OVERRIDABLE_ROLES`.
+        roles: None, or a dict from a module address or a glob pattern to a role in
+            `OVERRIDABLE_ROLES`. In a pattern `*` matches one address part (`"model.layers.*"`: the
+            layers, not their children), `**` any number of parts.
         addresses: every module address of the model.
 
     Returns:
@@ -165,7 +166,8 @@ def parse_roles(roles: Any, addresses: list[str]) -> dict[str, str]:
             hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
             raise RoleSpecError(f"roles={{{key!r}: {role!r}}}: {role!r} is not a role.{hint} "
                                 f"Roles: {', '.join(OVERRIDABLE_ROLES)}.")
-        hit = [a for a in addresses if a == key or (any(c in key for c in "*?[") and fnmatch.fnmatchcase(a, key))]
+        rx = _glob(key)
+        hit = [a for a in addresses if a == key or rx.fullmatch(a)]
         if not hit:
             hits = close_matches(key, addresses)
             hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
@@ -173,6 +175,26 @@ def parse_roles(roles: Any, addresses: list[str]) -> dict[str, str]:
         for a in hit:
             out[a] = role
     return out
+
+
+def _glob(pattern: str) -> re.Pattern:
+    """`*` matches one address part (no dot), `**` any number of parts, `?` one character."""
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^.]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^.]")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out))
 
 
 # -- before the forward ------------------------------------------------------------------------
@@ -436,6 +458,8 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
         ):
             continue  # same-class siblings that run an attention kernel themselves are attentions, not layers
         runs = [member_calls] if named_blocks else _chains(flow, member_calls)
+        if len(member_calls) >= 2:  # repeated calls must chain: a lone call among them is no stack
+            runs = [r for r in runs if len(r) >= 2]
         if not runs:
             if len(members) >= 2 or len(member_calls) >= 2:
                 repeated_unchained.append(holder)

@@ -34,7 +34,8 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
             facet name, or a list of them, keeps those facets (and the ops inside the named
             modules); a callable `predicate(address, facet) -> bool` keeps the facets it accepts.
         roles: where TorchLens's structure rules cannot tell, name roles yourself: a dict from a
-            module address or glob pattern (`"encoder.blocks.*"`) to `"block"`, `"attention"`,
+            module address or glob pattern (`"encoder.blocks.*"`; `*` is one address part) to
+            `"block"`, `"attention"`,
             `"cross_attention"`, `"mlp"`, `"norm"`, `"embedding"`, `"unembed"` or `"other"`.
             Named blocks form the layers of their holder's stack; inside a block that has named
             sublayers, only the named ones are taken.

@@ -222,7 +222,7 @@ def _compiled(generation: str) -> list[tuple[re.Pattern, Row]]:
 
 
 def _layer_value(text: str, table: Table, query: str, trace: Trace) -> int:
-    n = len(trace.blocks)
+    n = _n_layers(trace)
     canonical = _canonical_index(text)
     if text != canonical:
         raise MalformedAlias(f"{query!r}: write the layer as {canonical} (ASCII digits, no leading zeros).")
@@ -240,6 +240,15 @@ def _layer_value(text: str, table: Table, query: str, trace: Trace) -> int:
             f"{query!r}: this trace ran no decoder block, so no per-layer name resolves"
         )
     return value
+
+
+def _n_layers(trace: Trace) -> int:
+    """How many layers a per-layer name can index: the language-model stack's, or, with several stacks
+    and none feeding a language-model head, the longest (such names then resolve `ambiguous`)."""
+    s = trace.structure
+    if s is not None and s.lm_stack is None and len(s.stacks) > 1:
+        return max(len(st.layers) for st in s.stacks.values())
+    return len(trace.blocks)
 
 
 def _matches(query: str, tables: list[Table], trace: Trace) -> list[tuple[Table, Row, int | None]]:
@@ -533,7 +542,7 @@ def alias_report(trace: Trace, generation: str = "2.x") -> AliasReport:
         if not row.in_report:
             continue
         if row.per_layer and not (table_.absent_once and row.facet is None):
-            for layer in range(len(trace.blocks)):
+            for layer in range(_n_layers(trace)):
                 rows.append(_status(trace, table_, row, layer, row.name.replace("{L}", str(layer))))
         else:
             query = _bare(row.name) if row.per_layer else row.name

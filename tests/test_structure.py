@@ -1,0 +1,315 @@
+"""Structure rules (torchlens._structure, an internal module): stacks, layers, sublayers, heads, roles=.
+
+Ground truth is plain forward hooks, the model's own returned tensors, or the module objects
+named by hand; the tiny models are built here or from transformers configs (random weights).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+import torchlens as tl
+import torchlens.mechinterp as mi
+
+V = 16
+
+
+class Attn(nn.Module):
+    def __init__(self, d=8, h=2):
+        super().__init__()
+        self.h = h
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, kv=None):
+        kv = x if kv is None else kv
+        b, t, d = x.shape
+        q = self.q(x).view(b, t, self.h, -1).transpose(1, 2)
+        k = self.k(kv).view(b, kv.shape[1], self.h, -1).transpose(1, 2)
+        v = self.v(kv).view(b, kv.shape[1], self.h, -1).transpose(1, 2)
+        p = torch.softmax(q @ k.transpose(-1, -2) / 2.0, dim=-1)
+        return self.o((p @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class FF(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class Block(nn.Module):
+    """Names no rule knows: `mix` and `chew`, no `attn` / `mlp` attribute."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.n1, self.mix, self.n2, self.chew = nn.LayerNorm(d), Attn(d), nn.LayerNorm(d), FF(d)
+
+    def forward(self, x):
+        x = x + self.mix(self.n1(x))
+        return x + self.chew(self.n2(x))
+
+
+class SeqLM(nn.Module):
+    """Blocks held in an nn.Sequential."""
+
+    def __init__(self, d=8, n=3):
+        super().__init__()
+        self.tok = nn.Embedding(V, d)
+        self.body = nn.Sequential(*(Block(d) for _ in range(n)))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, V)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.body(self.tok(ids))))
+
+
+def _hook_outputs(modules):
+    seen = {}
+    handles = [m.register_forward_hook(lambda mod, a, o, n=n: seen.setdefault(n, []).append(o.detach().clone()))
+               for n, m in modules.items()]
+    return seen, handles
+
+
+def test_blocks_in_a_sequential_without_mlp_names():
+    torch.manual_seed(0)
+    model = SeqLM().eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    seen, handles = _hook_outputs({f"body.{i}": model.body[i] for i in range(3)} | {"chew": model.body[1].chew})
+    try:
+        t = tl.trace(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    assert t.blocks == ["body.0", "body.1", "body.2"]
+    layer = t.structure.layers[1]
+    assert (layer.attention.address, layer.mlp.address) == ("body.1.mix", "body.1.chew")
+    for i in range(3):
+        torch.testing.assert_close(mi.resolve_alias(t, f"blocks.{i}.hook_resid_post").tensor(t), seen[f"body.{i}"][0],
+                                   rtol=0, atol=0)
+    torch.testing.assert_close(mi.resolve_alias(t, "blocks.1.hook_mlp_out").tensor(t), seen["chew"][0], rtol=0, atol=0)
+    assert mi.resolve_alias(t, "blocks.1.ln2.hook_normalized").module_address == "body.1.n2"
+    assert t.structure.final_norm.address == "norm" and t.structure.unembed.address == "head"
+
+
+class Wrapper(nn.Module):
+    def __init__(self, lm):
+        super().__init__()
+        self.inner = lm
+
+    def forward(self, ids):
+        return self.inner(ids).logits
+
+
+def _gpt2(model_cls=tf.GPT2LMHeadModel):
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=8, bos_token_id=0, eos_token_id=0)
+    return model_cls(cfg).eval()
+
+
+def test_a_wrapper_around_a_causal_lm_keeps_its_logits():
+    t = tl.trace(Wrapper(_gpt2()), torch.tensor([[1, 2, 3]]))
+    r = mi.resolve_alias(t, "unembed.hook_out")
+    assert r.status == "real" and r.module_address == "inner.lm_head"
+    torch.testing.assert_close(t.modules[""].facets["logits"], t.output, rtol=0, atol=0)
+    assert mi.resolve_alias(t, "blocks.1.hook_resid_post").module_address == "inner.transformer.h.1"
+
+
+class Classifier(nn.Module):
+    """A classifier head called `output` (3 labels): not an unembedding."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.tok = nn.Embedding(V, d)
+        self.layers = nn.ModuleList([Block(d), Block(d)])
+        self.output = nn.Linear(d, 3)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(x[:, 0])
+
+
+def test_a_classifier_head_named_output_is_not_the_unembedding():
+    torch.manual_seed(0)
+    t = tl.trace(Classifier().eval(), torch.tensor([[1, 2, 3]]))
+    assert t.structure.unembed is None
+    assert "logits" not in t.modules[""].facets.sites
+    assert t.modules["output"].role == "other"
+    assert mi.resolve_alias(t, "unembed.hook_out").status == "structurally_absent"
+
+
+def test_final_norm_is_found_with_and_without_a_head():
+    """One rule: GPT2Model (no lm_head) has final_norm_input like GPT2LMHeadModel, and it agrees with ln_f's input."""
+    for cls, prefix in ((tf.GPT2Model, ""), (tf.GPT2LMHeadModel, "transformer.")):
+        model = _gpt2(cls)
+        seen = {}
+        h = model.get_submodule(prefix + "ln_f").register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0]))
+        try:
+            t = tl.trace(model, torch.tensor([[1, 2, 3]]))
+        finally:
+            h.remove()
+        torch.testing.assert_close(t.modules[""].facets["final_norm_input"], seen["x"], rtol=0, atol=0)
+        assert mi.resolve_alias(t, "ln_final.hook_in").module_address == prefix + "ln_f"
+        assert mi.resolve_alias(t, "layers_output[-1]", "nnterp").status == "real"
+
+
+class Scrambled(nn.Module):
+    """Repeated layers that do not chain: each reads the embedding, the outputs are summed."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.tok = nn.Embedding(V, d)
+        self.layers = nn.ModuleList([Block(d), Block(d)])
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        return sum(layer(x) for layer in self.layers)
+
+
+def test_repeated_layers_without_a_block_warn_and_roles_names_them():
+    torch.manual_seed(0)
+    model = Scrambled().eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.warns(UserWarning, match=r"layers hold repeated modules, but none was taken as a block.*roles="):
+        t = tl.trace(model, ids)
+    assert t.blocks == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        named = tl.trace(model, ids, roles={"layers.*": "block", "layers.*.mix": "attention", "layers.*.chew": "mlp"})
+    assert named.blocks == ["layers.0", "layers.1"]
+    assert named.structure.layers[1].mlp.address == "layers.1.chew"
+    seen, handles = _hook_outputs({"l1": model.layers[1], "mix": model.layers[0].mix})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tl.trace(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    torch.testing.assert_close(mi.resolve_alias(named, "blocks.1.hook_resid_post").tensor(named), seen["l1"][0],
+                               rtol=0, atol=0)
+    torch.testing.assert_close(mi.resolve_alias(named, "blocks.0.hook_attn_out").tensor(named), seen["mix"][0],
+                               rtol=0, atol=0)
+
+
+def test_roles_names_the_unembedding_and_rejects_bad_values():
+    torch.manual_seed(0)
+    t = tl.trace(Classifier().eval(), torch.tensor([[1, 2]]), roles={"output": "unembed"})
+    assert t.structure.unembed.address == "output"
+    with pytest.raises(tl.TorchLensError, match=r"'blok' is not a role\. Did you mean 'block'\?"):
+        tl.trace(Classifier().eval(), torch.tensor([[1, 2]]), roles={"layers.*": "blok"})
+    with pytest.raises(tl.TorchLensError, match=r"'layer\.\*' names no module.*Did you mean"):
+        tl.trace(Classifier().eval(), torch.tensor([[1, 2]]), roles={"layer.*": "block"})
+    with pytest.raises(tl.TorchLensError, match=r"roles= takes a dict"):
+        tl.trace(Classifier().eval(), torch.tensor([[1, 2]]), roles=["layers.0"])
+
+
+class CrossBlock(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.self_attn, self.cross, self.ff = Attn(d), Attn(d), FF(d)
+
+    def forward(self, x, memory):
+        x = x + self.self_attn(x)
+        x = x + self.cross(x, memory)
+        return x + self.ff(x)
+
+
+class EncDec(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.tok = nn.Embedding(V, d)
+        self.enc = nn.ModuleList([Block(d), Block(d)])
+        self.dec = nn.ModuleList([CrossBlock(d), CrossBlock(d)])
+        self.head = nn.Linear(d, V)
+
+    def forward(self, src, tgt):
+        m = self.tok(src)
+        for layer in self.enc:
+            m = layer(m)
+        x = self.tok(tgt)
+        for layer in self.dec:
+            x = layer(x, m)
+        return self.head(x)
+
+
+def test_self_and_cross_attention_are_both_kept_and_stacks_are_numbered_apart():
+    torch.manual_seed(0)
+    model = EncDec().eval()
+    seen, handles = _hook_outputs({"cross": model.dec[1].cross, "self": model.dec[1].self_attn})
+    try:
+        t = tl.trace(model, torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5]]))
+    finally:
+        for h in handles:
+            h.remove()
+    s = t.structure
+    assert s.kind == "encoder-decoder" and list(s.stacks) == ["enc", "dec"] and s.lm_stack == "dec"
+    layer = s.stacks["dec"].layers[1]
+    assert (layer.attention.address, layer.cross_attention.address) == ("dec.1.self_attn", "dec.1.cross")
+    torch.testing.assert_close(layer.cross_attention.facets["output"], seen["cross"][0], rtol=0, atol=0)
+    assert layer.cross_attention.facets["pattern"].shape == (1, 2, 2, 3)  # [batch, heads, query=2, key=3]
+    assert layer.mlp.address == "dec.1.ff"
+    assert t.blocks == ["dec.0", "dec.1"]  # decoder-only names read the language-model stack
+    torch.testing.assert_close(mi.resolve_alias(t, "blocks.1.attn.hook_pattern").tensor(t),
+                               layer.attention.facets["pattern"], rtol=0, atol=0)
+    report = mi.alias_report(t, generation="nnterp")
+    assert {r.status for r in report} == {"structurally_absent"}
+    assert all("decoder-only" in r.reason and "encoder-decoder" in r.reason for r in report)
+
+
+def _clip():
+    torch.manual_seed(0)
+    cfg = tf.CLIPConfig(text_config=dict(num_hidden_layers=2, hidden_size=16, num_attention_heads=2,
+                                         intermediate_size=24, vocab_size=V, max_position_embeddings=8),
+                        vision_config=dict(num_hidden_layers=2, hidden_size=16, num_attention_heads=2,
+                                           intermediate_size=24, image_size=16, patch_size=8), projection_dim=8)
+    return tf.CLIPModel(cfg).eval()
+
+
+def test_two_towers_make_per_layer_names_ambiguous():
+    t = tl.trace(_clip(), input_ids=torch.tensor([[1, 2, 3]]), pixel_values=torch.randn(1, 3, 16, 16))
+    assert t.structure.kind == "multi-tower" and len(t.structure.stacks) == 2
+    r = mi.resolve_alias(t, "blocks.0.hook_resid_post")
+    assert r.status == "ambiguous" and "2 stacks" in r.reason and "vision_model.encoder.layers" in r.reason
+    rows = [r for r in mi.alias_report(t, "2.x") if r.pattern == "blocks.{L}.hook_resid_post"]
+    assert rows and {r.status for r in rows} == {"ambiguous"}
+
+
+def test_nnterp_and_interp_engine_say_they_are_decoder_only_on_bert():
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=24,
+                        vocab_size=V, max_position_embeddings=8)
+    t = tl.trace(tf.BertModel(cfg).eval(), torch.tensor([[1, 2, 3]]))
+    assert t.structure.kind == "encoder-only"
+    for gen in ("nnterp", "interp-engine"):
+        report = mi.alias_report(t, gen)
+        assert report and all(r.status == "structurally_absent" and "decoder-only" in r.reason for r in report)
+    assert mi.resolve_alias(t, "blocks.1.hook_resid_post", "2.x").status == "real"
+
+
+def test_falcon_multi_query_heads_are_split_from_the_fused_projection():
+    torch.manual_seed(0)
+    cfg = tf.FalconConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=V,
+                          multi_query=True, new_decoder_architecture=False, bos_token_id=0, eos_token_id=0)
+    model = tf.FalconForCausalLM(cfg).eval()
+    seen, handles = _hook_outputs({"qkv": model.transformer.h[1].self_attention.query_key_value})
+    try:
+        t = tl.trace(model, torch.tensor([[1, 2, 3, 4, 5]]))
+    finally:
+        for h in handles:
+            h.remove()
+    fused = seen["qkv"][0].view(1, 5, 4 + 2, 8)  # HF's multi-query layout: 4 query heads, then k, then v
+    f = t.modules["transformer.h.1.self_attention"].facets
+    for name, truth in (("q", fused[:, :, :4]), ("k", fused[:, :, 4:5]), ("v", fused[:, :, 5:])):
+        torch.testing.assert_close(f[name], truth, rtol=0, atol=0)
+    for name in ("rot_q", "rot_k"):
+        assert tuple(f.sites[name].shape) == tuple(f[name].shape)
+    assert f.sites["rot_q"].shape[2] == 4 and f.sites["rot_k"].shape[2] == 1
