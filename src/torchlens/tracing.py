@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._dispatch import accelerate_hooks
 from ._store import apply_store, parse_store
 from .capture import Recorder
 from ._structure import find as find_structure
@@ -99,7 +100,7 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
         for m in names:
             handles.append(m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True))
             handles.append(m.register_forward_hook(rec.post_hook, with_kwargs=True, always_call=True))
-        with CompiledRunsEagerly(), rec:
+        with CompiledRunsEagerly(), accelerate_hooks(names, rec) as dispatch, rec:
             output = model(*args, **kwargs)
     except BaseException as exc:
         _annotate(exc, rec)
@@ -107,7 +108,9 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
     finally:
         for h in handles:
             h.remove()
-    with rec.hidden():  # inside an outer trace, deriving the facets is not part of the forward
+    # Inside an outer trace, deriving the facets is not part of the forward; an accelerate-dispatched
+    # model's modules hold the weights the forward used (not meta placeholders) while it runs.
+    with rec.hidden(), dispatch.weights():
         overwritten = rec.check_versions()  # before the snapshot replaces written aliases by copies
         rec.snapshot(model, (args, kwargs, output))
         return apply_store(_assemble(rec, model, names, aliases, roles, spec, output, overwritten), store_to)

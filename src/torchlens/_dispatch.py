@@ -1,0 +1,162 @@
+"""Models dispatched with accelerate: weights moved in by hooks, kept off the capture.
+
+`accelerate` (`dispatch_model`, `cpu_offload`, `disk_offload`, `device_map=` in
+`from_pretrained`) keeps offloaded weights on the meta device and attaches a hook object to each
+module (`module._hf_hook`) that the module's wrapped `forward` calls: `pre_forward` loads the
+weights and moves the inputs to the execution device, `post_forward` puts the weights back on
+meta and moves the output to the input's device.
+
+Those moves are not the model's computation, so while a trace runs each module's hook object is
+wrapped (on that module only, restored before `trace` returns or raises) so that:
+
+- the hook's own torch calls are not recorded as ops;
+- a tensor the hook moved to another device keeps the data-flow reference of the tensor it
+  copies, so an op reading it is linked to the op that produced the original;
+- each weight the hook loaded is named like the parameter it stands for (a tied weight by its
+  first name, as in the undispatched model: dispatch unties the meta placeholders, so the ties a
+  Hugging Face model declares in `all_tied_weights_keys` are used), and kept until the
+  facets are derived: while they are, the modules hold the weights the forward used instead of
+  the meta placeholders (facets such as a norm's gain check or an attention head's result read
+  them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+__all__ = ["accelerate_hooks"]
+
+
+def _flat(value: Any, out: list[Tensor], depth: int = 0) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        out.append(value)
+    elif depth < 8 and isinstance(value, (tuple, list)):
+        for v in value:
+            _flat(v, out, depth + 1)
+    elif depth < 8 and isinstance(value, Mapping):
+        for v in value.values():
+            _flat(v, out, depth + 1)
+    return out
+
+
+class _Quiet:
+    """Stands in for one module's accelerate hook object while a trace runs."""
+
+    def __init__(self, hook: Any, rec: Any, address: str, used: dict):
+        self.hook = hook
+        self.rec = rec
+        self.address = address
+        self.used = used
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.hook, name)
+
+    @contextlib.contextmanager
+    def _hidden(self) -> Iterator[None]:
+        quiet = self.rec._quiet
+        self.rec._quiet = True
+        try:
+            with self.rec.hidden():
+                yield
+        finally:
+            self.rec._quiet = quiet
+
+    def _alias(self, before: list[Tensor], after: list[Tensor]) -> None:
+        """A tensor the hook replaced by a moved copy keeps the original's data-flow reference."""
+        if len(before) != len(after):
+            return
+        for old, new in zip(before, after):
+            if new is not old:
+                entry = self.rec.producer.get(id(old))
+                if entry is not None and entry[1]() is old:
+                    self.rec.producer[id(new)] = (entry[0], weakref.ref(new))
+                    self.used[("moved", id(new))] = new  # alive until the trace is assembled
+                elif id(old) in self.rec.param_names:
+                    self.rec.param_names[id(new)] = self.rec.param_names[id(old)]
+                    self.used[("moved", id(new))] = new
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any):
+        before = _flat((args, kwargs), [])
+        with self._hidden():
+            args, kwargs = self.hook.pre_forward(module, *args, **kwargs)
+        self._alias(before, _flat((args, kwargs), []))
+        prefix = self.address + "." if self.address else ""
+        for name, p in module.named_parameters(recurse=True):
+            if not p.is_meta:
+                # Assigned, not set-if-missing: the meta placeholder this id named may be gone.
+                self.rec.param_names[id(p)] = self.rec.canonical_param.get(prefix + name, prefix + name)
+                self.used.setdefault((module, name), p)  # what `weights()` puts back
+                self.used[("loaded", id(p))] = p  # alive until the trace is assembled, so ids stay unique
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any):
+        before = _flat(output, [])
+        with self._hidden():
+            output = self.hook.post_forward(module, output)
+        self._alias(before, _flat(output, []))
+        return output
+
+
+class _Dispatch:
+    def __init__(self) -> None:
+        self.used: dict = {}
+
+    @contextlib.contextmanager
+    def weights(self) -> Iterator[None]:
+        """The weights the forward used, back on their modules (in place of meta tensors)."""
+        swapped = []
+        try:
+            for key, p in self.used.items():
+                module, name = key
+                if not isinstance(module, nn.Module):
+                    continue
+                owner, leaf = module, name
+                if "." in name:
+                    path, leaf = name.rsplit(".", 1)
+                    owner = module.get_submodule(path)
+                current = owner._parameters.get(leaf)
+                if current is not None and current.is_meta:
+                    owner._parameters[leaf] = p
+                    swapped.append((owner, leaf, current))
+            yield
+        finally:
+            for owner, leaf, meta in swapped:
+                owner._parameters[leaf] = meta
+            self.used.clear()
+
+
+@contextlib.contextmanager
+def accelerate_hooks(names: dict[nn.Module, str], rec: Any) -> Iterator[_Dispatch]:
+    """While the forward runs, keep accelerate's hooks out of the capture (see the module docs).
+
+    Yields an object whose `weights()` context puts the used weights back for deriving facets.
+    """
+    dispatch = _Dispatch()
+    wrapped = [(m, m._hf_hook) for m in names if getattr(m, "_hf_hook", None) is not None]
+    if wrapped and not hasattr(rec, "canonical_param"):
+        canonical: dict[str, str] = {}
+        by_id: dict[int, str] = {}
+        root = next((m for m, a in names.items() if a == ""), None)
+        if root is not None:
+            for n, p in root.named_parameters(remove_duplicate=False):
+                canonical[n] = by_id.setdefault(id(p), n)  # a tied weight keeps its first name
+            # Dispatch gives each tied name its own meta placeholder; Hugging Face models still
+            # declare which weights the forward shares (target -> source, as configured).
+            tied = getattr(root, "all_tied_weights_keys", None)
+            if isinstance(tied, Mapping):
+                for target, source in tied.items():
+                    if isinstance(target, str) and isinstance(source, str) and target in canonical:
+                        canonical[target] = canonical.get(source, source)
+        rec.canonical_param = canonical
+    try:
+        for m, hook in wrapped:
+            m._hf_hook = _Quiet(hook, rec, names[m], dispatch.used)
+        yield dispatch
+    finally:
+        for m, hook in wrapped:
+            m._hf_hook = hook

@@ -1,0 +1,96 @@
+"""Models dispatched with accelerate: weights on the meta device, moved in by hooks.
+
+A dispatched model must trace as its undispatched twin does: the same ops with the same data
+flow (weights named as parameters, not as outputs of the hooks' moves), facets equal to forward
+hooks on the undispatched model and to the undispatched trace's, and the model left exactly as
+accelerate set it up (hooks restored, weights back on meta), also when the forward raises.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate import cpu_offload, disk_offload, dispatch_model
+
+import _models
+import torchlens as tl
+
+IDS = _models.token_ids(length=6)
+
+
+def _dispatch(model, how, tmp_path):
+    cpu = torch.device("cpu")
+    if how == "cpu_offload":
+        return cpu_offload(model, execution_device=cpu)
+    if how == "disk_offload":
+        return disk_offload(model, str(tmp_path / "offload"), execution_device=cpu)
+    # device_map: the embeddings and the first block in memory, the rest offloaded to disk.
+    return dispatch_model(model, device_map=DEVICE_MAPS[type(model).__name__], offload_dir=str(tmp_path / "offload"))
+
+
+DEVICE_MAPS = {
+    "GPT2LMHeadModel": {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.drop": "cpu",
+                        "transformer.h.0": "cpu", "transformer.h.1": "disk", "transformer.ln_f": "disk",
+                        "lm_head": "cpu"},  # tied to wte: on the same device
+    "LlamaForCausalLM": {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+                         "model.layers.1": "disk", "model.norm": "disk", "lm_head": "disk"},
+}
+
+
+def _hooks(model, addresses):
+    seen, handles = {}, []
+    mods = dict(model.named_modules())
+    for a in addresses:
+        def hook(m, args, out, a=a):
+            seen[a] = (out[0] if isinstance(out, tuple) else out).detach().clone()
+        handles.append(mods[a].register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(IDS)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("how", ["cpu_offload", "disk_offload", "device_map"])
+def test_dispatched_model_traces_like_the_undispatched_one(tmp_path, family, how):
+    plain = _models.build(family, "sdpa")
+    reference = tl.trace(plain, IDS)
+    model = _dispatch(_models.build(family, "sdpa"), how, tmp_path)
+    assert any(p.is_meta for p in model.parameters())  # weights really are offloaded
+    hooks_before = {a: m._hf_hook for a, m in model.named_modules() if hasattr(m, "_hf_hook")}
+    t = tl.trace(model, IDS)
+    # Same ops, same data flow: weights appear as parameter names, not as the hooks' moves.
+    assert [(o.name, o.module, o.inputs, o.shapes) for o in t.ops] == \
+           [(o.name, o.module, o.inputs, o.shapes) for o in reference.ops]
+    # Values: forward hooks on the undispatched model, then every facet of the undispatched trace.
+    addresses = t.blocks + t.by_role("attention") + t.by_role("mlp")
+    seen = _hooks(plain, addresses)
+    for a in addresses:
+        facet = "resid_post" if a in t.blocks else "output"
+        torch.testing.assert_close(t.modules[a].facets[facet], seen[a], rtol=0, atol=0)
+    for address, rec in reference.modules.items():
+        for call, other in zip(rec.calls, t.modules[address].calls, strict=True):
+            assert set(call.facets.sites) == set(other.facets.sites), address
+            for name, site in call.facets.sites.items():
+                got = other.facets.sites[name]
+                assert (got.kind, tuple(got.shape)) == (site.kind, tuple(site.shape)), (address, name)
+                if site.tensor is not None:
+                    assert got.tensor is not None and not got.tensor.is_meta, (address, name)
+                    torch.testing.assert_close(got.tensor, site.tensor, rtol=1e-6, atol=1e-6)
+    # The model is left as accelerate set it up.
+    assert {a: m._hf_hook for a, m in model.named_modules() if hasattr(m, "_hf_hook")} == hooks_before
+    assert any(p.is_meta for p in model.parameters())
+    torch.testing.assert_close(model(IDS).logits, plain(IDS).logits, rtol=0, atol=0)
+
+
+def test_hooks_are_restored_when_a_dispatched_forward_raises(tmp_path):
+    model = cpu_offload(_models.build("gpt2", "sdpa"), execution_device=torch.device("cpu"))
+    hooks_before = {a: m._hf_hook for a, m in model.named_modules() if hasattr(m, "_hf_hook")}
+    with pytest.raises(IndexError):
+        tl.trace(model, IDS + _models.VOCAB)  # token ids outside the embedding
+    assert {a: m._hf_hook for a, m in model.named_modules() if hasattr(m, "_hf_hook")} == hooks_before
+    t = tl.trace(model, IDS)
+    assert len(t.blocks) == 2
