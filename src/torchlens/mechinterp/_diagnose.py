@@ -97,14 +97,45 @@ def _fmt(x: float) -> str:
 @dataclass
 class _Entry:
     tensor: Tensor
-    norm: float
-    mean: float
     module: str | None
     facet: str | None
     op: int | None  # op whose output this is (facets: the site's op, when real)
     slot: int
     kind: str  # "facet" | "op"
     order: int  # position in the forward (for ties)
+    row: int = -1  # row in its shape group's matrix
+    group: _Group | None = None
+
+    @property
+    def norm(self) -> float:
+        return float(self.group.norms[self.row])
+
+    @property
+    def mean(self) -> float:
+        return float(self.group.means[self.row])
+
+
+class _Group:
+    """The tensors of one shape, flattened into the rows of one float32 matrix (built on first use).
+
+    One matrix-vector product then gives every member's dot product with the engine's tensor,
+    hence its distance and its least-squares scale; norms and means come from the same matrix.
+    """
+
+    def __init__(self, entries: list[_Entry]):
+        self.entries = entries
+        with torch.no_grad():
+            self.matrix = torch.stack([e.tensor.reshape(-1).float() for e in entries])
+            self.norms = torch.linalg.vector_norm(self.matrix, dim=1, dtype=torch.float64)
+            self.means = self.matrix.mean(dim=1, dtype=torch.float64)
+        self._gram: Tensor | None = None
+        for i, e in enumerate(entries):
+            e.row, e.group = i, self
+
+    def gram(self) -> Tensor:
+        if self._gram is None:
+            self._gram = (self.matrix @ self.matrix.T).double()
+        return self._gram
 
 
 class _Pool:
@@ -115,6 +146,7 @@ class _Pool:
         self.by_op: dict[int, list[_Entry]] = {}
         self.site: dict[tuple[str, str], _Entry] = {}
         self.names: dict[str, tuple[dict, dict]] = {}
+        self.groups: dict[tuple[int, ...], _Group] = {}
         seen: set[tuple[int, tuple]] = set()
         for rec in trace.modules.values():
             for call in rec.calls[:1]:
@@ -136,16 +168,18 @@ class _Pool:
                 self._add(t, op.module, None, op.index, slot, "op", op.index)
 
     def _add(self, t, module, facet, op, slot, kind, order) -> _Entry:
-        t = t.detach()
-        with torch.no_grad():
-            norm = float(torch.linalg.vector_norm(t, dtype=torch.float64))
-            mean = float(t.mean(dtype=torch.float64))
-        e = _Entry(t, norm, mean, module, facet, op, slot, kind, order)
+        e = _Entry(t.detach(), module, facet, op, slot, kind, order)
         self.entries.append(e)
         self.by_shape.setdefault(tuple(t.shape), []).append(e)
         if op is not None:
             self.by_op.setdefault(op, []).append(e)
         return e
+
+    def group(self, shape: tuple[int, ...]) -> _Group:
+        g = self.groups.get(shape)
+        if g is None:
+            g = self.groups[shape] = _Group(self.by_shape[shape])
+        return g
 
 
 _POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -242,6 +276,21 @@ def _apply(t: Tensor, steps: list) -> Tensor:
         elif s[0] == "flat":
             t = t.flatten(-2)
     return t
+
+
+def _inverse(e: Tensor, c_shape: tuple[int, ...], steps: list) -> Tensor:
+    """`e` brought back to the layout of a `c_shape` tensor, undoing `steps` (reshapes and transposes)."""
+    shapes = [c_shape]
+    t = torch.empty(c_shape, device="meta")
+    for st in steps:
+        t = _apply(t, [st])
+        shapes.append(tuple(t.shape))
+    for st, before in zip(reversed(steps), reversed(shapes[:-1])):
+        if st[0] == "swap":
+            e = e.transpose(1, 2)
+        else:
+            e = e.reshape(before)
+    return e.contiguous()
 
 
 def _norm_factor(steps: list) -> float:
@@ -420,11 +469,13 @@ def _label(pool: _Pool, e: _Entry, generation: str | None) -> str:
 def _rel(engine: Tensor, other: Tensor, norm_e: float, vis: Tensor | None = None) -> tuple[float, float]:
     if vis is not None:
         engine, other = engine[vis], other[vis]
-    d = (engine - other.float()).nan_to_num(nan=float("inf"))
+    d = engine - other.float()
     if d.numel() == 0:
         return 0.0, 0.0
-    ad = d.abs()
-    return float(torch.linalg.vector_norm(d, dtype=torch.float64)) / max(norm_e, 1e-30), float(ad.max())
+    norm = float(torch.linalg.vector_norm(d))
+    if math.isnan(norm):
+        return float("inf"), float("inf")
+    return norm / max(norm_e, 1e-30), float(d.abs().max())
 
 
 def _within(engine: Tensor, other: Tensor, atol: float, rtol: float, vis: Tensor | None = None) -> bool:
@@ -486,20 +537,32 @@ def diagnose(
     found: list[_Found] = []
     shape = tuple(e.shape)
 
-    # 1. Every tensor whose shape reaches the engine's shape: norm/mean bounds, then exact diffs.
+    # 1. Every tensor whose shape reaches the engine's shape. Members of a shape group whose
+    # conversion keeps the element order (batch axis dropped, heads flattened) are screened all
+    # at once: one matrix-vector product gives each one's distance and least-squares scale. The
+    # rest (transposes, repeated kv heads) are screened by norm and mean bounds.
     scaled_pending: list[tuple[_Entry, str, bool, list]] = []
     layouts: dict[tuple, list] = {}
+    flat_e = e.reshape(-1)
     for c_shape, entries in pool.by_shape.items():
-        if math.prod(c_shape) > n or n % max(math.prod(c_shape), 1):
+        size = math.prod(c_shape)
+        if size > n or n % max(size, 1):
             continue  # no conversion changes the size except repeating kv heads (which grows it)
+        group = pool.group(c_shape)
+        batches: dict[tuple, list[tuple[_Entry, str, bool, list]]] = {}
         for c in entries:
             key = (c_shape, c.facet if c.facet in _PER_HEAD | _HEAD_MAJOR else None)
             if key not in layouts:
                 layouts[key] = list(_layouts(c_shape, shape, key[1]))
             for label, accepted, steps in layouts[key]:
-                _consider(c, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found, scaled_pending, vis)
+                if vis is None and size == n:  # a reshape or transpose: E can be brought to C's layout
+                    batches.setdefault(tuple(tuple(st) for st in steps), []).append((c, label, accepted, steps))
+                else:
+                    _consider(c, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found, scaled_pending, vis)
+        for steps, ordered in batches.items():
+            _screen(group, ordered, e, _inverse(e, c_shape, list(steps)).reshape(-1), norm_e, atol, rtol, found)
 
-    # 2. Scalar multiples of the tensors that did not match as they are.
+    # 2. Scalar multiples of the tensors screened by bounds that did not match as they are.
     if vis is None and not any(f.matches for f in found):
         for c, label, accepted, steps in scaled_pending:
             _scaled(c, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found)
@@ -541,7 +604,9 @@ def diagnose(
         if "{site}" in f.relation:
             f.relation = f.relation.replace("{site}", _label(pool, expected, generation))
         f.rank = _rank(f, named)
-    found.sort(key=lambda f: (not f.matches, f.rank, f.error, f.entry.order if f.entry else -1))
+    # Matches by how much the relation says, then by error; the rest by error alone.
+    found.sort(key=lambda f: (not f.matches, f.rank if f.matches else (0, 0), f.error, f.rank,
+                              f.entry.order if f.entry else -1))
     cands: list[Candidate] = []
     seen: set = set()
     for f in found:
@@ -585,10 +650,37 @@ def _rank(f: _Found, named: dict) -> tuple[int, int]:
     return quality, naming
 
 
+def _screen(group: _Group, ordered, e, flat_e, norm_e, atol, rtol, found):
+    """Exact checks for the members of one shape group that the dot products leave in the running."""
+    dots = (group.matrix @ flat_e).double()
+    norms = group.norms
+    dist = (norm_e ** 2 + norms ** 2 - 2 * dots).clamp(min=0).sqrt() / max(norm_e, 1e-30)
+    cos = dots / (norms * norm_e).clamp(min=1e-30)
+    sin = (1 - cos ** 2).clamp(min=0).sqrt()
+    factor = dots / (norms ** 2).clamp(min=1e-30)
+    rows = torch.tensor([c.row for c, *_ in ordered])
+    d_rows, s_rows = dist[rows], sin[rows]
+    near = set(torch.argsort(d_rows)[:KEEP].tolist())  # the nearest few are listed even without a match
+    any_exact = bool((d_rows < 1e-2).any())
+    for i, (c, label, accepted, steps) in enumerate(ordered):
+        d = float(d_rows[i])
+        if d < 0.05 or i in near:
+            v = _apply(c.tensor, steps)
+            err, mx = _rel(e, v, norm_e)
+            found.append(_Found(c, label, accepted, steps, err, mx, err < 0.1 and _within(e, v, atol, rtol)))
+        a = float(factor[rows[i]])
+        if not any_exact and float(s_rows[i]) < 2 * NEAR and abs(a - 1) > 1e-3 and 1e-12 < abs(a) < 1e12:
+            v = a * _apply(c.tensor, steps).float()
+            err, mx = _rel(e, v, norm_e)
+            found.append(_Found(c, label, accepted, steps, err, mx, _within(e, v, atol, rtol), factor=a))
+
+
 def _consider(c: _Entry, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found, scaled_pending, vis=None):
     norm_c = c.norm * _norm_factor(steps)
     n = e.numel()
     lb = max(abs(norm_e - norm_c), abs(mean_e - c.mean) * math.sqrt(n)) / max(norm_e, 1e-30)
+    if not math.isfinite(lb) and vis is None:
+        return  # a tensor with infinite entries (masked scores) is no match for a finite one
     if vis is not None:
         lb = 0.0  # the statistics cover masked entries too: no bound
     elif lb > _PRUNE:
@@ -596,7 +688,7 @@ def _consider(c: _Entry, label, accepted, steps, e, norm_e, mean_e, atol, rtol, 
         return
     v = _apply(c.tensor, steps)
     err, mx = _rel(e, v, norm_e, vis)
-    ok = _within(e, v, atol, rtol, vis)
+    ok = err < 0.1 and _within(e, v, atol, rtol, vis)
     found.append(_Found(c, label, accepted, steps, err, mx, ok))
     if not ok and err > 1e-3:
         scaled_pending.append((c, label, accepted, steps))
@@ -605,7 +697,7 @@ def _consider(c: _Entry, label, accepted, steps, e, norm_e, mean_e, atol, rtol, 
 def _scaled(c: _Entry, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found):
     """`E ≈ a × C` with the least-squares `a`; pruned by the normalized means (sin θ ≥ |Δ mean|·√(n/2))."""
     norm_c = c.norm * _norm_factor(steps)
-    if norm_c == 0 or norm_e == 0:
+    if norm_c == 0 or norm_e == 0 or not math.isfinite(norm_c):
         return
     n = e.numel()
     mu, mv = mean_e / norm_e, c.mean / norm_c
@@ -699,41 +791,44 @@ def _tuple_elements(expected: _Entry, alternatives, shape, engine, norm_e, atol,
 
 
 def _sums(pool: _Pool, e, norm_e, mean_e, atol, rtol, found, shape):
-    """`E ≈ A + B` for two facets A, B of the engine's shape (as is or batch dropped)."""
-    facets: list[tuple[_Entry, Tensor, float]] = []
-    n = e.numel()
-    for c_shape, entries in pool.by_shape.items():
-        for label, accepted, steps in _layouts(c_shape, shape, None):
-            if not accepted or any(s[0] == "flat" for s in steps):
-                continue
-            for c in entries:
-                if c.kind != "facet":
-                    continue
-                v = _apply(c.tensor, steps).float()
-                dot = float(torch.dot(e.reshape(-1), v.reshape(-1)))
-                facets.append((c, v, dot))
-    if len(facets) > 600:
-        facets = facets[:600]
+    """`E ≈ A + B` for two facets A, B of the engine's shape (as is or batch dropped).
+
+    The distance of every pair follows from the dot products with E and the group's Gram
+    matrix, `‖E − A − B‖² = ‖E‖² + ‖A‖² + ‖B‖² − 2⟨E,A⟩ − 2⟨E,B⟩ + 2⟨A,B⟩`; only the best pair
+    is checked element-wise.
+    """
+    flat_e = e.reshape(-1)
     best = None
-    for i, (a, va, da) in enumerate(facets):
-        r2 = norm_e * norm_e + a.norm * a.norm - 2 * da
-        ra = math.sqrt(max(r2, 0.0))
-        if ra < 1e-3 * norm_e:
+    for c_shape, entries in pool.by_shape.items():
+        if math.prod(c_shape) != e.numel() or not any(
+                accepted and not any(st[0] == "flat" for st in steps)
+                for _, accepted, steps in _layouts(c_shape, shape, None)):
             continue
-        rmean = mean_e - a.mean
-        for b, vb, db in facets[i + 1:]:
-            if b.op is not None and b.op == a.op:
-                continue
-            lb = max(abs(ra - b.norm), abs(rmean - b.mean) * math.sqrt(n)) / norm_e
-            if lb > NEAR:
-                continue
-            s = va.float() + vb.float()
-            err, mx = _rel(e, s, norm_e)
-            if best is None or err < best[0]:
-                best = (err, mx, a, b, _within(e, s, atol, rtol))
-    if best is not None and best[0] < NEAR:
-        err, mx, a, b, ok = best
-        found.append(_Found(a, "as is", True, [], err, mx, ok, other=b))
+        group = pool.group(c_shape)
+        rows = [c.row for c in entries if c.kind == "facet"]
+        if len(rows) < 2:
+            continue
+        idx = torch.tensor(rows)
+        d = (group.matrix[idx] @ flat_e).double()
+        nn2 = group.norms[idx] ** 2
+        g = group.gram()[idx][:, idx]
+        r2 = norm_e ** 2 + nn2[:, None] + nn2[None, :] - 2 * d[:, None] - 2 * d[None, :] + 2 * g
+        ops = [group.entries[r].op for r in rows]
+        same = torch.tensor([[a is not None and a == b for b in ops] for a in ops])
+        r2 = r2.masked_fill(same | torch.eye(len(rows), dtype=torch.bool), float("inf"))
+        k = int(torch.argmin(r2))
+        i, j = divmod(k, len(rows))
+        rel = math.sqrt(max(float(r2[i, j]), 0.0)) / max(norm_e, 1e-30)
+        if rel < NEAR and (best is None or rel < best[0]):
+            best = (rel, group.entries[rows[i]], group.entries[rows[j]])
+    if best is not None:
+        _, a, b = best
+        if a.order > b.order:
+            a, b = b, a
+        s_ = a.tensor.reshape(e.shape).float() + b.tensor.reshape(e.shape).float()
+        err, mx = _rel(e, s_, norm_e)
+        if err < NEAR:
+            found.append(_Found(a, "as is", True, [], err, mx, _within(e, s_, atol, rtol), other=b))
 
 
 def _scalar_path(pool: _Pool, expected: _Entry, cand: _Entry) -> float | None:
