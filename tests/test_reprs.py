@@ -287,3 +287,11 @@ def test_a_module_without_a_role_is_not_called_the_other_module(trace):
         trace.modules["transformer.drop"].facets["resid_post"]
     assert trace.modules["transformer.drop"].role == "other"
     assert str(error.value).startswith("the module 'transformer.drop' has no facet"), str(error.value)
+
+
+def test_facets_are_listed_in_forward_order(trace):
+    assert list(trace.modules["transformer.h.0"].facets.sites) == ["input", "resid_pre", "resid_mid", "resid_post", "output"]
+    mlp = list(trace.modules["transformer.h.0.mlp"].facets.sites)
+    assert mlp == ["input", "pre", "act", "post", "down_out", "output"]
+    row = next(line for line in trace.summary().splitlines() if line.startswith("transformer.h.1 "))
+    assert row.index("resid_pre") < row.index("resid_mid") < row.index("resid_post") < row.index("output")

@@ -129,6 +129,21 @@ class FacetSite:
         return f"FacetSite({self.name}: {list(self.shape)} {dtype}, {how}, {'saved' if self.saved else 'not saved'})"
 
 
+def _forward_order(names) -> list[str]:
+    """Facet names in forward order: `input`, then the order `FACETS` lists them in (the order
+    a forward computes them: `resid_pre`, `resid_mid`, `resid_post`; `q`, `k`, `v`, ...), then
+    names `FACETS` does not list, then `output`."""
+    from .facets import FACETS
+
+    rank: dict[str, int] = {}
+    for facets in FACETS.values():
+        for name in facets:
+            rank.setdefault(name, len(rank))
+    last = len(rank)
+    rank.update(input=-1, output=last + 1)
+    return sorted(names, key=lambda name: rank.get(name, last))
+
+
 class FacetMap(Mapping):
     """The facets of one module call: a read-only mapping from facet name to tensor.
 
@@ -144,7 +159,8 @@ class FacetMap(Mapping):
         #: facet name -> why it is not served: its check against a relation the model fixes failed
         #: or could not run (sites of kind "refused" are kept here, not in `sites`).
         self.refused = {n: s.note for n, s in sites.items() if s.kind == "refused"}
-        self.sites = {n: s for n, s in sites.items() if s.kind != "refused"} if self.refused else sites
+        served = {n: s for n, s in sites.items() if s.kind != "refused"} if self.refused else sites
+        self.sites = {n: served[n] for n in _forward_order(served)}
         self.ran = ran  # False for the empty map of a module that did not run in the forward
 
     def _not_found(self, name: Any) -> FacetNotFound:
