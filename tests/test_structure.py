@@ -313,3 +313,33 @@ def test_falcon_multi_query_heads_are_split_from_the_fused_projection():
     for name in ("rot_q", "rot_k"):
         assert tuple(f.sites[name].shape) == tuple(f[name].shape)
     assert f.sites["rot_q"].shape[2] == 4 and f.sites["rot_k"].shape[2] == 1
+
+
+def test_hooked_encoder_names_resolve_on_bert():
+    """TL 2.x names on an encoder-only trace read HookedEncoder's (post-LN) sites, checked against hooks."""
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=24,
+                        vocab_size=V, max_position_embeddings=8)
+    model = tf.BertForMaskedLM(cfg).eval()
+    layer = model.bert.encoder.layer[1]
+    outs = {"attn_out": layer.attention.output.dense, "pre": layer.intermediate.dense, "mlp_out": layer.output.dense,
+            "ln1": layer.attention.output.LayerNorm, "ln2": layer.output.LayerNorm, "block": layer}
+    ins = {"resid_mid": layer.attention.output.LayerNorm, "resid_post": layer.output.LayerNorm,
+           "post": layer.output.dense}
+    seen, handles = _hook_outputs(outs)
+    handles += [m.register_forward_pre_hook(lambda mod, a, n=n: seen.setdefault(n, []).append(a[0].detach().clone()))
+                for n, m in ins.items()]
+    try:
+        t = tl.trace(model, torch.tensor([[1, 2, 3, 4]]))
+    finally:
+        for h in handles:
+            h.remove()
+    expect = {"hook_attn_out": "attn_out", "mlp.hook_pre": "pre", "hook_mlp_out": "mlp_out",
+              "ln1.hook_normalized": "ln1", "ln2.hook_normalized": "ln2", "hook_normalized_resid_post": "block",
+              "hook_resid_mid": "resid_mid", "hook_resid_post": "resid_post", "mlp.hook_post": "post"}
+    for name, key in expect.items():
+        r = mi.resolve_alias(t, f"blocks.1.{name}", "2.x")
+        assert r.status == "real", r
+        torch.testing.assert_close(r.tensor(t), seen[key][0], rtol=0, atol=0)
+    assert mi.resolve_alias(t, "blocks.0.hook_resid_pre", "2.x").status == "real"
+    assert mi.alias_report(t, "2.x").counts() == {"real": 32, "reconstructed_read_only": 8}

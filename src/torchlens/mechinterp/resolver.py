@@ -242,6 +242,19 @@ def _layer_value(text: str, table: Table, query: str, trace: Trace) -> int:
     return value
 
 
+def _for_trace(table: Table, trace: Trace) -> Table:
+    """The table to read on `trace`: a kind-specific one of `table.by_kind`, else `table` itself."""
+    kind = trace.structure.kind if trace.structure is not None else None
+    return dict(table.by_kind).get(kind, table)
+
+
+def _patterns(table: Table) -> list[tuple[re.Pattern, Row]]:
+    if GENERATIONS.get(table.generation) is table:
+        return _compiled(table.generation)
+    return [(re.compile("^" + _LAYER.join(re.escape(p) for p in row.name.split("{L}")) + "$"), row)
+            for row in table.rows]
+
+
 def _n_layers(trace: Trace) -> int:
     """How many layers a per-layer name can index: the language-model stack's, or, with several stacks
     and none feeding a language-model head, the longest (such names then resolve `ambiguous`)."""
@@ -254,7 +267,8 @@ def _n_layers(trace: Trace) -> int:
 def _matches(query: str, tables: list[Table], trace: Trace) -> list[tuple[Table, Row, int | None]]:
     found = []
     for table in tables:
-        for rx, row in _compiled(table.generation):
+        table = _for_trace(table, trace)
+        for rx, row in _patterns(table):
             m = rx.match(query)
             if m:
                 layer = _layer_value(m.group(1), table, query, trace) if row.per_layer else None
@@ -536,7 +550,7 @@ def alias_report(trace: Trace, generation: str = "2.x") -> AliasReport:
         An `AliasReport` (a list of [`AliasResolution`][torchlens.mechinterp.AliasResolution])
         that prints as a table.
     """
-    table_ = _tables(generation)[0]
+    table_ = _for_trace(_tables(generation)[0], trace)
     rows = AliasReport()
     for row in table_.rows:
         if not row.in_report:

@@ -28,12 +28,13 @@ def _kids(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
 
 
 def _below(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
+    """Every call made inside `call`, in the order they started."""
     out, todo = [], list(_kids(trace, call))
     while todo:
         c = todo.pop(0)
         out.append(c)
         todo.extend(_kids(trace, c))
-    return out
+    return sorted(out, key=lambda c: c.first_op)
 
 
 def _sublayer(trace: Trace, layer: int, which: str) -> ModuleCall | None:
@@ -141,6 +142,61 @@ def _or_raw(norm_target: str, which: str) -> Callable[[Trace, int], ModuleCall |
     return find
 
 
+# -- post-LN encoder blocks (BERT): norms after the residual adds, an MLP split over two modules --
+
+
+def _weighted_below(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
+    return [c for c in _below(trace, call) if c.class_name in WEIGHT_LAYOUT and not _below(trace, c)]
+
+
+def _post_ln(trace: Trace, layer: int, which: int) -> ModuleCall | None:
+    """A post-LN block's norms, outside its attention: `0` after the attention, `-1` the last.
+
+    Only for a block whose output is its last norm's output (post-LN), and only when there are
+    exactly two such norms, so a pre-LN block never gets them.
+    """
+    lay = _layer(trace, layer)
+    attn = lay.attention
+    if attn is None:
+        return None
+    inside = {id(c) for c in _below(trace, attn)} | {id(attn)}
+    norms = [c for c in _below(trace, lay.call) if c.role == "norm" and id(c) not in inside and c.first_op > attn.end_op]
+    if len(norms) != 2 or type(norms[-1]._out_ref) is not Ref or norms[-1]._out_ref != lay.call._out_ref:
+        return None
+    return norms[which]
+
+
+def _split_mlp(trace: Trace, layer: int, which: int) -> ModuleCall | None:
+    """The two weighted layers of an MLP held by no module of its own, between a post-LN block's two norms."""
+    ln1, ln2 = _post_ln(trace, layer, 0), _post_ln(trace, layer, -1)
+    if ln1 is None or ln2 is None or _layer(trace, layer).mlp is not None:
+        return None
+    lins = [c for c in _weighted_below(trace, _layer(trace, layer).call) if ln1.end_op <= c.first_op < ln2.first_op]
+    return lins[which] if len(lins) == 2 else None
+
+
+def _attn_out_proj(trace: Trace, layer: int) -> ModuleCall | None:
+    """The output projection that reads the attention's output, when it sits outside the attention (BERT)."""
+    lay = _layer(trace, layer)
+    attn = lay.attention
+    if attn is None or type(attn._out_ref) is not Ref:
+        return None
+    return next((c for c in _weighted_below(trace, lay.call) if c._in_ref == attn._out_ref), None)
+
+
+def _post_ln_block(trace: Trace, layer: int) -> ModuleCall | None:
+    return _layer(trace, layer).call if _post_ln(trace, layer, -1) is not None else None
+
+
+def _type_embed(trace: Trace) -> ModuleCall | None:
+    """The one embedding outside the layers that is neither the token nor the position embedding."""
+    token, pos = _token_embed(trace), _pos_embed(trace)
+    if pos is None:
+        return None
+    others = [c for c in _outside_layers(trace, "embedding") if c is not token and c is not pos]
+    return others[0] if len(others) == 1 else None
+
+
 def _root(trace: Trace, layer: int) -> ModuleCall | None:
     return trace.modules[""].calls[0] if trace.modules[""].calls else None
 
@@ -174,6 +230,18 @@ TARGETS: dict[str, tuple[Callable, bool, str]] = {
     "final_norm": (lambda t, i: t.structure.final_norm, False,
                    "no norm runs between the last block and the unembedding"),
     "unembed": (lambda t, i: t.structure.unembed, False, "the model has no unembedding (lm_head) module"),
+    "post_ln1": (lambda t, i: _post_ln(t, i, 0), True,
+                 "the block is not post-LN (no norm after the attention's residual add)"),
+    "post_ln2": (lambda t, i: _post_ln(t, i, -1), True,
+                 "the block is not post-LN (its output is not a norm's output)"),
+    "post_ln_block": (_post_ln_block, True, "the block is not post-LN (its output is not a norm's output)"),
+    "attn_out_proj": (_attn_out_proj, True, "no output projection reads the attention's output outside it"),
+    "split_mlp_in": (lambda t, i: _split_mlp(t, i, 0), True,
+                     "no MLP split over two modules between the block's two norms"),
+    "split_mlp_out": (lambda t, i: _split_mlp(t, i, -1), True,
+                      "no MLP split over two modules between the block's two norms"),
+    "type_embed": (lambda t, i: _type_embed(t), False, "no token-type embedding module ran"),
+    "first_block": (lambda t, i: _layer(t, 0).call if t.structure.layers else None, False, "no block ran"),
     "root": (_root, False, ""),
 }
 

@@ -67,6 +67,9 @@ class Table:
         negative_layers: the library indexes layers like a Python list (`[-1]` is the last).
         decoder_only: the library serves decoder-only language models only; on any other kind of
             model every name of the table is reported `structurally_absent`, saying so.
+        by_kind: (model kind, table) pairs: on a trace of that kind (`trace.structure.kind`) the
+            resolver reads that table instead (TransformerLens 2.x names BERT's sites with
+            `HookedEncoder`'s rows).
     """
 
     generation: str
@@ -76,3 +79,4 @@ class Table:
     unmapped: dict[str, str] | None = None
     negative_layers: bool = False
     decoder_only: bool = False
+    by_kind: tuple[tuple[str, Table], ...] = ()

@@ -1,6 +1,6 @@
 """TransformerLens 2.x `HookedTransformer` hook names (checked against 2.18)."""
 
-from . import Row, Table
+from . import Row, Table, tl2_encoder
 
 _HEADS_OF_RESID = (
     "a per-head copy of the pre-norm residual; TorchLens keeps resid_pre once: read "
@@ -74,4 +74,5 @@ ROWS = (
     Row("ln_final.hook_normalized", "final_norm", "normalized", "final norm output before the gain", _UNFOLDED_LN),
 )
 
-TABLE = Table("2.x", "TransformerLens 2.x HookedTransformer hook names", ROWS)
+TABLE = Table("2.x", "TransformerLens 2.x HookedTransformer hook names", ROWS,
+              by_kind=(("encoder-only", tl2_encoder.TABLE),))
