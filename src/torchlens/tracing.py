@@ -111,9 +111,10 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
     # Inside an outer trace, deriving the facets is not part of the forward; an accelerate-dispatched
     # model's modules hold the weights the forward used (not meta placeholders) while it runs.
     with rec.hidden(), dispatch.weights():
-        overwritten = rec.check_versions()  # before the snapshot replaces written aliases by copies
-        rec.snapshot(model, (args, kwargs, output))
-        return apply_store(_assemble(rec, model, names, aliases, roles, spec, output, overwritten), store_to)
+        overwritten = rec.check_versions()
+        result = _assemble(rec, model, names, aliases, roles, spec, output, overwritten)
+        rec.snapshot(model, (args, kwargs, output))  # after assembly: only what the trace keeps is copied
+        return apply_store(result, store_to)
 
 
 def _annotate(exc: BaseException, rec: Recorder) -> None:
