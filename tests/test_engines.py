@@ -240,6 +240,16 @@ def test_a_missing_engine_skips_locally_and_fails_under_ci(monkeypatch):
         require("absent-engine")
 
 
+def test_a_missing_engine_environment_skips_locally_and_fails_under_ci(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHLENS_ENGINE_ENVS", str(tmp_path))  # no environment is built there
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true: every engine environment must be built"):
+        require("vllm")
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="not built"):
+        require("vllm")
+
+
 # -- conventions compare reports (no engine needed) --------------------------------------------
 
 
