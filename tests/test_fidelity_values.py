@@ -572,7 +572,7 @@ def test_z_is_refused_where_dropout_ran_between_pattern_and_v():
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-_EDITS = ["none", "setitem", "view", "out", "hook", "input_write"]
+_EDITS = ["none", "setitem", "view", "out", "hook", "input_write", "replace", "pre_edit"]
 
 
 def _zero_first_column(module, args, out):
@@ -588,6 +588,10 @@ class _Layer(nn.Module):
         self.edit = edit
         if edit == "hook":
             self.register_forward_hook(_zero_first_column)
+        elif edit == "replace":  # a hook that returns a new output: the caller receives that
+            self.register_forward_hook(lambda m, a, out: out * 0.5 + 1)
+        elif edit == "pre_edit":  # a pre-hook that edits the input in place before the module runs
+            self.register_forward_pre_hook(lambda m, args: args[0].__setitem__((slice(None), 2), 7.0))
 
     def forward(self, x):
         if self.edit == "input_write":
