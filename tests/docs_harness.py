@@ -1153,6 +1153,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(SessionResults(config, settings), "docs_harness_results")
 
 
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """End the page's engine interpreters after its last block (a vLLM engine holds its KV cache)."""
+    if isinstance(item, DocExampleItem) and (nextitem is None or nextitem.parent is not item.parent):
+        item.config.stash[_WORKERS].close_all()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_collect_file(file_path: pathlib.Path, parent: pytest.Collector):
     """Use :class:`DocPage` for ``.md`` files and drop docstring collection of ``.py`` files."""

@@ -828,3 +828,37 @@ def test_every_engine_environment_has_a_pinned_file():
         assert re.search(r"^torch==\S+$", pins, re.M), f"envs/{environment}.txt pins no torch"
         requirements = [l for l in pins.splitlines() if l.strip() and not l.startswith("#")]
         assert all(re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==\S+", l) for l in requirements), environment
+
+
+def test_engine_interpreters_end_after_the_last_block_of_their_page(docs, pytester, fake_env):
+    docs(
+        """
+        '''python
+        # migration-test: tool=fake-engine expected=True
+        import os
+        with open("engine-pid", "w") as f:
+            f.write(str(os.getpid()))
+        RESULT = True
+        '''
+        """
+    )
+    docs(
+        """
+        '''python
+        # migration-test: tool=torchlens expected=True
+        import os, pathlib, time
+        pid = int(pathlib.Path("engine-pid").read_text())
+        for _ in range(100):  # the interpreter of page.md's block has ended before this page runs
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the engine interpreter is still running")
+        RESULT = True
+        '''
+        """,
+        name="rest.md",
+    )
+    pytester.runpytest("docs/page.md", "docs/rest.md").assert_outcomes(passed=2)
