@@ -218,6 +218,41 @@ def render_examples(markdown: str, outputs: list[dict], show_headers: bool = Fal
     return "\n".join(out)
 
 
+# -- names with a layer placeholder in prose --------------------------------------------------
+
+#: A dotted name with a placeholder such as `{L}` or `{i}` ("blocks.{L}.hook_in"). Browsers may
+#: break a line between "." and "{", so in prose such a name is set as code, which never breaks.
+_PLACEHOLDER_NAME = re.compile(r"(?<![\w`{}.\[\]*/])([A-Za-z_][\w*]*(?:\[\{[A-Za-z]\}\]|\.\{[A-Za-z]\}|\.[\w*]+)*"
+                               r"(?:\.\{[A-Za-z]\}|\[\{[A-Za-z]\}\])[\w.*\[\]{}]*?)(?=[,;:)]?(?:\s|$)|\.(?:\s|$))")
+_CODE_OR_TAG = re.compile(r"(`+)[^`]*?\1|<[^>]*>|\]\([^)]*\)")
+
+
+def code_placeholder_names(markdown: str) -> str:
+    """Set dotted names with a `{L}`-style placeholder as inline code, outside code and HTML."""
+    lines = markdown.split("\n")
+    fence = None
+    for index, line in enumerate(lines):
+        match = _ANY_FENCE.match(line)
+        if fence is None and match and not (match["fence"][0] == "`" and "`" in match["info"]):
+            fence = match["fence"]
+            continue
+        if fence is not None:
+            stripped = line.strip()
+            if len(stripped) >= len(fence) and set(stripped) == {fence[0]}:
+                fence = None
+            continue
+        if "{" not in line or line.lstrip().startswith("<"):
+            continue
+        out, done = [], 0
+        for code in _CODE_OR_TAG.finditer(line):
+            out.append(_PLACEHOLDER_NAME.sub(r"`\1`", line[done:code.start()]))
+            out.append(code.group(0))
+            done = code.end()
+        out.append(_PLACEHOLDER_NAME.sub(r"`\1`", line[done:]))
+        lines[index] = "".join(out)
+    return "\n".join(lines)
+
+
 _status: dict = {}
 _outputs: dict = {}
 
@@ -236,6 +271,7 @@ def on_page_markdown(markdown, page, config, files):
     entry = _outputs.get(key)
     blocks = entry.get("blocks", []) if isinstance(entry, dict) else []
     markdown = render_examples(markdown, blocks if isinstance(blocks, list) else [], key in HEADERS_SHOWN)
+    markdown = code_placeholder_names(markdown)
     entry = _status.get(key)
     if not isinstance(entry, dict):
         return markdown

@@ -91,3 +91,14 @@ def test_the_recorder_writes_what_a_block_printed(pytester, monkeypatch):
     blocks = data["pages"]["page.md"]["blocks"]
     assert [(b["line"], b["stdout"], b["outcome"]) for b in blocks] == [(3, "first line\n4\n", "passed")]
     assert blocks[0]["code_sha256"] == _recorder().code_sha256("print('first line')\nprint(2 + 2)")
+
+
+def test_names_with_a_layer_placeholder_are_set_as_code_in_prose(hooks):
+    """Browsers break "blocks.{L}.hook_in" before the brace; as inline code it never breaks."""
+    page = ("read blocks.{L}.hook_in and layers_output[{L}].\n"
+            "| model.layers.{i}.self_attn | `blocks.{L}.x` | [link](a.{L}.b) <b title='c.{L}.d'>e</b> |\n"
+            "```python\nname = 'blocks.{L}.x'\n```\n{L} alone, and a set {1, 2}")
+    assert hooks.code_placeholder_names(page) == (
+        "read `blocks.{L}.hook_in` and `layers_output[{L}]`.\n"
+        "| `model.layers.{i}.self_attn` | `blocks.{L}.x` | [link](a.{L}.b) <b title='c.{L}.d'>e</b> |\n"
+        "```python\nname = 'blocks.{L}.x'\n```\n{L} alone, and a set {1, 2}")
