@@ -71,9 +71,14 @@ class SeqLM(nn.Module):
 
 
 def _hook_outputs(modules):
+    """Plain forward hooks saving each module's output (element 0 of a tuple output)."""
     seen = {}
-    handles = [m.register_forward_hook(lambda mod, a, o, n=n: seen.setdefault(n, []).append(o.detach().clone()))
-               for n, m in modules.items()]
+
+    def save(name, out):
+        out = out[0] if isinstance(out, tuple) else out
+        seen.setdefault(name, []).append(out.detach().clone())
+
+    handles = [m.register_forward_hook(lambda mod, a, o, n=n: save(n, o)) for n, m in modules.items()]
     return seen, handles
 
 
@@ -343,3 +348,34 @@ def test_hooked_encoder_names_resolve_on_bert():
         torch.testing.assert_close(r.tensor(t), seen[key][0], rtol=0, atol=0)
     assert mi.resolve_alias(t, "blocks.0.hook_resid_pre", "2.x").status == "real"
     assert mi.alias_report(t, "2.x").counts() == {"real": 32, "reconstructed_read_only": 8}
+
+
+def test_bridge_names_on_t5_read_each_stack():
+    """TL 4.x names on an encoder-decoder read the T5 adapter's stacks, each numbered from 0, against hooks."""
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(tf.T5Config(num_layers=2, d_model=16, d_ff=24, num_heads=2, d_kv=8,
+                                                      vocab_size=V)).eval()
+    enc, dec = model.encoder, model.decoder
+    outs = {"enc1": enc.block[1], "cross1": dec.block[1].layer[1].EncDecAttention,
+            "ln2": dec.block[0].layer[1].layer_norm, "ln3": dec.block[0].layer[2].layer_norm,
+            "enc_final": enc.final_layer_norm, "mlp1": dec.block[1].layer[2].DenseReluDense,
+            "enc_mlp0": enc.block[0].layer[1].DenseReluDense}
+    seen, handles = _hook_outputs(outs)
+    try:
+        t = tl.trace(model, torch.tensor([[1, 2, 3, 4]]), decoder_input_ids=torch.tensor([[1, 2, 3]]))
+    finally:
+        for h in handles:
+            h.remove()
+    expect = {"encoder_blocks.1.hook_out": "enc1", "decoder_blocks.1.cross_attn.hook_out": "cross1",
+              "decoder_blocks.1.hook_cross_attn_out": "cross1", "decoder_blocks.0.ln2.hook_out": "ln2",
+              "decoder_blocks.0.ln3.hook_out": "ln3", "encoder_ln_final.hook_out": "enc_final",
+              "decoder_blocks.1.hook_mlp_out": "mlp1", "encoder_blocks.0.mlp.hook_out": "enc_mlp0"}
+    for name, key in expect.items():
+        r = mi.resolve_alias(t, name, "4.x")
+        assert r.status == "real", r
+        torch.testing.assert_close(r.tensor(t), seen[key][0], rtol=0, atol=0)
+    pattern = mi.resolve_alias(t, "decoder_blocks.1.cross_attn.hook_pattern", "4.x")
+    assert pattern.shape == (1, 2, 3, 4)  # [batch, heads, decoder positions, encoder positions]
+    assert mi.resolve_alias(t, "pos_embed.hook_out", "4.x").status == "structurally_absent"
+    with pytest.raises(mi.LayerOutOfRange):
+        mi.resolve_alias(t, "encoder_blocks.2.hook_out", "4.x")

@@ -509,7 +509,7 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
     outside = [c for c in calls if id(c) not in in_layer]
     root = calls[0] if calls else None
     struct.token_embed = next(
-        (c for c in outside if isinstance(modules.get(c.address), nn.Embedding) and _from_input(ops, c._in_ref)), None
+        (c for c in outside if isinstance(modules.get(c.address), nn.Embedding) and from_model_input(ops, c._in_ref)), None
     )
     vocab = modules[struct.token_embed.address].num_embeddings if struct.token_embed else None
     named_unembed = [c for c in outside if overrides.get(c.address) == "unembed"]
@@ -582,7 +582,7 @@ def _encoder_named(model: nn.Module, stack: Stack, modules: dict[str, nn.Module]
     )
 
 
-def _from_input(ops: list[OpRecord], ref: Any) -> bool:
+def from_model_input(ops: list[OpRecord], ref: Any) -> bool:
     """Whether `ref` is a model input, possibly reshaped (`input_ids.view(...)`), not computed."""
     for _ in range(8):
         if type(ref) is not Ref:

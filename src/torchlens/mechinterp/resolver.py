@@ -221,8 +221,8 @@ def _compiled(generation: str) -> list[tuple[re.Pattern, Row]]:
     return out
 
 
-def _layer_value(text: str, table: Table, query: str, trace: Trace) -> int:
-    n = _n_layers(trace)
+def _layer_value(text: str, table: Table, query: str, trace: Trace, row: Row | None = None) -> int:
+    n = _n_layers(trace, row)
     canonical = _canonical_index(text)
     if text != canonical:
         raise MalformedAlias(f"{query!r}: write the layer as {canonical} (ASCII digits, no leading zeros).")
@@ -255,10 +255,14 @@ def _patterns(table: Table) -> list[tuple[re.Pattern, Row]]:
             for row in table.rows]
 
 
-def _n_layers(trace: Trace) -> int:
-    """How many layers a per-layer name can index: the language-model stack's, or, with several stacks
-    and none feeding a language-model head, the longest (such names then resolve `ambiguous`)."""
+def _n_layers(trace: Trace, row: Row | None = None) -> int:
+    """How many layers a per-layer name can index: its own stack's (a row with `stack`), the
+    language-model stack's, or, with several stacks and none feeding a language-model head, the
+    longest (such names then resolve `ambiguous`)."""
     s = trace.structure
+    if row is not None and row.stack is not None:
+        stack = targets.stack_of_kind(trace, row.stack)
+        return len(stack.layers) if stack is not None else 0
     if s is not None and s.lm_stack is None and len(s.stacks) > 1:
         return max(len(st.layers) for st in s.stacks.values())
     return len(trace.blocks)
@@ -271,7 +275,7 @@ def _matches(query: str, tables: list[Table], trace: Trace) -> list[tuple[Table,
         for rx, row in _patterns(table):
             m = rx.match(query)
             if m:
-                layer = _layer_value(m.group(1), table, query, trace) if row.per_layer else None
+                layer = _layer_value(m.group(1), table, query, trace, row) if row.per_layer else None
                 found.append((table, row, layer))
             elif table.absent_once and row.facet is None and query == _bare(row.name):
                 found.append((table, row, None))  # the report's own spelling of a refused point
@@ -391,7 +395,8 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
                    "use a TransformerLens generation, or read trace.modules[address].facets directly")
     if row.facet is None:
         return res("structurally_absent", None, None, f"TorchLens has no site for it: {row.note}", "")
-    if row.per_layer and structure is not None and structure.lm_stack is None and len(structure.stacks) > 1:
+    if (row.per_layer and row.stack is None and structure is not None and structure.lm_stack is None
+            and len(structure.stacks) > 1):
         return res("ambiguous", None, row.facets[0],
                    f"this model has {len(structure.stacks)} stacks of layers ({structure.describe()}) and none feeds a "
                    f"language-model head, so a layer index could name a layer of any of them",
@@ -399,7 +404,7 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
     if address is None:
         if row.per_layer and layer is None:
             return res("structurally_absent", None, row.facets[0], "per-layer name without a layer")
-        call, why = targets.find_call(trace, row.target, layer)
+        call, why = targets.find_call(trace, row.target, layer, row.stack)
         if call is None:
             return res("structurally_absent", None, row.facets[0], f"{why}.")
         address = call.address
@@ -556,7 +561,7 @@ def alias_report(trace: Trace, generation: str = "2.x") -> AliasReport:
         if not row.in_report:
             continue
         if row.per_layer and not (table_.absent_once and row.facet is None):
-            for layer in range(_n_layers(trace)):
+            for layer in range(_n_layers(trace, row)):
                 rows.append(_status(trace, table_, row, layer, row.name.replace("{L}", str(layer))))
         else:
             query = _bare(row.name) if row.per_layer else row.name

@@ -14,13 +14,21 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..families import ADD_OPS, FUSED_ATTENTION_OPS, PASS_THROUGH_OPS, SOFTMAX_OPS, WEIGHT_LAYOUT
+from .._structure import Layer, from_model_input
 from ..records import ModuleCall, Ref, Trace
 
 # Finders take (trace, layer) and return the ModuleCall the target names, or None.
 
 
-def _layer(trace: Trace, layer: int):
-    return trace.structure.layers[layer]
+def _layer(trace: Trace, layer):
+    """The LM stack's layer `layer`, or `layer` itself when `find_call` already picked one of another stack."""
+    return layer if isinstance(layer, Layer) else trace.structure.layers[layer]
+
+
+def stack_of_kind(trace: Trace, kind: str):
+    """The one stack of that kind (`"encoder"` / `"decoder"`), or None."""
+    stacks = [s for s in trace.structure.stacks.values() if s.kind == kind] if trace.structure else []
+    return stacks[0] if len(stacks) == 1 else None
 
 
 def _kids(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
@@ -105,8 +113,9 @@ def _pos_embed(trace: Trace) -> ModuleCall | None:
     none when that cannot be told.
     """
     token = _token_embed(trace)
-    others = [c for c in _outside_layers(trace, "embedding") if c is not token]
-    if len(others) <= 1:
+    others = [c for c in _outside_layers(trace, "embedding")
+              if (token is None or c.address != token.address) and not from_model_input(trace.ops, c._in_ref)]
+    if len(others) <= 1:  # (a lookup of model input ids, T5's decoder embedding, is no position embedding)
         return others[0] if others else None
     for c in others:
         site = c.facets.sites.get("indices") if c.facets else None
@@ -193,7 +202,8 @@ def _type_embed(trace: Trace) -> ModuleCall | None:
     token, pos = _token_embed(trace), _pos_embed(trace)
     if pos is None:
         return None
-    others = [c for c in _outside_layers(trace, "embedding") if c is not token and c is not pos]
+    others = [c for c in _outside_layers(trace, "embedding")
+              if c is not pos and (token is None or c.address != token.address)]
     return others[0] if len(others) == 1 else None
 
 
@@ -241,15 +251,32 @@ TARGETS: dict[str, tuple[Callable, bool, str]] = {
     "split_mlp_out": (lambda t, i: _split_mlp(t, i, -1), True,
                       "no MLP split over two modules between the block's two norms"),
     "type_embed": (lambda t, i: _type_embed(t), False, "no token-type embedding module ran"),
+    "ln_cross": (lambda t, i: _norm_where(t, i, _feeds, "cross_attention"), True,
+                 "no norm feeds the cross-attention input"),
     "first_block": (lambda t, i: _layer(t, 0).call if t.structure.layers else None, False, "no block ran"),
     "root": (_root, False, ""),
 }
 
 
-def find_call(trace: Trace, target: str, layer: int | None) -> tuple[ModuleCall | None, str]:
-    """The module call `target` names in `trace` at `layer` (of the language-model stack), or None and the reason."""
+def find_call(trace: Trace, target: str, layer: int | None, stack: str | None = None) -> tuple[ModuleCall | None, str]:
+    """The module call `target` names in `trace` at `layer` of the language-model stack (or of the
+    stack of kind `stack`), or None and the reason."""
     finder, _, why = TARGETS[target]
+    if stack is not None:
+        st = stack_of_kind(trace, stack)
+        if st is None:
+            return None, f"the model has no single {stack} stack"
+        if layer is not None:
+            layer = st.layers[layer]
+        if target == "final_norm":
+            return _stack_final_norm(trace, st), "no norm reads the last layer's output"
     return finder(trace, layer), why
+
+
+def _stack_final_norm(trace: Trace, stack) -> ModuleCall | None:
+    """The norm outside every layer whose input is the stack's last output (T5's encoder.final_layer_norm)."""
+    last = stack.layers[-1].call
+    return next((c for c in _outside_layers(trace, "norm") if c._in_ref == last._out_ref), None)
 
 
 def find(trace: Trace, target: str, layer: int | None) -> tuple[str | None, str]:

@@ -30,6 +30,8 @@ class Row:
         note: where the two sides differ (layout, mask fill, conditions), or, for a name with no
             site, the reason.
         in_report: whether `alias_report` lists the row (every row resolves either way).
+        stack: which stack `{L}` counts the layers of, by kind (`"encoder"` / `"decoder"`); None
+            for the language-model stack.
     """
 
     name: str
@@ -38,6 +40,7 @@ class Row:
     meaning: str
     note: str = ""
     in_report: bool = True
+    stack: str | None = None
 
     @property
     def per_layer(self) -> bool:

@@ -1,6 +1,7 @@
 """TransformerLens 4.x `TransformerBridge` canonical (component-path) hook names (checked against 4.3)."""
 
 from . import Row, Table
+from .tl4_encdec import encoder_decoder_rows
 
 _PER_HEAD_RESID = "a per-head copy of the pre-norm residual; read blocks.{L}.hook_in and broadcast it over heads"
 _ROTARY = "rotary cos/sin tables; TorchLens has no facet for them (they are op outputs in trace.ops)"
@@ -72,4 +73,8 @@ ROWS = (
     Row("unembed.hook_out", "unembed", "output", "logits"),
 )
 
-TABLE = Table("4.x", "TransformerLens 4.x TransformerBridge canonical hook names", ROWS)
+ENCODER_DECODER = Table("4.x", "TransformerLens 4.x TransformerBridge names on an encoder-decoder (T5 adapter)",
+                        encoder_decoder_rows(ROWS))
+
+TABLE = Table("4.x", "TransformerLens 4.x TransformerBridge canonical hook names", ROWS,
+              by_kind=(("encoder-decoder", ENCODER_DECODER),))
