@@ -126,8 +126,8 @@ class _Group:
         self.entries = entries
         with torch.no_grad():
             self.matrix = torch.stack([e.tensor.reshape(-1).float() for e in entries])
-            self.norms = torch.linalg.vector_norm(self.matrix, dim=1, dtype=torch.float64)
-            self.means = self.matrix.mean(dim=1, dtype=torch.float64)
+            self.norms = torch.linalg.vector_norm(self.matrix, dim=1).double()
+            self.means = self.matrix.mean(dim=1).double()
         self._gram: Tensor | None = None
         for i, e in enumerate(entries):
             e.row, e.group = i, self
@@ -168,7 +168,7 @@ class _Pool:
                 self._add(t, op.module, None, op.index, slot, "op", op.index)
 
     def _add(self, t, module, facet, op, slot, kind, order) -> _Entry:
-        e = _Entry(t.detach(), module, facet, op, slot, kind, order)
+        e = _Entry(t.detach().cpu(), module, facet, op, slot, kind, order)  # compare works on the CPU
         self.entries.append(e)
         self.by_shape.setdefault(tuple(t.shape), []).append(e)
         if op is not None:
@@ -548,6 +548,8 @@ def diagnose(
         size = math.prod(c_shape)
         if size > n or n % max(size, 1):
             continue  # no conversion changes the size except repeating kv heads (which grows it)
+        if size < n and not any(c.facet in _KV for c in entries):
+            continue
         group = pool.group(c_shape)
         batches: dict[tuple, list[tuple[_Entry, str, bool, list]]] = {}
         for c in entries:

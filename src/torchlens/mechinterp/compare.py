@@ -47,7 +47,7 @@ class Comparison:
             and in the generation's own names (`"equals blocks.0.hook_resid_mid: the residual is
             included"`), or that it matches nothing, with the nearest candidates; `""` for a row
             that passed.
-        candidates: the ranked `Candidate`s (`torchlens.mechinterp.compare.Candidate`) behind the
+        candidates: the ranked [`Candidate`][torchlens.mechinterp.Candidate]s behind the
             explanation (site or op, relation, relative error); empty for a row that passed.
         tolerance: the `(atol, rtol)` the row was checked with (per site under
             `tolerance="auto"`).
@@ -207,7 +207,7 @@ def compare(
     and `eps` the machine epsilon of the coarser of the two dtypes, a row passes when, element by
     element, `|engine - R| <= AUTO_FACTOR * max|R - R64| + eps * |R|` (`AUTO_FACTOR` is 4): the
     engine may be up to four times as far from the trace as the trace's own precision is from
-    exact. Limits: the reruns must compute what the trace computed, so the model must be
+    exact. Sites without a floating-point tensor (token ids) keep `atol`/`rtol`. Limits: the reruns must compute what the trace computed, so the model must be
     deterministic (eval mode, no sampling) and `inputs` must be the traced inputs; a kernel that
     is much less accurate than the model's own ops in the same dtype (an approximate fused kernel)
     can exceed the bound although its hook is right; and a wrong hook whose tensor differs from
