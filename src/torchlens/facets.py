@@ -62,7 +62,7 @@ FACETS: dict[str, dict[str, str]] = {
         "down_out": "[batch, pos, d_model] output of the down projection, before any dropout",
     },
     "norm": {
-        "normalized": "[batch, pos, d_model] input centred (LayerNorm) and divided by its RMS/std, before the gain and bias",
+        "normalized": "[batch, pos, d_model] input centred (LayerNorm) and divided by its RMS/std over the norm's normalized shape (per group for GroupNorm), before the gain and bias; served only where normalized * gain + bias equals the norm's output",
         "inv_rms": "[batch, pos, 1] 1/sqrt(mean(x^2)+eps) of an RMSNorm",
         "inv_std": "[batch, pos, 1] 1/sqrt(var(x)+eps) of a LayerNorm",
         "scale": "[batch, pos, 1] the divisor sqrt(mean(x^2)+eps) or sqrt(var(x)+eps): 1/inv_rms (TransformerLens hook_scale)",

@@ -95,8 +95,11 @@ class FacetSite:
         dtype: the tensor's dtype, known even when it was not saved.
         tensor: the tensor, or None when this trace's `save=` did not keep it.
         op: index of the op whose output this is, for real facets.
-        check_error: for reconstructed facets, the largest absolute difference between the rebuilt
-            and the recorded kernel output.
+        check_error: for a checked facet, the largest absolute difference in its check against a
+            relation the model fixes (the rebuilt vs the recorded kernel output; normalized *
+            gain + bias vs the norm output; the sum over heads of result + bias vs the output
+            projection; pattern @ v vs z; the residual sums around resid_mid). A facet whose
+            check fails is not served: it is listed in `FacetMap.refused` with the reason.
         note: how the facet was found or computed, in one line.
     """
 
