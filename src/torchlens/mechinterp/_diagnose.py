@@ -12,10 +12,13 @@ the name was meant to read:
 - the sum of two facets; the element-wise rounding of a candidate to bfloat16 or float16;
 - for a tuple the engine handed, its other elements and their sum.
 
-Speed comes from pruning: only tensors whose shape reaches the engine's shape under some
-conversion are looked at, and a tensor is compared element-wise only when its norm and mean
-(computed once per trace) allow a match: `|‖E‖ − ‖C‖|` and `|mean E − mean C|·√n` are lower
-bounds of `‖E − C‖`.
+Speed comes from pruning. Only tensors whose shape reaches the engine's shape under some
+conversion are looked at. The tensors of one shape are stacked once per trace into a matrix (with
+their norms and means); one matrix-vector product with the engine's tensor, brought to their
+layout, gives every member's distance `‖E − C‖² = ‖E‖² + ‖C‖² − 2⟨E,C⟩` and least-squares scale,
+and only the members that these leave in the running are compared element-wise. Conversions that
+change the size (repeated kv heads) are screened by the bounds `|‖E‖ − ‖C‖| ≤ ‖E − C‖` and
+`|mean E − mean C|·√n ≤ ‖E − C‖`. Sums of two facets follow from the group's Gram matrix.
 """
 
 from __future__ import annotations
@@ -524,7 +527,6 @@ def diagnose(
     """
     pool = _pool(trace)
     e = engine.detach().cpu().float()
-    e = e.nan_to_num(nan=float("nan"))
     n = e.numel()
     if n == 0:
         return "", ()
