@@ -339,9 +339,12 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
     def row(status, passed, hint, ref_shape=None, layout="as is", err=None):
         explanation, candidates = "", ()
         if not passed and explain and engine.is_floating_point() and engine.numel() > 1:
-            explanation, candidates = diagnose(trace, engine, res.module_address if res.readable else None,
-                                               res.facet if res.readable else None, generation or res.generation,
-                                               atol, rtol, rest)
+            try:
+                explanation, candidates = diagnose(trace, engine, res.module_address if res.readable else None,
+                                                   res.facet if res.readable else None,
+                                                   generation or res.generation, atol, rtol, rest)
+            except Exception as exc:  # the row's verdict stands; say why it has no explanation
+                explanation = f"no explanation: the search failed ({type(exc).__name__}: {exc})"
         return Comparison(name, status, res.module_address, res.facet, tuple(engine.shape), ref_shape, layout,
                           err, passed, "; ".join(hints + ([hint] if hint else [])), explanation, candidates,
                           (atol, rtol))
