@@ -673,3 +673,26 @@ def test_random_graphs_sites_hold_what_the_model_used_and_never_change(case):
                 assert torch.equal(f[facet], truth[a]), (a, facet)
             else:
                 assert facet not in f, (a, facet)
+
+
+def test_transformer_encoder_attention_pattern_against_the_module_itself():
+    """nn.TransformerEncoderLayer calls its MultiheadAttention with need_weights=False; the rebuilt
+    pattern equals what the same module returns when asked for per-head weights."""
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,
+                                enable_nested_tensor=False).eval()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    padding = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    ground = Ground(enc, ["layers.1.self_attn", "layers.1"])
+    with torch.no_grad():
+        enc(x, src_key_padding_mask=padding)
+        a_in = ground.inp["layers.1.self_attn"]
+        _, weights = enc.layers[1].self_attn(a_in, a_in, a_in, key_padding_mask=padding, need_weights=True,
+                                             average_attn_weights=False)
+    ground.remove()
+    with torch.no_grad():
+        tr = torchlens.trace(enc, x, src_key_padding_mask=padding)
+    f = tr.modules["layers.1.self_attn"].facets
+    torch.testing.assert_close(f["pattern"], weights, rtol=1e-5, atol=1e-6)
+    # The plain run took the fused fast path, which the torch function mode turns off (limits guide).
+    torch.testing.assert_close(tr.modules["layers.1"].facets["output"], ground.out["layers.1"], rtol=1e-5, atol=1e-5)

@@ -144,7 +144,7 @@ def _refuse_script_modules(names: dict[nn.Module, str]) -> None:
                 f"{where} is a torch.jit.ScriptModule ({type(module).__name__}): TorchScript runs its "
                 "forward in its own interpreter, which takes no module hooks and hides its ops, so "
                 "TorchLens cannot record it. Trace the eager module instead: keep the module you "
-                f"passed to torch.jit.script and put it back before tracing"
+                f"passed to torch.jit.script (or torch.jit.trace) and put it back before tracing"
                 + (f" (model.{addr} = eager_module)" if addr else "")
                 + ", or build the model without scripting."
             )
