@@ -78,7 +78,9 @@ _LAYER_WORD = re.compile(r"(?<![`\w])([\w.*\[\]]*\{L\}[\w.*\[\]{}]*?)(?=[,;:)]?(
 
 def _prose(text: str) -> str:
     """A table's prose for a cell: names with a `{L}` in them set as code, so they never break."""
-    return _escape(_LAYER_WORD.sub(lambda m: f"`{m[1]}`", text))
+    parts = _LAYER_WORD.sub(lambda m: f"`{m[1]}`", text).split("`")
+    # Outside code spans, `<...>` ("trace.modules[<final norm address>]") is text, not HTML.
+    return _escape("`".join(p if i % 2 else p.replace("<", "&lt;") for i, p in enumerate(parts)))
 
 
 def _table(generation: str, trace: tl.Trace, family: str) -> list[str]:
