@@ -575,6 +575,28 @@ def render(results: list[ArchResult]) -> str:
         "| qkv | `q`, `k`, `v`: the hooked q/k/v projection outputs viewed per head, bit for bit |",
         "| logits | the root's `logits`: the logits the model returned |",
         "",
+        "## How the structure is found",
+        "",
+        "No family is special-cased. A *stack* is a group of repeated modules (the children of a "
+        "`ModuleList` or `Sequential` of one class, or same-class siblings) whose calls keep their input's "
+        "shape and each read the previous call's output; its layers are those calls, one per call (ALBERT's "
+        "single layer object run twice is two layers). In a layer, the attention is the child that ran the "
+        "attention kernel (looking inside wrappers that add their own input, like T5's `T5LayerSelfAttention`), "
+        "a second attention whose keys come from outside the layer is the cross-attention, and the MLP is a "
+        "child with two or more weight-reading ops and no kernel. The unembedding is the linear layer as wide as "
+        "the token embedding's vocabulary whose output reaches the model output; the language-model stack is "
+        "the one feeding it; the final norm is the last norm after that stack's last layer, before the "
+        "unembedding. `trace.structure` holds the result (`stacks`, `kind`, `lm_stack`, `final_norm`, `unembed`).",
+        "",
+        "Decoder-only naming generations read the language-model stack; with several stacks and none feeding a "
+        "language-model head (CLIP) a per-layer name resolves `ambiguous`. On BERT-like encoders TransformerLens "
+        "2.x names follow `HookedEncoder` (post-LN blocks), and on T5 TransformerLens 4.x names follow the "
+        "bridge's `encoder_blocks` / `decoder_blocks`; nnterp and interp-engine serve decoder-only models and say "
+        "so on any other kind. Where the rules cannot tell, `tl.trace(model, ..., roles={\"body.*\": \"block\", "
+        "\"body.*.mix\": \"attention\"})` names blocks, attention, cross-attention, MLP, norms and the "
+        "unembedding (`*` is one address part); a model with repeated modules and no block found gets a warning "
+        "saying so.",
+        "",
         "## Summary",
         "",
         "| architecture | kind | stacks | variants | checks passed | notes |",
