@@ -529,6 +529,10 @@ def test_planted_sdpa_rebuild_is_refused(monkeypatch):
     tr = torchlens.trace(model, IDS)
     for name in ("scores", "pattern"):
         _refused(tr, attn, name, "the rebuild disagreed")
+    from torchlens import mechinterp
+
+    r = mechinterp.resolve_alias(tr, "blocks.0.attn.hook_pattern")
+    assert r.status == "needs_capture" and "not served: the rebuild disagreed" in r.reason
 
 
 def test_planted_mha_rebuild_is_refused(monkeypatch):

@@ -420,6 +420,12 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
         call = rec.calls[0]
     sites = call.facets.sites
     facet = next((f for f in row.facets if f in sites), None)
+    refused = getattr(call.facets, "refused", {}).get(row.facets[0]) if facet is None else None
+    if refused is not None:  # TorchLens derived it, but its check against the model failed
+        if row.facets[0] in ("scores", "pattern"):
+            return res("needs_capture", address, row.facets[0], f"{row.facets[0]} is not served: {refused}.",
+                       "trace a copy of the model loaded with attn_implementation='eager'")
+        return res("structurally_absent", address, row.facets[0], f"{row.facets[0]} is not served: {refused}.")
     if facet is None:
         absent = _ABSENT.get(row.facets[0], "the module does not compute it")
         return res("structurally_absent", address, row.facets[0],
