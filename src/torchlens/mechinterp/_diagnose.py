@@ -58,17 +58,22 @@ class Candidate:
 
     Attributes:
         site: the name in the generation the row was resolved in, else the TorchLens site
-            `module:facet`, else the op (`op #41 add in transformer.h.0`); for the engine's own
-            tuple elements, `element 1 of the engine's tuple`.
+            `module:facet`, else the op (`op #41 add in transformer.h.0`); for a tensor derived
+            from the trace, how (`softmax of op #104 mul in ...`, `softmax(q · kᵀ)`, `A + B`); for
+            the engine's own tuple, `element 1 of the engine's tuple`.
         relation: how it relates to the site the name reads, in words (`"the residual is
-            included"`, `"the neighbouring layer (2 instead of 1)"`), or `""` when nothing
+            included"`, `"the neighbouring layer (1 instead of 0)"`), or `""` when nothing
             more specific than "another tensor" is known.
         error: relative error `‖E − C‖ / ‖E‖` after the relation's transform (factor, layout,
             rounding); 0 is exact.
         max_abs_error: the largest absolute difference after that transform.
-        matches: whether the two agree within the comparison's tolerance.
-        factor: the least-squares scalar `E ≈ factor × C`, for a scale relation; else None.
-        module_address, facet, op: where the candidate lives in the trace (None when unknown).
+        matches: whether the candidate explains the engine's tensor: the two agree within the
+            row's tolerance after the transform, or, for a relation that names a precision
+            ("rounded to bfloat16", "computed in bfloat16"), within that precision.
+        factor: the scalar `a` of `E ≈ a × C` (least squares), for a scale relation; else None.
+        module_address: the module the candidate belongs to (None for a derived tensor).
+        facet: its facet, when it is one (None for an op output or a derived tensor).
+        op: the index of the op that produced it, when known.
     """
 
     site: str
@@ -418,7 +423,10 @@ def _relation(pool: _Pool, expected: _Entry | None, cand: _Entry, label: str, ac
         if norm_c is not None and norm_c[1] is not None and _through(trace, norm_c[1]) == ex_src:
             words.append(f"after the norm {_short(pool, norm_c[0])} instead of before it")
         elif norm_x is not None and norm_x[1] is not None and _through(trace, norm_x[1]) == c_src:
-            words.append(f"before the norm {_short(pool, norm_x[0])}: the raw output, the norm not applied")
+            raw = cand.facet == "output" and cand.module in trace.modules and \
+                trace.modules[cand.module].role in ("attention", "mlp")
+            words.append(f"before the norm {_short(pool, norm_x[0])}: "
+                         + ("the raw sublayer output, the norm not applied" if raw else "the norm not applied"))
         elif norm_c is not None and norm_c[1] is not None and ex_src in _add_operands(trace, norm_c[1]):
             words.append(f"the norm {_short(pool, norm_c[0])} of the site plus the residual: a fused add+norm "
                          "wrote its output into the saved tensor in place")
@@ -595,6 +603,8 @@ def diagnose(
             f.relation = "the sum of two sites"
         if f.entry is not None:
             f.relation = f.relation or _relation(pool, expected, f.entry, f.label, f.accepted)
+            if not f.site and _same_value(pool, f.entry, expected):
+                f.site = _label(pool, expected, generation)  # the site's own name for its own tensor
             f.site = f.site or _label(pool, f.entry, generation)
         if f.factor is not None and f.relation == SAME:
             f.relation = "a scale factor"
@@ -629,6 +639,13 @@ def diagnose(
         if len(cands) >= KEEP:
             break
     return _explain(cands), tuple(cands)
+
+
+def _same_value(pool: _Pool, a: _Entry, b: _Entry | None) -> bool:
+    """Whether `a` is `b`'s tensor (the same op's output, looking through casts and reshapes)."""
+    if b is None or a.op is None or b.op is None or tuple(a.tensor.shape) != tuple(b.tensor.shape):
+        return a is b
+    return _through(pool.trace, a.op) == _through(pool.trace, b.op)
 
 
 def _rank(f: _Found, named: dict) -> tuple[int, int]:
