@@ -379,3 +379,20 @@ def test_bridge_names_on_t5_read_each_stack():
     assert mi.resolve_alias(t, "pos_embed.hook_out", "4.x").status == "structurally_absent"
     with pytest.raises(mi.LayerOutOfRange):
         mi.resolve_alias(t, "encoder_blocks.2.hook_out", "4.x")
+
+
+def test_trace_getitem_reads_the_call_of_the_layer():
+    """`trace[name]` on a block object run twice reads the call the layer index names."""
+    torch.manual_seed(0)
+    block = Block()
+    model = SeqLM(n=1).eval()
+    model.body = nn.Sequential(block, block)
+    seen, handles = _hook_outputs({"b": block})
+    try:
+        t = tl.trace(model, torch.tensor([[1, 2, 3]]))
+    finally:
+        for h in handles:
+            h.remove()
+    assert t.blocks == ["body.0", "body.0"]
+    for i in (0, 1):
+        torch.testing.assert_close(t[f"blocks.{i}.hook_resid_post"], seen["b"][i], rtol=0, atol=0)
