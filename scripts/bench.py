@@ -1,58 +1,134 @@
-"""Benchmark TorchLens capture against a plain forward pass and the alternatives.
+"""Benchmark TorchLens capture against a plain forward pass and the alternatives, side by side.
 
-Two models, random weights, float32 on CPU:
+Models: random-weight GPT-2s (`transformers.GPT2LMHeadModel`), float32 on CPU, built from a
+config with a fixed seed (nothing is downloaded):
 
-- `gpt2-small`: GPT-2 small's shape (12 layers, d_model 768, 12 heads), 128 tokens.
-- `tiny`: a 2-layer GPT-2 (d_model 32, 2 heads), 4 tokens.
+- `tiny`: 2 layers, d_model 32, 2 heads, 4 tokens.
+- `L{layers}-T{tokens}`: GPT-2 small's width (d_model 768, 12 heads, vocab 50257) with that many
+  layers and tokens; `L12-T128` and `L12-T1024` are GPT-2 small at 128 and 1024 tokens.
 
-Timing: every mode runs in one process, interleaved round by round after a warm-up, and the
-median of the rounds is reported. Memory: each mode runs once more in a fresh subprocess, and
-the growth of the peak resident set over a plain forward is reported beside the bytes the trace
-keeps.
+Timing: for each model, every mode runs in ONE process, interleaved round by round after a
+warm-up, and the median of the rounds is reported; the ratio is to the plain forward of the same
+rounds. The PyPI package also named `torchlens` (2.36.1, a different project) cannot share the
+process with this one, so it runs in its own process and virtual environment
+(`--pypi-python`), timed against a plain forward interleaved in that process.
+
+Memory: each mode runs once more in a fresh subprocess. After the model has run twice (plain
+forwards), freed heap is returned to the system (`malloc_trim`) and the peak counter is reset
+(`/proc/self/clear_refs`); the growth of the peak resident set (VmHWM) over the resident set
+before the run is reported, then what is still resident while the result is alive (after another
+`malloc_trim`), with the bytes of tensor storage a trace keeps.
+
+Modes:
+    plain: `model(ids)` under `torch.no_grad()`.
+    all, none, resid_post: `torchlens.trace(model, ids, save=...)`.
+    tl_cache: TransformerLens 4.x `TransformerBridge.run_with_cache(ids)` on a bridge booted
+        from the same random-init model (the bridge switches it to eager attention).
+    nnsight: nnsight 0.7 `NNsight(model).trace(ids)` saving every module's output.
+    hooks: a forward hook on every module keeping a clone of its output.
+    pypi: PyPI `torchlens` 2.36.1 `trace(model, ids)` (its default saves every layer's output).
+
+The working tree may be in flux; to measure one commit, export it and say which:
+
+    git archive HEAD src | tar -x -C build/bench-src
+    BENCH_COMMIT=$(git rev-parse --short HEAD) PYTHONPATH=build/bench-src/src python scripts/bench.py ...
 
 Usage:
-    python scripts/bench.py                       # print a table
-    python scripts/bench.py --json build/bench.json --rounds 9
+    python scripts/bench.py --json build/bench.json                  # the full run
+    python scripts/bench.py --models tiny --rounds 3                 # a quick look
+    python scripts/bench.py --profile L12-T1024 --json build/profile.json   # where save="all" spends
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
 import os
 import platform
+import pstats
+import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 import transformers
 
-import torchlens as tl
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+DEFAULT_PYPI_PYTHON = os.path.join(ROOT, "build", "pypi-torchlens", "venv", "bin", "python")
 
-SHAPES = {
-    "gpt2-small": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024, tokens=128),
-    "tiny": dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, tokens=4),
+#: What each mode is called on the page.
+LABELS = {
+    "plain": "plain forward (no_grad)",
+    "all": "TorchLens save='all'",
+    "none": "TorchLens save='none'",
+    "resid_post": "TorchLens save=['resid_post']",
+    "tl_cache": "TransformerLens 4.3 run_with_cache",
+    "nnsight": "nnsight, every module's output saved",
+    "hooks": "forward hook on every module (clone)",
+    "pypi": "PyPI torchlens 2.36.1 (own process)",
+    "all_dir": "TorchLens save='all', store=<directory>",
 }
+#: Where the directory-store mode writes (removed after each memory run).
+STORE_ROOT = os.path.join(ROOT, "build", "bench-store")
+IN_PROCESS = ["plain", "all", "none", "resid_post", "tl_cache", "nnsight", "hooks"]
+
+#: The side-by-side table: every mode.
+TABLE_MODELS = ["tiny", "L12-T128", "L12-T1024", "L12-T2048"]
+#: The scaling plots: fewer modes, more sizes.
+TOKEN_SWEEP = ["L12-T128", "L12-T256", "L12-T512", "L12-T1024", "L12-T2048"]
+LAYER_SWEEP = ["L2-T128", "L6-T128", "L12-T128", "L24-T128"]
+SWEEP_MODES = ["plain", "all", "none", "resid_post", "tl_cache", "hooks"]
 
 
-def build(shape: str):
-    spec = dict(SHAPES[shape])
-    tokens = spec.pop("tokens")
+def spec(name: str) -> dict:
+    """The GPT-2 config and token count a model name stands for."""
+    if name == "tiny":
+        return dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, tokens=4)
+    m = re.fullmatch(r"L(\d+)-T(\d+)", name)
+    if not m:
+        raise SystemExit(f"unknown model {name!r}: use 'tiny' or L<layers>-T<tokens>, e.g. L12-T1024")
+    layers, tokens = int(m[1]), int(m[2])
+    return dict(n_layer=layers, n_embd=768, n_head=12, vocab_size=50257, n_positions=max(1024, tokens), tokens=tokens)
+
+
+def build(name: str):
+    """A random-init GPT-2 (seed 0) in eval mode and its input ids (seed 1)."""
+    s = dict(spec(name))
+    tokens = s.pop("tokens")
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**spec)).eval()
-    ids = torch.randint(0, spec["vocab_size"], (1, tokens))
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**s)).eval()
+    ids = torch.randint(0, s["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(1))
     return model, ids
 
 
+def _forward_order(model, ids) -> list[str]:
+    """Module addresses in the order their forwards finish (the order nnsight must read them)."""
+    order, handles = [], []
+    for name, mod in model.named_modules():
+        handles.append(mod.register_forward_hook(lambda m, a, o, n=name: order.append(n)))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return order
+
+
 def hooks_forward(model, ids):
-    """What a user writes by hand: a forward hook on every module keeping a detached output."""
+    """What a user writes by hand: a forward hook on every module keeping a clone of its output."""
     kept, handles = {}, []
 
     def keep(name):
         def hook(mod, args, out):
-            t = out[0] if isinstance(out, tuple) else out
+            t = out[0] if isinstance(out, tuple) else getattr(out, "logits", out)
             if isinstance(t, torch.Tensor):
                 kept[name] = t.detach().clone()
         return hook
@@ -68,65 +144,122 @@ def hooks_forward(model, ids):
     return kept
 
 
-def nnsight_forward(engine, model, ids):
-    """nnsight reading every block's input and output (the seed's pattern, all blocks)."""
-    saved = []
-    with engine.trace(ids):
-        for block in engine.transformer.h:
-            saved.append(block.input.save())
-            saved.append(block.output.save())
-    return saved
+def _nnsight(name: str):
+    """nnsight wrapping its own copy of the model, saving every module's output."""
+    from nnsight import NNsight
+
+    model, ids = build(name)
+    order = _forward_order(model, ids)
+    engine = NNsight(model)
+    envoys = []
+    for path in order:
+        e = engine
+        for part in path.split(".") if path else []:
+            e = e[int(part)] if part.isdigit() else getattr(e, part)
+        envoys.append(e)
+
+    def run():
+        saved = []
+        with torch.no_grad(), engine.trace(ids):
+            for e in envoys:
+                saved.append(e.output.save())
+        return saved
+
+    return run, lambda: model(ids)
 
 
-def modes(model, ids):
-    out = {
-        "plain forward": lambda: model(ids),
-        "trace save='all'": lambda: tl.trace(model, ids, save="all"),
-        "trace save='none'": lambda: tl.trace(model, ids, save="none"),
-        "trace save=['resid_post']": lambda: tl.trace(model, ids, save=["resid_post"]),
-        "forward hooks on every module": lambda: hooks_forward(model, ids),
+def _tl_cache(name: str):
+    """TransformerLens 4.x's bridge booted from its own copy of the same random-init model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformer_lens.model_bridge import TransformerBridge
+
+    model, ids = build(name)
+    vocab = {"<unk>": 0, "<bos>": 1, "<eos>": 2, "<pad>": 3, **{f"t{i}": i for i in range(4, 64)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<bos>",
+                                               eos_token="<eos>", pad_token="<pad>")
+    with tempfile.TemporaryDirectory() as tokdir, contextlib.redirect_stdout(sys.stderr):
+        tok.save_pretrained(tokdir)  # boot reloads the tokenizer from its name_or_path
+        bridge = TransformerBridge.boot_transformers(tokdir, hf_model=model, device="cpu")
+
+    def run():
+        with torch.no_grad():
+            return bridge.run_with_cache(ids)
+
+    def plain():
+        with torch.no_grad():
+            return bridge(ids)
+
+    return run, plain
+
+
+def _store_dir() -> str:
+    os.makedirs(STORE_ROOT, exist_ok=True)
+    return tempfile.mkdtemp(prefix="tl-store-", dir=STORE_ROOT)
+
+
+def make_modes(name: str, wanted: list[str], with_plain: bool = False) -> dict:
+    """Callables for the in-process modes in `wanted` (each mode that wraps a model gets its own).
+
+    With `with_plain`, each value is `(run, plain)`: `plain` is a plain forward of the model
+    `run` uses (the memory baseline).
+    """
+    import torchlens as tl
+
+    model, ids = build(name)
+    plain = lambda: model(ids)  # noqa: E731
+    fns = {
+        "plain": plain,
+        "all": lambda: tl.trace(model, ids, save="all"),
+        "none": lambda: tl.trace(model, ids, save="none"),
+        "resid_post": lambda: tl.trace(model, ids, save=["resid_post"]),
+        "hooks": lambda: hooks_forward(model, ids),
+        "all_dir": lambda: tl.trace(model, ids, save="all", store=_store_dir()),
     }
-    try:
-        from nnsight import NNsight
-
-        engine = NNsight(model)
-        out["nnsight (block in+out)"] = lambda: nnsight_forward(engine, model, ids)
-    except ImportError:
-        pass
+    out = {}
+    for mode in wanted:
+        if mode == "tl_cache":
+            out[mode] = _tl_cache(name)
+        elif mode == "nnsight":
+            out[mode] = _nnsight(name)
+        elif mode in fns:
+            out[mode] = (fns[mode], plain)
+        if mode in out and not with_plain:
+            out[mode] = out[mode][0]
     return out
 
 
-def time_modes(shape: str, rounds: int) -> dict[str, float]:
-    model, ids = build(shape)
-    fns = modes(model, ids)
+def time_modes(fns: dict, rounds: int) -> dict[str, list[float]]:
+    """Per-mode wall times of `rounds` interleaved rounds, after one warm-up round."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
     with torch.no_grad():
-        for fn in fns.values():  # warm-up
-            fn()
-        samples: dict[str, list[float]] = {k: [] for k in fns}
-        for _ in range(rounds):
-            for name, fn in fns.items():
+        for r in range(rounds + 1):
+            for mode, fn in fns.items():
                 t0 = time.perf_counter()
-                fn()
-                samples[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in samples.items()}
+                result = fn()
+                dt = time.perf_counter() - t0
+                del result
+                if r:
+                    samples[mode].append(dt)
+    return samples
 
 
 def saved_bytes(trace) -> int:
-    """Bytes of distinct storage the trace keeps alive (ops and facets)."""
+    """Bytes of distinct tensor storage a TorchLens trace keeps alive (op outputs and facets)."""
     seen, total = set(), 0
     tensors = [t for op in trace.ops for t in op.tensors if t is not None]
     tensors += [s.tensor for r in trace.modules.values() for c in r.calls for s in c.facets.sites.values()
                 if s.tensor is not None]
     for t in tensors:
         st = t.untyped_storage()
-        key = st.data_ptr()
-        if key not in seen:
-            seen.add(key)
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
             total += st.nbytes()
     return total
 
 
-def _rss(field: str) -> int:
+def _status(field: str) -> int:
     """VmRSS (now) or VmHWM (peak since the last reset) of this process, in bytes (Linux)."""
     with open("/proc/self/status") as f:
         for line in f:
@@ -135,69 +268,212 @@ def _rss(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def memory_child(shape: str, mode: str) -> dict:
-    """Run in a subprocess: how far one run of `mode` raises the resident set.
+def _trim() -> bool:
+    """Return the free heap memory glibc keeps to the system (so RSS counts live memory only)."""
+    try:
+        import ctypes
 
-    The peak counter is reset (`/proc/self/clear_refs`) after the model is built and has run
-    twice, so the reported peak is that of the measured run alone.
-    """
-    model, ids = build(shape)
-    with torch.no_grad():
-        model(ids)
-        model(ids)
-    base = _rss("VmRSS")
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def _measure_memory(fn, warm, trace_type=None) -> dict:
+    warm()
+    warm()
+    _trim()
+    base = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+        f.write("5")  # reset VmHWM to the current RSS
     with torch.no_grad():
-        result = modes(model, ids)[mode]()
-    peak = _rss("VmHWM") - base
-    held = _rss("VmRSS") - base
-    kept = saved_bytes(result) if isinstance(result, tl.Trace) else None
-    return {"peak_growth_bytes": peak, "held_bytes": held, "kept_bytes": kept}
+        result = fn()
+    out = {"peak_growth_bytes": _status("VmHWM") - base, "held_bytes": _status("VmRSS") - base}
+    if _trim():  # what the result holds, without the freed heap glibc would keep for reuse
+        out["held_trimmed_bytes"] = _status("VmRSS") - base
+    if trace_type is not None and isinstance(result, trace_type):
+        out["kept_bytes"] = saved_bytes(result)
+    return out
 
 
-def memory(shape: str, mode: str) -> dict:
-    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import bench, json; " \
-           f"print(json.dumps(bench.memory_child({shape!r}, {mode!r})))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def memory_child(name: str, mode: str) -> dict:
+    """In a fresh process: how far one run of `mode` raises the peak resident set."""
+    if mode == "pypi":
+        import torchlens as pypi_torchlens  # the PyPI package of that name, in its own venv
+
+        model, ids = build(name)
+        with torch.no_grad():
+            return _measure_memory(lambda: pypi_torchlens.trace(model, ids),
+                                   lambda: model(ids))
+    import torchlens as tl
+
+    fn, warm = make_modes(name, [mode], with_plain=True)[mode]
+    try:
+        return _measure_memory(fn, warm, tl.Trace)
+    finally:
+        shutil.rmtree(STORE_ROOT, ignore_errors=True)
+
+
+def pypi_child(name: str, rounds: int) -> dict:
+    """In the PyPI-torchlens venv: plain forward and its `trace` (saving everything), interleaved."""
+    import torchlens as pypi_torchlens
+
+    model, ids = build(name)
+    fns = {"plain": lambda: model(ids),
+           "pypi": lambda: pypi_torchlens.trace(model, ids)}
+    samples = time_modes(fns, rounds)
+    version = getattr(pypi_torchlens, "__version__", None)
+    if version is None:
+        from importlib.metadata import version as _v
+        version = _v("torchlens")
+    return {"samples": samples, "version": version}
+
+
+def _child(python: str, call: str, timeout: float = 3600) -> dict:
+    code = f"import sys; sys.path.insert(0, {HERE!r}); import bench, json; print('BENCH' + json.dumps(bench.{call}))"
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH")]
+    if proc.returncode or not lines:
+        return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    return json.loads(lines[-1][5:])
+
+
+def profile(name: str, top: int = 25) -> dict:
+    """cProfile of one `trace(save="all")` run, by cumulative time, TorchLens functions only."""
+    import torchlens as tl
+
+    model, ids = build(name)
+    with torch.no_grad():
+        tl.trace(model, ids, save="all")
+        t0 = time.perf_counter()
+        model(ids)
+        plain = time.perf_counter() - t0
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        tl.trace(model, ids, save="all")
+        prof.disable()
+        total = time.perf_counter() - t0
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (cc, nc, tt, ct, callers) in stats.stats.items():
+        if "torchlens" in file and "site-packages" not in file:
+            rows.append((ct, tt, nc, f"{os.path.basename(file)}:{line} {func}"))
+    rows.sort(reverse=True)
+    return {"model": name, "profiled_s": total, "plain_s": plain, "torch_threads": torch.get_num_threads(),
+            "torchlens_commit": os.environ.get("BENCH_COMMIT"), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "rows": [{"cumulative_s": ct, "own_s": tt, "calls": nc, "function": fn} for ct, tt, nc, fn in rows[:top]]}
+
+
+def format_profile(p: dict) -> str:
+    lines = [f"profile of trace(save='all') on {p['model']}: {p['profiled_s']:.2f} s under cProfile "
+             f"(plain forward {p['plain_s']:.2f} s without it)",
+             f"{'cumulative s':>12} {'own s':>8} {'calls':>8}  function"]
+    lines += [f"{r['cumulative_s']:12.3f} {r['own_s']:8.3f} {r['calls']:8d}  {r['function']}" for r in p["rows"]]
+    return "\n".join(lines)
+
+
+def _loadavg() -> list[float]:
+    try:
+        return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
+    except OSError:
+        return []
+
+
+def run_model(name: str, modes: list[str], rounds: int, memory: bool, pypi_python: str | None) -> dict:
+    print(f"{name}: {', '.join(modes)}; {rounds} rounds", file=sys.stderr, flush=True)
+    load_before = _loadavg()
+    t0 = time.perf_counter()
+    samples = time_modes(make_modes(name, [m for m in modes if m in IN_PROCESS]), rounds)
+    plain = statistics.median(samples["plain"])
+    rows = {m: {"median_s": statistics.median(v), "ratio": statistics.median(v) / plain, "samples": v}
+            for m, v in samples.items()}
+    if "pypi" in modes and pypi_python:
+        res = _child(pypi_python, f"pypi_child({name!r}, {rounds})")
+        if "error" in res:
+            rows["pypi"] = {"error": res["error"]}
+        else:
+            p, q = statistics.median(res["samples"]["plain"]), statistics.median(res["samples"]["pypi"])
+            rows["pypi"] = {"median_s": q, "ratio": q / p, "samples": res["samples"]["pypi"],
+                            "own_plain_s": p, "version": res["version"]}
+    if memory and "all" in modes and "all" in rows:
+        rows["all_dir"] = {"memory_only": True}
+    if memory:
+        for m in list(rows):
+            if "error" in rows[m]:
+                continue
+            python = pypi_python if m == "pypi" else sys.executable
+            rows[m].update(_child(python, f"memory_child({name!r}, {m!r})"))
+    out = {"spec": spec(name), "rounds": rounds, "modes": rows, "seconds": time.perf_counter() - t0,
+           "load_before": load_before, "load_after": _loadavg()}
+    for m, r in rows.items():
+        if "error" in r:
+            print(f"  {LABELS[m]:40s} error: {r['error']}", file=sys.stderr)
+            continue
+        mem = f"  peak +{r['peak_growth_bytes'] / 2**20:8.1f} MiB" if "peak_growth_bytes" in r else ""
+        mem += f"  held +{r['held_bytes'] / 2**20:8.1f} MiB" if "held_bytes" in r else ""
+        timing = f"{r['median_s'] * 1e3:10.2f} ms  {r['ratio']:6.2f}x" if "median_s" in r else f"{'(memory only)':>21s}"
+        print(f"  {LABELS[m]:40s} {timing}{mem}", file=sys.stderr)
+    return out
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Benchmark TorchLens capture.")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser = argparse.ArgumentParser(description="Benchmark TorchLens capture side by side.")
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    parser.add_argument("--models", nargs="*", help="only these models (default: the table and both sweeps)")
+    parser.add_argument("--rounds", type=int, default=0, help="rounds per model (default: 21 tiny, 7 up to GPT-2 small at 128 tokens, 3 above)")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--no-pypi-above", type=int, default=1024,
+                        help="run PyPI torchlens only up to this many tokens (it is slow)")
+    parser.add_argument("--pypi-python", default=DEFAULT_PYPI_PYTHON,
+                        help="python of a venv with PyPI torchlens 2.36.1 (skipped when missing)")
+    parser.add_argument("--profile", metavar="MODEL", help="print a cProfile of trace(save='all') and exit")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.profile:
+        p = profile(args.profile)
+        print(format_profile(p))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(p, f, indent=1)
+        return 0
+    import torchlens as tl
+
+    pypi = args.pypi_python if os.path.exists(args.pypi_python) else None
+    plan: dict[str, list[str]] = {}
+    for name in TABLE_MODELS:
+        plan[name] = IN_PROCESS + (["pypi"] if spec(name)["tokens"] <= args.no_pypi_above else [])
+    for name in TOKEN_SWEEP + LAYER_SWEEP:
+        plan.setdefault(name, SWEEP_MODES)
+    if args.models:
+        plan = {n: plan.get(n, IN_PROCESS + ["pypi"]) for n in args.models}
     results = {
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "python": platform.python_version(), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "torchlens": tl.__version__},
-        "rounds": args.rounds,
-        "shapes": {},
+                    "transformers": transformers.__version__, "torchlens": tl.__version__,
+                    "torchlens_commit": os.environ.get("BENCH_COMMIT"),
+                    "platform": platform.platform(), "device": "cpu",
+                    "load_at_start": _loadavg()},
+        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "table": [n for n in TABLE_MODELS if n in plan],
+        "token_sweep": [n for n in TOKEN_SWEEP if n in plan],
+        "layer_sweep": [n for n in LAYER_SWEEP if n in plan],
+        "labels": LABELS,
+        "models": {},
     }
-    for shape in args.shapes:
-        times = time_modes(shape, args.rounds)
-        plain = times["plain forward"]
-        rows = {name: {"median_s": t, "ratio": t / plain} for name, t in times.items()}
-        if not args.no_memory:
-            for name in ("plain forward", "trace save='all'", "trace save='none'", "forward hooks on every module"):
-                rows[name].update(memory(shape, name))
-        results["shapes"][shape] = rows
-        print(f"\n{shape} ({SHAPES[shape]['n_layer']} layers, d={SHAPES[shape]['n_embd']}, "
-              f"{SHAPES[shape]['tokens']} tokens), median of {args.rounds}")
-        for name, row in rows.items():
-            mem = ""
-            if "peak_growth_bytes" in row:
-                mem = f"  peak +{row['peak_growth_bytes'] / 2**20:7.1f} MiB"
-                if row.get("kept_bytes") is not None:
-                    mem += f"  kept {row['kept_bytes'] / 2**20:7.1f} MiB"
-            print(f"  {name:32s} {row['median_s'] * 1e3:9.2f} ms  {row['ratio']:5.2f}x{mem}")
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    def cost(name):
+        return spec(name)["tokens"] * spec(name)["n_layer"]
+
+    for name in sorted(plan, key=cost):  # cheapest first: a run cut short keeps the small models
+        modes = plan[name]
+        rounds = args.rounds or (21 if name == "tiny" else 7 if cost(name) <= 12 * 128 else 3)
+        results["models"][name] = run_model(name, modes, rounds, not args.no_memory, pypi)
+        if args.json:  # written after every model, so a long run that dies keeps what it measured
+            os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
     return 0
 
 
