@@ -369,6 +369,22 @@ def test_the_explanation_speaks_the_generation_asked_for(generation, name, expec
     assert row.explanation.startswith(expected), row.explanation
 
 
+def test_the_search_does_not_keep_a_trace_alive():
+    import gc
+    import weakref
+
+    from torchlens.mechinterp import _diagnose
+
+    model, _ = traced("gpt2")
+    trace = tl.trace(model, IDS)
+    (row,) = mi.compare(trace, engine_neighbour(model, "gpt2"))
+    assert "neighbouring layer" in row.explanation and trace in _diagnose._POOLS
+    ref = weakref.ref(trace)
+    del trace, row
+    gc.collect()
+    assert ref() is None
+
+
 # -- tolerance="auto" --------------------------------------------------------------------------------
 
 

@@ -148,7 +148,7 @@ class _Group:
 
 class _Pool:
     def __init__(self, trace: Trace):
-        self.trace = trace
+        self._trace = weakref.ref(trace)  # the pool lives as long as the trace, and must not keep it alive
         self.entries: list[_Entry] = []
         self.by_shape: dict[tuple[int, ...], list[_Entry]] = {}
         self.by_op: dict[int, list[_Entry]] = {}
@@ -174,6 +174,10 @@ class _Pool:
                 if (op.index, tuple(t.shape)) in seen and slot == 0:
                     continue
                 self._add(t, op.module, None, op.index, slot, "op", op.index)
+
+    @property
+    def trace(self) -> Trace:
+        return self._trace()
 
     def _add(self, t, module, facet, op, slot, kind, order) -> _Entry:
         e = _Entry(t.detach().cpu(), module, facet, op, slot, kind, order)  # compare works on the CPU
@@ -206,11 +210,16 @@ def _pool(trace: Trace) -> _Pool:
 def _names(pool: _Pool, generation: str) -> tuple[dict[tuple[str, str], str], dict[int, str]]:
     """(module, facet) -> name and op -> name, for the names of `generation` that read a site."""
     if generation not in pool.names:
+        from ..errors import TorchLensError
         from .resolver import alias_report
 
         by_site: dict[tuple[str, str], str] = {}
         by_op: dict[int, str] = {}
-        for r in alias_report(pool.trace, generation=generation):
+        try:
+            rows = alias_report(pool.trace, generation=generation)
+        except TorchLensError:  # a trace the generation cannot describe: TorchLens names only
+            rows = []
+        for r in rows:
             if not r.readable or r.module_address is None or r.facet is None:
                 continue
             key = (r.module_address, r.facet)

@@ -229,7 +229,9 @@ def compare(
             the copy is cast and run, `model` is not touched.
         inputs: what the trace ran the model on, for `tolerance="auto"`: a tensor, a tuple of
             positional arguments, or a dict of keyword arguments.
-        explain: search the trace to explain each failed row (default True).
+        explain: search the trace to explain each failed row (default True). The search keeps a
+            float32 copy of the trace's tensors of each shape it looks at, for as long as the
+            trace lives; pass False to skip it.
 
     Returns:
         A [`ComparisonReport`][torchlens.mechinterp.ComparisonReport]: one row per name, in order;
