@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -333,7 +334,7 @@ class Trace:
         self.save_spec = save
         self.structure = structure
 
-    def save(self, path, model=None) -> list[str]:
+    def save(self, path: str | os.PathLike, model: Any = None) -> list[str]:
         """Write this trace to the directory `path`, for [`torchlens.load`][torchlens.load].
 
         Tensors go to a safetensors file, everything else (module tree, op records, facets,
