@@ -543,6 +543,8 @@ def diagnose(
         alternatives: the other elements of a tuple the engine handed (element 0 was `engine`).
     """
     pool = _pool(trace)
+    if not pool.entries:
+        return "cannot be explained: the trace kept no tensors to search (trace with save='all')", ()
     e = engine.detach().cpu().float()
     n = e.numel()
     if n == 0:
@@ -993,7 +995,7 @@ def _explain(cands: list[Candidate]) -> str:
     if cands and cands[0].matches:
         return f"equals {cands[0].describe()}"
     if not cands:
-        return "matches no tensor of the trace, and no tensor of the trace has a close norm and mean"
+        return "matches no tensor of the trace (none of its saved tensors reaches the engine's shape)"
     near = ", ".join(f"{_fmt(c.factor) + ' × ' if c.factor is not None else ''}{c.site} ({c.error:.2g})"
                      for c in cands[:3])
     return f"matches no tensor of the trace; nearest by relative error: {near}"

@@ -359,8 +359,6 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
     ref = res.tensor(trace).detach().cpu()
     if engine.dtype != ref.dtype:
         hints.append(f"dtypes differ (engine {str(engine.dtype)[6:]}, TorchLens {str(ref.dtype)[6:]})")
-    if auto_dtype is not None:
-        hints.append(f"tolerance='auto' at {auto_dtype} precision: atol {atol:.2g}, rtol {rtol:.2g}")
     options = [(label, t) for label, t in _candidates(ref, res.facet) if tuple(t.shape) == tuple(engine.shape)]
     expanded = _expand_kv(ref, engine, res.facet)
     if expanded is not None:
@@ -380,6 +378,9 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
     hint = ""
     if not passed:
         hint = _mismatch_hint(trace, res, d, atol, rtol, scale, engine, t)
+        if auto_dtype is not None:  # the precision is accounted for: keep only a hint about something else
+            note = f"tolerance='auto' at {auto_dtype} precision: atol {atol:.2g}, rtol {rtol:.2g}"
+            hint = note if hint.startswith("half-precision") else f"{note}; {hint}"
     return row(res.status, passed, hint, tuple(ref.shape), label, err)
 
 
