@@ -70,6 +70,8 @@ class StackSpec:
     mlp: str | None = "mlp"
     qkv: tuple[str, str, str] | None = None  # q/k/v projections under the attention, if separate
     qkv_served: bool = True  # False: TorchLens is known not to find q/k/v here (checked only if served)
+    fused: tuple[str, str, int] | None = None  # (fused qkv projection under the attention, HF layout, kv groups)
+    not_served: tuple[str, ...] = ()  # of q, k, v: known not to be found (checked if they ever are)
     kv_heads: int = 4
 
 
@@ -107,9 +109,11 @@ def _at(stack):
 
 
 def _lm(name, cfg_cls, model_cls, stack, final_norm, kw, attn="self_attn", mlp="mlp", qkv=_QKV, kv=2, note="",
-        unembed="lm_head", qkv_served=True, **extra):
+        unembed="lm_head", qkv_served=True, fused=None, not_served=(), **extra):
     return Arch(name, lambda: cfg_cls(**kw), model_cls, "decoder-only",
-                {stack: StackSpec(attention=attn, mlp=mlp, qkv=qkv, kv_heads=kv, qkv_served=qkv_served)}, stack,
+                {stack: StackSpec(attention=attn, mlp=mlp, qkv=qkv, kv_heads=kv, qkv_served=qkv_served, fused=fused,
+                                  not_served=not_served)},
+                stack,
                 final_norm, unembed,
                 hidden=_hs(stack), attentions=_at(stack), pad=True, note=note, **extra)
 
@@ -152,18 +156,20 @@ ZOO: tuple[Arch, ...] = (
     _lm("Falcon (multi-query)", tf.FalconConfig, tf.FalconForCausalLM, "transformer.h", "transformer.ln_f",
         dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=V, multi_query=True,
              new_decoder_architecture=False, parallel_attn=True, bos_token_id=0, eos_token_id=0),
-        attn="self_attention", qkv=None, kv=1, note="q, k, v fused with one kv head; parallel attention"),
+        attn="self_attention", qkv=None, kv=1, fused=("query_key_value", "queries_then_k_v", 1),
+        note="q, k, v fused with one kv head; parallel attention"),
     _lm("Falcon (new layout)", tf.FalconConfig, tf.FalconForCausalLM, "transformer.h", "transformer.ln_f",
         dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2, vocab_size=V,
              new_decoder_architecture=True, bos_token_id=0, eos_token_id=0),
-        attn="self_attention", qkv=None, note="grouped fused qkv: q, k, v not served"),
+        attn="self_attention", qkv=None, fused=("query_key_value", "grouped", 2), note="grouped fused qkv"),
     _lm("OLMo", tf.OlmoConfig, tf.OlmoForCausalLM, "model.layers", "model.norm", _GQA),
     _lm("OLMo-2", tf.Olmo2Config, tf.Olmo2ForCausalLM, "model.layers", "model.norm", _GQA,
         note="post-sublayer norms, QK-norm"),
     _lm("StableLM", tf.StableLmConfig, tf.StableLmForCausalLM, "model.layers", "model.norm", _GQA),
     _lm("BLOOM", tf.BloomConfig, tf.BloomForCausalLM, "transformer.h", "transformer.ln_f",
         dict(n_layer=2, hidden_size=32, n_head=4, vocab_size=V, bos_token_id=0, eos_token_id=0),
-        attn="self_attention", qkv=None, kv=4, note="ALiBi"),
+        attn="self_attention", qkv=None, kv=4, fused=("query_key_value", "per_head_qkv", 4), not_served=("v",),
+        note="ALiBi; v not served (its scores come from baddbmm, z from a bmm over merged heads)"),
     _lm("CodeGen", tf.CodeGenConfig, tf.CodeGenForCausalLM, "transformer.h", "transformer.ln_f",
         dict(n_layer=2, n_embd=32, n_head=4, vocab_size=V, n_positions=32, n_ctx=32, rotary_dim=4,
              bos_token_id=0, eos_token_id=0), attn="attn", qkv=None, kv=4, note="parallel attention and MLP"),
@@ -359,6 +365,22 @@ def _hooked_run(model, modules: dict[str, torch.nn.Module], args, kwargs, **flag
     return seen, out
 
 
+def _split_fused(flat: torch.Tensor, layout: str, groups: int, heads: int) -> dict[str, torch.Tensor]:
+    """q, k, v per head from a fused projection output, by the layouts the transformers source uses."""
+    b, t, width = flat.shape
+    d = width // {"queries_then_k_v": heads + 2, "grouped": heads + 2 * groups, "per_head_qkv": 3 * heads}[layout]
+    if layout == "queries_then_k_v":  # Falcon multi-query: heads query slices, then one key, one value
+        x = flat.view(b, t, heads + 2, d)
+        return {"q": x[:, :, :heads], "k": x[:, :, heads:heads + 1], "v": x[:, :, heads + 1:]}
+    if layout == "grouped":  # Falcon's new layout: per kv group, its queries, then its key and value
+        x = flat.view(b, t, groups, heads // groups + 2, d)
+        return {"q": x[:, :, :, :-2].reshape(b, t, heads, d), "k": x[:, :, :, -2], "v": x[:, :, :, -1]}
+    if layout == "per_head_qkv":  # BLOOM: per head, its q, k, v
+        x = flat.view(b, t, heads, 3, d)
+        return {"q": x[..., 0, :], "k": x[..., 1, :], "v": x[..., 2, :]}
+    raise ValueError(layout)
+
+
 def _equal(a, b) -> bool:
     return a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
 
@@ -395,7 +417,8 @@ def check_variant(arch: Arch, res: ArchResult, model, eager_model, attn: str, dn
         for addr in layer_addrs[sname]:
             watch[addr] = all_mods[addr]
             for rel in (spec.attention, spec.cross, spec.mlp) + tuple(
-                    f"{spec.attention}.{p}" for p in (spec.qkv or ())):
+                    f"{spec.attention}.{p}" for p in (spec.qkv or ())) + (
+                    (f"{spec.attention}.{spec.fused[0]}",) if spec.fused else ()):
                 if rel is not None:
                     watch[f"{addr}.{rel}"] = all_mods[f"{addr}.{rel}"]
     flags = {"output_hidden_states": True} if arch.hidden else {}
@@ -467,6 +490,19 @@ def check_variant(arch: Arch, res: ArchResult, model, eager_model, attn: str, dn
                     truth = flat.reshape(b, t, -1, site.tensor.shape[-1])
                     if not _equal(site.tensor.contiguous(), truth):
                         res.fail(where, f"qkv: {layer.attention.address} {name} differs from its projection")
+                    else:
+                        res.ok("qkv")
+            if spec.fused and layer.attention is not None:
+                sites = layer.attention.facets.sites
+                truth = _split_fused(seen[f"{addr}.{spec.attention}.{spec.fused[0]}"][k][1], spec.fused[1],
+                                     spec.fused[2], sites["pattern"].shape[1])
+                for name in "qkv":
+                    site = sites.get(name)
+                    if name in spec.not_served and site is None:
+                        continue
+                    if site is None or site.tensor is None or not _equal(site.tensor.contiguous(), truth[name]):
+                        res.fail(where, f"qkv: {layer.attention.address} {name} differs from the fused projection split "
+                                        f"by the {spec.fused[1]} layout")
                     else:
                         res.ok("qkv")
     # hidden states, attentions, logits from the model's own outputs (of the traced forward)

@@ -225,12 +225,23 @@ def _head_split(g: _Graph, kernel_ref: Ref, lo: int, d_head: int) -> tuple[Ref, 
     """Find the per-head view of a projection upstream of an attention kernel input.
 
     Returns the Ref of the reshape that gave the projection a head axis ([B, T, n, m] from
-    [B, T, n*m]) and the offset into its last axis where this input's d_head columns start
+    [B, T, n*m]; for a grouped layout [B, T, g, m, d], the slice of it this input took) and the
+    offset into its last axis where this input's d_head columns start
     (non-zero only for fused per-head qkv layouts such as GPT-NeoX's).
     """
     up = g.ancestors(kernel_ref, lo)
     for i in sorted(up, reverse=True):
         op = g.ops[i]
+        if op.name in fam.RESHAPE_OPS and len(op.shape) == 5 and op.inputs:  # grouped q|k|v view [B, T, g, m, d]
+            src = g.meta(op.inputs[0])
+            if (src is not None and len(src[0]) == 3 and src[0][:2] == tuple(op.shape[:2])
+                    and op.shape[2] * op.shape[3] * op.shape[4] == src[0][2] and op.shape[4] == d_head):
+                for j in sorted(j for j in up if j > i):  # the slice of the group's heads this input took
+                    sh = tuple(g.ops[j].shapes[up[j]])
+                    if g.ops[j].name == "__getitem__" and sh[:3] == tuple(op.shape[:3]) and sh[-1] == d_head and (
+                            (len(sh) == 5 and sh[3] < op.shape[3]) or len(sh) == 4):  # a slice, or one index of m
+                        return Ref(j, up[j]), 0
+            continue
         if op.name not in fam.RESHAPE_OPS or len(op.shape) != 4 or not op.inputs:
             continue
         src = g.meta(op.inputs[0])
@@ -375,6 +386,10 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
         if site.shape[-1] != d_head:
             site.shape = site.shape[:-1] + (d_head,)
             site.tensor = None if site.tensor is None else site.tensor[..., offset : offset + d_head]
+        if len(site.shape) == 5:  # grouped layout (Falcon's new one): heads are groups x heads per group
+            site.shape = site.shape[:2] + (site.shape[2] * site.shape[3], site.shape[4])
+            site.tensor = None if site.tensor is None else site.tensor.reshape(site.shape)
+            site.note = "projection viewed per head (grouped q|k|v layout: group-major heads)"
         sites[name] = site
         if name in ("q", "k") and _path_has_math(g, start, ref):
             sites["rot_" + name] = _rot_site(g, "rot_" + name, ref, site.shape)
