@@ -246,7 +246,11 @@ class Recorder(TorchFunctionMode):
     def _ref(self, t: Tensor):
         entry = self.producer.get(id(t))
         if entry is not None and entry[1]() is t:
-            if entry[2] != self._stamp(t):  # written in place since its producer recorded it
+            try:
+                stamp = t._version
+            except RuntimeError:  # an inference tensor
+                stamp = self._stamp(t)
+            if entry[2] != stamp:  # written in place since its producer recorded it
                 return self._record("written_in_place", (t,), (), True, refs=(entry[0],))
             return entry[0]
         return self.param_names.get(id(t))
@@ -264,9 +268,12 @@ class Recorder(TorchFunctionMode):
                     self.versions[idx, slot] = t._version
         else:
             tensors = (None,) * len(outs)
-        stamp = self._stamp
         for slot, o in enumerate(outs):
-            producer[id(o)] = (Ref(idx, slot), weakref.ref(o), stamp(o))
+            try:
+                stamp = o._version
+            except RuntimeError:  # an inference tensor
+                stamp = self._stamp(o)
+            producer[id(o)] = (Ref(idx, slot), weakref.ref(o), stamp)
         extra = None
         if name in _REBUILT_OPS and retain:
             extra = {

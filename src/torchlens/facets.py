@@ -203,7 +203,9 @@ def _check_resid_mid(
         for k in branch:
             v = g.value(_io(g, k, "out"))
             if v is not None and v.shape == target.shape:
-                errors.append(float((base + v.float() - target).abs().max()))
+                errors.append(float((base + v.float()).sub_(target).abs_().max()))
+                if errors[-1] <= tol:
+                    break
         return min(errors)
 
     attn_branch = [k for k in kids if attn.first_op <= k.first_op < mlp.first_op]
@@ -747,11 +749,11 @@ def _normalize(x: Tensor, module: nn.Module, kind: str) -> tuple[Tensor, Tensor 
     return centred * inv, inv
 
 
-def _affine_error(normalized: Tensor, out: Tensor, module: nn.Module, kind: str) -> float:
+def _affine_error(normalized: Tensor, out: Tensor, module: nn.Module, kind: str, tol: float = 0.0) -> float:
     """How far `normalized * gain + bias` is from the norm's output, for the gain the model uses.
 
     The gain is the module's `weight`, or `1 + weight` (Gemma's RMSNorm stores the offset), or
-    1 without a weight; the smallest error over those is returned.
+    1 without a weight; the smallest error over those is returned (the first within `tol`).
     """
     w, b = getattr(module, "weight", None), getattr(module, "bias", None)
     n, o = normalized.float(), out.float()
@@ -760,8 +762,10 @@ def _affine_error(normalized: Tensor, out: Tensor, module: nn.Module, kind: str)
     gains = [None] if not isinstance(w, Tensor) else [w.float(), 1 + w.float()]
     errors = []
     for gain in gains:
-        y = n if gain is None else n * (gain.view(shape) if shape else gain)
-        errors.append(float(((y + bias) - o).abs().max()) if o.numel() else 0.0)
+        y = n + bias if gain is None else (n * (gain.view(shape) if shape else gain)).add_(bias)  # new tensors
+        errors.append(float(y.sub_(o).abs_().max()) if o.numel() else 0.0)
+        if errors[-1] <= tol:
+            break
     return min(errors)
 
 
@@ -815,8 +819,8 @@ def norm_facets(g: _Graph, call: ModuleCall) -> dict[str, FacetSite]:
         for site in sites.values():
             site.tensor = None
         return sites
-    err = _affine_error(n_site.tensor, out, module, kind)
-    tol = fam.reconstruction_tolerance(out.dtype) * max(1.0, float(out.float().abs().max()))
+    tol = fam.reconstruction_tolerance(out.dtype) * max(1.0, float(out.abs().max()))
+    err = _affine_error(n_site.tensor, out, module, kind, tol)
     if not err <= tol:
         return _refused(names, f"normalized * gain + bias differs from the norm's output by {err:.3g} (> {tol:.3g})")
     for site in sites.values():
