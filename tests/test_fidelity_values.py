@@ -700,3 +700,21 @@ def test_transformer_encoder_attention_pattern_against_the_module_itself():
     torch.testing.assert_close(f["pattern"], weights, rtol=1e-5, atol=1e-6)
     # The plain run took the fused fast path, which the torch function mode turns off (limits guide).
     torch.testing.assert_close(tr.modules["layers.1"].facets["output"], ground.out["layers.1"], rtol=1e-5, atol=1e-5)
+
+
+def test_in_place_edit_after_return_under_inference_mode():
+    """Inference tensors have no version counter; the writes the mode sees still mark them."""
+    torch.manual_seed(0)
+    model = _Graph([("linear", "hook"), ("mlp", "setitem")], [False, True]).eval()
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    watched = ["layers.0", "layers.1", "layers.1.inner", "head"]
+    ground = Ground(model, watched)
+    with torch.inference_mode():
+        ref = model(x)
+    ground.remove()
+    with torch.inference_mode():
+        tr = torchlens.trace(model, x)
+    assert torch.equal(tr.output, ref)
+    for a in watched:
+        assert torch.equal(tr.modules[a].facets["output"], ground.out[a]), a
+        assert torch.equal(tr.modules[a].facets["input"], ground.inp[a]), a
