@@ -396,3 +396,16 @@ def test_trace_getitem_reads_the_call_of_the_layer():
     assert t.blocks == ["body.0", "body.0"]
     for i in (0, 1):
         torch.testing.assert_close(t[f"blocks.{i}.hook_resid_post"], seen["b"][i], rtol=0, atol=0)
+
+
+def test_a_report_on_a_model_without_layers_says_so_per_name():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = tl.trace(Scrambled().eval(), torch.tensor([[1, 2, 3]]))
+    report = mi.alias_report(t, "2.x")
+    per_layer = [r for r in report if "{L}" in r.pattern]
+    assert len(per_layer) == sum(1 for row in mi.table("2.x") if row.per_layer)
+    with_site = [r for r in per_layer if mi.table("2.x")[[x.name for x in mi.table("2.x")].index(r.pattern)].facet]
+    assert with_site and all(r.status == "structurally_absent" and "no stack of layers" in r.reason for r in with_site)
+    assert all("roles=" in r.remedy for r in with_site)

@@ -403,6 +403,10 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
                    "read trace.structure.stacks[name].layers[i] for the stack you mean")
     if address is None:
         if row.per_layer and layer is None:
+            if _n_layers(trace, row) == 0:
+                return res("structurally_absent", None, row.facets[0],
+                           "TorchLens found no stack of layers in this model, so no per-layer name has a site",
+                           "name the blocks: trace(model, ..., roles={'<holder address>.*': 'block'})")
             return res("structurally_absent", None, row.facets[0], "per-layer name without a layer")
         call, why = targets.find_call(trace, row.target, layer, row.stack)
         if call is None:
@@ -569,6 +573,8 @@ def alias_report(trace: Trace, generation: str = "2.x") -> AliasReport:
         if row.per_layer and not (table_.absent_once and row.facet is None):
             for layer in range(_n_layers(trace, row)):
                 rows.append(_status(trace, table_, row, layer, row.name.replace("{L}", str(layer))))
+            if not _n_layers(trace, row):  # no layer found: one row says so, rather than none
+                rows.append(_status(trace, table_, row, None, _bare(row.name)))
         else:
             query = _bare(row.name) if row.per_layer else row.name
             rows.append(_status(trace, table_, row, None, query))
