@@ -418,6 +418,52 @@ def test_auto_tolerance_passes_a_bf16_engine_and_fails_wrong_hooks(family):
     assert next(model.parameters()).dtype == torch.float32
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])
+def test_auto_tolerance_passes_every_site_rounded_to_bf16(family):
+    """Every readable 2.x site of a float32 run, rounded to bfloat16 (the engine's dtype), passes
+    under tolerance="auto" against the float32 trace and against a bfloat16 trace of the same weights."""
+    model, trace32 = traced(family)
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    trace16 = tl.trace(model16, IDS)
+    names = [r.query for r in mi.alias_report(trace32, generation="2.x") if r.readable]
+    values = {}
+    for name in names:
+        t = mi.resolve_alias(trace32, name, generation="2.x").tensor(trace32)
+        values[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
+    for trace, m in ((trace32, model), (trace16, model16)):
+        report = mi.compare(trace, values, generation="2.x", tolerance="auto", model=m, inputs=IDS)
+        # A site the float64 rerun does not serve keeps atol/rtol, and the row says so (see
+        # test_a_float64_trace_serves_resid_mid_and_normalized); every other site passes.
+        unavailable = [c.name for c in report if "tolerance='auto' unavailable here" in c.hint]
+        assert all(c.passed for c in report if c.name not in unavailable), \
+            [(c.name, c.max_abs_error, c.tolerance) for c in report if not c.passed]
+        trace64 = tl.trace(copy.deepcopy(model).to(torch.float64), IDS)
+        for name in unavailable:  # only where the float64 trace does not serve the site
+            res = mi.resolve_alias(trace32, name, generation="2.x")
+            assert res.facet not in trace64.modules[res.module_address].facets, name
+        assert len(report) == len(names) > 30
+
+
+@pytest.mark.xfail(strict=True, reason="the checks of derived facets (facets.py) compare float32 computations "
+                   "of float64 tensors against float64's reconstruction tolerance, so a float64 trace refuses "
+                   "resid_mid and the norms' normalized/scale")
+def test_a_float64_trace_serves_resid_mid_and_normalized():
+    model, _ = traced("gpt2")
+    trace = tl.trace(copy.deepcopy(model).to(torch.float64), IDS)
+    assert "resid_mid" in trace.modules["transformer.h.0"].facets
+    assert "normalized" in trace.modules["transformer.h.0.ln_2"].facets
+
+
+def test_explain_false_and_a_trace_without_tensors():
+    model, trace = traced("gpt2")
+    value = engine_neighbour(model, "gpt2")
+    (row,) = mi.compare(trace, value, explain=False)
+    assert not row.passed and row.explanation == "" and row.candidates == ()
+    bare = tl.trace(model, IDS, save="none")
+    (row,) = mi.compare(bare, value)
+    assert "kept no tensors" in row.explanation
+
+
 def test_auto_tolerance_needs_the_model():
     _, trace = traced("gpt2")
     with pytest.raises(ToleranceError, match="model="):

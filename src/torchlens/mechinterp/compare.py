@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import TorchLensError
+from ..errors import LookupFailed, TorchLensError
 from ..records import Trace
 from ._diagnose import Candidate, diagnose
 from .resolver import AliasResolution, resolve_alias
@@ -207,7 +207,8 @@ def compare(
     and `eps` the machine epsilon of the coarser of the two dtypes, a row passes when, element by
     element, `|engine - R| <= AUTO_FACTOR * max|R - R64| + eps * |R|` (`AUTO_FACTOR` is 4): the
     engine may be up to four times as far from the trace as the trace's own precision is from
-    exact. Sites without a floating-point tensor (token ids) keep `atol`/`rtol`. Limits: the reruns must compute what the trace computed, so the model must be
+    exact. Sites without a floating-point tensor (token ids), and sites a rerun does not serve (a
+    derived facet whose check fails there), keep `atol`/`rtol`; the row's hint says so. Limits: the reruns must compute what the trace computed, so the model must be
     deterministic (eval mode, no sampling) and `inputs` must be the traced inputs; a kernel that
     is much less accurate than the model's own ops in the same dtype (an approximate fused kernel)
     can exceed the bound although its hook is right; and a wrong hook whose tensor differs from
@@ -254,7 +255,9 @@ def compare(
                 for name, value in engine_values.items()]
     tolerances = _auto_tolerances(trace, resolved, model, inputs) if tolerance == "auto" else {}
     for name, value, res in resolved:
-        tol = tolerances.get(name, (atol, rtol, None))
+        tol = tolerances.get(name, (atol, rtol, None, ""))
+        if tol[0] is None:  # no float64 value at this site: the given atol/rtol, and the row says why
+            tol = (atol, rtol, None, tol[3])
         report.append(_compare_one(trace, name, value, res, tol, editable, generation, explain))
     return report
 
@@ -300,8 +303,9 @@ def _rerun(model: nn.Module, inputs: Any, dtype: torch.dtype, sites: set[tuple[s
         return run_trace(twin, *args, save=lambda address, facet: (address, facet) in sites, **kwargs)
 
 
-def _auto_tolerances(trace: Trace, resolved, model: nn.Module, inputs: Any) -> dict[str, tuple[float, float, str]]:
-    """name -> (atol, rtol, note) from the deviation of the trace's dtype from float64 at each site."""
+def _auto_tolerances(trace: Trace, resolved, model: nn.Module, inputs: Any) -> dict[str, tuple]:
+    """name -> (atol, rtol, dtype name, "") from the deviation of the trace's dtype from float64 at
+    each site, or (None, None, None, why) where a rerun has no tensor for the site."""
     wanted: dict[str, tuple[str, str, torch.dtype, torch.dtype]] = {}
     for name, value, res in resolved:
         if not res.readable or res.module_address is None or res.facet is None:
@@ -320,20 +324,25 @@ def _auto_tolerances(trace: Trace, resolved, model: nn.Module, inputs: Any) -> d
             runs[coarse] = _rerun(model, inputs, coarse, sites)
     out = {}
     for name, (address, facet, ref_dtype, coarse) in wanted.items():
-        exact = runs[torch.float64].modules[address].facets[facet].double()
-        near = (trace if coarse == ref_dtype else runs[coarse]).modules[address].facets[facet].double()
+        try:
+            exact = runs[torch.float64].modules[address].facets[facet].double()
+            near = (trace if coarse == ref_dtype else runs[coarse]).modules[address].facets[facet].double()
+        except LookupFailed as exc:
+            out[name] = (None, None, None, f"tolerance='auto' unavailable here, atol/rtol used: the rerun has no "
+                                           f"tensor at {address}:{facet} ({exc})")
+            continue
         if near.shape != exact.shape:
             continue
         d = (near - exact).abs()
         finite = torch.isfinite(exact) & torch.isfinite(near) & (exact.abs() < torch.finfo(torch.float32).max / 4)
         dev = float(d[finite].max()) if bool(finite.any()) else 0.0
-        out[name] = (AUTO_FACTOR * dev, torch.finfo(coarse).eps, str(coarse)[6:])
+        out[name] = (AUTO_FACTOR * dev, torch.finfo(coarse).eps, str(coarse)[6:], "")
     return out
 
 
 def _compare_one(trace, name, value, res: AliasResolution, tol, editable, generation, explain) -> Comparison:
-    atol, rtol, auto_dtype = tol
-    hints = []
+    atol, rtol, auto_dtype, auto_note = tol
+    hints = [auto_note] if auto_note else []
     engine, rest, tuple_hint = _engine_tensor(value)
     if tuple_hint:
         hints.append(tuple_hint)
