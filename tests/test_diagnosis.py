@@ -303,7 +303,7 @@ def test_scale_factor_is_reported():
 
 
 def test_a_scaled_tensor_without_an_op_gets_the_least_squares_factor():
-    model, trace = traced("llama")
+    _, trace = traced("llama")
     mlp_out = trace.modules["model.layers.1.mlp"].facets["output"]
     (row,) = mi.compare(trace, {"blocks.1.hook_mlp_out": -3.5 * mlp_out}, generation="2.x")
     assert row.explanation == "equals -3.5 × blocks.1.hook_mlp_out: a scale factor"
@@ -329,7 +329,7 @@ def test_kv_heads_repeated_per_head_pass():
 
 
 def test_the_sum_of_two_sites():
-    model, trace = traced("gpt2")
+    _, trace = traced("gpt2")
     f = trace.modules
     value = f["transformer.h.1.attn"].facets["output"] + f["transformer.h.0.mlp"].facets["output"]
     (row,) = mi.compare(trace, {"blocks.1.hook_attn_out": value}, generation="2.x")
@@ -338,7 +338,7 @@ def test_the_sum_of_two_sites():
 
 def test_random_noise_matches_nothing():
     for family in ("gpt2", "llama", "gemma2"):
-        model, trace = traced(family)
+        _, trace = traced(family)
         ref = trace.modules[trace.blocks[1]].facets["resid_post"]
         noise = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3))
         (row,) = mi.compare(trace, {"blocks.1.hook_resid_post": noise}, generation="2.x")

@@ -558,13 +558,12 @@ def diagnose(
     found: list[_Found] = []
     shape = tuple(e.shape)
 
-    # 1. Every tensor whose shape reaches the engine's shape. Members of a shape group whose
-    # conversion keeps the element order (batch axis dropped, heads flattened) are screened all
-    # at once: one matrix-vector product gives each one's distance and least-squares scale. The
-    # rest (transposes, repeated kv heads) are screened by norm and mean bounds.
+    # 1. Every tensor whose shape reaches the engine's shape. For the members of a shape group of
+    # the engine's size, E is brought to their layout (undoing a reshape or transpose) and one
+    # matrix-vector product gives each one's distance and least-squares scale. Repeated kv heads
+    # (which change the size) and masked scores are screened by norm and mean bounds instead.
     scaled_pending: list[tuple[_Entry, str, bool, list]] = []
     layouts: dict[tuple, list] = {}
-    flat_e = e.reshape(-1)
     for c_shape, entries in pool.by_shape.items():
         size = math.prod(c_shape)
         if size > n or n % max(size, 1):
