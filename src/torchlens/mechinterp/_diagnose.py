@@ -440,9 +440,11 @@ def _relation(pool: _Pool, expected: _Entry | None, cand: _Entry, label: str, ac
             words.append(f"the norm {_short(pool, norm_c[0])} of the site plus the residual: a fused add+norm "
                          "wrote its output into the saved tensor in place")
         elif ex_src in _add_operands(trace, c_op):
-            words.append("the residual is included")
+            others = [o for o in _add_operands(trace, c_op) if o != ex_src]
+            words.append("the residual is included" if _residual(pool, others) else "the site plus another tensor")
         elif c_src in _add_operands(trace, ex_op):
-            words.append("the residual is missing")
+            others = [o for o in _add_operands(trace, ex_op) if o != c_src]
+            words.append("the residual is missing" if _residual(pool, others) else "the site minus another tensor")
         else:
             path = _path(trace, c_src, ex_src)
             if path is not None:
@@ -462,6 +464,18 @@ def _relation(pool: _Pool, expected: _Entry | None, cand: _Entry, label: str, ac
     if layout:
         words.append(layout)
     return "; ".join(words)
+
+
+def _residual(pool: _Pool, ops: list[int]) -> bool:
+    """Whether one of `ops` is the residual stream: a block's input, or its residual between sublayers."""
+    trace = pool.trace
+    stream = set()
+    for b in trace.blocks:
+        for name in ("resid_pre", "resid_mid"):
+            e = pool.site.get((b, name))
+            if e is not None and e.op is not None:
+                stream.add(_through(trace, e.op))
+    return any(_through(trace, o) in stream for o in ops)
 
 
 def _short(pool: _Pool, address: str) -> str:
