@@ -409,3 +409,36 @@ def test_a_report_on_a_model_without_layers_says_so_per_name():
     with_site = [r for r in per_layer if mi.table("2.x")[[x.name for x in mi.table("2.x")].index(r.pattern)].facet]
     assert with_site and all(r.status == "structurally_absent" and "no stack of layers" in r.reason for r in with_site)
     assert all("roles=" in r.remedy for r in with_site)
+
+
+def test_hooked_encoder_decoder_names_resolve_on_t5():
+    """TL 2.x names on an encoder-decoder read HookedEncoderDecoder's sites, each stack from 0, against hooks."""
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(tf.T5Config(num_layers=2, d_model=16, d_ff=24, num_heads=2, d_kv=8,
+                                                      vocab_size=V)).eval()
+    enc, dec = model.encoder, model.decoder
+    outs = {"enc_mid1": enc.block[1].layer[0], "dec_mid_cross0": dec.block[0].layer[1],
+            "dec_cross1": dec.block[1].layer[1].EncDecAttention, "dec_post1": dec.block[1],
+            "enc_attn0": enc.block[0].layer[0].SelfAttention, "dec_mlp0": dec.block[0].layer[2].DenseReluDense}
+    seen, handles = _hook_outputs(outs)
+    handles.append(enc.final_layer_norm.register_forward_pre_hook(
+        lambda m, a: seen.setdefault("enc_final_in", []).append(a[0].detach().clone())))  # returns None
+    try:
+        t = tl.trace(model, torch.tensor([[1, 2, 3, 4]]), decoder_input_ids=torch.tensor([[1, 2, 3]]))
+    finally:
+        for h in handles:
+            h.remove()
+    expect = {"encoder.1.hook_resid_mid": "enc_mid1", "decoder.0.hook_resid_mid_cross": "dec_mid_cross0",
+              "decoder.1.hook_cross_attn_out": "dec_cross1", "decoder.1.hook_resid_post": "dec_post1",
+              "encoder.0.hook_attn_out": "enc_attn0", "decoder.0.hook_mlp_out": "dec_mlp0",
+              "encoder.1.hook_resid_post": "enc_final_in"}
+    for name, key in expect.items():
+        r = mi.resolve_alias(t, name, "2.x")
+        assert r.status == "real", r
+        torch.testing.assert_close(r.tensor(t), seen[key][0], rtol=0, atol=0)
+    assert mi.resolve_alias(t, "decoder.1.cross_attn.hook_pattern", "2.x").shape == (1, 2, 3, 4)
+    assert mi.resolve_alias(t, "decoder_final_ln.hook_scale", "2.x").module_address == "decoder.final_layer_norm"
+    assert mi.resolve_alias(t, "decoder.0.ln2.hook_normalized", "2.x").module_address == "decoder.block.0.layer.1.layer_norm"
+    assert mi.resolve_alias(t, "encoder.0.ln2.hook_normalized", "2.x").module_address == "encoder.block.0.layer.1.layer_norm"
+    with pytest.raises(mi.LayerOutOfRange):
+        mi.resolve_alias(t, "decoder.2.hook_resid_post", "2.x")

@@ -207,6 +207,33 @@ def _type_embed(trace: Trace) -> ModuleCall | None:
     return others[0] if len(others) == 1 else None
 
 
+def _adds_own_input(trace: Trace, call: ModuleCall) -> bool:
+    if type(call._in_ref) is not Ref:
+        return False
+    same = {call._in_ref}  # the input and value-preserving casts of it
+    for op in trace.ops[call.first_op : call.end_op]:
+        if op.name in ADD_OPS and same.intersection(op.inputs):
+            return True
+        if op.name in PASS_THROUGH_OPS and op.inputs and op.inputs[0] in same:
+            same.add(Ref(op.index, 0))
+    return False
+
+
+def _residual_wrapper(which: str) -> Callable[[Trace, int], ModuleCall | None]:
+    """The call between the block and its sublayer that adds the residual (T5's T5LayerSelfAttention)."""
+
+    def find(trace: Trace, layer: int) -> ModuleCall | None:
+        lay = _layer(trace, layer)
+        c = getattr(lay, which)
+        while c is not None and c.parent is not None and c.parent is not lay.call:
+            c = c.parent
+            if _adds_own_input(trace, c):
+                return c
+        return None
+
+    return find
+
+
 def _root(trace: Trace, layer: int) -> ModuleCall | None:
     return trace.modules[""].calls[0] if trace.modules[""].calls else None
 
@@ -254,6 +281,10 @@ TARGETS: dict[str, tuple[Callable, bool, str]] = {
     "ln_cross": (lambda t, i: _norm_where(t, i, _feeds, "cross_attention"), True,
                  "no norm feeds the cross-attention input"),
     "first_block": (lambda t, i: _layer(t, 0).call if t.structure.layers else None, False, "no block ran"),
+    "attn_residual": (_residual_wrapper("attention"), True,
+                      "no module between the block and its attention adds the residual"),
+    "cross_residual": (_residual_wrapper("cross_attention"), True,
+                       "no module between the block and its cross-attention adds the residual"),
     "root": (_root, False, ""),
 }
 

@@ -1,6 +1,6 @@
 """TransformerLens 2.x `HookedTransformer` hook names (checked against 2.18)."""
 
-from . import Row, Table, tl2_encoder
+from . import Row, Table, tl2_encdec, tl2_encoder
 
 _HEADS_OF_RESID = (
     "a per-head copy of the pre-norm residual; TorchLens keeps resid_pre once: read "
@@ -75,4 +75,4 @@ ROWS = (
 )
 
 TABLE = Table("2.x", "TransformerLens 2.x HookedTransformer hook names", ROWS,
-              by_kind=(("encoder-only", tl2_encoder.TABLE),))
+              by_kind=(("encoder-only", tl2_encoder.TABLE), ("encoder-decoder", tl2_encdec.TABLE)))
