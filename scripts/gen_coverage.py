@@ -626,8 +626,9 @@ def render(results: list[ArchResult]) -> str:
         "",
         "Decoder-only naming generations read the language-model stack; with several stacks and none feeding a "
         "language-model head (CLIP) a per-layer name resolves `ambiguous`. On BERT-like encoders TransformerLens "
-        "2.x names follow `HookedEncoder` (post-LN blocks), and on T5 TransformerLens 4.x names follow the "
-        "bridge's `encoder_blocks` / `decoder_blocks`; nnterp and interp-engine serve decoder-only models and say "
+        "2.x names follow `HookedEncoder` (post-LN blocks), and on T5 TransformerLens 2.x names follow "
+        "`HookedEncoderDecoder` (`encoder.{L}`, `decoder.{L}`) and 4.x names the bridge's `encoder_blocks` / "
+        "`decoder_blocks`, each stack numbered from 0; nnterp and interp-engine serve decoder-only models and say "
         "so on any other kind. Where the rules cannot tell, `tl.trace(model, ..., roles={\"body.*\": \"block\", "
         "\"body.*.mix\": \"attention\"})` names blocks, attention, cross-attention, MLP, norms and the "
         "unembedding (`*` is one address part); a model with repeated modules and no block found gets a warning "

@@ -442,3 +442,22 @@ def test_hooked_encoder_decoder_names_resolve_on_t5():
     assert mi.resolve_alias(t, "encoder.0.ln2.hook_normalized", "2.x").module_address == "encoder.block.0.layer.1.layer_norm"
     with pytest.raises(mi.LayerOutOfRange):
         mi.resolve_alias(t, "decoder.2.hook_resid_post", "2.x")
+
+
+def test_every_row_of_every_table_names_a_known_target_and_facet():
+    """A mistyped target or facet in a (kind-specific) table would read as structurally_absent: refuse it here."""
+    from torchlens.facets import ALL_FACETS
+    from torchlens.mechinterp import targets
+    from torchlens.mechinterp.resolver import GENERATIONS
+
+    tables = [t for g in GENERATIONS.values() for t in (g, *dict(g.by_kind).values())]
+    assert len(tables) >= 8
+    for table in tables:
+        names = [r.name for r in table.rows]
+        assert len(names) == len(set(names)), table.title
+        for row in table.rows:
+            if row.facet is None:
+                continue
+            assert row.target in targets.TARGETS, (table.title, row.name, row.target)
+            assert set(row.facets) <= ALL_FACETS, (table.title, row.name, row.facet)
+            assert row.stack in (None, "encoder", "decoder"), (table.title, row.name)
