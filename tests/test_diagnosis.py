@@ -444,9 +444,6 @@ def test_auto_tolerance_passes_every_site_rounded_to_bf16(family):
         assert len(report) == len(names) > 30
 
 
-@pytest.mark.xfail(strict=True, reason="the checks of derived facets (facets.py) compare float32 computations "
-                   "of float64 tensors against float64's reconstruction tolerance, so a float64 trace refuses "
-                   "resid_mid and the norms' normalized/scale")
 def test_a_float64_trace_serves_resid_mid_and_normalized():
     model, _ = traced("gpt2")
     trace = tl.trace(copy.deepcopy(model).to(torch.float64), IDS)

@@ -718,3 +718,20 @@ def test_in_place_edit_after_return_under_inference_mode():
     for a in watched:
         assert torch.equal(tr.modules[a].facets["output"], ground.out[a]), a
         assert torch.equal(tr.modules[a].facets["input"], ground.inp[a]), a
+
+
+@pytest.mark.parametrize("family,impl", [("gpt2", "eager"), ("llama", "sdpa")])
+def test_float64_traces_pass_their_checks(family, impl):
+    """The checks compute in float64 for a float64 model, so its tight tolerance holds."""
+    model = _models.build(family, impl, torch.float64)
+    with torch.no_grad():
+        tr = torchlens.trace(model, IDS)
+    refused = {(a, n): why for a, rec in tr.modules.items() for c in rec.calls for n, why in c.facets.refused.items()}
+    assert not refused, refused
+    block = tr.blocks[0]
+    assert "resid_mid" in tr.modules[block].facets
+    attn = next(a for a in tr.modules if a.startswith(block + ".") and tr.modules[a].role == "attention")
+    for name in ("pattern", "z") + (("result",) if family == "gpt2" else ()):
+        assert name in tr.modules[attn].facets, name
+    norms = [a for a in tr.modules if tr.modules[a].role == "norm" and tr.modules[a].calls]
+    assert norms and all("normalized" in tr.modules[a].facets for a in norms)

@@ -130,6 +130,11 @@ class _Graph:
         return seen
 
 
+def _wide(t: Tensor) -> Tensor:
+    """`t` in the precision a check computes in: float64 stays float64, anything else is float32."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def _site(g: _Graph, name: str, ref: Any, kind: str = "real", note: str = "") -> FacetSite | None:
     m = g.meta(ref)
     if m is None:
@@ -195,22 +200,22 @@ def _check_resid_mid(
     if pre is None or post is None or pre.tensor is None or post.tensor is None:
         mid.tensor = None  # cannot be checked, so not served
         return {}
-    m = mid.tensor.float()
-    tol = fam.reconstruction_tolerance(mid.dtype) * max(1.0, float(post.tensor.float().abs().max()))
+    m = _wide(mid.tensor)
+    tol = fam.reconstruction_tolerance(mid.dtype) * max(1.0, float(post.tensor.abs().max()))
 
     def best(base: Tensor, target: Tensor, branch: list[ModuleCall]) -> float:
         errors = [float("inf")]
         for k in branch:
             v = g.value(_io(g, k, "out"))
             if v is not None and v.shape == target.shape:
-                errors.append(float((base + v.float()).sub_(target).abs_().max()))
+                errors.append(float((base + _wide(v)).sub_(target).abs_().max()))
                 if errors[-1] <= tol:
                     break
         return min(errors)
 
     attn_branch = [k for k in kids if attn.first_op <= k.first_op < mlp.first_op]
     mlp_branch = [k for k in kids if k.first_op >= mlp.first_op]
-    err = max(best(pre.tensor.float(), m, attn_branch), best(m, post.tensor.float(), mlp_branch))
+    err = max(best(_wide(pre.tensor), m, attn_branch), best(m, _wide(post.tensor), mlp_branch))
     if not err <= tol:
         return _refused(
             ("resid_mid",),
@@ -411,10 +416,10 @@ def _check_z(g: _Graph, pattern: FacetSite | None, v_ref: Any, z: FacetSite | No
     if v.shape[-3] != p.shape[-3] and v.dim() == 4 and p.shape[-3] % v.shape[-3] == 0:
         v = v.repeat_interleave(p.shape[-3] // v.shape[-3], dim=-3)
     try:
-        err = float((torch.matmul(p.to(v.dtype), v).float() - z.tensor.float()).abs().max())
+        err = float((_wide(torch.matmul(p.to(v.dtype), v)) - _wide(z.tensor)).abs().max())
     except RuntimeError as exc:
         return _refused(("z",), f"pattern @ v could not be formed ({exc})")
-    tol = fam.reconstruction_tolerance(z.dtype) * max(1.0, float(v.float().abs().max()))
+    tol = fam.reconstruction_tolerance(z.dtype) * max(1.0, float(v.abs().max()))
     if not err <= tol:
         return _refused(("z",), f"pattern @ v differs from z by {err:.3g} (> {tol:.3g}), e.g. dropout ran between them")
     z.check_error = err
@@ -553,7 +558,7 @@ def rebuild_mha(args: tuple, kwargs: dict, out: Tensor) -> tuple[dict[str, Tenso
     result = torch.einsum("bhtd,ohd->btho", z, w_o.view(e, h, dh))
     total = result.sum(2) + (a["out_proj_bias"] if a.get("out_proj_bias") is not None else 0)
     rows = ~masked.all(-1).any(1).unsqueeze(-1)  # [batch, pos, 1]: query rows with a visible key
-    got, want = total.float(), out.transpose(0, 1).float()
+    got, want = _wide(total), _wide(out.transpose(0, 1))
     same_nan = got.isnan() & want.isnan()  # NaN where the model's own output is NaN (an upstream NaN)
     diff = torch.where(rows & ~same_nan, (got - want).abs(), torch.zeros((), device=out.device))
     err = float(diff.nan_to_num(nan=float("inf")).max()) if diff.numel() else 0.0
@@ -604,14 +609,14 @@ def rebuild_attention(args: tuple, kwargs: dict, out: Tensor) -> tuple[Tensor, T
         else:
             scores = scores + mask
     scores = scores.masked_fill(~visible, fill)
-    pattern = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    pattern = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
     z = torch.matmul(pattern, v)
     rows = visible.expand(scores.shape).any(-1, keepdim=True)
     if mask is not None and mask.dtype != torch.bool:
         rows = rows & (mask > fill / 2).expand(scores.shape).any(-1, keepdim=True)
-    diff = torch.where(rows, (z.float() - out.float()).abs(), torch.zeros((), device=z.device))
+    diff = torch.where(rows, (_wide(z) - _wide(out)).abs(), torch.zeros((), device=z.device))
     err = float(diff.nan_to_num(nan=float("inf")).max()) if diff.numel() else 0.0
-    tol = fam.reconstruction_tolerance(q.dtype) * max(1.0, float(v.float().abs().max()))
+    tol = fam.reconstruction_tolerance(q.dtype) * max(1.0, float(v.abs().max()))
     return scores, pattern, err, tol
 
 
@@ -643,8 +648,8 @@ def _result_site(g: _Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSi
                 return {"result": site}  # cannot be checked, so not served (no tensor)
             bias = getattr(module, "bias", None)
             total = result.sum(2) + (bias.detach().to(result.dtype) if isinstance(bias, Tensor) else 0)
-            site.check_error = err = float((total.float() - actual.float()).abs().max())
-            tol = fam.reconstruction_tolerance(actual.dtype) * max(1.0, float(actual.float().abs().max()))
+            site.check_error = err = float((_wide(total) - _wide(actual)).abs().max())
+            tol = fam.reconstruction_tolerance(actual.dtype) * max(1.0, float(actual.abs().max()))
             if not err <= tol:
                 return _refused(("result",), f"the sum over heads plus bias differs from the output projection by {err:.3g} (> {tol:.3g})")
         site.tensor = result
@@ -735,7 +740,7 @@ def _normalize(x: Tensor, module: nn.Module, kind: str) -> tuple[Tensor, Tensor 
     """The norm's input centred (unless RMS) and divided by its RMS/std over the normalized
     dimensions, in float32; and the inverse divisor (None for GroupNorm, whose statistics are
     per group, not per position)."""
-    xf = x.float()
+    xf = _wide(x)
     eps = fam.norm_eps(module)
     if kind == "group":
         groups = module.num_groups
@@ -756,10 +761,10 @@ def _affine_error(normalized: Tensor, out: Tensor, module: nn.Module, kind: str,
     1 without a weight; the smallest error over those is returned (the first within `tol`).
     """
     w, b = getattr(module, "weight", None), getattr(module, "bias", None)
-    n, o = normalized.float(), out.float()
+    n, o = _wide(normalized), _wide(out)
     shape = (-1,) + (1,) * (n.dim() - 2) if kind == "group" else None
-    bias = 0 if not isinstance(b, Tensor) else (b.float().view(shape) if shape else b.float())
-    gains = [None] if not isinstance(w, Tensor) else [w.float(), 1 + w.float()]
+    bias = 0 if not isinstance(b, Tensor) else (_wide(b).view(shape) if shape else _wide(b))
+    gains = [None] if not isinstance(w, Tensor) else [_wide(w), 1 + _wide(w)]
     errors = []
     for gain in gains:
         y = n + bias if gain is None else (n * (gain.view(shape) if shape else gain)).add_(bias)  # new tensors
