@@ -196,6 +196,10 @@ def test_trace_unchanged_by_later_writes_to_inputs_weights_and_outputs(family):
             if b.is_floating_point():
                 b.add_(1)
     tr.output.logits.zero_()
+    cache = [t for layer in tr.output.past_key_values.layers for t in (layer.keys, layer.values)]
+    assert len(cache) == 4
+    for t in cache:  # e.g. a static-cache update written in place
+        t.zero_()
     after = _facet_values(tr)
     assert after.keys() == before.keys()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
