@@ -432,8 +432,17 @@ def test_auto_tolerance_passes_every_site_rounded_to_bf16(family):
         values[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
     for trace, m in ((trace32, model), (trace16, model16)):
         report = mi.compare(trace, values, generation="2.x", tolerance="auto", model=m, inputs=IDS)
-        assert report.ok, [(c.name, c.max_abs_error, c.tolerance, c.hint) for c in report if not c.passed]
-        assert not any("unavailable" in c.hint for c in report)  # every site got its float64 tolerance
+        # A site the float64 rerun does not serve keeps atol/rtol, and the row says so (Gemma's
+        # RMSNorm computes in float32 even in a float64 model, and the float64 trace refuses its
+        # derived facets); every other site passes.
+        unavailable = [c.name for c in report if "tolerance='auto' unavailable here" in c.hint]
+        assert all(c.passed for c in report if c.name not in unavailable), \
+            [(c.name, c.max_abs_error, c.tolerance) for c in report if not c.passed]
+        trace64 = tl.trace(copy.deepcopy(model).to(torch.float64), IDS)
+        for name in unavailable:  # only where the float64 trace does not serve the site
+            res = mi.resolve_alias(trace32, name, generation="2.x")
+            assert res.facet not in trace64.modules[res.module_address].facets, name
+        assert family == "gemma2" or not unavailable
         assert len(report) == len(names) > 30
 
 
