@@ -203,16 +203,21 @@ def compare(
     `tolerance="auto"` sets each site's tolerance from float64. A deep copy of `model` (never
     `model` itself) is run once in float64 on `inputs`, and, when an engine tensor is in a coarser
     dtype than the trace at a site (a bfloat16 engine against a float32 trace), once more in that
-    dtype. With `R` the trace's tensor at the site (or the coarser run's), `R64` the float64 one
-    and `eps` the machine epsilon of the coarser of the two dtypes, a row passes when, element by
-    element, `|engine - R| <= AUTO_FACTOR * max|R - R64| + eps * |R|` (`AUTO_FACTOR` is 4): the
-    engine may be up to four times as far from the trace as the trace's own precision is from
-    exact. Sites without a floating-point tensor (token ids), and sites a rerun does not serve (a
-    derived facet whose check fails there), keep `atol`/`rtol`; the row's hint says so. Limits: the reruns must compute what the trace computed, so the model must be
-    deterministic (eval mode, no sampling) and `inputs` must be the traced inputs; a kernel that
-    is much less accurate than the model's own ops in the same dtype (an approximate fused kernel)
-    can exceed the bound although its hook is right; and a wrong hook whose tensor differs from
-    the right one by less than the dtype's noise (a residual of near-zero norm) passes.
+    dtype. Let `d` be the coarser of the two dtypes, `R_d` the site's tensor computed in `d` (the
+    trace's own when `d` is the trace's dtype), `R64` the float64 one, `R` the trace's tensor and
+    `eps` the machine epsilon of `d`. A row passes when, element by element,
+    `|engine - R| <= AUTO_FACTOR * max|R_d - R64| + eps * |R|` (`AUTO_FACTOR` is 4): the engine
+    may be up to four times as far from the trace as computing in `d` is from exact. Sites without
+    a floating-point tensor (token ids), and sites a rerun does not serve (a derived facet whose
+    check fails there), keep `atol`/`rtol`; the row's hint says so.
+
+    Limits: the reruns must compute what the trace computed, so the model must be deterministic
+    (eval mode, no sampling) and `inputs` must be the traced inputs. Ops a model runs in float32
+    whatever its dtype (Gemma's RMSNorm casts to float32) stay float32 in the "float64" run, so
+    the bound there is float32's. A kernel much less accurate than the model's own ops in the same
+    dtype (an approximate fused kernel) can exceed the bound although its hook is right, and a
+    wrong hook whose tensor differs from the right one by less than the dtype's noise (a residual
+    of near-zero norm) passes.
 
     Args:
         trace: the reference [`Trace`][torchlens.Trace].
