@@ -461,3 +461,28 @@ def test_every_row_of_every_table_names_a_known_target_and_facet():
             assert row.target in targets.TARGETS, (table.title, row.name, row.target)
             assert set(row.facets) <= ALL_FACETS, (table.title, row.name, row.facet)
             assert row.stack in (None, "encoder", "decoder"), (table.title, row.name)
+
+
+def test_bridge_mlp_in_on_t5_is_the_residual_entering_the_mlp_wrapper():
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(tf.T5Config(num_layers=2, d_model=16, d_ff=24, num_heads=2, d_kv=8,
+                                                      vocab_size=V)).eval()
+    seen = {}
+
+    def keep(key):
+        def hook(module, args):
+            seen[key] = args[0].detach().clone()  # returns None: the input is not replaced
+
+        return hook
+
+    handles = [model.encoder.block[0].layer[1].register_forward_pre_hook(keep("enc")),
+               model.decoder.block[1].layer[2].register_forward_pre_hook(keep("dec"))]
+    try:
+        t = tl.trace(model, torch.tensor([[1, 2, 3, 4]]), decoder_input_ids=torch.tensor([[1, 2, 3]]))
+    finally:
+        for h in handles:
+            h.remove()
+    for name, key in (("encoder_blocks.0.hook_mlp_in", "enc"), ("decoder_blocks.1.hook_mlp_in", "dec")):
+        r = mi.resolve_alias(t, name, "4.x")
+        assert r.status == "real", r
+        torch.testing.assert_close(r.tensor(t), seen[key], rtol=0, atol=0)

@@ -456,7 +456,8 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
 _ABSENT = {
     "pre_linear": "the MLP is not gated (one input projection, no linear branch)",
     "gated_out": "the MLP is not gated",
-    "resid_mid": "attention and MLP read the same residual in parallel, so no residual lies between them",
+    "resid_mid": "no residual add lies between its attention and its MLP in the block itself (they read the same "
+    "residual in parallel, the block holds no MLP module, or a sublayer wrapper adds the residual)",
     "rot_q": "nothing transforms the queries between the projection and the kernel (no RoPE)",
     "rot_k": "nothing transforms the keys between the projection and the kernel (no RoPE)",
     "scores": "no softmax or fused attention kernel ran inside it",

@@ -23,7 +23,8 @@ _ALIASES = (
 
 
 def _moved(row: Row, name: str, stack: str, target: str | None = None) -> Row:
-    return Row(name, target or row.target, row.facet, row.meaning, row.note, row.in_report, stack)
+    facet = "output" if target in ("attn_residual", "cross_residual") else row.facet  # a wrapper's output
+    return Row(name, target or row.target, facet, row.meaning, row.note, row.in_report, stack)
 
 
 def encoder_decoder_rows(rows: tuple[Row, ...]) -> tuple[Row, ...]:
@@ -37,7 +38,8 @@ def encoder_decoder_rows(rows: tuple[Row, ...]) -> tuple[Row, ...]:
         elif not r.per_layer:
             out.append(r)
     for r in layer_rows:  # encoder: ln1, attn, ln2, mlp as in a decoder-only block
-        out.append(_moved(r, r.name.replace("blocks.{L}.", "encoder_blocks.{L}."), "encoder"))
+        out.append(_moved(r, r.name.replace("blocks.{L}.", "encoder_blocks.{L}."), "encoder",
+                          "attn_residual" if r.name.endswith(".hook_mlp_in") else None))
     for r in layer_rows:
         rest = r.name[len("blocks.{L}."):]
         if rest.startswith("attn."):
@@ -48,8 +50,9 @@ def encoder_decoder_rows(rows: tuple[Row, ...]) -> tuple[Row, ...]:
         elif rest.startswith("ln2."):
             out.append(_moved(r, "decoder_blocks.{L}.ln2." + rest[len("ln2."):], "decoder", "ln_cross"))
             out.append(_moved(r, "decoder_blocks.{L}.ln3." + rest[len("ln2."):], "decoder"))
-        else:
-            out.append(_moved(r, "decoder_blocks.{L}." + rest, "decoder"))
+        else:  # T5 adds each residual inside the sublayer wrapper: the MLP's input residual is its output
+            out.append(_moved(r, "decoder_blocks.{L}." + rest, "decoder",
+                              "cross_residual" if rest == "hook_mlp_in" else None))
     for prefix, stack in (("encoder_blocks", "encoder"), ("decoder_blocks", "decoder")):
         for name, target, facet, meaning in _ALIASES:
             out.append(Row(f"{prefix}.{{L}}.{name}", target, facet, meaning, "a block alias of the bridge",
