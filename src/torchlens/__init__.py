@@ -12,9 +12,11 @@ The public surface is small:
 from .errors import (
     AmbiguousModuleCall,
     CaptureError,
+    EditSpecError,
     FacetNotFound,
     FacetNotSaved,
     ModuleNotFoundInTrace,
+    NotEditable,
     SaveSpecError,
     TorchLensError,
 )
@@ -41,6 +43,8 @@ __all__ = [
     "StoreSpecError",
     "SaveSpecError",
     "CaptureError",
+    "EditSpecError",
+    "NotEditable",
     "ModuleNotFoundInTrace",
     "FacetNotFound",
     "FacetNotSaved",

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from .errors import CaptureError
+from .errors import CaptureError, EditSpecError
 from .families import FUSED_ATTENTION_OPS
 from .records import ModuleCall, OpRecord, Ref
 
@@ -131,6 +131,47 @@ def first_tensor(value: Any, _depth: int = 0) -> Tensor | None:
     return None
 
 
+def _replace_first(value: Any, fn: Any, _depth: int = 0) -> Any:
+    """`value` with the tensor `first_tensor(value)` finds replaced by `fn(tensor)`.
+
+    Tuples and lists are rebuilt (a named tuple as its own type); a mapping (a dict, a
+    `ModelOutput`) has the entry set in place. Returns `value` unchanged when it holds no tensor.
+    """
+    if isinstance(value, Tensor):
+        return fn(value)
+    if _depth >= 8:
+        return value
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if first_tensor(v) is not None:
+                value[k] = _replace_first(v, fn, _depth + 1)
+                break
+        return value
+    if isinstance(value, (tuple, list)):
+        items = list(value)
+        for i, v in enumerate(items):
+            if first_tensor(v) is not None:
+                items[i] = _replace_first(v, fn, _depth + 1)
+                break
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def _replace_input(args: tuple, kwargs: dict, fn: Any) -> tuple[tuple, dict]:
+    """(args, kwargs) with the module input `_enter` reads (the first positional argument when it
+    is a tensor, else with no positional arguments the first tensor keyword argument) replaced."""
+    if args:
+        if isinstance(args[0], Tensor):
+            return (fn(args[0]),) + tuple(args[1:]), kwargs
+        return args, kwargs
+    for k, v in kwargs.items():
+        if isinstance(v, Tensor):
+            return args, {**kwargs, k: fn(v)}
+    return args, kwargs
+
+
 def _refuse_script_modules(names: dict[nn.Module, str]) -> None:
     """Raise `CaptureError` naming the first `torch.jit.script`ed module of the model.
 
@@ -161,9 +202,11 @@ class Recorder(TorchFunctionMode):
         retain_all: keep every op output.
         retain_modules: addresses whose calls (and everything inside them) keep their op outputs.
         param_names: `id(parameter)` to qualified name.
+        edits: an [`EditPlan`][torchlens._edits.EditPlan]: sites to replace as the forward computes
+            them (module inputs/outputs in the hooks, op outputs in the mode), or None.
     """
 
-    def __init__(self, names, roles, retain_all, retain_modules, param_names):
+    def __init__(self, names, roles, retain_all, retain_modules, param_names, edits=None):
         super().__init__()
         _refuse_script_modules(names)
         self.names = names
@@ -193,6 +236,10 @@ class Recorder(TorchFunctionMode):
         #: True when another torch function mode (an outer trace, a user's mode) was active when
         #: this recorder was entered: the recorder's own bookkeeping is then hidden from it.
         self.nested = False
+        self.edits = edits
+        #: `edited` ops recorded so far: an op's position in the forward (as the locating pass
+        #: numbered it) is its index minus these.
+        self._n_edited = 0
 
     def __enter__(self):
         self.nested = torch._C._len_torch_function_stack() > 0
@@ -231,9 +278,50 @@ class Recorder(TorchFunctionMode):
             outs = tuple(o for o in out if isinstance(o, Tensor))
         else:
             return out
+        if self.edits is not None and self.edits.ops and not mutated and isinstance(out, Tensor):
+            with self.hidden():
+                refs = tuple([self._ref(t) for t in _tensor_args(args, kwargs)])
+            edit = self.edits.ops.get(len(self.ops) - self._n_edited)
+            if edit is not None:
+                out = self._edit_op(edit, info[0], out)
+                outs = (out,)
         with self.hidden():
             self._record(info[0], outs, _tensor_args(args, kwargs), mutated, args, kwargs, refs)
         return out
+
+    # -- edits ---------------------------------------------------------------------------------
+
+    def _run_edit(self, edit, t: Tensor) -> Tensor:
+        """`edit` applied to `t`, its own torch calls unrecorded."""
+        quiet = self._quiet
+        self._quiet = True
+        try:
+            with self.hidden():
+                return edit.apply(t)
+        finally:
+            self._quiet = quiet
+
+    def _edit_op(self, edit, name: str, out: Tensor) -> Tensor:
+        """The replaced output of the op the plan names at this position (checked to be that op)."""
+        call = self.stack[-1] if self.stack else None
+        where = (call.address, call.index) if call is not None else ("", 0)
+        if (name, where) != (edit.op_name, (edit.op_module, edit.op_call)):
+            raise EditSpecError(
+                f"edit {edit.record.key!r}: the locating pass found {edit.op_name} in {edit.op_module or '<root>'} "
+                f"(call {edit.op_call}) at op #{len(self.ops) - self._n_edited}, but the edited forward ran {name} in "
+                f"{where[0] or '<root>'} (call {where[1]}) there: it took another path (an earlier edit changed "
+                f"control flow, or the forward is not deterministic), so the edit is not placed."
+            )
+        return self._run_edit(edit, out)
+
+    def _edit_hooked(self, edits, t: Tensor) -> Tensor:
+        """`t` replaced by each edit in turn; each replacement is recorded as an `edited` op."""
+        for edit in edits:
+            ref = self._ref(t)
+            t = self._run_edit(edit, t)
+            self._record("edited", (t,), (), False, refs=(ref,))
+            self._n_edited += 1
+        return t
 
     def _stamp(self, t: Tensor) -> Any:
         """What changes when `t` is written in place: its version counter, or for an inference
@@ -361,13 +449,20 @@ class Recorder(TorchFunctionMode):
         if threading.get_ident() != self.thread:
             return None
         kwargs = kwargs or {}
+        changed = False
         self._quiet = True
         try:
             with self.hidden():
+                if self.edits is not None and self.edits.hook_in:
+                    addr = self.names[module]
+                    edits = self.edits.hook_in.get((addr, self.call_counts.get(addr, 0)))
+                    if edits:
+                        args, kwargs = _replace_input(args, kwargs, lambda t: self._edit_hooked(edits, t))
+                        changed = True
                 self._enter(module, args, kwargs)
         finally:
             self._quiet = False
-        return None
+        return (args, kwargs) if changed else None
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         addr = self.names[module]
@@ -392,13 +487,20 @@ class Recorder(TorchFunctionMode):
         if threading.get_ident() != self.thread:
             return None
         output = kwargs_and_output[-1]
+        changed = False
         self._quiet = True
         try:
             with self.hidden():
+                if self.edits is not None and self.edits.hook_out and output is not None and self.stack:
+                    call = self.stack[-1]
+                    edits = self.edits.hook_out.get((call.address, call.index))
+                    if edits and call.address == self.names[module]:
+                        output = _replace_first(output, lambda t: self._edit_hooked(edits, t))
+                        changed = True
                 self._leave(module, output)
         finally:
             self._quiet = False
-        return None
+        return output if changed else None
 
     def _leave(self, module: nn.Module, output: Any) -> None:
         addr = self.names[module]

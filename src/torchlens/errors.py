@@ -20,6 +20,8 @@ __all__ = [
     "FacetNotSaved",
     "AmbiguousModuleCall",
     "CaptureError",
+    "EditSpecError",
+    "NotEditable",
     "close_matches",
 ]
 
@@ -76,6 +78,19 @@ class RoleSpecError(TorchLensError, ValueError):
 
 class CaptureError(TorchLensError, RuntimeError):
     """The forward pass could not be captured (for example a compiled submodule hid its ops)."""
+
+
+class EditSpecError(TorchLensError, ValueError):
+    """The `edit=` argument of [`trace`][torchlens.trace] is not accepted: not a dict, a key that
+    names no site, a value that is neither a callable nor a tensor, or a replacement of the wrong
+    shape or dtype."""
+
+
+class NotEditable(TorchLensError):
+    """An `edit=` key names a site that no single op of the forward produces, so it cannot be
+    replaced where the model computes it (a pattern rebuilt from a fused SDPA kernel, a facet
+    computed from recorded tensors, a slice of a fused projection). The message names the site,
+    says why, and gives the remedy."""
 
 
 class ModuleNotFoundInTrace(LookupFailed):

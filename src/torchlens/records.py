@@ -333,6 +333,9 @@ class Trace:
         self.model_class: str = model_class
         self.save_spec = save
         self.structure = structure
+        #: the edits this forward ran with (`trace(..., edit=...)`): one
+        #: [`EditRecord`][torchlens._edits.EditRecord] per key; empty for an unedited trace.
+        self.edits: tuple = ()
 
     def save(self, path: str | os.PathLike, model: Any = None) -> list[str]:
         """Write this trace to the directory `path`, for [`torchlens.load`][torchlens.load].

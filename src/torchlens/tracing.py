@@ -23,7 +23,7 @@ __all__ = ["trace"]
 
 
 def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, store: Any = None,
-          **kwargs: Any) -> Trace:
+          edit: Any = None, **kwargs: Any) -> Trace:
     """Run `model(*args, **kwargs)` once in eager mode and record everything it does.
 
     Args:
@@ -45,6 +45,14 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
             path writes them to safetensors files there and serves them as memory-mapped views,
             read back lazily. They are moved after the forward, so the peak memory during
             capture is unchanged; see `torchlens._store`.
+        edit: sites to replace as the model computes them: a dict from a key (a hook name of any
+            naming generation such as `"blocks.0.hook_resid_post"`, `"address:facet"`, or a tuple
+            `(module_address, facet)` / `(module_address, facet, call)`) to a function
+            `fn(value) -> tensor` (it receives the site's tensor in TorchLens's layout) or a tensor
+            of the site's shape. A site of a module that runs several times is edited on every call
+            unless the key names one. The returned trace records the edited forward and lists the
+            edits in `trace.edits`. An edited trace first runs one locating pass (`save="none"`)
+            to find each site's hook or op; see `torchlens._edits`.
         **kwargs: keyword inputs of the forward.
 
     Returns:
@@ -53,6 +61,10 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
 
     Raises:
         SaveSpecError: `save=` is not accepted, or selects nothing in this forward.
+        EditSpecError: `edit=` is not accepted: not a dict, a key naming no site, a value neither
+            callable nor a tensor, a replacement of the wrong shape or dtype.
+        NotEditable: an `edit=` key names a site no single op of the forward produces (a pattern
+            rebuilt from a fused kernel, a computed facet, a slice of a fused projection).
         StoreSpecError: `store=` is not None, "device", "cpu" or a directory path.
         RoleSpecError: `roles=` is not a dict, names an unknown role, or a key matches no module.
         TorchLensError: `model` is not a module.
@@ -74,6 +86,9 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
     """
     if not isinstance(model, nn.Module):
         raise TorchLensError(f"trace() needs a torch.nn.Module as its first argument, got {type(model).__name__}.")
+    plan = None
+    if edit is not None:
+        plan = _locate(model, args, kwargs, edit, roles)
     wrapper = compiled_module_class()
     if wrapper is not None and isinstance(model, wrapper):  # torch.compile(model): trace the eager model
         model = model._orig_mod
@@ -94,7 +109,7 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
     params: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), n)  # a shared (tied) weight keeps its first, canonical name
-    rec = Recorder(names, roles, retain_all, retained_modules(spec, roles), params)
+    rec = Recorder(names, roles, retain_all, retained_modules(spec, roles), params, plan)
     handles = []
     try:
         for m in names:
@@ -108,13 +123,29 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
     finally:
         for h in handles:
             h.remove()
+    if plan is not None:
+        plan.check_applied()
     # Inside an outer trace, deriving the facets is not part of the forward; an accelerate-dispatched
     # model's modules hold the weights the forward used (not meta placeholders) while it runs.
     with rec.hidden(), dispatch.weights():
         overwritten = rec.check_versions()
         result = _assemble(rec, model, names, aliases, roles, spec, output, overwritten)
         rec.snapshot(model, (args, kwargs, output))  # after assembly: only what the trace keeps is copied
+        if plan is not None:
+            result.edits = tuple(plan.records)
         return apply_store(result, store_to)
+
+
+def _locate(model: nn.Module, args: tuple, kwargs: dict, edit: Any, roles: Any):
+    """The locating pass of an edited trace: one `save="none"` trace, RNG state restored after it
+    (so dropout in training mode draws the same masks in the edited run), and the edit plan."""
+    from ._edits import check_inputs, plan_edits
+
+    check_inputs(args, kwargs)
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        located = trace(model, *args, save="none", roles=roles, **kwargs)
+    return plan_edits(located, edit)
 
 
 def _annotate(exc: BaseException, rec: Recorder) -> None:

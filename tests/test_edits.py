@@ -1,0 +1,366 @@
+"""`trace(..., edit=...)`: each edit checked against the same edit made without TorchLens.
+
+Ground truth comes from outside TorchLens: plain PyTorch forward hooks on the module that
+computes the site (or on the module whose input is the site, for op-level facets), the model's
+own clean forward (activation patching), and nnsight's and the TransformerLens 4.x bridge's own
+intervention mechanisms.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import _models
+import torchlens as tl
+from torchlens.errors import EditSpecError, LookupFailed, NotEditable
+
+IDS = _models.token_ids(1, 6)
+ATOL = 1e-6
+
+
+def _first(o):
+    return o if torch.is_tensor(o) else o[0]
+
+
+def _with_first(o, new):
+    return new if torch.is_tensor(o) else (new,) + tuple(o[1:])
+
+
+def _hooked_logits(model, module, fn, pre=False):
+    """Logits of `model(IDS)` with a plain forward (pre-)hook replacing `module`'s output (input)."""
+    if pre:
+        h = module.register_forward_pre_hook(lambda m, a: (fn(a[0]),) + tuple(a[1:]))
+    else:
+        h = module.register_forward_hook(lambda m, a, o: _with_first(o, fn(_first(o))))
+    try:
+        with torch.no_grad():
+            return model(IDS).logits
+    finally:
+        h.remove()
+
+
+def _nothing_installed(model):
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert torch._C._len_torch_function_stack() == 0
+
+
+# -- hook-level sites -----------------------------------------------------------------------------
+
+
+def test_gpt2_zero_resid_post_matches_forward_hook():
+    model = _models.gpt2()
+    with torch.no_grad():
+        clean = model(IDS).logits
+        t = tl.trace(model, IDS, edit={"blocks.0.hook_resid_post": lambda x: x * 0})
+    want = _hooked_logits(model, model.transformer.h[0], lambda x: x * 0)
+    assert not torch.allclose(want, clean)  # the edit changes something
+    torch.testing.assert_close(t.output.logits, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(t["<root>:logits"], want, atol=ATOL, rtol=0)
+    assert float(t.modules["transformer.h.0"].facets["resid_post"].abs().max()) == 0.0  # what the model used
+    (e,) = t.edits
+    assert (e.module_address, e.facet, e.calls, e.how, e.where, e.applied) == (
+        "transformer.h.0", "resid_post", (0,), "fn", "forward hook", 1)
+    _nothing_installed(model)
+
+
+def test_llama_steering_resid_pre_matches_pre_hook_and_downstream_sites():
+    model = _models.llama()
+    steer = torch.linspace(-1, 1, 32)
+    with torch.no_grad():
+        t = tl.trace(model, IDS, edit={("model.layers.1", "resid_pre"): lambda x: x + steer})
+    want = _hooked_logits(model, model.model.layers[1], lambda x: x + steer, pre=True)
+    torch.testing.assert_close(t.output.logits, want, atol=ATOL, rtol=0)
+    # a downstream site: layer 1's output as the model's own hidden states give it
+    h = model.model.layers[1].register_forward_pre_hook(lambda m, a: (a[0] + steer,) + tuple(a[1:]))
+    try:
+        with torch.no_grad():
+            hs = model(IDS, output_hidden_states=True).hidden_states
+    finally:
+        h.remove()
+    torch.testing.assert_close(t.modules["model.layers.1"].facets["resid_pre"], hs[1] + steer, atol=ATOL, rtol=0)
+    assert t.edits[0].where == "pre-hook"
+
+
+def test_tensor_value_replaces_and_wrong_shape_teaches():
+    model = _models.gpt2()
+    with torch.no_grad():
+        t0 = tl.trace(model, IDS)
+        value = torch.ones_like(t0.modules["transformer.h.1.mlp"].facets["output"])
+        t = tl.trace(model, IDS, edit={"transformer.h.1.mlp:output": value})
+    torch.testing.assert_close(t.output.logits, _hooked_logits(model, model.transformer.h[1].mlp, lambda x: value))
+    assert t.edits[0].how == "tensor"
+    with pytest.raises(EditSpecError, match=r"shape \[1, 6, 3\].*\[1, 6, 32\]"):
+        tl.trace(model, IDS, edit={"transformer.h.1.mlp:output": torch.ones(1, 6, 3)})
+    _nothing_installed(model)
+
+
+# -- op-level sites --------------------------------------------------------------------------------
+
+
+def test_gpt2_head_ablation_through_z_matches_zeroed_c_proj_columns():
+    """Zeroing head 1 of z equals zeroing its d_head input columns of the output projection."""
+    model = _models.gpt2()
+    d_head = 16
+
+    def ablate(z):  # z: [batch, heads, pos, d_head]
+        z[:, 1] = 0
+        return z
+
+    def cols(x):
+        x = x.clone()
+        x[..., d_head:2 * d_head] = 0
+        return x
+
+    with torch.no_grad():
+        t = tl.trace(model, IDS, edit={"blocks.0.attn.hook_z": ablate})
+    want = _hooked_logits(model, model.transformer.h[0].attn.c_proj, cols, pre=True)
+    torch.testing.assert_close(t.output.logits, want, atol=ATOL, rtol=0)
+    assert t.edits[0].where.startswith("op #") and "matmul" in t.edits[0].where
+
+
+def test_llama_q_and_act_match_hooks_on_the_modules_computing_them():
+    model = _models.llama()
+    with torch.no_grad():
+        t = tl.trace(model, IDS, edit={"blocks.0.attn.hook_q": lambda q: q * 2})  # q: [b, pos, heads, d_head]
+    torch.testing.assert_close(
+        t.output.logits, _hooked_logits(model, model.model.layers[0].self_attn.q_proj, lambda x: x * 2), atol=ATOL, rtol=0)
+    with torch.no_grad():
+        t = tl.trace(model, IDS, edit={"blocks.1.mlp.hook_post": lambda a: a.clamp(max=0.01)})
+    torch.testing.assert_close(
+        t.output.logits,
+        _hooked_logits(model, model.model.layers[1].mlp.down_proj, lambda a: a.clamp(max=0.01), pre=True),
+        atol=ATOL, rtol=0)
+
+
+def test_gpt2_pattern_edit_matches_an_eager_manual_forward():
+    """Uniform attention in layer 0: checked against the model's attention rewritten by hand."""
+    model = _models.gpt2()
+
+    def uniform(p):  # [batch, heads, query, key]
+        n = torch.arange(1, p.shape[-1] + 1, dtype=p.dtype).view(-1, 1)
+        return torch.tril(torch.ones_like(p)) / n
+
+    with torch.no_grad():
+        t = tl.trace(model, IDS, edit={"blocks.0.attn.hook_pattern": uniform})
+    attn = model.transformer.h[0].attn
+
+    def manual(module, args, out):
+        x = args[0]
+        b, n, d = x.shape
+        q, k, v = attn.c_attn(x).split(d, dim=2)
+        v = v.view(b, n, 2, d // 2).transpose(1, 2)
+        p = uniform(torch.empty(b, 2, n, n))
+        z = (p @ v).transpose(1, 2).reshape(b, n, d)
+        return _with_first(out, attn.c_proj(z))
+
+    h = attn.register_forward_hook(manual)
+    try:
+        with torch.no_grad():
+            want = model(IDS).logits
+    finally:
+        h.remove()
+    torch.testing.assert_close(t.output.logits, want, atol=1e-5, rtol=0)
+
+
+# -- several calls -------------------------------------------------------------------------------
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(torch.relu(self.lin(x)))
+
+
+def test_module_run_twice_is_edited_on_every_call_unless_the_key_names_one():
+    model, x = _Twice(), torch.randn(2, 4)
+    seen = []
+
+    def fn(y):
+        seen.append(1)
+        return y + 1
+
+    t = tl.trace(model, x, edit={("lin", "output"): fn})
+    h = model.lin.register_forward_hook(lambda m, a, o: o + 1)
+    want = model(x)
+    h.remove()
+    torch.testing.assert_close(t.output, want)
+    assert len(seen) == 2 and t.edits[0].calls == (0, 1)
+    t1 = tl.trace(model, x, edit={("lin", "output", 1): lambda y: y + 1})
+    torch.testing.assert_close(t1.output, model(x) + 1)
+    assert t1.edits[0].calls == (1,)
+    with pytest.raises(EditSpecError, match="ran 2 time"):
+        tl.trace(model, x, edit={("lin", "output", 2): lambda y: y})
+
+
+# -- activation patching ---------------------------------------------------------------------------
+
+
+def test_activation_patching_resid_post_restores_the_clean_logits():
+    model = _models.gpt2()
+    clean_ids, corrupt_ids = IDS, _models.token_ids(1, 6, seed=3)
+    with torch.no_grad():
+        clean_logits = model(clean_ids).logits
+        clean = tl.trace(model, clean_ids, save=["resid_post"])
+        site = clean.modules["transformer.h.0"].facets["resid_post"]
+        patched = tl.trace(model, corrupt_ids, edit={"blocks.0.hook_resid_post": site})
+        corrupt_logits = model(corrupt_ids).logits
+    assert not torch.allclose(clean_logits, corrupt_logits)
+    torch.testing.assert_close(patched.output.logits, clean_logits, atol=ATOL, rtol=0)
+
+
+# -- refusals and errors ---------------------------------------------------------------------------
+
+
+def test_sdpa_pattern_is_not_editable_and_says_use_eager():
+    model = _models.gpt2("sdpa")
+    with pytest.raises(NotEditable, match=r"transformer\.h\.0\.attn:pattern.*fused.*attn_implementation=\"eager\""):
+        tl.trace(model, IDS, edit={"blocks.0.attn.hook_pattern": lambda p: p})
+    _nothing_installed(model)
+
+
+def test_computed_and_fused_sites_are_not_editable():
+    model = _models.gpt2()
+    with pytest.raises(NotEditable, match=r"attn:result.*edit 'z'"):
+        tl.trace(model, IDS, edit={"blocks.0.attn.hook_result": lambda r: r})
+    neox = _models.gpt_neox()
+    with pytest.raises(NotEditable, match=r"attention:q.*slice of op"):
+        tl.trace(neox, IDS, edit={"blocks.0.attn.hook_q": lambda q: q})
+    _nothing_installed(neox)
+
+
+def test_neox_resid_post_matches_forward_hook():
+    model = _models.gpt_neox()
+    with torch.no_grad():
+        t = tl.trace(model, IDS, edit={"blocks.1.hook_resid_post": lambda x: x * 0.5})
+    want = _hooked_logits(model, model.gpt_neox.layers[1], lambda x: x * 0.5)
+    torch.testing.assert_close(t.output.logits, want, atol=ATOL, rtol=0)
+
+
+def test_bad_keys_and_values_teach():
+    model = _models.gpt2()
+    with pytest.raises(LookupFailed, match="blocks.0.hook_resid_post"):
+        tl.trace(model, IDS, edit={"blocks.0.hook_resid_pst": lambda x: x})
+    with pytest.raises(LookupFailed, match="transformer.h.0"):
+        tl.trace(model, IDS, edit={("transformer.h.00", "resid_post"): lambda x: x})
+    with pytest.raises(LookupFailed, match="resid_post"):
+        tl.trace(model, IDS, edit={("transformer.h.0", "resid_pst"): lambda x: x})
+    with pytest.raises(EditSpecError, match=r"module address, not a site.*'transformer.h.0:output'"):
+        tl.trace(model, IDS, edit={"transformer.h.0": lambda x: x})
+    with pytest.raises(EditSpecError, match="function fn"):
+        tl.trace(model, IDS, edit={"blocks.0.hook_resid_post": 0})
+    with pytest.raises(EditSpecError, match="takes a dict"):
+        tl.trace(model, IDS, edit=[("transformer.h.0", "output")])
+    with pytest.raises(EditSpecError, match="returned NoneType"):
+        tl.trace(model, IDS, edit={"blocks.0.hook_resid_post": lambda x: None})
+    with pytest.raises(EditSpecError, match="same site"):
+        tl.trace(model, IDS, edit={"blocks.0.hook_resid_post": lambda x: x, ("transformer.h.0", "resid_post"): lambda x: x})
+    _nothing_installed(model)
+
+
+def test_nothing_installed_outlives_an_edit_that_raises():
+    model = _models.gpt2()
+
+    def boom(x):
+        raise RuntimeError("user fn failed")
+
+    with pytest.raises(RuntimeError, match="user fn failed"):
+        tl.trace(model, IDS, edit={"blocks.0.attn.hook_z": boom})
+    with pytest.raises(RuntimeError, match="user fn failed"):
+        tl.trace(model, IDS, edit={"blocks.0.hook_resid_pre": boom})
+    _nothing_installed(model)
+
+
+# -- peer engines ----------------------------------------------------------------------------------
+
+
+def test_nnsight_intervention_parity():
+    pytest.importorskip("nnsight")
+    from nnsight import NNsight
+
+    model = _models.gpt2()
+    engine = NNsight(model)
+    with torch.no_grad(), engine.trace(IDS):
+        engine.transformer.h[0].output[:] = 0
+        logits = engine.output.save()
+        h1 = engine.transformer.h[1].output.save()
+    with torch.no_grad():
+        t = tl.trace(model, IDS, edit={"blocks.0.hook_resid_post": lambda x: x * 0})
+    torch.testing.assert_close(t.output.logits, logits.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(t.modules["transformer.h.1"].facets["resid_post"], _first(h1), atol=ATOL, rtol=0)
+
+
+def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_caught():
+    pytest.importorskip("transformer_lens")
+    import engine_runs
+    from torchlens import mechinterp as mi
+
+    bridge, hf_model = engine_runs._bridge("gpt2", "eager")
+    ids = engine_runs.IDS
+    cache = {}
+
+    def save(name):
+        def hook(x, hook):
+            cache[name] = x.detach().clone()
+        return hook
+
+    names = ["blocks.1.hook_resid_pre", "blocks.1.hook_resid_post"]
+    with torch.no_grad():
+        logits = bridge.run_with_hooks(
+            ids, fwd_hooks=[("blocks.0.hook_resid_post", lambda x, hook: x * 0.5)] + [(n, save(n)) for n in names])
+        t = tl.trace(hf_model, ids, edit={"blocks.0.hook_resid_post": lambda x: x * 0.5})
+    torch.testing.assert_close(t.output.logits, logits, atol=1e-5, rtol=0)
+    report = mi.compare(t, cache, generation="2.x")
+    assert report.all_match, report
+    # an engine that put the same edit on the block's input instead: its values land elsewhere
+    with torch.no_grad():
+        wrong = {}
+        bridge.run_with_hooks(ids, fwd_hooks=[("blocks.0.hook_resid_pre", lambda x, hook: x * 0.5)]
+                              + [(n, save(n)) for n in names])
+        wrong = dict(cache)
+    bad = mi.compare(t, wrong, generation="2.x")
+    assert not bad.all_match
+
+
+# -- cost ------------------------------------------------------------------------------------------
+
+
+def measure_cost(repeats: int = 5) -> dict[str, float]:
+    """Edited vs unedited trace time on a GPT-2-small-shaped model (run by hand, not a test)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 50257, (1, 128))
+    edit = {"blocks.5.hook_resid_post": lambda x: x * 0, "blocks.3.attn.hook_z": lambda z: z * 0}
+
+    def best(fn):
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    with torch.no_grad():
+        out = {
+            "forward": best(lambda: model(ids)),
+            "trace_all": best(lambda: tl.trace(model, ids)),
+            "trace_none": best(lambda: tl.trace(model, ids, save="none")),
+            "trace_all_edited": best(lambda: tl.trace(model, ids, edit=edit)),
+            "trace_none_edited": best(lambda: tl.trace(model, ids, save="none", edit=edit)),
+        }
+    return out
+
+
+if __name__ == "__main__":
+    for k, v in measure_cost().items():
+        print(f"{k:20s} {v * 1000:8.1f} ms")
