@@ -469,3 +469,23 @@ def test_auto_tolerance_needs_the_model():
         mi.compare(trace, {}, tolerance="auto")
     with pytest.raises(ToleranceError, match="'auto'"):
         mi.compare(trace, {}, tolerance="loose")
+
+
+def test_the_norm_output_hint_reads_the_call_a_shared_block_layer_names():
+    """A block object run for two layers: the hint reads layer 1's call of the shared norm."""
+    torch.manual_seed(0)
+    config = tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                           bos_token_id=0, eos_token_id=0)
+    model = tf.GPT2LMHeadModel(config).eval()
+    model.transformer.h[1] = model.transformer.h[0]
+    with torch.no_grad():  # a gain and bias that are not the identity, so output != normalized
+        model.transformer.h[0].ln_1.weight.normal_()
+        model.transformer.h[0].ln_1.bias.normal_()
+    seen = []  # ground truth: what the shared norm returned on each call, from a plain hook
+    handle = model.transformer.h[0].ln_1.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    model(IDS)
+    handle.remove()
+    trace = tl.trace(model, IDS)
+    (row,) = mi.compare(trace, {"blocks.1.ln1.hook_normalized": seen[1]}, generation="2.x")
+    assert not row.passed
+    assert "this norm's output, after the gain and bias" in row.hint

@@ -405,7 +405,9 @@ _KERNEL_REBUILT = frozenset({"scores", "pattern"})
 def _equals_facet(trace, res: AliasResolution, facet: str, engine: Tensor, atol, rtol) -> bool:
     """Whether the engine tensor equals another facet of the same module (in some layout)."""
     try:
-        other = trace.modules[res.module_address].facets[facet]
+        rec = trace.modules[res.module_address]
+        # a block object run several times is one layer per call: read the call the alias names
+        other = (rec.calls[res.call] if res.call is not None else rec).facets[facet]
     except Exception:  # the module has no such facet, or it was not kept
         return False
     if not isinstance(other, Tensor):
