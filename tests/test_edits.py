@@ -282,15 +282,14 @@ def test_nothing_installed_outlives_an_edit_that_raises():
 
 
 def test_nnsight_intervention_parity():
-    pytest.importorskip("nnsight")
     from nnsight import NNsight
 
     model = _models.gpt2()
     engine = NNsight(model)
     with torch.no_grad(), engine.trace(IDS):
         engine.transformer.h[0].output[:] = 0
-        logits = engine.output.save()
         h1 = engine.transformer.h[1].output.save()
+        logits = engine.output.save()
     with torch.no_grad():
         t = tl.trace(model, IDS, edit={"blocks.0.hook_resid_post": lambda x: x * 0})
     torch.testing.assert_close(t.output.logits, logits.logits, atol=ATOL, rtol=0)
@@ -298,11 +297,11 @@ def test_nnsight_intervention_parity():
 
 
 def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_caught():
-    pytest.importorskip("transformer_lens")
     import engine_runs
     from torchlens import mechinterp as mi
 
-    bridge, hf_model = engine_runs._bridge("gpt2", "eager")
+    bridge, _ = engine_runs._bridge("gpt2", "eager")  # boot wraps that model's modules in bridge components
+    hf_model = engine_runs.model("gpt2", "eager")  # the same weights, unwrapped
     ids = engine_runs.IDS
     cache = {}
 
@@ -318,7 +317,7 @@ def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_c
         t = tl.trace(hf_model, ids, edit={"blocks.0.hook_resid_post": lambda x: x * 0.5})
     torch.testing.assert_close(t.output.logits, logits, atol=1e-5, rtol=0)
     report = mi.compare(t, cache, generation="2.x")
-    assert report.all_match, report
+    assert report.ok, report
     # an engine that put the same edit on the block's input instead: its values land elsewhere
     with torch.no_grad():
         wrong = {}
@@ -326,7 +325,11 @@ def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_c
                               + [(n, save(n)) for n in names])
         wrong = dict(cache)
     bad = mi.compare(t, wrong, generation="2.x")
-    assert not bad.all_match
+    assert not bad.ok and set(bad.mismatched) == set(names), bad
+    # ... and where it landed: TorchLens's trace edited at the block's input agrees with it
+    with torch.no_grad():
+        at_input = tl.trace(hf_model, ids, edit={"blocks.0.hook_resid_pre": lambda x: x * 0.5})
+    assert mi.compare(at_input, wrong, generation="2.x").ok
 
 
 # -- cost ------------------------------------------------------------------------------------------
