@@ -166,6 +166,35 @@ def test_gpt2_pattern_edit_matches_an_eager_manual_forward():
     torch.testing.assert_close(t.output.logits, want, atol=1e-5, rtol=0)
 
 
+def test_llama_rot_q_matches_an_attention_function_that_edits_the_kernel_input():
+    """rot_q is the query the attention function receives (after RoPE): edited there by an
+    attention implementation registered with transformers, for layer 0 only."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    def edited(module, query, key, value, attention_mask, **kw):
+        if module.layer_idx == 0:
+            query = query.clone()
+            query[:, 1] = 0  # head 1, head-major here
+        return eager_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    def zero_head(q):  # [batch, pos, heads, d_head], token-major in TorchLens
+        q[:, :, 1] = 0
+        return q
+
+    model = _models.llama()
+    with torch.no_grad():
+        t = tl.trace(model, IDS, edit={("model.layers.0.self_attn", "rot_q"): zero_head})
+        AttentionInterface.register("torchlens_test_edit_rot_q", edited)
+        AttentionMaskInterface.register("torchlens_test_edit_rot_q", eager_mask)  # the eager causal mask
+        model.config._attn_implementation = "torchlens_test_edit_rot_q"
+        want = model(IDS).logits
+    torch.testing.assert_close(t.output.logits, want, atol=ATOL, rtol=0)
+    with pytest.raises(NotEditable, match="rot_k.*repeated"):  # GQA: the kernel gets each kv head twice
+        tl.trace(_models.llama(), IDS, edit={("model.layers.0.self_attn", "rot_k"): lambda k: k})
+
+
 # -- several calls -------------------------------------------------------------------------------
 
 
