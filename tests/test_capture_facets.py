@@ -938,8 +938,9 @@ def test_save_unknown_value_names_close_matches():
     with pytest.raises(SaveSpecError) as e:
         torchlens.trace(c.model, c.ids, save=["patern"])
     assert "'pattern'" in str(e.value)
-    with pytest.raises(SaveSpecError):
+    with pytest.raises(SaveSpecError, match=r"save=3 is of type int; ") as e:
         torchlens.trace(c.model, c.ids, save=3)
+    assert "'all'" in str(e.value)  # says what is accepted
     with pytest.raises(SaveSpecError):
         torchlens.trace(c.model, c.ids, save=["all"])
     # ValueError too, for callers that catch the builtin

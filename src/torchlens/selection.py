@@ -81,7 +81,7 @@ def parse_save(save: Any, addresses: Iterable[str]) -> SaveSpec:
     if callable(save):
         return SaveSpec(predicate=save)
     if not isinstance(save, (list, tuple, set, frozenset)):
-        raise SaveSpecError(f"save={save!r} is a {type(save).__name__}; {accepted}.")
+        raise SaveSpecError(f"save={save!r} is of type {type(save).__name__}; {accepted}.")
     addr_set = set(addresses)
     picked_addresses, picked_facets = set(), set()
     for item in save:
