@@ -133,7 +133,19 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
         rec.snapshot(model, (args, kwargs, output))  # after assembly: only what the trace keeps is copied
         if plan is not None:
             result.edits = tuple(plan.records)
+            _note_edited_refusals(result)
         return apply_store(result, store_to)
+
+
+def _note_edited_refusals(result: Trace) -> None:
+    """An edited site whose check the edit broke (editing z breaks pattern @ v = z) is refused;
+    its reason says that the edit is why."""
+    for r in result.edits:
+        calls = result.modules[r.module_address].calls
+        for c in r.calls:
+            refused = calls[c].facets.refused if c < len(calls) and calls[c].facets is not None else {}
+            if r.facet in refused:
+                refused[r.facet] += f" (this trace edited it, edit={{{r.key!r}: ...}}, which breaks that relation)"
 
 
 def _locate(model: nn.Module, args: tuple, kwargs: dict, edit: Any, roles: Any):
