@@ -364,7 +364,7 @@ def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_c
 # -- cost ------------------------------------------------------------------------------------------
 
 
-def measure_cost(repeats: int = 5) -> dict[str, float]:
+def measure_cost(repeats: int = 3) -> dict[str, float]:
     """Edited vs unedited trace time on a GPT-2-small-shaped model (run by hand, not a test)."""
     import transformers
 
