@@ -1,121 +1,376 @@
-"""Render docs/performance.md and its chart from a `scripts/bench.py --json` result.
+"""Render docs/performance.md and its SVG charts from one `scripts/bench.py` run.
+
+The run's data is committed next to the charts (`docs/assets/performance-run.json`, and the
+profile in `docs/assets/performance-profile.json`), so the page can be checked for staleness
+like the other generated pages.
 
 Usage:
     python scripts/bench.py --json build/bench.json
-    python scripts/gen_perf_page.py build/bench.json
-
-The page is data from one run on one machine; rerun both commands to refresh it.
+    python scripts/bench.py --profile L12-T1024 --json build/profile.json
+    python scripts/gen_perf_page.py --run build/bench.json --profile build/profile.json
+    python scripts/gen_perf_page.py --check   # exit 1 if the page or a chart differs from the data
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import shutil
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _outputs import write_or_check  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "performance.md"
-CHART = ROOT / "docs" / "assets" / "performance.svg"
+ASSETS = ROOT / "docs" / "assets"
+RUN = ASSETS / "performance-run.json"
+PROFILE = ASSETS / "performance-profile.json"
 
-INTRO = """# Performance
-
-Capture cost is part of what TorchLens promises, so it is measured, not guessed. The figures
-below come from one run of `scripts/bench.py` on this project's build machine (2 CPU cores, no
-GPU), rendered by `scripts/gen_perf_page.py`. Every mode runs in the same process, interleaved
-round by round after a warm-up; the table gives the median. Memory is measured separately, one
-fresh process per mode: the peak resident-set growth of a single run over a model that has
-already run twice, beside the bytes of tensor storage the trace keeps.
-
-Targets: `trace(save="all")` within 2x a plain forward on the GPT-2-small shape, within 10 ms on
-the tiny model, and memory no more than the saved tensors plus 10%.
-
-Why it is cheap: ops are recorded by a `TorchFunctionMode` that runs each op and appends one
-record; saved tensors are detached aliases of the op outputs, not copies, and are cloned only
-when an in-place op is about to overwrite one. A plain forward frees intermediate tensors as it
-goes; `save="all"` keeps them, which is most of its extra memory and some of its extra time.
-"""
+MiB = 2**20
+#: Mode order and colours in tables and charts.
+MODES = ["plain", "all", "none", "resid_post", "all_dir", "tl_cache", "nnsight", "hooks", "pypi"]
+COLORS = {"plain": "#000000", "all": "#3f51b5", "none": "#03a9f4", "resid_post": "#009688", "all_dir": "#8bc34a",
+          "tl_cache": "#e91e63", "nnsight": "#ff9800", "hooks": "#795548", "pypi": "#9e9e9e"}
 
 
-def _svg(results: dict) -> str:
-    """A grouped horizontal bar chart of the time ratios, one group per model shape."""
-    rows = []
-    for shape, modes in results["shapes"].items():
-        for mode, r in modes.items():
-            rows.append((shape, mode, r["ratio"]))
-    bar_h, gap, left, width = 18, 6, 330, 360
-    top = 30
-    height = top + len(rows) * (bar_h + gap) + len(results["shapes"]) * 14 + 30
-    vmax = max(r for _, _, r in rows) * 1.1
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 80}" height="{height}" '
+def _title(name: str, spec: dict) -> str:
+    if name == "tiny":
+        return f"tiny ({spec['n_layer']} layers, d_model {spec['n_embd']}, {spec['tokens']} tokens)"
+    if spec["n_layer"] == 12:
+        return f"GPT-2 small, {spec['tokens']} tokens"
+    return f"{spec['n_layer']} layers, {spec['tokens']} tokens"
+
+
+def _spec(name: str) -> dict:
+    """The spec bench.py gives a model name (for models a run did not reach)."""
+    layers, tokens = (int(x) for x in name[1:].split("-T"))
+    return {"n_layer": layers, "tokens": tokens}
+
+
+def _esc(s: str) -> str:
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+# -- charts ------------------------------------------------------------------------------------
+
+
+def _nice_max(v: float) -> float:
+    if v <= 0:
+        return 1.0
+    mag = 10 ** math.floor(math.log10(v))
+    for m in (1, 2, 2.5, 5, 10):
+        if v <= m * mag:
+            return m * mag
+    return 10 * mag
+
+
+def line_chart(title: str, xlabel: str, ylabel: str, xs: list[float], series: dict[str, list[float | None]],
+               labels: dict[str, str], log2_x: bool = False) -> str:
+    """A small SVG line chart: one polyline per series, a legend on the right."""
+    w, h, left, top, right, bottom = 860, 330, 70, 34, 320, 46
+    pw, ph = w - left - right, h - top - bottom
+    ymax = _nice_max(max((y for ys in series.values() for y in ys if y is not None), default=1.0))
+    fx = (lambda x: math.log2(x)) if log2_x else (lambda x: x)
+    x0, x1 = fx(min(xs)), fx(max(xs))
+
+    def px(x):
+        return left + (pw * (fx(x) - x0) / (x1 - x0) if x1 > x0 else pw / 2)
+
+    def py(y):
+        return top + ph - ph * y / ymax
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
            f'font-family="sans-serif" font-size="12">',
-           f'<text x="{left}" y="18" font-weight="bold">time relative to a plain forward (lower is better)</text>']
-    y = top
-    current = None
-    for shape, mode, ratio in rows:
-        if shape != current:
-            current = shape
-            out.append(f'<text x="4" y="{y + 10}" font-weight="bold">{shape}</text>')
-            y += 14
-        w = width * ratio / vmax
-        color = "#3f51b5" if mode.startswith("trace") else "#9e9e9e"
-        out.append(f'<text x="{left - 6}" y="{y + 13}" text-anchor="end">{mode}</text>')
-        out.append(f'<rect x="{left}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="{color}"/>')
-        out.append(f'<text x="{left + w + 4:.1f}" y="{y + 13}">{ratio:.2f}x</text>')
-        y += bar_h + gap
-    x1 = left + width / vmax
-    out.append(f'<line x1="{x1:.1f}" y1="{top}" x2="{x1:.1f}" y2="{y}" stroke="#c62828" stroke-dasharray="4 3"/>')
+           f'<rect width="{w}" height="{h}" fill="#ffffff"/>',
+           f'<text x="{left}" y="20" font-weight="bold">{_esc(title)}</text>']
+    for i in range(6):
+        y = ymax * i / 5
+        out.append(f'<line x1="{left}" y1="{py(y):.1f}" x2="{left + pw}" y2="{py(y):.1f}" stroke="#e0e0e0"/>')
+        out.append(f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:g}</text>')
+    for x in xs:
+        out.append(f'<text x="{px(x):.1f}" y="{top + ph + 16}" text-anchor="middle">{x:g}</text>')
+    out.append(f'<line x1="{left}" y1="{top + ph}" x2="{left + pw}" y2="{top + ph}" stroke="#000"/>')
+    out.append(f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}" stroke="#000"/>')
+    out.append(f'<text x="{left + pw / 2}" y="{h - 8}" text-anchor="middle">{_esc(xlabel)}</text>')
+    out.append(f'<text x="16" y="{top + ph / 2}" text-anchor="middle" transform="rotate(-90 16 {top + ph / 2})">'
+               f'{_esc(ylabel)}</text>')
+    ly = top + 6
+    for key, ys in series.items():
+        pts = [(px(x), py(y)) for x, y in zip(xs, ys) if y is not None]
+        color = COLORS.get(key, "#607d8b")
+        if len(pts) > 1:
+            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="'
+                       + " ".join(f"{a:.1f},{b:.1f}" for a, b in pts) + '"/>')
+        for a, b in pts:
+            out.append(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3" fill="{color}"/>')
+        out.append(f'<line x1="{left + pw + 16}" y1="{ly}" x2="{left + pw + 36}" y2="{ly}" stroke="{color}" stroke-width="3"/>')
+        out.append(f'<text x="{left + pw + 42}" y="{ly + 4}">{_esc(labels.get(key, key))}</text>')
+        ly += 18
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
 
-def render(results: dict) -> str:
-    m = results["machine"]
-    lines = [INTRO, "![Capture time relative to a plain forward](assets/performance.svg)", "",
-             f"Run: {m['cpus']} CPUs, {m['torch_threads']} torch threads, Python {m['python']}, torch {m['torch']}, "
-             f"transformers {m['transformers']}, TorchLens {m['torchlens']}; median of {results['rounds']} rounds.", ""]
-    for shape, modes in results["shapes"].items():
-        lines += [f"## {shape}", "", "| mode | median | vs plain forward | peak RSS growth | tensors kept |",
-                  "|---|---:|---:|---:|---:|"]
-        for mode, r in modes.items():
-            peak = f"{r['peak_growth_bytes'] / 2**20:.1f} MiB" if "peak_growth_bytes" in r else "—"
-            kept = f"{r['kept_bytes'] / 2**20:.1f} MiB" if r.get("kept_bytes") is not None else "—"
-            lines.append(f"| {mode} | {r['median_s'] * 1e3:.2f} ms | {r['ratio']:.2f}x | {peak} | {kept} |")
+def bar_chart(run: dict) -> str:
+    """Time relative to a plain forward, one group of bars per table model, each on its own scale."""
+    groups = []
+    for name in run["table"]:
+        rows = [(mode, r["ratio"]) for mode in MODES if mode != "plain"
+                for r in [run["models"][name]["modes"].get(mode)] if r and "ratio" in r]
+        if rows:
+            groups.append((name, rows))
+    bar_h, gap, left, width = 16, 5, 300, 380
+    top = 34
+    height = top + sum(len(rows) * (bar_h + gap) + 26 for _, rows in groups) + 10
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 70}" height="{height}" '
+           f'viewBox="0 0 {left + width + 70} {height}" font-family="sans-serif" font-size="12">',
+           f'<rect width="{left + width + 70}" height="{height}" fill="#ffffff"/>',
+           '<text x="4" y="18" font-weight="bold">time relative to a plain forward in the same run '
+           '(lower is better; dashed: 1x; each model on its own scale)</text>']
+    y = top
+    for name, rows in groups:
+        out.append(f'<text x="4" y="{y + 12}" font-weight="bold">'
+                   f'{_esc(_title(name, run["models"][name]["spec"]))}</text>')
+        y += 18
+        vmax = max(max(r for _, r in rows), 1.0) * 1.12
+        y0 = y
+        for mode, ratio in rows:
+            bw = width * ratio / vmax
+            out.append(f'<text x="{left - 6}" y="{y + 12}" text-anchor="end">{_esc(run["labels"][mode])}</text>')
+            out.append(f'<rect x="{left}" y="{y}" width="{bw:.1f}" height="{bar_h}" fill="{COLORS[mode]}"/>')
+            out.append(f'<text x="{left + bw + 4:.1f}" y="{y + 12}">{ratio:.2f}x</text>')
+            y += bar_h + gap
+        x1 = left + width / vmax
+        out.append(f'<line x1="{x1:.1f}" y1="{y0 - 2}" x2="{x1:.1f}" y2="{y}" stroke="#c62828" stroke-dasharray="4 3"/>')
+        y += 8
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def sweep_charts(run: dict) -> dict[str, str]:
+    charts = {}
+    for sweep, key, xlabel, log2 in (("token_sweep", "tokens", "tokens (12 layers)", True),
+                                      ("layer_sweep", "n_layer", "layers (128 tokens)", False)):
+        names = run.get(sweep) or []
+        if len(names) < 2:
+            continue
+        xs = [run["models"][n]["spec"][key] for n in names]
+        modes = [m for m in MODES if any(m in run["models"][n]["modes"] for n in names)]
+        time = {m: [run["models"][n]["modes"].get(m, {}).get("median_s") for n in names] for m in modes}
+        mem = {m: [(run["models"][n]["modes"].get(m, {}).get("peak_growth_bytes") or 0) / MiB
+                   if "peak_growth_bytes" in run["models"][n]["modes"].get(m, {}) else None for n in names]
+               for m in modes}
+        time = {m: v for m, v in time.items() if any(x is not None for x in v)}
+        mem = {m: v for m, v in mem.items() if any(x is not None for x in v)}
+        charts[f"performance-{key.replace('n_layer', 'layers')}-time.svg"] = line_chart(
+            f"median time per forward vs {xlabel}", xlabel, "seconds", xs, time, run["labels"], log2)
+        charts[f"performance-{key.replace('n_layer', 'layers')}-memory.svg"] = line_chart(
+            f"peak memory growth over a plain forward's steady state vs {xlabel}", xlabel, "MiB", xs, mem,
+            run["labels"], log2)
+    return charts
+
+
+# -- page --------------------------------------------------------------------------------------
+
+
+def _mib(b: float) -> str:
+    v = b / MiB
+    return f"{v:.1f}" if abs(v) < 10 else f"{v:.0f}"
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _targets(run: dict) -> list[str]:
+    """Issue 15's targets, each met or not in this run."""
+    def ratio(name, mode):
+        r = run["models"].get(name, {}).get("modes", {}).get(mode, {})
+        return r.get("ratio")
+
+    checks = []
+    for name, limit in (("tiny", 2.0), ("L12-T128", 1.10), ("L12-T1024", 1.25), ("L12-T2048", 1.25)):
+        r = ratio(name, "all")
+        if r is not None:
+            checks.append((f"`save='all'` at most {limit:.2f}x on {_title(name, run['models'][name]['spec'])}", r, r <= limit))
+        t = ratio(name, "tl_cache")
+        if r is not None and t is not None:
+            checks.append((f"`save='all'` at or below TransformerLens `run_with_cache` on "
+                           f"{_title(name, run['models'][name]['spec'])} ({t:.2f}x)", r, r <= t))
+    for name in run["table"]:
+        r = ratio(name, "none")
+        if r is not None:
+            checks.append((f"`save='none'` at most 1.05x on {_title(name, run['models'][name]['spec'])}", r, r <= 1.05))
+    return [f"| {text} | {value:.2f}x | {'met' if ok else '**not met**'} |" for text, value, ok in checks]
+
+
+def render(run: dict, profile: dict | None, charts: list[str]) -> str:
+    m = run["machine"]
+    loads = [run["models"][n].get("load_before") for n in run["models"]] + \
+            [run["models"][n].get("load_after") for n in run["models"]]
+    loads = [x[0] for x in loads if x]
+    lines = [
+        "# Performance",
+        "",
+        "Capture cost is measured, not guessed. Everything on this page is generated by",
+        "`scripts/gen_perf_page.py` from one run of `scripts/bench.py`, whose data is committed in",
+        "`docs/assets/performance-run.json`.",
+        "",
+        "## How it was measured",
+        "",
+        f"- Run started {run.get('started', '?')} on {m['cpus']} CPU cores, no GPU (`{m['device']}`), "
+        f"{m['torch_threads']} torch thread(s); Python {m['python']}, torch {m['torch']}, transformers "
+        f"{m['transformers']}, TorchLens {m['torchlens']}"
+        + (f" at commit `{m['torchlens_commit']}`" if m.get("torchlens_commit") else "") + ".",
+        "- Models: random-weight GPT-2s built from a config with a fixed seed, float32; `tiny` is 2 layers,",
+        "  d_model 32, 4 tokens; the others have GPT-2 small's width (d_model 768, 12 heads, vocabulary",
+        "  50257) with the layers and tokens named. GPT-2 runs its default `sdpa` attention; the",
+        "  TransformerLens bridge switches its own copy of the model to eager attention.",
+        "- Time: for each model every mode runs in one process, interleaved round by round after a",
+        "  warm-up round; the median of the rounds is shown, and the ratio is to the plain forward's",
+        "  median in the same rounds. The PyPI `torchlens` runs in its own process and virtual",
+        "  environment, against a plain forward interleaved in that process.",
+        "- Memory: each mode runs once more in a fresh process, after two plain forwards of the same",
+        "  model and a `malloc_trim`: *peak* is the growth of the peak resident set (VmHWM) during the",
+        "  run, *held* what is still resident while the result is alive (after another `malloc_trim`),",
+        "  *kept* the bytes of tensor storage a TorchLens trace references.",
+        f"- **Load caveat**: the machine was shared with other jobs during the run (1-minute load average "
+        f"{min(loads):.1f} to {max(loads):.1f} on {m['cpus']} cores"
+        + ("; one torch thread was used because two threads under that load made a forward up to 100x "
+           "slower" if m["torch_threads"] == 1 else "") +
+        "). Ratios from few rounds under load move by tens of percent between runs; read them as"
+        " orders of magnitude and compare columns, not decimals."
+        if loads else "",
+        "",
+        "![Time relative to a plain forward](assets/performance.svg)",
+        "",
+        "## Side by side",
+        "",
+        "Time relative to a plain forward (median time in brackets).",
+        "",
+    ]
+    table = run["table"]
+    head = "| mode | " + " | ".join(_title(n, run["models"][n]["spec"]) for n in table) + " |"
+    lines += [head, "|---|" + "---:|" * len(table)]
+    for mode in MODES:
+        cells, any_cell = [], False
+        for n in table:
+            r = run["models"][n]["modes"].get(mode)
+            if r is None:
+                cells.append("not run")
+            elif "error" in r:
+                cells.append("failed")
+            elif "ratio" in r:
+                cells.append(f"{r['ratio']:.2f}x ({_fmt_time(r['median_s'])})")
+                any_cell = True
+            else:
+                cells.append("memory only")
+        if any_cell:
+            lines.append(f"| {_esc(run['labels'][mode])} | " + " | ".join(cells) + " |")
+    if run.get("missing"):
+        lines += ["", "Planned but not measured (the run was stopped before them, for time): "
+                  + ", ".join(f"{n} ({_title(n, _spec(n))})" for n in run["missing"]) + "."]
+    rounds = ", ".join(f"{_title(n, run['models'][n]['spec'])}: {run['models'][n]['rounds']}" for n in table)
+    lines += ["", f"Rounds: {rounds}.", "", "## Memory", "",
+              "Peak / held / kept, in MiB (see above for what each means).", "", head,
+              "|---|" + "---:|" * len(table)]
+    for mode in MODES:
+        cells, any_cell = [], False
+        for n in table:
+            r = run["models"][n]["modes"].get(mode, {})
+            if "peak_growth_bytes" not in r:
+                cells.append("—")
+                continue
+            any_cell = True
+            held = r.get("held_trimmed_bytes", r.get("held_bytes"))
+            kept = f" / {_mib(r['kept_bytes'])}" if r.get("kept_bytes") is not None else ""
+            cells.append(f"{_mib(r['peak_growth_bytes'])} / {_mib(held)}{kept}")
+        if any_cell:
+            lines.append(f"| {_esc(run['labels'][mode])} | " + " | ".join(cells) + " |")
+    errors = [(n, mode, r["error"]) for n in table for mode, r in run["models"][n]["modes"].items() if "error" in r]
+    if errors:
+        lines += ["", "Failed in this run:", ""]
+        lines += [f"- {_esc(run['labels'][mode])} on {_title(n, run['models'][n]['spec'])}: `{_esc(e)}`" for n, mode, e in errors]
+    lines += ["", "## Targets", "",
+              "The targets of issue 15, checked against this run.", "",
+              "| target | this run | |", "|---|---:|---|"] + _targets(run)
+    lines += ["", "## Scaling", ""]
+    for c in charts:
+        if c.startswith("performance-") and c != "performance.svg":
+            lines += [f"![{c[12:-4].replace('-', ' ')}](assets/{c})", ""]
+    if profile:
+        rows = profile["rows"]
+        lines += ["## Where the time goes", "",
+                  f"One `trace(save='all')` on {profile['model']} under cProfile ({profile['profiled_s']:.1f} s "
+                  f"profiled; plain forward {profile['plain_s']:.1f} s unprofiled"
+                  + (f", commit `{profile['torchlens_commit']}`" if profile.get("torchlens_commit") else "")
+                  + "), TorchLens functions by cumulative time:", "",
+                  "| cumulative | own | calls | function |", "|---:|---:|---:|---|"]
+        lines += [f"| {r['cumulative_s']:.2f} s | {r['own_s']:.2f} s | {r['calls']} | `{_esc(r['function'])}` |"
+                  for r in rows]
+        by_name = {r["function"].split(" ")[-1]: r["cumulative_s"] for r in rows}
+        total = by_name.get("trace")
+        if total and "derive" in by_name:
+            parts = [f"`{n}` {by_name[n] / by_name['derive']:.0%}" for n in
+                     ("attention_facets", "rebuild_attention", "_result_site", "norm_facets", "block_facets") if n in by_name]
+            lines += ["", f"Deriving the facets after the forward (`derive`) takes {by_name['derive'] / total:.0%} of the "
+                      f"profiled trace; of that: {', '.join(parts)}."]
         lines.append("")
     lines += [
         "## Reading the numbers",
         "",
-        "- *trace save='none'* records every op and module call but keeps no tensors: the cost of the capture",
+        "- *save='none'* records every op and module call but keeps no tensors: the cost of the capture",
         "  itself.",
-        "- *trace save='all'* also keeps every op output and computes every facet (norm statistics, the",
-        "  per-head attention result, the pattern rebuilt from a fused kernel's inputs).",
-        "- *trace save=['resid_post']* keeps only the blocks' outputs in the finished trace, but holds every",
-        "  op output inside the blocks while the forward runs (facets are found after it), so it costs about",
-        "  as much time as `save='all'`; it saves memory in what you keep, not during capture.",
-        "- *forward hooks on every module* is what a user writes by hand: one hook per module cloning its",
-        "  output. It sees module boundaries only, not the ops inside them.",
-        "- *nnsight* reads each block's input and output through its tracing context.",
-        "- For scale: the unrelated `torchlens` 2.36.1 package on PyPI, which wraps torch functions globally",
-        "  instead of using a function mode, was measured earlier on machines of this kind at about 12x a plain",
-        "  forward on the GPT-2-small shape and about 360 ms on the tiny model (not rerun by this script).",
+        "- *save='all'* keeps every op output and derives and checks every facet after the forward",
+        "  (norm statistics, per-head attention results, attention patterns rebuilt from the fused",
+        "  kernel's inputs); at long sequences the rebuilt `[heads, query, key]` tensors dominate.",
+        "- *save=['resid_post']* keeps only the blocks' outputs in the finished trace, but holds the ops",
+        "  inside the blocks while the forward runs.",
+        "- *store=&lt;directory&gt;* is `save='all'` with the tensors written to safetensors files and served",
+        "  memory-mapped: the peak is the same (they are moved when the trace is assembled), what the",
+        "  trace holds afterwards is not resident (its *kept* bytes are in the files).",
+        "- *forward hook on every module* is what a user writes by hand: one hook per module cloning its",
+        "  output; it sees module boundaries only.",
+        "- *nnsight* saves every module's output through its tracing context.",
+        "- *PyPI torchlens 2.36.1* is a different project that happens to share the name.",
         "",
-        "Regenerate with `python scripts/bench.py --json build/bench.json && "
-        "python scripts/gen_perf_page.py build/bench.json`.",
+        "Regenerate with `python scripts/bench.py --json build/bench.json`, `python scripts/bench.py",
+        "--profile L12-T1024 --json build/profile.json` and `python scripts/gen_perf_page.py --run",
+        "build/bench.json --profile build/profile.json`.",
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(line for line in lines if line is not None)
+
+
+def outputs(run: dict, profile: dict | None) -> dict[Path, str]:
+    run = dict(run)  # a run cut short lists models it never measured: leave those out, and say so
+    planned = [n for key in ("table", "token_sweep", "layer_sweep") for n in run.get(key, [])]
+    run["missing"] = sorted({n for n in planned if n not in run["models"]})
+    for key in ("table", "token_sweep", "layer_sweep"):
+        run[key] = [n for n in run.get(key, []) if n in run["models"]]
+    charts = {"performance.svg": bar_chart(run), **sweep_charts(run)}
+    out = {ASSETS / name: text for name, text in charts.items()}
+    out[PAGE] = render(run, profile, list(charts))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print(__doc__)
-        return 2
-    results = json.loads(Path(argv[0]).read_text())
-    CHART.parent.mkdir(parents=True, exist_ok=True)
-    CHART.write_text(_svg(results))
-    PAGE.write_text(render(results))
-    print(f"wrote {PAGE.relative_to(ROOT)} and {CHART.relative_to(ROOT)}")
-    return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", help="a bench.py --json result to copy into the docs and render")
+    parser.add_argument("--profile", help="a bench.py --profile --json result to copy and render")
+    parser.add_argument("--check", action="store_true", help="report stale files instead of writing them")
+    args = parser.parse_args(argv)
+    if args.check and (args.run or args.profile):
+        parser.error("--check renders the committed data; it takes no --run/--profile")
+    if args.run:
+        shutil.copyfile(args.run, RUN)
+    if args.profile:
+        shutil.copyfile(args.profile, PROFILE)
+    run = json.loads(RUN.read_text())
+    profile = json.loads(PROFILE.read_text()) if PROFILE.exists() else None
+    return write_or_check(outputs(run, profile), args.check, ROOT, "python scripts/gen_perf_page.py")
 
 
 if __name__ == "__main__":

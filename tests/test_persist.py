@@ -68,7 +68,7 @@ def test_loaded_values_equal_forward_hooks_and_eager_attentions(tmp_path, family
     attn = loaded.by_role("attention")
     mlps = loaded.by_role("mlp")
     assert len(blocks) == 2 and len(attn) == 2 and len(mlps) == 2
-    seen, attentions = _hooked(model, blocks + attn + mlps)
+    seen, _ = _hooked(model, blocks + attn + mlps)
     for a in blocks:
         torch.testing.assert_close(loaded.modules[a].facets["resid_post"], seen[a], rtol=0, atol=0)
     for a in attn + mlps:
@@ -111,7 +111,7 @@ def test_alias_resolution_and_compare_agree_without_the_model(tmp_path, family):
 
 
 def test_metadata_only_trace_round_trips(tmp_path):
-    model, trace, loaded = _saved_and_loaded(tmp_path, "gpt2", save="none")
+    _, trace, loaded = _saved_and_loaded(tmp_path, "gpt2", save="none")
     assert all(t is None for op in loaded.ops for t in op.tensors)
     assert [(o.name, o.shapes, o.inputs) for o in loaded.ops] == [(o.name, o.shapes, o.inputs) for o in trace.ops]
     site = loaded.modules[loaded.blocks[0]].facets.site("resid_post")
@@ -161,7 +161,7 @@ def test_tensor_files_outside_the_directory_are_refused(saved, tmp_path):
     outside = tmp_path / "outside.safetensors"
     outside.write_bytes((saved / "tensors.safetensors").read_bytes())
     for bad in ["../outside.safetensors", str(outside)]:
-        _edit(saved, lambda d: d.update(tensor_files=[bad]))
+        _edit(saved, lambda d, bad=bad: d.update(tensor_files=[bad]))
         with pytest.raises(tl.TraceFileError, match="only a plain"):
             tl.load(saved)
     os.symlink(outside, saved / "link.safetensors")

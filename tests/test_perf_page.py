@@ -1,0 +1,69 @@
+"""The Performance page and its charts must be what `scripts/gen_perf_page.py` renders from the
+committed benchmark data (`docs/assets/performance-run.json`).
+
+The first test runs `--check` on the working tree; the others change the data in memory and make
+sure the rendering follows (so the check can fail), and that every number in the side-by-side
+table is the run's.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import pathlib
+import xml.dom.minidom
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gen_perf_page.py"
+
+
+@pytest.fixture(scope="module")
+def gen():
+    spec = importlib.util.spec_from_file_location("gen_perf_page", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def data(gen):
+    run = json.loads(gen.RUN.read_text())
+    for key in ("table", "token_sweep", "layer_sweep"):  # a run cut short lists models it never measured
+        run[key] = [n for n in run[key] if n in run["models"]]
+    profile = json.loads(gen.PROFILE.read_text()) if gen.PROFILE.exists() else None
+    return run, profile
+
+
+def test_committed_page_and_charts_are_current(gen):
+    assert gen.main(["--check"]) == 0
+
+
+def test_a_changed_measurement_makes_the_page_stale(gen, data):
+    run, profile = data
+    changed = copy.deepcopy(run)
+    name = run["table"][-1]
+    changed["models"][name]["modes"]["all"]["ratio"] += 0.5
+    new = gen.outputs(changed, profile)
+    stale = [p for p, text in new.items() if p.read_text(encoding="utf-8") != text]
+    assert gen.PAGE in stale and gen.ASSETS / "performance.svg" in stale
+
+
+def test_every_table_number_is_the_runs_and_every_chart_is_well_formed(gen, data):
+    run, profile = data
+    out = gen.outputs(run, profile)
+    page = out[gen.PAGE]
+    for name in run["table"]:
+        for mode, r in run["models"][name]["modes"].items():
+            if "ratio" in r:
+                assert f"{r['ratio']:.2f}x" in page, (name, mode)
+    for path, text in out.items():
+        if path.suffix == ".svg":
+            xml.dom.minidom.parseString(text)
+            assert f"assets/{path.name}" in page, path.name
+    # the run covers what the page promises: every mode side by side, and both sweeps
+    table_modes = set().union(*(run["models"][n]["modes"] for n in run["table"]))
+    assert {"plain", "all", "none", "resid_post", "tl_cache", "nnsight", "hooks", "pypi"} <= table_modes
+    assert len(run["token_sweep"]) >= 4 and len(run["layer_sweep"]) >= 3
