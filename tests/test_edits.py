@@ -361,6 +361,39 @@ def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_c
     assert mi.compare(at_input, wrong, generation="2.x").ok
 
 
+
+def test_transformer_lens_bridge_op_level_edits_parity():
+    """z (head 1 zeroed; the bridge's z is token-major) and pattern, edited by run_with_hooks and by
+    TorchLens: same downstream residual and logits."""
+    import engine_runs
+    from torchlens import mechinterp as mi
+
+    bridge, _ = engine_runs._bridge("gpt2", "eager")
+    hf_model = engine_runs.model("gpt2", "eager")
+    ids = engine_runs.IDS
+
+    def tl_z(z):  # [batch, heads, pos, d_head]
+        z[:, 1] = 0
+        return z
+
+    def bridge_z(z, hook):  # [batch, pos, heads, d_head]
+        z = z.clone()
+        z[:, :, 1] = 0
+        return z
+
+    cases = [("blocks.0.attn.hook_z", tl_z, bridge_z),
+             ("blocks.0.attn.hook_pattern", lambda p: p * 0.5, lambda p, hook: p * 0.5)]
+    for name, ours, theirs in cases:
+        cache = {}
+        with torch.no_grad():
+            logits = bridge.run_with_hooks(ids, fwd_hooks=[(name, theirs), (
+                "blocks.1.hook_resid_post", lambda x, hook: cache.__setitem__("blocks.1.hook_resid_post", x.clone()))])
+            t = tl.trace(hf_model, ids, edit={name: ours})
+            assert not torch.allclose(logits, hf_model(ids).logits)
+        torch.testing.assert_close(t.output.logits, logits, atol=1e-5, rtol=0)
+        assert mi.compare(t, cache, generation="2.x").ok
+
+
 # -- cost ------------------------------------------------------------------------------------------
 
 
