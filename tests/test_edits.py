@@ -245,6 +245,29 @@ def test_activation_patching_resid_post_restores_the_clean_logits():
     torch.testing.assert_close(patched.output.logits, clean_logits, atol=ATOL, rtol=0)
 
 
+class _WritesInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        h += 1  # writes the tensor the edit put there
+        return self.b(h)
+
+
+def test_a_patched_tensor_is_not_written_by_the_model():
+    model, x = _WritesInPlace(), torch.randn(2, 4)
+    value = torch.full((2, 4), 3.0)
+    held = torch.full((2, 4), 5.0)
+    t = tl.trace(model, x, edit={("a", "output"): value})
+    torch.testing.assert_close(t.output, model.b(value + 1))
+    assert bool((value == 3).all())
+    tl.trace(model, x, edit={("a", "output"): lambda h: held})
+    assert bool((held == 5).all())
+
+
 # -- refusals and errors ---------------------------------------------------------------------------
 
 

@@ -100,7 +100,10 @@ class _Edit:
         """The replacement of `t` (the tensor the model computed), in the model's layout."""
         site = f"{self.record.module_address or '<root>'}:{self.record.facet}"
         if callable(self.value):
-            new = self.value(self.to_facet(t).clone())
+            arg = self.to_facet(t).clone()
+            new = self.value(arg)
+            if isinstance(new, Tensor) and new is not arg:
+                new = new.clone()  # it may be a tensor the caller holds: the model may write into it
             if not isinstance(new, Tensor):
                 raise EditSpecError(
                     f"edit of {site}: the function returned {type(new).__name__}, not a tensor. Return the "
@@ -108,7 +111,7 @@ class _Edit:
                 )
             what = "the function's result"
         else:
-            new = self.value.to(t.device)
+            new = self.value.to(t.device, copy=True)  # the model may write into it; the caller's stays as it was
             what = "the tensor given"
         if tuple(new.shape) != tuple(self.shape):
             raise EditSpecError(
