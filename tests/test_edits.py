@@ -195,6 +195,33 @@ def test_llama_rot_q_matches_an_attention_function_that_edits_the_kernel_input()
         tl.trace(_models.llama(), IDS, edit={("model.layers.0.self_attn", "rot_k"): lambda k: k})
 
 
+def test_gpt2_resid_mid_matches_the_block_written_out_by_hand():
+    """resid_mid (the residual after the attention add) feeds both ln_2 and the MLP's residual add,
+    so no hook on a module can replace it; the block's forward written out by hand can."""
+    model = _models.gpt2()
+    d = torch.linspace(0, 1, 32)
+    fn = lambda mid: mid + d  # noqa: E731
+
+    def manual(block, args, kwargs, out):
+        x = args[0]
+        mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")  # GPT2Model passes it third
+        attn = block.attn(block.ln_1(x), attention_mask=mask)
+        mid = fn(x + _first(attn))
+        return _with_first(out, mid + block.mlp(block.ln_2(mid)))
+
+    with torch.no_grad():
+        t = tl.trace(model, IDS, edit={"blocks.1.hook_resid_mid": fn})
+    h = model.transformer.h[1].register_forward_hook(manual, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            want = model(IDS).logits
+    finally:
+        h.remove()
+    torch.testing.assert_close(t.output.logits, want, atol=1e-5, rtol=0)
+    assert "add" in t.edits[0].where
+    assert "this trace edited it" in t.modules["transformer.h.1"].facets.refused["resid_mid"]
+
+
 # -- several calls -------------------------------------------------------------------------------
 
 
