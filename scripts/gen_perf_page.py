@@ -29,6 +29,9 @@ ASSETS = ROOT / "docs" / "assets"
 RUN = ASSETS / "performance-run.json"
 PROFILE = ASSETS / "performance-profile.json"
 
+#: Text after this line in docs/performance.md is written by hand and kept when the page is regenerated.
+APPENDED = "<!-- hand-written below: kept by gen_perf_page.py -->"
+
 MiB = 2**20
 #: Mode order and colours in tables and charts.
 MODES = ["plain", "all", "none", "resid_post", "all_dir", "tl_cache", "nnsight", "hooks", "pypi"]
@@ -334,7 +337,13 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
         "- *forward hook on every module* is what a user writes by hand: one hook per module cloning its",
         "  output; it sees module boundaries only.",
         "- *nnsight* saves every module's output through its tracing context.",
-        "- *PyPI torchlens 2.36.1* is a different project that happens to share the name.",
+        "- *PyPI torchlens 2.36.1* is a different project that happens to share the name; it runs up to",
+        "  1024 tokens only (`bench.py --no-pypi-above`), for time.",
+        "- The tiny model's millisecond timings are the most sensitive to the load: a 20 ms pause of the",
+        "  process moves its ratio by several x.",
+        "",
+        "A hand-written section may be appended to this page's source after the HTML comment that",
+        "`APPENDED` in `scripts/gen_perf_page.py` names; the generator keeps it.",
         "",
         "Regenerate with `python scripts/bench.py --json build/bench.json`, `python scripts/bench.py",
         "--profile L12-T1024 --json build/profile.json` and `python scripts/gen_perf_page.py --run",
@@ -352,7 +361,12 @@ def outputs(run: dict, profile: dict | None) -> dict[Path, str]:
         run[key] = [n for n in run.get(key, []) if n in run["models"]]
     charts = {"performance.svg": bar_chart(run), **sweep_charts(run)}
     out = {ASSETS / name: text for name, text in charts.items()}
-    out[PAGE] = render(run, profile, list(charts))
+    page = render(run, profile, list(charts))
+    if PAGE.exists():  # a hand-written section appended after the marker is kept as it is
+        old = PAGE.read_text(encoding="utf-8")
+        if APPENDED in old:
+            page += "\n" + old[old.index(APPENDED):]
+    out[PAGE] = page
     return out
 
 

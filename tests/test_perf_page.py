@@ -67,3 +67,14 @@ def test_every_table_number_is_the_runs_and_every_chart_is_well_formed(gen, data
     table_modes = set().union(*(run["models"][n]["modes"] for n in run["table"]))
     assert {"plain", "all", "none", "resid_post", "tl_cache", "nnsight", "hooks", "pypi"} <= table_modes
     assert len(run["token_sweep"]) >= 4 and len(run["layer_sweep"]) >= 3
+
+
+def test_a_hand_written_section_after_the_marker_is_kept(gen, data, tmp_path, monkeypatch):
+    run, profile = data
+    page = tmp_path / "performance.md"
+    section = f"{gen.APPENDED}\n## Diagnosis\n\nwritten by hand\n"
+    page.write_text(gen.PAGE.read_text(encoding="utf-8") + "\n" + section, encoding="utf-8")
+    monkeypatch.setattr(gen, "PAGE", page)
+    out = gen.outputs(run, profile)[page]
+    assert out.endswith(section) and out.count(gen.APPENDED) == 1
+    assert gen.write_or_check({page: out}, True, tmp_path, "") == 0
