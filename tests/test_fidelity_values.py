@@ -411,6 +411,7 @@ def test_facets_looked_up_by_a_non_name_teach():
         assert bad not in facets
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # building the input
 def test_scripted_submodule_is_refused_naming_it_and_the_remedy():
     class Net(nn.Module):
         def __init__(self):
