@@ -67,6 +67,18 @@ def test_gpt2_zero_resid_post_matches_forward_hook():
     _nothing_installed(model)
 
 
+@pytest.mark.parametrize("key", ["blocks.0.hook_resid_post", "blocks.0.hook_out", "layers_output[0]", "resid_post.0",
+                                 "transformer.h.0:resid_post", ("transformer.h.0", "output")])
+def test_every_generation_names_the_same_edit(key):
+    """2.x, 4.x, nnterp and interp-engine names, 'address:facet' and a tuple: one site, one edit."""
+    model = _models.gpt2()
+    with torch.no_grad():
+        t = tl.trace(model, IDS, edit={key: lambda x: x * 0.5})
+    torch.testing.assert_close(t.output.logits, _hooked_logits(model, model.transformer.h[0], lambda x: x * 0.5),
+                               atol=ATOL, rtol=0)
+    assert t.edits[0].module_address == "transformer.h.0" and t.edits[0].key == key
+
+
 def test_llama_steering_resid_pre_matches_pre_hook_and_downstream_sites():
     model = _models.llama()
     steer = torch.linspace(-1, 1, 32)
