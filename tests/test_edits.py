@@ -307,6 +307,17 @@ def test_a_patched_tensor_is_not_written_by_the_model():
     assert bool((held == 5).all())
 
 
+def test_training_mode_dropout_draws_the_same_masks_as_an_unedited_forward():
+    """The locating pass consumes no randomness the edited forward would have drawn."""
+    model = _models.gpt2().train()
+    torch.manual_seed(5)
+    t = tl.trace(model, IDS, edit={"blocks.1.hook_resid_pre": lambda x: x})
+    torch.manual_seed(5)
+    with torch.no_grad():
+        want = model(IDS).logits
+    torch.testing.assert_close(t.output.logits.detach(), want, atol=ATOL, rtol=0)
+
+
 # -- refusals and errors ---------------------------------------------------------------------------
 
 
