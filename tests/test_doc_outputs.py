@@ -1,8 +1,8 @@
 """The site shows what each example printed: the recorder (tests/doc_outputs.py) and the page side
 (scripts/mkdocs_hooks.py) must agree on which block an output belongs to.
 
-This module also loads the recorder for the whole session (``pytest_plugins`` below), so every
-run that collects ``tests/`` writes ``build/doc-outputs.json``.
+The recorder is loaded for every session by ``-p doc_outputs`` in pyproject.toml's addopts, so a
+run of one page (``pytest docs/page.md``) updates ``build/doc-outputs.json`` too.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from pytest_markdown_docs.plugin import FenceSyntax
 
 from docs_harness import block_body, extract_blocks, read_page
 
-pytest_plugins = ["doc_outputs"]
-
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -30,8 +28,7 @@ def hooks():
 
 
 def _recorder():
-    """The recorder module (imported by pytest through `pytest_plugins`, so it is not imported
-    here first: that would keep pytest from rewriting its asserts)."""
+    """The recorder module, as pytest loaded it (`-p doc_outputs`)."""
     import doc_outputs
 
     return doc_outputs
