@@ -435,14 +435,15 @@ def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_c
 
 
 
-def test_transformer_lens_bridge_op_level_edits_parity():
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_transformer_lens_bridge_op_level_edits_parity(family):
     """z (head 1 zeroed; the bridge's z is token-major) and pattern, edited by run_with_hooks and by
     TorchLens: same downstream residual and logits."""
     import engine_runs
     from torchlens import mechinterp as mi
 
-    bridge, _ = engine_runs._bridge("gpt2", "eager")
-    hf_model = engine_runs.model("gpt2", "eager")
+    bridge, _ = engine_runs._bridge(family, "eager")
+    hf_model = engine_runs.model(family, "eager")
     ids = engine_runs.IDS
 
     def tl_z(z):  # [batch, heads, pos, d_head]
