@@ -19,7 +19,7 @@ import transformers as tf
 import _models
 import torchlens as tl
 import torchlens.mechinterp as mi
-from torchlens.mechinterp.compare import ToleranceError
+from torchlens.mechinterp import ToleranceError
 
 IDS = _models.token_ids()
 T = IDS.shape[1]

@@ -16,7 +16,7 @@ import transformers
 
 import torchlens as tl
 import torchlens.mechinterp as mi
-from torchlens.mechinterp.compare import Comparison, ComparisonReport
+from torchlens.mechinterp import Comparison, ComparisonReport
 from torchlens.mechinterp.resolver import AliasReport, AliasResolution
 
 

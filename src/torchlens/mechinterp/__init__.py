@@ -5,16 +5,16 @@
   generation, instantiated on a trace, with an honest status.
 - `GENERATIONS`: the tables, one per naming generation (`"2.x"`, `"3.x"`, `"4.x"`, `"nnterp"`,
   `"interp-engine"`).
-- [`compare`][torchlens.mechinterp.compare.compare]`(trace, {name: tensor})`: check another
+- [`compare`][torchlens.mechinterp.compare]`(trace, {name: tensor})`: check another
   engine's tensors against the trace, converting layouts, with a hint for each mismatch. It
   returns a [`ComparisonReport`][torchlens.mechinterp.ComparisonReport]; `tolerance=` errors
   are [`ToleranceError`][torchlens.mechinterp.ToleranceError]s.
 
-`torchlens.mechinterp.compare` is the function: it shares its name with the file that
-defines it, so `import torchlens.mechinterp.compare` also gives the function.
+`torchlens.mechinterp.compare` is the function; the code behind it lives in an internal
+module, so no submodule shares its name.
 """
 
-from .compare import Candidate, Comparison, ComparisonReport, ToleranceError, compare
+from ._compare import Candidate, Comparison, ComparisonReport, ToleranceError, compare
 from .resolver import (
     GENERATIONS,
     STATUSES,

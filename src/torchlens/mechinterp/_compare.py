@@ -37,8 +37,10 @@ class Comparison:
     Attributes:
         name: the name as given.
         status: the resolution status (see `torchlens.mechinterp.STATUSES`), or `"refused"`.
-        module_address, facet: the TorchLens site (None when there is none).
-        engine_shape, reference_shape: shapes as handed in / as TorchLens holds them.
+        module_address: the module of the TorchLens site (None when there is none).
+        facet: the facet of the TorchLens site (None when there is none).
+        engine_shape: the shape of the tensor as handed in.
+        reference_shape: the shape of the tensor as TorchLens holds it.
         layout: the conversion applied to the TorchLens tensor to match the engine's layout.
         max_abs_error: the largest absolute difference after conversion (None if not compared).
         passed: whether the two agree within tolerance.
