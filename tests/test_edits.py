@@ -234,6 +234,35 @@ def test_gpt2_resid_mid_matches_the_block_written_out_by_hand():
     assert "this trace edited it" in t.modules["transformer.h.1"].facets.refused["resid_mid"]
 
 
+def test_hook_and_op_edits_together_match_plain_hooks():
+    """A hook edit records an `edited` op; the op edits after it are still placed on their ops."""
+    model = _models.gpt2()
+
+    def ablate(z):
+        z[:, 0] = 0
+        return z
+
+    def cols(m, args):
+        x = args[0].clone()
+        x[..., :16] = 0
+        return (x,)
+
+    with torch.no_grad():
+        t = tl.trace(model, IDS, edit={"blocks.0.hook_resid_pre": lambda x: x + 1, "blocks.1.attn.hook_z": ablate,
+                                       "blocks.1.hook_resid_post": lambda x: x * 2})
+    hs = [model.transformer.h[0].register_forward_pre_hook(lambda m, a: (a[0] + 1,) + tuple(a[1:])),
+          model.transformer.h[1].attn.c_proj.register_forward_pre_hook(cols),
+          model.transformer.h[1].register_forward_hook(lambda m, a, o: _with_first(o, _first(o) * 2))]
+    try:
+        with torch.no_grad():
+            want = model(IDS).logits
+    finally:
+        for h in hs:
+            h.remove()
+    torch.testing.assert_close(t.output.logits, want, atol=ATOL, rtol=0)
+    assert [e.applied for e in t.edits] == [1, 1, 1]
+
+
 # -- several calls -------------------------------------------------------------------------------
 
 
