@@ -323,6 +323,8 @@ class Trace:
         save_spec: the normalized `save=` selection the trace was taken with.
         structure: the model's stacks, layers and sublayers as TorchLens found them
             (`structure.stacks`, `structure.kind`; see `torchlens._structure`).
+        edits: for a trace taken with `edit=`, one record per key: the site, the calls edited, how
+            the edit was placed and how often it ran; empty otherwise (not kept by `save`/`load`).
     """
 
     def __init__(self, ops, modules, output, blocks, model_class, save, structure=None):
@@ -333,8 +335,6 @@ class Trace:
         self.model_class: str = model_class
         self.save_spec = save
         self.structure = structure
-        #: the edits this forward ran with (`trace(..., edit=...)`): one
-        #: [`EditRecord`][torchlens._edits.EditRecord] per key; empty for an unedited trace.
         self.edits: tuple = ()
 
     def save(self, path: str | os.PathLike, model: Any = None) -> list[str]:
@@ -385,7 +385,7 @@ class Trace:
         if r.module_address is None or r.facet is None or r.status in ("structurally_absent", "ambiguous"):
             remedy = f" {r.remedy[0].upper()}{r.remedy[1:]}." if r.remedy else ""
             raise AliasError(f"{name!r} has no site to read in this trace ({r.status}): {r.reason}{remedy}")
-        return r.tensor(self)  # the call the name's layer ran (a block run twice is two layers)
+        return r.tensor  # the call the name's layer ran (a block run twice is two layers)
 
     def by_role(self, role: str) -> list[str]:
         """Addresses of the modules with `role` that ran, in the order they first ran."""
