@@ -52,7 +52,7 @@ def build(tokens: int):
 def values(trace, n_sites: int = 150, n_wrong: int = 20) -> dict:
     """150 readable 2.x names with the trace's own tensors, 20 of them replaced by wrong ones."""
     names = [r.query for r in mi.alias_report(trace, generation="2.x") if r.readable][:n_sites]
-    out = {n: mi.resolve_alias(trace, n, generation="2.x").tensor(trace) for n in names}
+    out = {n: mi.resolve_alias(trace, n, generation="2.x").tensor for n in names}
     m = trace.modules
     gen = torch.Generator().manual_seed(1)
     wrong = []

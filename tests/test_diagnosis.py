@@ -428,7 +428,7 @@ def test_auto_tolerance_passes_every_site_rounded_to_bf16(family):
     names = [r.query for r in mi.alias_report(trace32, generation="2.x") if r.readable]
     values = {}
     for name in names:
-        t = mi.resolve_alias(trace32, name, generation="2.x").tensor(trace32)
+        t = mi.resolve_alias(trace32, name, generation="2.x").tensor
         values[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
     for trace, m in ((trace32, model), (trace16, model16)):
         report = mi.compare(trace, values, generation="2.x", tolerance="auto", model=m, inputs=IDS)

@@ -147,7 +147,7 @@ def test_transformer_lens_cache_keys(family, impl):
             here = mi.resolve_alias(trace, c.name, generation=run.generation)
             there = mi.resolve_alias(trace, c.name, generation="3.x")
             assert here.module_address == there.module_address, c.name
-            assert torch.equal(here.tensor(trace), there.tensor(trace)), c.name
+            assert torch.equal(here.tensor, there.tensor), c.name
 
     # Every readable 3.x/4.x name appears in some cache, except the GPT-2-only hook_hidden_states.
     missing = {"gpt2": (), "llama": ("blocks.0.attn.hook_hidden_states", "blocks.1.attn.hook_hidden_states")}
@@ -188,8 +188,8 @@ def test_transformer_lens_norm_conventions_are_discriminating():
     something only if the gain changes the tensor: the test models perturb every norm gain."""
     require("transformer-lens")
     trace = er.reference("gpt2", "eager")
-    pre = mi.resolve_alias(trace, "blocks.0.ln1.hook_normalized", generation="4.x").tensor(trace)
-    post = mi.resolve_alias(trace, "blocks.0.ln1.hook_out", generation="4.x").tensor(trace)
+    pre = mi.resolve_alias(trace, "blocks.0.ln1.hook_normalized", generation="4.x").tensor
+    post = mi.resolve_alias(trace, "blocks.0.ln1.hook_out", generation="4.x").tensor
     assert not torch.allclose(pre, post, atol=1e-3)
     run = er.transformer_lens_result("gpt2", "eager").runs[1]
     assert {"blocks.0.ln1.hook_normalized", "blocks.0.ln1.hook_scale", "ln_final.hook_normalized"} <= {
@@ -258,13 +258,13 @@ def test_compare_names_the_unfolded_layernorm_convention():
     with TL 2.18: HookedTransformer with fold_ln=False). compare fails such a row and says so;
     the pre-gain tensor of a folded model passes."""
     trace = er.reference("gpt2", "eager")  # norm gains and biases perturbed: pre- and post-gain differ
-    post = mi.resolve_alias(trace, "blocks.0.ln2.hook_out", generation="4.x").tensor(trace)
-    pre = mi.resolve_alias(trace, "blocks.0.ln2.hook_normalized", generation="2.x").tensor(trace)
+    post = mi.resolve_alias(trace, "blocks.0.ln2.hook_out", generation="4.x").tensor
+    pre = mi.resolve_alias(trace, "blocks.0.ln2.hook_normalized", generation="2.x").tensor
     row = mi.compare(trace, {"blocks.0.ln2.hook_normalized": post}, generation="2.x")[0]
     assert not row.passed and "fold_ln=False" in row.hint
     assert mi.compare(trace, {"blocks.0.ln2.hook_normalized": pre}, generation="2.x").ok
     # A computed (reconstructed) facet that differs for another reason is not blamed on a fused kernel.
-    scale = mi.resolve_alias(trace, "blocks.0.ln2.hook_scale", generation="2.x").tensor(trace)
+    scale = mi.resolve_alias(trace, "blocks.0.ln2.hook_scale", generation="2.x").tensor
     row = mi.compare(trace, {"blocks.0.ln2.hook_scale": 2 * scale}, generation="2.x")[0]
     assert row.status == "reconstructed_read_only" and not row.passed
     assert "fused kernel" not in row.hint and "computed" in row.hint

@@ -212,7 +212,7 @@ def test_save_none_needs_capture():
     assert "save=" in r.remedy
     assert not r.readable
     with pytest.raises(tl.FacetNotSaved):
-        r.tensor(trace)
+        r.tensor
     for generation in mi.GENERATIONS:
         for r in mi.alias_report(trace, generation=generation):
             assert r.status in ("needs_capture", "structurally_absent"), r
@@ -339,7 +339,7 @@ def test_block_object_run_twice_gives_one_layer_per_call():
         for name in (f"blocks.{layer}.hook_resid_post", f"layers_output[{layer}]", f"resid_post.{layer}"):
             r = mi.resolve_alias(trace, name)
             assert r.status == "real" and r.call == layer, r
-            torch.testing.assert_close(r.tensor(trace), seen[layer], rtol=0, atol=0)
+            torch.testing.assert_close(r.tensor, seen[layer], rtol=0, atol=0)
         assert mi.resolve_alias(trace, f"blocks.{layer}.attn.hook_pattern").call == layer
     assert not torch.equal(seen[0], seen[1])
     with pytest.raises(mi.LayerOutOfRange):
@@ -412,8 +412,8 @@ def test_known_clash_is_ambiguous_only_where_the_tensors_differ():
     assert r.status == "ambiguous" and "'2.x'" in r.remedy and "'3.x'" in r.remedy
     lookup = gemma.modules["model.embed_tokens"].facets["lookup"]
     output = gemma.modules["model.embed_tokens"].facets["output"]
-    assert mi.resolve_alias(gemma, "hook_embed", generation="2.x").tensor(gemma) is lookup
-    assert mi.resolve_alias(gemma, "hook_embed", generation="3.x").tensor(gemma) is output
+    assert mi.resolve_alias(gemma, "hook_embed", generation="2.x").tensor is lookup
+    assert mi.resolve_alias(gemma, "hook_embed", generation="3.x").tensor is output
     assert not torch.equal(lookup, output)
 
 
@@ -804,7 +804,7 @@ def _check_ground_truth(family: str, attn: str):
             again = mi.resolve_alias(trace, r.query, generation=generation)
             assert (again.module_address, again.facet, again.status) == (r.module_address, r.facet, r.status)
             actual = trace.modules[r.module_address].facets[r.facet]
-            assert torch.equal(actual, r.tensor(trace))
+            assert torch.equal(actual, r.tensor)
             if actual.shape != expected.shape or not torch.allclose(actual, expected.to(actual.dtype),
                                                                     rtol=1e-4, atol=1e-5):
                 err = (actual.float() - expected.float()).abs().max() if actual.shape == expected.shape else "-"
@@ -851,7 +851,7 @@ def test_nnterp_negative_index_is_last_block():
     assert (r.module_address, r.facet, r.layer) == ("transformer.h.1", "resid_post", 1)
     assert mi.resolve_alias(trace, "layers_input[-2]").module_address == "transformer.h.0"
     hf = HF(model, IDS, traced("gpt2", 2, "eager")[0])
-    assert torch.allclose(r.tensor(trace), hf.out("transformer.h.1"), atol=1e-6)
+    assert torch.allclose(r.tensor, hf.out("transformer.h.1"), atol=1e-6)
     with pytest.raises(LayerOutOfRange):
         mi.resolve_alias(trace, "layers_output[-3]")
 
@@ -862,7 +862,7 @@ def test_path_address_reads_the_module_output():
     assert (r.module_address, r.facet, r.status) == ("transformer.wpe", "output", "real")
     with torch.no_grad():
         expected = model.transformer.wpe(torch.arange(IDS.shape[1]))
-    assert torch.allclose(r.tensor(trace)[0], expected)
+    assert torch.allclose(r.tensor[0], expected)
     with pytest.raises(UnknownAlias, match=r"path\.transformer\.wpe"):
         mi.resolve_alias(trace, "path.transformer.wpee")
     with pytest.raises(UnknownAlias) as e:
@@ -982,7 +982,7 @@ def test_every_alias_error_is_a_torchlens_error():
 def test_resolution_tensor_without_site_raises():
     _, trace = traced("gpt2", 2, "sdpa")
     with pytest.raises(AliasError):
-        mi.resolve_alias(trace, "q_norm_in").tensor(trace)
+        mi.resolve_alias(trace, "q_norm_in").tensor
 
 
 # -- property-based ----------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def test_directory_store_serves_hook_values_from_memory_mapped_files(tmp_path, f
                [ref_tensors[i].data_ptr() - ref_tensors[g[0]].data_ptr() for i in g]
     # Names resolve and read the stored values.
     res = mi.resolve_alias(stored, "blocks.1.hook_resid_post")
-    torch.testing.assert_close(res.tensor(stored), seen[stored.blocks[1]], rtol=0, atol=0)
+    torch.testing.assert_close(res.tensor, seen[stored.blocks[1]], rtol=0, atol=0)
 
 
 def test_cpu_store_keeps_values_and_devices(tmp_path):

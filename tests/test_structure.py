@@ -96,9 +96,9 @@ def test_blocks_in_a_sequential_without_mlp_names():
     layer = t.structure.layers[1]
     assert (layer.attention.address, layer.mlp.address) == ("body.1.mix", "body.1.chew")
     for i in range(3):
-        torch.testing.assert_close(mi.resolve_alias(t, f"blocks.{i}.hook_resid_post").tensor(t), seen[f"body.{i}"][0],
+        torch.testing.assert_close(mi.resolve_alias(t, f"blocks.{i}.hook_resid_post").tensor, seen[f"body.{i}"][0],
                                    rtol=0, atol=0)
-    torch.testing.assert_close(mi.resolve_alias(t, "blocks.1.hook_mlp_out").tensor(t), seen["chew"][0], rtol=0, atol=0)
+    torch.testing.assert_close(mi.resolve_alias(t, "blocks.1.hook_mlp_out").tensor, seen["chew"][0], rtol=0, atol=0)
     assert mi.resolve_alias(t, "blocks.1.ln2.hook_normalized").module_address == "body.1.n2"
     assert t.structure.final_norm.address == "norm" and t.structure.unembed.address == "head"
 
@@ -199,9 +199,9 @@ def test_repeated_layers_without_a_block_warn_and_roles_names_them():
     finally:
         for h in handles:
             h.remove()
-    torch.testing.assert_close(mi.resolve_alias(named, "blocks.1.hook_resid_post").tensor(named), seen["l1"][0],
+    torch.testing.assert_close(mi.resolve_alias(named, "blocks.1.hook_resid_post").tensor, seen["l1"][0],
                                rtol=0, atol=0)
-    torch.testing.assert_close(mi.resolve_alias(named, "blocks.0.hook_attn_out").tensor(named), seen["mix"][0],
+    torch.testing.assert_close(mi.resolve_alias(named, "blocks.0.hook_attn_out").tensor, seen["mix"][0],
                                rtol=0, atol=0)
 
 
@@ -263,7 +263,7 @@ def test_self_and_cross_attention_are_both_kept_and_stacks_are_numbered_apart():
     assert layer.cross_attention.facets["pattern"].shape == (1, 2, 2, 3)  # [batch, heads, query=2, key=3]
     assert layer.mlp.address == "dec.1.ff"
     assert t.blocks == ["dec.0", "dec.1"]  # decoder-only names read the language-model stack
-    torch.testing.assert_close(mi.resolve_alias(t, "blocks.1.attn.hook_pattern").tensor(t),
+    torch.testing.assert_close(mi.resolve_alias(t, "blocks.1.attn.hook_pattern").tensor,
                                layer.attention.facets["pattern"], rtol=0, atol=0)
     report = mi.alias_report(t, generation="nnterp")
     assert {r.status for r in report} == {"structurally_absent"}
@@ -345,7 +345,7 @@ def test_hooked_encoder_names_resolve_on_bert():
     for name, key in expect.items():
         r = mi.resolve_alias(t, f"blocks.1.{name}", "2.x")
         assert r.status == "real", r
-        torch.testing.assert_close(r.tensor(t), seen[key][0], rtol=0, atol=0)
+        torch.testing.assert_close(r.tensor, seen[key][0], rtol=0, atol=0)
     assert mi.resolve_alias(t, "blocks.0.hook_resid_pre", "2.x").status == "real"
     assert mi.alias_report(t, "2.x").counts() == {"real": 32, "reconstructed_read_only": 8}
 
@@ -373,7 +373,7 @@ def test_bridge_names_on_t5_read_each_stack():
     for name, key in expect.items():
         r = mi.resolve_alias(t, name, "4.x")
         assert r.status == "real", r
-        torch.testing.assert_close(r.tensor(t), seen[key][0], rtol=0, atol=0)
+        torch.testing.assert_close(r.tensor, seen[key][0], rtol=0, atol=0)
     pattern = mi.resolve_alias(t, "decoder_blocks.1.cross_attn.hook_pattern", "4.x")
     assert pattern.shape == (1, 2, 3, 4)  # [batch, heads, decoder positions, encoder positions]
     assert mi.resolve_alias(t, "pos_embed.hook_out", "4.x").status == "structurally_absent"
@@ -435,7 +435,7 @@ def test_hooked_encoder_decoder_names_resolve_on_t5():
     for name, key in expect.items():
         r = mi.resolve_alias(t, name, "2.x")
         assert r.status == "real", r
-        torch.testing.assert_close(r.tensor(t), seen[key][0], rtol=0, atol=0)
+        torch.testing.assert_close(r.tensor, seen[key][0], rtol=0, atol=0)
     assert mi.resolve_alias(t, "decoder.1.cross_attn.hook_pattern", "2.x").shape == (1, 2, 3, 4)
     assert mi.resolve_alias(t, "decoder_final_ln.hook_scale", "2.x").module_address == "decoder.final_layer_norm"
     assert mi.resolve_alias(t, "decoder.0.ln2.hook_normalized", "2.x").module_address == "decoder.block.0.layer.1.layer_norm"
@@ -485,4 +485,4 @@ def test_bridge_mlp_in_on_t5_is_the_residual_entering_the_mlp_wrapper():
     for name, key in (("encoder_blocks.0.hook_mlp_in", "enc"), ("decoder_blocks.1.hook_mlp_in", "dec")):
         r = mi.resolve_alias(t, name, "4.x")
         assert r.status == "real", r
-        torch.testing.assert_close(r.tensor(t), seen[key], rtol=0, atol=0)
+        torch.testing.assert_close(r.tensor, seen[key], rtol=0, atol=0)

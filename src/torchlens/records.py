@@ -385,7 +385,7 @@ class Trace:
         if r.module_address is None or r.facet is None or r.status in ("structurally_absent", "ambiguous"):
             remedy = f" {r.remedy[0].upper()}{r.remedy[1:]}." if r.remedy else ""
             raise AliasError(f"{name!r} has no site to read in this trace ({r.status}): {r.reason}{remedy}")
-        return r.tensor(self)  # the call the name's layer ran (a block run twice is two layers)
+        return r.tensor  # the call the name's layer ran (a block run twice is two layers)
 
     def by_role(self, role: str) -> list[str]:
         """Addresses of the modules with `role` that ran, in the order they first ran."""

@@ -317,7 +317,7 @@ def _auto_tolerances(trace: Trace, resolved, model: nn.Module, inputs: Any) -> d
     for name, value, res in resolved:
         if not res.readable or res.module_address is None or res.facet is None:
             continue
-        ref = res.tensor(trace)
+        ref = res.tensor
         engine, _, _ = _engine_tensor(value)
         if not ref.is_floating_point():
             continue
@@ -372,7 +372,7 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
     if editable and res.status == "reconstructed_read_only":
         return row("refused", False, "TorchLens only reconstructs this site (read-only): an engine writing it "
                    "edits a tensor the eager model never materializes; trace with attn_implementation='eager'")
-    ref = res.tensor(trace).detach().cpu()
+    ref = res.tensor.detach().cpu()
     if engine.dtype != ref.dtype:
         hints.append(f"dtypes differ (engine {str(engine.dtype)[6:]}, TorchLens {str(ref.dtype)[6:]})")
     options = [(label, t) for label, t in _candidates(ref, res.facet) if tuple(t.shape) == tuple(engine.shape)]

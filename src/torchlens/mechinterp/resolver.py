@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..errors import LookupFailed, close_matches
@@ -82,6 +82,8 @@ class AliasResolution:
         shape: the site's tensor shape, when known.
         call: which call of the module holds the site (a block run several times is one layer per
             call); None when the module ran once or there is no site.
+        trace: the [`Trace`][torchlens.Trace] the name was resolved on (not shown in the repr and
+            not compared); `tensor` reads from it.
     """
 
     query: str
@@ -97,17 +99,27 @@ class AliasResolution:
     note: str = ""
     shape: tuple[int, ...] | None = None
     call: int | None = None
+    trace: Trace | None = field(default=None, repr=False, compare=False)
 
     @property
     def readable(self) -> bool:
         """Whether the trace holds the tensor (status `real` or `reconstructed_read_only`)."""
         return self.status in ("real", "reconstructed_read_only")
 
-    def tensor(self, trace: Trace):
-        """The tensor this name reads in `trace` (raises the facet's error when not readable)."""
+    @property
+    def tensor(self):
+        """The tensor this name reads in the trace it was resolved on, like `FacetSite.tensor`.
+
+        Raises:
+            AliasError: the name has no site in the trace.
+            FacetNotFound: the site's facet is not served (its reason says why).
+            FacetNotSaved: the site exists but `save=` did not keep its tensor.
+        """
         if self.module_address is None or self.facet is None:
             raise AliasError(f"{self.query!r} has no site in this trace: {self.reason}")
-        rec = trace.modules[self.module_address]
+        if self.trace is None:
+            raise AliasError(f"{self.query!r} was built without a trace; use resolve_alias(trace, name).tensor")
+        rec = self.trace.modules[self.module_address]
         if self.call is not None:
             return rec.calls[self.call].facets[self.facet]
         return rec.facets[self.facet]
@@ -385,7 +397,8 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
     def res(status, addr, facet, reason, remedy="", shape=None):
         return AliasResolution(query, table.generation, status, addr, facet, layer, reason, remedy,
                                row.name, row.meaning, row.note, shape,
-                               call.index if call is not None and len(trace.modules[call.address].calls) > 1 else None)
+                               call.index if call is not None and len(trace.modules[call.address].calls) > 1 else None,
+                               trace)
 
     structure = trace.structure
     if table.decoder_only and structure is not None and structure.kind not in ("decoder-only", "no-stack"):
