@@ -73,7 +73,7 @@ def test_a_hand_written_section_after_the_marker_is_kept(gen, data, tmp_path, mo
     run, profile = data
     page = tmp_path / "performance.md"
     section = f"{gen.APPENDED}\n## Diagnosis\n\nwritten by hand\n"
-    generated = gen.PAGE.read_text(encoding="utf-8").split(gen.APPENDED)[0]  # without the committed hand part
+    generated = gen.PAGE.read_text(encoding="utf-8").split(gen.APPENDED)[0].rstrip("\n") + "\n"  # without the hand part
     page.write_text(generated + "\n" + section, encoding="utf-8")
     monkeypatch.setattr(gen, "PAGE", page)
     out = gen.outputs(run, profile)[page]
