@@ -486,3 +486,28 @@ def test_bridge_mlp_in_on_t5_is_the_residual_entering_the_mlp_wrapper():
         r = mi.resolve_alias(t, name, "4.x")
         assert r.status == "real", r
         torch.testing.assert_close(r.tensor, seen[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_model_wrapped_by_the_transformer_lens_bridge_keeps_its_layers(family):
+    """TransformerLens 4.x's boot wraps every submodule of the HF model in a bridge component, so
+    q/k/v/o become same-class non-leaf siblings of equal width. Linked through the attention kernel,
+    they must not be taken for a stack of layers (they were: blocks.0 read attn.v). Ground truth: a
+    plain forward hook on each decoder layer of the wrapped model."""
+    import engine_runs
+
+    bridge, hf_model = engine_runs._bridge(family, "eager")
+    layers = hf_model.transformer.h if family == "gpt2" else hf_model.model.layers
+    seen = []
+    handles = [m.register_forward_hook(lambda m, a, out: seen.append((out[0] if isinstance(out, tuple) else out)
+                                                                       .detach().clone())) for m in layers]
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        hf_model(ids)
+    for h in handles:
+        h.remove()
+    t = tl.trace(hf_model, ids)
+    prefix = "transformer.h" if family == "gpt2" else "model.layers"
+    assert t.blocks == [f"{prefix}.{i}" for i in range(len(layers))]
+    for i in range(len(layers)):
+        torch.testing.assert_close(mi.resolve_alias(t, f"blocks.{i}.hook_resid_post").tensor, seen[i], rtol=0, atol=0)

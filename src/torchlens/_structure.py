@@ -299,10 +299,21 @@ class _Flow:
         return tuple(self.ops[ref.op].shapes[ref.slot]) if type(ref) is Ref else None
 
     def kernels(self, call: ModuleCall) -> list[OpRecord]:
-        return [
-            op for op in self.ops[call.first_op : call.end_op]
-            if op.name in _KERNEL_OPS and (op.name in fam.FUSED_ATTENTION_OPS or len(op.shape) >= 3)
-        ]
+        return [op for op in self.ops[call.first_op : call.end_op] if self.is_kernel(op)]
+
+    def is_kernel(self, op: OpRecord) -> bool:
+        """An attention kernel: a fused attention op, or a matmul-like op over 3 or more dimensions."""
+        return op.name in _KERNEL_OPS and (op.name in fam.FUSED_ATTENTION_OPS or len(op.shape) >= 3)
+
+    def follows(self, prev: ModuleCall, call: ModuleCall) -> bool:
+        """Whether `call` reads `prev`'s output as the next layer would: computed from it, with no
+        attention kernel on the way. The query/value and output projections of one attention (same
+        class, same width, wrapped as TransformerLens's bridge wraps them) are linked through the
+        attention kernel, so they do not chain as layers do."""
+        if not self.reaches(prev._out_ref, call._in_ref):
+            return False
+        between = self.ancestors(call._in_ref, prev.end_op)  # ops after prev on the way to call's input
+        return not any(self.is_kernel(self.ops[i]) for i in between if i < call.first_op)
 
     def adds_own_input(self, call: ModuleCall) -> bool:
         """Whether the call adds its own input back (a residual connection inside it)."""
@@ -326,14 +337,15 @@ class _Flow:
 
 
 def _chains(flow: _Flow, calls: list[ModuleCall]) -> list[list[ModuleCall]]:
-    """Split calls (in run order) into runs where each call reads the previous call's output."""
+    """Split calls (in run order) into runs where each call reads the previous call's output
+    (`_Flow.follows`)."""
     runs: list[list[ModuleCall]] = []
     for c in calls:
         same = flow.shape(c._in_ref) is not None and flow.shape(c._in_ref) == flow.shape(c._out_ref)
         if not same:
             runs.append([])
             continue
-        if runs and runs[-1] and flow.reaches(runs[-1][-1]._out_ref, c._in_ref):
+        if runs and runs[-1] and flow.follows(runs[-1][-1], c):
             runs[-1].append(c)
         else:
             runs.append([c])
