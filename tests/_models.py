@@ -147,3 +147,22 @@ def token_ids(batch: int = 1, length: int = 7, seed: int = 0) -> torch.Tensor:
     """Seeded random token ids `[batch, length]`."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (batch, length), generator=gen)
+
+
+def hooked_outputs(model: torch.nn.Module, addresses, *args, **kwargs) -> dict[str, torch.Tensor]:
+    """Ground truth from outside TorchLens: each module's output (its first tensor, cloned) as a
+    plain forward hook sees it during `model(*args, **kwargs)` under `no_grad`. The hooks are
+    removed before returning, even if the forward raises."""
+    seen, handles = {}, []
+    mods = dict(model.named_modules())
+    for a in addresses:
+        def hook(m, hook_args, out, a=a):
+            seen[a] = (out[0] if isinstance(out, tuple) else out).detach().clone()
+        handles.append(mods[a].register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen

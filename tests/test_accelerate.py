@@ -37,22 +37,6 @@ DEVICE_MAPS = {
 }
 
 
-def _hooks(model, addresses):
-    seen, handles = {}, []
-    mods = dict(model.named_modules())
-    for a in addresses:
-        def hook(m, args, out, a=a):
-            seen[a] = (out[0] if isinstance(out, tuple) else out).detach().clone()
-        handles.append(mods[a].register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            model(IDS)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
-
-
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("how", ["cpu_offload", "disk_offload", "device_map"])
 def test_dispatched_model_traces_like_the_undispatched_one(tmp_path, family, how):
@@ -67,7 +51,7 @@ def test_dispatched_model_traces_like_the_undispatched_one(tmp_path, family, how
            [(o.name, o.module, o.inputs, o.shapes) for o in reference.ops]
     # Values: forward hooks on the undispatched model, then every facet of the undispatched trace.
     addresses = t.blocks + t.by_role("attention") + t.by_role("mlp")
-    seen = _hooks(plain, addresses)
+    seen = _models.hooked_outputs(plain, addresses, IDS)
     for a in addresses:
         facet = "resid_post" if a in t.blocks else "output"
         torch.testing.assert_close(t.modules[a].facets[facet], seen[a], rtol=0, atol=0)

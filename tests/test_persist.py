@@ -23,23 +23,6 @@ import torchlens.mechinterp as mi
 IDS = _models.token_ids(length=6)
 
 
-def _hooked(model, addresses):
-    """Each module's output (first tensor) read by a plain forward hook, plus eager attentions."""
-    seen, handles = {}, []
-    mods = dict(model.named_modules())
-    for a in addresses:
-        def hook(m, args, out, a=a):
-            seen[a] = (out[0] if isinstance(out, tuple) else out).detach().clone()
-        handles.append(mods[a].register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            out = model(IDS, output_attentions=True)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen, out.attentions
-
-
 def _saved_and_loaded(tmp_path, family, save="all", attn="sdpa"):
     model = _models.build(family, attn)
     trace = tl.trace(model, IDS, save=save)
@@ -68,7 +51,7 @@ def test_loaded_values_equal_forward_hooks_and_eager_attentions(tmp_path, family
     attn = loaded.by_role("attention")
     mlps = loaded.by_role("mlp")
     assert len(blocks) == 2 and len(attn) == 2 and len(mlps) == 2
-    seen, _ = _hooked(model, blocks + attn + mlps)
+    seen = _models.hooked_outputs(model, blocks + attn + mlps, IDS)
     for a in blocks:
         torch.testing.assert_close(loaded.modules[a].facets["resid_post"], seen[a], rtol=0, atol=0)
     for a in attn + mlps:
@@ -102,7 +85,7 @@ def test_alias_resolution_and_compare_agree_without_the_model(tmp_path, family):
         assert before == after and before, generation
     # compare against hook values (outside TorchLens), one planted wrong value.
     fresh = _models.build(family, "sdpa")
-    seen, _ = _hooked(fresh, loaded.blocks)
+    seen = _models.hooked_outputs(fresh, loaded.blocks, IDS)
     values = {f"blocks.{i}.hook_resid_post": seen[a] for i, a in enumerate(loaded.blocks)}
     values["blocks.1.hook_resid_post"] = values["blocks.1.hook_resid_post"] + 1.0
     ra, rb = mi.compare(trace, values, generation="2.x"), mi.compare(loaded, values, generation="2.x")

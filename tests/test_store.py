@@ -20,22 +20,6 @@ import torchlens.mechinterp as mi
 IDS = _models.token_ids(length=6)
 
 
-def _hook_values(model, addresses):
-    seen, handles = {}, []
-    mods = dict(model.named_modules())
-    for a in addresses:
-        def hook(m, args, out, a=a):
-            seen[a] = (out[0] if isinstance(out, tuple) else out).detach().clone()
-        handles.append(mods[a].register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            model(IDS)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
-
-
 def _mapped_file(ptr: int) -> str | None:
     """The file mapped at address `ptr` in this process (Linux /proc/self/maps), if any."""
     with open("/proc/self/maps") as f:
@@ -65,7 +49,7 @@ def test_directory_store_serves_hook_values_from_memory_mapped_files(tmp_path, f
     files = sorted(os.listdir(tmp_path / "store"))
     assert files and all(f.startswith("tensors-") and f.endswith(".safetensors") for f in files)
     addresses = stored.blocks + stored.by_role("attention") + stored.by_role("mlp")
-    seen = _hook_values(model, addresses)
+    seen = _models.hooked_outputs(model, addresses, IDS)
     for a in addresses:
         facet = "resid_post" if a in stored.blocks else "output"
         torch.testing.assert_close(stored.modules[a].facets[facet], seen[a], rtol=0, atol=0)
@@ -93,7 +77,7 @@ def test_directory_store_serves_hook_values_from_memory_mapped_files(tmp_path, f
 def test_cpu_store_keeps_values_and_devices(tmp_path):
     model = _models.build("gpt2", "sdpa")
     stored = tl.trace(model, IDS, save=["resid_post"], store="cpu")
-    seen = _hook_values(model, stored.blocks)
+    seen = _models.hooked_outputs(model, stored.blocks, IDS)
     for a in stored.blocks:
         t = stored.modules[a].facets["resid_post"]
         assert t.device.type == "cpu"
@@ -106,7 +90,7 @@ def test_a_directory_stored_trace_saves_and_loads(tmp_path):
     with pytest.warns(UserWarning):
         stored.save(tmp_path / "saved")
     loaded = tl.load(tmp_path / "saved")
-    seen = _hook_values(model, loaded.blocks)
+    seen = _models.hooked_outputs(model, loaded.blocks, IDS)
     for a in loaded.blocks:
         torch.testing.assert_close(loaded.modules[a].facets["resid_post"], seen[a], rtol=0, atol=0)
 
