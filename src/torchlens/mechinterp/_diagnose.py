@@ -445,22 +445,17 @@ def _relation(pool: _Pool, expected: _Entry | None, cand: _Entry, label: str, ac
         elif c_src in _add_operands(trace, ex_op):
             others = [o for o in _add_operands(trace, ex_op) if o != c_src]
             words.append("the residual is missing" if _residual(pool, others) else "the site minus another tensor")
-        else:
-            path = _path(trace, c_src, ex_src)
-            if path is not None:
-                names = [trace.ops[i].name for i in path]
-                if "tanh" in names:
-                    words.append("before the softcap: the softcap (tanh) is dropped")
-                else:
-                    words.append(f"{len(path)} op{'s' if len(path) > 1 else ''} before the site ({' → '.join(names)})")
-            else:
-                path = _path(trace, ex_src, c_src)
+        else:  # one of the two is computed from the other: say which way, and through which ops
+            for src, dst, side, softcap in (
+                (c_src, ex_src, "before", "before the softcap: the softcap (tanh) is dropped"),
+                (ex_src, c_src, "after", "after a softcap (tanh) the site does not have"),
+            ):
+                path = _path(trace, src, dst)
                 if path is not None:
                     names = [trace.ops[i].name for i in path]
-                    if "tanh" in names:
-                        words.append("after a softcap (tanh) the site does not have")
-                    else:
-                        words.append(f"{len(path)} op{'s' if len(path) > 1 else ''} after the site ({' → '.join(names)})")
+                    words.append(softcap if "tanh" in names else
+                                 f"{len(path)} op{'s' if len(path) > 1 else ''} {side} the site ({' → '.join(names)})")
+                    break
     if layout:
         words.append(layout)
     return "; ".join(words)
