@@ -573,6 +573,22 @@ def _refused(names: tuple[str, ...], reason: str) -> dict[str, FacetSite]:
     return {n: FacetSite(n, "refused", (), torch.float32, note=reason) for n in names}
 
 
+def _fits(t: Tensor, other: Tensor) -> bool:
+    """Whether `t op= other` gives what `t op other` does: same dtype, and `other` broadcasts to `t`'s shape."""
+    return torch.result_type(t, other) == t.dtype and torch.broadcast_shapes(t.shape, other.shape) == t.shape
+
+
+def _largest(diff: Tensor, rows: Tensor) -> float:
+    """The largest entry of the absolute difference `diff` (overwritten) on the rows where `rows`
+    holds: a NaN counts as infinitely large, an infinity as the dtype's largest finite value."""
+    if not diff.numel():
+        return 0.0
+    if not bool(rows.all()):
+        diff.masked_fill_(~rows, 0)
+    m = float(diff.max())  # a NaN anywhere makes the max NaN
+    return float("inf") if m != m else float(torch.finfo(diff.dtype).max) if m == float("inf") else m
+
+
 def rebuild_attention(args: tuple, kwargs: dict, out: Tensor) -> tuple[Tensor, Tensor, float, float]:
     """Recompute `scaled_dot_product_attention`'s scores and pattern, eager-style.
 
@@ -598,24 +614,33 @@ def rebuild_attention(args: tuple, kwargs: dict, out: Tensor) -> tuple[Tensor, T
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    # Every step writes into the one freshly built scores tensor where the dtype and shape allow
+    # it (the same kernels as out of place, so the same values), rather than allocating a
+    # [batch, heads, query, key] tensor per step.
+    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
     fill = torch.finfo(scores.dtype).min
+    causal, bool_mask = bool(bound.get("is_causal")), mask is not None and mask.dtype == torch.bool
     visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
-    if bound.get("is_causal"):
+    if causal:
         visible = visible.tril()
     if mask is not None:
-        if mask.dtype == torch.bool:
+        if bool_mask:
             visible = visible & mask
-        else:
+        elif _fits(scores, mask):
+            scores.add_(mask)
+        else:  # the mask widens the dtype or the shape: as the model adds it
             scores = scores + mask
-    scores = scores.masked_fill(~visible, fill)
+    if causal or bool_mask:  # else every key is visible and nothing is filled
+        hidden = ~visible
+        scores = scores.masked_fill_(hidden, fill) if _fits(scores, hidden) else scores.masked_fill(hidden, fill)
     pattern = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
     z = torch.matmul(pattern, v)
-    rows = visible.expand(scores.shape).any(-1, keepdim=True)
+    # Query rows with a visible key, from the unexpanded masks ([..., query, 1], viewed at the scores' shape).
+    rows = visible.any(-1, keepdim=True)
     if mask is not None and mask.dtype != torch.bool:
-        rows = rows & (mask > fill / 2).expand(scores.shape).any(-1, keepdim=True)
-    diff = torch.where(rows, (_wide(z) - _wide(out)).abs(), torch.zeros((), device=z.device))
-    err = float(diff.nan_to_num(nan=float("inf")).max()) if diff.numel() else 0.0
+        rows = rows & (mask > fill / 2).any(-1, keepdim=True)
+    rows = rows.expand(scores.shape[:-1] + (1,))
+    err = _largest(torch.sub(_wide(z), _wide(out)).abs_(), rows)
     tol = fam.reconstruction_tolerance(q.dtype) * max(1.0, float(v.abs().max()))
     return scores, pattern, err, tol
 
@@ -647,8 +672,13 @@ def _result_site(g: _Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSi
             if actual is None:
                 return {"result": site}  # cannot be checked, so not served (no tensor)
             bias = getattr(module, "bias", None)
-            total = result.sum(2) + (bias.detach().to(result.dtype) if isinstance(bias, Tensor) else 0)
-            site.check_error = err = float((_wide(total) - _wide(actual)).abs().max())
+            total = result.sum(2)  # a new tensor, so the bias and the difference are taken in place
+            if isinstance(bias, Tensor):
+                b_ = bias.detach().to(result.dtype)
+                total = total.add_(b_) if _fits(total, b_) else total + b_
+            total, want = _wide(total), _wide(actual)
+            total = total.sub_(want) if _fits(total, want) else total - want
+            site.check_error = err = float(total.abs_().max())
             tol = fam.reconstruction_tolerance(actual.dtype) * max(1.0, float(actual.abs().max()))
             if not err <= tol:
                 return _refused(("result",), f"the sum over heads plus bias differs from the output projection by {err:.3g} (> {tol:.3g})")
