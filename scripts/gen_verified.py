@@ -4,7 +4,8 @@ The comparisons are the ones `tests/test_engines.py` asserts on: both import the
 from `tests/engine_runs.py`. This script counts them per engine, model family, attention
 implementation and naming generation, writes the full record (names, reasons, largest
 differences, installed versions) to `build/verified.json`, and renders the page from the parts
-of it that do not change between machines: no date and no floating-point differences appear on
+of it that do not change between machines (with the intervention-parity table, from the engine
+blocks of docs/guides/interventions.md that the same environment runs execute): no date and no floating-point differences appear on
 the page, so a fresh run reproduces it byte for byte.
 
 Usage:
@@ -116,6 +117,10 @@ def collect(runs: list[er.Run] | None = None) -> dict:
     }
     for run in runs:
         record["runs"].append({k: v for k, v in run.record().items() if k != "rows"})
+    record["interventions"] = [
+        r for engine in er.INTERVENTION_ENGINES if any(run.engine == engine for run in runs)
+        for r in er.env_interventions(engine)
+    ]
     if any(r.engine == "transformer-lens" for r in runs):
         record["transformer_lens"] = {
             f"{f}/{i}": {
@@ -215,6 +220,8 @@ def render(record: dict) -> str:
         out.append(f"- {ENGINE_TITLES[engine]}, `{pattern}` ({', '.join(sorted(families))}): {reason}")
     out.append("")
 
+    if record.get("interventions"):
+        out += _interventions_section(record["interventions"])
     out += [FINDINGS.strip(), ""]
     if "transformer_lens" in record:
         out += _tl_section(record["transformer_lens"])
@@ -278,6 +285,39 @@ when it differs from the committed one.
 """
 
 
+INTERVENTIONS = """
+## Intervention parity
+
+The engine blocks of the [Interventions guide](interventions.md#the-same-edit-through-another-engine),
+run as the page runs them, each in its engine environment: one edit is made through the engine's
+own mechanism (TransformerLens 2.x: a forward hook on the hook point, as `run_with_hooks` places it;
+nnterp: its setter inside a trace; vLLM: a forward hook on the decoder layer, registered with
+`LLM.apply_model`) and through `torchlens.trace(..., edit=)`, and every site the engine names
+downstream of the edit is compared with the edited trace (`atol=1e-05`, `rtol=1e-05`); so are the
+logits (vLLM: the logits of the sampled position, from its logits processor, and the greedy
+token). **misplaced** is an edit put on another site, as a wrong hook would put it:
+**caught** says `compare` against the edited trace failed, **landed** is the site at which a
+TorchLens edit reproduces every downstream value the misplaced edit gave.
+"""
+
+
+def _interventions_section(rows: list[dict]) -> list[str]:
+    out = [INTERVENTIONS.strip(), "",
+           "| engine | model | edit | at | downstream sites compared | matched | logits agree | misplaced | caught | landed |",
+           "|---|---|---|---|---:|---:|---|---|---|---|"]
+    for r in rows:
+        misplaced = f"`{r['misplaced']}`" if str(r.get("misplaced", "")).startswith("blocks.") else r.get("misplaced", "-")
+        out.append(
+            f"| {ENGINE_TITLES[r['engine']]} | {r['model']} | {r['edit']} | `{r['site']}` | {r['compared']} "
+            f"| {r['matched']} | {'yes' if r['logits'] else 'no'} | {misplaced} "
+            f"| {'-' if 'caught' not in r else ('yes' if r['caught'] else 'no')} "
+            f"| {'`' + r['landed'] + '`' if r.get('landed') else '-'} |")
+    compared = sum(r["compared"] for r in rows)
+    matched = sum(r["matched"] for r in rows)
+    out += ["", f"In all: {compared} downstream comparisons in {len(rows)} edits, {matched} within tolerance.", ""]
+    return out
+
+
 def _tl_section(tl: dict) -> list[str]:
     first = next(iter(tl.values()))
     out = ["### TransformerLens flag-gated hooks", "",
@@ -309,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     JSON_OUT.write_text(json.dumps({**record, "date": datetime.date.today().isoformat()}, indent=1) + "\n")
     bad = [f"{r['engine']}/{r['family']}/{r['impl']}/{r['generation']}: {r['mismatched']}"
            for r in record["runs"] if r["mismatched"] or r["compared"] != len(r["expected"])]
+    bad += [f"intervention {r['engine']}/{r['model']} at {r['site']}: {r}" for r in record["interventions"]
+            if r["matched"] != r["compared"] or not r["logits"] or r.get("caught") is False]
     if bad:
         print("gen_verified: comparisons failed:\n  " + "\n  ".join(bad), file=sys.stderr)
         return 1

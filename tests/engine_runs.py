@@ -23,7 +23,9 @@ built by `make engines`): for them, the main environment starts this file with t
 environment's interpreter (`python tests/engine_runs.py ENGINE OUT.json`), which runs the
 engine there and writes each run's record; `env_runs` reads them back as `Run`s whose report
 rows are plain records. The vLLM runs are the recipe block of docs/guides/serving-engines.md
-itself, executed as the page runs it.
+itself, executed as the page runs it. The same environment run also executes the engine's
+intervention-parity block of docs/guides/interventions.md and returns its `PARITY` records
+(`intervention_records`, read back with `env_interventions`).
 """
 
 from __future__ import annotations
@@ -589,6 +591,42 @@ def vllm_runs() -> tuple[Run, ...]:
     return tuple(runs)
 
 
+# -- intervention parity: the engine blocks of docs/guides/interventions.md -------------------
+
+INTERVENTIONS_PAGE = ROOT / "docs" / "guides" / "interventions.md"
+#: Engines whose intervention-parity block the Interventions page has (each in its environment).
+INTERVENTION_ENGINES = ("transformer-lens-2", "nnterp", "vllm")
+
+
+def intervention_block(engine: str) -> tuple[str, int]:
+    """The Interventions page's `tool=ENGINE` block and the page line of its first line."""
+    text = INTERVENTIONS_PAGE.read_text(encoding="utf-8")
+    m = re.search(rf"^```python\n(# migration-test: tool={re.escape(engine)} .*?)^```", text, re.M | re.S)
+    if m is None:
+        raise LookupError(f"{INTERVENTIONS_PAGE}: no ```python block starting with `# migration-test: tool={engine}`")
+    return m[1], text[: m.start(1)].count("\n") + 1
+
+
+def intervention_records(engine: str) -> list[dict[str, Any]]:
+    """Run the page's block for `engine` as the page runs it; return its `PARITY` records.
+
+    Each record is one edit made through the engine's own mechanism and through TorchLens's
+    `edit=`: the model, the edit and its site, how many downstream sites were compared and
+    matched, whether the logits agree, and (where the block makes one) the misplaced edit, whether
+    it was caught and where it landed.
+    """
+    source, line = intervention_block(engine)
+    namespace: dict[str, Any] = {"__name__": "interventions_block"}
+    with tempfile.TemporaryDirectory(prefix="torchlens-interventions-") as tmp:
+        # nnsight (under nnterp) parses the file a trace's body is in, so the block gets a file of
+        # its own, padded so that its line numbers are the page's
+        path = pathlib.Path(tmp) / f"interventions_md_{engine.replace('-', '_')}.py"
+        path.write_text("\n" * (line - 1) + source, encoding="utf-8")
+        exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), namespace)
+    return [{"engine": engine, **{k: (bool(v) if isinstance(v, bool) else v) for k, v in r.items()}}
+            for r in namespace["PARITY"]]
+
+
 # -- everything --------------------------------------------------------------------------------
 
 RUNNERS = {
@@ -629,6 +667,11 @@ def env_result(engine: str) -> dict[str, Any]:
         return json.loads(out.read_text())
 
 
+def env_interventions(engine: str) -> list[dict[str, Any]]:
+    """The intervention-parity records of an engine-environment engine (see `intervention_records`)."""
+    return list(env_result(engine).get("interventions", []))
+
+
 def env_runs(engine: str) -> list[Run]:
     """The runs of an engine-environment engine, read back from its environment."""
     return [Run.from_record(r) for r in env_result(engine)["runs"]]
@@ -660,6 +703,8 @@ def _main(argv: list[str]) -> int:
     """`python tests/engine_runs.py ENGINE OUT.json`, run with an engine environment's interpreter."""
     engine, out = argv
     record = {"versions": versions(), "runs": [run.record() for run in _local_runs(engine)]}
+    if engine in INTERVENTION_ENGINES:
+        record["interventions"] = intervention_records(engine)
     pathlib.Path(out).write_text(json.dumps(record))
     return 0
 

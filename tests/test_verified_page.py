@@ -91,3 +91,26 @@ def test_engines_page_lists_the_pinned_versions(gen):
     for env, pinned in gen.env_pins().items():
         for name, version in pinned.items():
             assert f"| `{env}` | {name} | {version} |" in page, f"engines.md: envs/{env}.txt pins {name}=={version}"
+
+
+def test_intervention_table_moves_with_the_counts(gen):
+    """The intervention-parity table shows each edit's counts and what a misplaced edit gave."""
+    row = {"engine": "vllm", "model": "Llama", "edit": "steering vector", "site": "blocks.0.hook_resid_post",
+           "compared": 12, "matched": 12, "logits": True, "misplaced": "blocks.0.hook_resid_pre", "caught": True,
+           "landed": "blocks.0.hook_mlp_out"}
+    record = {"pinned": gen.pins(), "tolerance": {"atol": 1e-6, "rtol": 1e-6}, "runs": [], "interventions": [row]}
+    page = gen.render(record)
+    assert ("| vLLM | Llama | steering vector | `blocks.0.hook_resid_post` | 12 | 12 | yes "
+            "| `blocks.0.hook_resid_pre` | yes | `blocks.0.hook_mlp_out` |") in page
+    for change in ({"matched": 11}, {"logits": False}, {"caught": False}, {"landed": "blocks.0.hook_attn_out"}):
+        assert gen.render({**record, "interventions": [{**row, **change}]}) != page, change
+    assert "## Intervention parity" not in gen.render({**record, "interventions": []})
+
+
+def test_intervention_records_come_from_the_interventions_page():
+    """Each engine with an intervention block on the page has one, and it binds PARITY."""
+    for engine in er.INTERVENTION_ENGINES:
+        source, line = er.intervention_block(engine)
+        assert source.startswith(f"# migration-test: tool={engine} ") and "PARITY" in source
+        page_lines = er.INTERVENTIONS_PAGE.read_text(encoding="utf-8").splitlines()
+        assert page_lines[line - 1] == source.splitlines()[0]
