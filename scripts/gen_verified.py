@@ -296,21 +296,22 @@ nnterp: its setter inside a trace; vLLM: a forward hook on the decoder layer, re
 downstream of the edit is compared with the edited trace (`atol=1e-05`, `rtol=1e-05`); so are the
 logits (vLLM: the logits of the sampled position, from its logits processor, and the greedy
 token). **misplaced** is an edit put on another site, as a wrong hook would put it:
-**caught** says `compare` against the edited trace failed, **landed** is the site at which a
-TorchLens edit reproduces every downstream value the misplaced edit gave.
+**caught** says `compare` against the edited trace failed, **diagnosis** is `compare`'s explanation
+of the first downstream site, and **landed** is the site at which a TorchLens edit reproduces
+every downstream value the misplaced edit gave.
 """
 
 
 def _interventions_section(rows: list[dict]) -> list[str]:
     out = [INTERVENTIONS.strip(), "",
-           "| engine | model | edit | at | downstream sites compared | matched | logits agree | misplaced | caught | landed |",
-           "|---|---|---|---|---:|---:|---|---|---|---|"]
+           "| engine | model | edit | at | downstream sites compared | matched | logits agree | misplaced | caught | diagnosis | landed |",
+           "|---|---|---|---|---:|---:|---|---|---|---|---|"]
     for r in rows:
         misplaced = f"`{r['misplaced']}`" if str(r.get("misplaced", "")).startswith("blocks.") else r.get("misplaced", "-")
         out.append(
             f"| {ENGINE_TITLES[r['engine']]} | {r['model']} | {r['edit']} | `{r['site']}` | {r['compared']} "
             f"| {r['matched']} | {'yes' if r['logits'] else 'no'} | {misplaced} "
-            f"| {'-' if 'caught' not in r else ('yes' if r['caught'] else 'no')} "
+            f"| {'-' if 'caught' not in r else ('yes' if r['caught'] else 'no')} | {r.get('diagnosis', '-')} "
             f"| {'`' + r['landed'] + '`' if r.get('landed') else '-'} |")
     compared = sum(r["compared"] for r in rows)
     matched = sum(r["matched"] for r in rows)
