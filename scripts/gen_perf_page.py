@@ -57,6 +57,16 @@ def _esc(s: str) -> str:
     return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
+def _label(s: str) -> str:
+    """A mode's label for a table cell: `key=value` parts as inline code, which never breaks
+    inside (a browser would break `store=<directory>` after the `=`)."""
+    words = []
+    for w in s.split(" "):
+        comma = "," if w.endswith(",") else ""
+        words.append(f"`{w.rstrip(',')}`{comma}" if "=" in w else _esc(w))
+    return " ".join(words)
+
+
 # -- charts ------------------------------------------------------------------------------------
 
 
@@ -271,7 +281,7 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
             else:
                 cells.append("memory only")
         if any_cell:
-            lines.append(f"| {_esc(run['labels'][mode])} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_label(run['labels'][mode])} | " + " | ".join(cells) + " |")
     if run.get("missing"):
         lines += ["", "Planned but not measured (the run was stopped before them, for time): "
                   + ", ".join(f"{n} ({_title(n, _spec(n))})" for n in run["missing"]) + "."]
@@ -291,7 +301,7 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
             kept = f" / {_mib(r['kept_bytes'])}" if r.get("kept_bytes") is not None else ""
             cells.append(f"{_mib(r['peak_growth_bytes'])} / {_mib(held)}{kept}")
         if any_cell:
-            lines.append(f"| {_esc(run['labels'][mode])} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_label(run['labels'][mode])} | " + " | ".join(cells) + " |")
     errors = [(n, mode, r["error"]) for n in table for mode, r in run["models"][n]["modes"].items() if "error" in r]
     if errors:
         lines += ["", "Failed in this run:", ""]

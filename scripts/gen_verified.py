@@ -303,19 +303,28 @@ every downstream value the misplaced edit gave.
 
 
 def _interventions_section(rows: list[dict]) -> list[str]:
+    # two narrow tables rather than one wide one, so the page reads at 1280 px without scrolling
     out = [INTERVENTIONS.strip(), "",
-           "| engine | model | edit | at | downstream sites compared | matched | logits agree | misplaced | caught | diagnosis | landed |",
-           "|---|---|---|---|---:|---:|---|---|---|---|---|"]
+           "| engine | model | edit | at | downstream sites: matched / compared | logits agree |",
+           "|---|---|---|---|---:|---|"]
     for r in rows:
-        misplaced = f"`{r['misplaced']}`" if str(r.get("misplaced", "")).startswith("blocks.") else r.get("misplaced", "-")
-        out.append(
-            f"| {ENGINE_TITLES[r['engine']]} | {r['model']} | {r['edit']} | `{r['site']}` | {r['compared']} "
-            f"| {r['matched']} | {'yes' if r['logits'] else 'no'} | {misplaced} "
-            f"| {'-' if 'caught' not in r else ('yes' if r['caught'] else 'no')} | {r.get('diagnosis', '-')} "
-            f"| {'`' + r['landed'] + '`' if r.get('landed') else '-'} |")
+        out.append(f"| {ENGINE_TITLES[r['engine']]} | {r['model']} | {r['edit']} | `{r['site']}` "
+                   f"| {r['matched']} / {r['compared']} | {'yes' if r['logits'] else 'no'} |")
     compared = sum(r["compared"] for r in rows)
     matched = sum(r["matched"] for r in rows)
     out += ["", f"In all: {compared} downstream comparisons in {len(rows)} edits, {matched} within tolerance.", ""]
+    wrong = [r for r in rows if r.get("misplaced") not in (None, "", "-")]
+    if wrong:
+        out += ["The misplaced edits:", "",
+                "| engine | model | misplaced at | caught | diagnosis | landed at |",
+                "|---|---|---|---|---|---|"]
+        for r in wrong:
+            misplaced = f"`{r['misplaced']}`" if str(r["misplaced"]).startswith("blocks.") else r["misplaced"]
+            out.append(
+                f"| {ENGINE_TITLES[r['engine']]} | {r['model']} | {misplaced} "
+                f"| {'-' if 'caught' not in r else ('yes' if r['caught'] else 'no')} | {r.get('diagnosis', '-')} "
+                f"| {'`' + r['landed'] + '`' if r.get('landed') else '-'} |")
+        out.append("")
     return out
 
 

@@ -100,8 +100,9 @@ def test_intervention_table_moves_with_the_counts(gen):
            "diagnosis": "equals blocks.0.ln2.hook_in", "landed": "blocks.0.hook_mlp_out"}
     record = {"pinned": gen.pins(), "tolerance": {"atol": 1e-6, "rtol": 1e-6}, "runs": [], "interventions": [row]}
     page = gen.render(record)
-    assert ("| vLLM | Llama | steering vector | `blocks.0.hook_resid_post` | 12 | 12 | yes "
-            "| `blocks.0.hook_resid_pre` | yes | equals blocks.0.ln2.hook_in | `blocks.0.hook_mlp_out` |") in page
+    assert "| vLLM | Llama | steering vector | `blocks.0.hook_resid_post` | 12 / 12 | yes |" in page
+    assert ("| vLLM | Llama | `blocks.0.hook_resid_pre` | yes | equals blocks.0.ln2.hook_in "
+            "| `blocks.0.hook_mlp_out` |") in page
     for change in ({"matched": 11}, {"logits": False}, {"caught": False}, {"diagnosis": "x"}, {"landed": "blocks.0.hook_attn_out"}):
         assert gen.render({**record, "interventions": [{**row, **change}]}) != page, change
     assert "## Intervention parity" not in gen.render({**record, "interventions": []})
