@@ -516,13 +516,37 @@ def test_planted_norm_derivation_is_refused(monkeypatch):
         _refused(tr, "norm", name, "normalized * gain + bias differs from the norm's output")
 
 
-def test_planted_result_derivation_is_refused(monkeypatch):
-    model = _models.gpt2()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_planted_result_derivation_is_refused(monkeypatch, dtype):
+    """A wrong W_O layout is refused in bfloat16 too, where outputs much smaller than 1 once let
+    it pass a tolerance floored at 1."""
+    model = _models.gpt2("eager", dtype)
     assert "result" in torchlens.trace(model, IDS).modules["transformer.h.0.attn"].facets
     real = _facets.fam.weight_layout
     monkeypatch.setattr(_facets.fam, "weight_layout", lambda m: {"out_in": "in_out", "in_out": "out_in"}.get(real(m)))
     tr = torchlens.trace(model, IDS)
-    _refused(tr, "transformer.h.0.attn", "result", "sum over heads plus bias differs")
+    _refused(tr, "transformer.h.0.attn", "result", "sum over heads plus bias")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_result_with_heads_and_head_width_swapped_is_refused_in_bfloat16(monkeypatch, family):
+    """W_O read with the head and head-width axes swapped. With W_O scaled by 1/4, on a tiny
+    bfloat16 model the error is below the tolerance floored at 1 (0.02), so only the float32
+    check against the output's own scale can refuse it; the right layout passes both."""
+    model = _models.build(family, "eager", torch.bfloat16)
+    attn = "transformer.h.0.attn" if family == "gpt2" else "model.layers.0.self_attn"
+    proj = model.get_submodule(attn + (".c_proj" if family == "gpt2" else ".o_proj"))
+    with torch.no_grad():
+        proj.weight.mul_(0.25)
+    assert "result" in torchlens.trace(model, IDS).modules[attn].facets
+    real = _facets._per_head_weight
+
+    def swapped(w, layout, d_out, h, dh):  # the head and head-width axes read the wrong way round
+        return real(w, layout, d_out, dh, h).transpose(1, 2)
+
+    monkeypatch.setattr(_facets, "_per_head_weight", swapped)
+    tr = torchlens.trace(model, IDS)
+    _refused(tr, attn, "result", "in float32, differs from the output projection")
 
 
 def test_planted_sdpa_rebuild_is_refused(monkeypatch):

@@ -645,6 +645,11 @@ def rebuild_attention(args: tuple, kwargs: dict, out: Tensor) -> tuple[Tensor, T
     return scores, pattern, err, tol
 
 
+def _per_head_weight(w: Tensor, layout: str, d_out: int, h: int, dh: int) -> Tensor:
+    """The output projection's weight as `[d_out, heads, d_head]`, from either weight layout."""
+    return w.view(d_out, h, dh) if layout == "out_in" else w.view(h, dh, d_out).permute(2, 0, 1)
+
+
 def _result_site(g: _Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSite | None) -> dict[str, FacetSite]:
     """Per-head contribution to the output projection: z split by head times that head's W_O."""
     if z is None or z.op is None:
@@ -666,7 +671,7 @@ def _result_site(g: _Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSi
     if zt is not None:
         with torch.no_grad():
             w = module.weight.detach()
-            w3 = w.view(d_out, h, dh) if layout == "out_in" else w.view(h, dh, d_out).permute(2, 0, 1)
+            w3 = _per_head_weight(w, layout, d_out, h, dh)
             result = torch.einsum("bhtd,ohd->btho", zt, w3.to(zt.dtype))
             actual = g.value(_io(g, proj, "out"))
             if actual is None:
@@ -682,6 +687,18 @@ def _result_site(g: _Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSi
             tol = fam.reconstruction_tolerance(actual.dtype) * max(1.0, float(actual.abs().max()))
             if not err <= tol:
                 return _refused(("result",), f"the sum over heads plus bias differs from the output projection by {err:.3g} (> {tol:.3g})")
+            if zt.dtype in (torch.bfloat16, torch.float16):
+                # Half precision: the tolerance above is floored at 1, looser than small outputs
+                # themselves, so a wrong W_O layout could pass it. Check the layout once more in
+                # float32 against the output's own scale: only the output's rounding remains.
+                exact = torch.einsum("bhtd,ohd->bto", zt.float(), w3.float())
+                if isinstance(bias, Tensor):
+                    exact.add_(bias.detach().float())
+                err32 = float(exact.sub_(actual.float()).abs_().max())
+                tol32 = fam.reconstruction_tolerance(actual.dtype) * float(actual.abs().max())
+                if not err32 <= tol32:
+                    return _refused(("result",), f"the sum over heads plus bias, in float32, differs from the output "
+                                                 f"projection by {err32:.3g} (> {tol32:.3g}, its scale)")
         site.tensor = result
     return {"result": site}
 
