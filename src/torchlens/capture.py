@@ -5,8 +5,11 @@ module of the model and enters a `TorchFunctionMode`. Every torch function the f
 passes through the mode, which runs it and appends an [`OpRecord`][torchlens.records.OpRecord]:
 its name, the module running it, references to the ops that produced its tensor inputs, and the
 shapes of its outputs. The hooks keep a stack of module calls, so each op knows where it ran.
-Nothing is patched globally; every hook and the mode are removed before `trace` returns or
-raises. Traces nest: an outer trace records the model ops an inner trace runs, never the inner
+No torch function or class is patched; every hook and the mode are removed before `trace`
+returns or raises. Two things are changed for the duration of a trace and then restored: the
+`torch.compile` stance is set to `force_eager` process-wide (see `compiled.py`: other threads
+running compiled code meanwhile run it eagerly too), and the hooks accelerate attaches to a
+dispatched model's modules are wrapped on those modules only (see `_dispatch.py`). Traces nest: an outer trace records the model ops an inner trace runs, never the inner
 recorder's own bookkeeping (which runs with torch functions disabled when a mode lies below).
 
 Saved tensors are detached *aliases*, not copies, which keeps capture fast and memory-lean.

@@ -39,8 +39,10 @@ class OpRecord:
         shapes (tuple[torch.Size, ...]): the shape of each tensor output.
         dtypes (tuple[torch.dtype, ...]): the dtype of each tensor output.
         device (torch.device): the device of the first output.
-        tensors (tuple[torch.Tensor | None, ...]): one entry per tensor output: a detached copy
-            when saved, else None.
+        tensors (tuple[torch.Tensor | None, ...]): one entry per tensor output when saved, else
+            None: the output detached, as the op returned it; a later in-place write during the
+            forward clones it first, and a tensor still sharing memory with something the caller
+            holds (inputs, weights, the output) is copied when `trace` returns.
         mutated (bool): True when the op changed one of its inputs in place.
     """
 
