@@ -930,9 +930,17 @@ def test_in_place_write_unseen_by_the_mode_warns():
                 y.add_(1)
             return y * 2
 
-    with pytest.warns(UserWarning, match="written in place by code the capture could not see"):
-        tr = torchlens.trace(Sneaky(), torch.ones(1, 3))
+    model = Sneaky()
+    with torch.no_grad():  # ground truth from outside TorchLens: the linear's output, and after the write
+        before = model.lin(torch.ones(1, 3))
+    with pytest.warns(UserWarning, match=r"could not see \(#1 linear\); they are not kept"):
+        tr = torchlens.trace(model, torch.ones(1, 3))
     assert tr.ops[1].name == "linear"
+    assert tr.ops[1].tensors == (None,)  # its saved alias shows before + 1: not the value the op returned
+    written = next(op for op in tr.ops if op.name == "written_in_place")
+    assert written.inputs[0].op == 1
+    torch.testing.assert_close(written.tensors[0], before + 1, rtol=0, atol=0)  # what `y * 2` read
+    torch.testing.assert_close(tr.output, (before + 1) * 2, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ Saved tensors are detached *aliases*, not copies, which keeps capture fast and m
 They still behave as copies: before any op that writes in place (`add_`, `x[i] = ...`,
 `inplace=True`, `out=`), the recorder clones every saved alias (op outputs, and the module
 inputs/outputs the hooks kept) that shares storage with the tensor about to be written. Each
-alias's version counter is checked at the end, so a write the mode could not see is reported
-instead of silently corrupting it. Inference tensors (`torch.inference_mode()`) have no version
+alias's version counter is checked at the end, so a write the mode could not see is reported,
+and the alias it overwrote is dropped rather than served with contents the op never returned. Inference tensors (`torch.inference_mode()`) have no version
 counter, so that last check cannot cover them.
 
 A tensor used after an in-place write is used with its new contents, and the trace says so.

@@ -182,9 +182,12 @@ def _assemble(rec, model, names, aliases, roles, spec, output, overwritten) -> T
         labels = ", ".join(f"#{i} {rec.ops[i].name}" for i in overwritten[:5])
         warnings.warn(
             f"torchlens: {len(overwritten)} saved op outputs were written in place by code the capture "
-            f"could not see ({labels}); their saved values show the later contents.",
+            f"could not see ({labels}); they are not kept, since they would show the later contents "
+            "(the tensor as the forward used it next is kept, as a written_in_place op).",
             stacklevel=3,
         )
+        for i in overwritten:  # a value the model did not produce there is never served
+            rec.ops[i].tensors = (None,) * len(rec.ops[i].tensors)
     keep = None if spec.everything else spec.keep
     with torch.no_grad():
         structure = find_structure(rec.ops, rec.calls, modules, roles, model, names)
