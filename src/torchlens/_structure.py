@@ -310,10 +310,15 @@ class _Flow:
         attention kernel on the way. The query/value and output projections of one attention (same
         class, same width, wrapped as TransformerLens's bridge wraps them) are linked through the
         attention kernel, so they do not chain as layers do."""
-        if not self.reaches(prev._out_ref, call._in_ref):
+        src, dst = prev._out_ref, call._in_ref
+        if type(src) is not Ref or type(dst) is not Ref:
             return False
-        between = self.ancestors(call._in_ref, prev.end_op)  # ops after prev on the way to call's input
-        return not any(self.is_kernel(self.ops[i]) for i in between if i < call.first_op)
+        if src == dst:
+            return True
+        upstream = self.ancestors(dst, src.op)  # one walk answers both questions (`reaches` would walk it again)
+        if src.op not in upstream:
+            return False
+        return not any(self.is_kernel(self.ops[i]) for i in upstream if prev.end_op <= i < call.first_op)
 
     def adds_own_input(self, call: ModuleCall) -> bool:
         """Whether the call adds its own input back (a residual connection inside it)."""
