@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -407,9 +407,8 @@ _KERNEL_REBUILT = frozenset({"scores", "pattern"})
 def _equals_facet(trace, res: AliasResolution, facet: str, engine: Tensor, atol, rtol) -> bool:
     """Whether the engine tensor equals another facet of the same module (in some layout)."""
     try:
-        rec = trace.modules[res.module_address]
-        # a block object run several times is one layer per call: read the call the alias names
-        other = (rec.calls[res.call] if res.call is not None else rec).facets[facet]
+        # AliasResolution.tensor reads the call the alias names (a block object run for several layers)
+        other = replace(res, facet=facet, trace=trace).tensor
     except Exception:  # the module has no such facet, or it was not kept
         return False
     if not isinstance(other, Tensor):
