@@ -31,7 +31,7 @@ from _outputs import write_or_check  # noqa: E402  (a sibling of this script)
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ROOT / "docs" / "aliases"
-BEGIN = "<!-- BEGIN GENERATED: scripts/gen_alias_pages.py; edit the tables in src/torchlens/mechinterp/tables -->"
+BEGIN = "<!-- BEGIN GENERATED: scripts/gen_alias_pages.py; edit the tables in src/torchlens/mechinterp/_tables -->"
 END = "<!-- END GENERATED -->"
 SLUGS = {"2.x": "tl-2x", "3.x": "tl-3x", "4.x": "tl-4x", "nnterp": "nnterp", "interp-engine": "interp-engine"}
 

@@ -6,7 +6,7 @@ trace says about it:
 
 * the embeddings, decoder block 0 and what follows the last block, from the traced module
   tree: which norm feeds which sublayer, and which norm follows it, come from the recorded
-  data flow (`torchlens.mechinterp.targets`), not from the family's name;
+  data flow (`torchlens.mechinterp._targets`), not from the family's name;
 * inside each module, every facet the trace holds, with its shape; facets that are the same
   tensor (same op, same values) share one row, written `resid_pre = input`;
 * beside each facet, the names that resolve to it in every naming generation, read from
@@ -44,8 +44,8 @@ import _models  # noqa: E402
 from _outputs import write_or_check  # noqa: E402
 import torchlens as tl  # noqa: E402
 import torchlens.mechinterp as mi  # noqa: E402
-from torchlens.facets import FACETS  # noqa: E402
-from torchlens.mechinterp import targets  # noqa: E402
+from torchlens import FACETS  # noqa: E402
+from torchlens.mechinterp import _targets as targets  # noqa: E402
 
 OUT = ROOT / "docs" / "assets" / "diagrams"
 PAGE = ROOT / "docs" / "guides" / "diagrams.md"

@@ -19,7 +19,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import torchlens.mechinterp as mi
-from torchlens.mechinterp import resolver
+from torchlens.mechinterp import _resolver as resolver
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gen_diagrams.py"

@@ -16,7 +16,7 @@ from torch import nn
 
 import _models
 import torchlens as tl
-from torchlens.errors import EditSpecError, LookupFailed, NotEditable
+from torchlens._errors import EditSpecError, LookupFailed, NotEditable
 
 IDS = _models.token_ids(1, 6)
 ATOL = 1e-6

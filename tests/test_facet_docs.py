@@ -8,7 +8,7 @@ not. The rows name no facet that TorchLens does not have, so the guide cannot go
 import re
 from pathlib import Path
 
-from torchlens.facets import ALL_FACETS, FACETS
+from torchlens._facet_spec import ALL_FACETS, FACETS
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "facets.md"
 # The guide's tables of kinds and statuses open rows with these; they are not facets.

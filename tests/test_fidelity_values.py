@@ -216,7 +216,7 @@ def test_trace_unchanged_by_later_writes_to_inputs_weights_and_outputs(family):
 
 def test_snapshot_copies_only_what_the_caller_can_reach():
     """The snapshot copies the aliases of inputs, weights and outputs, not every saved tensor."""
-    from torchlens.capture import Recorder
+    from torchlens._capture import Recorder
 
     copied = []
     real = Recorder.snapshot
@@ -269,7 +269,7 @@ def test_save_a_container_keeps_all_its_children(save):
 
 @pytest.mark.parametrize("save", ["", [""], ["model.layers.0", ""]])
 def test_save_empty_string_is_refused_with_what_to_pass(save):
-    with pytest.raises(torchlens.errors.SaveSpecError) as info:
+    with pytest.raises(torchlens._errors.SaveSpecError) as info:
         torchlens.trace(_models.llama(), IDS, save=save)
     msg = str(info.value)
     assert "save='all'" in msg and "'model.layers'" in msg
@@ -403,10 +403,10 @@ def test_facets_looked_up_by_a_non_name_teach():
     tr = torchlens.trace(_models.gpt2(), IDS)
     facets = tr.modules["transformer.h.0"].facets
     for bad in (0, None, 1.5):
-        with pytest.raises(torchlens.errors.FacetNotFound) as info:
+        with pytest.raises(torchlens._errors.FacetNotFound) as info:
             facets[bad]
         assert "by name (a str)" in str(info.value) and "resid_post" in str(info.value)
-        with pytest.raises(torchlens.errors.FacetNotFound):
+        with pytest.raises(torchlens._errors.FacetNotFound):
             facets.site(bad)
         assert bad not in facets
 
@@ -423,7 +423,7 @@ def test_scripted_submodule_is_refused_naming_it_and_the_remedy():
             return self.inner(self.a(x))
 
     net = Net()
-    with pytest.raises(torchlens.errors.CaptureError) as info:
+    with pytest.raises(torchlens._errors.CaptureError) as info:
         torchlens.trace(net, torch.ones(2, 4))
     msg = str(info.value)
     assert "'inner'" in msg and "torch.jit.script" in msg and "eager" in msg
@@ -488,13 +488,13 @@ def test_multihead_attention_facets_are_rebuilt_and_checked(batch_first, masks):
 # No facet served without proof: a planted wrong derivation is refused, with the reason
 # ----------------------------------------------------------------------------------------------
 
-from torchlens import facets as _facets  # noqa: E402
+from torchlens import _facets as _facets  # noqa: E402
 
 
 def _refused(tr, address, facet, why):
     f = tr.modules[address].calls[0].facets
     assert facet not in f.sites and facet in f.refused, (facet, f.refused)
-    with pytest.raises(torchlens.errors.FacetNotFound, match="not served") as info:
+    with pytest.raises(torchlens._errors.FacetNotFound, match="not served") as info:
         f[facet]
     assert why in str(info.value)
 
@@ -577,7 +577,7 @@ def test_planted_mha_rebuild_is_refused(monkeypatch):
 def test_planted_resid_mid_is_refused(monkeypatch):
     model = _models.llama()
     assert "resid_mid" in torchlens.trace(model, IDS).modules["model.layers.0"].facets
-    monkeypatch.setattr(_facets, "_pick_resid_mid", lambda g, attn, adds: attn._out_ref.op)
+    monkeypatch.setattr(_facets, "_pick_resid_mid", lambda g, attn, adds: attn.output_ref.op)
     tr = torchlens.trace(model, IDS)
     _refused(tr, "model.layers.0", "resid_mid", "does not hold")
 

@@ -35,7 +35,7 @@ from torchlens.mechinterp import (
     UnknownAlias,
     UnknownGeneration,
 )
-from torchlens.mechinterp import resolver
+from torchlens.mechinterp import _resolver as resolver
 
 IDS = torch.tensor([[1, 2, 3, 4]])
 LIVE = ("real", "reconstructed_read_only")

@@ -38,7 +38,7 @@ from torchlens import (
     SaveSpecError,
     TorchLensError,
 )
-from torchlens.records import Ref
+from torchlens._records import Ref
 
 _module_mod = torch.nn.modules.module
 _GLOBAL_HOOK_DICTS = (

@@ -446,9 +446,9 @@ def test_hooked_encoder_decoder_names_resolve_on_t5():
 
 def test_every_row_of_every_table_names_a_known_target_and_facet():
     """A mistyped target or facet in a (kind-specific) table would read as structurally_absent: refuse it here."""
-    from torchlens.facets import ALL_FACETS
-    from torchlens.mechinterp import targets
-    from torchlens.mechinterp.resolver import GENERATIONS
+    from torchlens._facet_spec import ALL_FACETS
+    from torchlens.mechinterp import _targets as targets
+    from torchlens.mechinterp._resolver import GENERATIONS
 
     tables = [t for g in GENERATIONS.values() for t in (g, *dict(g.by_kind).values())]
     assert len(tables) >= 8

@@ -7,24 +7,31 @@ The public surface is small:
 - [`torchlens.mechinterp`][torchlens.mechinterp] translates other libraries' hook names to
   TorchLens sites.
 - Every deliberate error derives from [`TorchLensError`][torchlens.TorchLensError].
+
+Everything public is importable from here (or from `torchlens.mechinterp`); the modules behind
+it are underscore-named and may change without notice.
 """
 
-from .errors import (
+from ._edits import EditRecord
+from ._errors import (
     AmbiguousModuleCall,
     CaptureError,
     EditSpecError,
     FacetNotFound,
     FacetNotSaved,
+    LookupFailed,
     ModuleNotFoundInTrace,
     NotEditable,
+    RoleSpecError,
     SaveSpecError,
     TorchLensError,
 )
-from .facets import FACETS
-from .records import FacetMap, FacetSite, ModuleCall, ModuleRecord, OpRecord, Trace
+from ._facet_spec import FACETS
 from ._persist import TraceFileError, load
+from ._records import FacetMap, FacetSite, ModuleCall, ModuleMap, ModuleRecord, OpRecord, Ref, Trace
 from ._store import StoreSpecError
-from .tracing import trace
+from ._structure import Layer, Stack, Structure
+from ._tracing import trace
 
 __version__ = "0.1.0"
 
@@ -33,15 +40,23 @@ __all__ = [
     "load",
     "Trace",
     "OpRecord",
+    "Ref",
+    "ModuleMap",
     "ModuleRecord",
     "ModuleCall",
     "FacetMap",
     "FacetSite",
+    "Structure",
+    "Stack",
+    "Layer",
+    "EditRecord",
     "FACETS",
     "TorchLensError",
+    "LookupFailed",
     "TraceFileError",
     "StoreSpecError",
     "SaveSpecError",
+    "RoleSpecError",
     "CaptureError",
     "EditSpecError",
     "NotEditable",

@@ -19,7 +19,7 @@ pass, so an edit is never placed on another op.
 
 A site that no single op produces cannot be edited: a pattern rebuilt from a fused attention
 kernel, a facet computed from recorded tensors (`result`, a fused norm's `normalized`), a
-slice of a fused projection. Those raise [`NotEditable`][torchlens.errors.NotEditable] with the
+slice of a fused projection. Those raise [`NotEditable`][torchlens.NotEditable] with the
 remedy.
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .errors import EditSpecError, NotEditable
+from ._errors import EditSpecError, NotEditable
 
 __all__ = ["EditPlan", "EditRecord", "plan_edits"]
 
@@ -157,7 +157,7 @@ class EditPlan:
 
 def _resolve_key(trace: Any, key: Any) -> tuple[str, str, int | None]:
     """(module address, facet, call or None) a key names in the locating trace."""
-    from .mechinterp.resolver import resolve_alias
+    from .mechinterp._resolver import resolve_alias
 
     if isinstance(key, tuple):
         if not (2 <= len(key) <= 3 and isinstance(key[0], str) and isinstance(key[1], str)
@@ -253,7 +253,7 @@ def plan_edits(trace: Any, edit: Any) -> EditPlan:
             tensor.
 
     Returns:
-        The [`EditPlan`][torchlens._edits.EditPlan].
+        The `EditPlan`.
 
     Raises:
         EditSpecError: `edit` is not a mapping, a key names no site, a value is neither callable

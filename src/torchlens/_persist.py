@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .errors import TorchLensError
+from ._errors import TorchLensError
 
 __all__ = ["TraceFileError", "save", "load", "FORMAT", "FORMAT_VERSION"]
 
@@ -47,7 +47,8 @@ class TraceFileError(TorchLensError, ValueError):
 
 def _record_classes() -> dict[str, type]:
     """The only classes a trace file may name: TorchLens's own record types."""
-    from . import records, selection
+    from . import _records as records
+    from . import _save as selection
 
     classes: list[type] = [records.OpRecord, records.FacetSite, records.FacetMap, records.ModuleCall,
                            records.ModuleRecord, records.ModuleMap, records.Trace, selection.SaveSpec]
@@ -291,7 +292,7 @@ class _Decoder:
         if "obj" in v:
             return self.obj(v["obj"])
         if "ref" in v:
-            from .records import Ref
+            from ._records import Ref
 
             return Ref(*v["ref"])
         if "tuple" in v:

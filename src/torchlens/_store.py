@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .errors import TorchLensError
+from ._errors import TorchLensError
 
 __all__ = ["StoreSpecError", "parse_store", "apply_store"]
 

@@ -46,16 +46,16 @@ from typing import Any
 
 from torch import nn
 
-from . import families as fam
-from .errors import RoleSpecError
-from .records import ModuleCall, OpRecord, Ref
+from . import _ops, _roles
+from ._errors import RoleSpecError
+from ._records import ModuleCall, OpRecord, Ref
 
 #: The roles `roles=` accepts.
 OVERRIDABLE_ROLES = ("block", "attention", "cross_attention", "mlp", "norm", "embedding", "unembed", "other")
 
 #: Op names that are an attention kernel (`softmax` counts only over a >= 3-d tensor: a router's
 #: softmax over experts is 2-d).
-_KERNEL_OPS = fam.SOFTMAX_OPS | fam.FUSED_ATTENTION_OPS
+_KERNEL_OPS = _ops.SOFTMAX_OPS | _ops.FUSED_ATTENTION_OPS
 
 
 @dataclass
@@ -155,7 +155,7 @@ def parse_roles(roles: Any, addresses: list[str]) -> dict[str, str]:
             f"roles= takes a dict {{address_or_pattern: role}}, got {type(roles).__name__}. "
             f"Roles: {', '.join(OVERRIDABLE_ROLES)}."
         )
-    from .errors import close_matches
+    from ._errors import close_matches
 
     out: dict[str, str] = {}
     for key, role in roles.items():
@@ -247,17 +247,17 @@ def static_roles(model: nn.Module, names: dict[nn.Module, str], overrides: dict[
     for module, addr in names.items():
         if isinstance(module, nn.Embedding):
             roles[addr] = "embedding"
-        elif fam.is_norm(module):
+        elif _roles.is_norm(module):
             roles[addr] = "norm"
-        elif isinstance(module, nn.Linear) and (module.out_features in vocab or addr.rsplit(".", 1)[-1] in fam.UNEMBED_ATTRS):
+        elif isinstance(module, nn.Linear) and (module.out_features in vocab or addr.rsplit(".", 1)[-1] in _roles.UNEMBED_ATTRS):
             roles[addr] = "unembed"
-        elif isinstance(module, nn.MultiheadAttention) or any(f in type(module).__name__ for f in fam.ATTENTION_CLASS_FRAGMENTS):
+        elif isinstance(module, nn.MultiheadAttention) or any(f in type(module).__name__ for f in _roles.ATTENTION_CLASS_FRAGMENTS):
             roles[addr] = "attention"
     for _, group in _groups(model, names):
         for block in group:
             roles[names[block]] = "block"
             for attr, child in block.named_children():
-                role = fam.child_role(attr, child)
+                role = _roles.child_role(attr, child)
                 if role and roles[names[child]] == "other":
                     roles[names[child]] = role
     for addr, role in overrides.items():
@@ -303,14 +303,14 @@ class _Flow:
 
     def is_kernel(self, op: OpRecord) -> bool:
         """An attention kernel: a fused attention op, or a matmul-like op over 3 or more dimensions."""
-        return op.name in _KERNEL_OPS and (op.name in fam.FUSED_ATTENTION_OPS or len(op.shape) >= 3)
+        return op.name in _KERNEL_OPS and (op.name in _ops.FUSED_ATTENTION_OPS or len(op.shape) >= 3)
 
     def follows(self, prev: ModuleCall, call: ModuleCall) -> bool:
         """Whether `call` reads `prev`'s output as the next layer would: computed from it, with no
         attention kernel on the way. The query/value and output projections of one attention (same
         class, same width, wrapped as TransformerLens's bridge wraps them) are linked through the
         attention kernel, so they do not chain as layers do."""
-        src, dst = prev._out_ref, call._in_ref
+        src, dst = prev.output_ref, call.input_ref
         if type(src) is not Ref or type(dst) is not Ref:
             return False
         if src == dst:
@@ -322,13 +322,13 @@ class _Flow:
 
     def adds_own_input(self, call: ModuleCall) -> bool:
         """Whether the call adds its own input back (a residual connection inside it)."""
-        if type(call._in_ref) is not Ref:
+        if type(call.input_ref) is not Ref:
             return False
-        same = {call._in_ref}  # the input, and casts of it that return the same values (`x.to(float32)`)
+        same = {call.input_ref}  # the input, and casts of it that return the same values (`x.to(float32)`)
         for op in self.ops[call.first_op : call.end_op]:
-            if op.name in fam.ADD_OPS and same.intersection(op.inputs):
+            if op.name in _ops.ADD_OPS and same.intersection(op.inputs):
                 return True
-            if op.name in fam.PASS_THROUGH_OPS and op.inputs and op.inputs[0] in same:
+            if op.name in _ops.PASS_THROUGH_OPS and op.inputs and op.inputs[0] in same:
                 same.add(Ref(op.index, 0))
         return False
 
@@ -346,7 +346,7 @@ def _chains(flow: _Flow, calls: list[ModuleCall]) -> list[list[ModuleCall]]:
     (`_Flow.follows`)."""
     runs: list[list[ModuleCall]] = []
     for c in calls:
-        same = flow.shape(c._in_ref) is not None and flow.shape(c._in_ref) == flow.shape(c._out_ref)
+        same = flow.shape(c.input_ref) is not None and flow.shape(c.input_ref) == flow.shape(c.output_ref)
         if not same:
             runs.append([])
             continue
@@ -373,7 +373,7 @@ def _sublayer(flow: _Flow, layer: ModuleCall, pick) -> list[ModuleCall]:
         if inner and flow.adds_own_input(node):
             todo[:0] = inner
             continue
-        if len(inner) == 1 and type(node._out_ref) is Ref and inner[0]._out_ref == node._out_ref:
+        if len(inner) == 1 and type(node.output_ref) is Ref and inner[0].output_ref == node.output_ref:
             todo.insert(0, inner[0])  # a pure wrapper (GPT-Neo's attn around attn.attention): take the inner one
             continue
         out.append(node)
@@ -418,18 +418,18 @@ def _fill_layer(flow: _Flow, layer: Layer, roles: dict[str, str], modules: dict[
 def _keys_outside(flow: _Flow, layer: ModuleCall, attn: ModuleCall) -> bool:
     """Whether the attention's keys are not computed from the layer's input (cross-attention)."""
     kernel = next(iter(flow.kernels(attn)), None)
-    if kernel is None or type(layer._in_ref) is not Ref:
+    if kernel is None or type(layer.input_ref) is not Ref:
         return False
-    if kernel.name in fam.FUSED_ATTENTION_OPS:
-        return len(kernel.inputs) > 1 and not flow.reaches(layer._in_ref, kernel.inputs[1])
+    if kernel.name in _ops.FUSED_ATTENTION_OPS:
+        return len(kernel.inputs) > 1 and not flow.reaches(layer.input_ref, kernel.inputs[1])
     r = kernel.inputs[0] if kernel.inputs else None  # eager: walk back from the scores to their matmul
     for _ in range(12):
         if type(r) is not Ref:
             return False
         op = flow.ops[r.op]
-        if op.name in fam.MATMUL_OPS:
-            k = fam.MATMUL_OPERANDS.get(op.name, (0, 1))[1]
-            return k < len(op.inputs) and not flow.reaches(layer._in_ref, op.inputs[k])
+        if op.name in _ops.MATMUL_OPS:
+            k = _ops.MATMUL_OPERANDS.get(op.name, (0, 1))[1]
+            return k < len(op.inputs) and not flow.reaches(layer.input_ref, op.inputs[k])
         r = next((x for x in op.inputs if type(x) is Ref), None)
     return False
 
@@ -526,7 +526,7 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
     outside = [c for c in calls if id(c) not in in_layer]
     root = calls[0] if calls else None
     struct.token_embed = next(
-        (c for c in outside if isinstance(modules.get(c.address), nn.Embedding) and from_model_input(ops, c._in_ref)), None
+        (c for c in outside if isinstance(modules.get(c.address), nn.Embedding) and from_model_input(ops, c.input_ref)), None
     )
     vocab = modules[struct.token_embed.address].num_embeddings if struct.token_embed else None
     named_unembed = [c for c in outside if overrides.get(c.address) == "unembed"]
@@ -536,7 +536,7 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
         heads = [
             c for c in outside
             if isinstance(modules.get(c.address), nn.Linear) and modules[c.address].out_features == vocab
-            and c.role != "embedding" and flow.reaches(c._out_ref, root._out_ref)
+            and c.role != "embedding" and flow.reaches(c.output_ref, root.output_ref)
         ]
         struct.unembed = heads[-1] if heads else None
     for c in calls:
@@ -547,7 +547,7 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
         struct.unembed.role = roles[struct.unembed.address] = "unembed"
     feeding = [
         s for s in struct.stacks.values()
-        if struct.unembed is not None and flow.reaches(s.layers[-1].call._out_ref, struct.unembed._in_ref)
+        if struct.unembed is not None and flow.reaches(s.layers[-1].call.output_ref, struct.unembed.input_ref)
     ]
     if feeding:
         struct.lm_stack = feeding[-1].name
@@ -583,19 +583,19 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
 
 def _feeds_kernel(flow: _Flow, producer: ModuleCall, attn: ModuleCall) -> bool:
     return any(
-        any(flow.reaches(producer._out_ref, r) for r in k.inputs if type(r) is Ref) for k in flow.kernels(attn)
-    ) or any(flow.reaches(producer._out_ref, c._in_ref) for c in flow.kids.get(id(attn), []))
+        any(flow.reaches(producer.output_ref, r) for r in k.inputs if type(r) is Ref) for k in flow.kernels(attn)
+    ) or any(flow.reaches(producer.output_ref, c.input_ref) for c in flow.kids.get(id(attn), []))
 
 
 def _encoder_named(model: nn.Module, stack: Stack, modules: dict[str, nn.Module]) -> bool:
-    """Whether the stack is an encoder by the family data (`families.ENCODER_MODEL_TYPES`, class names)."""
+    """Whether the stack is an encoder by the family data (`_roles.ENCODER_MODEL_TYPES`, class names)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type in fam.ENCODER_MODEL_TYPES:
+    if model_type in _roles.ENCODER_MODEL_TYPES:
         return True
     parts = stack.name.split(".")
     holders = [".".join(parts[:i]) for i in range(len(parts) + 1)]
     return any(
-        any(f in type(modules[h]).__name__ for f in fam.ENCODER_CLASS_FRAGMENTS) for h in holders if h in modules
+        any(f in type(modules[h]).__name__ for f in _roles.ENCODER_CLASS_FRAGMENTS) for h in holders if h in modules
     )
 
 
@@ -607,7 +607,7 @@ def from_model_input(ops: list[OpRecord], ref: Any) -> bool:
         op = ops[ref.op]
         if op.name == "input":
             return True
-        if op.name not in fam.RESHAPE_OPS | fam.PASS_THROUGH_OPS | {"__getitem__", "long", "int"} or not op.inputs:
+        if op.name not in _ops.RESHAPE_OPS | _ops.PASS_THROUGH_OPS | _ops.INDEX_OPS | _ops.INT_CAST_OPS or not op.inputs:
             return False
         ref = op.inputs[0]
     return False
@@ -623,6 +623,6 @@ def final_norm(flow: _Flow, struct: Structure, outside: list[ModuleCall], roles:
         c for c in outside
         if c.role == "norm" and c.first_op >= last.end_op
         and (struct.unembed is None or c.end_op <= struct.unembed.first_op)
-        and flow.reaches(last._out_ref, c._in_ref)
+        and flow.reaches(last.output_ref, c.input_ref)
     ]
     return norms[-1] if norms else None

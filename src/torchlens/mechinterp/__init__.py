@@ -15,7 +15,7 @@ module, so no submodule shares its name.
 """
 
 from ._compare import Candidate, Comparison, ComparisonReport, ToleranceError, compare
-from .resolver import (
+from ._resolver import (
     GENERATIONS,
     STATUSES,
     AliasError,
@@ -29,7 +29,7 @@ from .resolver import (
     resolve_alias,
     table,
 )
-from .tables import Row, Table
+from ._tables import Row, Table
 
 __all__ = [
     "resolve_alias",

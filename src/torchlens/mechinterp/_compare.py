@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import LookupFailed, TorchLensError
-from ..records import Trace
+from .._errors import LookupFailed, TorchLensError
+from .._records import Trace
 from ._diagnose import Candidate, diagnose
-from .resolver import AliasResolution, resolve_alias
+from ._resolver import AliasResolution, resolve_alias
 
 __all__ = ["compare", "Comparison", "ComparisonReport", "Candidate", "ToleranceError", "AUTO_FACTOR"]
 
@@ -302,7 +302,7 @@ def _cast_inputs(inputs: Any, dtype: torch.dtype) -> tuple[tuple, dict]:
 
 
 def _rerun(model: nn.Module, inputs: Any, dtype: torch.dtype, sites: set[tuple[str, str]]) -> Trace:
-    from ..tracing import trace as run_trace
+    from .._tracing import trace as run_trace
 
     twin = copy.deepcopy(model).to(dtype)
     args, kwargs = _cast_inputs(inputs, dtype)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..families import ADD_OPS, MUL_OPS, PASS_THROUGH_OPS, RESHAPE_OPS
-from ..records import Ref, Trace
+from .._ops import ADD_OPS, PASS_THROUGH_OPS, RESHAPE_OPS, SCALE_OPS
+from .._records import Ref, Trace
 
 __all__ = ["Candidate", "diagnose"]
 
@@ -210,8 +210,8 @@ def _pool(trace: Trace) -> _Pool:
 def _names(pool: _Pool, generation: str) -> tuple[dict[tuple[str, str], str], dict[int, str]]:
     """(module, facet) -> name and op -> name, for the names of `generation` that read a site."""
     if generation not in pool.names:
-        from ..errors import TorchLensError
-        from .resolver import alias_report
+        from .._errors import TorchLensError
+        from ._resolver import alias_report
 
         by_site: dict[tuple[str, str], str] = {}
         by_op: dict[int, str] = {}
@@ -882,7 +882,7 @@ def _scalar_path(pool: _Pool, expected: _Entry, cand: _Entry) -> float | None:
     for i in path:
         op = trace.ops[i]
         refs = [r for r in op.inputs if type(r) is Ref and math.prod(trace.ops[r.op].shapes[r.slot]) > 1]
-        if op.name not in MUL_OPS | {"div", "__truediv__"} | PASS_THROUGH_OPS | RESHAPE_OPS or len(refs) != 1:
+        if op.name not in SCALE_OPS | PASS_THROUGH_OPS | RESHAPE_OPS or len(refs) != 1:
             return None
     x, c = expected.tensor.double().reshape(-1), cand.tensor.double().reshape(-1)
     if x.numel() != c.numel():

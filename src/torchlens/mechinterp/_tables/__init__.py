@@ -6,7 +6,7 @@ one row per name: the pattern, the site it points at, what it means — makes th
 reviewable line by line, lets one resolver serve every generation, and lets the docs print
 the very rows the resolver reads (`scripts/gen_alias_pages.py`).
 
-A row points at a *site*: a **target** module (see [`torchlens.mechinterp.targets`][]) and
+A row points at a *site*: a **target** module (see [`torchlens.mechinterp._targets`][]) and
 a **facet** of it. `{L}` in a pattern is the layer: the position of the decoder block in the
 order the blocks ran.
 """

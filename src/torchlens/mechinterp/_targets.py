@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..families import ADD_OPS, FUSED_ATTENTION_OPS, PASS_THROUGH_OPS, SOFTMAX_OPS, WEIGHT_LAYOUT
+from .._ops import ADD_OPS, FUSED_ATTENTION_OPS, PASS_THROUGH_OPS, SOFTMAX_OPS
+from .._roles import WEIGHT_LAYOUT
 from .._structure import Layer, from_model_input
-from ..records import ModuleCall, Ref, Trace
+from .._records import ModuleCall, Ref, Trace
 
 # Finders take (trace, layer) and return the ModuleCall the target names, or None.
 
@@ -61,11 +62,11 @@ def _norm_where(trace: Trace, layer: int, match: Callable[[ModuleCall, ModuleCal
 
 
 def _feeds(n: ModuleCall, s: ModuleCall) -> bool:
-    return type(n._out_ref) is Ref and n._out_ref == s._in_ref
+    return type(n.output_ref) is Ref and n.output_ref == s.input_ref
 
 
 def _follows(n: ModuleCall, s: ModuleCall) -> bool:
-    return type(s._out_ref) is Ref and n._in_ref == s._out_ref
+    return type(s.output_ref) is Ref and n.input_ref == s.output_ref
 
 
 def _added_to_residual(trace: Trace, layer: int, sub: ModuleCall) -> bool:
@@ -75,9 +76,9 @@ def _added_to_residual(trace: Trace, layer: int, sub: ModuleCall) -> bool:
     self-attention returns the merged heads, and its output projection lies outside it.
     """
     block = _layer(trace, layer).call
-    if type(sub._out_ref) is not Ref:
+    if type(sub.output_ref) is not Ref:
         return False
-    refs = {sub._out_ref}
+    refs = {sub.output_ref}
     for op in trace.ops[sub.end_op : block.end_op]:
         hit = [r for r in op.inputs if r in refs]
         if not hit:
@@ -114,7 +115,7 @@ def _pos_embed(trace: Trace) -> ModuleCall | None:
     """
     token = _token_embed(trace)
     others = [c for c in _outside_layers(trace, "embedding")
-              if (token is None or c.address != token.address) and not from_model_input(trace.ops, c._in_ref)]
+              if (token is None or c.address != token.address) and not from_model_input(trace.ops, c.input_ref)]
     if len(others) <= 1:  # (a lookup of model input ids, T5's decoder embedding, is no position embedding)
         return others[0] if others else None
     for c in others:
@@ -170,7 +171,7 @@ def _post_ln(trace: Trace, layer: int, which: int) -> ModuleCall | None:
         return None
     inside = {id(c) for c in _below(trace, attn)} | {id(attn)}
     norms = [c for c in _below(trace, lay.call) if c.role == "norm" and id(c) not in inside and c.first_op > attn.end_op]
-    if len(norms) != 2 or type(norms[-1]._out_ref) is not Ref or norms[-1]._out_ref != lay.call._out_ref:
+    if len(norms) != 2 or type(norms[-1].output_ref) is not Ref or norms[-1].output_ref != lay.call.output_ref:
         return None
     return norms[which]
 
@@ -188,9 +189,9 @@ def _attn_out_proj(trace: Trace, layer: int) -> ModuleCall | None:
     """The output projection that reads the attention's output, when it sits outside the attention (BERT)."""
     lay = _layer(trace, layer)
     attn = lay.attention
-    if attn is None or type(attn._out_ref) is not Ref:
+    if attn is None or type(attn.output_ref) is not Ref:
         return None
-    return next((c for c in _weighted_below(trace, lay.call) if c._in_ref == attn._out_ref), None)
+    return next((c for c in _weighted_below(trace, lay.call) if c.input_ref == attn.output_ref), None)
 
 
 def _post_ln_block(trace: Trace, layer: int) -> ModuleCall | None:
@@ -208,9 +209,9 @@ def _type_embed(trace: Trace) -> ModuleCall | None:
 
 
 def _adds_own_input(trace: Trace, call: ModuleCall) -> bool:
-    if type(call._in_ref) is not Ref:
+    if type(call.input_ref) is not Ref:
         return False
-    same = {call._in_ref}  # the input and value-preserving casts of it
+    same = {call.input_ref}  # the input and value-preserving casts of it
     for op in trace.ops[call.first_op : call.end_op]:
         if op.name in ADD_OPS and same.intersection(op.inputs):
             return True
@@ -307,7 +308,7 @@ def find_call(trace: Trace, target: str, layer: int | None, stack: str | None = 
 def _stack_final_norm(trace: Trace, stack) -> ModuleCall | None:
     """The norm outside every layer whose input is the stack's last output (T5's encoder.final_layer_norm)."""
     last = stack.layers[-1].call
-    return next((c for c in _outside_layers(trace, "norm") if c._in_ref == last._out_ref), None)
+    return next((c for c in _outside_layers(trace, "norm") if c.input_ref == last.output_ref), None)
 
 
 def find(trace: Trace, target: str, layer: int | None) -> tuple[str | None, str]:

@@ -7,10 +7,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..errors import LookupFailed, close_matches
-from ..records import Trace
-from . import targets
-from .tables import Row, Table, interp_engine, nnterp, tl2, tl3, tl4
+from .._errors import LookupFailed, close_matches
+from .._records import Trace
+from . import _targets as targets
+from ._tables import Row, Table, interp_engine, nnterp, tl2, tl3, tl4
 
 __all__ = [
     "AliasResolution",

@@ -1,10 +1,11 @@
-"""Everything TorchLens knows about model families, kept as data in one place.
+"""What TorchLens knows about modules: the roles they can have and how to read their parameters.
 
-Facets are found from the recorded data flow (which op consumed which tensor) and the module
-tree; the rules that give modules their roles (block, attention, MLP, norm, embedding,
-unembedding) live in `torchlens._structure`. This module holds the data
-those rules and the facet code read: name fragments, op-name sets, weight layouts, tolerances.
-Supporting a new family means adding a name here, never an `if family == ...` branch.
+The rules that give modules their roles from the recorded data flow (block, attention, MLP,
+norm, embedding, unembedding) live in `torchlens._structure`, the `roles=` override with them.
+This module holds the data those rules read: the role names, the attribute and class-name hints,
+the norm classes, weight layouts and where a norm keeps its epsilon. What TorchLens knows about
+ops (names, classification, tolerances) is in `torchlens._ops`. Supporting a new family means
+adding a name here or there, never an `if family == ...` branch.
 
 The attribute and class-name hints (`ATTENTION_ATTRS`, `MLP_ATTRS`, ...) are used only *before*
 the forward, to guess which tensors `save=` needs; after it, roles are settled from the data flow.
@@ -12,7 +13,6 @@ the forward, to guess which tensors `save=` needs; after it, roles are settled f
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 #: Attribute names under which decoder blocks keep their attention sublayer.
@@ -42,35 +42,6 @@ ENCODER_CLASS_FRAGMENTS = ("Encoder",)
 #: How a projection layer stores its weight. `"out_in"` is `nn.Linear` (`[out, in]`, y = x W^T);
 #: `"in_out"` is GPT-2's `Conv1D` (`[in, out]`, y = x W). Looked up by class name.
 WEIGHT_LAYOUT = {"Linear": "out_in", "Conv1D": "in_out"}
-
-#: Op names (as TorchLens records them) that are the softmax of an eager attention.
-SOFTMAX_OPS = frozenset({"softmax", "_softmax"})
-#: Op names of fused attention kernels whose pattern TorchLens rebuilds from the inputs.
-FUSED_ATTENTION_OPS = frozenset({"scaled_dot_product_attention"})
-#: Op names that multiply two tensors (matmul-like), used to find z = pattern @ v.
-MATMUL_OPS = frozenset({"matmul", "__matmul__", "bmm", "einsum", "baddbmm"})
-#: Which tensor arguments of a matmul-like op are its two factors, where not the first two
-#: (`baddbmm(input, batch1, batch2)`: GPT-2's `reorder_and_upcast_attn` scores).
-MATMUL_OPERANDS = {"baddbmm": (1, 2)}
-#: Elementwise products, used to find the gate of a gated MLP.
-MUL_OPS = frozenset({"mul", "__mul__", "__rmul__", "mul_", "__imul__"})
-#: Additions, used to find the residual stream between attention and MLP.
-ADD_OPS = frozenset({"add", "__add__", "__radd__", "add_", "__iadd__"})
-#: Subtractions: a norm written out with `rsqrt` that subtracts (centres) is a LayerNorm, else RMS.
-SUB_OPS = frozenset({"sub", "__sub__", "__rsub__", "sub_", "__isub__"})
-#: Elementwise ops that map logits to logits (a final softcap, casts): the model's output is
-#: taken as `logits` only when nothing else runs between the unembedding and it (not a
-#: log_softmax, which gives log-probabilities).
-LOGIT_MAP_OPS = frozenset(
-    {"__truediv__", "div", "tanh", "__mul__", "mul", "__rmul__", "to", "type", "float", "half", "bfloat16",
-     "contiguous", "clone"}
-)
-#: Ops that split one tensor into several along a dimension.
-SPLIT_OPS = frozenset({"split", "chunk", "tensor_split", "unbind", "split_with_sizes"})
-#: Ops that reshape without changing values.
-RESHAPE_OPS = frozenset({"view", "reshape", "unflatten", "_unsafe_view"})
-#: Ops that only pass a value through (casts, copies, identity dropout in eval).
-PASS_THROUGH_OPS = frozenset({"to", "type", "float", "half", "bfloat16", "contiguous", "clone", "dropout"})
 
 ROLES = ("root", "block", "attention", "mlp", "norm", "embedding", "unembed", "other")
 
@@ -112,8 +83,3 @@ def norm_eps(module: nn.Module) -> float:
 def is_rms_norm(module: nn.Module) -> bool:
     """Whether the norm divides by the root mean square (no centering, no bias)."""
     return "RMS" in type(module).__name__ or (hasattr(nn, "RMSNorm") and isinstance(module, nn.RMSNorm))
-
-
-def reconstruction_tolerance(dtype: torch.dtype) -> float:
-    """Absolute tolerance (relative to the kernel output's scale) for checking a rebuild."""
-    return {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}.get(dtype, 1e-4)

@@ -2,7 +2,7 @@
 
 How it works, in one paragraph: `trace` registers a forward pre-hook and a forward hook on every
 module of the model and enters a `TorchFunctionMode`. Every torch function the forward calls
-passes through the mode, which runs it and appends an [`OpRecord`][torchlens.records.OpRecord]:
+passes through the mode, which runs it and appends an [`OpRecord`][torchlens.OpRecord]:
 its name, the module running it, references to the ops that produced its tensor inputs, and the
 shapes of its outputs. The hooks keep a stack of module calls, so each op knows where it ran.
 No torch function or class is patched; every hook and the mode are removed before `trace`
@@ -33,7 +33,7 @@ When `trace` returns, every saved alias that still shares storage with a tensor 
 reach (the model's inputs, parameters and buffers, the returned output, or any recorded tensor
 still alive) is replaced by a copy, so later in-place writes by the caller (an optimizer step, a
 corrupted prompt built in the same `ids` tensor) leave the finished trace unchanged
-([`Recorder.snapshot`][torchlens.capture.Recorder.snapshot]).
+(`torchlens._snapshot.snapshot`).
 """
 
 from __future__ import annotations
@@ -50,56 +50,13 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from .errors import CaptureError, EditSpecError
-from .families import FUSED_ATTENTION_OPS
-from .records import ModuleCall, OpRecord, Ref
+from ._errors import CaptureError, EditSpecError
+from ._ops import INPLACE, REBUILT_OPS, SKIP, classify
+from ._records import ModuleCall, OpRecord, Ref
 
 __all__ = ["Recorder"]
 
-_SKIP, _PLAIN, _INPLACE = 0, 1, 2
-# Attribute reads that never produce a tensor: answered without any bookkeeping.
-_METADATA_GETTERS = frozenset(
-    {"shape", "dtype", "device", "ndim", "is_cuda", "is_sparse", "is_quantized", "is_meta", "layout",
-     "requires_grad", "is_leaf", "names", "itemsize", "nbytes", "_version", "grad_fn", "output_nr"}
-)
-_METADATA_METHODS = frozenset(
-    {"size", "dim", "numel", "stride", "storage_offset", "is_contiguous", "is_floating_point",
-     "is_complex", "element_size", "data_ptr", "__len__", "__bool__", "item", "tolist", "__repr__",
-     "__format__", "__hash__", "__index__", "__int__", "__float__", "get_device", "untyped_storage",
-     "__reduce_ex__", "__deepcopy__", "__array__", "__iter__", "__contains__", "has_names",
-     "is_inference", "__dlpack__", "__dlpack_device__"}
-)
-_INPLACE_DUNDERS = frozenset(
-    {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
-     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
-)
-#: Ops whose arguments are kept (detached) so that facets they hide can be rebuilt and checked:
-#: fused attention kernels, and `F.multi_head_attention_forward`, inside which
-#: `nn.MultiheadAttention` runs everything (a torch function mode sees it as one op).
-_REBUILT_OPS = FUSED_ATTENTION_OPS | {"multi_head_attention_forward"}
-_FUNC_INFO: dict[Any, tuple[str, int]] = {}
 _NO_HIDING = contextlib.nullcontext()
-
-
-def _classify(func: Any) -> tuple[str, int]:
-    """Name a torch function and say whether it is metadata-only, plain, or in place."""
-    name = getattr(func, "__name__", None) or type(func).__name__
-    if name == "__get__":  # a property read such as `x.shape` or `x.T`
-        owner = getattr(func, "__self__", None)
-        name = getattr(owner, "__name__", name)
-        kind = _SKIP if name in _METADATA_GETTERS else _PLAIN
-    elif name in _METADATA_METHODS:
-        kind = _SKIP
-    elif name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__")):
-        kind = _INPLACE
-    else:
-        kind = _PLAIN
-    info = (name.lstrip("_") if name.startswith("_") and not name.startswith("__") else name, kind)
-    try:
-        _FUNC_INFO[func] = info
-    except TypeError:  # unhashable callables are classified each time
-        pass
-    return info
 
 
 def _tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
@@ -205,7 +162,7 @@ class Recorder(TorchFunctionMode):
         retain_all: keep every op output.
         retain_modules: addresses whose calls (and everything inside them) keep their op outputs.
         param_names: `id(parameter)` to qualified name.
-        edits: an [`EditPlan`][torchlens._edits.EditPlan]: sites to replace as the forward computes
+        edits: an `EditPlan`: sites to replace as the forward computes
             them (module inputs/outputs in the hooks, op outputs in the mode), or None.
     """
 
@@ -259,10 +216,10 @@ class Recorder(TorchFunctionMode):
             kwargs = {}
         if self._quiet:
             return func(*args, **kwargs)
-        info = _FUNC_INFO.get(func) or _classify(func)
-        if info[1] == _SKIP:
+        info = classify(func)
+        if info[1] == SKIP:
             return func(*args, **kwargs)
-        mutated = info[1] == _INPLACE or (
+        mutated = info[1] == INPLACE or (
             bool(kwargs) and (kwargs.get("out") is not None or kwargs.get("inplace") is True)
         )
         refs = None
@@ -366,7 +323,7 @@ class Recorder(TorchFunctionMode):
                 stamp = self._stamp(o)
             producer[id(o)] = (Ref(idx, slot), weakref.ref(o), stamp)
         extra = None
-        if name in _REBUILT_OPS and retain:
+        if name in REBUILT_OPS and retain:
             extra = {
                 "args": tuple(a.detach() if isinstance(a, Tensor) else a for a in args),
                 "kwargs": {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in kwargs.items()},
@@ -437,7 +394,7 @@ class Recorder(TorchFunctionMode):
         parameter) or when only this module's subtree is retained (the producer's output is not).
         """
         ref = self._ref(t)
-        setattr(call, side + "_ref", ref)
+        setattr(call, "input_ref" if side == "_in" else "output_ref", ref)
         if ref is None or isinstance(ref, str) or (call.retained and not self.retain_all):
             setattr(call, side, t.detach())
             self._hook_aliases.append((call, side))
@@ -521,98 +478,6 @@ class Recorder(TorchFunctionMode):
         t = first_tensor(output)
         if t is not None:
             self._keep_io(call, "_out", t)
-
-    def snapshot(self, model: nn.Module, reachable: Any) -> int:
-        """Copy every tensor the finished trace holds that the caller could still write into.
-
-        A saved tensor is a detached alias of what the model computed. Once the forward is over,
-        most of those tensors are referenced by nothing but the trace; the others share storage
-        with something the caller still holds: the model's parameters and buffers, the inputs
-        and the returned output (`reachable`, walked through tuples, lists and mappings), or any
-        recorded tensor still alive (a cache the model keeps, a tensor a hook stashed). Those
-        aliases are replaced by copies, so no later in-place write (an optimizer step, editing
-        `ids` to build a corrupted prompt, `trace.output.logits.zero_()`) changes the trace.
-        It runs once the trace is assembled, so only what the trace keeps is copied; several
-        views of one storage (a KV cache's keys as each op saw them) share one copy of it when
-        that costs no more than copying each view.
-
-        Args:
-            model: the traced model.
-            reachable: the forward's inputs and output, in any nesting of containers.
-
-        Returns:
-            The number of bytes copied (the memory this costs on top of the saved aliases).
-        """
-        live: set[int] = set()
-
-        def add(t: Tensor) -> None:
-            live.add(t.untyped_storage().data_ptr())
-
-        for t in itertools.chain(model.parameters(), model.buffers()):
-            add(t)
-        todo, seen = [(reachable, 0)], 0
-        while todo and seen < 100_000:
-            value, depth = todo.pop()
-            seen += 1
-            if isinstance(value, Tensor):
-                add(value)
-            elif depth < 8 and isinstance(value, (Mapping, tuple, list)):
-                items = value.values() if isinstance(value, Mapping) else value
-                todo.extend((v, depth + 1) for v in items)
-        for _, ref, _ in self.producer.values():
-            t = ref()
-            if t is not None:
-                add(t)
-        live.discard(0)  # empty tensors own no memory
-
-        # Every place the finished trace holds a tensor: op outputs, kept kernel arguments, facets.
-        slots: list[tuple[Any, Any]] = []  # (holder, key); holder[key] is the tensor
-        for op in self.ops:
-            if any(t is not None for t in op.tensors):
-                op.tensors = list(op.tensors)
-                slots += [(op.tensors, i) for i, t in enumerate(op.tensors) if t is not None]
-            if op.extra is not None and all(t is None for t in op.tensors):
-                op.extra = None  # the op's output was not kept, so its arguments serve no rebuild
-            if op.extra is not None:
-                op.extra = {"args": list(op.extra["args"]), "kwargs": dict(op.extra["kwargs"])}
-                slots += [(op.extra["args"], i) for i, a in enumerate(op.extra["args"]) if isinstance(a, Tensor)]
-                slots += [(op.extra["kwargs"], k) for k, v in op.extra["kwargs"].items() if isinstance(v, Tensor)]
-        for call in self.calls:
-            sites = call.facets.sites if call.facets is not None else {}
-            slots += [(s, None) for s in sites.values() if s.tensor is not None]
-        groups: dict[int, list[tuple[Any, Any]]] = {}
-        for holder, key in slots:
-            t = holder.tensor if key is None else holder[key]
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in live:
-                groups.setdefault(ptr, []).append((holder, key))
-        copied = 0
-        for items in groups.values():
-            tensors = [h.tensor if k is None else h[k] for h, k in items]
-            storage = tensors[0].untyped_storage()
-            whole = len({id(t) for t in tensors}) > 1 and storage.nbytes() <= sum(t.numel() * t.element_size() for t in tensors)
-            if whole:  # one copy of the storage serves every view of it (and keeps them views of one another)
-                new = storage.clone()
-                copied += storage.nbytes()
-            memo: dict[int, Tensor] = {}
-            for (holder, key), t in zip(items, tensors):
-                c = memo.get(id(t))
-                if c is None:
-                    if whole:
-                        c = torch.empty(0, dtype=t.dtype, device=t.device).set_(new, t.storage_offset(), t.size(), t.stride())
-                    else:
-                        c = t.clone()
-                        copied += t.numel() * t.element_size()
-                    memo[id(t)] = c
-                if key is None:
-                    holder.tensor = c
-                else:
-                    holder[key] = c
-        for op in self.ops:
-            op.tensors = tuple(op.tensors)
-            if op.extra is not None:
-                op.extra["args"] = tuple(op.extra["args"])
-        return copied
 
     def check_versions(self) -> list[int]:
         """Indices of ops whose saved alias was written by something the mode could not see."""

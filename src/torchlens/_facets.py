@@ -2,7 +2,7 @@
 
 A facet is found by following which op consumed which tensor inside a module call, never by
 reading a tensor's name in the model's source. The module's *role* (from
-[`torchlens.families`][torchlens.families]) says which facets to look for:
+`torchlens._structure`) says which facets to look for:
 
 | role | facets |
 |---|---|
@@ -27,58 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import families as fam
-from .records import FacetSite, ModuleCall, OpRecord, Ref
-
-#: Every facet name TorchLens can produce, by role, with its layout. This is the vocabulary
-#: `save=` selections and the alias tables are checked against.
-FACETS: dict[str, dict[str, str]] = {
-    "any": {
-        "input": "the module's first positional argument, or its first tensor keyword argument when called with keywords only",
-        "output": "the module's output tensor, or else the first tensor in its output, depth first: element 0 of a tuple, the first tensor value of a dict/ModelOutput, inside nested tuples/lists/dicts",
-    },
-    "block": {
-        "resid_pre": "[batch, pos, d_model] residual stream entering the block (the block input)",
-        "resid_mid": "[batch, pos, d_model] residual stream after the attention add, before the MLP; absent on parallel attention+MLP blocks",
-        "resid_post": "[batch, pos, d_model] residual stream leaving the block (the block output)",
-    },
-    "attention": {
-        "q": "[batch, pos, heads, d_head] query projection viewed per head, before the transpose and before RoPE",
-        "k": "[batch, pos, kv_heads, d_head] key projection viewed per head (kv heads under GQA), before RoPE",
-        "v": "[batch, pos, kv_heads, d_head] value projection viewed per head (kv heads under GQA)",
-        "rot_q": "[batch, pos, heads, d_head] query as the attention kernel receives it (after RoPE and any QK-norm), token-major; only where it differs from q",
-        "rot_k": "[batch, pos, kv_heads, d_head] key as the attention kernel receives it, token-major, kv heads; only where it differs from k",
-        "scores": "[batch, heads, query, key] the tensor entering softmax: scaled, softcapped and masked as the model does (masked entries hold the model's fill, HF: the dtype minimum)",
-        "pattern": "[batch, heads, query, key] softmax output, in the model dtype",
-        "z": "[batch, heads, pos, d_head] pattern @ v, head-major as the kernel returns it",
-        "result": "[batch, pos, heads, d_model] each head's contribution to the output projection (bias excluded); sums over heads plus bias to the projection output",
-    },
-    "mlp": {
-        "pre": "[batch, pos, d_mlp] input of the activation function (GPT-2 c_fc output, Llama gate_proj output)",
-        "pre_linear": "[batch, pos, d_mlp] the gated MLP's linear branch (Llama up_proj output); absent on a non-gated MLP",
-        "act": "[batch, pos, d_mlp] activation output, act(pre)",
-        "gated_out": "[batch, pos, d_mlp] act(pre) * pre_linear; absent on a non-gated MLP",
-        "post": "[batch, pos, d_mlp] input of the down projection: act on a plain MLP, gated_out on a gated one",
-        "down_out": "[batch, pos, d_model] output of the down projection, before any dropout",
-    },
-    "norm": {
-        "normalized": "[batch, pos, d_model] input centred (LayerNorm) and divided by its RMS/std over the norm's normalized shape (per group for GroupNorm), before the gain and bias; served only where normalized * gain + bias equals the norm's output",
-        "inv_rms": "[batch, pos, 1] 1/sqrt(mean(x^2)+eps) of an RMSNorm",
-        "inv_std": "[batch, pos, 1] 1/sqrt(var(x)+eps) of a LayerNorm",
-        "scale": "[batch, pos, 1] the divisor sqrt(mean(x^2)+eps) or sqrt(var(x)+eps): 1/inv_rms (TransformerLens hook_scale)",
-    },
-    "embedding": {
-        "indices": "[batch, pos] token ids entering the embedding",
-        "lookup": "[batch, pos, d_model] the rows looked up, before anything the module does after the lookup (Gemma's sqrt(d_model) scaling); equals output elsewhere",
-    },
-    "root": {
-        "final_norm_input": "[batch, pos, d_model] input of the final norm (the last block's output)",
-        "logits": "[batch, pos, vocab] the model's logits: the unembedding's output, or the root output when it is computed from it with the same shape (e.g. Gemma-2's final softcap)",
-    },
-}
-
-ALL_FACETS: frozenset[str] = frozenset(n for table in FACETS.values() for n in table)
-
+from . import _ops, _roles
+from ._records import FacetSite, ModuleCall, OpRecord, Ref
 
 class _Graph:
     """Read helpers over the recorded ops: producers, consumers, saved values, shapes."""
@@ -148,7 +98,7 @@ def _io(g: _Graph, call: ModuleCall, which: str) -> Any:
     The Ref is preferred (it names the op); the alias is used when the op's tensor was not
     kept, e.g. a retained block whose input came from an op outside it.
     """
-    ref, alias = (call._in_ref, call._in) if which == "in" else (call._out_ref, call._out)
+    ref, alias = (call.input_ref, call._in) if which == "in" else (call.output_ref, call._out)
     if type(ref) is Ref and (alias is None or g.value(ref) is not None):
         return ref
     return alias if alias is not None else ref
@@ -165,17 +115,17 @@ def block_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[st
             sites[name] = s
     attn = next((k for k in kids if k.role == "attention"), None)
     mlp = next((k for k in kids if k.role == "mlp"), None)
-    if attn is None or mlp is None or type(attn._out_ref) is not Ref or type(mlp._in_ref) is not Ref:
+    if attn is None or mlp is None or type(attn.output_ref) is not Ref or type(mlp.input_ref) is not Ref:
         return sites
     # Ops downstream of the attention output and upstream of the MLP input: the residual add.
-    down = {attn._out_ref.op}
+    down = {attn.output_ref.op}
     for i in range(attn.end_op, mlp.first_op):
         if any(type(r) is Ref and r.op in down for r in g.ops[i].inputs):
             down.add(i)
-    up = g.ancestors(mlp._in_ref, attn.end_op)
+    up = g.ancestors(mlp.input_ref, attn.end_op)
     adds = [
         i for i in down & set(up)
-        if g.ops[i].name in fam.ADD_OPS and g.ops[i].module == call.address and g.ops[i].call == call.index
+        if g.ops[i].name in _ops.ADD_OPS and g.ops[i].module == call.address and g.ops[i].call == call.index
     ]
     if adds:
         sites["resid_mid"] = _site(g, "resid_mid", Ref(_pick_resid_mid(g, attn, adds), 0), note="residual add after attention")
@@ -201,7 +151,7 @@ def _check_resid_mid(
         mid.tensor = None  # cannot be checked, so not served
         return {}
     m = _wide(mid.tensor)
-    tol = fam.reconstruction_tolerance(mid.dtype) * max(1.0, float(post.tensor.abs().max()))
+    tol = _ops.reconstruction_tolerance(mid.dtype) * max(1.0, float(post.tensor.abs().max()))
 
     def best(base: Tensor, target: Tensor, branch: list[ModuleCall]) -> float:
         errors = [float("inf")]
@@ -239,7 +189,7 @@ def _head_split(g: _Graph, kernel_ref: Ref, lo: int, d_head: int) -> tuple[Ref, 
     up = g.ancestors(kernel_ref, lo)
     for i in sorted(up, reverse=True):
         op = g.ops[i]
-        if op.name in fam.RESHAPE_OPS and len(op.shape) == 5 and op.inputs:  # grouped q|k|v view [B, T, g, m, d]
+        if op.name in _ops.RESHAPE_OPS and len(op.shape) == 5 and op.inputs:  # grouped q|k|v view [B, T, g, m, d]
             src = g.meta(op.inputs[0])
             if (src is not None and len(src[0]) == 3 and src[0][:2] == tuple(op.shape[:2])
                     and op.shape[2] * op.shape[3] * op.shape[4] == src[0][2] and op.shape[4] == d_head):
@@ -249,7 +199,7 @@ def _head_split(g: _Graph, kernel_ref: Ref, lo: int, d_head: int) -> tuple[Ref, 
                             (len(sh) == 5 and sh[3] < op.shape[3]) or len(sh) == 4):  # a slice, or one index of m
                         return Ref(j, up[j]), 0
             continue
-        if op.name not in fam.RESHAPE_OPS or len(op.shape) != 4 or not op.inputs:
+        if op.name not in _ops.RESHAPE_OPS or len(op.shape) != 4 or not op.inputs:
             continue
         src = g.meta(op.inputs[0])
         if src is None or len(src[0]) != 3 or src[0][:2] != tuple(op.shape[:2]):
@@ -258,14 +208,14 @@ def _head_split(g: _Graph, kernel_ref: Ref, lo: int, d_head: int) -> tuple[Ref, 
             continue
         offset = 0
         if op.shape[3] != d_head:  # fused per-head q|k|v: find which chunk this input took
-            splits = [j for j in up if g.ops[j].name in fam.SPLIT_OPS and j > i]
+            splits = [j for j in up if g.ops[j].name in _ops.SPLIT_OPS and j > i]
             if not splits:
                 continue
             offset = up[min(splits)] * d_head
         else:  # one view holds every head (Falcon's multi-query q|k|v): the slice taking this input's heads
             for j in sorted(j for j in up if j > i):
                 sh = tuple(g.ops[j].shapes[up[j]])
-                if (g.ops[j].name in fam.SPLIT_OPS | {"__getitem__"} and len(sh) == 4 and sh[:2] == tuple(op.shape[:2])
+                if (g.ops[j].name in _ops.SPLIT_OPS | _ops.INDEX_OPS and len(sh) == 4 and sh[:2] == tuple(op.shape[:2])
                         and sh[3] == d_head and sh[2] < op.shape[2]):
                     return Ref(j, up[j]), 0
         return Ref(i, 0), offset
@@ -282,7 +232,7 @@ def _pre_norm_source(g: _Graph, split_ref: Ref, kids: list[ModuleCall]) -> Any:
     src = g.ops[split_ref.op].inputs[0]
     if type(src) is not Ref:
         return None
-    norm = next((k for k in kids if k.role == "norm" and k._out_ref == src), None)
+    norm = next((k for k in kids if k.role == "norm" and k.output_ref == src), None)
     if norm is None:
         return None
     ref = _io(g, norm, "in")
@@ -297,9 +247,9 @@ def _pre_scale_source(g: _Graph, split_ref: Ref, kids: list[ModuleCall]) -> Any:
     """
     src = g.ops[split_ref.op].inputs[0]
     op = g.op(src)
-    if op is None or op.name not in fam.MUL_OPS | {"div", "__truediv__"} or len(op.inputs) != 1:
+    if op is None or op.name not in _ops.SCALE_OPS or len(op.inputs) != 1:
         return None
-    proj = next((k for k in kids if k._out_ref == op.inputs[0] and hasattr(g.modules[k.address], "weight")), None)
+    proj = next((k for k in kids if k.output_ref == op.inputs[0] and hasattr(g.modules[k.address], "weight")), None)
     if proj is None or g.meta(op.inputs[0]) is None or g.meta(op.inputs[0])[0] != g.meta(src)[0]:
         return None
     return op.inputs[0]
@@ -312,7 +262,7 @@ def _path_has_math(g: _Graph, start: int, ref: Ref) -> bool:
     is the sign; reshapes, transposes, the KV-cache concatenation and GQA expansion are not.
     """
     up = g.ancestors(ref, start + 1)
-    return any(g.ops[i].name in fam.MUL_OPS or g.ops[i].name in ("rsqrt", "rms_norm", "layer_norm") for i in up)
+    return any(g.ops[i].name in _ops.MUL_OPS or g.ops[i].name in _ops.NORM_OPS for i in up)
 
 
 def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str, FacetSite]:
@@ -320,26 +270,26 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
     mha = next((op for op in ops if op.name == "multi_head_attention_forward"), None)
     if mha is not None:
         return _mha_facets(g, mha, getattr(g.modules[call.address], "num_heads", None))
-    fused = next((op for op in ops if op.name in fam.FUSED_ATTENTION_OPS), None)
-    soft = next((op for op in ops if op.name in fam.SOFTMAX_OPS), None)
+    fused = next((op for op in ops if op.name in _ops.FUSED_ATTENTION_OPS), None)
+    soft = next((op for op in ops if op.name in _ops.SOFTMAX_OPS), None)
     sites: dict[str, FacetSite] = {}
     z_ref = q_ref = k_ref = v_ref = None
     if soft is not None and fused is None:
         scores_ref = soft.inputs[0]
-        pattern_ref = g.follow(Ref(soft.index, 0), frozenset({"to", "type", "float", "half", "bfloat16"}))
+        pattern_ref = g.follow(Ref(soft.index, 0), _ops.CAST_OPS)
         sites["scores"] = _site(g, "scores", scores_ref, note="input of the softmax")
         sites["pattern"] = _site(g, "pattern", pattern_ref, note="softmax output")
         # z: the matmul that consumes the pattern (possibly through dropout).
         frontier, z_op = [pattern_ref.op], None
         for _ in range(4):
             nxt = [c for f in frontier for c in g.consumers.get(f, [])]
-            z_op = next((c for c in nxt if g.ops[c].name in fam.MATMUL_OPS), None)
+            z_op = next((c for c in nxt if g.ops[c].name in _ops.MATMUL_OPS), None)
             if z_op is not None:
                 break
-            frontier = [c for c in nxt if g.ops[c].name in fam.PASS_THROUGH_OPS]
+            frontier = [c for c in nxt if g.ops[c].name in _ops.PASS_THROUGH_OPS]
         if z_op is not None:
             z_ref = Ref(z_op, 0)
-            iv = fam.MATMUL_OPERANDS.get(g.ops[z_op].name, (0, 1))[1]
+            iv = _ops.MATMUL_OPERANDS.get(g.ops[z_op].name, (0, 1))[1]
             v_ref = next((r for r in g.ops[z_op].inputs[iv : iv + 1]), None)
         # q and k: the matmul upstream of the scores.
         r = scores_ref
@@ -347,11 +297,11 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
             op = g.op(r)
             if op is None or op.index < call.first_op:
                 break
-            if op.name in fam.MATMUL_OPS:
-                iq, ik = fam.MATMUL_OPERANDS.get(op.name, (0, 1))
+            if op.name in _ops.MATMUL_OPS:
+                iq, ik = _ops.MATMUL_OPERANDS.get(op.name, (0, 1))
                 q_ref, kt = op.inputs[iq], op.inputs[ik]
                 kop = g.op(kt)
-                k_ref = kop.inputs[0] if kop is not None and kop.name in ("transpose", "mT", "T") else kt
+                k_ref = kop.inputs[0] if kop is not None and kop.name in _ops.TRANSPOSE_OPS else kt
                 break
             r = next((x for x in op.inputs if type(x) is Ref), None)
     elif fused is not None:
@@ -419,7 +369,7 @@ def _check_z(g: _Graph, pattern: FacetSite | None, v_ref: Any, z: FacetSite | No
         err = float((_wide(torch.matmul(p.to(v.dtype), v)) - _wide(z.tensor)).abs().max())
     except RuntimeError as exc:
         return _refused(("z",), f"pattern @ v could not be formed ({exc})")
-    tol = fam.reconstruction_tolerance(z.dtype) * max(1.0, float(v.abs().max()))
+    tol = _ops.reconstruction_tolerance(z.dtype) * max(1.0, float(v.abs().max()))
     if not err <= tol:
         return _refused(("z",), f"pattern @ v differs from z by {err:.3g} (> {tol:.3g}), e.g. dropout ran between them")
     z.check_error = err
@@ -562,7 +512,7 @@ def rebuild_mha(args: tuple, kwargs: dict, out: Tensor) -> tuple[dict[str, Tenso
     same_nan = got.isnan() & want.isnan()  # NaN where the model's own output is NaN (an upstream NaN)
     diff = torch.where(rows & ~same_nan, (got - want).abs(), torch.zeros((), device=out.device))
     err = float(diff.nan_to_num(nan=float("inf")).max()) if diff.numel() else 0.0
-    tol = fam.reconstruction_tolerance(query.dtype) * max(1.0, float(want.nan_to_num(0.0).abs().max()))
+    tol = _ops.reconstruction_tolerance(query.dtype) * max(1.0, float(want.nan_to_num(0.0).abs().max()))
     facets = {"q": q, "k": k, "v": v, "scores": scores, "pattern": pattern, "z": z, "result": result}
     return facets, err, tol
 
@@ -641,7 +591,7 @@ def rebuild_attention(args: tuple, kwargs: dict, out: Tensor) -> tuple[Tensor, T
         rows = rows & (mask > fill / 2).any(-1, keepdim=True)
     rows = rows.expand(scores.shape[:-1] + (1,))
     err = _largest(torch.sub(_wide(z), _wide(out)).abs_(), rows)
-    tol = fam.reconstruction_tolerance(q.dtype) * max(1.0, float(v.abs().max()))
+    tol = _ops.reconstruction_tolerance(q.dtype) * max(1.0, float(v.abs().max()))
     return scores, pattern, err, tol
 
 
@@ -658,7 +608,7 @@ def _result_site(g: _Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSi
     if proj is None:
         return {}
     module = g.modules[proj.address]
-    layout = fam.weight_layout(module)
+    layout = _roles.weight_layout(module)
     if len(z.shape) != 4:  # no head axis (e.g. a single-head attention without a reshape)
         return {}
     b, h, t, dh = z.shape
@@ -684,7 +634,7 @@ def _result_site(g: _Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSi
             total, want = _wide(total), _wide(actual)
             total = total.sub_(want) if _fits(total, want) else total - want
             site.check_error = err = float(total.abs_().max())
-            tol = fam.reconstruction_tolerance(actual.dtype) * max(1.0, float(actual.abs().max()))
+            tol = _ops.reconstruction_tolerance(actual.dtype) * max(1.0, float(actual.abs().max()))
             if not err <= tol:
                 return _refused(("result",), f"the sum over heads plus bias differs from the output projection by {err:.3g} (> {tol:.3g})")
             if zt.dtype in (torch.bfloat16, torch.float16):
@@ -695,7 +645,7 @@ def _result_site(g: _Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSi
                 if isinstance(bias, Tensor):
                     exact.add_(bias.detach().float())
                 err32 = float(exact.sub_(actual.float()).abs_().max())
-                tol32 = fam.reconstruction_tolerance(actual.dtype) * float(actual.abs().max())
+                tol32 = _ops.reconstruction_tolerance(actual.dtype) * float(actual.abs().max())
                 if not err32 <= tol32:
                     return _refused(("result",), f"the sum over heads plus bias, in float32, differs from the output "
                                                  f"projection by {err32:.3g} (> {tol32:.3g}, its scale)")
@@ -707,7 +657,7 @@ def _result_site(g: _Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSi
 
 
 def _weighted(g: _Graph, call: ModuleCall) -> bool:
-    return isinstance(getattr(g.modules[call.address], "weight", None), Tensor) and fam.weight_layout(
+    return isinstance(getattr(g.modules[call.address], "weight", None), Tensor) and _roles.weight_layout(
         g.modules[call.address]
     ) is not None
 
@@ -720,22 +670,22 @@ def mlp_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str,
     post_ref, sites = _io(g, down, "in"), {}
     sites["post"] = _site(g, "post", post_ref, note="input of the down projection")
     sites["down_out"] = _site(g, "down_out", _io(g, down, "out"), note="down projection output")
-    linear_outs = {k._out_ref for k in linears if type(k._out_ref) is Ref}
+    linear_outs = {k.output_ref for k in linears if type(k.output_ref) is Ref}
 
     def is_linear_branch(ref: Any) -> bool:
         for _ in range(4):
             if ref in linear_outs:
                 return True
             op = g.op(ref)
-            if op is None or op.name not in fam.SPLIT_OPS | fam.RESHAPE_OPS | {"__getitem__"}:
+            if op is None or op.name not in _ops.SLICE_OPS:
                 return False
             ref = op.inputs[0]
         return False
 
-    act_call = next((k for k in kids if k._out_ref == post_ref and not _weighted(g, k)), None)
+    act_call = next((k for k in kids if k.output_ref == post_ref and not _weighted(g, k)), None)
     act_ref = post_ref
     prod = g.op(post_ref)
-    if act_call is None and prod is not None and prod.name in fam.MUL_OPS and len(prod.inputs) == 2:
+    if act_call is None and prod is not None and prod.name in _ops.MUL_OPS and len(prod.inputs) == 2:
         a, b = prod.inputs
         if is_linear_branch(a) != is_linear_branch(b):
             lin, act_ref = (a, b) if is_linear_branch(a) else (b, a)
@@ -743,7 +693,7 @@ def mlp_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str,
             sites["pre_linear"] = _site(g, "pre_linear", lin, note="linear branch of the gated MLP")
     if act_ref is not None:
         sites["act"] = _site(g, "act", act_ref, note="activation output")
-        act_call = next((k for k in kids if k._out_ref == act_ref and not _weighted(g, k)), None)
+        act_call = next((k for k in kids if k.output_ref == act_ref and not _weighted(g, k)), None)
         if act_call is not None:
             pre_ref = _io(g, act_call, "in")
         else:
@@ -772,8 +722,8 @@ def _norm_kind(module: nn.Module, ops: list[OpRecord]) -> str:
     if "layer_norm" in names:
         return "std"
     if "rsqrt" in names:
-        return "std" if names & fam.SUB_OPS else "rms"
-    return "rms" if fam.is_rms_norm(module) else "std"
+        return "std" if names & _ops.SUB_OPS else "rms"
+    return "rms" if _roles.is_rms_norm(module) else "std"
 
 
 def _normalized_dims(module: nn.Module, x: Tensor) -> tuple[int, ...]:
@@ -788,7 +738,7 @@ def _normalize(x: Tensor, module: nn.Module, kind: str) -> tuple[Tensor, Tensor 
     dimensions, in float32; and the inverse divisor (None for GroupNorm, whose statistics are
     per group, not per position)."""
     xf = _wide(x)
-    eps = fam.norm_eps(module)
+    eps = _roles.norm_eps(module)
     if kind == "group":
         groups = module.num_groups
         g = xf.reshape(xf.shape[0], groups, -1)
@@ -843,9 +793,9 @@ def norm_facets(g: _Graph, call: ModuleCall) -> dict[str, FacetSite]:
     sites: dict[str, FacetSite] = {}
     if rsqrt is not None:
         sites[inv_name] = _site(g, inv_name, Ref(rsqrt.index, 0), note="the norm's rsqrt op")
-        mul = next((c for c in g.consumers.get(rsqrt.index, []) if g.ops[c].name in fam.MUL_OPS), None)
+        mul = next((c for c in g.consumers.get(rsqrt.index, []) if g.ops[c].name in _ops.MUL_OPS), None)
         if mul is not None:
-            n_ref = g.follow(Ref(mul, 0), frozenset({"to", "type", "float", "half", "bfloat16"}))
+            n_ref = g.follow(Ref(mul, 0), _ops.CAST_OPS)
             sites["normalized"] = _site(g, "normalized", n_ref, note="input times the rsqrt, before the gain")
     x, out = g.value(x_ref), g.value(out_ref)
     if any(sites.get(n) is None for n in names[:2]):
@@ -871,7 +821,7 @@ def norm_facets(g: _Graph, call: ModuleCall) -> dict[str, FacetSite]:
         for site in sites.values():
             site.tensor = None
         return sites
-    tol = fam.reconstruction_tolerance(out.dtype) * max(1.0, float(out.abs().max()))
+    tol = _ops.reconstruction_tolerance(out.dtype) * max(1.0, float(out.abs().max()))
     err = _affine_error(n_site.tensor, out, module, kind, tol)
     if not err <= tol:
         return _refused(names, f"normalized * gain + bias differs from the norm's output by {err:.3g} (> {tol:.3g})")
@@ -933,17 +883,17 @@ def _logits_site(g: _Graph, root: ModuleCall, unembed: ModuleCall) -> FacetSite 
     u_ref, r_ref = _io(g, unembed, "out"), _io(g, root, "out")
     u_m, r_m = g.meta(u_ref), g.meta(r_ref)
     if (
-        type(unembed._out_ref) is Ref
-        and type(root._out_ref) is Ref
-        and root._out_ref != unembed._out_ref
+        type(unembed.output_ref) is Ref
+        and type(root.output_ref) is Ref
+        and root.output_ref != unembed.output_ref
         and u_m is not None
         and r_m is not None
         and u_m[0] == r_m[0]
     ):
-        between = g.ancestors(root._out_ref, unembed._out_ref.op)
-        between.pop(unembed._out_ref.op, None)
-        if unembed._out_ref.op in g.ancestors(root._out_ref, unembed._out_ref.op) and all(
-            g.ops[i].name in fam.LOGIT_MAP_OPS for i in between
+        between = g.ancestors(root.output_ref, unembed.output_ref.op)
+        between.pop(unembed.output_ref.op, None)
+        if unembed.output_ref.op in g.ancestors(root.output_ref, unembed.output_ref.op) and all(
+            g.ops[i].name in _ops.LOGIT_MAP_OPS for i in between
         ):
             return _site(g, "logits", r_ref, note="model output, computed elementwise from the unembedding output")
     return _site(g, "logits", u_ref, note="unembedding output")

@@ -8,8 +8,8 @@ from typing import Any
 
 from torch import nn
 
-from .capture import Recorder
-from .errors import CaptureError
+from ._capture import Recorder
+from ._errors import CaptureError
 
 __all__ = ["CompiledRunsEagerly", "compiled_module_class", "check_compiled"]
 
@@ -76,7 +76,7 @@ def check_compiled(rec: Recorder, modules: dict[str, nn.Module]) -> None:
     for call in rec.calls:
         if (
             call.first_op == call.end_op
-            and call._out_ref is None
+            and call.output_ref is None
             and call._out is not None
             and _is_compiled(modules[call.address])
         ):

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .errors import AmbiguousModuleCall, FacetNotFound, FacetNotSaved, LookupFailed, ModuleNotFoundInTrace
+from ._errors import AmbiguousModuleCall, FacetNotFound, FacetNotSaved, LookupFailed, ModuleNotFoundInTrace
 
 __all__ = ["Ref", "OpRecord", "FacetSite", "FacetMap", "ModuleCall", "ModuleRecord", "ModuleMap", "Trace"]
 
@@ -34,7 +34,7 @@ class OpRecord:
         module (str): address of the innermost module that was running (`""` for the root).
         call (int): which call of that module (0 for the first).
         inputs (tuple[Ref | str | None, ...]): for each tensor argument, in order, a
-            [`Ref`][torchlens.records.Ref] to the op that produced it, the parameter's qualified
+            [`Ref`][torchlens.Ref] to the op that produced it, the parameter's qualified
             name (a `str`), or None for a tensor from outside the forward (a model input).
         shapes (tuple[torch.Size, ...]): the shape of each tensor output.
         dtypes (tuple[torch.dtype, ...]): the dtype of each tensor output.
@@ -139,7 +139,7 @@ def _forward_order(names) -> list[str]:
     """Facet names in forward order: `input`, then the order `FACETS` lists them in (the order
     a forward computes them: `resid_pre`, `resid_mid`, `resid_post`; `q`, `k`, `v`, ...), then
     names `FACETS` does not list, then `output`."""
-    from .facets import FACETS
+    from ._facet_spec import FACETS
 
     rank: dict[str, int] = {}
     for facets in FACETS.values():
@@ -155,8 +155,8 @@ class FacetMap(Mapping):
 
     Iteration, `len` and `in` cover the facets whose tensor this trace saved. `sites` lists every
     facet the module has, saved or not, with its kind and shape. Asking for a facet that exists
-    but was not saved raises [`FacetNotSaved`][torchlens.errors.FacetNotSaved]; asking for one that
-    does not exist raises [`FacetNotFound`][torchlens.errors.FacetNotFound] with close matches.
+    but was not saved raises [`FacetNotSaved`][torchlens.FacetNotSaved]; asking for one that
+    does not exist raises [`FacetNotFound`][torchlens.FacetNotFound] with close matches.
     """
 
     def __init__(self, address: str, role: str, sites: dict[str, FacetSite], ran: bool = True):
@@ -200,7 +200,7 @@ class FacetMap(Mapping):
         return site is not None and site.tensor is not None
 
     def site(self, name: str) -> FacetSite:
-        """The [`FacetSite`][torchlens.records.FacetSite] of `name`, saved or not."""
+        """The [`FacetSite`][torchlens.FacetSite] of `name`, saved or not."""
         site = self.sites.get(name) if isinstance(name, str) else None
         if site is None:
             raise self._not_found(name)
@@ -228,7 +228,11 @@ class ModuleCall:
         first_op: index of this call's first op: the call's ops are
             `trace.ops[first_op:end_op]` (children's ops included).
         end_op: index one past this call's last op.
-        facets: this call's [`FacetMap`][torchlens.records.FacetMap].
+        facets: this call's [`FacetMap`][torchlens.FacetMap].
+        input_ref: where the call's input came from: a [`Ref`][torchlens.Ref] to the op that
+            produced it, a parameter's name (a `str`), or None for a tensor from outside the
+            forward (a model input) or a call without a tensor input.
+        output_ref: the same for the call's output (its first tensor, depth first).
     """
 
     address: str
@@ -240,11 +244,12 @@ class ModuleCall:
     facets: FacetMap | None = None
     parent: ModuleCall | None = field(default=None, repr=False)
     retained: bool = field(default=False, repr=False)
-    # Set during capture, dropped when the trace is finished.
+    input_ref: Any = field(default=None, repr=False)
+    output_ref: Any = field(default=None, repr=False)
+    # Aliases of the input and output tensors, kept during capture where the producing op's
+    # output is not; dropped when the trace is finished.
     _in: Any = field(default=None, repr=False)
     _out: Any = field(default=None, repr=False)
-    _in_ref: Any = field(default=None, repr=False)
-    _out_ref: Any = field(default=None, repr=False)
 
 
 @dataclass
@@ -254,8 +259,8 @@ class ModuleRecord:
     Attributes:
         address: the module's address.
         class_name: the module's class, e.g. `"GPT2Block"`.
-        role: see [`ModuleCall`][torchlens.records.ModuleCall].
-        calls: one [`ModuleCall`][torchlens.records.ModuleCall] per time the module ran; empty if
+        role: see [`ModuleCall`][torchlens.ModuleCall].
+        calls: one [`ModuleCall`][torchlens.ModuleCall] per time the module ran; empty if
             it never ran in this forward.
         aliases: other addresses the same module object is registered under (shared modules).
     """
@@ -315,8 +320,8 @@ class Trace:
     """One captured forward pass.
 
     Attributes:
-        ops: every executed torch operation, in order ([`OpRecord`][torchlens.records.OpRecord]).
-        modules: module records by address ([`ModuleMap`][torchlens.records.ModuleMap]); `""` is the
+        ops: every executed torch operation, in order ([`OpRecord`][torchlens.OpRecord]).
+        modules: module records by address ([`ModuleMap`][torchlens.ModuleMap]); `""` is the
             root.
         output: what the model returned.
         blocks: the block address of each layer of the language-model stack, in run order (a block
@@ -381,7 +386,7 @@ class Trace:
         if ":" in name:
             address, facet = name.rsplit(":", 1)
             return self.modules[address.strip()].facets[facet.strip()]
-        from .mechinterp.resolver import AliasError, resolve_alias
+        from .mechinterp._resolver import AliasError, resolve_alias
 
         r = resolve_alias(self, name)
         if r.module_address is None or r.facet is None or r.status in ("structurally_absent", "ambiguous"):

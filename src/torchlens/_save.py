@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import SaveSpecError, close_matches
-from .facets import ALL_FACETS, FACETS
+from ._errors import SaveSpecError, close_matches
+from ._facet_spec import ALL_FACETS, FACETS
 
 __all__ = ["SaveSpec", "parse_save", "retained_modules"]
 

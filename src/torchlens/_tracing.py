@@ -10,14 +10,15 @@ from torch import nn
 
 from ._dispatch import accelerate_hooks
 from ._store import apply_store, parse_store
-from .capture import Recorder
+from ._capture import Recorder
 from ._structure import find as find_structure
 from ._structure import parse_roles, static_roles
-from .compiled import CompiledRunsEagerly, check_compiled, compiled_module_class
-from .errors import SaveSpecError, TorchLensError
-from .facets import derive
-from .records import FacetMap, ModuleMap, ModuleRecord, Trace
-from .selection import SaveSpec, parse_save, retained_modules
+from ._compiled import CompiledRunsEagerly, check_compiled, compiled_module_class
+from ._errors import SaveSpecError, TorchLensError
+from ._facets import derive
+from ._records import FacetMap, ModuleMap, ModuleRecord, Trace
+from ._snapshot import snapshot
+from ._save import SaveSpec, parse_save, retained_modules
 
 __all__ = ["trace"]
 
@@ -130,7 +131,7 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
     with rec.hidden(), dispatch.weights():
         overwritten = rec.check_versions()
         result = _assemble(rec, model, names, aliases, roles, spec, output, overwritten)
-        rec.snapshot(model, (args, kwargs, output))  # after assembly: only what the trace keeps is copied
+        snapshot(rec, model, (args, kwargs, output))  # after assembly: only what the trace keeps is copied
         if plan is not None:
             result.edits = tuple(plan.records)
             _note_edited_refusals(result)

@@ -1,0 +1,113 @@
+"""Making a finished trace independent of the caller's tensors.
+
+A saved tensor is a detached alias of what the model computed (see `torchlens._capture`). When
+`trace` returns, the aliases that still share memory with something the caller can write into are
+replaced by copies, here, once the trace is assembled, so only what the trace keeps is copied.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from ._capture import Recorder
+
+__all__ = ["snapshot"]
+
+
+def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
+    """Copy every tensor the finished trace holds that the caller could still write into.
+
+    A saved tensor is a detached alias of what the model computed. Once the forward is over,
+    most of those tensors are referenced by nothing but the trace; the others share storage
+    with something the caller still holds: the model's parameters and buffers, the inputs
+    and the returned output (`reachable`, walked through tuples, lists and mappings), or any
+    recorded tensor still alive (a cache the model keeps, a tensor a hook stashed). Those
+    aliases are replaced by copies, so no later in-place write (an optimizer step, editing
+    `ids` to build a corrupted prompt, `trace.output.logits.zero_()`) changes the trace.
+    It runs once the trace is assembled, so only what the trace keeps is copied; several
+    views of one storage (a KV cache's keys as each op saw them) share one copy of it when
+    that costs no more than copying each view.
+
+    Args:
+        model: the traced model.
+        reachable: the forward's inputs and output, in any nesting of containers.
+
+    Returns:
+        The number of bytes copied (the memory this costs on top of the saved aliases).
+    """
+    live: set[int] = set()
+
+    def add(t: Tensor) -> None:
+        live.add(t.untyped_storage().data_ptr())
+
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        add(t)
+    todo, seen = [(reachable, 0)], 0
+    while todo and seen < 100_000:
+        value, depth = todo.pop()
+        seen += 1
+        if isinstance(value, Tensor):
+            add(value)
+        elif depth < 8 and isinstance(value, (Mapping, tuple, list)):
+            items = value.values() if isinstance(value, Mapping) else value
+            todo.extend((v, depth + 1) for v in items)
+    for _, ref, _ in rec.producer.values():
+        t = ref()
+        if t is not None:
+            add(t)
+    live.discard(0)  # empty tensors own no memory
+
+    # Every place the finished trace holds a tensor: op outputs, kept kernel arguments, facets.
+    slots: list[tuple[Any, Any]] = []  # (holder, key); holder[key] is the tensor
+    for op in rec.ops:
+        if any(t is not None for t in op.tensors):
+            op.tensors = list(op.tensors)
+            slots += [(op.tensors, i) for i, t in enumerate(op.tensors) if t is not None]
+        if op.extra is not None and all(t is None for t in op.tensors):
+            op.extra = None  # the op's output was not kept, so its arguments serve no rebuild
+        if op.extra is not None:
+            op.extra = {"args": list(op.extra["args"]), "kwargs": dict(op.extra["kwargs"])}
+            slots += [(op.extra["args"], i) for i, a in enumerate(op.extra["args"]) if isinstance(a, Tensor)]
+            slots += [(op.extra["kwargs"], k) for k, v in op.extra["kwargs"].items() if isinstance(v, Tensor)]
+    for call in rec.calls:
+        sites = call.facets.sites if call.facets is not None else {}
+        slots += [(s, None) for s in sites.values() if s.tensor is not None]
+    groups: dict[int, list[tuple[Any, Any]]] = {}
+    for holder, key in slots:
+        t = holder.tensor if key is None else holder[key]
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in live:
+            groups.setdefault(ptr, []).append((holder, key))
+    copied = 0
+    for items in groups.values():
+        tensors = [h.tensor if k is None else h[k] for h, k in items]
+        storage = tensors[0].untyped_storage()
+        whole = len({id(t) for t in tensors}) > 1 and storage.nbytes() <= sum(t.numel() * t.element_size() for t in tensors)
+        if whole:  # one copy of the storage serves every view of it (and keeps them views of one another)
+            new = storage.clone()
+            copied += storage.nbytes()
+        memo: dict[int, Tensor] = {}
+        for (holder, key), t in zip(items, tensors):
+            c = memo.get(id(t))
+            if c is None:
+                if whole:
+                    c = torch.empty(0, dtype=t.dtype, device=t.device).set_(new, t.storage_offset(), t.size(), t.stride())
+                else:
+                    c = t.clone()
+                    copied += t.numel() * t.element_size()
+                memo[id(t)] = c
+            if key is None:
+                holder.tensor = c
+            else:
+                holder[key] = c
+    for op in rec.ops:
+        op.tensors = tuple(op.tensors)
+        if op.extra is not None:
+            op.extra["args"] = tuple(op.extra["args"])
+    return copied
