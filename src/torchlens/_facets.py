@@ -839,13 +839,14 @@ def derive(
     modules: dict[str, nn.Module],
     keep: Callable[[str, str], bool] | None,
     structure: Any = None,
-) -> None:
-    """Attach a site dict to every call (`call._sites`); tensors dropped where `keep` says no."""
+) -> list[dict[str, FacetSite]]:
+    """The facet sites of every call, in the order of `calls`; tensors dropped where `keep` says no."""
     g = _Graph(ops, modules)
     kids_of: dict[int, list[ModuleCall]] = {}
     for c in calls:
         if c.parent is not None:
             kids_of.setdefault(id(c.parent), []).append(c)
+    out: list[dict[str, FacetSite]] = []
     for call in calls:
         kids = kids_of.get(id(call), [])
         sites: dict[str, FacetSite] = {}
@@ -873,7 +874,8 @@ def derive(
             for name, s in sites.items():
                 if s.tensor is not None and not keep(call.address, name):
                     s.tensor = None
-        call._sites = sites  # type: ignore[attr-defined]
+        out.append(sites)
+    return out
 
 
 def _logits_site(g: _Graph, root: ModuleCall, unembed: ModuleCall) -> FacetSite | None:

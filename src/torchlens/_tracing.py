@@ -192,7 +192,7 @@ def _assemble(rec, model, names, aliases, roles, spec, output, overwritten) -> T
     keep = None if spec.everything else spec.keep
     with torch.no_grad():
         structure = find_structure(rec.ops, rec.calls, modules, roles, model, names)
-        derive(rec.ops, rec.calls, modules, keep, structure)
+        all_sites = derive(rec.ops, rec.calls, modules, keep, structure)
     if not spec.everything:
         for op in rec.ops:
             if not spec.covers(op.module) and any(t is not None for t in op.tensors):
@@ -203,8 +203,8 @@ def _assemble(rec, model, names, aliases, roles, spec, output, overwritten) -> T
         alias_of.setdefault(canonical, []).append(a)
     for m, addr in names.items():
         records[addr] = ModuleRecord(addr, type(m).__name__, roles[addr], [], tuple(alias_of.get(addr, ())))
-    for call in rec.calls:
-        call.facets = FacetMap(call.address, call.role, call.__dict__.pop("_sites", {}))
+    for call, sites in zip(rec.calls, all_sites):
+        call.facets = FacetMap(call.address, call.role, sites)
         call._in = call._out = None
         records[call.address].calls.append(call)
     if not spec.everything and (spec.addresses or spec.facets or spec.predicate):
