@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .._errors import LookupFailed, TorchLensError
+from .._facet_spec import HEAD_MAJOR, KERNEL_REBUILT, KV_HEADS, PER_HEAD
 from .._records import Trace
 from ._diagnose import Candidate, diagnose
 from ._resolver import AliasResolution, resolve_alias
@@ -24,10 +25,6 @@ AUTO_FACTOR = 4.0
 class ToleranceError(TorchLensError, ValueError):
     """`tolerance=` is not accepted, or `"auto"` lacks the model and inputs it reruns."""
 
-#: Facets with a [..., heads, d_head] tail that engines often flatten.
-_PER_HEAD = frozenset({"q", "k", "v", "rot_q", "rot_k", "z", "result"})
-#: Facets whose heads are kv heads (an engine may hand them expanded to query heads).
-_KV = frozenset({"k", "v", "rot_k"})
 
 
 @dataclass(frozen=True)
@@ -135,7 +132,7 @@ def _summary(report: ComparisonReport) -> str:
 def _candidates(ref: Tensor, facet: str) -> Iterator[tuple[str, Tensor]]:
     """The TorchLens tensor in each layout an engine plausibly uses, most literal first."""
     majors = [("", ref)]
-    if facet == "z" and ref.dim() == 4:  # TorchLens z is head-major; engines are token-major
+    if facet in HEAD_MAJOR and facet in PER_HEAD and ref.dim() == 4:  # z: head-major here, token-major in engines
         majors.append(("token-major", ref.transpose(1, 2)))
     for major_name, t in majors:
         batches = [("", t)]
@@ -143,7 +140,7 @@ def _candidates(ref: Tensor, facet: str) -> Iterator[tuple[str, Tensor]]:
             batches.append(("batch dropped", t[0]))
         for batch_name, u in batches:
             flats = [("", u)]
-            if facet in _PER_HEAD and u.dim() >= 3:
+            if facet in PER_HEAD and u.dim() >= 3:
                 flats.append(("heads flattened", u.flatten(-2)))
             for flat_name, w in flats:
                 label = ", ".join(x for x in (major_name, batch_name, flat_name) if x) or "as is"
@@ -152,7 +149,7 @@ def _candidates(ref: Tensor, facet: str) -> Iterator[tuple[str, Tensor]]:
 
 def _expand_kv(ref: Tensor, engine: Tensor, facet: str) -> Tensor | None:
     """k/v with kv heads, repeated to the engine's query-head count (GQA), if that fits."""
-    if facet not in _KV or ref.dim() != 4:
+    if facet not in KV_HEADS or ref.dim() != 4:
         return None
     for axis in (2, 1):  # token-major [B, T, kv, d] first, then head-major
         if engine.dim() == 4 and engine.shape[axis] % ref.shape[2] == 0 and engine.shape[axis] > ref.shape[2]:
@@ -400,10 +397,6 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
     return row(res.status, passed, hint, tuple(ref.shape), label, err)
 
 
-#: Facets TorchLens rebuilds from a fused attention kernel's inputs (when no softmax op ran).
-_KERNEL_REBUILT = frozenset({"scores", "pattern"})
-
-
 def _equals_facet(trace, res: AliasResolution, facet: str, engine: Tensor, atol, rtol) -> bool:
     """Whether the engine tensor equals another facet of the same module (in some layout)."""
     try:
@@ -429,7 +422,7 @@ def _mismatch_hint(trace, res: AliasResolution, d: Tensor, atol, rtol, scale, en
                 "hook_normalized there on an unfolded LayerNorm (fold_ln=False); TorchLens's normalized is the "
                 "tensor before the gain, which a folded model (fold_ln=True) hooks")
     if res.status == "reconstructed_read_only":
-        if res.facet in _KERNEL_REBUILT:
+        if res.facet in KERNEL_REBUILT:
             return "TorchLens rebuilt this site from a fused kernel's inputs; compare an eager-attention copy to be sure"
         return "TorchLens computed this site from recorded tensors; check the engine's convention for it" + (
             f" ({res.note})" if res.note else "")

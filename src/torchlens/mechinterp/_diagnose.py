@@ -31,16 +31,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._facet_spec import HEAD_MAJOR, KV_HEADS, PER_HEAD, TOKEN_MAJOR
 from .._ops import ADD_OPS, PASS_THROUGH_OPS, RESHAPE_OPS, SCALE_OPS
 from .._records import Ref, Trace
 
 __all__ = ["Candidate", "diagnose"]
 
-#: Facets TorchLens keeps token-major ([batch, pos, heads, d_head]) and head-major.
-_TOKEN_MAJOR = frozenset({"q", "k", "v", "rot_q", "rot_k", "result"})
-_HEAD_MAJOR = frozenset({"z", "scores", "pattern"})
-_KV = frozenset({"k", "v", "rot_k"})
-_PER_HEAD = _TOKEN_MAJOR | {"z"}
+# The layout sets (token-major, head-major, kv-head and per-head facets) come from the facet rows.
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 #: Relative error under which a candidate is "near" (named as nearly equal when nothing matches).
 NEAR = 1e-2
@@ -244,17 +241,17 @@ def _layouts(c_shape: tuple[int, ...], e_shape: tuple[int, ...], facet: str | No
     majors: list[tuple[str, bool, list, tuple]] = [("", True, [], c_shape)]
     if n == 4:
         swapped = (c_shape[0], c_shape[2], c_shape[1], c_shape[3])
-        if facet in _HEAD_MAJOR:
-            label, ok = ("token-major", facet == "z")
-        elif facet in _TOKEN_MAJOR:
+        if facet in HEAD_MAJOR:
+            label, ok = ("token-major", facet in PER_HEAD)  # accepted for z, not for scores/pattern
+        elif facet in TOKEN_MAJOR:
             label, ok = ("head-major instead of token-major", False)
         else:
             label, ok = ("axes 1 and 2 swapped", False)
         majors.append((label, ok, [("swap",)], swapped))
     for mlabel, mok, msteps, mshape in majors:
         kvs: list[tuple[str, bool, list, tuple]] = [("", True, [], mshape)]
-        if facet in _KV and len(mshape) == 4:
-            axis = 1 if mlabel and facet in _TOKEN_MAJOR else 2
+        if facet in KV_HEADS and len(mshape) == 4:
+            axis = 1 if mlabel and facet in TOKEN_MAJOR else 2
             targets = set(e_shape) | ({e_shape[-1] // mshape[3]} if mshape[3] and e_shape[-1] % mshape[3] == 0 else set())
             for target in sorted(targets):
                 if target > mshape[axis] and target % mshape[axis] == 0:
@@ -271,7 +268,7 @@ def _layouts(c_shape: tuple[int, ...], e_shape: tuple[int, ...], facet: str | No
                 flats = [("", True, [], bshape)]
                 if len(bshape) >= 3:
                     flat = bshape[:-2] + (bshape[-2] * bshape[-1],)
-                    flats.append(("heads flattened", facet in _PER_HEAD, [("flat",)], flat))
+                    flats.append(("heads flattened", facet in PER_HEAD, [("flat",)], flat))
                 for flabel, fok, fsteps, fshape in flats:
                     if fshape == e_shape:
                         label = ", ".join(x for x in (mlabel, klabel, blabel, flabel) if x) or "as is"
@@ -577,12 +574,12 @@ def diagnose(
         size = math.prod(c_shape)
         if size > n or n % max(size, 1):
             continue  # no conversion changes the size except repeating kv heads (which grows it)
-        if size < n and not any(c.facet in _KV for c in entries):
+        if size < n and not any(c.facet in KV_HEADS for c in entries):
             continue
         group = pool.group(c_shape)
         batches: dict[tuple, list[tuple[_Entry, str, bool, list]]] = {}
         for c in entries:
-            key = (c_shape, c.facet if c.facet in _PER_HEAD | _HEAD_MAJOR else None)
+            key = (c_shape, c.facet if c.facet in PER_HEAD | HEAD_MAJOR else None)
             if key not in layouts:
                 layouts[key] = list(_layouts(c_shape, shape, key[1]))
             for label, accepted, steps in layouts[key]:

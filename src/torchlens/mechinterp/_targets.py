@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .._errors import TorchLensError
+from .._facet_spec import absent_reason
 from .._ops import ADD_OPS, FUSED_ATTENTION_OPS, PASS_THROUGH_OPS, SOFTMAX_OPS
 from .._roles import WEIGHT_LAYOUT
 from .._structure import Layer, from_model_input
@@ -138,9 +140,14 @@ def _attn_o(trace: Trace, layer: int) -> ModuleCall | None:
     return weighted[-1] if weighted else None
 
 
+#: The facet only a gated MLP has (its row in `torchlens._facet_spec` says why others lack it).
+_GATED_BY = "pre_linear"
+
+
 def _mlp_gated(trace: Trace, layer: int) -> ModuleCall | None:
+    """The layer's MLP when it is gated (it has a linear branch), else None."""
     mlp = _sublayer(trace, layer, "mlp")
-    if mlp is None or "pre_linear" not in mlp.facets.sites:
+    if mlp is None or _GATED_BY not in mlp.facets.sites:
         return None
     return mlp
 
@@ -260,7 +267,7 @@ TARGETS: dict[str, tuple[Callable, bool, str]] = {
     "mlp_out_final": (_or_raw("mlp_post_norm", "mlp"), True,
                       "no MLP sublayer whose output is added to the residual stream"),
     "attn_o": (_attn_o, True, "the attention has no output projection module"),
-    "mlp_gated": (_mlp_gated, True, "the MLP is not gated (one input projection, no linear branch)"),
+    "mlp_gated": (_mlp_gated, True, absent_reason(_GATED_BY)),
     "token_embed": (lambda t, i: _token_embed(t), False, "no embedding module read the model's input ids"),
     "pos_embed": (lambda t, i: _pos_embed(t), False,
                   "no learned position embedding module ran (positions are rotary or absent), or it cannot be "
@@ -288,6 +295,21 @@ TARGETS: dict[str, tuple[Callable, bool, str]] = {
                        "no module between the block and its cross-attention adds the residual"),
     "root": (_root, False, ""),
 }
+
+#: target name -> the roles the module it finds can have (a naming table's row may read only
+#: facets of those roles, or the `input`/`output` every module has).
+TARGET_ROLES: dict[str, tuple[str, ...]] = {
+    "block": ("block",), "attention": ("attention",), "cross_attention": ("attention",), "mlp": ("mlp",),
+    "ln1": ("norm",), "ln2": ("norm",), "attn_post_norm": ("norm",), "mlp_post_norm": ("norm",),
+    "attn_out_final": ("norm", "attention"), "mlp_out_final": ("norm", "mlp"), "attn_o": ("other",),
+    "mlp_gated": ("mlp",), "token_embed": ("embedding",), "pos_embed": ("embedding",), "final_norm": ("norm",),
+    "unembed": ("unembed",), "post_ln1": ("norm",), "post_ln2": ("norm",), "post_ln_block": ("block",),
+    "attn_out_proj": ("other",), "split_mlp_in": ("other",), "split_mlp_out": ("other",),
+    "type_embed": ("embedding",), "ln_cross": ("norm",), "first_block": ("block",), "attn_residual": ("other",),
+    "cross_residual": ("other",), "root": ("root",),
+}
+if set(TARGET_ROLES) != set(TARGETS):
+    raise TorchLensError(f"TARGET_ROLES and TARGETS name different targets: {sorted(set(TARGET_ROLES) ^ set(TARGETS))}")
 
 
 def find_call(trace: Trace, target: str, layer: int | None, stack: str | None = None) -> tuple[ModuleCall | None, str]:
