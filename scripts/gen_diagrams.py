@@ -1,12 +1,13 @@
 """Generate the block diagrams of the site: docs/assets/diagrams/<family>.svg and their page.
 
-For each model family this script builds a small random-init model (the factories of
-`tests/_models.py`, eager attention), traces it once with `save="all"`, and draws what the
-trace says about it:
+For each model family this script builds a small random-init model
+([`torchlens.testing.build`][torchlens.testing.build], eager attention), traces it once with
+`save="all"`, and draws what the trace says about it:
 
 * the embeddings, decoder block 0 and what follows the last block, from the traced module
   tree: which norm feeds which sublayer, and which norm follows it, come from the recorded
-  data flow (`torchlens.mechinterp._targets`), not from the family's name;
+  data flow, read through the naming tables (the module a table row's target names, as
+  `resolve_alias` finds it on the trace), not from the family's name;
 * inside each module, every facet the trace holds, with its shape; facets that are the same
   tensor (same op, same values) share one row, written `resid_pre = input`;
 * beside each facet, the names that resolve to it in every naming generation, read from
@@ -35,24 +36,23 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "scripts")]
+import torch
 
-import torch  # noqa: E402  (needs the paths above)
+import torchlens as tl
+import torchlens.mechinterp as mi
+from torchlens import FACETS, testing
 
-import _models  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this script's siblings, also when a test loads it by path
 from _outputs import write_or_check  # noqa: E402
-import torchlens as tl  # noqa: E402
-import torchlens.mechinterp as mi  # noqa: E402
-from torchlens import FACETS  # noqa: E402
-from torchlens.mechinterp import _targets as targets  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 OUT = ROOT / "docs" / "assets" / "diagrams"
 PAGE = ROOT / "docs" / "guides" / "diagrams.md"
 BEGIN = "<!-- BEGIN GENERATED: scripts/gen_diagrams.py; do not edit by hand -->"
 END = "<!-- END GENERATED -->"
 
-#: file slug -> (title, key of tests/_models.FAMILIES)
+#: file slug -> (title, key of torchlens.testing.FAMILIES)
 FAMILIES: dict[str, tuple[str, str]] = {
     "gpt2": ("GPT-2", "gpt2"),
     "llama": ("Llama", "llama"),
@@ -207,14 +207,31 @@ def _names_by_site(trace: tl.Trace) -> tuple[dict, dict, bool]:
     return by_site, absent, three_x_adds
 
 
+def module_of(trace: tl.Trace, target: str, layer: int = 0) -> str | None:
+    """The module a naming-table target (`"ln1"`, `"attention"`, `"mlp_post_norm"`, ...) is on
+    `trace` at `layer`, or None when the model has none.
+
+    Read through the public resolver: the first row of any generation whose target is `target`
+    (a language-model row, not an encoder one), resolved on the trace, names the module. Every
+    row of a target points at the same module; only the facet read there differs.
+    """
+    for generation in GENERATIONS:
+        for row in mi.table(generation):
+            if row.target != target or row.stack is not None:
+                continue
+            res = mi.resolve_alias(trace, row.name.replace("{L}", str(layer)), generation=generation)
+            return res.module_address
+    raise LookupError(f"no naming table has a row with target {target!r}")
+
+
 def build(slug: str) -> Diagram:
     title, key = FAMILIES[slug]
-    model = _models.build(key, "eager")
-    trace = tl.trace(model, _models.token_ids(length=N_TOKENS), save="all")
+    model = testing.build(key, "eager")
+    trace = tl.trace(model, testing.token_ids(length=N_TOKENS), save="all")
     by_site, absent, three_x_adds = _names_by_site(trace)
 
     def find(target: str) -> str | None:
-        return targets.find(trace, target, 0)[0]
+        return module_of(trace, target)
 
     named_modules = {a for a, _ in by_site}
     block_addr = trace.blocks[0]

@@ -1,12 +1,13 @@
 """Run the peer engines against TorchLens and render docs/guides/verified.md from the counts.
 
 The comparisons are the ones `tests/test_engines.py` asserts on: both import the engine runs
-from `tests/engine_runs.py`. This script counts them per engine, model family, attention
+of `scripts/engine_runs.py` (this script as its sibling, the tests through
+`tests/engine_runs.py`). This script counts them per engine, model family, attention
 implementation and naming generation, writes the full record (names, reasons, largest
 differences, installed versions) to `build/verified.json`, and renders the page from the parts
 of it that do not change between machines (with the intervention-parity table, from the engine
-blocks of docs/guides/interventions.md that the same environment runs execute): no date and no floating-point differences appear on
-the page, so a fresh run reproduces it byte for byte.
+blocks of docs/guides/interventions.md that the same environment runs execute): no date and no
+floating-point differences appear on the page, so a fresh run reproduces it byte for byte.
 
 Usage:
     python scripts/gen_verified.py          # write build/verified.json and docs/guides/verified.md
@@ -27,10 +28,10 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this script's siblings, also when a test loads it by path
+import engine_runs as er  # noqa: E402  (scripts/engine_runs.py)
 
-import engine_runs as er  # noqa: E402  (needs the paths above)
+ROOT = Path(__file__).resolve().parent.parent
 
 PAGE = ROOT / "docs" / "guides" / "verified.md"
 JSON_OUT = ROOT / "build" / "verified.json"

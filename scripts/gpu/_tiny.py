@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import tempfile
-
 import torch
-import transformers
+
+from torchlens import testing
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77]
+#: A 2-layer Llama with head size 64 (what the GPU attention kernels accept), one key/value head.
+SETTINGS = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                intermediate_size=256, vocab_size=128, max_position_embeddings=64)
 
 
 def tiny_llama() -> tuple[torch.nn.Module, str]:
-    """A random-init 2-layer Llama (seed 0, head size 64), and a directory it is saved in."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-        intermediate_size=256, vocab_size=128, max_position_embeddings=64,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    directory = tempfile.mkdtemp(prefix="tiny-llama-")
-    model.save_pretrained(directory)
-    return model, directory
+    """The seeded random-init Llama (`torchlens.testing.build("llama", **SETTINGS)`) and a fresh
+    directory it is saved in with `save_pretrained`."""
+    model, directory = testing.checkpoint("llama", **SETTINGS)
+    return model, str(directory)
