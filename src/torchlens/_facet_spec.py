@@ -148,7 +148,7 @@ class FacetSpec:
 
 _ROPE = "nothing transforms the {what} between the projection and the kernel (no RoPE)"
 _NOT_GATED = "the MLP is not gated (one input projection, no linear branch)"
-_EAGER = ("trace a copy of the model loaded with attn_implementation=\"eager\", where the {what} is the "
+_EAGER = ("trace a copy of the model loaded with attn_implementation=\"eager\", where the {what} the "
           "softmax's {side} (a real op)")
 _NORM_IO = "edit the norm's 'input' or 'output'"
 
@@ -193,11 +193,11 @@ SPECS: tuple[FacetSpec, ...] = (
               "the tensor entering softmax: scaled, softcapped and masked exactly as the model does it; masked "
               "entries hold the model's fill (Hugging Face: the dtype's minimum, not `-inf`)",
               fused="reconstructed", absent="no softmax or fused attention kernel ran inside it",
-              remedy=_EAGER.format(what="scores", side="input")),
+              remedy=_EAGER.format(what="scores are", side="input")),
     FacetSpec("pattern", ("attention",), ("batch", "heads", "query", "key"), 1, False, "op",
               "the softmax output, in the model's dtype",
               fused="reconstructed", absent="no softmax or fused attention kernel ran inside it",
-              remedy=_EAGER.format(what="pattern", side="output")),
+              remedy=_EAGER.format(what="pattern is", side="output")),
     FacetSpec("z", ("attention",), ("batch", "heads", "pos", "d_head"), 1, False, "op",
               "`pattern @ v`, head-major as the kernel returns it (TransformerLens's `hook_z` is token-major: "
               "`z.transpose(1, 2)`)"),

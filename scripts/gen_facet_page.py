@@ -1,0 +1,126 @@
+"""Generate the facet tables of docs/guides/facets.md from the facet specification rows.
+
+The page has hand-written parts (kept as they are) and one generated part between two marker
+comments: one table per role, one row per facet of `torchlens._facet_spec.SPECS`, giving its
+layout, what it is, when a module of its role lacks it, how TorchLens finds it, and whether an
+`edit=` can replace it. Nothing is traced, so the output depends on the rows alone.
+
+Usage:
+    python scripts/gen_facet_page.py          # rewrite the page
+    python scripts/gen_facet_page.py --check  # exit 1 if the committed page is stale
+
+`tests/test_facet_docs.py` runs the check, so a row edited without regenerating fails the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from torchlens import _facet_spec as spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _outputs import write_or_check  # noqa: E402  (a sibling of this script)
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "guides" / "facets.md"
+BEGIN = "<!-- BEGIN GENERATED: scripts/gen_facet_page.py; edit the rows in src/torchlens/_facet_spec.py -->"
+END = "<!-- END GENERATED -->"
+
+#: The heading of each role's table, in the order the rows list the roles.
+TITLES = {
+    spec.EVERY_MODULE: "Every module",
+    "block": "Decoder block",
+    "attention": "Attention",
+    "mlp": "MLP",
+    "norm": "Norm",
+    "embedding": "Embedding",
+    "root": "Model root",
+}
+
+_SOURCE = {
+    "io": "a hook's tensor",
+    "op": "an op's output",
+    "computed": "computed, read-only",
+    "reconstructed": "reconstructed, read-only",
+}
+
+
+#: How a hook of another module than the reporting one is named (`final_norm_input` reads the final norm).
+_HOLDER = {"norm": "final norm", "unembed": "unembedding"}
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _hook(f: spec.FacetSpec, role: str, side: str) -> str:
+    which = "input" if side == "in" else "output"
+    if role == "root":
+        return f"the model's {which}"
+    if role in f.roles or role == spec.EVERY_MODULE:
+        return f"the module's {which}"
+    return f"the {_HOLDER.get(role, role)}'s {which}"
+
+
+def found_as(f: spec.FacetSpec) -> str:
+    """How TorchLens finds the facet's tensor, in words."""
+    text = _SOURCE[f.source]
+    if f.hooks:
+        text += ": " + ", or ".join(_hook(f, role, side) for role, side in f.hooks)
+    if f.fused is not None:
+        text += f"; {_SOURCE[f.fused]} where the module runs as one fused op"
+    return text
+
+
+def edit_cell(f: spec.FacetSpec) -> str:
+    """Whether `edit=` can replace the facet, and what to edit where it cannot."""
+    if f.editable:
+        return "yes"
+    if f.source in ("io", "op"):
+        return f"yes, except where {_SOURCE[f.fused].split(',')[0]}: {f.remedy}"
+    return f"no: {f.remedy}"
+
+
+def role_table(role: str) -> list[str]:
+    lines = [f"### {TITLES[role]}", "", "| facet | layout | what it is | found as | `edit=` |", "|---|---|---|---|---|"]
+    for f in spec.SPECS:
+        if role not in f.roles:
+            continue
+        what = f.prose + (f". Absent when {f.absent}" if f.absent else "")
+        layout = f"`{f.layout}`" if f.axes else "the module's own"
+        lines.append(f"| `{f.name}` | {layout} | {_cell(what)} | {_cell(found_as(f))} | {_cell(edit_cell(f))} |")
+    return lines + [""]
+
+
+def generated_section() -> str:
+    roles = list(dict.fromkeys(r for f in spec.SPECS for r in f.roles))
+    missing = [r for r in roles if r not in TITLES]
+    if missing:
+        raise SystemExit(f"scripts/gen_facet_page.py: no heading for roles {missing}; add them to TITLES")
+    lines = [BEGIN, ""]
+    for role in roles:
+        lines += role_table(role)
+    return "\n".join(lines + [END])
+
+
+def render(text: str) -> str:
+    """`text` (the page) with its generated part replaced by the current rows."""
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{PAGE}: missing the generated-section markers")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return head + generated_section() + tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="report a stale page instead of writing it")
+    args = parser.parse_args(argv)
+    return write_or_check({PAGE: render(PAGE.read_text(encoding="utf-8"))}, args.check, ROOT,
+                          "python scripts/gen_facet_page.py")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
