@@ -1,11 +1,12 @@
 """MkDocs hooks for the TorchLens site (registered under ``hooks:`` in mkdocs.yml).
 
 ``on_page_markdown`` puts a note under the title of every page whose Python examples
-were run by the last ``pytest`` run, read from ``build/doc-examples.json`` (written by
-``tests/docs_harness.py``):
+were run by a ``pytest`` run, from the outcomes recorded per block in
+``build/doc-outputs.json`` (written by the pytest plugin ``tests/doc_outputs.py``):
 
-* "N/N examples verified" when every example passed,
-* a failure note when some failed, were skipped or did not run,
+* "N/N examples verified" when every example on the page passed,
+* a failure note when some failed, were skipped or did not run (an example whose code
+  changed since its run counts as not run),
 * "stale: page changed since the last test run" when the page's SHA-256 no longer
   matches the one recorded.
 
@@ -34,15 +35,14 @@ import re
 
 log = logging.getLogger("mkdocs.hooks.torchlens")
 
-STATUS_FILE = os.path.join("build", "doc-examples.json")
 OUTPUTS_FILE = os.path.join("build", "doc-outputs.json")
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 #: Pages that teach the header syntax keep it visible in their blocks.
 HEADERS_SHOWN = frozenset({"docs/contributing/executable-docs.md"})
 
 
-def _load_status(config, name: str = STATUS_FILE) -> dict:
-    """Return the ``pages`` table of a status file, or an empty one."""
+def _load_status(config, name: str = OUTPUTS_FILE) -> dict:
+    """Return the ``pages`` table of the outputs file, or an empty one."""
     root = os.path.dirname(os.path.abspath(config.config_file_path))
     path = os.path.join(root, name)
     try:
@@ -88,6 +88,19 @@ def _note(entry: dict, current_sha: str) -> str | None:
         f'!!! failure "{passed}/{examples} examples verified"\n\n'
         f"    In {ran}: {', '.join(parts) or 'not all examples passed'}.\n"
     )
+
+
+def _status(entry: dict, markdown: str) -> dict:
+    """The counts :func:`_note` reads, from a page's recorded blocks and its current examples."""
+    blocks = [b for b in entry.get("blocks", []) if isinstance(b, dict)] if isinstance(entry.get("blocks"), list) else []
+    outcomes = {b.get("code_sha256"): b.get("outcome") for b in blocks}
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    hashes = _block_hashes(markdown)
+    for outcome in (outcomes.get(code) for code in hashes):
+        if outcome in counts:
+            counts[outcome] += 1
+    counts["failed"] += sum(1 for b in blocks if b.get("code_sha256") is None and b.get("outcome") == "failed")
+    return {**entry, **counts, "examples": len(hashes)}
 
 
 def _insert_after_title(markdown: str, note: str) -> str:
@@ -188,6 +201,13 @@ def _output_block(stdout: str, indent: str, outcome: str) -> list[str]:
             f"{indent}{fence}"]
 
 
+def _block_hashes(markdown: str) -> list[str]:
+    """The :func:`code_sha256` of each runnable Python block of a page, in order."""
+    lines = markdown.split("\n")
+    return [code_sha256("\n".join(_dedent(line, indent) for line in lines[opening + 1 : closing]))
+            for opening, closing, indent in python_blocks(markdown)]
+
+
 def render_examples(markdown: str, outputs: list[dict], show_headers: bool = False) -> str:
     """Replace each header by a badge and add each block's recorded output under it."""
     by_hash: dict[str, dict] = {}
@@ -253,15 +273,13 @@ def code_placeholder_names(markdown: str) -> str:
     return "\n".join(lines)
 
 
-_status: dict = {}
 _outputs: dict = {}
 
 
 def on_config(config):
-    """Read the status files once per build (``mkdocs serve`` rebuilds call this again)."""
-    global _status, _outputs
-    _status = _load_status(config)
-    _outputs = _load_status(config, OUTPUTS_FILE)
+    """Read the outputs file once per build (``mkdocs serve`` rebuilds call this again)."""
+    global _outputs
+    _outputs = _load_status(config)
     return config
 
 
@@ -269,14 +287,14 @@ def on_page_markdown(markdown, page, config, files):
     """Add the verification note, the header badges and the recorded outputs."""
     key = _page_key(page, config)
     entry = _outputs.get(key)
-    blocks = entry.get("blocks", []) if isinstance(entry, dict) else []
+    if not isinstance(entry, dict):
+        return code_placeholder_names(render_examples(markdown, [], key in HEADERS_SHOWN))
+    blocks = entry.get("blocks", [])
+    status = _status(entry, markdown)
     markdown = render_examples(markdown, blocks if isinstance(blocks, list) else [], key in HEADERS_SHOWN)
     markdown = code_placeholder_names(markdown)
-    entry = _status.get(key)
-    if not isinstance(entry, dict):
-        return markdown
     source = page.file.content_string
-    note = _note(entry, hashlib.sha256(source.encode("utf-8")).hexdigest())
+    note = _note(status, hashlib.sha256(source.encode("utf-8")).hexdigest())
     if note is None:
         return markdown
     return _insert_after_title(markdown, note)

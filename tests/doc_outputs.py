@@ -1,28 +1,27 @@
-"""Record what each documentation example printed, so the site can show it under the block.
+"""Record each documentation example's outcome and what it printed, for the site.
 
-A pytest plugin next to ``docs_harness.py``. For every docs block that ran and printed
-something on stdout, it keeps the text the harness captured (cut to the harness's output
-limit) together with a hash of the block's code, and at the end of the session merges
-them, per page, into ``build/doc-outputs.json``:
+A pytest plugin next to ``docs_harness.py`` (loaded by ``-p doc_outputs`` in pyproject.toml). For
+every docs block that ran, it keeps the outcome and the stdout pytest captured, with a hash of the
+block's code, and at the end of the session merges them, per page, into ``build/doc-outputs.json``:
 
-    {"pages": {"docs/page.md": {"sha256": ..., "timestamp": ..., "blocks": [
+    {"pages": {"docs/page.md": {"sha256": ..., "timestamp": ..., "torchlens_version": ..., "blocks": [
         {"line": 42, "code_sha256": ..., "outcome": "passed", "stdout": "..."}]}}}
 
-``scripts/mkdocs_hooks.py`` reads that file and puts each output under the block whose
-code has the same hash; a block edited since the run gets no output until the next run.
-
-It is loaded by ``pytest_plugins`` in ``tests/test_doc_outputs.py``, so it is active
-whenever ``tests/`` is collected (``make test``, CI). A run of one page alone
-(``pytest docs/page.md``) leaves the file as it was.
+A page problem (a ``# migration-test:`` header that was not collected) is an entry with
+``"code_sha256": null``. ``scripts/mkdocs_hooks.py`` reads the file: each output goes under the
+block whose code has the same hash (an edited block gets none until the next run), and the
+outcomes of the blocks still on the page make its "N/N examples verified" note.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import importlib.metadata
 import json
 import os
 import pathlib
+import sys
 
 import pytest
 
@@ -46,41 +45,42 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Record a docs item's call phase, or its setup phase when that did not pass (a skip, say)."""
     report = yield
-    block = getattr(item, "block", None)
-    pages = item.config.stash.get(_KEY, None)
-    if call.when != "call" or block is None or pages is None or not hasattr(item.parent, "display"):
-        return report
-    from docs_harness import block_body
+    from docs_harness import DocItem, PageProblem
 
-    stdout = "".join(text for name, text in report.sections if name == "Captured stdout call")
-    pages.setdefault(item.parent.display, []).append(
-        {
-            "line": block.fence_line,
-            "code_sha256": code_sha256(block_body(block.definition)),
+    pages = item.config.stash.get(_KEY, None)
+    if pages is None or not isinstance(item, (DocItem, PageProblem)):
+        return report
+    if call.when == "call" or (call.when == "setup" and not report.passed):
+        stdout = "".join(text for name, text in report.sections if name == f"Captured stdout {call.when}")
+        pages.setdefault(item.parent.display, []).append({
+            "line": item.line,
+            "code_sha256": code_sha256(item.body) if isinstance(item, DocItem) else None,
             "outcome": report.outcome,
             "stdout": stdout,
-        }
-    )
+        })
     return report
 
 
-def _current_hashes(text: str, path: pathlib.Path, display: str) -> set[str]:
-    from docs_harness import block_body, extract_blocks
-    from pytest_markdown_docs.plugin import FenceSyntax
-
-    blocks = extract_blocks(text, path, display, FenceSyntax.superfences)
-    return {code_sha256(block_body(b.definition)) for b in blocks}
+def _torchlens_version() -> str:
+    module = sys.modules.get("torchlens")
+    if getattr(module, "__version__", None):
+        return str(module.__version__)
+    try:
+        return importlib.metadata.version("torchlens")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Merge this run's outputs into the file: a block that ran replaces its old entry, and
-    entries of code no longer on the page are dropped."""
+    """Merge this run into the file: a block that ran replaces its old entry; entries of code no
+    longer on the page, and old page problems of a page that ran, are dropped."""
+    from docs_harness import block_body, page_blocks
+
     config = session.config
-    if hasattr(config, "workerinput"):
-        return
     pages = config.stash.get(_KEY, {})
-    if not pages:
+    if hasattr(config, "workerinput") or not pages:
         return
     path = config.rootpath / OUTPUTS_FILE
     try:
@@ -96,15 +96,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             text = page_path.read_text(encoding="utf-8-sig")
         except OSError:
             continue
-        current = _current_hashes(text, page_path, page)
+        current = {code_sha256(block_body(block)) for _, block in page_blocks(text, page_path)}
         ran_hashes = {b["code_sha256"] for b in ran}
         old = data["pages"].get(page, {}).get("blocks", [])
         kept = [b for b in old if b.get("code_sha256") in current and b.get("code_sha256") not in ran_hashes]
-        blocks = kept + [b for b in ran if b["stdout"].strip()]
         data["pages"][page] = {
             "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
             "timestamp": now,
-            "blocks": sorted(blocks, key=lambda b: b["line"]),
+            "torchlens_version": _torchlens_version(),
+            "blocks": sorted(kept + ran, key=lambda b: b["line"]),
         }
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".json.tmp")

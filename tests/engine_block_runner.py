@@ -5,8 +5,8 @@ environment (``.venv-engines/<name>/bin/python``, built from ``envs/<name>.txt``
 block's header names that engine. It uses the standard library only, since the engine
 environments hold no pytest.
 
-Protocol: one JSON request per line on stdin, one JSON reply per line on the file
-descriptor given as the first argument. A request is ``{"source": ..., "filename": ...,
+Protocol: one JSON request per line on stdin, one JSON reply per line on stdout; whatever
+else the process writes to file descriptor 1 (an engine's C code, say) goes to its stderr. A request is ``{"source": ..., "filename": ...,
 "timeout": ...}``, where ``source`` is the block's code padded with blank lines so that
 its line numbers are the page's. Requests run one after another in one namespace, so a
 ``continuation`` block sees the names of the block before it. The reply is
@@ -69,7 +69,6 @@ def _run(request: dict, namespace: dict) -> dict:
             "ok": False,
             "kind": "error",
             "summary": "".join(traceback.format_exception_only(type(error), error)).strip(),
-            "syntax_error_line": error.lineno if isinstance(error, SyntaxError) and error.filename == filename else None,
             "frames": [[f.filename, f.lineno, f.name, f.line or ""] for f in frames],
             "stdout": stdout.getvalue(),
             "stderr": stderr.getvalue(),
@@ -89,7 +88,8 @@ def _run(request: dict, namespace: dict) -> dict:
 
 
 def main() -> int:
-    out = os.fdopen(int(sys.argv[1]), "w", encoding="utf-8")
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8")  # the replies
+    os.dup2(2, 1)  # everything else the process writes to fd 1 joins its stderr
     namespace = types.ModuleType("docs_example").__dict__
     for line in sys.stdin:
         if not line.strip():

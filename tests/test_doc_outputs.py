@@ -1,5 +1,5 @@
-"""The site shows what each example printed: the recorder (tests/doc_outputs.py) and the page side
-(scripts/mkdocs_hooks.py) must agree on which block an output belongs to.
+"""The site shows what each example printed and how many passed: the recorder (tests/doc_outputs.py)
+and the page side (scripts/mkdocs_hooks.py) must agree on which block an entry belongs to.
 
 The recorder is loaded for every session by ``-p doc_outputs`` in pyproject.toml's addopts, so a
 run of one page (``pytest docs/page.md``) updates ``build/doc-outputs.json`` too.
@@ -12,9 +12,7 @@ import json
 import pathlib
 
 import pytest
-from pytest_markdown_docs.plugin import FenceSyntax
-
-from docs_harness import block_body, extract_blocks, read_page
+from docs_harness import block_body, page_blocks
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -42,10 +40,9 @@ def test_the_page_side_finds_every_block_the_harness_runs(hooks):
     """Same blocks, same hashes: the hook's fence scan and the harness's parser agree on every page."""
     checked = 0
     for path in _pages():
-        text = read_page(path)
+        text = path.read_text(encoding="utf-8-sig")
         display = path.relative_to(REPO).as_posix()
-        harness = [_recorder().code_sha256(block_body(b.definition))
-                   for b in extract_blocks(text, path, display, FenceSyntax.superfences)]
+        harness = [_recorder().code_sha256(block_body(block)) for _, block in page_blocks(text, path)]
         lines = text.split("\n")
         page_side = [
             hooks.code_sha256("\n".join(hooks._dedent(line, indent) for line in lines[opening + 1 : closing]))
@@ -78,7 +75,7 @@ def test_the_recorder_writes_what_a_block_printed(pytester, monkeypatch):
     pytester.makefile(".md", page="# P\n\n```python\nprint('first line')\nprint(2 + 2)\n```\n\n"
                                    "```python\nx = 1\n```\n")
     pytester.makeini(
-        "[pytest]\naddopts = -p pytest_markdown_docs.plugin -p docs_harness -p doc_outputs\n"
+        "[pytest]\naddopts = -p pytest_markdown_docs.plugin -p timeout -p docs_harness -p doc_outputs\n"
         "    --markdown-docs --markdown-docs-syntax=superfences\n"
         "filterwarnings = ignore::pytest.PytestAssertRewriteWarning\n"
     )
@@ -86,7 +83,8 @@ def test_the_recorder_writes_what_a_block_printed(pytester, monkeypatch):
     result.assert_outcomes(passed=2)
     data = json.loads((pytester.path / "build" / "doc-outputs.json").read_text())
     blocks = data["pages"]["page.md"]["blocks"]
-    assert [(b["line"], b["stdout"], b["outcome"]) for b in blocks] == [(3, "first line\n4\n", "passed")]
+    assert [(b["line"], b["stdout"], b["outcome"]) for b in blocks] == [(3, "first line\n4\n", "passed"),
+                                                                         (8, "", "passed")]
     assert blocks[0]["code_sha256"] == _recorder().code_sha256("print('first line')\nprint(2 + 2)")
 
 
@@ -99,3 +97,68 @@ def test_names_with_a_layer_placeholder_are_set_as_code_in_prose(hooks):
         "read `blocks.{L}.hook_in` and `layers_output[{L}]`.\n"
         "| `model.layers.{i}.self_attn` | `blocks.{L}.x` | [link](a.{L}.b) <b title='c.{L}.d'>e</b> |\n"
         "```python\nname = 'blocks.{L}.x'\n```\n{L} alone, and a set {1, 2}")
+
+
+INNER_INI = ("[pytest]\naddopts = -p pytest_markdown_docs.plugin -p timeout -p docs_harness -p doc_outputs\n"
+             "    --markdown-docs --markdown-docs-syntax=superfences\n"
+             "filterwarnings = ignore::pytest.PytestAssertRewriteWarning\n")
+PAGE = ("# P\n\n```python\nx = 1\n```\n\n```python\nraise ValueError('no')\n```\n\n"
+        "```python\n# migration-test: tool=absent-engine expected=1\nRESULT = 1\n```\n\n"
+        "```{.python notest}\n# migration-test: tool=torchlens expected=1\n```\n")
+
+
+class _Config:
+    def __init__(self, root):
+        self.config_file_path = str(root / "mkdocs.yml")
+
+
+class _Page:
+    def __init__(self, path):
+        self.file = type("File", (), {"abs_src_path": str(path), "content_string": path.read_text()})()
+
+
+def _run_page(pytester, monkeypatch, hooks, text):
+    """Run one page in an inner session; return the note the site puts on it."""
+    import docs_harness
+
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setitem(docs_harness.TOOL_IMPORTS, "absent-engine", "absent_engine")
+    pytester.makeini(INNER_INI)
+    path = pytester.makefile(".md", page=text)
+    pytester.runpytest("-q", "page.md")
+    hooks.on_config(_Config(pytester.path))
+    out = hooks.on_page_markdown(path.read_text(), _Page(path), _Config(pytester.path), None)
+    return path, out
+
+
+def test_the_note_counts_the_outcomes_of_the_blocks_on_the_page(pytester, monkeypatch, hooks):
+    """Passed, failed, skipped, and a page problem (an uncollected header) counted as a failure."""
+    path, out = _run_page(pytester, monkeypatch, hooks, PAGE)
+    data = json.loads((pytester.path / "build" / "doc-outputs.json").read_text())
+    entry = data["pages"]["page.md"]
+    assert [(b["line"], b["outcome"]) for b in entry["blocks"]] == [(3, "passed"), (7, "failed"), (11, "skipped"),
+                                                                     (17, "failed")]
+    assert {"sha256", "timestamp", "torchlens_version"} <= set(entry)
+    assert '!!! failure "1/3 examples verified"' in out and "2 failed, 1 skipped." in out
+    # An edited block counts as not run; an edited page is stale.
+    edited = path.read_text().replace("x = 1", "x = 2")
+    status = hooks._status(entry, edited)
+    assert (status["examples"], status["passed"], status["failed"], status["skipped"]) == (3, 0, 2, 1)
+    assert hooks._note(status, "another hash").startswith('!!! warning "stale: page changed')
+
+
+def test_the_note_says_verified_when_every_block_passed(pytester, monkeypatch, hooks):
+    _, out = _run_page(pytester, monkeypatch, hooks, "# P\n\n```python\nx = 1\n```\n\n```python\nprint(2)\n```\n")
+    assert '!!! success "2/2 examples verified"' in out
+    assert "```{.text .tl-output}\n2\n```" in out
+
+
+def test_hook_puts_the_note_under_the_title_and_tolerates_a_missing_file(tmp_path, hooks):
+    markdown = "```python\n# not a title\n```\n# Title\n\nText"
+    assert hooks._insert_after_title(markdown, "NOTE").split("\n")[3:6] == ["# Title", "", "NOTE"]
+    assert hooks._load_status(_Config(tmp_path)) == {}
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "doc-outputs.json").write_text("{not json")
+    assert hooks._load_status(_Config(tmp_path)) == {}
+    assert hooks._note({"examples": 0, "sha256": "a"}, "a") is None
