@@ -4,20 +4,27 @@
 committed files that differ. The first test runs that check on the working tree; the others
 make sure it can fail (an edited naming table, an edited SVG) and that what it draws is what
 the trace and the tables say.
+
+Tests internals: `mechinterp._resolver`'s pattern cache (cleared around an edited table) and
+`mechinterp._targets.find` (the script's public lookup must find the same modules).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
+import os
 import pathlib
 import re
 import shutil
+import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
 import pytest
 
+import torchlens as tl
 import torchlens.mechinterp as mi
 from torchlens.mechinterp import _resolver as resolver
 
@@ -102,8 +109,39 @@ def test_an_edited_table_changes_the_drawing(gen, fresh, monkeypatch, fresh_pars
     assert "layer_outputs_renamed[0]" in texts and "layers_output[0]" not in texts
 
 
-def test_render_is_deterministic(gen, fresh):
-    assert gen.render("gpt-neox") == fresh[gen.OUT / "gpt-neox.svg"]
+_RENDER_IN_A_FRESH_PROCESS = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("gen_diagrams", sys.argv[1])
+gen = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = gen
+spec.loader.exec_module(gen)
+json.dump({"hash": hash("torchlens"), "outputs": {str(p): t for p, t in gen.outputs().items()}}, sys.stdout)
+"""
+
+
+def _render_in_fresh_processes(seeds: tuple[str, ...]) -> list[dict]:
+    """Every output of the script, rendered once per seed, each in a fresh interpreter started with
+    that `PYTHONHASHSEED` (the torchlens this test imports, run in parallel)."""
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(tl.__file__).parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", _RENDER_IN_A_FRESH_PROCESS, str(SCRIPT)], cwd=REPO,
+                              env={**env, "PYTHONHASHSEED": seed}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for seed in seeds]
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        out.append(json.loads(stdout))
+    return out
+
+
+def test_render_is_deterministic_across_processes(fresh):
+    """Two fresh interpreters with different hash seeds (so a set or a hash-ordered dict would
+    iterate differently) render every file byte for byte the same, and the same as this process."""
+    first, second = _render_in_fresh_processes(("1", "2"))
+    assert first["hash"] != second["hash"], "the two processes must hash strings differently"
+    differ = sorted(p for p in first["outputs"] if first["outputs"][p] != second["outputs"].get(p))
+    assert not differ and first["outputs"].keys() == second["outputs"].keys(), f"rendered differently: {differ}"
+    assert first["outputs"] == {str(p): t for p, t in fresh.items()}
 
 
 @pytest.mark.parametrize("slug", ["gpt2", "gemma-2"])
@@ -159,3 +197,16 @@ def test_page_embeds_every_diagram(gen):
     for slug, (title, _) in gen.FAMILIES.items():
         assert f"## {title}\n" in text
         assert f"(../assets/diagrams/{slug}.svg)" in text
+
+
+@pytest.mark.parametrize("slug", ["gpt2", "gemma-2", "olmo-2"])
+def test_module_lookup_through_the_tables_is_the_target_finder(gen, slug):
+    """The script finds a target's module through the public resolver (`module_of`); that is the
+    module the internal target finder names, on every target the diagram draws."""
+    from torchlens.mechinterp import _targets
+
+    trace = gen.build(slug).trace
+    for target in ("token_embed", "pos_embed", "ln1", "attention", "attn_post_norm", "ln2", "mlp", "mlp_post_norm"):
+        assert gen.module_of(trace, target) == _targets.find(trace, target, 0)[0], target
+    with pytest.raises(LookupError, match="no naming table"):
+        gen.module_of(trace, "no_such_target")
