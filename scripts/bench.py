@@ -36,6 +36,7 @@ The working tree may be in flux; to measure one commit, export it and say which:
 Usage:
     python scripts/bench.py --json build/bench.json                  # the full run
     python scripts/bench.py --models tiny --rounds 3                 # a quick look
+    python scripts/bench.py --models tiny L12-T128 --modes none resid_post --threads 1   # a few modes
     python scripts/bench.py --profile L12-T1024 --json build/profile.json   # where save="all" spends
 """
 
@@ -430,6 +431,7 @@ def main(argv=None) -> int:
     parser.add_argument("--pypi-python", default=DEFAULT_PYPI_PYTHON,
                         help="python of a venv with PyPI torchlens 2.36.1 (skipped when missing)")
     parser.add_argument("--profile", metavar="MODEL", help="print a cProfile of trace(save='all') and exit")
+    parser.add_argument("--modes", nargs="*", help="only these modes (a quick look; default: every mode of each model)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.profile:
@@ -449,6 +451,11 @@ def main(argv=None) -> int:
         plan.setdefault(name, SWEEP_MODES)
     if args.models:
         plan = {n: plan.get(n, IN_PROCESS + ["pypi"]) for n in args.models}
+    if args.modes:
+        unknown = sorted(set(args.modes) - set(LABELS))
+        if unknown:
+            raise SystemExit(f"unknown mode(s) {unknown}: use {', '.join(LABELS)}")
+        plan = {n: ["plain"] + [m for m in modes if m in args.modes and m != "plain"] for n, modes in plan.items()}
     results = {
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "python": platform.python_version(), "torch": torch.__version__,

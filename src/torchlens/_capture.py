@@ -159,20 +159,22 @@ class Recorder(TorchFunctionMode):
     Args:
         names: module object to canonical address.
         roles: address to role.
-        retain_all: keep every op output.
-        retain_modules: addresses whose calls (and everything inside them) keep their op outputs.
+        plan: the `CapturePlan` (`torchlens._save`): whether every op keeps its output, which
+            calls (and everything inside them) keep their op outputs, and which keep only the
+            tensors their hooks see as input or output.
         param_names: `id(parameter)` to qualified name.
         edits: an `EditPlan`: sites to replace as the forward computes
             them (module inputs/outputs in the hooks, op outputs in the mode), or None.
     """
 
-    def __init__(self, names, roles, retain_all, retain_modules, param_names, edits=None):
+    def __init__(self, names, roles, plan, param_names, edits=None):
         super().__init__()
         _refuse_script_modules(names)
         self.names = names
         self.roles = roles
-        self.retain_all = retain_all
-        self.retain_modules = retain_modules
+        self.retain_all = plan.retain_all
+        self.retain_modules = plan.op_modules
+        self._hold = {"_in": plan.hold_in, "_out": plan.hold_out}
         self.param_names = param_names
         self.ops: list[OpRecord] = []
         self.calls: list[ModuleCall] = []
@@ -392,12 +394,31 @@ class Recorder(TorchFunctionMode):
 
         The alias is kept when no op of the forward produced the tensor (a model input, a
         parameter) or when only this module's subtree is retained (the producer's output is not).
+        A call the plan holds this side of (`save=["resid_post"]` holds each block's output)
+        keeps the tensor as the output of the op that produced it, and nothing else of its ops.
         """
         ref = self._ref(t)
         setattr(call, "input_ref" if side == "_in" else "output_ref", ref)
         if ref is None or isinstance(ref, str) or (call.retained and not self.retain_all):
             setattr(call, side, t.detach())
             self._hook_aliases.append((call, side))
+        elif not self.retain_all and call.address in self._hold[side]:
+            self._hold_output(ref, t)
+
+    def _hold_output(self, ref: Ref, t: Tensor) -> None:
+        """Keep `t`, the tensor op `ref` produced (as it is now: a stale one got a
+        `written_in_place` op from `_ref`), as that op's saved output."""
+        op = self.ops[ref.op]
+        if op.tensors[ref.slot] is not None:
+            return
+        kept = t.detach()
+        tensors = list(op.tensors)
+        tensors[ref.slot] = kept
+        op.tensors = tuple(tensors)
+        if not kept.is_inference():
+            self.versions[ref.op, ref.slot] = kept._version
+        if ref.op < self._cow_upto:  # `_before_write` has scanned this op already
+            self._cow.setdefault(kept.untyped_storage().data_ptr(), []).append((ref.op, ref.slot))
 
     # -- modules -------------------------------------------------------------------------------
 

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from ._dispatch import accelerate_hooks
-from ._store import apply_store, parse_store
+from ._assemble import assemble, note_edited_refusals
 from ._capture import Recorder
-from ._structure import find as find_structure
-from ._structure import parse_roles, static_roles
-from ._compiled import CompiledRunsEagerly, check_compiled, compiled_module_class
-from ._errors import SaveSpecError, TorchLensError
-from ._facets import derive
-from ._records import FacetMap, ModuleMap, ModuleRecord, Trace
+from ._compiled import CompiledRunsEagerly, compiled_module_class
+from ._dispatch import accelerate_hooks
+from ._errors import TorchLensError
+from ._records import Trace
+from ._save import parse_save, plan_capture
 from ._snapshot import snapshot
-from ._save import SaveSpec, parse_save, retained_modules
+from ._store import apply_store, parse_store
+from ._structure import parse_roles, static_roles
 
 __all__ = ["trace"]
 
@@ -35,6 +33,9 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
             `"none"` keeps metadata only (names, shapes, dtypes, data flow); a module address or
             facet name, or a list of them, keeps those facets (and the ops inside the named
             modules); a callable `predicate(address, facet) -> bool` keeps the facets it accepts.
+            During capture a selection holds only what it needs: a facet a hook sees
+            (`resid_post`, `logits`) is held alone, the ops inside a module are held for a facet
+            found from them (`pattern`) or for a named module; see `torchlens._save`.
         roles: where TorchLens's structure rules cannot tell, name roles yourself: a dict from a
             module address or glob pattern (`"encoder.blocks.*"`; `*` is one address part) to
             `"block"`, `"attention"`,
@@ -61,7 +62,8 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
         (the model's own return value) hold what ran.
 
     Raises:
-        SaveSpecError: `save=` is not accepted, or selects nothing in this forward.
+        SaveSpecError: `save=` is not accepted, or selects nothing: before the forward runs
+            where the model's modules cannot have what it names, else after it.
         EditSpecError: `edit=` is not accepted: not a dict, a key naming no site, a value neither
             callable nor a tensor, a replacement of the wrong shape or dtype.
         NotEditable: an `edit=` key names a site no single op of the forward produces (a pattern
@@ -101,16 +103,13 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
         else:
             names[m] = addr
     roles = static_roles(model, names, parse_roles(roles, list(names.values())))
-    spec = parse_save(save, list(names.values()) + list(aliases))
+    spec = parse_save(save, names.values(), aliases)
     store_to = parse_store(store)
-    spec = SaveSpec(
-        spec.everything, frozenset(aliases.get(a, a) for a in spec.addresses), spec.facets, spec.predicate
-    )
-    retain_all = spec.everything or spec.predicate is not None
+    capture = plan_capture(spec, roles, {addr: m for m, addr in names.items()})
     params: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), n)  # a shared (tied) weight keeps its first, canonical name
-    rec = Recorder(names, roles, retain_all, retained_modules(spec, roles), params, plan)
+    rec = Recorder(names, roles, capture, params, plan)
     handles = []
     try:
         for m in names:
@@ -130,23 +129,12 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
     # model's modules hold the weights the forward used (not meta placeholders) while it runs.
     with rec.hidden(), dispatch.weights():
         overwritten = rec.check_versions()
-        result = _assemble(rec, model, names, aliases, roles, spec, output, overwritten)
+        result = assemble(rec, model, names, aliases, roles, capture, output, overwritten)
         snapshot(rec, model, (args, kwargs, output))  # after assembly: only what the trace keeps is copied
         if plan is not None:
             result.edits = tuple(plan.records)
-            _note_edited_refusals(result)
+            note_edited_refusals(result)
         return apply_store(result, store_to)
-
-
-def _note_edited_refusals(result: Trace) -> None:
-    """An edited site whose check the edit broke (editing z breaks pattern @ v = z) is refused;
-    its reason says that the edit is why."""
-    for r in result.edits:
-        calls = result.modules[r.module_address].calls
-        for c in r.calls:
-            refused = calls[c].facets.refused if c < len(calls) and calls[c].facets is not None else {}
-            if r.facet in refused:
-                refused[r.facet] += f" (this trace edited it, edit={{{r.key!r}: ...}}, which breaks that relation)"
 
 
 def _locate(model: nn.Module, args: tuple, kwargs: dict, edit: Any, roles: Any):
@@ -174,44 +162,3 @@ def _annotate(exc: BaseException, rec: Recorder) -> None:
         note = f"torchlens: raised after op #{len(rec.ops) - 1} ({rec.ops[-1].name}) in module {where}"
     if hasattr(exc, "add_note"):
         exc.add_note(note)
-
-
-def _assemble(rec, model, names, aliases, roles, spec, output, overwritten) -> Trace:
-    modules = {addr: m for m, addr in names.items()}
-    check_compiled(rec, modules)
-    if overwritten:
-        labels = ", ".join(f"#{i} {rec.ops[i].name}" for i in overwritten[:5])
-        warnings.warn(
-            f"torchlens: {len(overwritten)} saved op outputs were written in place by code the capture "
-            f"could not see ({labels}); they are not kept, since they would show the later contents "
-            "(the tensor as the forward used it next is kept, as a written_in_place op).",
-            stacklevel=3,
-        )
-        for i in overwritten:  # a value the model did not produce there is never served
-            rec.ops[i].tensors = (None,) * len(rec.ops[i].tensors)
-    keep = None if spec.everything else spec.keep
-    with torch.no_grad():
-        structure = find_structure(rec.ops, rec.calls, modules, roles, model, names)
-        all_sites = derive(rec.ops, rec.calls, modules, keep, structure)
-    if not spec.everything:
-        for op in rec.ops:
-            if not spec.covers(op.module) and any(t is not None for t in op.tensors):
-                op.tensors = (None,) * len(op.tensors)
-    records: dict[str, ModuleRecord] = {}
-    alias_of: dict[str, list[str]] = {}
-    for a, canonical in aliases.items():
-        alias_of.setdefault(canonical, []).append(a)
-    for m, addr in names.items():
-        records[addr] = ModuleRecord(addr, type(m).__name__, roles[addr], [], tuple(alias_of.get(addr, ())))
-    for call, sites in zip(rec.calls, all_sites):
-        call.facets = FacetMap(call.address, call.role, sites)
-        call._in = call._out = None
-        records[call.address].calls.append(call)
-    if not spec.everything and (spec.addresses or spec.facets or spec.predicate):
-        if not any(len(c.facets) for c in rec.calls):
-            raise SaveSpecError(
-                f"save={spec.describe()} kept nothing in this forward: no module that ran has those facets. "
-                f"Facets that exist here: {', '.join(sorted({n for c in rec.calls for n in c.facets.sites}))}."
-            )
-    blocks = [layer.call.address for layer in structure.layers]
-    return Trace(rec.ops, ModuleMap(records, aliases), output, blocks, type(model).__name__, spec, structure)

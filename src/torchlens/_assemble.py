@@ -1,0 +1,108 @@
+"""Turning a finished `Recorder` into the `Trace` that `torchlens.trace` returns.
+
+The steps, in order (`assemble`):
+
+1. `check_compiled`: refuse a trace with a hole where compiled code ran unseen.
+2. `drop_overwritten`: a saved op output that a write the mode could not see changed is dropped,
+   with a warning, so no value the model did not produce there is served.
+3. the structure (`_structure.find`: stacks, layers, final norm, unembedding; settles roles).
+4. the facets of every call (`_facets.derive`).
+5. `CapturePlan.trim` (`torchlens._save`): what `save=` does not keep is dropped.
+6. `module_records`: one `ModuleRecord` per canonical address, its calls with their `FacetMap`.
+7. `CapturePlan.check_kept`: a selection that kept nothing in this forward raises.
+
+`note_edited_refusals` words the refusal of a site an edit broke, on an edited trace.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._capture import Recorder
+from ._compiled import check_compiled
+from ._facets import derive
+from ._records import FacetMap, ModuleMap, ModuleRecord, Trace
+from ._save import CapturePlan
+from ._structure import find as find_structure
+
+__all__ = ["assemble", "note_edited_refusals"]
+
+
+def assemble(rec: Recorder, model: nn.Module, names: dict[nn.Module, str], aliases: dict[str, str],
+             roles: dict[str, str], plan: CapturePlan, output: Any, overwritten: list[int]) -> Trace:
+    """The `Trace` of the forward `rec` recorded.
+
+    Args:
+        rec: the recorder, after the forward.
+        model: the traced model.
+        names: module -> canonical address.
+        aliases: other addresses of shared modules -> canonical address.
+        roles: address -> role before the forward; `find` settles it in place.
+        plan: the `CapturePlan` the capture ran with.
+        output: the model's return value.
+        overwritten: indices of ops whose saved output a write the mode could not see changed
+            (`Recorder.check_versions`).
+
+    Raises:
+        CaptureError: a compiled module ran without a recorded op.
+        SaveSpecError: a `save=` selection kept nothing in this forward.
+    """
+    modules = {addr: m for m, addr in names.items()}
+    check_compiled(rec, modules)
+    drop_overwritten(rec, overwritten)
+    with torch.no_grad():
+        structure = find_structure(rec.ops, rec.calls, modules, roles, model, names)
+        sites = derive(rec.ops, rec.calls, modules, None, structure)
+    plan.trim(rec.ops, rec.calls, sites)
+    records = module_records(names, aliases, roles, rec.calls, sites)
+    plan.check_kept(rec.calls)
+    blocks = [layer.call.address for layer in structure.layers]
+    return Trace(rec.ops, ModuleMap(records, aliases), output, blocks, type(model).__name__, plan.spec, structure)
+
+
+def drop_overwritten(rec: Recorder, overwritten: list[int]) -> None:
+    """Warn about, and drop, saved op outputs a write the mode could not see changed."""
+    if not overwritten:
+        return
+    labels = ", ".join(f"#{i} {rec.ops[i].name}" for i in overwritten[:5])
+    warnings.warn(
+        f"torchlens: {len(overwritten)} saved op outputs were written in place by code the capture "
+        f"could not see ({labels}); they are not kept, since they would show the later contents "
+        "(the tensor as the forward used it next is kept, as a written_in_place op).",
+        stacklevel=4,
+    )
+    for i in overwritten:  # a value the model did not produce there is never served
+        rec.ops[i].tensors = (None,) * len(rec.ops[i].tensors)
+
+
+def module_records(names: dict[nn.Module, str], aliases: dict[str, str], roles: dict[str, str],
+                   calls: list, sites: list[dict]) -> dict[str, ModuleRecord]:
+    """One `ModuleRecord` per canonical address, holding its calls, each with its `FacetMap`;
+    the aliases the hooks kept during capture are released."""
+    alias_of: dict[str, list[str]] = {}
+    for a, canonical in aliases.items():
+        alias_of.setdefault(canonical, []).append(a)
+    records = {
+        addr: ModuleRecord(addr, type(m).__name__, roles[addr], [], tuple(alias_of.get(addr, ())))
+        for m, addr in names.items()
+    }
+    for call, call_sites in zip(calls, sites):
+        call.facets = FacetMap(call.address, call.role, call_sites)
+        call._in = call._out = None
+        records[call.address].calls.append(call)
+    return records
+
+
+def note_edited_refusals(result: Trace) -> None:
+    """An edited site whose check the edit broke (editing z breaks pattern @ v = z) is refused;
+    its reason says that the edit is why."""
+    for r in result.edits:
+        calls = result.modules[r.module_address].calls
+        for c in r.calls:
+            refused = calls[c].facets.refused if c < len(calls) and calls[c].facets is not None else {}
+            if r.facet in refused:
+                refused[r.facet] += f" (this trace edited it, edit={{{r.key!r}: ...}}, which breaks that relation)"
