@@ -1,17 +1,16 @@
 """Run every Python block of the documentation as a pytest test (``-p docs_harness``).
 
 Built on pytest-markdown-docs (``--markdown-docs``, its fence extraction, which joins a
-``{.python continuation}`` block to the ones before it, its item, runner and failure listing), given
-through its ``pytest_markdown_docs_markdown_it`` hook a parser that sees fences in Material tabs and
-admonitions. Time limits are pytest-timeout's (ini ``doc_example_timeout``, or the header's
-``timeout=``); output is pytest's capture. Added here: a block whose first line is ``# migration-test:
-tool=NAME expected=LITERAL`` must bind ``RESULT`` equal to ``LITERAL`` (read by :func:`ast.literal_eval`),
-and ``--update-expected`` rewrites a stale literal in place; failures start with ``docs/page.md:LINE``;
-``tool=`` is a marker (``-m tool_nnsight``), and a missing tool skips the block, or fails it when ``CI``
-is true; tools in :data:`ENGINE_ENVIRONMENTS` run in ``.venv-engines/NAME/bin/python`` through
-``tests/engine_block_runner.py``, a continuation block in the same process; a header in a Python fence
-that is not collected fails the page; test ids are ``docs/page.md::SECTION[N]`` (the heading above, the
-block's number under it).
+``{.python continuation}`` block to the ones before it, its item, runner and failure listing), with
+time limits from pytest-timeout (ini ``doc_example_timeout``, or the header's ``timeout=``) and output
+in pytest's capture. Added here: fences in Material tabs and admonitions are collected; a block whose
+first line is ``# migration-test: tool=NAME expected=LITERAL`` must bind ``RESULT`` equal to
+``LITERAL`` (read by :func:`ast.literal_eval`), and ``--update-expected`` rewrites a stale literal in
+place; failures start with ``docs/page.md:LINE``; ``tool=`` is a marker (``-m tool_nnsight``), and a
+missing tool skips the block, or fails it when ``CI`` is true; tools in :data:`ENGINE_ENVIRONMENTS` run
+in ``.venv-engines/NAME/bin/python`` through ``tests/engine_block_runner.py``, a continuation block in
+the same process; a header that is not collected fails the page; test ids are
+``docs/page.md::SECTION[N]`` (the heading above, the block's number under it).
 """
 
 from __future__ import annotations
@@ -60,8 +59,6 @@ def engine_python(root: pathlib.Path, environment: str) -> pathlib.Path:
     """The interpreter of engine environment ``environment`` (it may not exist yet)."""
     return pathlib.Path(os.environ.get("TORCHLENS_ENGINE_ENVS") or root / ".venv-engines") / environment / "bin/python"
 
-
-# -- the header ------------------------------------------------------------------------------
 
 #: Anything that looks like a header, so that a typo is reported instead of making a plain block.
 _HEADER = re.compile(r"^\s*#\s*migration[-_ ]?test\b(?P<colon>\s*:)?(?P<body>.*)$", re.I)
@@ -125,18 +122,13 @@ def literal_repr(value: object) -> str | None:
 def rewrite_expected(path: pathlib.Path, header: Header, new: str) -> bool:
     """Put ``new`` in place of the header's ``expected=`` literal in the page; False if that line changed."""
     lines = path.read_bytes().decode("utf-8").splitlines(keepends=True)
-    line = lines[header.line - 1] if header.line <= len(lines) else ""
-    body = line.rstrip("\r\n")
-    found = _EXPECTED.search(body) if _HEADER.match(body) else None
-    rest = body[found.end() :].lstrip() if found else ""
-    if not found or not rest.startswith(header.expected_source):
-        return False
-    lines[header.line - 1] = body[: found.end()] + new + rest[len(header.expected_source) :] + line[len(body) :]
-    path.write_bytes("".join(lines).encode("utf-8"))
-    return True
+    old = lines[header.line - 1] if header.line <= len(lines) and _HEADER.match(lines[header.line - 1]) else ""
+    line = re.sub(r"(?:^|\s)expected=\s*" + re.escape(header.expected_source), lambda m: m[0][: -len(
+        header.expected_source)].rstrip() + new, old, count=1)
+    if line != old:
+        path.write_bytes("".join(lines[: header.line - 1] + [line] + lines[header.line :]).encode("utf-8"))
+    return line != old
 
-
-# -- pages -----------------------------------------------------------------------------------
 
 _CONTAINER = re.compile(r"^(?P<indent> *)(?:!!!\+?|\?\?\?\+?|===[!+]*)(?:\s|$)")
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
@@ -152,9 +144,9 @@ def _fence_closes(line: str, fence: str) -> bool:
 
 
 def flatten_containers(text: str) -> str:
-    """Turn Material tabs (``=== "Tab"``) and admonitions (``!!!``, ``???``, ``???+``) into plain
-    Markdown, keeping every line where it was: a container line becomes blank and its body moves
-    four spaces left per open container. Lines inside fenced code are never read as containers.
+    """Turn Material tabs (``=== "Tab"``) and admonitions (``!!!``, ``???``, ``???+``) into plain Markdown
+    with every line where it was: a container line becomes blank, its body moves 4 spaces left per open
+    container. Lines inside fenced code are never read as containers.
 
     >>> flatten_containers('=== "A"\\n\\n    ```python\\n    x = 1\\n    ```').split("\\n")
     ['', '', '```python', 'x = 1', '```']
@@ -178,16 +170,6 @@ def flatten_containers(text: str) -> str:
     return "\n".join(out)
 
 
-class ContainerAwareMarkdownIt(MarkdownIt):
-    """A CommonMark parser that first flattens tabs and admonitions."""
-
-    def parse(self, src: str, env=None):  # noqa: D102 - MarkdownIt's contract
-        return super().parse(flatten_containers(src), env)
-
-
-PARSER = ContainerAwareMarkdownIt("commonmark")
-
-
 def scan_python_headers(text: str) -> list[int]:
     """The lines of headers in Python fences, found by a line scan (not the parser, which may miss a fence)."""
     found, fence, language = [], None, ""
@@ -209,25 +191,24 @@ def block_body(definition: FenceTestDefinition) -> str:
 def page_blocks(text: str, path: pathlib.Path, syntax=FenceSyntax.superfences) -> list[tuple[str, FenceTestDefinition]]:
     """``(SECTION[N], block)`` for each Python block (``block.start_line`` is its fence's 1-based line);
     SECTION is the id MkDocs' toc gives the nearest heading above it, N the block's number there."""
-    headings, slugs, tokens = [], collections.Counter(), PARSER.parse(text)
+    text, parser = flatten_containers(text), MarkdownIt("commonmark")  # same lines, containers gone
+    headings, slugs, tokens = [], collections.Counter(), parser.parse(text)
     for token, inline in zip(tokens, tokens[1:]):
         if token.type == "heading_open" and token.map:
             slug = slugify(inline.content, "-") or "section"
             headings.append((token.map[0] + 1, f"{slug}_{slugs[slug]}" if slugs[slug] else slug))
             slugs[slug] += 1
     blocks, counts = [], collections.Counter()
-    for definition in extract_fence_tests(PARSER, text, 0, path, fence_syntax=syntax):
+    for definition in extract_fence_tests(parser, text, 0, path, fence_syntax=syntax):
         section = next((slug for line, slug in reversed(headings) if line < definition.start_line), "top")
         counts[section] += 1
         blocks.append((f"{section}[{counts[section]}]", definition))
     return blocks
 
 
-# -- items -----------------------------------------------------------------------------------
-
-
-class DocFailure(Exception):
-    """A failure whose message is complete as it stands (shown without a traceback)."""
+def fail(message: str):
+    """Fail the test with ``message`` alone, no traceback (pytest shows a ``pytrace=False`` failure so)."""
+    pytest.fail(message, pytrace=False)
 
 
 class DocPage(MarkdownTextFile):
@@ -251,16 +232,10 @@ class DocPage(MarkdownTextFile):
 
 
 class PageProblem(pytest.Item):
-    """Fails with ``message``, a problem of the page itself."""
+    """Fails with ``message``: a problem of the page itself."""
 
     def runtest(self) -> None:
-        raise DocFailure(self.message)
-
-    def repr_failure(self, excinfo, style=None) -> str:
-        return str(excinfo.value)
-
-    def reportinfo(self):
-        return self.path, self.line - 1, self.name
+        fail(self.message)
 
 
 class DocItem(MarkdownInlinePythonItem):
@@ -297,18 +272,15 @@ class DocItem(MarkdownInlinePythonItem):
         if self.engine:
             return None if python.exists() else (f"tool={tool} runs in the engine environment {python.parents[1]}, "
                                                  f"which is not built (`make engines` builds it from envs/{self.engine}.txt)")
-        try:
-            found = tool in ALWAYS_PRESENT_TOOLS or importlib.util.find_spec(TOOL_IMPORTS[tool]) is not None
-        except (ImportError, ValueError):
-            found = False
+        found = tool in ALWAYS_PRESENT_TOOLS or importlib.util.find_spec(TOOL_IMPORTS[tool]) is not None
         return None if found else f"tool={tool} needs `import {TOOL_IMPORTS[tool]}`, which is not installed"
 
     def runtest(self) -> None:
         if self.header_error:
-            raise DocFailure(self.header_error)
+            fail(self.header_error)
         if self.header and (missing := self._missing()):
             if ci_is_on():
-                raise DocFailure(f"{self.where}: {missing} (CI=true: every tool and engine environment must be there)")
+                fail(f"{self.where}: {missing} (CI=true: every tool and engine environment must be there)")
             raise pytest.skip.Exception(missing, _use_item_location=True)  # reported at the page line
         if self.engine:
             return self._check(self._run_in_engine())
@@ -328,24 +300,23 @@ class DocItem(MarkdownInlinePythonItem):
 
     def _check(self, namespace: dict) -> None:
         if "RESULT" not in namespace:
-            raise DocFailure(f"{self.where}: the block has a `# migration-test:` header but never binds RESULT")
+            fail(f"{self.where}: the block has a `# migration-test:` header but never binds RESULT")
         header, actual = self.header, namespace["RESULT"]
         try:
             if bool(actual == header.expected):
                 return
         except Exception:
-            raise DocFailure(f"{self.where}: RESULT is a {type(actual).__name__}, whose `==` gives no True or False; "
-                             "bind RESULT to plain values (tuples, lists, dicts, numbers, strings)") from None
+            fail(f"{self.where}: RESULT is a {type(actual).__name__}, whose `==` gives no True or False; "
+                 "bind RESULT to plain values (tuples, lists, dicts, numbers, strings)")
         want, got = (pprint.pformat(value, width=88).splitlines() for value in (header.expected, actual))
         text = f"{self.where}: RESULT != expected (tool={header.tool}, header on line {header.line})\n" + (
             f"  expected: {want[0]}\n  RESULT:   {got[0]}" if len(want) == len(got) == 1 and len(want[0] + got[0]) <= 140
             else "\n".join(["  diff (- expected, + RESULT):", *("    " + line for line in difflib.unified_diff(
                 want, got, "expected", "RESULT", lineterm="", n=2))]))
         if not self.config.getoption("update_expected"):
-            raise DocFailure(f"{text}\n  if the change is intended: pytest {self.parent.display} --update-expected")
+            fail(f"{text}\n  if the change is intended: pytest {self.parent.display} --update-expected")
         if (new := literal_repr(actual)) is None:
-            raise DocFailure(f"{text}\n  not updated: repr(RESULT) does not read back through ast.literal_eval "
-                             "as an equal value")
+            fail(f"{text}\n  not updated: repr(RESULT) does not read back through ast.literal_eval as an equal value")
         done = rewrite_expected(self.path, header, new)
         self.config.stash[_EDITS].append((done, f"{self.parent.display}:{header.line}: " + (
             f"expected={header.expected_source}  ->  expected={new}" if done else "skipped, the line changed")))
@@ -377,26 +348,19 @@ class DocItem(MarkdownInlinePythonItem):
             reply, timed_out = None, True
         if reply is None:
             close_engine(self.config)
-            raise DocFailure(f"{self.where}: " + (f"the example did not finish within {self.timeout:g} s in {self.engine}"
-                             if timed_out else f"the {self.engine} interpreter ended (exit status {engine.returncode}) "
-                             "without an answer") + "; its stack dump and output are under 'Captured stderr call'")
+            fail(f"{self.where}: " + (f"the example did not finish within {self.timeout:g} s in {self.engine}" if timed_out
+                 else f"the {self.engine} interpreter ended (exit status {engine.returncode}) without an answer")
+                 + "; its stack dump and output are under 'Captured stderr call'")
         sys.stdout.write(reply["stdout"])  # into pytest's capture, as for other blocks
         sys.stderr.write(reply["stderr"])
-        if not reply["ok"] and reply["kind"] == "result":
-            raise DocFailure(f"{self.where}: {reply['summary']}")
-        if not reply["ok"]:
-            frames = [traceback.FrameSummary(*frame[:3], line=frame[3]) for frame in reply["frames"]]
-            in_page = [i for i, frame in enumerate(frames) if frame.filename == filename]
-            at = f" (raised at line {frames[in_page[-1]].lineno})" if in_page else ""
-            raise DocFailure(f"{self.where}: {reply['summary'].splitlines()[-1]}{at}\nTraceback (most recent call "
-                             f"last):\n{''.join(traceback.format_list(frames[in_page[0] if in_page else 0 :]))}"
-                             + reply["summary"])
+        if not reply["ok"]:  # the interpreter's report, with page lines
+            fail(f"{self.where}: {reply['summary']}")
         engine.last_passed = self.test_definition
         return {"RESULT": ast.literal_eval(reply["result"])} if reply["has_result"] else {}
 
     def repr_failure(self, excinfo, style=None) -> str:
         """``docs/page.md:LINE: Error (raised at line N)``, then pytest-markdown-docs' listing and traceback."""
-        if isinstance(excinfo.value, DocFailure):
+        if isinstance(excinfo.value, pytest.fail.Exception) and not excinfo.value.pytrace:
             return str(excinfo.value)
         lines = [frame.lineno for frame in traceback.extract_tb(excinfo.tb) if frame.filename == str(self.path)]
         if isinstance(excinfo.value, SyntaxError) and excinfo.value.filename == str(self.path):
@@ -405,8 +369,6 @@ class DocItem(MarkdownInlinePythonItem):
         return f"{self.where}: {headline}{f' (raised at line {lines[-1]})' if lines else ''}\n" + super().repr_failure(
             excinfo, style)
 
-
-# -- plugin hooks ----------------------------------------------------------------------------
 
 _ENGINE = pytest.StashKey[subprocess.Popen]()  # at most one runs: a vLLM engine holds memory for its cache
 _EDITS = pytest.StashKey[list]()
@@ -434,12 +396,6 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"tool_{module}: docs blocks with tool={tools}")
     config.stash[_EDITS] = []
     config.add_cleanup(lambda: close_engine(config))
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_markdown_docs_markdown_it() -> MarkdownIt:
-    """Give pytest-markdown-docs the parser that sees fences in tabs and admonitions."""
-    return PARSER
 
 
 @pytest.hookimpl(wrapper=True)

@@ -14,7 +14,9 @@ its line numbers are the page's. Requests run one after another in one namespace
 * ``{"ok": true, "result": REPR | null, "stdout": ..., "stderr": ...}``, with ``REPR``
   the ``repr`` of ``RESULT`` when the block bound it to a value that reads back through
   :func:`ast.literal_eval` as an equal value, or
-* ``{"ok": false, "kind": "error" | "result", "summary": ..., "frames": [...], ...}``.
+* ``{"ok": false, "summary": ..., "stdout": ..., "stderr": ...}``, with ``summary`` the whole
+  report: the error (and the page line that raised it), then the traceback from the block's
+  first frame on, whose frames show the page's lines.
 
 If a block runs past its timeout, :mod:`faulthandler` writes every thread's stack to
 stderr (the harness points it at a file and reads the page line from it); the harness
@@ -65,14 +67,12 @@ def _run(request: dict, namespace: dict) -> dict:
     except BaseException as error:  # noqa: BLE001 - everything goes back to the harness
         faulthandler.cancel_dump_traceback_later()
         frames = traceback.extract_tb(error.__traceback__)[1:]  # drop this function's frame
-        return {
-            "ok": False,
-            "kind": "error",
-            "summary": "".join(traceback.format_exception_only(type(error), error)).strip(),
-            "frames": [[f.filename, f.lineno, f.name, f.line or ""] for f in frames],
-            "stdout": stdout.getvalue(),
-            "stderr": stderr.getvalue(),
-        }
+        in_page = [i for i, frame in enumerate(frames) if frame.filename == filename]
+        exception = "".join(traceback.format_exception_only(type(error), error)).strip()
+        at = f" (raised at line {frames[in_page[-1]].lineno})" if in_page else ""
+        summary = (f"{exception.splitlines()[-1]}{at}\nTraceback (most recent call last):\n"
+                   + "".join(traceback.format_list(frames[in_page[0] if in_page else 0 :])) + exception)
+        return {"ok": False, "summary": summary, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
     faulthandler.cancel_dump_traceback_later()
     reply = {"ok": True, "result": None, "has_result": "RESULT" in namespace,
              "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
@@ -80,7 +80,7 @@ def _run(request: dict, namespace: dict) -> dict:
         literal = _literal(namespace["RESULT"])
         if literal is None:
             text = repr(namespace["RESULT"])
-            return {**reply, "ok": False, "kind": "result",
+            return {**reply, "ok": False,
                     "summary": f"RESULT is a {type(namespace['RESULT']).__name__} whose repr does not read back "
                                f"through ast.literal_eval as an equal value: {text[:300]}"}
         reply["result"] = literal
