@@ -115,7 +115,7 @@ spec = importlib.util.spec_from_file_location("gen_diagrams", sys.argv[1])
 gen = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = gen
 spec.loader.exec_module(gen)
-json.dump({"hash": hash("torchlens"), "outputs": {str(p): t for p, t in gen.outputs().items()}}, sys.stdout)
+json.dump({"order": list({"GPT-2", "Llama", "eager", "sdpa"}), "outputs": {str(p): t for p, t in gen.outputs().items()}}, sys.stdout)
 """
 
 
@@ -137,8 +137,8 @@ def _render_in_fresh_processes(seeds: tuple[str, ...]) -> list[dict]:
 def test_render_is_deterministic_across_processes(fresh):
     """Two fresh interpreters with different hash seeds (so a set or a hash-ordered dict would
     iterate differently) render every file byte for byte the same, and the same as this process."""
-    first, second = _render_in_fresh_processes(("1", "2"))
-    assert first["hash"] != second["hash"], "the two processes must hash strings differently"
+    first, second = _render_in_fresh_processes(("0", "1"))
+    assert first["order"] != second["order"], "the two seeds must iterate a small set of strings differently"
     differ = sorted(p for p in first["outputs"] if first["outputs"][p] != second["outputs"].get(p))
     assert not differ and first["outputs"].keys() == second["outputs"].keys(), f"rendered differently: {differ}"
     assert first["outputs"] == {str(p): t for p, t in fresh.items()}

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -62,6 +66,66 @@ def test_render_moves_with_the_counts(gen):
     assert "| nnsight | GPT-2 | eager | `nnterp` | w | 19 | 19 | 0 | 1 |" in page
     assert "`x.{L}`" in page and "1.25e-07" not in page
     assert gen.render({**record, "runs": [{**run, "matched": 18}]}) != page
+
+
+def _varied_record(gen) -> dict:
+    """A record with every section the page renders: two engines on two families whose runs offer
+    the same names without a site (so a family list is built), intervention rows with a misplaced
+    edit, and the TransformerLens flag groups with keys of several layers."""
+    def run(engine, family, impl, matched=12):
+        return {"engine": engine, "family": family, "impl": impl, "generation": "3.x", "what": "w", "compared": 12,
+                "matched": matched, "expected": [], "mismatched": [], "from_eager_copy": ["a", "b"][: impl == "sdpa"],
+                "no_site": {f"blocks.{i}.hook_{n}": f"structurally_absent: no {n}" for i in (0, 1)
+                            for n in ("pos_embed", "mlp_in", "attn_in", "q_input")},
+                "statuses": {}, "max_abs_error": 0.0, "notes": []}
+    runs = [run(e, f, i) for e in ("nnsight", "transformer-lens") for f in ("gpt2", "llama") for i in ("eager", "sdpa")]
+    dropped = {"set_use_attn_result+set_use_hook_mlp_in": [f"blocks.{i}.{k}" for i in (1, 0)
+                                                            for k in ("hook_attn_out", "attn.hook_z", "hook_mlp_out")],
+               "set_use_attn_in": [f"blocks.{i}.attn.hook_{k}" for i in (0, 1) for k in ("q", "k", "v")]}
+    interventions = [{"engine": "vllm", "model": m, "edit": "steering vector", "site": "blocks.0.hook_resid_post",
+                      "compared": 12, "matched": 12, "logits": True, "misplaced": "blocks.0.hook_resid_pre",
+                      "caught": True, "diagnosis": "equals blocks.0.ln2.hook_in", "landed": "blocks.0.hook_mlp_out"}
+                     for m in ("Llama", "Qwen3")]
+    return {"pinned": gen.pins(), "env_pinned": gen.env_pins(), "tolerance": {"atol": 1e-6, "rtol": 1e-6},
+            "runs": runs, "interventions": interventions,
+            "transformer_lens": {"gpt2/eager": {"cache_keys": 3, "attn_after_boot": "eager", "flag_keys": {},
+                                                "flag_dropped": dropped, "flag_changed": {}, "not_in_cache": {}}}}
+
+
+_RENDER_IN_A_FRESH_PROCESS = """
+import importlib.util, json, sys
+sys.modules["engine_runs"] = type(sys)("engine_runs")  # render() needs no engine run
+spec = importlib.util.spec_from_file_location("gen_verified", sys.argv[1])
+gen = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gen)
+json.dump({"order": list({"GPT-2", "Llama", "eager", "sdpa"}), "page": gen.render(json.load(open(sys.argv[2])))}, sys.stdout)
+"""
+
+
+def _render_in_fresh_processes(record: dict, tmp_path: pathlib.Path, seeds: tuple[str, ...]) -> list[dict]:
+    """The page rendered from `record` once per seed, each in a fresh interpreter started with that
+    `PYTHONHASHSEED` (in parallel)."""
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps(record))
+    procs = [subprocess.Popen([sys.executable, "-c", _RENDER_IN_A_FRESH_PROCESS, str(REPO / "scripts" / "gen_verified.py"),
+                               str(path)], cwd=REPO, env={**os.environ, "PYTHONHASHSEED": seed},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in seeds]
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        out.append(json.loads(stdout))
+    return out
+
+
+def test_render_is_deterministic_across_processes(gen, tmp_path):
+    """Two fresh interpreters with different hash seeds render the same record byte for byte the
+    same (a set or hash-ordered dict on the way to the page would not), and the same as here."""
+    record = _varied_record(gen)
+    first, second = _render_in_fresh_processes(record, tmp_path, ("0", "1"))
+    assert first["order"] != second["order"], "the two seeds must iterate a small set of strings differently"
+    assert first["page"] == second["page"] == gen.render(record)
+    assert "(GPT-2, Llama)" in first["page"] and "### TransformerLens flag-gated hooks" in first["page"]
 
 
 def test_pins_come_from_constraints_and_the_engine_environments(gen):
