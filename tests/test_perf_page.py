@@ -11,7 +11,10 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import pathlib
+import subprocess
+import sys
 import xml.dom.minidom
 
 import pytest
@@ -79,3 +82,41 @@ def test_a_hand_written_section_after_the_marker_is_kept(gen, data, tmp_path, mo
     out = gen.outputs(run, profile)[page]
     assert out.endswith(section) and out.count(gen.APPENDED) == 1
     assert gen.write_or_check({page: out}, True, tmp_path, "") == 0
+
+
+_RENDER_IN_A_FRESH_PROCESS = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("gen_perf_page", sys.argv[1])
+gen = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gen)
+run, profile = json.load(open(sys.argv[2]))
+out = {p.name: text for p, text in gen.outputs(run, profile).items()}
+json.dump({"order": list({"GPT-2", "Llama", "eager", "sdpa"}), "outputs": out}, sys.stdout)
+"""
+
+
+def render_in_fresh_processes(data, tmp_path: pathlib.Path, seeds=("0", "1"), script: pathlib.Path = SCRIPT) -> list[dict]:
+    """The page and charts rendered from `data` once per seed, each in a fresh interpreter started
+    with that `PYTHONHASHSEED` (in parallel): {"order": how a small set iterated, "outputs": {file name: text}}."""
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(list(data)))
+    procs = [subprocess.Popen([sys.executable, "-c", _RENDER_IN_A_FRESH_PROCESS, str(script), str(path)], cwd=REPO,
+                              env={**os.environ, "PYTHONHASHSEED": seed}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for seed in seeds]
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        out.append(json.loads(stdout))
+    return out
+
+
+def test_render_is_deterministic_across_processes(gen, data, tmp_path):
+    """Two fresh interpreters with different hash seeds (which iterate a set of strings in
+    different orders, checked) render the page and every chart byte for byte the same, and the
+    same as this process."""
+    first, second = render_in_fresh_processes(data, tmp_path)
+    assert first["order"] != second["order"], "the two seeds must iterate a small set of strings differently"
+    differ = sorted(n for n in first["outputs"] if first["outputs"][n] != second["outputs"].get(n))
+    assert not differ and first["outputs"].keys() == second["outputs"].keys(), f"rendered differently: {differ}"
+    assert first["outputs"] == {p.name: text for p, text in gen.outputs(*data).items()}
