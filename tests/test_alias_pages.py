@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +22,7 @@ from torchlens.mechinterp import _resolver as resolver
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gen_alias_pages.py"
+SLUGS_EXPECTED = ("tl-2x", "tl-3x", "tl-4x", "nnterp", "interp-engine")
 
 
 def _load_script():
@@ -109,7 +113,29 @@ def test_check_reports_an_edited_unmapped_text(gen, monkeypatch, capsys, fresh_p
     assert "docs/aliases/nnterp.md" in capsys.readouterr().out
 
 
-def test_render_is_deterministic(gen):
-    traces = gen.reference_traces()
-    page = gen.PAGES / "nnterp.md"
-    assert gen.render(page, "nnterp", traces) == gen.render(page, "nnterp", gen.reference_traces())
+_RENDER_ALL = """
+import hashlib, importlib.util, sys
+spec = importlib.util.spec_from_file_location("gen_alias_pages", sys.argv[1])
+gen = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gen)
+traces = gen.reference_traces()
+for generation, slug in gen.SLUGS.items():
+    text = gen.render(gen.PAGES / f"{slug}.md", generation, traces)
+    print(slug, hashlib.sha256(text.encode()).hexdigest())
+"""
+
+
+def _render_in_subprocess(hash_seed: str) -> str:
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+    done = subprocess.run([sys.executable, "-c", _RENDER_ALL, str(SCRIPT)], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_render_is_deterministic_across_processes():
+    """Two fresh interpreters with different string-hash seeds render every page alike (set or dict
+    order that depended on hashing, or state left by an earlier render in one process, would show)."""
+    first, second = _render_in_subprocess("1"), _render_in_subprocess("2")
+    assert len(first.splitlines()) == len(SLUGS_EXPECTED)
+    assert first == second

@@ -11,6 +11,7 @@ per module so the file runs in a few seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -102,18 +103,43 @@ def traced(family: str, n_layers: int = 2, attn: str = "sdpa", perturb: bool = F
 # -- report counts -----------------------------------------------------------------------------
 
 
-def expected_count(generation: str, n_layers: int) -> int:
-    """The report's length implied by the table's structure."""
-    table = mi.GENERATIONS[generation]
-    total = 0
-    for row in table.rows:
-        if not row.in_report:
-            continue
-        if row.per_layer and not (table.absent_once and row.facet is None):
-            total += n_layers
+#: The report's length on a single-stack decoder with L layers, `a * L + b`, counted by hand from
+#: the table sources (each name with `{L}` counts once per layer, each other name once), not with
+#: the resolver's logic or the tables' flags:
+#: - 2.x: 35 `blocks.{L}.` names; hook_tokens, hook_embed, hook_pos_embed, ln_final.hook_scale and
+#:   ln_final.hook_normalized;
+#: - 3.x: the 4.x names (43 + 14), 16 per-layer 2.x aliases, and hook_pos_embed, hook_embed, hook_unembed;
+#: - 4.x: 43 `blocks.{L}.` names; embed.*, pos_embed.*, rotary_emb.* (4), ln_final.* (4), unembed.* (2);
+#: - nnterp: 7 per-layer accessors; input_ids, token_embeddings, embed_tokens.output, logits, lm_head.output;
+#: - interp-engine: 14 per-layer points with a site; 17 per-layer points without one, listed once
+#:   without a layer (interp-engine refuses them whatever the layer); embeddings, final_norm, lm_head.
+REPORT_LENGTH = {"2.x": (35, 5), "3.x": (59, 17), "4.x": (43, 14), "nnterp": (7, 5), "interp-engine": (14, 20)}
+#: Per-layer names a report lists once, without a layer (interp-engine's points without a site).
+LISTED_ONCE = {"2.x": 0, "3.x": 0, "4.x": 0, "nnterp": 0, "interp-engine": 17}
+
+
+def check_report(report, generation: str, n_layers: int) -> None:
+    """Assert what a report of `generation` on a decoder with `n_layers` layers must hold, from the
+    literals above and the names' own text (a `{L}` in the pattern)."""
+    a, b = REPORT_LENGTH[generation]
+    assert len(report) == a * n_layers + b, (generation, len(report), a * n_layers + b)
+    by_pattern = defaultdict(list)
+    for r in report:
+        by_pattern[r.pattern].append(r)
+        if r.layer is not None:
+            assert r.query == r.pattern.replace("{L}", str(r.layer)), r
         else:
-            total += 1
-    return total
+            assert "{L}" not in r.query, r
+    once = 0
+    for pattern, mine in by_pattern.items():
+        layers = [r.layer for r in mine]
+        if "{L}" not in pattern or layers == [None]:
+            assert layers == [None], (pattern, layers)
+            once += "{L}" in pattern
+        else:
+            assert layers == list(range(n_layers)), (pattern, layers)
+    assert once == LISTED_ONCE[generation], (generation, once)
+    assert len({r.query for r in report}) == len(report), "report queries must be unique"
 
 
 CASES = [("gpt2", 2, "sdpa"), ("gpt2", 2, "eager"), ("gpt2", 3, "sdpa"), ("llama", 2, "sdpa"), ("llama", 2, "eager")]
@@ -126,21 +152,49 @@ def test_report_count_follows_the_table(family, n_layers, attn, generation):
     assert len(trace.blocks) == n_layers
     report = mi.alias_report(trace, generation=generation)
     assert isinstance(report, mi.AliasReport)
-    assert len(report) == expected_count(generation, n_layers)
+    check_report(report, generation, n_layers)
     assert all(isinstance(r, AliasResolution) and r.generation == generation for r in report)
-    assert len({r.query for r in report}) == len(report), "report queries must be unique"
     assert sum(report.counts().values()) == len(report)
     assert set(report.counts()) <= set(mi.STATUSES)
-    table = mi.GENERATIONS[generation]
-    for row in table.rows:
-        mine = [r for r in report if r.pattern == row.name]
-        if row.per_layer and not (table.absent_once and row.facet is None):
-            assert [r.layer for r in mine] == list(range(n_layers))
-            assert [r.query for r in mine] == [row.name.replace("{L}", str(i)) for i in range(n_layers)]
-        else:
-            assert len(mine) == 1 and mine[0].layer is None
-        if row.facet is None:
-            assert all(r.status == "structurally_absent" and r.module_address is None for r in mine)
+    for r in report:
+        if r.facet is None:
+            assert r.status == "structurally_absent" and r.module_address is None, r
+
+
+@pytest.fixture
+def fresh_patterns():
+    resolver._compiled.cache_clear()
+    yield
+    resolver._compiled.cache_clear()
+
+
+def _planted_absent_once(monkeypatch):
+    """A table-flag bug: 4.x lists its names without a site once, as interp-engine does."""
+    monkeypatch.setitem(mi.GENERATIONS, "4.x", dataclasses.replace(mi.GENERATIONS["4.x"], absent_once=True))
+    return "4.x"
+
+
+def _planted_layer_count(monkeypatch):
+    """A resolver bug: per-layer names count one layer too few."""
+    real = resolver._n_layers
+    monkeypatch.setattr(resolver, "_n_layers", lambda trace, row=None: max(real(trace, row) - 1, 0))
+    return "2.x"
+
+
+def _planted_in_report(monkeypatch):
+    """A table-data bug: one 4.x row dropped from the report (in_report flipped)."""
+    table = mi.GENERATIONS["4.x"]
+    rows = tuple(dataclasses.replace(r, in_report=False) if r.name == "blocks.{L}.hook_out" else r for r in table.rows)
+    monkeypatch.setitem(mi.GENERATIONS, "4.x", dataclasses.replace(table, rows=rows))
+    return "4.x"
+
+
+@pytest.mark.parametrize("plant", [_planted_absent_once, _planted_layer_count, _planted_in_report])
+def test_report_check_fails_on_a_planted_bug(plant, monkeypatch, fresh_patterns):
+    _, trace = traced("gpt2", 2, "sdpa")
+    generation = plant(monkeypatch)
+    with pytest.raises(AssertionError):
+        check_report(mi.alias_report(trace, generation=generation), generation, 2)
 
 
 @pytest.mark.parametrize("family,n_layers,attn", CASES)
@@ -1173,3 +1227,30 @@ def test_oracle_is_not_vacuous():
     assert expected_sites("path.transformer.wpe") == {("transformer.wpe", "output")}
     assert expected_sites("blocks.0.hook_resid_post") == {("transformer.h.0", "resid_post")}
     assert expected_sites("ln_final.output") is None
+
+
+# -- the final norm: one rule, on the bare model as on the LM-head model ---------------------------
+
+
+@pytest.mark.parametrize("cls", [transformers.GPT2Model, transformers.GPT2LMHeadModel])
+def test_final_norm_is_found_with_and_without_the_lm_head(cls):
+    """`ln_final.hook_in/out`, the root's `final_norm_input` and the `final_norm` target read the
+    same norm on GPT2Model (no unembedding) as on GPT2LMHeadModel; ground truth is a plain
+    forward hook on `ln_f`, the module named by hand."""
+    torch.manual_seed(0)
+    model = cls(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                        bos_token_id=0, eos_token_id=0)).eval()
+    ln_f = model.ln_f if cls is transformers.GPT2Model else model.transformer.ln_f
+    seen = {}
+    handle = ln_f.register_forward_hook(lambda m, args, out: seen.update(x=args[0].detach().clone(), y=out.detach().clone()))
+    with torch.no_grad():
+        model(IDS)
+    handle.remove()
+    trace = tl.trace(model, IDS)
+    address = "ln_f" if cls is transformers.GPT2Model else "transformer.ln_f"
+    r_in = mi.resolve_alias(trace, "ln_final.hook_in", generation="4.x")
+    r_out = mi.resolve_alias(trace, "ln_final.hook_out", generation="4.x")
+    assert (r_in.status, r_in.module_address) == ("real", address)
+    assert torch.equal(r_in.tensor, seen["x"]) and torch.equal(r_out.tensor, seen["y"])
+    assert torch.equal(trace.modules[""].facets["final_norm_input"], seen["x"])
+    assert trace.structure.final_norm.address == address
