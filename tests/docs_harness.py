@@ -1,16 +1,13 @@
 """Run every Python block of the documentation as a pytest test (``-p docs_harness``).
 
-Built on pytest-markdown-docs (``--markdown-docs``, its fence extraction, which joins a
-``{.python continuation}`` block to the ones before it, its item, runner and failure listing), with
-time limits from pytest-timeout (ini ``doc_example_timeout``, or the header's ``timeout=``) and output
-in pytest's capture. Added here: fences in Material tabs and admonitions are collected; a block whose
-first line is ``# migration-test: tool=NAME expected=LITERAL`` must bind ``RESULT`` equal to
-``LITERAL`` (read by :func:`ast.literal_eval`), and ``--update-expected`` rewrites a stale literal in
-place; failures start with ``docs/page.md:LINE``; ``tool=`` is a marker (``-m tool_nnsight``), and a
-missing tool skips the block, or fails it when ``CI`` is true; tools in :data:`ENGINE_ENVIRONMENTS` run
-in ``.venv-engines/NAME/bin/python`` through ``tests/engine_block_runner.py``, a continuation block in
-the same process; a header that is not collected fails the page; test ids are
-``docs/page.md::SECTION[N]`` (the heading above, the block's number under it).
+On pytest-markdown-docs (``--markdown-docs``; its fence extraction, which joins a ``{.python
+continuation}`` block to the ones before it; its item, runner and failure listing), pytest-timeout
+(ini ``doc_example_timeout``, or a header's ``timeout=``) and pytest's capture, this adds: blocks in
+Material tabs and admonitions; ``# migration-test: tool=NAME expected=LITERAL`` first lines, whose
+block must bind ``RESULT`` equal to the literal (read by :func:`ast.literal_eval`), rewritten by
+``--update-expected``; ``docs/page.md:LINE`` failures; ``tool_*`` markers, a missing tool skipped (failed
+under ``CI``); blocks of :data:`ENGINE_ENVIRONMENTS` run in ``.venv-engines/NAME/bin/python`` by
+``tests/engine_block_runner.py``; a failure for a header not collected; ids ``docs/page.md::SECTION[N]``.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ import ast
 import asyncio
 import collections
 import difflib
+import functools
 import importlib.util
 import json
 import linecache
@@ -47,7 +45,6 @@ TOOL_IMPORTS = {"torchlens": "torchlens", "nnsight": "nnsight", "nnterp": "nnter
 ENGINE_ENVIRONMENTS = {"vllm": "vllm", "nnterp": "nnterp", "transformer-lens-2": "transformer-lens-2"}
 ENGINE_BLOCK_RUNNER = pathlib.Path(__file__).with_name("engine_block_runner.py")
 ALWAYS_PRESENT_TOOLS = frozenset({"torchlens"})  #: never skipped: missing, the block fails
-PYTHON_LANGUAGES = frozenset({"py", "python", "python3"})
 
 
 def ci_is_on() -> bool:
@@ -67,53 +64,45 @@ _TRAILING_TIMEOUT = re.compile(r"\s(timeout=[0-9.]+)\s*$")
 Header = collections.namedtuple("Header", "line tool expected_source expected timeout")  # line: 1-based, in the page
 
 
-class HeaderError(ValueError):
-    """A ``# migration-test:`` line that cannot be read."""
-
-
 def parse_header(text: str, line: int) -> Header:
-    """Parse ``# migration-test: tool=NAME [timeout=SECONDS] expected=LITERAL``; raise :class:`HeaderError`.
+    """Parse ``# migration-test: tool=NAME [timeout=SECONDS] expected=LITERAL``; raise ValueError saying what is wrong.
 
     >>> parse_header("# migration-test: tool=nnsight expected=(1, 'a') timeout=9", 7)
     Header(line=7, tool='nnsight', expected_source="(1, 'a')", expected=(1, 'a'), timeout=9.0)
     """
     match = _HEADER.match(text)
     if match is None or not match["colon"]:
-        raise HeaderError("write the header as `# migration-test: tool=NAME expected=LITERAL`")
+        raise ValueError("write the header as `# migration-test: tool=NAME expected=LITERAL`")
     if (found := _EXPECTED.search(match["body"])) is None:
-        raise HeaderError("the header has no `expected=LITERAL` (it must come last)")
+        raise ValueError("the header has no `expected=LITERAL` (it must come last)")
     fields, source = match["body"][: found.start()], match["body"][found.end() :].strip()
     if trailing := _TRAILING_TIMEOUT.search(source):  # `expected=LITERAL timeout=N` is accepted too
         fields, source = fields + " " + trailing[1], source[: trailing.start()].strip()
-    options: dict[str, str] = {}
-    for word in fields.split():
-        key, _, value = word.partition("=")
-        if key not in ("tool", "timeout") or not value or key in options:
-            raise HeaderError(f"unknown or repeated header field `{word}` (known: tool=NAME, timeout=SECONDS, "
-                              "then expected=LITERAL last)")
-        options[key] = value
+    options = dict(word.partition("=")[::2] for word in fields.split())
+    if len(options) < len(fields.split()) or set(options) - {"tool", "timeout"} or not all(options.values()):
+        raise ValueError(f"the fields before expected= must be tool=NAME and timeout=SECONDS, each at most once, "
+                         f"not `{fields.strip()}`")
     if (tool := options.get("tool")) not in TOOL_IMPORTS:
         close = difflib.get_close_matches(tool or "", TOOL_IMPORTS, n=2)
-        raise HeaderError("the header has no `tool=NAME`" if tool is None else f"unknown tool `{tool}`"
+        raise ValueError("the header has no `tool=NAME`" if tool is None else f"unknown tool `{tool}`"
                           f"{f' (did you mean {close}?)' if close else ''}; known: {', '.join(sorted(TOOL_IMPORTS))}; "
                           "a new one goes into TOOL_IMPORTS in tests/docs_harness.py")
     timeout = options.get("timeout")
     if timeout is not None and (not re.fullmatch(r"\d*\.?\d+", timeout) or float(timeout) <= 0):
-        raise HeaderError(f"timeout=`{timeout}` is not a positive number of seconds")
+        raise ValueError(f"timeout=`{timeout}` is not a positive number of seconds")
     try:
         return Header(line, tool, source, ast.literal_eval(source), timeout and float(timeout))
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as error:
         node = re.search(r"<ast\.(\w+) object", str(error))
-        raise HeaderError(f"expected= is not a Python literal: {source!r} ("
+        raise ValueError(f"expected= is not a Python literal: {source!r} ("
                           f"{f'it contains an ast.{node[1]}' if node else f'{type(error).__name__}: {error}'}); use "
                           "numbers, strings, bytes, True/False/None, tuples, lists, dicts or sets") from None
 
 
 def literal_repr(value: object) -> str | None:
     """``repr(value)`` if it reads back through :func:`ast.literal_eval` as an equal value of the same type."""
-    source = repr(value)
     try:
-        again = ast.literal_eval(source)
+        again, source = ast.literal_eval(repr(value)), repr(value)
         return source if "\n" not in source and type(again) is type(value) and bool(again == value) else None
     except Exception:
         return None
@@ -178,7 +167,7 @@ def scan_python_headers(text: str) -> list[int]:
             fence, language = match["fence"], (parse_superfences_block_info(match["info"]) or [""])[0].lower()
         elif fence is not None and _fence_closes(line, fence):
             fence = None
-        elif fence is not None and language in PYTHON_LANGUAGES and _HEADER.match(line):
+        elif fence is not None and language in ("py", "python", "python3") and _HEADER.match(line):
             found.append(number)
     return found
 
@@ -189,8 +178,7 @@ def block_body(definition: FenceTestDefinition) -> str:
 
 
 def page_blocks(text: str, path: pathlib.Path, syntax=FenceSyntax.superfences) -> list[tuple[str, FenceTestDefinition]]:
-    """``(SECTION[N], block)`` for each Python block (``block.start_line`` is its fence's 1-based line);
-    SECTION is the id MkDocs' toc gives the nearest heading above it, N the block's number there."""
+    """``(SECTION[N], block)`` per block: SECTION is MkDocs' toc id of the heading above, N the block's number there."""
     text, parser = flatten_containers(text), MarkdownIt("commonmark")  # same lines, containers gone
     headings, slugs, tokens = [], collections.Counter(), parser.parse(text)
     for token, inline in zip(tokens, tokens[1:]):
@@ -206,9 +194,7 @@ def page_blocks(text: str, path: pathlib.Path, syntax=FenceSyntax.superfences) -
     return blocks
 
 
-def fail(message: str):
-    """Fail the test with ``message`` alone, no traceback (pytest shows a ``pytrace=False`` failure so)."""
-    pytest.fail(message, pytrace=False)
+fail = functools.partial(pytest.fail, pytrace=False)  # the test fails with the message alone, no traceback
 
 
 class DocPage(MarkdownTextFile):
@@ -252,7 +238,7 @@ class DocItem(MarkdownInlinePythonItem):
             self.header_line = self.line + 1 + first[0]
             try:
                 self.header = parse_header(first[1], self.header_line)
-            except HeaderError as error:
+            except ValueError as error:
                 self.header_error = (f"{self.where}: malformed `# migration-test:` header (line {self.header_line}): "
                                      f"{error}\n    {first[1].strip()}")
         self.engine = ENGINE_ENVIRONMENTS.get(self.header.tool) if self.header else None
@@ -269,11 +255,12 @@ class DocItem(MarkdownInlinePythonItem):
     def _missing(self) -> str | None:
         """Why the block's tool or engine environment is not there, or None."""
         tool, python = self.header.tool, engine_python(self.config.rootpath, self.engine or "")
-        if self.engine:
-            return None if python.exists() else (f"tool={tool} runs in the engine environment {python.parents[1]}, "
-                                                 f"which is not built (`make engines` builds it from envs/{self.engine}.txt)")
-        found = tool in ALWAYS_PRESENT_TOOLS or importlib.util.find_spec(TOOL_IMPORTS[tool]) is not None
-        return None if found else f"tool={tool} needs `import {TOOL_IMPORTS[tool]}`, which is not installed"
+        if self.engine and not python.exists():
+            return (f"tool={tool} runs in the engine environment {python.parents[1]}, which is not built "
+                    f"(`make engines` builds it from envs/{self.engine}.txt)")
+        if not self.engine and tool not in ALWAYS_PRESENT_TOOLS and importlib.util.find_spec(TOOL_IMPORTS[tool]) is None:
+            return f"tool={tool} needs `import {TOOL_IMPORTS[tool]}`, which is not installed"
+        return None
 
     def runtest(self) -> None:
         if self.header_error:
@@ -287,9 +274,7 @@ class DocItem(MarkdownInlinePythonItem):
         namespace = types.ModuleType("docs_example").__dict__
         for extra in self.config.hook.pytest_markdown_docs_globals():
             namespace.update(extra)
-        for fixture_name in self._fixtureinfo.names_closure:  # `fixture:NAME` fence options
-            self.fixture_request.getfixturevalue(fixture_name)
-        namespace.update(self.funcargs)
+        namespace.update(self.funcargs)  # `fixture:NAME` fence options, filled by pytest-markdown-docs' setup
         # Tracebacks, inspect.getsource and tools that read their caller's source (nnsight) get the
         # block's code at its page lines, not the page's Markdown.
         source, filename = self.test_definition.source, str(self.path)
@@ -309,10 +294,10 @@ class DocItem(MarkdownInlinePythonItem):
             fail(f"{self.where}: RESULT is a {type(actual).__name__}, whose `==` gives no True or False; "
                  "bind RESULT to plain values (tuples, lists, dicts, numbers, strings)")
         want, got = (pprint.pformat(value, width=88).splitlines() for value in (header.expected, actual))
+        short = len(want) == len(got) == 1 and len(want[0] + got[0]) <= 140
         text = f"{self.where}: RESULT != expected (tool={header.tool}, header on line {header.line})\n" + (
-            f"  expected: {want[0]}\n  RESULT:   {got[0]}" if len(want) == len(got) == 1 and len(want[0] + got[0]) <= 140
-            else "\n".join(["  diff (- expected, + RESULT):", *("    " + line for line in difflib.unified_diff(
-                want, got, "expected", "RESULT", lineterm="", n=2))]))
+            f"  expected: {want[0]}\n  RESULT:   {got[0]}" if short else "\n".join(["  diff (- expected, + RESULT):", *(
+                "    " + line for line in difflib.unified_diff(want, got, "expected", "RESULT", lineterm="", n=2))]))
         if not self.config.getoption("update_expected"):
             fail(f"{text}\n  if the change is intended: pytest {self.parent.display} --update-expected")
         if (new := literal_repr(actual)) is None:
@@ -322,35 +307,29 @@ class DocItem(MarkdownInlinePythonItem):
             f"expected={header.expected_source}  ->  expected={new}" if done else "skipped, the line changed")))
 
     def _run_in_engine(self) -> dict:
-        """Run the block in its engine environment's interpreter; return ``{"RESULT": value}`` or ``{}``.
-
-        The interpreter's stderr is this process's, so pytest's capture holds what it writes.
-        """
+        """Run the block in its engine's interpreter (its stderr is ours, so in pytest's capture); return its RESULT."""
         filename, engine = str(self.path), self.config.stash.get(_ENGINE, None)
-        if self.continues and engine and engine.page == filename and engine.last_passed is self.previous:
+        if self.continues and engine and engine.last_passed is self.previous:
             source = "\n" * self.line + self.body  # the blocks it continues ran there
         else:  # run afresh, a continuation block brings the blocks it continues
             close_engine(self.config)
-            env = {key: value for key, value in os.environ.items() if key not in ("VIRTUAL_ENV", "PYTHONHOME")}
-            env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
-                filter(None, [str(self.config.rootpath / "src"), env.get("PYTHONPATH")])))
-            engine = self.config.stash[_ENGINE] = subprocess.Popen(
+            engine = self.config.stash[_ENGINE] = subprocess.Popen(  # the runner imports src/ first, from cwd
                 [engine_python(self.config.rootpath, self.engine), ENGINE_BLOCK_RUNNER], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, cwd=self.config.rootpath, env=env, text=True, encoding="utf-8")
-            engine.page, engine.last_passed, source = filename, None, self.test_definition.source
+                stdout=subprocess.PIPE, cwd=self.config.rootpath, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                text=True, encoding="utf-8")
+            engine.last_passed, source = None, self.test_definition.source
         try:
             engine.stdin.write(json.dumps({"source": source, "filename": filename, "timeout": self.timeout}) + "\n")
             engine.stdin.flush()
             reply, timed_out = json.loads(engine.stdout.readline() or "null"), False
-        except OSError:  # the interpreter has ended
-            reply, timed_out = None, False
-        except pytest.fail.Exception:  # pytest-timeout's alarm: the interpreter has dumped its stacks by now
-            reply, timed_out = None, True
+        except (OSError, pytest.fail.Exception) as error:  # it ended, or pytest-timeout's alarm (after its stack dump)
+            reply, timed_out = None, isinstance(error, pytest.fail.Exception)
         if reply is None:
             close_engine(self.config)
-            fail(f"{self.where}: " + (f"the example did not finish within {self.timeout:g} s in {self.engine}" if timed_out
-                 else f"the {self.engine} interpreter ended (exit status {engine.returncode}) without an answer")
-                 + "; its stack dump and output are under 'Captured stderr call'")
+            fail(f"{self.where}: " + (f"the example did not finish within {self.timeout:g} s in {self.engine}"
+                                      if timed_out else f"the {self.engine} interpreter ended (exit status "
+                                      f"{engine.returncode}) without an answer") + "; its stack dump and output are "
+                 "under 'Captured stderr call'")
         sys.stdout.write(reply["stdout"])  # into pytest's capture, as for other blocks
         sys.stderr.write(reply["stderr"])
         if not reply["ok"]:  # the interpreter's report, with page lines
@@ -363,8 +342,6 @@ class DocItem(MarkdownInlinePythonItem):
         if isinstance(excinfo.value, pytest.fail.Exception) and not excinfo.value.pytrace:
             return str(excinfo.value)
         lines = [frame.lineno for frame in traceback.extract_tb(excinfo.tb) if frame.filename == str(self.path)]
-        if isinstance(excinfo.value, SyntaxError) and excinfo.value.filename == str(self.path):
-            lines.append(excinfo.value.lineno)
         headline = traceback.format_exception_only(excinfo.type, excinfo.value)[-1].strip()
         return f"{self.where}: {headline}{f' (raised at line {lines[-1]})' if lines else ''}\n" + super().repr_failure(
             excinfo, style)
@@ -383,17 +360,15 @@ def close_engine(config: pytest.Config) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.getgroup("docs_harness", "TorchLens documentation examples").addoption(
-        "--update-expected", action="store_true", default=False, dest="update_expected",
-        help="rewrite stale `expected=` literals of `# migration-test:` blocks in place")
+    parser.addoption("--update-expected", action="store_true",
+                     help="rewrite stale `expected=` literals of `# migration-test:` docs blocks in place")
     parser.addini("doc_example_timeout", "seconds one docs block may run (default 300)", default="300")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "migration_test: a docs block with a `# migration-test:` header")
     for module in sorted(set(TOOL_IMPORTS.values())):
-        tools = ", ".join(sorted(tool for tool, imported in TOOL_IMPORTS.items() if imported == module))
-        config.addinivalue_line("markers", f"tool_{module}: docs blocks with tool={tools}")
+        config.addinivalue_line("markers", f"tool_{module}: docs blocks whose tool= needs `import {module}`")
     config.stash[_EDITS] = []
     config.add_cleanup(lambda: close_engine(config))
 
@@ -418,7 +393,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if config.getoption("update_expected"):
         edits = config.stash[_EDITS]
         terminalreporter.section("docs harness: --update-expected")
-        terminalreporter.write_line(f"rewrote {sum(done for done, _ in edits)} expected= literal(s):" if edits
+        terminalreporter.write_line("\n  ".join([f"rewrote {sum(done for done, _ in edits)} expected= literal(s):",
+                                                 *(line for _, line in edits)]) if edits
                                     else "no expected= literal needed rewriting")
-        for _, line in edits:
-            terminalreporter.write_line("  " + line)

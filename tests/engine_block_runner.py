@@ -90,6 +90,7 @@ def _run(request: dict, namespace: dict) -> dict:
 def main() -> int:
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")  # the replies
     os.dup2(2, 1)  # everything else the process writes to fd 1 joins its stderr
+    sys.path.insert(0, os.path.join(os.getcwd(), "src"))  # the harness starts it in the repository root
     namespace = types.ModuleType("docs_example").__dict__
     for line in sys.stdin:
         if not line.strip():
