@@ -14,7 +14,10 @@ Every test states what must hold whatever the model does:
   GPT-2-small-shaped model do not grow the process.
 
 Ground truth comes from plain forwards and plain PyTorch hooks, never from TorchLens. The models
-are tiny random-init ones (`tests/_models.py`), except the GPT-2-small-shaped memory model.
+are tiny random-init ones (`torchlens.testing`, through `tests/_models.py`), except the
+GPT-2-small-shaped memory model.
+
+Tests internals: `torchlens._ops`'s op-classification cache (that it stays bounded).
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ from torchlens import (
     CaptureError,
     FacetNotFound,
     ModuleNotFoundInTrace,
+    Ref,
     SaveSpecError,
     TorchLensError,
 )
-from torchlens._records import Ref
 
 _module_mod = torch.nn.modules.module
 _GLOBAL_HOOK_DICTS = (
@@ -879,6 +882,70 @@ def test_compiled_stance_restored_after_a_raising_and_a_nested_trace():
     assert_nothing_left(model)
 
 
+class _WaitsForAnotherThread(nn.Module):
+    """A forward that, halfway through, lets another thread run and waits until it is done."""
+
+    def __init__(self, inside: threading.Event, done: threading.Event, fail: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 3)
+        self.inside, self.done, self.fail = inside, done, fail
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.inside.set()
+        assert self.done.wait(60), "the other thread never ran"
+        if self.fail:
+            raise _Boom("after the other thread ran")
+        return h + 1
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["returns", "raises"])
+def test_compiled_code_in_another_thread_runs_eagerly_during_a_trace(fail):
+    """The compiler stance is process-wide (torch keeps it in one module global, read by every
+    compiled call from any thread; no per-thread stance exists in torch 2.13), so while a trace
+    runs, a compiled function called from another thread runs its eager Python: right values, no
+    compiled graph, not recorded in the trace. When the trace ends, also by raising, the stance
+    is back and the function runs compiled again, without recompiling."""
+    backend = _CountingBackend()
+    fn = torch.compile(_scaled_sin, backend=backend)
+    x = torch.ones(2, 3)
+    expected = _scaled_sin(x)
+    fn(x)
+    compiled, runs = backend.compiled, backend.runs
+    assert (compiled, runs) == (1, 1)
+    inside, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def other_thread():
+        assert inside.wait(60)
+        try:
+            seen["out"] = fn(x)
+            seen["counts"] = (backend.compiled, backend.runs)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    model = _WaitsForAnotherThread(inside, done, fail)
+    try:
+        if fail:
+            with pytest.raises(_Boom):
+                torchlens.trace(model, x)
+        else:
+            tr = torchlens.trace(model, x)
+            names = [op.name for op in tr.ops]
+            assert "linear" in names and "sin" not in names  # the other thread's ops are not this trace's
+    finally:
+        done.set()
+        worker.join(60)
+    assert seen["counts"] == (compiled, runs), "during the trace the other thread ran the compiled graph"
+    torch.testing.assert_close(seen["out"], expected)
+    fn(x)
+    assert (backend.compiled, backend.runs) == (compiled, runs + 1)  # compiled again after the trace
+    assert_nothing_left(model)
+
+
 def test_compiled_module_whose_ops_stay_hidden_raises_capture_error():
     """Where compiled code runs without the capture seeing it (the stance cannot be set), the
     trace is refused instead of having a hole. Simulated by an in-place-compiled module whose
@@ -1133,3 +1200,28 @@ def test_repeated_traces_do_not_grow_rss(gpt2_small):
     grown = _rss_mb() - before
     # a leaked trace per cycle would add ~3 * one_trace_mb
     assert grown < max(48.0, 0.25 * one_trace_mb), f"RSS grew {grown:.0f} MB over 3 traces of {one_trace_mb:.0f} MB"
+
+
+def test_op_classification_cache_stays_bounded():
+    """A process that meets ever new callables (a model re-created per request, a lambda per
+    call) must not grow the op-classification cache without bound: after 10,000 fresh callables
+    it holds at most its 4,096 entries, the first callables are no longer kept alive by it, and
+    every answer is still right (name with one leading underscore removed; `name_` in place)."""
+    from torchlens import _ops
+
+    first = []
+    for i in range(10_000):
+        def fn(*args):
+            return None
+        fn.__name__ = [f"_op{i}", f"op{i}_", "size"][i % 3]
+        if i < 10:
+            first.append(weakref.ref(fn))
+        name, kind = _ops.classify(fn)
+        expected = [(f"op{i}", _ops.PLAIN), (f"op{i}_", _ops.INPLACE), ("size", _ops.SKIP)][i % 3]
+        assert (name, kind) == expected, (fn.__name__, name, kind)
+        del fn
+    gc.collect()
+    assert all(ref() is None for ref in first), "the cache keeps the first callables alive"
+    info = _ops._cached.cache_info()
+    assert info.maxsize == 4096 and info.currsize <= 4096, info
+    assert _ops.classify(torch.Tensor.add_) == ("add_", _ops.INPLACE)

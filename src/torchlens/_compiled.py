@@ -18,12 +18,21 @@ class CompiledRunsEagerly:
     """While at least one trace runs, `torch.compile`d code runs its eager Python instead.
 
     A compiled module or function would otherwise run a graph that TorchLens's hooks and torch
-    function mode cannot see into (or fail to compile with them, under `fullgraph=True`). The
-    compiler's stance is process-wide, so the first trace to start sets `force_eager` and the
-    last to finish restores whatever stance was set before; a counter under a lock keeps
-    concurrent and nested traces from restoring it early. Without `torch.compiler.set_stance`
-    (torch < 2.6) this does nothing, and `check_compiled` reports a compiled module whose ops
-    the trace missed.
+    function mode cannot see into (or fail to compile with them, under `fullgraph=True`).
+
+    The stance cannot be scoped to the tracing thread: torch (checked on 2.13) keeps it in one
+    module global (`torch._dynamo.eval_frame._stance`, swapped by `set_stance`) that every
+    compiled call reads on entry, from any thread, and a compiled function sets its own frame
+    callback, so no thread-local disabling reaches inside it. The consequence, which
+    `tests/test_reliability.py` checks: while any trace runs, compiled code called from *other*
+    threads runs its eager Python too (same values, no compiled graph, not recorded in the
+    trace); when the last trace ends, also by raising, the stance that was set before is back
+    and compiled code runs compiled again, without recompiling.
+
+    So the first trace to start sets `force_eager` and the last to finish restores whatever
+    stance was set before; a counter under a lock keeps concurrent and nested traces from
+    restoring it early. Without `torch.compiler.set_stance` (torch < 2.6) this does nothing, and
+    `check_compiled` reports a compiled module whose ops the trace missed.
     """
 
     _lock = threading.Lock()
