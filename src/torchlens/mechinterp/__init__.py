@@ -4,7 +4,8 @@
 - [`alias_report`][torchlens.mechinterp.alias_report]`(trace, generation=...)`: every name of a
   generation, instantiated on a trace, with an honest status.
 - `GENERATIONS`: the tables, one per naming generation (`"2.x"`, `"3.x"`, `"4.x"`, `"nnterp"`,
-  `"interp-engine"`).
+  `"interp-engine"`). A `Table` is checked against the facet specification and the targets
+  when it is built; a bad row raises `TableError`.
 - [`compare`][torchlens.mechinterp.compare]`(trace, {name: tensor})`: check another
   engine's tensors against the trace, converting layouts, with a hint for each mismatch. It
   returns a [`ComparisonReport`][torchlens.mechinterp.ComparisonReport]; `tolerance=` errors
@@ -29,7 +30,7 @@ from ._resolver import (
     resolve_alias,
     table,
 )
-from ._tables import Row, Table
+from ._tables import Row, Table, TableError
 
 __all__ = [
     "resolve_alias",
@@ -46,6 +47,7 @@ __all__ = [
     "STATUSES",
     "Row",
     "Table",
+    "TableError",
     "AliasError",
     "UnknownAlias",
     "UnknownGeneration",
