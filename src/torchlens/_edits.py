@@ -33,25 +33,13 @@ import torch
 from torch import Tensor
 
 from ._errors import EditSpecError, NotEditable
+from ._facet_spec import HOOK_SIDES, REMEDIES
 
 __all__ = ["EditPlan", "EditRecord", "plan_edits"]
 
-#: Facets replaced by the module hooks: facet -> which side of the call ("in" or "out").
-_HOOK_FACETS = {"input": "in", "resid_pre": "in", "indices": "in", "output": "out", "resid_post": "out"}
-
-#: Why a non-real facet cannot be edited, and what to edit instead.
-_REMEDIES = {
-    "scores": "trace a copy of the model loaded with attn_implementation=\"eager\", where the scores are the "
-    "softmax's input (a real op)",
-    "pattern": "trace a copy of the model loaded with attn_implementation=\"eager\", where the pattern is the "
-    "softmax's output (a real op)",
-    "result": "edit 'z' instead: a head's result is its slice of z times its rows of W_O, so zeroing z[:, h] "
-    "removes head h's contribution",
-    "normalized": "edit the norm's 'output' (or its 'input')",
-    "inv_rms": "edit the norm's 'input' or 'output'",
-    "inv_std": "edit the norm's 'input' or 'output'",
-    "scale": "edit the norm's 'input' or 'output'",
-}
+#: Facets served by a module's hooks (facet -> 'in'/'out') and what to edit instead of a facet no
+#: single op produces: both from the facet rows (`torchlens._facet_spec`).
+_HOOK_FACETS, _REMEDIES = HOOK_SIDES, REMEDIES
 
 
 @dataclass
