@@ -1,6 +1,6 @@
 """The facet specification: one row per facet TorchLens can produce, and what is derived from them.
 
-Each [`FacetSpec`][torchlens._facet_spec.FacetSpec] row says which roles report the facet, its
+Each `FacetSpec` row says which roles report the facet, its
 layout (named axes, which one is the heads axis and whether those are key/value heads), how
 TorchLens finds its tensor, which hooks or retained calls capture needs to serve it, why it
 can be missing on a module of its role, whether an edit can replace it and what to edit when
@@ -85,7 +85,8 @@ class FacetSpec:
         source: how TorchLens finds the tensor, one of `SOURCES`.
         fused: how it is found where the module runs the computation as one fused op (a fused
             attention kernel such as `scaled_dot_product_attention`, a fused `layer_norm`), when
-            that differs from `source`; None otherwise.
+            that differs from `source`; None otherwise. (`nn.MultiheadAttention` is rebuilt
+            whole: there every attention facet is `"reconstructed"`, whatever its row says.)
         hooks: for an `"io"` facet, the `(role, side)` pairs whose forward hook sees the tensor:
             `side` is `"in"` (the call's input) or `"out"` (its output), and `role` is the
             reporting module's own role, or another module's (`final_norm_input` is the final
