@@ -216,23 +216,23 @@ def test_trace_unchanged_by_later_writes_to_inputs_weights_and_outputs(family):
 
 def test_snapshot_copies_only_what_the_caller_can_reach():
     """The snapshot copies the aliases of inputs, weights and outputs, not every saved tensor."""
-    from torchlens._capture import Recorder
+    from torchlens import _tracing
 
     copied = []
-    real = Recorder.snapshot
+    real = _tracing.snapshot
 
-    def spy(self, model, reachable):
-        n = real(self, model, reachable)
+    def spy(rec, model, reachable):
+        n = real(rec, model, reachable)
         copied.append(n)
         return n
 
     model = _models.gpt2()
-    Recorder.snapshot = spy
+    _tracing.snapshot = spy
     try:
         with torch.no_grad():
             tr = torchlens.trace(model, IDS, use_cache=False)
     finally:
-        Recorder.snapshot = real
+        _tracing.snapshot = real
     saved = sum(t.numel() * t.element_size() for op in tr.ops for t in op.tensors if t is not None)
     logits = tr.output.logits
     ids_bytes = IDS.numel() * IDS.element_size()
@@ -492,17 +492,19 @@ from torchlens import _facets as _facets  # noqa: E402
 
 
 def _refused(tr, address, facet, why):
+    """`facet` is refused, with `why` in the reason. The check runs on first read (it is deferred),
+    so the facet is read first; from then on the map lists it under `refused`."""
     f = tr.modules[address].calls[0].facets
-    assert facet not in f.sites and facet in f.refused, (facet, f.refused)
     with pytest.raises(torchlens._errors.FacetNotFound, match="not served") as info:
         f[facet]
     assert why in str(info.value)
+    assert facet not in f.sites and facet in f.refused, (facet, f.refused)
 
 
-def _last_dim_only(x, module, kind):  # the old bug: normalized over the last dimension only
+def _last_dim_only(x, kind, eps, n_dims, groups):  # the old bug: normalized over the last dimension only
     xf = x.float()
     centred = xf - xf.mean(-1, keepdim=True)
-    inv = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + module.eps)
+    inv = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
     return centred * inv, inv
 
 
@@ -522,8 +524,8 @@ def test_planted_result_derivation_is_refused(monkeypatch, dtype):
     it pass a tolerance floored at 1."""
     model = _models.gpt2("eager", dtype)
     assert "result" in torchlens.trace(model, IDS).modules["transformer.h.0.attn"].facets
-    real = _facets.fam.weight_layout
-    monkeypatch.setattr(_facets.fam, "weight_layout", lambda m: {"out_in": "in_out", "in_out": "out_in"}.get(real(m)))
+    real = _facets._roles.weight_layout
+    monkeypatch.setattr(_facets._roles, "weight_layout", lambda m: {"out_in": "in_out", "in_out": "out_in"}.get(real(m)))
     tr = torchlens.trace(model, IDS)
     _refused(tr, "transformer.h.0.attn", "result", "sum over heads plus bias")
 
@@ -755,8 +757,10 @@ def test_float64_traces_pass_their_checks(family, impl):
     model = _models.build(family, impl, torch.float64)
     with torch.no_grad():
         tr = torchlens.trace(model, IDS)
-    refused = {(a, n): why for a, rec in tr.modules.items() for c in rec.calls for n, why in c.facets.refused.items()}
+    assert tr.pending  # the checks are deferred ...
+    refused = tr.check()  # ... so run them all
     assert not refused, refused
+    assert not tr.pending
     block = tr.blocks[0]
     assert "resid_mid" in tr.modules[block].facets
     attn = next(a for a in tr.modules if a.startswith(block + ".") and tr.modules[a].role == "attention")

@@ -69,7 +69,8 @@ def test_trace_repr_is_one_compact_line(trace):
 def test_summary_lists_the_modules_that_ran(trace):
     lines = trace.summary().splitlines()
     assert lines[0].split() == ["module", "role", "calls", "facets"]
-    assert lines[-1] == "(* = exists but not saved)"
+    assert re.fullmatch(r"\(\* = exists but not saved(; \d+ facets are checked on first read or by trace\.check\(\))?\)",
+                        lines[-1]), lines[-1]
     block = next(line for line in lines if line.startswith("transformer.h.1 "))
     assert block.split()[1:3] == ["block", "1"] and "resid_post[1, 4, 32]" in block
     assert lines[1].startswith("<root>")
@@ -219,14 +220,24 @@ def test_comparison_layout_is_shown(trace):
 # -- FacetSite and trace[name] ---------------------------------------------------------------------
 
 
-def test_facet_site_repr_is_one_line_without_the_tensor(trace, partial):
+def test_facet_site_repr_is_one_line_without_the_tensor(model, ids, trace, partial):
     site = trace.modules["transformer.h.1"].facets.site("resid_post")
     text = repr(site)
     assert "\n" not in text and "tensor(" not in text and len(text) < 120, text
     assert re.fullmatch(r"FacetSite\(resid_post: \[1, 4, 32\] float32, real, op #\d+, saved\)", text), text
+    # save= did not keep it, so it is never rebuilt: no check ran, none is pending
     pattern = partial.modules["transformer.h.1.attn"].facets.site("pattern")
-    assert re.fullmatch(r"FacetSite\(pattern: \[1, 2, 4, 4\] float32, reconstructed, op #\d+, check error \S+, not saved\)",
+    assert re.fullmatch(r"FacetSite\(pattern: \[1, 2, 4, 4\] float32, reconstructed, op #\d+, not saved\)",
                         repr(pattern)), repr(pattern)
+    # kept: rebuilt and checked on first read, and the repr says which it is
+    facets = tl.trace(model, ids).modules["transformer.h.1.attn"].facets
+    pending = r"FacetSite\(pattern: \[1, 2, 4, 4\] float32, reconstructed, op #\d+, check pending, saved\)"
+    assert re.fullmatch(pending, repr(facets.site("pattern"))), repr(facets.site("pattern"))
+    assert "pattern[1, 2, 4, 4] reconstructed check pending" in repr(facets)
+    facets["pattern"]
+    checked = r"FacetSite\(pattern: \[1, 2, 4, 4\] float32, reconstructed, op #\d+, check error \S+, saved\)"
+    assert re.fullmatch(checked, repr(facets.site("pattern"))), repr(facets.site("pattern"))
+    assert "check pending" not in repr(facets.site("scores"))  # checked together with the pattern
 
 
 def test_trace_getitem_reads_sites_and_other_libraries_names(model, ids, trace):

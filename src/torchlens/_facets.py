@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _ops, _roles
-from ._records import FacetSite, ModuleCall, OpRecord, Ref
+from ._records import FacetSite, ModuleCall, OpRecord, Ref, _Pending
 
 class _Graph:
     """Read helpers over the recorded ops: producers, consumers, saved values, shapes."""
@@ -78,6 +78,11 @@ class _Graph:
             seen[r.op] = r.slot
             todo.extend(self.ops[r.op].inputs)
         return seen
+
+
+def _held(site: FacetSite | None) -> Tensor | None:
+    """The tensor `site` holds now, without running its pending check."""
+    return None if site is None else site.__dict__.get("tensor")
 
 
 def _wide(t: Tensor) -> Tensor:
@@ -143,35 +148,41 @@ def _check_resid_mid(
 ) -> dict[str, FacetSite]:
     """Refuse `resid_mid` unless resid_pre + the attention branch = resid_mid and resid_mid + the
     MLP branch = resid_post. A branch's output is its sublayer's output or that of a later
-    sibling (a post-sublayer norm, a dropout), so Gemma-2's post-norms pass."""
+    sibling (a post-sublayer norm, a dropout), so Gemma-2's post-norms pass. The check is
+    deferred to the first read (see `FacetSite`); only whether it can run is settled here."""
     mid, pre, post = (sites.get(n) for n in ("resid_mid", "resid_pre", "resid_post"))
-    if mid is None or mid.tensor is None:
+    if mid is None or _held(mid) is None:
         return {}
-    if pre is None or post is None or pre.tensor is None or post.tensor is None:
+    if pre is None or post is None or _held(pre) is None or _held(post) is None:
         mid.tensor = None  # cannot be checked, so not served
         return {}
-    m = _wide(mid.tensor)
-    tol = _ops.reconstruction_tolerance(mid.dtype) * max(1.0, float(post.tensor.abs().max()))
-
-    def best(base: Tensor, target: Tensor, branch: list[ModuleCall]) -> float:
-        errors = [float("inf")]
-        for k in branch:
-            v = g.value(_io(g, k, "out"))
-            if v is not None and v.shape == target.shape:
-                errors.append(float((base + _wide(v)).sub_(target).abs_().max()))
-                if errors[-1] <= tol:
-                    break
-        return min(errors)
-
     attn_branch = [k for k in kids if attn.first_op <= k.first_op < mlp.first_op]
     mlp_branch = [k for k in kids if k.first_op >= mlp.first_op]
-    err = max(best(_wide(pre.tensor), m, attn_branch), best(m, _wide(post.tensor), mlp_branch))
-    if not err <= tol:
-        return _refused(
-            ("resid_mid",),
-            f"resid_pre + attention branch = resid_mid = resid_post - MLP branch does not hold (off by {err:.3g} > {tol:.3g})",
-        )
-    mid.check_error = err
+    branch_outs = [[g.value(_io(g, k, "out")) for k in branch] for branch in (attn_branch, mlp_branch)]
+    inputs = [_held(pre), _held(mid), _held(post), *branch_outs[0], *branch_outs[1]]
+    n_attn, dtype = len(branch_outs[0]), mid.dtype
+
+    def run(inputs: list) -> tuple:
+        pre_t, mid_t, post_t = inputs[:3]
+        m = _wide(mid_t)
+        tol = _ops.reconstruction_tolerance(dtype) * max(1.0, float(post_t.abs().max()))
+
+        def best(base: Tensor, target: Tensor, outs: list) -> float:
+            errors = [float("inf")]
+            for v in outs:
+                if v is not None and v.shape == target.shape:
+                    errors.append(float((base + _wide(v)).sub_(target).abs_().max()))
+                    if errors[-1] <= tol:
+                        break
+            return min(errors)
+
+        err = max(best(_wide(pre_t), m, inputs[3 : 3 + n_attn]), best(m, _wide(post_t), inputs[3 + n_attn :]))
+        if not err <= tol:
+            return {}, err, (f"resid_pre + attention branch = resid_mid = resid_post - MLP branch does not hold "
+                             f"(off by {err:.3g} > {tol:.3g})")
+        return {}, err, None
+
+    _Pending(run, inputs, [mid])
     return {}
 
 
@@ -355,24 +366,30 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
 
 
 def _check_z(g: _Graph, pattern: FacetSite | None, v_ref: Any, z: FacetSite | None) -> dict[str, FacetSite]:
-    """Refuse `z` unless `pattern @ v` equals it (it does not when dropout ran between them)."""
-    if z is None or z.tensor is None:
+    """Refuse `z` unless `pattern @ v` equals it (it does not when dropout ran between them).
+    The check is deferred to the first read of `z`."""
+    if z is None or _held(z) is None:
         return {}
     v = g.value(v_ref)
-    if pattern is None or pattern.tensor is None or v is None:
+    if pattern is None or _held(pattern) is None or v is None:
         z.tensor = None  # cannot be checked, so not served
         return {}
-    p = pattern.tensor
-    if v.shape[-3] != p.shape[-3] and v.dim() == 4 and p.shape[-3] % v.shape[-3] == 0:
-        v = v.repeat_interleave(p.shape[-3] // v.shape[-3], dim=-3)
-    try:
-        err = float((_wide(torch.matmul(p.to(v.dtype), v)) - _wide(z.tensor)).abs().max())
-    except RuntimeError as exc:
-        return _refused(("z",), f"pattern @ v could not be formed ({exc})")
-    tol = _ops.reconstruction_tolerance(z.dtype) * max(1.0, float(v.abs().max()))
-    if not err <= tol:
-        return _refused(("z",), f"pattern @ v differs from z by {err:.3g} (> {tol:.3g}), e.g. dropout ran between them")
-    z.check_error = err
+    dtype = z.dtype
+
+    def run(inputs: list) -> tuple:
+        p, v, zt = inputs
+        if v.shape[-3] != p.shape[-3] and v.dim() == 4 and p.shape[-3] % v.shape[-3] == 0:
+            v = v.repeat_interleave(p.shape[-3] // v.shape[-3], dim=-3)
+        try:
+            err = float((_wide(torch.matmul(p.to(v.dtype), v)) - _wide(zt)).abs().max())
+        except RuntimeError as exc:
+            return {}, None, f"pattern @ v could not be formed ({exc})"
+        tol = _ops.reconstruction_tolerance(dtype) * max(1.0, float(v.abs().max()))
+        if not err <= tol:
+            return {}, err, f"pattern @ v differs from z by {err:.3g} (> {tol:.3g}), e.g. dropout ran between them"
+        return {}, err, None
+
+    _Pending(run, [_held(pattern), v, _held(z)], [z])
     return {}
 
 
@@ -390,8 +407,37 @@ def _rot_site(g: _Graph, name: str, kernel_ref: Ref, shape: tuple[int, ...]) -> 
                      "attention kernel input (after RoPE), token-major")
 
 
+class _In:
+    """Marks where a tensor argument of a recorded call sits in a pending check's inputs."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+def _pack(args: tuple, kwargs: dict, inputs: list) -> tuple[tuple, dict]:
+    """`args` and `kwargs` with each tensor moved into `inputs` (appended) and marked by an `_In`."""
+    def put(a: Any) -> Any:
+        if isinstance(a, Tensor):
+            inputs.append(a)
+            return _In(len(inputs) - 1)
+        return a
+
+    return tuple(put(a) for a in args), {k: put(v) for k, v in kwargs.items()}
+
+
+def _unpack(args: tuple, kwargs: dict, inputs: list) -> tuple[tuple, dict]:
+    """The arguments `_pack` marked, with the tensors read back from `inputs`."""
+    def get(a: Any) -> Any:
+        return inputs[a.i] if type(a) is _In else a
+
+    return tuple(get(a) for a in args), {k: get(v) for k, v in kwargs.items()}
+
+
 def _reconstruct(g: _Graph, fused: OpRecord, sites: dict[str, FacetSite]) -> None:
-    """Rebuild scores and pattern of a fused attention kernel from its recorded inputs."""
+    """Scores and pattern of a fused attention kernel, rebuilt from its recorded inputs and
+    checked against its output on first read (see `FacetSite`)."""
     qm, km = g.meta(fused.inputs[0]), g.meta(fused.inputs[1])
     if qm is None or km is None:
         return
@@ -403,17 +449,22 @@ def _reconstruct(g: _Graph, fused: OpRecord, sites: dict[str, FacetSite]) -> Non
     sites["scores"], sites["pattern"] = scores, pattern
     if fused.extra is None or fused.tensor is None:
         return
-    with torch.no_grad():
-        try:
-            s, p, err, tol = rebuild_attention(fused.extra["args"], fused.extra["kwargs"], fused.tensor)
-        except ValueError as e:
-            scores.note = pattern.note = f"not rebuilt: {e}"
-            return
-    scores.check_error = pattern.check_error = err
-    if err <= tol:
-        scores.tensor, pattern.tensor = s, p
-    else:
-        sites.update(_refused(("scores", "pattern"), f"the rebuild disagreed with the kernel output by {err:.3g} (> {tol:.3g})"))
+    why = _sdpa_unsupported(_sdpa_bound(fused.extra["args"], fused.extra["kwargs"]))
+    if why is not None:
+        scores.note = pattern.note = f"not rebuilt: {why}"
+        return
+    inputs: list = []
+    args, kwargs = _pack(fused.extra["args"], fused.extra["kwargs"], inputs)
+    inputs.append(fused.tensor)
+
+    def run(inputs: list) -> tuple:
+        a, kw = _unpack(args, kwargs, inputs)
+        s, p, err, tol = rebuild_attention(a, kw, inputs[-1])
+        if err <= tol:
+            return {"scores": s, "pattern": p}, err, None
+        return {}, err, f"the rebuild disagreed with the kernel output by {err:.3g} (> {tol:.3g})"
+
+    _Pending(run, inputs, [scores, pattern])
 
 
 _MHA_FACETS = ("q", "k", "v", "scores", "pattern", "z", "result")
@@ -421,8 +472,8 @@ _MHA_FACETS = ("q", "k", "v", "scores", "pattern", "z", "result")
 
 def _mha_facets(g: _Graph, op: OpRecord, h: int | None) -> dict[str, FacetSite]:
     """Facets of an `nn.MultiheadAttention` call (`h` heads), rebuilt from
-    `F.multi_head_attention_forward`'s recorded arguments and checked: the rebuilt output
-    projection must match the op's output."""
+    `F.multi_head_attention_forward`'s recorded arguments and checked (the rebuilt output
+    projection must match the op's output) on first read of any of them."""
     qm, km = g.meta(op.inputs[0]), g.meta(op.inputs[1])
     if qm is None or km is None or len(qm[0]) != 3 or not isinstance(h, int) or qm[0][2] % h:
         return {}
@@ -436,16 +487,48 @@ def _mha_facets(g: _Graph, op: OpRecord, h: int | None) -> dict[str, FacetSite]:
     sites = {n: FacetSite(n, "reconstructed", shapes[n], dtype, op=op.index, note=note) for n in _MHA_FACETS}
     if op.tensor is None or op.extra is None:
         return sites
-    with torch.no_grad():
-        try:
-            rebuilt, err, tol = rebuild_mha(op.extra["args"], op.extra["kwargs"], op.tensor)
-        except ValueError as exc:
-            return _refused(_MHA_FACETS, f"not rebuilt: {exc}")
-    if not err <= tol:
-        return _refused(_MHA_FACETS, f"the rebuild disagreed with the op output by {err:.3g} (> {tol:.3g})")
-    for n, site in sites.items():
-        site.tensor, site.check_error = rebuilt[n], err
+    why = _mha_unsupported(_mha_bound(op.extra["args"], op.extra["kwargs"]))
+    if why is not None:
+        return _refused(_MHA_FACETS, f"not rebuilt: {why}")
+    inputs: list = []
+    args, kwargs = _pack(op.extra["args"], op.extra["kwargs"], inputs)
+    inputs.append(op.tensor)
+
+    def run(inputs: list) -> tuple:
+        a, kw = _unpack(args, kwargs, inputs)
+        rebuilt, err, tol = rebuild_mha(a, kw, inputs[-1])
+        if not err <= tol:
+            return {}, err, f"the rebuild disagreed with the op output by {err:.3g} (> {tol:.3g})"
+        return rebuilt, err, None
+
+    _Pending(run, inputs, list(sites.values()))
     return sites
+
+
+_MHA_ARGS = (
+    "query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
+    "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
+    "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight",
+    "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal",
+)
+
+
+def _mha_bound(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """`F.multi_head_attention_forward`'s arguments by name."""
+    a = dict(zip(_MHA_ARGS, args))
+    a.update(kwargs)
+    return a
+
+
+def _mha_unsupported(a: dict[str, Any]) -> str | None:
+    """Why `rebuild_mha` cannot rebuild a call with these (bound) arguments, or None."""
+    if a.get("dropout_p") and a.get("training", True):
+        return "it ran with dropout in training mode"
+    if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
+        return "bias_k/bias_v, add_zero_attn and static keys are not rebuilt"
+    if not isinstance(a.get("query"), Tensor) or a["query"].dim() != 3:
+        return "unbatched input"
+    return None
 
 
 def rebuild_mha(args: tuple, kwargs: dict, out: Tensor) -> tuple[dict[str, Tensor], float, float]:
@@ -459,21 +542,11 @@ def rebuild_mha(args: tuple, kwargs: dict, out: Tensor) -> tuple[dict[str, Tenso
         ValueError: a variant the rebuild does not cover (dropout in training, bias_k/bias_v,
             add_zero_attn, static keys, unbatched input).
     """
-    names = (
-        "query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
-        "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
-        "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight",
-        "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal",
-    )
-    a = dict(zip(names, args))
-    a.update(kwargs)
-    if a.get("dropout_p") and a.get("training", True):
-        raise ValueError("it ran with dropout in training mode")
-    if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
-        raise ValueError("bias_k/bias_v, add_zero_attn and static keys are not rebuilt")
+    a = _mha_bound(args, kwargs)
+    why = _mha_unsupported(a)
+    if why is not None:
+        raise ValueError(why)
     query, key, value, h = a["query"], a["key"], a["value"], a["num_heads"]
-    if query.dim() != 3:
-        raise ValueError("unbatched input")
     t, b, e = query.shape
     s_len, dh = key.shape[0], e // h
     if a.get("use_separate_proj_weight"):
@@ -539,6 +612,21 @@ def _largest(diff: Tensor, rows: Tensor) -> float:
     return float("inf") if m != m else float(torch.finfo(diff.dtype).max) if m == float("inf") else m
 
 
+def _sdpa_bound(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """`scaled_dot_product_attention`'s arguments by name."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _sdpa_unsupported(bound: dict[str, Any]) -> str | None:
+    """Why `rebuild_attention` cannot rebuild a kernel call with these (bound) arguments, or None."""
+    if bound.get("dropout_p", 0.0):
+        return "the kernel ran with dropout_p > 0 (training mode)"
+    return None
+
+
 def rebuild_attention(args: tuple, kwargs: dict, out: Tensor) -> tuple[Tensor, Tensor, float, float]:
     """Recompute `scaled_dot_product_attention`'s scores and pattern, eager-style.
 
@@ -553,13 +641,12 @@ def rebuild_attention(args: tuple, kwargs: dict, out: Tensor) -> tuple[Tensor, T
     Raises:
         ValueError: the kernel ran with dropout, so no deterministic pattern exists.
     """
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
+    bound = _sdpa_bound(args, kwargs)
+    why = _sdpa_unsupported(bound)
+    if why is not None:
+        raise ValueError(why)
     q, k, v = bound["query"], bound["key"], bound["value"]
     mask, scale = bound.get("attn_mask"), bound.get("scale")
-    if bound.get("dropout_p", 0.0):
-        raise ValueError("the kernel ran with dropout_p > 0 (training mode)")
     if k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
@@ -617,39 +704,45 @@ def _result_site(g: _Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSi
         return {}
     d_out = out_m[0][-1]
     site = FacetSite("result", "computed", (b, t, h, d_out), z.dtype, note="z per head times W_O per head")
-    zt = z.tensor
-    if zt is not None:
-        with torch.no_grad():
-            w = module.weight.detach()
-            w3 = _per_head_weight(w, layout, d_out, h, dh)
-            result = torch.einsum("bhtd,ohd->btho", zt, w3.to(zt.dtype))
-            actual = g.value(_io(g, proj, "out"))
-            if actual is None:
-                return {"result": site}  # cannot be checked, so not served (no tensor)
-            bias = getattr(module, "bias", None)
-            total = result.sum(2)  # a new tensor, so the bias and the difference are taken in place
-            if isinstance(bias, Tensor):
-                b_ = bias.detach().to(result.dtype)
-                total = total.add_(b_) if _fits(total, b_) else total + b_
-            total, want = _wide(total), _wide(actual)
-            total = total.sub_(want) if _fits(total, want) else total - want
-            site.check_error = err = float(total.abs_().max())
-            tol = _ops.reconstruction_tolerance(actual.dtype) * max(1.0, float(actual.abs().max()))
-            if not err <= tol:
-                return _refused(("result",), f"the sum over heads plus bias differs from the output projection by {err:.3g} (> {tol:.3g})")
-            if zt.dtype in (torch.bfloat16, torch.float16):
-                # Half precision: the tolerance above is floored at 1, looser than small outputs
-                # themselves, so a wrong W_O layout could pass it. Check the layout once more in
-                # float32 against the output's own scale: only the output's rounding remains.
-                exact = torch.einsum("bhtd,ohd->bto", zt.float(), w3.float())
-                if isinstance(bias, Tensor):
-                    exact.add_(bias.detach().float())
-                err32 = float(exact.sub_(actual.float()).abs_().max())
-                tol32 = _ops.reconstruction_tolerance(actual.dtype) * float(actual.abs().max())
-                if not err32 <= tol32:
-                    return _refused(("result",), f"the sum over heads plus bias, in float32, differs from the output "
-                                                 f"projection by {err32:.3g} (> {tol32:.3g}, its scale)")
-        site.tensor = result
+    zt = _held(z)
+    if zt is None:
+        return {"result": site}
+    actual = g.value(_io(g, proj, "out"))
+    if actual is None:
+        return {"result": site}  # cannot be checked, so not served (no tensor)
+    bias = getattr(module, "bias", None)
+    bias = bias.detach() if isinstance(bias, Tensor) else None
+
+    def run(inputs: list) -> tuple:
+        zt, w, actual, bias = inputs
+        w3 = _per_head_weight(w, layout, d_out, h, dh)
+        result = torch.einsum("bhtd,ohd->btho", zt, w3.to(zt.dtype))
+        total = result.sum(2)  # a new tensor, so the bias and the difference are taken in place
+        if bias is not None:
+            b_ = bias.to(result.dtype)
+            total = total.add_(b_) if _fits(total, b_) else total + b_
+        total, want = _wide(total), _wide(actual)
+        total = total.sub_(want) if _fits(total, want) else total - want
+        err = float(total.abs_().max())
+        tol = _ops.reconstruction_tolerance(actual.dtype) * max(1.0, float(actual.abs().max()))
+        if not err <= tol:
+            return {}, err, f"the sum over heads plus bias differs from the output projection by {err:.3g} (> {tol:.3g})"
+        if zt.dtype in (torch.bfloat16, torch.float16):
+            # Half precision: the tolerance above is floored at 1, looser than small outputs
+            # themselves, so a wrong W_O layout could pass it. Check the layout once more in
+            # float32 against the output's own scale: only the output's rounding remains.
+            exact = torch.einsum("bhtd,ohd->bto", zt.float(), w3.float())
+            if bias is not None:
+                exact.add_(bias.float())
+            err32 = float(exact.sub_(actual.float()).abs_().max())
+            tol32 = _ops.reconstruction_tolerance(actual.dtype) * float(actual.abs().max())
+            if not err32 <= tol32:
+                return {}, err, (f"the sum over heads plus bias, in float32, differs from the output "
+                                 f"projection by {err32:.3g} (> {tol32:.3g}, its scale)")
+        return {"result": result}, err, None
+
+    # z's own check (pattern @ v = z) must hold first: a result computed from a refused z is refused.
+    _Pending(run, [zt, module.weight.detach(), actual, bias], [site], after=(z,) if not z.checked else ())
     return {"result": site}
 
 
@@ -726,42 +819,40 @@ def _norm_kind(module: nn.Module, ops: list[OpRecord]) -> str:
     return "rms" if _roles.is_rms_norm(module) else "std"
 
 
-def _normalized_dims(module: nn.Module, x: Tensor) -> tuple[int, ...]:
-    """The dimensions a LayerNorm/RMSNorm normalizes over: its `normalized_shape` (default: last)."""
+def _n_normalized(module: nn.Module) -> int:
+    """How many trailing dimensions a LayerNorm/RMSNorm normalizes over: its `normalized_shape`
+    (default: the last one)."""
     shape = getattr(module, "normalized_shape", None)
-    n = len(shape) if isinstance(shape, (tuple, list, torch.Size)) and shape else 1
-    return tuple(range(x.dim() - n, x.dim()))
+    return len(shape) if isinstance(shape, (tuple, list, torch.Size)) and shape else 1
 
 
-def _normalize(x: Tensor, module: nn.Module, kind: str) -> tuple[Tensor, Tensor | None]:
-    """The norm's input centred (unless RMS) and divided by its RMS/std over the normalized
-    dimensions, in float32; and the inverse divisor (None for GroupNorm, whose statistics are
-    per group, not per position)."""
+def _normalize(x: Tensor, kind: str, eps: float, n_dims: int, groups: int | None) -> tuple[Tensor, Tensor | None]:
+    """The norm's input centred (unless RMS) and divided by its RMS/std over its last `n_dims`
+    dimensions (over each of `groups` groups for GroupNorm), in float32; and the inverse divisor
+    (None for GroupNorm, whose statistics are per group, not per position)."""
     xf = _wide(x)
-    eps = _roles.norm_eps(module)
     if kind == "group":
-        groups = module.num_groups
         g = xf.reshape(xf.shape[0], groups, -1)
         g = g - g.mean(-1, keepdim=True)
         inv = torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
         return (g * inv).reshape(xf.shape), None
-    dims = _normalized_dims(module, x)
+    dims = tuple(range(x.dim() - n_dims, x.dim()))
     centred = xf if kind == "rms" else xf - xf.mean(dims, keepdim=True)
     inv = torch.rsqrt(centred.pow(2).mean(dims, keepdim=True) + eps)
     return centred * inv, inv
 
 
-def _affine_error(normalized: Tensor, out: Tensor, module: nn.Module, kind: str, tol: float = 0.0) -> float:
+def _affine_error(normalized: Tensor, out: Tensor, w: Tensor | None, b: Tensor | None, kind: str,
+                  tol: float = 0.0) -> float:
     """How far `normalized * gain + bias` is from the norm's output, for the gain the model uses.
 
-    The gain is the module's `weight`, or `1 + weight` (Gemma's RMSNorm stores the offset), or
+    The gain is the module's weight `w`, or `1 + w` (Gemma's RMSNorm stores the offset), or
     1 without a weight; the smallest error over those is returned (the first within `tol`).
     """
-    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
     n, o = _wide(normalized), _wide(out)
     shape = (-1,) + (1,) * (n.dim() - 2) if kind == "group" else None
-    bias = 0 if not isinstance(b, Tensor) else (_wide(b).view(shape) if shape else _wide(b))
-    gains = [None] if not isinstance(w, Tensor) else [_wide(w), 1 + _wide(w)]
+    bias = 0 if b is None else (_wide(b).view(shape) if shape else _wide(b))
+    gains = [None] if w is None else [_wide(w), 1 + _wide(w)]
     errors = []
     for gain in gains:
         y = n + bias if gain is None else (n * (gain.view(shape) if shape else gain)).add_(bias)  # new tensors
@@ -778,6 +869,7 @@ def norm_facets(g: _Graph, call: ModuleCall) -> dict[str, FacetSite]:
     otherwise (a fused `layer_norm`, `rms_norm`, `group_norm`) they are computed from the input
     over the normalized shape. Either way the facets are served only if `normalized * gain + bias`
     equals the norm's output within the dtype's tolerance; else they are refused with the error.
+    What is computed, and the check, run on first read of any of them (see `FacetSite`).
     GroupNorm has `normalized` only (its statistics are per group).
     """
     module = g.modules[call.address]
@@ -798,35 +890,54 @@ def norm_facets(g: _Graph, call: ModuleCall) -> dict[str, FacetSite]:
             n_ref = g.follow(Ref(mul, 0), _ops.CAST_OPS)
             sites["normalized"] = _site(g, "normalized", n_ref, note="input times the rsqrt, before the gain")
     x, out = g.value(x_ref), g.value(out_ref)
-    if any(sites.get(n) is None for n in names[:2]):
-        inv = normalized = None
-        if x is not None:
-            with torch.no_grad():
-                normalized, inv = _normalize(x, module, kind)
-                normalized = normalized.to(x.dtype)
+    compute = any(sites.get(n) is None for n in names[:2])
+    n_dims, eps, groups = _n_normalized(module), _roles.norm_eps(module), getattr(module, "num_groups", None)
+    if compute:
         note = "computed from the norm's input over its normalized shape (the norm ran as one fused op)"
-        dims = _normalized_dims(module, x) if x is not None else (len(xm[0]) - 1,)
+        dims = range(len(xm[0]) - n_dims, len(xm[0]))
         stat_shape = tuple(1 if i in dims else d for i, d in enumerate(xm[0]))
-        sites["normalized"] = FacetSite("normalized", "computed", xm[0], xm[1], normalized, note=note)
+        sites["normalized"] = FacetSite("normalized", "computed", xm[0], xm[1], note=note)
         if kind != "group":
-            sites[inv_name] = FacetSite(inv_name, "computed", stat_shape, torch.float32, inv, note=note)
+            sites[inv_name] = FacetSite(inv_name, "computed", stat_shape, torch.float32, note=note)
     if kind != "group":
         inv_site = sites[inv_name]
-        scale = None if inv_site.tensor is None else torch.reciprocal(inv_site.tensor)
-        sites["scale"] = FacetSite("scale", "computed", inv_site.shape, inv_site.dtype, scale, note=f"1 / {inv_name}")
-    n_site = sites["normalized"]
-    if n_site.tensor is None:
-        return sites  # nothing is served, so nothing needs checking
+        sites["scale"] = FacetSite("scale", "computed", inv_site.shape, inv_site.dtype, note=f"1 / {inv_name}")
+    if (x if compute else _held(sites["normalized"])) is None:
+        # Nothing is served, so nothing needs checking; a written-out norm whose product was not
+        # kept still serves its rsqrt, and the scale from it.
+        inv = None if compute or kind == "group" else _held(sites[inv_name])
+        if inv is not None:
+            with torch.no_grad():
+                sites["scale"].tensor = torch.reciprocal(inv)
+        return sites
     if out is None:  # cannot be checked, so not served; a save= that keeps the norm serves it
         for site in sites.values():
             site.tensor = None
         return sites
-    tol = _ops.reconstruction_tolerance(out.dtype) * max(1.0, float(out.abs().max()))
-    err = _affine_error(n_site.tensor, out, module, kind, tol)
-    if not err <= tol:
-        return _refused(names, f"normalized * gain + bias differs from the norm's output by {err:.3g} (> {tol:.3g})")
-    for site in sites.values():
-        site.check_error = err
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    w = w.detach() if isinstance(w, Tensor) else None
+    b = b.detach() if isinstance(b, Tensor) else None
+    inputs = [x if compute else None, out, w, b,
+              None if compute or kind == "group" else _held(sites[inv_name]),
+              None if compute else _held(sites["normalized"])]
+
+    def run(inputs: list) -> tuple:
+        x, out, w, b, inv, normalized = inputs
+        values: dict[str, Tensor] = {}
+        if compute:
+            normalized, inv = _normalize(x, kind, eps, n_dims, groups)
+            values["normalized"] = normalized = normalized.to(x.dtype)
+            if kind != "group":
+                values[inv_name] = inv
+        if kind != "group":
+            values["scale"] = torch.reciprocal(inv)
+        tol = _ops.reconstruction_tolerance(out.dtype) * max(1.0, float(out.abs().max()))
+        err = _affine_error(normalized, out, w, b, kind, tol)
+        if not err <= tol:
+            return {}, err, f"normalized * gain + bias differs from the norm's output by {err:.3g} (> {tol:.3g})"
+        return values, err, None
+
+    _Pending(run, inputs, list(sites.values()))
     return sites
 
 
@@ -872,7 +983,7 @@ def derive(
             sites.update(_root_facets(g, call, calls, structure))
         if keep is not None:
             for name, s in sites.items():
-                if s.tensor is not None and not keep(call.address, name):
+                if s.saved and not keep(call.address, name):
                     s.tensor = None
         out.append(sites)
     return out

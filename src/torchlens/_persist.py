@@ -7,6 +7,9 @@ A saved trace is a directory holding two files:
 - `tensors.safetensors` (or the files `trace.json` names, all inside the directory): every
   tensor the trace holds, in the safetensors format.
 
+Saving runs every pending facet check first ([`Trace.check`][torchlens.Trace.check]), so the file
+holds each facet's final tensor and status and a loaded trace has no pending check.
+
 Loading reads only JSON and safetensors, so a trace file cannot run code: no pickle is ever
 opened, JSON names classes only from a fixed list of TorchLens record types, and tensor files
 must lie inside the trace directory. A loaded trace has no model; `mechinterp.resolve_alias`,
@@ -161,14 +164,14 @@ class _Encoder:
             if f == "predicate" and value is not None:
                 self.dropped.append(f"{where}.predicate (a save= callable)")
                 value = None
-            elif name == "FacetSite" and f == "tensor":
-                value = obj.tensor  # through the property, should it compute on access
             fields[f] = self.enc(value, f"{where}.{f}")
         self.objects[n] = {"class": name, "fields": fields}
         return n
 
 
 def _fields(obj: Any) -> list[tuple[str, Any]]:
+    if hasattr(type(obj), "_PERSISTED"):  # a record that names what it stores (FacetSite, FacetMap)
+        return obj._persist_fields()
     if dataclasses.is_dataclass(obj):
         return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
     slots = [s for c in type(obj).__mro__ for s in getattr(c, "__slots__", ())]
@@ -199,6 +202,9 @@ def save(trace: Any, path: str | os.PathLike, model: Any = None) -> list[str]:
     if os.path.exists(path) and not os.path.isdir(path):
         raise TraceFileError(f"Trace.save({path!r}): that path is a file; a trace is saved as a directory.")
     os.makedirs(path, exist_ok=True)
+    # Every pending facet check runs first, so the file holds final tensors and statuses and a
+    # loaded trace has nothing left to compute (it has no model to compute from).
+    trace.check()
     enc = _Encoder(_record_classes())
     # Every module call first, so that dicts keyed by id(call) find their keys.
     for rec in trace.modules.values():
@@ -270,10 +276,12 @@ class _Decoder:
             cls = self.classes[spec["class"]]
             self.built[n] = object.__new__(cls)
             inst = self.built[n]
+            renames = getattr(cls, "_persist_renames", {})
+            known = getattr(cls, "_PERSISTED", None)  # a record that names what it stores accepts only that
             for f, value in spec["fields"].items():
-                if not isinstance(f, str) or f.startswith("__"):
+                if not isinstance(f, str) or f.startswith("__") or (known is not None and f not in known):
                     raise TraceFileError(f"torchlens.load: record {n} has the field name {f!r}; refused.")
-                object.__setattr__(inst, f, self.dec(value))
+                object.__setattr__(inst, renames.get(f, f), self.dec(value))
         return self.built[n]
 
     def dec(self, v: Any) -> Any:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -82,9 +84,82 @@ class OpRecord:
         return f"OpRecord(#{self.index} {self.name} in {where}[{self.call}] -> {shape} {str(self.dtype).replace('torch.', '')})"
 
 
-@dataclass
+class _Pending:
+    """A deferred check: the computation and check of a group of facet sites of one call, run
+    once, on the first read of any of them (or by `FacetMap.check` / `Trace.check`).
+
+    `fn(inputs)` computes from the tensors in `inputs` only (the protocol `FacetSite._inputs`
+    describes) and returns `(values, error, refusal)`: the tensors by facet name (a site not
+    named keeps the tensor it holds), the check's largest difference (or None), and the reason
+    the check failed (None when it held). `after` are sites whose own check must hold first (a
+    `result` computed from a `z` that is refused is refused too).
+    """
+
+    __slots__ = ("fn", "inputs", "sites", "owner", "after")
+
+    def __init__(self, fn: Any, inputs: list, sites: list[FacetSite], after: tuple[FacetSite, ...] = ()):
+        self.fn = fn
+        self.inputs = inputs
+        self.sites = sites
+        self.owner: FacetMap | None = None
+        self.after = after
+        for s in sites:
+            s._pending, s._inputs = self, inputs
+
+    def run(self) -> None:
+        with _RUN_LOCK:
+            fn = self.fn
+            if fn is None:  # ran already (another site of the group, another thread)
+                return
+            refusal, values, error = None, {}, None
+            for s in self.after:
+                s.tensor  # noqa: B018 - runs that site's check
+                if s._refusal is not None:
+                    refusal = f"it is computed from {s.name}, which is not served: {s._refusal}"
+                    break
+            if refusal is None:
+                # Inside another trace the check's own torch calls must not be recorded by it.
+                nested = torch._C._len_torch_function_stack() > 0
+                with torch.no_grad(), (torch._C.DisableTorchFunction() if nested else contextlib.nullcontext()):
+                    values, error, refusal = fn(self.inputs)
+            self.fn = self.inputs = None
+            for s in self.sites:
+                s._pending = s._inputs = None
+                if error is not None:
+                    s.check_error = error
+                if refusal is not None:
+                    s._refusal = refusal
+                    s.__dict__["tensor"] = None
+                elif s.name in values:
+                    s.__dict__["tensor"] = values[s.name]
+            if refusal is not None and self.owner is not None:
+                self.owner._refuse(self.sites, refusal)
+
+    def discard(self, site: FacetSite) -> None:
+        """`site` no longer waits for this check (its tensor was dropped)."""
+        if site in self.sites:
+            self.sites.remove(site)
+        site._pending = site._inputs = None
+        if not self.sites:
+            self.fn = self.inputs = None
+
+
+#: Serializes deferred checks, so two threads reading one site run its check once. Re-entrant:
+#: a check may run the checks its sites depend on.
+_RUN_LOCK = threading.RLock()
+
+
 class FacetSite:
     """What TorchLens knows about one facet of one module call.
+
+    A derived facet (a rebuilt attention pattern, a per-head result, a norm's statistics) and a
+    real facet whose check is expensive (`z`'s `pattern @ v`, `resid_mid`'s residual sums) are
+    *pending* when `trace` returns: the trace holds what they are computed from, and the tensor
+    is computed and checked on first read of `tensor` (or by `FacetMap.check` /
+    [`Trace.check`][torchlens.Trace.check]), then kept. Until then `checked` is False and
+    `check_error` is None; a site whose check fails then is refused (`tensor` is None and its
+    `FacetMap` lists it under `refused`). Nothing else about a site (its kind, shape, dtype,
+    `saved`, its repr) computes anything.
 
     Attributes:
         name: the facet name (`"resid_post"`, `"pattern"`, ...).
@@ -96,41 +171,86 @@ class FacetSite:
             `reconstructed_read_only` for a computed or reconstructed one.
         shape: the tensor's shape, known even when it was not saved.
         dtype: the tensor's dtype, known even when it was not saved.
-        tensor: the tensor, or None when this trace's `save=` did not keep it.
+        tensor: the tensor; reading it runs a pending check first. None when this trace's `save=`
+            did not keep it, or when its check failed. Assigning None drops the tensor and any
+            pending check with it.
         op: index of the op whose output this is, for real facets.
         check_error: for a checked facet, the largest absolute difference in its check against a
             relation the model fixes (the rebuilt vs the recorded kernel output; normalized *
             gain + bias vs the norm output; the sum over heads of result + bias vs the output
-            projection; pattern @ v vs z; the residual sums around resid_mid). A facet whose
-            check fails is not served: it is listed in `FacetMap.refused` with the reason.
+            projection; pattern @ v vs z; the residual sums around resid_mid); None while the
+            check is pending. A facet whose check fails is not served: it is listed in
+            `FacetMap.refused` with the reason.
         note: how the facet was found or computed, in one line.
     """
 
-    name: str
-    kind: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    tensor: torch.Tensor | None = None
-    op: int | None = None
-    check_error: float | None = None
-    note: str = ""
+    # While a check is pending: the deferred check (a `_Pending`, shared by the sites it checks
+    # together) and `_inputs`, the one list of tensors it computes from, weights included. The
+    # protocol for code that holds or moves a trace's tensors: `_inputs` entries are captured
+    # as the forward left them and are read only when the check runs; `_snapshot` copies those
+    # the caller could still write into, and a store may replace an entry in place by a tensor
+    # with the same values (on any device; the check computes where its inputs are). Both are
+    # None once the check ran or the site was dropped. The stored tensor itself is
+    # `site.__dict__["tensor"]` (`tensor` is a property).
+    _pending: _Pending | None = None
+    _inputs: list | None = None
+    _refusal: str | None = None  # why a deferred check refused this site, once it ran and failed
+
+    def __init__(self, name: str, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 tensor: torch.Tensor | None = None, op: int | None = None, check_error: float | None = None,
+                 note: str = ""):
+        self.name = name
+        self.kind = kind
+        self.shape = shape
+        self.dtype = dtype
+        self.tensor = tensor
+        self.op = op
+        self.check_error = check_error
+        self.note = note
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        if self._pending is not None:
+            self._pending.run()
+        return self.__dict__.get("tensor")
+
+    @tensor.setter
+    def tensor(self, value: torch.Tensor | None) -> None:
+        self.__dict__["tensor"] = value
+        if value is None and self._pending is not None:
+            self._pending.discard(self)
+
+    @property
+    def checked(self) -> bool:
+        """False while this site's check is pending (it runs on first read); True once it ran, or
+        when the site needs no check."""
+        return self._pending is None
 
     @property
     def saved(self) -> bool:
-        """Whether the tensor is held by the trace."""
-        return self.tensor is not None
+        """Whether the trace holds the tensor, or (a pending site) what it is computed from.
+        Computes nothing; a pending site whose check then fails is no longer saved."""
+        return self._refusal is None and (self._pending is not None or self.__dict__.get("tensor") is not None)
 
     @property
     def read_only(self) -> bool:
         """True for computed and reconstructed facets: no op in the model produced this tensor."""
         return self.kind != "real"
 
+    #: The fields a saved trace stores (`Trace.save` runs the pending check first).
+    _PERSISTED = ("name", "kind", "shape", "dtype", "tensor", "op", "check_error", "note")
+
+    def _persist_fields(self) -> list[tuple[str, Any]]:
+        return [(f, getattr(self, f)) for f in self._PERSISTED]
+
     def __repr__(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
         how = self.kind
         if self.op is not None:
             how += f", op #{self.op}"
-        if self.check_error is not None:
+        if self._pending is not None:
+            how += ", check pending"
+        elif self.check_error is not None:
             how += f", check error {self.check_error:.2g}"
         return f"FacetSite({self.name}: {list(self.shape)} {dtype}, {how}, {'saved' if self.saved else 'not saved'})"
 
@@ -153,64 +273,145 @@ def _forward_order(names) -> list[str]:
 class FacetMap(Mapping):
     """The facets of one module call: a read-only mapping from facet name to tensor.
 
-    Iteration, `len` and `in` cover the facets whose tensor this trace saved. `sites` lists every
-    facet the module has, saved or not, with its kind and shape. Asking for a facet that exists
-    but was not saved raises [`FacetNotSaved`][torchlens.FacetNotSaved]; asking for one that
-    does not exist raises [`FacetNotFound`][torchlens.FacetNotFound] with close matches.
+    Iteration, `len` and `in` cover the facets whose tensor this trace saved, pending ones
+    included: they compute nothing. `sites` lists every facet the module has, saved or not,
+    with its kind and shape. Reading a facet (`facets[name]`, `items()`, `values()`) runs its
+    check if it is pending (see [`FacetSite`][torchlens.FacetSite]); `check()` runs them all.
+    Asking for a facet that exists but was not saved raises
+    [`FacetNotSaved`][torchlens.FacetNotSaved]; asking for one that does not exist, or whose
+    check failed, raises [`FacetNotFound`][torchlens.FacetNotFound] with close matches or the
+    reason.
+
+    Attributes:
+        address: the module's address.
+        role: the module's role.
+        refused: facet name -> why it is not served: its check against a relation the model
+            fixes failed or could not run. It lists the checks that ran: a pending check that
+            fails later (on first read, or in `check()`) adds its facets here then, and takes
+            them out of `sites`.
+        ran: False for the empty map of a module that did not run in the forward.
     """
+
+    _explain: dict[str, str] | None = None  # facet -> words to add to its reason, if refused
 
     def __init__(self, address: str, role: str, sites: dict[str, FacetSite], ran: bool = True):
         self.address = address
         self.role = role
-        #: facet name -> why it is not served: its check against a relation the model fixes failed
-        #: or could not run (sites of kind "refused" are kept here, not in `sites`).
         self.refused = {n: s.note for n, s in sites.items() if s.kind == "refused"}
         served = {n: s for n, s in sites.items() if s.kind != "refused"} if self.refused else sites
-        self.sites = {n: served[n] for n in _forward_order(served)}
-        self.ran = ran  # False for the empty map of a module that did not run in the forward
+        self._sites = {n: served[n] for n in _forward_order(served)}
+        self.ran = ran
+        for s in self._sites.values():
+            if s._pending is not None:
+                s._pending.owner = self
+
+    @property
+    def sites(self) -> dict[str, FacetSite]:
+        """Facet name -> [`FacetSite`][torchlens.FacetSite], in forward order: every facet the
+        module has and serves (refused ones are in `refused`). A new dict on each access, so a
+        check that runs while you iterate it changes nothing under you."""
+        return dict(self._sites)
+
+    def _refuse(self, sites: list[FacetSite], reason: str) -> None:
+        """A deferred check failed: its sites move from `sites` to `refused`."""
+        for s in sites:
+            if self._sites.get(s.name) is s:
+                del self._sites[s.name]
+                self.refused[s.name] = reason + (self._explain or {}).pop(s.name, "")
+
+    def explain_refusal(self, facet: str, text: str) -> None:
+        """Add `text` to the reason `facet` is refused, now if it is, or when its pending check
+        refuses it later; nothing if its check holds. (An edited trace words this way the
+        refusals its edits cause.)"""
+        if facet in self.refused:
+            self.refused[facet] += text
+        else:
+            if self._explain is None:
+                self._explain = {}
+            self._explain[facet] = self._explain.get(facet, "") + text
+
+    def check(self, name: str | None = None) -> dict[str, str]:
+        """Run the pending checks: every one of this call, or that of the facet `name`.
+
+        Returns:
+            `refused`: the facets not served, with the reason.
+        """
+        todo = [self._sites[name]] if isinstance(name, str) and name in self._sites else \
+            [] if name is not None else list(self._sites.values())
+        for s in todo:
+            if s._pending is not None:
+                s._pending.run()
+        return self.refused
+
+    @property
+    def pending(self) -> list[str]:
+        """The facets whose check has not run yet (computes nothing)."""
+        return [n for n, s in self._sites.items() if s._pending is not None]
 
     def _not_found(self, name: Any) -> FacetNotFound:
         if not isinstance(name, str):
             return FacetNotFound(
-                self.address, repr(name), self.sites, self.role,
+                self.address, repr(name), self._sites, self.role,
                 f"facets are looked up by name (a str), not by {type(name).__name__}; "
-                f"its facets are: {', '.join(self.sites) or '(none)'}",
+                f"its facets are: {', '.join(self._sites) or '(none)'}",
             )
         if name in self.refused:
-            return FacetNotFound(self.address, name, self.sites, self.role, f"it is not served: {self.refused[name]}")
+            return FacetNotFound(self.address, name, self._sites, self.role, f"it is not served: {self.refused[name]}")
         reason = "" if self.ran else "it did not run in this forward pass, so it has no facets"
-        return FacetNotFound(self.address, name, self.sites, self.role, reason)
+        return FacetNotFound(self.address, name, self._sites, self.role, reason)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        site = self.sites.get(name) if isinstance(name, str) else None
+        site = self._sites.get(name) if isinstance(name, str) else None
         if site is None:
             raise self._not_found(name)
-        if site.tensor is None:
+        t = site.tensor  # runs a pending check
+        if site._refusal is not None:
+            raise self._not_found(name)
+        if t is None:
             raise FacetNotSaved(self.address, name)
-        return site.tensor
+        return t
 
     def __iter__(self) -> Iterator[str]:
-        return (n for n, s in self.sites.items() if s.tensor is not None)
+        return iter([n for n, s in self._sites.items() if s.saved])
 
     def __len__(self) -> int:
-        return sum(s.tensor is not None for s in self.sites.values())
+        return sum(s.saved for s in self._sites.values())
 
     def __contains__(self, name: object) -> bool:
-        site = self.sites.get(name) if isinstance(name, str) else None
-        return site is not None and site.tensor is not None
+        site = self._sites.get(name) if isinstance(name, str) else None
+        return site is not None and site.saved
+
+    def items(self):
+        """(name, tensor) of the saved facets; runs their pending checks first, so a facet whose
+        check fails is left out (and listed in `refused`)."""
+        self.check()
+        return super().items()
+
+    def values(self):
+        """The saved facets' tensors; runs their pending checks first (see `items`)."""
+        self.check()
+        return super().values()
 
     def site(self, name: str) -> FacetSite:
-        """The [`FacetSite`][torchlens.FacetSite] of `name`, saved or not."""
-        site = self.sites.get(name) if isinstance(name, str) else None
+        """The [`FacetSite`][torchlens.FacetSite] of `name`, saved or not (its check is not run)."""
+        site = self._sites.get(name) if isinstance(name, str) else None
         if site is None:
             raise self._not_found(name)
         return site
 
+    #: The fields a saved trace stores; `sites` (under its public name) is loaded into `_sites`.
+    _PERSISTED = ("address", "role", "refused", "sites", "ran")
+    _persist_renames = {"sites": "_sites"}
+
+    def _persist_fields(self) -> list[tuple[str, Any]]:
+        return [(f, getattr(self, self._persist_renames.get(f, f))) for f in self._PERSISTED]
+
     def __repr__(self) -> str:
         items = []
-        for n, s in self.sites.items():
+        for n, s in self._sites.items():
             flag = "" if s.kind == "real" else f" {s.kind}"
             flag += "" if s.saved else " not saved"
+            flag += " check pending" if s._pending is not None else ""
             items.append(f"{n}{list(s.shape)}{flag}")
         return f"FacetMap({self.address!r}: {', '.join(items)})"
 
@@ -273,7 +474,14 @@ class ModuleRecord:
 
     @property
     def facets(self) -> FacetMap:
-        """The facets of the module's only call (raises if it ran zero or several times)."""
+        """The facets of the module's only call.
+
+        A module that never ran in this forward gets an empty map (`ran` is False), and asking it
+        for a facet raises `FacetNotFound` saying so.
+
+        Raises:
+            AmbiguousModuleCall: the module ran several times; read `calls[i].facets`.
+        """
         if len(self.calls) == 1:
             return self.calls[0].facets  # type: ignore[return-value]
         if not self.calls:
@@ -394,6 +602,31 @@ class Trace:
             raise AliasError(f"{name!r} has no site to read in this trace ({r.status}): {r.reason}{remedy}")
         return r.tensor  # the call the name's layer ran (a block run twice is two layers)
 
+    def check(self) -> dict[tuple[str, int, str], str]:
+        """Run every pending check of the trace now, rather than on first read.
+
+        Derived facets (rebuilt attention patterns, per-head results, norm statistics) and the
+        expensive checks of real ones (`z`, `resid_mid`) run lazily; see
+        [`FacetSite`][torchlens.FacetSite]. After `check()` no site is pending, every
+        `check_error` is set, and each `FacetMap.refused` is final. `Trace.save` runs it.
+
+        Returns:
+            Every facet the trace does not serve because its check failed or could not run, as
+            `(module address, call index, facet) -> reason`; empty when every check held.
+        """
+        refused = {}
+        for rec in self.modules.values():
+            for call in rec.calls:
+                if call.facets is not None:
+                    for facet, why in call.facets.check().items():
+                        refused[(call.address, call.index, facet)] = why
+        return refused
+
+    @property
+    def pending(self) -> int:
+        """How many facet sites still wait for their check (computes nothing)."""
+        return sum(len(c.facets.pending) for rec in self.modules.values() for c in rec.calls if c.facets is not None)
+
     def by_role(self, role: str) -> list[str]:
         """Addresses of the modules with `role` that ran, in the order they first ran."""
         recs = [r for r in self.modules.values() if r.role == role and r.calls]
@@ -421,7 +654,9 @@ class Trace:
             rows = rows[: max_rows + 1]
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = ["  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
-        lines.append("(* = exists but not saved)")
+        pending = self.pending
+        lines.append("(* = exists but not saved" + (
+            f"; {pending} facets are checked on first read or by trace.check())" if pending else ")"))
         return "\n".join(lines)
 
     def _repr_html_(self, max_rows: int = 60) -> str:
@@ -441,7 +676,8 @@ class Trace:
             for name, site in (facets.sites.items() if facets else []):
                 style = "white-space:nowrap;" + ("" if site.saved else "color:#8c959f;") + (
                     "font-style:italic;" if site.read_only else "")
-                note = site.kind + ("" if site.saved else ", not saved") + (f": {site.note}" if site.note else "")
+                note = site.kind + ("" if site.saved else ", not saved") + (
+                    "" if site.checked else ", check pending (runs on first read)") + (f": {site.note}" if site.note else "")
                 cells.append(code(f"{name}{list(site.shape)}" + ("" if site.saved else "*"), style, note))
             depth = rec.address.count(".") + 1 if rec.address else 0
             address = code(rec.address or "<root>", f"margin-left:{depth * 0.8:.1f}em" if depth else "")
@@ -452,4 +688,7 @@ class Trace:
         if any(not s.saved for rec in ran for c in rec.calls[:1] if c.facets for s in c.facets.sites.values()):
             notes.append("* exists but not saved.")
         notes.append("Italic: computed or reconstructed, read-only.")
+        pending = self.pending
+        if pending:
+            notes.append(f"{pending} facets are checked on first read (or by trace.check()).")
         return table(["module", "role", "calls", "facets"], rows, caption=repr(self), note=" ".join(notes))

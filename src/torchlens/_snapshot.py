@@ -29,7 +29,10 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     and the returned output (`reachable`, walked through tuples, lists and mappings), or any
     recorded tensor still alive (a cache the model keeps, a tensor a hook stashed). Those
     aliases are replaced by copies, so no later in-place write (an optimizer step, editing
-    `ids` to build a corrupted prompt, `trace.output.logits.zero_()`) changes the trace.
+    `ids` to build a corrupted prompt, `trace.output.logits.zero_()`) changes the trace. The
+    tensors a pending facet check will compute from (`FacetSite._inputs`: recorded tensors and
+    the module weights it reads) are treated the same way, so a facet computed after an
+    optimizer step still shows the forward that was traced.
     It runs once the trace is assembled, so only what the trace keeps is copied; several
     views of one storage (a KV cache's keys as each op saw them) share one copy of it when
     that costs no more than copying each view.
@@ -63,7 +66,8 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
             add(t)
     live.discard(0)  # empty tensors own no memory
 
-    # Every place the finished trace holds a tensor: op outputs, kept kernel arguments, facets.
+    # Every place the finished trace holds a tensor: op outputs, kept kernel arguments, facets
+    # and the inputs of their pending checks.
     slots: list[tuple[Any, Any]] = []  # (holder, key); holder[key] is the tensor
     for op in rec.ops:
         if any(t is not None for t in op.tensors):
@@ -75,18 +79,28 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
             op.extra = {"args": list(op.extra["args"]), "kwargs": dict(op.extra["kwargs"])}
             slots += [(op.extra["args"], i) for i, a in enumerate(op.extra["args"]) if isinstance(a, Tensor)]
             slots += [(op.extra["kwargs"], k) for k, v in op.extra["kwargs"].items() if isinstance(v, Tensor)]
+    # A facet's stored tensor (`site.__dict__["tensor"]`: reading `site.tensor` would run a pending
+    # check) and, while its check is pending, the tensors it will compute from (`site._inputs`,
+    # one list per deferred check, weights included): they must stay as the forward left them.
+    pending: set[int] = set()
     for call in rec.calls:
         sites = call.facets.sites if call.facets is not None else {}
-        slots += [(s, None) for s in sites.values() if s.tensor is not None]
+        for s in sites.values():
+            if s.__dict__.get("tensor") is not None:
+                slots.append((s.__dict__, "tensor"))
+            inputs = s._inputs
+            if inputs is not None and id(inputs) not in pending:
+                pending.add(id(inputs))
+                slots += [(inputs, i) for i, t in enumerate(inputs) if isinstance(t, Tensor)]
     groups: dict[int, list[tuple[Any, Any]]] = {}
     for holder, key in slots:
-        t = holder.tensor if key is None else holder[key]
+        t = holder[key]
         ptr = t.untyped_storage().data_ptr()
         if ptr in live:
             groups.setdefault(ptr, []).append((holder, key))
     copied = 0
     for items in groups.values():
-        tensors = [h.tensor if k is None else h[k] for h, k in items]
+        tensors = [h[k] for h, k in items]
         storage = tensors[0].untyped_storage()
         whole = len({id(t) for t in tensors}) > 1 and storage.nbytes() <= sum(t.numel() * t.element_size() for t in tensors)
         if whole:  # one copy of the storage serves every view of it (and keeps them views of one another)
@@ -102,10 +116,7 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
                     c = t.clone()
                     copied += t.numel() * t.element_size()
                 memo[id(t)] = c
-            if key is None:
-                holder.tensor = c
-            else:
-                holder[key] = c
+            holder[key] = c
     for op in rec.ops:
         op.tensors = tuple(op.tensors)
         if op.extra is not None:

@@ -84,6 +84,13 @@ class AliasResolution:
             call); None when the module ran once or there is no site.
         trace: the [`Trace`][torchlens.Trace] the name was resolved on (not shown in the repr and
             not compared); `tensor` reads from it.
+        checked: False when the status rests on a check that has not run yet: the site is
+            derived (or a real site with an expensive check, `z`, `resid_mid`) and its check
+            runs on first read (see [`FacetSite`][torchlens.FacetSite]). `resolve_alias` runs
+            the check of the one site it resolves, so its status is final; `alias_report`
+            computes nothing, so its rows on such sites say so (`checked` False, and the reason
+            says the check runs on first read). Reading `tensor` runs the check: a failing one
+            raises `FacetNotFound` with the reason.
     """
 
     query: str
@@ -100,6 +107,7 @@ class AliasResolution:
     shape: tuple[int, ...] | None = None
     call: int | None = None
     trace: Trace | None = field(default=None, repr=False, compare=False)
+    checked: bool = True
 
     @property
     def readable(self) -> bool:
@@ -391,14 +399,16 @@ def _other_generation_hint(query: str, table: Table, trace: Trace) -> str:
 
 
 def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
-            address: str | None = None) -> AliasResolution:
+            address: str | None = None, force: bool = True) -> AliasResolution:
+    """The resolution of one row at `layer`. With `force`, the site's pending check runs first
+    (so the status is final); without, nothing is computed and a pending site says so."""
     call = None
 
-    def res(status, addr, facet, reason, remedy="", shape=None):
+    def res(status, addr, facet, reason, remedy="", shape=None, checked=True):
         return AliasResolution(query, table.generation, status, addr, facet, layer, reason, remedy,
                                row.name, row.meaning, row.note, shape,
                                call.index if call is not None and len(trace.modules[call.address].calls) > 1 else None,
-                               trace)
+                               trace, checked)
 
     structure = trace.structure
     if table.decoder_only and structure is not None and structure.kind not in ("decoder-only", "no-stack"):
@@ -437,6 +447,10 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
         call = rec.calls[0]
     sites = call.facets.sites
     facet = next((f for f in row.facets if f in sites), None)
+    while force and facet is not None and not sites[facet].checked:  # the status rests on its check: run it
+        call.facets.check(facet)
+        sites = call.facets.sites
+        facet = next((f for f in row.facets if f in sites), None)
     refused = getattr(call.facets, "refused", {}).get(row.facets[0]) if facet is None else None
     if refused is not None:  # TorchLens derived it, but its check against the model failed
         if row.facets[0] in ("scores", "pattern"):
@@ -448,7 +462,7 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
         return res("structurally_absent", address, row.facets[0],
                    f"{address} ({rec.class_name}) has no {row.facets[0]!r} facet: {absent}.")
     site = sites[facet]
-    if site.tensor is None:
+    if not site.saved:  # (computes nothing: a pending site is saved until its check refuses it)
         if site.kind == "reconstructed" and trace.save_spec.keep(address, facet):
             return res("needs_capture", address, facet, f"{facet} could not be rebuilt: {site.note}.",
                        "trace a copy of the model loaded with attn_implementation='eager'", site.shape)
@@ -456,13 +470,14 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
         pick = f"save=[{facet!r}]" if not address else f"save=[{address!r}] or save=[{facet!r}]"
         return res("needs_capture", address, facet, f"{where}:{facet} exists but save= did not keep it.",
                    f"trace again with save='all' or {pick}", site.shape)
+    pending = "" if site.checked else " Not checked yet: its check runs on first read (or resolve_alias, trace.check())."
     if site.kind == "real":
-        return res("real", address, facet, f"{site.note}.", "", site.shape)
+        return res("real", address, facet, f"{site.note}.{pending}", "", site.shape, site.checked)
     how = "rebuilt from the fused kernel's inputs and checked against its output" if site.kind == "reconstructed" \
         else "computed from recorded tensors"
-    return res("reconstructed_read_only", address, facet, f"{how}; no op produced this tensor.",
+    return res("reconstructed_read_only", address, facet, f"{how}; no op produced this tensor.{pending}",
                "to edit it, trace a model with attn_implementation='eager' (real softmax op)"
-               if site.kind == "reconstructed" else "edit the tensors it is computed from", site.shape)
+               if site.kind == "reconstructed" else "edit the tensors it is computed from", site.shape, site.checked)
 
 
 #: Why a facet can be missing on a module that exists.
@@ -570,6 +585,11 @@ def alias_report(trace: Trace, generation: str = "2.x") -> AliasReport:
     Per-layer names get one row per decoder block that ran (layer = position in run order).
     For interp-engine, a point TorchLens has no site for is listed once, without a layer.
 
+    The report computes nothing: a row on a site whose check has not run yet (a rebuilt pattern,
+    a per-head result, before their first read) keeps the status the site has while its check
+    is pending (`real`, `reconstructed_read_only`), with `checked` False and a reason that says
+    the check runs on first read. Run `trace.check()` first for final statuses throughout.
+
     Args:
         trace: a [`Trace`][torchlens.Trace].
         generation: one of `GENERATIONS`: `"2.x"`, `"3.x"`, `"4.x"`, `"nnterp"`,
@@ -586,12 +606,12 @@ def alias_report(trace: Trace, generation: str = "2.x") -> AliasReport:
             continue
         if row.per_layer and not (table_.absent_once and row.facet is None):
             for layer in range(_n_layers(trace, row)):
-                rows.append(_status(trace, table_, row, layer, row.name.replace("{L}", str(layer))))
+                rows.append(_status(trace, table_, row, layer, row.name.replace("{L}", str(layer)), force=False))
             if not _n_layers(trace, row):  # no layer found: one row says so, rather than none
-                rows.append(_status(trace, table_, row, None, _bare(row.name)))
+                rows.append(_status(trace, table_, row, None, _bare(row.name), force=False))
         else:
             query = _bare(row.name) if row.per_layer else row.name
-            rows.append(_status(trace, table_, row, None, query))
+            rows.append(_status(trace, table_, row, None, query, force=False))
     return rows
 
 
