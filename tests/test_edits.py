@@ -14,11 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-import _models
 import torchlens as tl
-from torchlens._errors import EditSpecError, LookupFailed, NotEditable
+from torchlens import EditSpecError, LookupFailed, NotEditable, testing
 
-IDS = _models.token_ids(1, 6)
+IDS = testing.token_ids(1, 6)
 ATOL = 1e-6
 
 
@@ -52,7 +51,7 @@ def _nothing_installed(model):
 
 
 def test_gpt2_zero_resid_post_matches_forward_hook():
-    model = _models.gpt2()
+    model = testing.build("gpt2")
     with torch.no_grad():
         clean = model(IDS).logits
         t = tl.trace(model, IDS, edit={"blocks.0.hook_resid_post": lambda x: x * 0})
@@ -71,7 +70,7 @@ def test_gpt2_zero_resid_post_matches_forward_hook():
                                  "transformer.h.0:resid_post", ("transformer.h.0", "output")])
 def test_every_generation_names_the_same_edit(key):
     """2.x, 4.x, nnterp and interp-engine names, 'address:facet' and a tuple: one site, one edit."""
-    model = _models.gpt2()
+    model = testing.build("gpt2")
     with torch.no_grad():
         t = tl.trace(model, IDS, edit={key: lambda x: x * 0.5})
     torch.testing.assert_close(t.output.logits, _hooked_logits(model, model.transformer.h[0], lambda x: x * 0.5),
@@ -80,7 +79,7 @@ def test_every_generation_names_the_same_edit(key):
 
 
 def test_llama_steering_resid_pre_matches_pre_hook_and_downstream_sites():
-    model = _models.llama()
+    model = testing.build("llama")
     steer = torch.linspace(-1, 1, 32)
     with torch.no_grad():
         t = tl.trace(model, IDS, edit={("model.layers.1", "resid_pre"): lambda x: x + steer})
@@ -98,7 +97,7 @@ def test_llama_steering_resid_pre_matches_pre_hook_and_downstream_sites():
 
 
 def test_tensor_value_replaces_and_wrong_shape_teaches():
-    model = _models.gpt2()
+    model = testing.build("gpt2")
     with torch.no_grad():
         t0 = tl.trace(model, IDS)
         value = torch.ones_like(t0.modules["transformer.h.1.mlp"].facets["output"])
@@ -115,7 +114,7 @@ def test_tensor_value_replaces_and_wrong_shape_teaches():
 
 def test_gpt2_head_ablation_through_z_matches_zeroed_c_proj_columns():
     """Zeroing head 1 of z equals zeroing its d_head input columns of the output projection."""
-    model = _models.gpt2()
+    model = testing.build("gpt2")
     d_head = 16
 
     def ablate(z):  # z: [batch, heads, pos, d_head]
@@ -135,7 +134,7 @@ def test_gpt2_head_ablation_through_z_matches_zeroed_c_proj_columns():
 
 
 def test_llama_q_and_act_match_hooks_on_the_modules_computing_them():
-    model = _models.llama()
+    model = testing.build("llama")
     with torch.no_grad():
         t = tl.trace(model, IDS, edit={"blocks.0.attn.hook_q": lambda q: q * 2})  # q: [b, pos, heads, d_head]
     torch.testing.assert_close(
@@ -150,7 +149,7 @@ def test_llama_q_and_act_match_hooks_on_the_modules_computing_them():
 
 def test_gpt2_pattern_edit_matches_an_eager_manual_forward():
     """Uniform attention in layer 0: checked against the model's attention rewritten by hand."""
-    model = _models.gpt2()
+    model = testing.build("gpt2")
 
     def uniform(p):  # [batch, heads, query, key]
         n = torch.arange(1, p.shape[-1] + 1, dtype=p.dtype).view(-1, 1)
@@ -195,7 +194,7 @@ def test_llama_rot_q_matches_an_attention_function_that_edits_the_kernel_input()
         q[:, :, 1] = 0
         return q
 
-    model = _models.llama()
+    model = testing.build("llama")
     with torch.no_grad():
         t = tl.trace(model, IDS, edit={("model.layers.0.self_attn", "rot_q"): zero_head})
         AttentionInterface.register("torchlens_test_edit_rot_q", edited)
@@ -204,13 +203,13 @@ def test_llama_rot_q_matches_an_attention_function_that_edits_the_kernel_input()
         want = model(IDS).logits
     torch.testing.assert_close(t.output.logits, want, atol=ATOL, rtol=0)
     with pytest.raises(NotEditable, match="rot_k.*repeated"):  # GQA: the kernel gets each kv head twice
-        tl.trace(_models.llama(), IDS, edit={("model.layers.0.self_attn", "rot_k"): lambda k: k})
+        tl.trace(testing.build("llama"), IDS, edit={("model.layers.0.self_attn", "rot_k"): lambda k: k})
 
 
 def test_gpt2_resid_mid_matches_the_block_written_out_by_hand():
     """resid_mid (the residual after the attention add) feeds both ln_2 and the MLP's residual add,
     so no hook on a module can replace it; the block's forward written out by hand can."""
-    model = _models.gpt2()
+    model = testing.build("gpt2")
     d = torch.linspace(0, 1, 32)
     fn = lambda mid: mid + d  # noqa: E731
 
@@ -236,7 +235,7 @@ def test_gpt2_resid_mid_matches_the_block_written_out_by_hand():
 
 def test_hook_and_op_edits_together_match_plain_hooks():
     """A hook edit records an `edited` op; the op edits after it are still placed on their ops."""
-    model = _models.gpt2()
+    model = testing.build("gpt2")
 
     def ablate(z):
         z[:, 0] = 0
@@ -301,8 +300,8 @@ def test_module_run_twice_is_edited_on_every_call_unless_the_key_names_one():
 
 
 def test_activation_patching_resid_post_restores_the_clean_logits():
-    model = _models.gpt2()
-    clean_ids, corrupt_ids = IDS, _models.token_ids(1, 6, seed=3)
+    model = testing.build("gpt2")
+    clean_ids, corrupt_ids = IDS, testing.token_ids(1, 6, seed=3)
     with torch.no_grad():
         clean_logits = model(clean_ids).logits
         clean = tl.trace(model, clean_ids, save=["resid_post"])
@@ -338,7 +337,7 @@ def test_a_patched_tensor_is_not_written_by_the_model():
 
 def test_training_mode_dropout_draws_the_same_masks_as_an_unedited_forward():
     """The locating pass consumes no randomness the edited forward would have drawn."""
-    model = _models.gpt2().train()
+    model = testing.build("gpt2").train()
     torch.manual_seed(5)
     t = tl.trace(model, IDS, edit={"blocks.1.hook_resid_pre": lambda x: x})
     torch.manual_seed(5)
@@ -351,24 +350,24 @@ def test_training_mode_dropout_draws_the_same_masks_as_an_unedited_forward():
 
 
 def test_sdpa_pattern_is_not_editable_and_says_use_eager():
-    model = _models.gpt2("sdpa")
+    model = testing.build("gpt2", "sdpa")
     with pytest.raises(NotEditable, match=r"transformer\.h\.0\.attn:pattern.*fused.*attn_implementation=\"eager\""):
         tl.trace(model, IDS, edit={"blocks.0.attn.hook_pattern": lambda p: p})
     _nothing_installed(model)
 
 
 def test_computed_and_fused_sites_are_not_editable():
-    model = _models.gpt2()
+    model = testing.build("gpt2")
     with pytest.raises(NotEditable, match=r"attn:result.*edit 'z'"):
         tl.trace(model, IDS, edit={"blocks.0.attn.hook_result": lambda r: r})
-    neox = _models.gpt_neox()
+    neox = testing.build("gpt_neox")
     with pytest.raises(NotEditable, match=r"attention:q.*slice of op"):
         tl.trace(neox, IDS, edit={"blocks.0.attn.hook_q": lambda q: q})
     _nothing_installed(neox)
 
 
 def test_neox_resid_post_matches_forward_hook():
-    model = _models.gpt_neox()
+    model = testing.build("gpt_neox")
     with torch.no_grad():
         t = tl.trace(model, IDS, edit={"blocks.1.hook_resid_post": lambda x: x * 0.5})
     want = _hooked_logits(model, model.gpt_neox.layers[1], lambda x: x * 0.5)
@@ -376,7 +375,7 @@ def test_neox_resid_post_matches_forward_hook():
 
 
 def test_bad_keys_and_values_teach():
-    model = _models.gpt2()
+    model = testing.build("gpt2")
     with pytest.raises(LookupFailed, match="blocks.0.hook_resid_post"):
         tl.trace(model, IDS, edit={"blocks.0.hook_resid_pst": lambda x: x})
     with pytest.raises(LookupFailed, match="transformer.h.0"):
@@ -397,7 +396,7 @@ def test_bad_keys_and_values_teach():
 
 
 def test_nothing_installed_outlives_an_edit_that_raises():
-    model = _models.gpt2()
+    model = testing.build("gpt2")
 
     def boom(x):
         raise RuntimeError("user fn failed")
@@ -415,7 +414,7 @@ def test_nothing_installed_outlives_an_edit_that_raises():
 def test_nnsight_intervention_parity():
     from nnsight import NNsight
 
-    model = _models.gpt2()
+    model = testing.build("gpt2")
     engine = NNsight(model)
     with torch.no_grad(), engine.trace(IDS):
         engine.transformer.h[0].output[:] = 0

@@ -14,8 +14,7 @@ Every test states what must hold whatever the model does:
   GPT-2-small-shaped model do not grow the process.
 
 Ground truth comes from plain forwards and plain PyTorch hooks, never from TorchLens. The models
-are tiny random-init ones (`torchlens.testing`, through `tests/_models.py`), except the
-GPT-2-small-shaped memory model.
+are tiny random-init ones (`torchlens.testing`), except the GPT-2-small-shaped memory model.
 
 Tests internals: `torchlens._ops`'s op-classification cache (that it stays bounded).
 """
@@ -31,7 +30,6 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-import _models
 import torchlens
 from torchlens import (
     AmbiguousModuleCall,
@@ -41,6 +39,7 @@ from torchlens import (
     Ref,
     SaveSpecError,
     TorchLensError,
+    testing,
 )
 
 _module_mod = torch.nn.modules.module
@@ -131,15 +130,15 @@ def hooked_io(model: nn.Module, *args, **kwargs) -> tuple[object, dict[str, list
 
 @functools.cache
 def gpt2():
-    return _models.gpt2()
+    return testing.build("gpt2")
 
 
 @functools.cache
 def llama():
-    return _models.llama()
+    return testing.build("llama")
 
 
-IDS = _models.token_ids(1, 6)
+IDS = testing.token_ids(1, 6)
 
 
 @functools.cache
@@ -294,7 +293,7 @@ class _TracesAnotherModel(nn.Module):
     def __init__(self, nested: bool):
         super().__init__()
         torch.manual_seed(0)
-        self.proj = nn.Linear(_models.VOCAB, 2)
+        self.proj = nn.Linear(testing.VOCAB, 2)
         self.nested = nested
         self.inner: torchlens.Trace | None = None
 
@@ -378,7 +377,7 @@ class _InPlaceMLP(nn.Module):
 @pytest.mark.parametrize("which", ["gpt2", "inplace"])
 def test_requires_grad_inputs_gradients_flow_and_saved_tensors_detached(which):
     if which == "gpt2":
-        model = _models.gpt2()
+        model = testing.build("gpt2")
         inp = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(0))
         call = lambda m, e: m(inputs_embeds=e).logits  # noqa: E731
         run = lambda m, e: torchlens.trace(m, inputs_embeds=e)  # noqa: E731
@@ -459,7 +458,7 @@ def _in_threads(jobs, meet_at):
 
 def test_two_threads_two_models():
     g, l = gpt2(), llama()
-    ids_g, ids_l = _models.token_ids(1, 6, seed=1), _models.token_ids(2, 5, seed=2)
+    ids_g, ids_l = testing.token_ids(1, 6, seed=1), testing.token_ids(2, 5, seed=2)
     ref_g, ref_l = torchlens.trace(g, ids_g), torchlens.trace(l, ids_l)
     tr_g, tr_l = _in_threads([(g, ids_g), (l, ids_l)], {id(g): "transformer.h.1", id(l): "model.layers.1"})
     assert_same_trace(tr_g, ref_g)
@@ -470,7 +469,7 @@ def test_two_threads_two_models():
 
 def test_two_threads_same_model():
     g = gpt2()
-    ids_a, ids_b = _models.token_ids(1, 6, seed=3), _models.token_ids(1, 4, seed=4)
+    ids_a, ids_b = testing.token_ids(1, 6, seed=3), testing.token_ids(1, 4, seed=4)
     ref_a, ref_b = torchlens.trace(g, ids_a), torchlens.trace(g, ids_b)
     tr_a, tr_b = _in_threads([(g, ids_a), (g, ids_b)], {id(g): "transformer.h.1"})
     # each trace holds its own thread's ops only: one call per module, its own input's values
@@ -716,7 +715,7 @@ def test_factory_ops_are_recorded_without_inputs():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_half_precision(family, dtype):
-    model = _models.build(family, "eager", dtype)
+    model = testing.build(family, "eager", dtype)
     with torch.no_grad():
         ref = model(IDS).logits
     tr = torchlens.trace(model, IDS)
@@ -1172,13 +1171,13 @@ def test_trace_freed_without_cycle_collection(gpt2_small):
 
 @pytest.mark.parametrize("save", ["all", "none", ["resid_post"]], ids=str)
 def test_trace_does_not_keep_the_model_alive(save):
-    model = _models.gpt2()
+    model = testing.build("gpt2")
     tr = torchlens.trace(model, IDS, save=save)
     model_ref = weakref.ref(model)
     del model
     gc.collect()
     assert model_ref() is None  # the trace is alive, the model is gone
-    assert len(tr.ops) > 50 and tr.output.logits.shape == (1, 6, _models.VOCAB)
+    assert len(tr.ops) > 50 and tr.output.logits.shape == (1, 6, testing.VOCAB)
     trace_ref = weakref.ref(tr)
     del tr
     gc.collect()
