@@ -2,6 +2,9 @@
 
 Ground truth is plain forward hooks, the model's own returned tensors, or the module objects
 named by hand; the tiny models are built here or from transformers configs (random weights).
+
+Tests internals: the naming tables' targets and facets are checked against
+`torchlens.mechinterp._targets.TARGETS` and `torchlens._facet_spec.ALL_FACETS`.
 """
 
 from __future__ import annotations
@@ -448,9 +451,8 @@ def test_every_row_of_every_table_names_a_known_target_and_facet():
     """A mistyped target or facet in a (kind-specific) table would read as structurally_absent: refuse it here."""
     from torchlens._facet_spec import ALL_FACETS
     from torchlens.mechinterp import _targets as targets
-    from torchlens.mechinterp._resolver import GENERATIONS
 
-    tables = [t for g in GENERATIONS.values() for t in (g, *dict(g.by_kind).values())]
+    tables = [t for g in mi.GENERATIONS.values() for t in (g, *dict(g.by_kind).values())]
     assert len(tables) >= 8
     for table in tables:
         names = [r.name for r in table.rows]
