@@ -17,7 +17,9 @@ Memory: each mode runs once more in a fresh subprocess. After the model has run 
 forwards), freed heap is returned to the system (`malloc_trim`) and the peak counter is reset
 (`/proc/self/clear_refs`); the growth of the peak resident set (VmHWM) over the resident set
 before the run is reported, then what is still resident while the result is alive (after another
-`malloc_trim`), with the bytes of tensor storage a trace keeps.
+`malloc_trim`), with the bytes of tensor storage a trace keeps. glibc's adaptive mmap threshold
+lets freed tensors stay in the heap, so a peak can vary by about 100 MiB between runs of one mode;
+`--mmap-threshold 65536` fixes it for the memory children, making peaks repeatable.
 
 Modes:
     plain: `model(ids)` under `torch.no_grad()`.
@@ -76,6 +78,8 @@ LABELS = {
     "pypi": "PyPI torchlens 2.36.1 (own process)",
     "all_dir": "TorchLens save='all', store=<directory>",
 }
+#: `--mmap-threshold`: glibc's MALLOC_MMAP_THRESHOLD_ for the memory children (None: glibc's default).
+MMAP_THRESHOLD: list[int | None] = [None]
 #: Where the directory-store mode writes (removed after each memory run).
 STORE_ROOT = os.path.join(ROOT, "build", "bench-store")
 IN_PROCESS = ["plain", "all", "none", "resid_post", "tl_cache", "nnsight", "hooks"]
@@ -333,6 +337,8 @@ def pypi_child(name: str, rounds: int) -> dict:
 def _child(python: str, call: str, timeout: float = 3600) -> dict:
     code = f"import sys; sys.path.insert(0, {HERE!r}); import bench, json; print('BENCH' + json.dumps(bench.{call}))"
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    if MMAP_THRESHOLD[0] is not None:  # a fixed threshold: glibc's adaptive one makes peaks vary by ~100 MiB
+        env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD[0])
     proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH")]
     if proc.returncode or not lines:
@@ -431,9 +437,13 @@ def main(argv=None) -> int:
     parser.add_argument("--pypi-python", default=DEFAULT_PYPI_PYTHON,
                         help="python of a venv with PyPI torchlens 2.36.1 (skipped when missing)")
     parser.add_argument("--profile", metavar="MODEL", help="print a cProfile of trace(save='all') and exit")
+    parser.add_argument("--mmap-threshold", type=int, metavar="BYTES",
+                        help="run the memory children with MALLOC_MMAP_THRESHOLD_=BYTES (e.g. 65536): large "
+                             "tensors are then mapped and unmapped, so peaks do not depend on heap reuse")
     parser.add_argument("--modes", nargs="*", help="only these modes (a quick look; default: every mode of each model)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    MMAP_THRESHOLD[0] = args.mmap_threshold
     if args.profile:
         p = profile(args.profile)
         print(format_profile(p))
