@@ -135,11 +135,20 @@ def test_update_refuses_values_that_do_not_round_trip(docs, pytester):
         # migration-test: tool=torchlens expected=[0, 1, 2]
         RESULT = range(3)
         '''
+
+        '''python
+        # migration-test: tool=torchlens expected=[0, 1, 2]
+        class Odd:  # its repr reads back, as an int, which is not what RESULT is
+            def __repr__(self):
+                return "1"
+        RESULT = Odd()
+        '''
         """)
     before = path.read_text()
     result = pytester.runpytest("--update-expected")
-    result.assert_outcomes(failed=1)
-    expect_lines(result, ["*not updated: repr(RESULT) does not read back*", "no expected= literal needed rewriting"])
+    result.assert_outcomes(failed=2)
+    assert result.stdout.str().count("not updated: repr(RESULT) does not read back") == 2
+    expect_lines(result, ["no expected= literal needed rewriting"])
     assert path.read_text() == before
 
 
@@ -661,10 +670,19 @@ def test_engine_block_result_must_be_a_literal(docs, pytester, fake_env):
         # migration-test: tool=fake-engine expected=1
         RESULT = object()
         '''
+
+        '''python
+        # migration-test: tool=fake-engine expected=1
+        class Odd:  # its repr reads back, as an int, which is not what RESULT is
+            def __repr__(self):
+                return "1"
+        RESULT = Odd()
+        '''
         """)
     result = pytester.runpytest()
-    result.assert_outcomes(failed=1)
-    expect_lines(result, ["docs/page.md:1: RESULT is a object whose repr does not read back through ast.literal_eval*"])
+    result.assert_outcomes(failed=2)
+    expect_lines(result, ["docs/page.md:1: RESULT is a object whose repr does not read back through ast.literal_eval*",
+                          "docs/page.md:6: RESULT is a Odd whose repr does not read back through ast.literal_eval*"])
 
 
 def test_engine_block_time_limit_shows_where_it_was(docs, pytester, fake_env):
