@@ -45,6 +45,7 @@ import torch
 import transformers as tf
 
 import torchlens as tl
+from torchlens import testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _outputs import write_or_check  # noqa: E402  (a sibling of this script)
@@ -284,20 +285,14 @@ class ArchResult:
 
 
 def build(arch: Arch, attn: str) -> torch.nn.Module:
-    """The model with random weights (seed 0) and norm gains/biases perturbed (seed 1)."""
-    torch.manual_seed(0)
+    """The model with random weights (seed 0) and norm gains/biases perturbed (seed 1), float32:
+    `torchlens.testing.from_config`, with the attention implementation set on the sub-configs of
+    a multimodal config too."""
     cfg = arch.config()
-    cfg._attn_implementation = attn
     for sub in ("text_config", "vision_config"):
         if getattr(cfg, sub, None) is not None:
             getattr(cfg, sub)._attn_implementation = attn
-    model = arch.model(cfg)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name.lower() or ".ln" in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    return model.eval()
+    return testing.from_config(cfg, arch.model, attn)
 
 
 def make_inputs(arch: Arch) -> tuple[tuple, dict, torch.Tensor | None]:

@@ -126,7 +126,8 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({
 
 
 def _is_norm(name: str) -> bool:
-    return "norm" in name or ".ln" in name or name.startswith("ln") or "layernorm" in name
+    """Whether a parameter name says it belongs to a norm (`ln_f`, `input_layernorm`, `LayerNorm`)."""
+    return "norm" in name.lower() or ".ln" in name or name.startswith("ln")
 
 
 def from_config(config: Any, model_class: type, attn_implementation: str = "eager",
@@ -195,6 +196,11 @@ def build(family: str, attn_implementation: str = "eager", dtype: torch.dtype = 
         >>> model = testing.build("gpt2", "sdpa")
         >>> model.config.n_layer, model.config._attn_implementation
         (2, 'sdpa')
+        >>> testing.build("gpt2", hidden_size=64).config.n_embd  # a setting overridden
+        64
+        >>> testing.build("gemma2", "sdpa")
+        Traceback (most recent call last):
+        ValueError: gemma2 runs with 'eager' attention, not 'sdpa': transformers runs Gemma-2 with eager attention only (softcapping)
     """
     import transformers
 
@@ -213,7 +219,10 @@ def checkpoint(family: str, directory: str | Path | None = None, *, tokenizer_to
     """Build a family's model (float32, eager) and `save_pretrained` it into a directory.
 
     For engines that load a checkpoint from disk: the model returned holds the weights the
-    directory holds, so a trace of it is the ground truth for what the engine loads.
+    directory holds, so a trace of it is the ground truth for what the engine loads. The saved
+    config does not record the attention implementation: `from_pretrained` picks its default
+    (sdpa) unless given `attn_implementation="eager"`. Loaded eager, the model computes what the
+    returned one does bit for bit; loaded with sdpa, to rounding.
 
     Args:
         family: a key of `FAMILIES`.
@@ -224,6 +233,15 @@ def checkpoint(family: str, directory: str | Path | None = None, *, tokenizer_to
 
     Returns:
         The model and the directory.
+
+    Example:
+        >>> import tempfile, torch, transformers
+        >>> from torchlens import testing
+        >>> model, path = testing.checkpoint("llama", tempfile.mkdtemp())
+        >>> loaded = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+        >>> ids = testing.token_ids()
+        >>> torch.equal(loaded(ids).logits, model(ids).logits)
+        True
     """
     model = build(family, **settings)
     path = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix=f"torchlens-{family}-"))
@@ -291,6 +309,16 @@ def hooked_outputs(model: torch.nn.Module, addresses: Iterable[str], *args: Any,
 
     Raises:
         KeyError: an address is not a module of `model`.
+
+    Example:
+        >>> from torchlens import testing
+        >>> model = testing.build("gpt2")
+        >>> out = testing.hooked_outputs(model, ["transformer.h.1", "lm_head"], testing.token_ids(length=3))
+        >>> {a: tuple(t.shape) for a, t in out.items()}
+        {'transformer.h.1': (1, 3, 32), 'lm_head': (1, 3, 64)}
+        >>> testing.hooked_outputs(model, ["transformer.h.7"], testing.token_ids())
+        Traceback (most recent call last):
+        KeyError: "not modules of GPT2LMHeadModel: ['transformer.h.7']"
     """
     seen: dict[str, torch.Tensor] = {}
     mods = dict(model.named_modules())
