@@ -1,8 +1,9 @@
 """Record each documentation example's outcome and what it printed, for the site.
 
 A pytest plugin next to ``docs_harness.py`` (loaded by ``-p doc_outputs`` in pyproject.toml). For
-every docs block that ran, it keeps the outcome and the stdout pytest captured, with a hash of the
-block's code, and at the end of the session merges them, per page, into ``build/doc-outputs.json``:
+every docs block that ran, it keeps the outcome and the stdout pytest captured (cut to
+:data:`OUTPUT_LIMIT`: an engine's log can run to thousands of lines), with a hash of the block's
+code, and at the end of the session merges them, per page, into ``build/doc-outputs.json``:
 
     {"pages": {"docs/page.md": {"sha256": ..., "timestamp": ..., "torchlens_version": ..., "blocks": [
         {"line": 42, "code_sha256": ..., "outcome": "passed", "stdout": "..."}]}}}
@@ -26,6 +27,7 @@ import sys
 import pytest
 
 OUTPUTS_FILE = pathlib.Path("build") / "doc-outputs.json"
+OUTPUT_LIMIT = 3000  #: characters of a block's output kept for the site (its start and its end)
 _KEY = pytest.StashKey[dict]()
 
 
@@ -37,6 +39,17 @@ def code_sha256(code: str) -> str:
     """
     lines = [line.rstrip() for line in code.split("\n")]
     return hashlib.sha256("\n".join(lines).strip("\n").encode("utf-8")).hexdigest()
+
+
+def cut(text: str, limit: int = OUTPUT_LIMIT) -> str:
+    """Keep the start and the end of ``text`` within about ``limit`` characters.
+
+    >>> cut("abcdefghij", 4)
+    'ab\\n[... 6 characters cut ...]\\nij'
+    """
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit // 2]}\n[... {len(text) - limit} characters cut ...]\n{text[len(text) - (limit - limit // 2):]}"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -58,7 +71,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             "line": item.line,
             "code_sha256": code_sha256(item.body) if isinstance(item, DocItem) else None,
             "outcome": report.outcome,
-            "stdout": stdout,
+            "stdout": cut(stdout),
         })
     return report
 

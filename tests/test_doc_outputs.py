@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import re
 
 import pytest
 from docs_harness import block_body, page_blocks
@@ -162,3 +163,42 @@ def test_hook_puts_the_note_under_the_title_and_tolerates_a_missing_file(tmp_pat
     (tmp_path / "build" / "doc-outputs.json").write_text("{not json")
     assert hooks._load_status(_Config(tmp_path)) == {}
     assert hooks._note({"examples": 0, "sha256": "a"}, "a") is None
+
+
+def test_a_long_output_is_cut_to_its_start_and_end_for_the_site(pytester, monkeypatch, hooks):
+    """An engine's log can run to thousands of lines; the site keeps its start and its end."""
+    _run_page(pytester, monkeypatch, hooks, "# P\n\n```python\nprint('first' + 'x' * 9000 + 'last')\n```\n")
+    stdout = json.loads((pytester.path / "build" / "doc-outputs.json").read_text())["pages"]["page.md"]["blocks"][0]["stdout"]
+    assert stdout.startswith("firstx") and stdout.endswith("xlast\n") and "[... 6010 characters cut ...]" in stdout
+    assert len(stdout) < 3100
+
+
+_FENCE_INFO = re.compile(r"^ *(?:`{3,}|~{3,})(?P<info>[^`]*)$")
+
+
+def unrenderable_python_fences(text: str) -> list[tuple[int, str]]:
+    """``(line, info)`` of the Python fences whose info string Material would show as plain text.
+
+    PyMdown's superfences takes ``python`` followed by ``key="value"`` options, or the brace form
+    ``{.python notest}``; a bare word after the language (```` ```python notest ````) silently
+    turns the whole block into text on the site, while the harness still runs or skips it.
+    """
+    found, fence = [], None
+    for number, line in enumerate(text.split("\n"), start=1):
+        stripped = line.strip()
+        if fence is not None:
+            fence = None if len(stripped) >= len(fence) and set(stripped) == {fence[0]} else fence
+        elif match := _FENCE_INFO.match(line):
+            fence, info = stripped[: len(stripped) - len(match["info"])], match["info"].strip()
+            words = re.findall(r'[^\s=]+="[^"]*"|\S+', info)
+            if words and words[0].lower() in ("py", "python", "python3") and any("=" not in w for w in words[1:]):
+                found.append((number, info))
+    return found
+
+
+def test_no_page_has_a_python_fence_the_site_would_show_as_text():
+    sample = '```python notest\nx = 1\n```\n\n```python title="a.py" hl_lines="1 2"\nx\n```\n\n```{.python notest}\n```\n'
+    assert unrenderable_python_fences(sample) == [(1, "python notest")]
+    found = {path.relative_to(REPO).as_posix(): bad for path in _pages()
+             if (bad := unrenderable_python_fences(path.read_text(encoding="utf-8-sig")))}
+    assert not found, f"write these fences in the brace form, e.g. ```{{.python notest}}: {found}"
