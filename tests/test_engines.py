@@ -3,8 +3,9 @@
 Each test takes one engine on one configuration (GPT-2 or Llama, eager or sdpa attention),
 reads every site the engine offers under the names TorchLens's tables know, and checks with
 `torchlens.mechinterp.compare` that each tensor equals the one TorchLens resolves the name to.
-The engine runs live in `tests/engine_runs.py`, which `scripts/gen_verified.py` uses as well,
-so the "Verified against" page counts exactly these comparisons.
+The engine runs live in `scripts/engine_runs.py` (imported here through `tests/engine_runs.py`),
+which `scripts/gen_verified.py` uses as well, so the "Verified against" page counts exactly these
+comparisons.
 
 An engine that is not installed skips its tests, except under `CI=true`, where it fails them
 (the policy of the docs harness). The engines are imported only when a test needs one.

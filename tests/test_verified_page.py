@@ -1,7 +1,7 @@
 """docs/guides/verified.md must be what a fresh run of the engine comparisons renders.
 
 The page's numbers come from `scripts/gen_verified.py`, which counts the runs in
-`tests/engine_runs.py`, the same runs `tests/test_engines.py` asserts on (they are cached, so a
+`scripts/engine_runs.py`, the same runs `tests/test_engines.py` asserts on (they are cached, so a
 full test session runs each engine once). A table edit, an engine upgrade or a changed
 comparison that moves a count makes this test fail until the page is regenerated.
 """
