@@ -65,7 +65,7 @@ Header = collections.namedtuple("Header", "line tool expected_source expected ti
 
 
 def parse_header(text: str, line: int) -> Header:
-    """Parse ``# migration-test: tool=NAME [timeout=SECONDS] expected=LITERAL``; raise ValueError saying what is wrong.
+    """Parse ``# migration-test: tool=NAME [timeout=SECONDS] expected=LITERAL``; ValueError says what is wrong.
 
     >>> parse_header("# migration-test: tool=nnsight expected=(1, 'a') timeout=9", 7)
     Header(line=7, tool='nnsight', expected_source="(1, 'a')", expected=(1, 'a'), timeout=9.0)
@@ -85,8 +85,8 @@ def parse_header(text: str, line: int) -> Header:
     if (tool := options.get("tool")) not in TOOL_IMPORTS:
         close = difflib.get_close_matches(tool or "", TOOL_IMPORTS, n=2)
         raise ValueError("the header has no `tool=NAME`" if tool is None else f"unknown tool `{tool}`"
-                          f"{f' (did you mean {close}?)' if close else ''}; known: {', '.join(sorted(TOOL_IMPORTS))}; "
-                          "a new one goes into TOOL_IMPORTS in tests/docs_harness.py")
+                         f"{f' (did you mean {close}?)' if close else ''}; known: {', '.join(sorted(TOOL_IMPORTS))}; "
+                         "a new one goes into TOOL_IMPORTS in tests/docs_harness.py")
     timeout = options.get("timeout")
     if timeout is not None and (not re.fullmatch(r"\d*\.?\d+", timeout) or float(timeout) <= 0):
         raise ValueError(f"timeout=`{timeout}` is not a positive number of seconds")
@@ -95,8 +95,8 @@ def parse_header(text: str, line: int) -> Header:
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as error:
         node = re.search(r"<ast\.(\w+) object", str(error))
         raise ValueError(f"expected= is not a Python literal: {source!r} ("
-                          f"{f'it contains an ast.{node[1]}' if node else f'{type(error).__name__}: {error}'}); use "
-                          "numbers, strings, bytes, True/False/None, tuples, lists, dicts or sets") from None
+                         f"{f'it contains an ast.{node[1]}' if node else f'{type(error).__name__}: {error}'}); use "
+                         "numbers, strings, bytes, True/False/None, tuples, lists, dicts or sets") from None
 
 
 def literal_repr(value: object) -> str | None:
@@ -209,10 +209,8 @@ class DocPage(MarkdownTextFile):
         yield from items
         for line in sorted(set(scan_python_headers(text)) - {item.header_line for item in items}):
             problem = PageProblem.from_parent(self, name=f"uncollected-header[line-{line}]")
-            problem.line, problem.message = line, (
-                f"{self.display}:{line}: a `# migration-test:` header was not collected: it must be the first line "
-                "of a collected Python block (not after code, not in a `notest` fence, nor in a container the "
-                "harness does not know)")
+            problem.line, problem.message = line, (f"{self.display}:{line}: a `# migration-test:` header was not "
+                "collected: it must open a Python block (not follow code, not in a `notest` fence or unknown container)")
             problem.add_marker("migration_test")
             yield problem
 
@@ -245,8 +243,9 @@ class DocItem(MarkdownInlinePythonItem):
         self.timeout = (self.header and self.header.timeout) or float(self.config.getini("doc_example_timeout"))
         # An engine's interpreter dumps its stacks at the limit, a little before this process stops waiting.
         self.add_marker(pytest.mark.timeout(self.timeout + min(30, max(1, self.timeout / 10)) * bool(self.engine)))
-        if self.header:
+        if self.header_line:  # a malformed header too: `-m migration_test` shows it failing
             self.add_marker("migration_test")
+        if self.header:
             self.add_marker("tool_" + TOOL_IMPORTS[self.header.tool])
 
     def reportinfo(self):

@@ -176,6 +176,20 @@ def test_malformed_header_fails(docs, pytester, header, message):
     expect_lines(result, ["docs/page.md:1: malformed `# migration-test:` header (line 2): " + message])
 
 
+def test_a_malformed_header_is_a_migration_test_too(docs, pytester):
+    docs("""
+        '''python
+        # migration-test: tool=torchlens expected=len([1])
+        RESULT = 1
+        '''
+
+        '''python
+        x = 1
+        '''
+        """)
+    pytester.runpytest("-m", "migration_test").assert_outcomes(failed=1, deselected=1)
+
+
 def test_expected_is_read_as_a_literal_never_run(docs, pytester):
     docs("""
         '''python
@@ -428,7 +442,7 @@ def test_uncollected_headers_fail(docs, pytester):
         """)
     result = pytester.runpytest()
     result.assert_outcomes(passed=1, failed=2)
-    expect_lines(result, ["docs/page.md:3: a `# migration-test:` header was not collected: it must be the first line*",
+    expect_lines(result, ["docs/page.md:3: a `# migration-test:` header was not collected: it must open a Python block*",
                           "docs/page.md:8: a `# migration-test:` header was not collected*"])
 
 
