@@ -67,6 +67,7 @@ def test_nothing_is_computed_until_read(calls):
     assert t.pending == pending
     assert "check pending" in repr(t.modules[_attn(1)].facets.site("pattern"))
     assert f"{pending} facets are checked on first read" in t.summary()
+    assert "check pending" in t._repr_html_() and f"{pending} facets are checked on first read" in t._repr_html_()
     # Reading one layer's pattern rebuilds that layer's kernel only (scores come with it).
     t.modules[_attn(1)].facets["pattern"]
     assert calls == {"rebuild_attention": 1}, calls
@@ -99,12 +100,13 @@ def test_statuses_say_when_a_check_has_not_run_and_resolve_alias_runs_it():
     rows = {r.query: r for r in report}
     assert rows["blocks.1.attn.hook_pattern"].status == "reconstructed_read_only"
     assert not rows["blocks.1.attn.hook_pattern"].checked
-    assert "runs on first read" in rows["blocks.1.attn.hook_pattern"].reason
+    assert "not computed or checked yet" in rows["blocks.1.attn.hook_pattern"].reason
     assert rows["blocks.1.hook_resid_post"].checked and rows["blocks.1.hook_resid_post"].status == "real"
     assert not rows["blocks.1.hook_resid_mid"].checked and rows["blocks.1.hook_resid_mid"].status == "real"
+    assert "Not checked yet" in rows["blocks.1.hook_resid_mid"].reason
     assert not t.modules[_attn(1)].facets.site("pattern").checked  # the report computed nothing
     r = mi.resolve_alias(t, "blocks.1.attn.hook_pattern")
-    assert r.checked and r.status == "reconstructed_read_only" and "runs on first read" not in r.reason
+    assert r.checked and r.status == "reconstructed_read_only" and "not computed" not in r.reason
     assert t.modules[_attn(1)].facets.site("pattern").checked
     assert not t.modules[_attn(0)].facets.site("pattern").checked
     # once checked, the report says so too

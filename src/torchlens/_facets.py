@@ -16,6 +16,13 @@ reading a tensor's name in the model's source. The module's *role* (from
 
 A facet that a module cannot have (no residual add between attention and MLP on a
 parallel-attention block, no linear branch on a non-gated MLP) is simply not in its map.
+
+`derive` finds every site eagerly, from refs, shapes and dtypes alone. The tensor work is
+deferred: a derived facet (the scores and pattern rebuilt from a fused kernel, the facets of
+`nn.MultiheadAttention`, `result`, a norm's `normalized`/`inv_*`/`scale`) and the expensive check
+of a real one (`z`: pattern @ v; `resid_mid`: the residual sums) become a pending check
+(`torchlens._records._Pending`) over the tensors it needs, captured here. It runs, and its facets
+are served or refused, on the first read of any of them (see `FacetSite`).
 """
 
 from __future__ import annotations
@@ -951,7 +958,11 @@ def derive(
     keep: Callable[[str, str], bool] | None,
     structure: Any = None,
 ) -> list[dict[str, FacetSite]]:
-    """The facet sites of every call, in the order of `calls`; tensors dropped where `keep` says no."""
+    """The facet sites of every call, in the order of `calls`; tensors dropped where `keep` says no.
+
+    Nothing is computed here beyond cheap views: derived facets and the expensive checks are left
+    pending on their sites, each holding the tensors it will compute from (`FacetSite._inputs`).
+    """
     g = _Graph(ops, modules)
     kids_of: dict[int, list[ModuleCall]] = {}
     for c in calls:

@@ -640,7 +640,11 @@ class Trace:
         )
 
     def summary(self, max_rows: int | None = None) -> str:
-        """A plain-text table of the modules that ran: address, role, calls, facets with shapes."""
+        """A plain-text table of the modules that ran: address, role, calls, facets with shapes.
+
+        It computes nothing: the last line counts the facets whose check is still pending (they
+        are computed and checked on first read, or by `check()`).
+        """
         rows = [("module", "role", "calls", "facets")]
         for rec in self.modules.values():
             if not rec.calls:
@@ -663,8 +667,9 @@ class Trace:
         """The modules that ran as an HTML table (what `summary()` prints), for notebooks.
 
         Facets are listed with their shapes; a facet this trace did not save is grey and starred,
-        and a computed or reconstructed (read-only) facet is in italics. Past `max_rows` modules
-        the table says how many it left out.
+        and a computed or reconstructed (read-only) facet is in italics; a facet's tooltip says
+        when its check is pending. Past `max_rows` modules the table says how many it left out.
+        It computes nothing.
         """
         from ._html import code, esc, table
 

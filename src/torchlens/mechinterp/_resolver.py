@@ -89,7 +89,7 @@ class AliasResolution:
             runs on first read (see [`FacetSite`][torchlens.FacetSite]). `resolve_alias` runs
             the check of the one site it resolves, so its status is final; `alias_report`
             computes nothing, so its rows on such sites say so (`checked` False, and the reason
-            says the check runs on first read). Reading `tensor` runs the check: a failing one
+            says the site is not checked yet). Reading `tensor` runs the check: a failing one
             raises `FacetNotFound` with the reason.
     """
 
@@ -470,12 +470,14 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
         pick = f"save=[{facet!r}]" if not address else f"save=[{address!r}] or save=[{facet!r}]"
         return res("needs_capture", address, facet, f"{where}:{facet} exists but save= did not keep it.",
                    f"trace again with save='all' or {pick}", site.shape)
-    pending = "" if site.checked else " Not checked yet: its check runs on first read (or resolve_alias, trace.check())."
     if site.kind == "real":
+        pending = "" if site.checked else " Not checked yet: its check runs on first read (or trace.check())."
         return res("real", address, facet, f"{site.note}.{pending}", "", site.shape, site.checked)
     how = "rebuilt from the fused kernel's inputs and checked against its output" if site.kind == "reconstructed" \
         else "computed from recorded tensors"
-    return res("reconstructed_read_only", address, facet, f"{how}; no op produced this tensor.{pending}",
+    if not site.checked:
+        how += " on first read (or trace.check()); not computed or checked yet"
+    return res("reconstructed_read_only", address, facet, f"{how}; no op produced this tensor.",
                "to edit it, trace a model with attn_implementation='eager' (real softmax op)"
                if site.kind == "reconstructed" else "edit the tensors it is computed from", site.shape, site.checked)
 
@@ -588,7 +590,7 @@ def alias_report(trace: Trace, generation: str = "2.x") -> AliasReport:
     The report computes nothing: a row on a site whose check has not run yet (a rebuilt pattern,
     a per-head result, before their first read) keeps the status the site has while its check
     is pending (`real`, `reconstructed_read_only`), with `checked` False and a reason that says
-    the check runs on first read. Run `trace.check()` first for final statuses throughout.
+    it is not checked yet (the check runs on first read). Run `trace.check()` first for final statuses throughout.
 
     Args:
         trace: a [`Trace`][torchlens.Trace].
