@@ -177,9 +177,9 @@ def block_body(definition: FenceTestDefinition) -> str:
     return "\n".join(definition.source.split("\n")[definition.start_line :])
 
 
-def page_blocks(text: str, path: pathlib.Path, syntax=FenceSyntax.superfences) -> list[tuple[str, FenceTestDefinition]]:
+def page_blocks(text: str, path: pathlib.Path, syntax=FenceSyntax.superfences, parser: MarkdownIt | None = None):
     """``(SECTION[N], block)`` per block: SECTION is MkDocs' toc id of the heading above, N the block's number there."""
-    text, parser = flatten_containers(text), MarkdownIt("commonmark")  # same lines, containers gone
+    text, parser = flatten_containers(text), parser or MarkdownIt("commonmark")  # same lines, containers gone
     headings, slugs, tokens = [], collections.Counter(), parser.parse(text)
     for token, inline in zip(tokens, tokens[1:]):
         if token.type == "heading_open" and token.map:
@@ -203,7 +203,8 @@ class DocPage(MarkdownTextFile):
     def collect(self):
         self.display = pathlib.Path(os.path.relpath(self.path, self.config.rootpath)).as_posix()  # docs/page.md
         text = self.path.read_text(encoding="utf-8-sig")
-        blocks = page_blocks(text, self.path, FenceSyntax(self.config.option.markdowndocs_syntax))
+        blocks = page_blocks(text, self.path, FenceSyntax(self.config.option.markdowndocs_syntax),
+                             self.config.hook.pytest_markdown_docs_markdown_it())  # its parser (CommonMark)
         items = [DocItem.from_parent(self, name=name, test_definition=block, previous=blocks[i - 1][1] if i else None)
                  for i, (name, block) in enumerate(blocks)]
         yield from items

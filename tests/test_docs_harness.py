@@ -528,6 +528,20 @@ def test_section_ids_are_those_of_mkdocs_toc(docs, pytester):
     expect_lines(pytester.runpytest("--collect-only", "-q"), ["docs/page.md::capture-a-forward-pass[1]"])
 
 
+def test_pages_are_parsed_by_the_parser_pytest_markdown_docs_hook_gives(docs, pytester):
+    docs(CHECKED)
+    pytester.makeconftest('''
+        import pytest
+        from markdown_it import MarkdownIt
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_markdown_docs_markdown_it():
+            return MarkdownIt("commonmark").disable("fence")  # a parser that sees no fenced code
+        ''')
+    result = pytester.runpytest("--collect-only", "-q")
+    expect_lines(result, ["docs/page.md::uncollected-header[line-6]", "1 test collected*"])
+
+
 def test_python_docstrings_are_not_run_as_markdown(docs, pytester):
     docs(CHECKED)
     pytester.makepyfile(tools='''
