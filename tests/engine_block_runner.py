@@ -5,13 +5,18 @@ environment (``.venv-engines/<name>/bin/python``, built from ``envs/<name>.txt``
 block's header names that engine. It uses the standard library only, since the engine
 environments hold no pytest.
 
+It runs in the repository root and puts ``src/`` first on its path, so the engine runs the
+working tree's TorchLens.
+
 Protocol: one JSON request per line on stdin, one JSON reply per line on stdout; whatever
-else the process writes to file descriptor 1 (an engine's C code, say) goes to its stderr. A request is ``{"source": ..., "filename": ...,
-"timeout": ...}``, where ``source`` is the block's code padded with blank lines so that
-its line numbers are the page's. Requests run one after another in one namespace, so a
+else the process writes to file descriptor 1 (an engine's C code, say) goes to its stderr,
+which is the harness's (so pytest's capture holds it). A request is ``{"source": ...,
+"filename": ..., "timeout": ...}``, where ``source`` is the block's code padded with blank
+lines so that its line numbers are the page's. Requests run one after another in one namespace, so a
 ``continuation`` block sees the names of the block before it. The reply is
 
-* ``{"ok": true, "result": REPR | null, "stdout": ..., "stderr": ...}``, with ``REPR``
+* ``{"ok": true, "result": REPR | null, "has_result": ..., "stdout": ..., "stderr": ...}``,
+  with ``REPR``
   the ``repr`` of ``RESULT`` when the block bound it to a value that reads back through
   :func:`ast.literal_eval` as an equal value, or
 * ``{"ok": false, "summary": ..., "stdout": ..., "stderr": ...}``, with ``summary`` the whole
@@ -19,8 +24,8 @@ its line numbers are the page's. Requests run one after another in one namespace
   first frame on, whose frames show the page's lines.
 
 If a block runs past its timeout, :mod:`faulthandler` writes every thread's stack to
-stderr (the harness points it at a file and reads the page line from it); the harness
-then ends this process.
+stderr (frames of the block show as ``File ".../docs/page.md", line N``); the harness stops
+waiting a little later and ends this process.
 """
 
 from __future__ import annotations
