@@ -62,11 +62,11 @@ _NO_HIDING = contextlib.nullcontext()
 def _tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
     """The tensors among an op's arguments, one level into lists and tuples (e.g. `torch.cat`)."""
     found = []
-    for a in itertools.chain(args, kwargs.values()):
+    for a in itertools.chain(args, kwargs.values()) if kwargs else args:
         if isinstance(a, Tensor):
             found.append(a)
         elif isinstance(a, (list, tuple)):
-            found.extend(x for x in a if isinstance(x, Tensor))
+            found.extend([x for x in a if isinstance(x, Tensor)])
     return found
 
 
@@ -188,6 +188,7 @@ class Recorder(TorchFunctionMode):
         self._writes: dict[int, int] = {}  # storage data_ptr -> writes the mode saw (for inference tensors)
         self._hook_aliases: list[tuple[ModuleCall, str]] = []  # module inputs/outputs the hooks kept
         self._hook_upto = 0
+        self._kinds: dict[Any, tuple[str, int]] = {}  # torch function -> `classify` answer, this trace
         #: (exception, op name) of the last op that raised, for the note `trace` adds; an op
         #: failure the model caught and handled is never mistaken for a later error.
         self.op_failure: tuple[BaseException, str] | None = None
@@ -214,20 +215,32 @@ class Recorder(TorchFunctionMode):
     # -- ops -----------------------------------------------------------------------------------
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self._quiet:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        kinds = self._kinds
+        try:
+            info = kinds[func]
+        except KeyError:
+            info = kinds[func] = classify(func)
+        except TypeError:  # an unhashable callable
+            info = classify(func)
+        kind = info[1]
+        if kind == SKIP:
+            return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
             kwargs = {}
-        if self._quiet:
-            return func(*args, **kwargs)
-        info = classify(func)
-        if info[1] == SKIP:
-            return func(*args, **kwargs)
-        mutated = info[1] == INPLACE or (
+        mutated = kind == INPLACE or (
             bool(kwargs) and (kwargs.get("out") is not None or kwargs.get("inplace") is True)
         )
+        ins = _tensor_args(args, kwargs)
         refs = None
         if mutated:  # the input refs are taken before the op writes them (the write makes them stale)
-            with self.hidden():
-                refs = tuple([self._ref(t) for t in _tensor_args(args, kwargs)])
+            if self.nested:
+                with torch._C.DisableTorchFunction():
+                    refs = tuple([self._ref(t) for t in ins])
+                    self._before_write(args, kwargs)
+            else:
+                refs = tuple([self._ref(t) for t in ins])
                 self._before_write(args, kwargs)
         try:
             out = func(*args, **kwargs)
@@ -242,13 +255,16 @@ class Recorder(TorchFunctionMode):
             return out
         if self.edits is not None and self.edits.ops and not mutated and isinstance(out, Tensor):
             with self.hidden():
-                refs = tuple([self._ref(t) for t in _tensor_args(args, kwargs)])
+                refs = tuple([self._ref(t) for t in ins])
             edit = self.edits.ops.get(len(self.ops) - self._n_edited)
             if edit is not None:
                 out = self._edit_op(edit, info[0], out)
                 outs = (out,)
-        with self.hidden():
-            self._record(info[0], outs, _tensor_args(args, kwargs), mutated, args, kwargs, refs)
+        if self.nested:
+            with torch._C.DisableTorchFunction():
+                self._record(info[0], outs, ins, mutated, args, kwargs, refs)
+        else:
+            self._record(info[0], outs, ins, mutated, args, kwargs, refs)
         return out
 
     # -- edits ---------------------------------------------------------------------------------
@@ -306,9 +322,14 @@ class Recorder(TorchFunctionMode):
         return self.param_names.get(id(t))
 
     def _record(self, name, outs, ins, mutated, args=(), kwargs=None, refs=None):
-        inputs = refs if refs is not None else tuple([self._ref(t) for t in ins])
+        if refs is None:
+            ref = self._ref
+            inputs = tuple([ref(t) for t in ins])
+        else:
+            inputs = refs
         idx = len(self.ops)  # after the inputs: a stale input appends a `written_in_place` op first
-        call = self.stack[-1] if self.stack else None
+        stack = self.stack
+        call = stack[-1] if stack else None
         producer = self.producer
         retain = self.retain_all or (call is not None and call.retained)
         if retain:
@@ -318,34 +339,35 @@ class Recorder(TorchFunctionMode):
                     self.versions[idx, slot] = t._version
         else:
             tensors = (None,) * len(outs)
-        for slot, o in enumerate(outs):
+        if len(outs) == 1:
+            o0 = outs[0]
             try:
-                stamp = o._version
+                stamp = o0._version
             except RuntimeError:  # an inference tensor
-                stamp = self._stamp(o)
-            producer[id(o)] = (Ref(idx, slot), weakref.ref(o), stamp)
+                stamp = self._stamp(o0)
+            producer[id(o0)] = (Ref(idx, 0), weakref.ref(o0), stamp)
+            shapes, dtypes = (o0.shape,), (o0.dtype,)
+        else:
+            for slot, o in enumerate(outs):
+                try:
+                    stamp = o._version
+                except RuntimeError:  # an inference tensor
+                    stamp = self._stamp(o)
+                producer[id(o)] = (Ref(idx, slot), weakref.ref(o), stamp)
+            o0 = outs[0]
+            shapes, dtypes = tuple([o.shape for o in outs]), tuple([o.dtype for o in outs])
         extra = None
-        if name in REBUILT_OPS and retain:
+        if retain and name in REBUILT_OPS:
             extra = {
                 "args": tuple(a.detach() if isinstance(a, Tensor) else a for a in args),
                 "kwargs": {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in kwargs.items()},
             }
-        o0 = outs[0]
-        self.ops.append(
-            OpRecord(
-                idx,
-                name,
-                call.address if call is not None else "",
-                call.index if call is not None else 0,
-                inputs,
-                tuple([o.shape for o in outs]),
-                tuple([o.dtype for o in outs]),
-                o0.device,
-                tensors,
-                mutated,
-                extra,
+        if call is None:
+            self.ops.append(OpRecord(idx, name, "", 0, inputs, shapes, dtypes, o0.device, tensors, mutated, extra))
+        else:
+            self.ops.append(
+                OpRecord(idx, name, call.address, call.index, inputs, shapes, dtypes, o0.device, tensors, mutated, extra)
             )
-        )
         return Ref(idx, 0)
 
     def _before_write(self, args, kwargs) -> None:

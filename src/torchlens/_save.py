@@ -194,17 +194,26 @@ class CapturePlan:
         spec = self.spec
         if spec.everything:
             return
+        covered: dict[str, bool] = {}
+
+        def covers(address: str) -> bool:
+            kept = covered.get(address)
+            if kept is None:
+                kept = covered[address] = spec.covers(address)
+            return kept
+
+        facets, predicate = spec.facets, spec.predicate
         for call, call_sites in zip(calls, sites):
             for name, site in call_sites.items():
-                if not spec.keep(call.address, name):
-                    _drop_site(site)
-        covered: dict[str, bool] = {}
+                if site.saved and not (
+                    name in facets or covers(call.address) or (predicate is not None and predicate(call.address, name))
+                ):
+                    site.tensor = None  # drops a pending check, and what it would compute from, too
         for op in ops:
-            kept = covered.get(op.module)
-            if kept is None:
-                kept = covered[op.module] = spec.covers(op.module)
-            if not kept and any(t is not None for t in op.tensors):
-                op.tensors = (None,) * len(op.tensors)
+            tensors = op.tensors
+            if (tensors[0] is not None or len(tensors) > 1) and any(t is not None for t in tensors):
+                if not covers(op.module):
+                    op.tensors = (None,) * len(tensors)
 
     def check_kept(self, calls: list) -> None:
         """Raise `SaveSpecError` when a selection kept no facet of any call (known only after the
@@ -216,13 +225,6 @@ class CapturePlan:
             f"save={self.spec.describe()} kept nothing in this forward: no module that ran has those facets. "
             f"Facets that exist here: {', '.join(exist)}."
         )
-
-
-def _drop_site(site: Any) -> None:
-    """A facet site no longer holds a tensor (nor the inputs it would be computed from)."""
-    site.tensor = None
-    if "_inputs" in getattr(site, "__dict__", {}):
-        site._inputs = None
 
 
 def _runs(module: nn.Module) -> bool:

@@ -234,6 +234,9 @@ class Roles(dict):
     def __init__(self, roles: dict[str, str], overrides: dict[str, str]):
         super().__init__(roles)
         self.overrides = overrides
+        #: `_groups(model, names)` as `static_roles` found it (`find` reads it instead of walking
+        #: the module tree again); None until then.
+        self.groups: list[tuple[str, list[nn.Module]]] | None = None
 
 
 def static_roles(model: nn.Module, names: dict[nn.Module, str], overrides: dict[str, str]) -> Roles:
@@ -253,7 +256,8 @@ def static_roles(model: nn.Module, names: dict[nn.Module, str], overrides: dict[
             roles[addr] = "unembed"
         elif isinstance(module, nn.MultiheadAttention) or any(f in type(module).__name__ for f in _roles.ATTENTION_CLASS_FRAGMENTS):
             roles[addr] = "attention"
-    for _, group in _groups(model, names):
+    roles.groups = _groups(model, names)
+    for _, group in roles.groups:
         for block in group:
             roles[names[block]] = "block"
             for attr, child in block.named_children():
@@ -463,7 +467,7 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
             by_holder.setdefault(a.rsplit(".", 1)[0] if "." in a else "", []).append(a)
         groups = [(h, [modules[a] for a in addrs]) for h, addrs in by_holder.items()]
     else:
-        groups = _groups(model, names)
+        groups = roles.groups if getattr(roles, "groups", None) is not None else _groups(model, names)
     candidates: list[tuple[str, list[ModuleCall]]] = []
     repeated_unchained: list[str] = []
     for holder, members in groups:
