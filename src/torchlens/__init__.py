@@ -7,6 +7,8 @@ The public surface is small:
 - [`torchlens.mechinterp`][torchlens.mechinterp] translates other libraries' hook names to
   TorchLens sites.
 - Every deliberate error derives from [`TorchLensError`][torchlens.TorchLensError].
+- `torchlens.testing` (imported on its own, `from torchlens import testing`) builds the tiny seeded
+  models the tests, the docs and an engine's CI use, and reads ground truth with plain forward hooks.
 
 Everything public is importable from here (or from `torchlens.mechinterp`); the modules behind
 it are underscore-named and may change without notice.
