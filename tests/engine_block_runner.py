@@ -16,9 +16,8 @@ lines so that its line numbers are the page's. Requests run one after another in
 ``continuation`` block sees the names of the block before it. The reply is
 
 * ``{"ok": true, "result": REPR | null, "has_result": ..., "stdout": ..., "stderr": ...}``,
-  with ``REPR``
-  the ``repr`` of ``RESULT`` when the block bound it to a value that reads back through
-  :func:`ast.literal_eval` as an equal value, or
+  with ``REPR`` the ``repr`` of ``RESULT`` when the block bound it to a value that reads
+  back through :func:`ast.literal_eval` as an equal value, or
 * ``{"ok": false, "summary": ..., "stdout": ..., "stderr": ...}``, with ``summary`` the whole
   report: the error (and the page line that raised it), then the traceback from the block's
   first frame on, whose frames show the page's lines.
