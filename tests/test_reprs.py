@@ -137,6 +137,20 @@ def test_report_prints_as_a_table(trace):
     assert str(report) == repr(report)
 
 
+def test_report_marks_the_rows_whose_check_has_not_run(model, ids):
+    fresh = tl.trace(model, ids)
+    lines = repr(mi.alias_report(fresh, generation="nnterp")).splitlines()
+    probs = next(line for line in lines if line.startswith("attention_probabilities[1] "))
+    assert probs.split()[1:] == ["reconstructed_read_only", "transformer.h.1.attn:pattern", "(not", "checked", "yet)"]
+    assert sum(line.endswith("(not checked yet)") for line in lines) == 2  # the two rebuilt patterns
+    row = next(r for r in mi.alias_report(fresh, generation="nnterp") if r.query == "attention_probabilities[1]")
+    assert repr(row).endswith("[reconstructed_read_only, not checked yet], generation='nnterp')")
+    fresh.check()
+    lines = repr(mi.alias_report(fresh, generation="nnterp")).splitlines()
+    assert lines[-1] == "(19 names: 17 real, 2 reconstructed_read_only)"
+    assert "not checked" not in "\n".join(lines)
+
+
 def test_report_gives_the_reason_instead_of_a_site_that_is_not_there(trace):
     report = mi.alias_report(trace, generation="interp-engine")
     text = repr(report)

@@ -133,7 +133,8 @@ class AliasResolution:
         return rec.facets[self.facet]
 
     def __repr__(self) -> str:
-        return f"AliasResolution({self.query!r} -> {_site(self)} [{self.status}], generation={self.generation!r})"
+        status = self.status if self.checked else f"{self.status}, not checked yet"
+        return f"AliasResolution({self.query!r} -> {_site(self)} [{status}], generation={self.generation!r})"
 
     def _repr_html_(self) -> str:
         return _html_table([self])
@@ -181,8 +182,9 @@ def _html_table(rows: list[AliasResolution], caption: str = "") -> str:
 class AliasReport(list):
     """The list `alias_report` returns: `AliasResolution`s that print as a table.
 
-    `print(report)` shows one line per name: its status, and the `module:facet` it reads, or, when
-    there is no site to read, `-` and the reason; a last line counts the statuses. In a notebook
+    `print(report)` shows one line per name: its status, and the `module:facet` it reads (marked
+    "not checked yet" while that site's check is pending), or, when there is no site to read, `-`
+    and the reason; a last line counts the statuses. In a notebook
     the report renders as an HTML table with the reasons and remedies.
     """
 
@@ -194,7 +196,7 @@ class AliasReport(list):
         lines = [f"{'name'.ljust(w)}  {'status'.ljust(s)}  site"]
         for r in self:
             if r.module_address is not None and r.facet is not None and r.status != "structurally_absent":
-                site = _site(r)
+                site = _site(r) + ("" if r.checked else "  (not checked yet)")
             else:
                 site = "- " + r.reason.rstrip(".")
             lines.append(f"{r.query.ljust(w)}  {r.status.ljust(s)}  {site}".rstrip())
