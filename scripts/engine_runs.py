@@ -497,7 +497,10 @@ def hooked_transformer(family: str, hf_model, fold_ln: bool = True):
     residual writes or the unembedding, or folding value biases, would change the activations).
     """
     from transformer_lens import HookedTransformer, HookedTransformerConfig
-    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights, convert_llama_weights
+    from transformer_lens.pretrained.weight_conversions import (
+        convert_gpt2_weights,
+        convert_llama_weights,
+    )
 
     c = hf_model.config
     if family == "gpt2":

@@ -11,7 +11,11 @@ from __future__ import annotations
 import torch
 
 from torchlens import testing
-from torchlens.testing import MAX_POSITIONS as MAX_POS, VOCAB, build, hooked_outputs, token_ids  # noqa: F401
+from torchlens.testing import MAX_POSITIONS as MAX_POS
+from torchlens.testing import VOCAB, build, hooked_outputs, token_ids
+
+__all__ = ["FAMILIES", "MAX_POS", "VOCAB", "build", "gemma2", "gpt2", "gpt2_upcast", "gpt_neox", "gpt_neox_sequential",
+           "hooked_outputs", "llama", "mistral", "olmo2", "phi3", "qwen3", "token_ids"]
 
 _LLAMA_LIKE = dict(testing.LLAMA_LIKE)
 

@@ -12,7 +12,6 @@ Tests internals: `mechinterp._resolver`'s pattern cache (cleared around an edite
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import pathlib
@@ -23,6 +22,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
+import script_modules
 
 import torchlens as tl
 import torchlens.mechinterp as mi
@@ -33,17 +33,9 @@ SCRIPT = REPO / "scripts" / "gen_diagrams.py"
 SVG_NS = "{http://www.w3.org/2000/svg}"
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("gen_diagrams", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def gen():
-    return _load_script()
+    return script_modules.load("gen_diagrams")
 
 
 @pytest.fixture(scope="module")

@@ -230,7 +230,7 @@ def test_gpt2_resid_mid_matches_the_block_written_out_by_hand():
         h.remove()
     torch.testing.assert_close(t.output.logits, want, atol=1e-5, rtol=0)
     assert "add" in t.edits[0].where
-    assert "this trace edited it" in t.modules["transformer.h.1"].facets.refused["resid_mid"]
+    assert "this trace edited it" in t.modules["transformer.h.1"].facets.check("resid_mid")["resid_mid"]
 
 
 def test_hook_and_op_edits_together_match_plain_hooks():
@@ -427,7 +427,8 @@ def test_nnsight_intervention_parity():
 
 
 def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_caught():
-    import engine_runs
+    from script_modules import engine_runs
+
     from torchlens import mechinterp as mi
 
     bridge, _ = engine_runs._bridge("gpt2", "eager")  # boot wraps that model's modules in bridge components
@@ -467,7 +468,8 @@ def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_c
 def test_transformer_lens_bridge_op_level_edits_parity(family):
     """z (head 1 zeroed; the bridge's z is token-major) and pattern, edited by run_with_hooks and by
     TorchLens: same downstream residual and logits."""
-    import engine_runs
+    from script_modules import engine_runs
+
     from torchlens import mechinterp as mi
 
     bridge, _ = engine_runs._bridge(family, "eager")

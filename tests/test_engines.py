@@ -3,7 +3,7 @@
 Each test takes one engine on one configuration (GPT-2 or Llama, eager or sdpa attention),
 reads every site the engine offers under the names TorchLens's tables know, and checks with
 `torchlens.mechinterp.compare` that each tensor equals the one TorchLens resolves the name to.
-The engine runs live in `scripts/engine_runs.py` (imported here through `tests/engine_runs.py`),
+The engine runs live in `scripts/engine_runs.py` (imported here through `tests/script_modules.py`),
 which `scripts/gen_verified.py` uses as well, so the "Verified against" page counts exactly these
 comparisons.
 
@@ -18,11 +18,10 @@ import re
 
 import pytest
 import torch
+from docs_harness import ci_is_on
+from script_modules import engine_runs as er
 
 import torchlens.mechinterp as mi
-from docs_harness import ci_is_on
-
-import engine_runs as er
 
 CONFIGS = [pytest.param(f, i, id=f"{f}-{i}") for f in er.FAMILIES for i in er.IMPLS]
 

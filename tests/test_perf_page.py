@@ -9,7 +9,6 @@ table is the run's.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import pathlib
@@ -18,6 +17,7 @@ import sys
 import xml.dom.minidom
 
 import pytest
+import script_modules
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gen_perf_page.py"
@@ -25,10 +25,7 @@ SCRIPT = REPO / "scripts" / "gen_perf_page.py"
 
 @pytest.fixture(scope="module")
 def gen():
-    spec = importlib.util.spec_from_file_location("gen_perf_page", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_modules.load("gen_perf_page")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ comparison that moves a count makes this test fail until the page is regenerated
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import json
 import os
 import pathlib
@@ -17,20 +16,16 @@ import subprocess
 import sys
 
 import pytest
-
+import script_modules
 from docs_harness import ci_is_on
-
-import engine_runs as er
+from script_modules import engine_runs as er
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def gen():
-    spec = importlib.util.spec_from_file_location("gen_verified", REPO / "scripts" / "gen_verified.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_modules.load("gen_verified")
 
 
 def _skip_or_fail(message: str) -> None:

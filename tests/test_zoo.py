@@ -7,25 +7,16 @@ checks that the committed page `docs/guides/coverage.md` is the one this run ren
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
-import sys
 
 import pytest
+import script_modules
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gen_coverage.py"
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("gen_coverage", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_script()
+gen = script_modules.load("gen_coverage")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from torch import nn
 from ._capture import Recorder
 from ._errors import CaptureError
 
-__all__ = ["CompiledRunsEagerly", "compiled_module_class", "check_compiled"]
+__all__ = ["CompiledRunsEagerly", "check_compiled", "compiled_module_class"]
 
 
 class CompiledRunsEagerly:

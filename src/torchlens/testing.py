@@ -43,17 +43,17 @@ from typing import Any
 import torch
 
 __all__ = [
-    "VOCAB",
-    "MAX_POSITIONS",
-    "LLAMA_LIKE",
-    "Family",
     "FAMILIES",
+    "LLAMA_LIKE",
+    "MAX_POSITIONS",
+    "VOCAB",
+    "Family",
     "build",
-    "from_config",
     "checkpoint",
+    "from_config",
+    "hooked_outputs",
     "token_ids",
     "tokenizer",
-    "hooked_outputs",
 ]
 
 #: Vocabulary size of every model [`build`][torchlens.testing.build] makes.
@@ -63,21 +63,22 @@ MAX_POSITIONS = 16
 
 #: The shape the Llama-like families share: 2 layers, d_model 32, 4 query heads over 2 key/value
 #: heads (grouped-query attention), d_head 8, d_mlp 48. Config keyword arguments.
-LLAMA_LIKE: Mapping[str, int] = MappingProxyType(dict(
-    num_hidden_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=48,
-    vocab_size=VOCAB,
-    max_position_embeddings=MAX_POSITIONS,
-))
+LLAMA_LIKE: Mapping[str, int] = MappingProxyType({
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 48,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": MAX_POSITIONS,
+})
 
-_GPT2 = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=MAX_POSITIONS, bos_token_id=0,
-             eos_token_id=0)
-_NEOX = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=48, vocab_size=VOCAB,
-             max_position_embeddings=MAX_POSITIONS, rotary_pct=0.5, bos_token_id=0, eos_token_id=0)
-_SPECIAL = dict(bos_token_id=0, eos_token_id=0)
+_GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": VOCAB, "n_positions": MAX_POSITIONS,
+         "bos_token_id": 0, "eos_token_id": 0}
+_NEOX = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 48,
+         "vocab_size": VOCAB, "max_position_embeddings": MAX_POSITIONS, "rotary_pct": 0.5, "bos_token_id": 0,
+         "eos_token_id": 0}
+_SPECIAL = {"bos_token_id": 0, "eos_token_id": 0}
 
 
 @dataclass(frozen=True)
