@@ -2,7 +2,7 @@
 
 Used by `scripts/gen_verified.py` (which counts them for `docs/guides/verified.md`, importing
 this file as its sibling) and by `tests/test_engines.py` (which asserts on the results; tests
-reach this file through `tests/engine_runs.py`, which loads it by path), so that the page
+reach this file through `tests/script_modules.py`, which loads it by path), so that the page
 reports exactly the comparisons the tests make. This file imports nothing from `tests/`.
 
 Every engine gets its own freshly built model: nnsight and nnterp wrap each submodule's

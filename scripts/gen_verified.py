@@ -2,7 +2,7 @@
 
 The comparisons are the ones `tests/test_engines.py` asserts on: both import the engine runs
 of `scripts/engine_runs.py` (this script as its sibling, the tests through
-`tests/engine_runs.py`). This script counts them per engine, model family, attention
+`tests/script_modules.py`). This script counts them per engine, model family, attention
 implementation and naming generation, writes the full record (names, reasons, largest
 differences, installed versions) to `build/verified.json`, and renders the page from the parts
 of it that do not change between machines (with the intervention-parity table, from the engine
