@@ -540,6 +540,7 @@ def check_variant(arch: Arch, res: ArchResult, model, eager_model, attn: str, dn
         else:
             res.ok("logits")
     if not res.facets:
+        trace.check()  # checks run on first read: run them all, so the page lists only facets that hold
         first = {n: st.layers[0] for n, st in s.stacks.items()}
         for sname, layer in first.items():
             for label, call in (("block", layer.call), ("attention", layer.attention),
