@@ -228,6 +228,7 @@ def build(slug: str) -> Diagram:
     title, key = FAMILIES[slug]
     model = testing.build(key, "eager")
     trace = tl.trace(model, testing.token_ids(length=N_TOKENS), save="all")
+    trace.check()  # checks run on first read: run them all, so only facets that hold are drawn
     by_site, absent, three_x_adds = _names_by_site(trace)
 
     def find(target: str) -> str | None:
