@@ -269,3 +269,16 @@ def test_in_place_ops_are_flagged_mutated():
     flags = {op.name: op.mutated for op in t.ops}
     assert flags["add_"] is True
     assert flags["linear"] is False and flags["relu"] is False
+
+
+def test_a_pickled_trace_runs_its_pending_checks_first():
+    import pickle
+
+    model = _models.gpt2("sdpa")
+    with torch.no_grad():
+        t = tl.trace(model, IDS, use_cache=False)
+    assert t.pending > 0
+    back = pickle.loads(pickle.dumps(t))
+    assert back.pending == 0 and t.pending == 0
+    for i in range(len(t.blocks)):
+        assert torch.equal(back.modules[_attn(i)].facets["pattern"], t.modules[_attn(i)].facets["pattern"])

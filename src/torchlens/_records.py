@@ -237,6 +237,13 @@ class FacetSite:
         """True for computed and reconstructed facets: no op in the model produced this tensor."""
         return self.kind != "real"
 
+    def __getstate__(self) -> dict[str, Any]:
+        """For pickling: the pending check runs first (it cannot be pickled), so the copy holds
+        the final tensor and status."""
+        if self._pending is not None:
+            self._pending.run()
+        return {k: v for k, v in self.__dict__.items() if k not in ("_pending", "_inputs")}
+
     #: The fields a saved trace stores (`Trace.save` runs the pending check first).
     _PERSISTED = ("name", "kind", "shape", "dtype", "tensor", "op", "check_error", "note")
 
