@@ -282,3 +282,21 @@ def test_a_pickled_trace_runs_its_pending_checks_first():
     assert back.pending == 0 and t.pending == 0
     for i in range(len(t.blocks)):
         assert torch.equal(back.modules[_attn(i)].facets["pattern"], t.modules[_attn(i)].facets["pattern"])
+
+
+def test_a_pending_pattern_is_rebuilt_from_the_keys_the_kernel_saw_after_the_cache_is_overwritten():
+    """The kernel's keys and values are the KV cache's own tensors, which the caller holds in the
+    output: zeroing them after the trace (a static-cache update writes in place) must not change
+    a pattern first read afterwards. Ground truth: an eager-attention copy's softmax output."""
+    sdpa, eager = _models.gpt2("sdpa"), _models.gpt2("eager")
+    eager.load_state_dict(sdpa.state_dict())
+    with torch.no_grad():
+        t = tl.trace(sdpa, IDS, use_cache=True)
+        want = eager(IDS, output_attentions=True).attentions
+    assert not t.modules[_attn(0)].facets.site("pattern").checked
+    cache = [x for layer in t.output.past_key_values.layers for x in (layer.keys, layer.values)]
+    assert cache
+    for x in cache:
+        x.zero_()
+    for i, w in enumerate(want):
+        torch.testing.assert_close(t.modules[_attn(i)].facets["pattern"], w, rtol=1e-5, atol=1e-6)
