@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -266,6 +267,14 @@ def _forward_order(names) -> list[str]:
     """Facet names in forward order: `input`, then the order `FACETS` lists them in (the order
     a forward computes them: `resid_pre`, `resid_mid`, `resid_post`; `q`, `k`, `v`, ...), then
     names `FACETS` does not list, then `output`."""
+    rank = _facet_rank()
+    last = rank["output"] - 1
+    return sorted(names, key=lambda name: rank.get(name, last))
+
+
+@functools.lru_cache(maxsize=1)
+def _facet_rank() -> dict[str, int]:
+    """Facet name -> its place in forward order (`FACETS` is fixed once imported)."""
     from ._facet_spec import FACETS
 
     rank: dict[str, int] = {}
@@ -274,7 +283,7 @@ def _forward_order(names) -> list[str]:
             rank.setdefault(name, len(rank))
     last = len(rank)
     rank.update(input=-1, output=last + 1)
-    return sorted(names, key=lambda name: rank.get(name, last))
+    return rank
 
 
 class FacetMap(Mapping):
