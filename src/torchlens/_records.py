@@ -211,6 +211,8 @@ class FacetSite:
 
     @property
     def tensor(self) -> torch.Tensor | None:
+        """The tensor, computed and checked first if this site is pending; None when `save=` did
+        not keep it or its check failed."""
         if self._pending is not None:
             self._pending.run()
         return self.__dict__.get("tensor")
