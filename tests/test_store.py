@@ -31,14 +31,26 @@ def _mapped_file(ptr: int) -> str | None:
     return None
 
 
-def _storages(trace):
-    out = []
+def _held(trace):
+    """Every tensor the trace holds, computing nothing: op outputs, the tensors of sites that are
+    not pending, and what pending checks will compute from (`FacetSite._inputs`)."""
+    out, lists = [], set()
     for op in trace.ops:
         out += [t for t in op.tensors if t is not None]
     for rec in trace.modules.values():
         for call in rec.calls:
-            out += [s.tensor for s in call.facets.sites.values() if s.tensor is not None]
+            for s in call.facets.sites.values():
+                if s.__dict__.get("tensor") is not None:
+                    out.append(s.__dict__["tensor"])
+                if s._inputs is not None and id(s._inputs) not in lists:
+                    lists.add(id(s._inputs))
+                    out += [t for t in s._inputs if isinstance(t, torch.Tensor)]
     return out
+
+
+def _facet_values(trace):
+    return {(a, c.index, n): s.tensor for a, rec in trace.modules.items() for c in rec.calls
+            for n, s in c.facets.sites.items()}
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -53,8 +65,9 @@ def test_directory_store_serves_hook_values_from_memory_mapped_files(tmp_path, f
     for a in addresses:
         facet = "resid_post" if a in stored.blocks else "output"
         torch.testing.assert_close(stored.modules[a].facets[facet], seen[a], rtol=0, atol=0)
-    # Every saved tensor, computed facets included, equals the default store's and lives in a file.
-    tensors, ref_tensors = _storages(stored), _storages(reference)
+    # Every tensor the trace holds (what pending facets compute from included) equals the default
+    # store's and lives in a file; computed facets, computed on first read, equal the default's.
+    tensors, ref_tensors = _held(stored), _held(reference)
     assert len(tensors) == len(ref_tensors)
     for t, r in zip(tensors, ref_tensors):
         assert torch.equal(t, r)
@@ -69,6 +82,10 @@ def test_directory_store_serves_hook_values_from_memory_mapped_files(tmp_path, f
     for g in shared:
         assert [tensors[i].data_ptr() - tensors[g[0]].data_ptr() for i in g] == \
                [ref_tensors[i].data_ptr() - ref_tensors[g[0]].data_ptr() for i in g]
+    values, ref_values = _facet_values(stored), _facet_values(reference)
+    assert values.keys() == ref_values.keys()
+    for k, v in values.items():
+        assert (v is None) == (ref_values[k] is None) and (v is None or torch.equal(v, ref_values[k])), k
     # Names resolve and read the stored values.
     res = mi.resolve_alias(stored, "blocks.1.hook_resid_post")
     torch.testing.assert_close(res.tensor, seen[stored.blocks[1]], rtol=0, atol=0)
@@ -117,3 +134,85 @@ def test_an_existing_file_is_not_a_directory_store(tmp_path):
     file.write_bytes(b"x")
     with pytest.raises(tl.StoreSpecError, match="existing file"):
         tl.trace(_models.build("gpt2", "sdpa"), IDS, store=pathlib.Path(file))
+
+
+def test_a_directory_store_writes_as_capture_goes(tmp_path, monkeypatch):
+    """Each block's tensors are in files before the forward ends (when the final norm starts, a
+    file per block exists), and (read inside TorchLens, an internal) when the trace is assembled
+    every op output capture held is a view of a file, not of the model's memory."""
+    import torchlens._tracing as tracing
+
+    model = _models.build("gpt2", "sdpa")
+    store = tmp_path / "store"
+    files_at_ln_f = []
+    handle = model.transformer.ln_f.register_forward_pre_hook(
+        lambda m, a: files_at_ln_f.append(sorted(os.listdir(store)) if store.exists() else []))
+    in_memory = []
+    real = tracing.assemble
+
+    def spy(rec, *rest):
+        in_memory.extend(op.index for op in rec.ops for t in op.tensors
+                         if t is not None and t.numel() and _mapped_file(t.data_ptr()) is None)
+        return real(rec, *rest)
+
+    monkeypatch.setattr(tracing, "assemble", spy)
+    try:
+        stored = tl.trace(model, IDS, save="all", store=store)
+    finally:
+        handle.remove()
+    assert len(files_at_ln_f[0]) == len(stored.blocks) == 2, files_at_ln_f
+    assert not in_memory, in_memory
+    seen = _models.hooked_outputs(model, stored.blocks, IDS)
+    for a in stored.blocks:
+        torch.testing.assert_close(stored.modules[a].facets["resid_post"], seen[a], rtol=0, atol=0)
+
+
+class _Stack(torch.nn.Module):
+    """Two chained blocks. Block 0 writes its own residual sum in place where the capture cannot
+    see it; after the stack the model writes the last block's output in place (seen)."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, hidden: bool):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.hidden = hidden
+
+        def forward(self, x):
+            y = self.lin(x) + x
+            if self.hidden:
+                with torch._C.DisableTorchFunction():
+                    y.mul_(2)  # the mode never sees this write
+            return y
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([self.Block(True), self.Block(False)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.mul_(3)
+
+
+def test_a_directory_store_writes_only_values_the_ops_produced(tmp_path):
+    torch.manual_seed(0)
+    model = _Stack()
+    x = torch.randn(2, 3, 4)
+    seen = {}
+    handles = [m.register_forward_hook(lambda m, a, o, n=n: seen.__setitem__(n, o.detach().clone()))
+               for n, m in model.named_modules() if n]
+    with torch.no_grad():
+        model(x.clone())
+    for h in handles:
+        h.remove()
+    with pytest.warns(UserWarning, match="written in place by code the capture could not see"):
+        stored = tl.trace(model, x.clone(), save="all", store=tmp_path / "store")
+    assert stored.blocks == ["layers.0", "layers.1"]
+    # The sum block 0 overwrote unseen is not kept, neither in memory nor in a file ...
+    add = next(op for op in stored.ops if op.module == "layers.0" and op.name == "add")
+    assert add.tensors == (None,)
+    # ... and every value served is the model's, the blocks' outputs as their hooks saw them.
+    for n in ("layers.0", "layers.1", "layers.0.lin", "layers.1.lin"):
+        facet = "resid_post" if n.count(".") == 1 else "output"
+        torch.testing.assert_close(stored.modules[n].facets[facet], seen[n], rtol=0, atol=0)
+        assert _mapped_file(stored.modules[n].facets[facet].data_ptr()).startswith(str(tmp_path / "store"))

@@ -99,10 +99,11 @@ def module_records(names: dict[nn.Module, str], aliases: dict[str, str], roles: 
 
 def note_edited_refusals(result: Trace) -> None:
     """An edited site whose check the edit broke (editing z breaks pattern @ v = z) is refused;
-    its reason says that the edit is why."""
+    its reason says that the edit is why (also when the check is pending and refuses it later)."""
     for r in result.edits:
         calls = result.modules[r.module_address].calls
         for c in r.calls:
-            refused = calls[c].facets.refused if c < len(calls) and calls[c].facets is not None else {}
-            if r.facet in refused:
-                refused[r.facet] += f" (this trace edited it, edit={{{r.key!r}: ...}}, which breaks that relation)"
+            if c < len(calls) and calls[c].facets is not None:  # now, or when a pending check refuses it
+                calls[c].facets.explain_refusal(
+                    r.facet, f" (this trace edited it, edit={{{r.key!r}: ...}}, which breaks that relation)"
+                )

@@ -165,9 +165,11 @@ class Recorder(TorchFunctionMode):
         param_names: `id(parameter)` to qualified name.
         edits: an `EditPlan`: sites to replace as the forward computes
             them (module inputs/outputs in the hooks, op outputs in the mode), or None.
+        spill: a `torchlens._store.DirectoryStore` to write held tensors to as capture goes
+            (each time a top-level block call ends), or None to keep them in memory.
     """
 
-    def __init__(self, names, roles, plan, param_names, edits=None):
+    def __init__(self, names, roles, plan, param_names, edits=None, spill=None):
         super().__init__()
         _refuse_script_modules(names)
         self.names = names
@@ -189,6 +191,11 @@ class Recorder(TorchFunctionMode):
         self._hook_aliases: list[tuple[ModuleCall, str]] = []  # module inputs/outputs the hooks kept
         self._hook_upto = 0
         self._kinds: dict[Any, tuple[str, int]] = {}  # torch function -> `classify` answer, this trace
+        self.spill = spill
+        if spill is not None:
+            spill.writes = self._writes
+        self._spill_ops = 0  # ops before this index were written to `spill` (or had nothing to write)
+        self._spill_hooks = 0  # the same for `_hook_aliases`
         #: (exception, op name) of the last op that raised, for the note `trace` adds; an op
         #: failure the model caught and handled is never mistaken for a later error.
         self.op_failure: tuple[BaseException, str] | None = None
@@ -521,6 +528,47 @@ class Recorder(TorchFunctionMode):
         t = first_tensor(output)
         if t is not None:
             self._keep_io(call, "_out", t)
+        if self.spill is not None and call.role == "block" and not any(c.role == "block" for c in self.stack):
+            self.write_spill()
+
+    def write_spill(self) -> None:
+        """Write every tensor held since the last write to the directory store and hold its
+        memory-mapped view instead (when a top-level block call ends, and once after the forward).
+
+        A held op output whose version counter moved (a write the mode could not see) is not
+        written: it stays in memory for `check_versions`, which drops it. Every other one is
+        still the value its op produced (the recorder clones a held alias before any write it
+        sees), so the file holds that value; the view no model code can reach is no longer
+        version-checked or cloned on writes.
+        """
+        ops, versions = self.ops, self.versions
+        found: list[tuple[Any, Any, Tensor]] = []
+        for i in range(self._spill_ops, len(ops)):
+            op = ops[i]
+            for slot, t in enumerate(op.tensors):
+                if t is not None:
+                    v = versions.get((i, slot))
+                    if v is None or t._version == v:
+                        found.append((op, slot, t))
+            extra = op.extra
+            if extra is not None:
+                found += [(extra, ("args", k), a) for k, a in enumerate(extra["args"]) if isinstance(a, Tensor)]
+                found += [(extra, ("kwargs", k), a) for k, a in extra["kwargs"].items() if isinstance(a, Tensor)]
+        for call, attr in self._hook_aliases[self._spill_hooks :]:
+            t = getattr(call, attr)
+            if isinstance(t, Tensor):
+                found.append((call, attr, t))
+        self._spill_ops, self._spill_hooks = len(ops), len(self._hook_aliases)
+        if not found:
+            return
+        self.spill.write(found)
+        for holder, slot, _ in found:
+            if isinstance(holder, OpRecord):
+                versions.pop((holder.index, slot), None)
+        # The views share no storage with the model: nothing held so far needs a clone on a write.
+        self._cow.clear()
+        self._cow_upto = len(ops)
+        self._hook_upto = len(self._hook_aliases)
 
     def check_versions(self) -> list[int]:
         """Indices of ops whose saved alias was written by something the mode could not see."""

@@ -10,9 +10,15 @@
   longer pins the model's activations in memory: its resident size after the call is what has
   been read since.
 
-The tensors are moved when the trace is assembled, after the forward and the facet checks: the
-peak memory *during* capture is that of the default store; what the directory store saves is
-the memory the trace holds afterwards.
+A directory store writes *as capture goes*: each time a top-level block call (a module whose
+role before the forward is `"block"`, not inside another block) ends, the tensors capture has
+held since the last write are written and replaced by their memory-mapped views, so the peak
+memory during capture stays near the plain forward's plus one layer's saved tensors. A tensor
+is written only while it is still the value its op produced: capture clones a saved alias
+before any write it sees, and one whose version counter moved by a write it could not see is
+left in memory for the end-of-trace check, which drops it. What is left (tensors of a model
+without blocks, those held after the last block, computed facets) is written when the trace
+is assembled. The `"cpu"` store moves the tensors when the trace is assembled, after the forward.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 
 from ._errors import TorchLensError
 
-__all__ = ["StoreSpecError", "parse_store", "apply_store"]
+__all__ = ["DirectoryStore", "StoreSpecError", "apply_store", "parse_store"]
 
 #: Bytes per safetensors file the directory store writes (one storage may exceed it).
 SHARD_BYTES = 1 << 30
@@ -57,8 +63,10 @@ def parse_store(store: Any) -> Any:
 
 def _saved_tensors(trace) -> list[tuple[Any, Any, torch.Tensor]]:
     """(holder, key, tensor) for every tensor the trace saved: op outputs, fused-kernel inputs,
-    facet sites."""
+    facet sites, and the tensors a pending facet check computes from (`FacetSite._inputs`, whose
+    entries a store may replace in place by a tensor with the same values)."""
     found = []
+    seen_inputs: set[int] = set()
     for op in trace.ops:
         for slot, t in enumerate(op.tensors):
             if t is not None:
@@ -79,11 +87,17 @@ def _saved_tensors(trace) -> list[tuple[Any, Any, torch.Tensor]]:
                 t = site.__dict__.get("tensor")  # the stored value, not a lazily computed one
                 if isinstance(t, torch.Tensor):
                     found.append((site, "tensor", t))
+                inputs = getattr(site, "_inputs", None)  # what a pending check will compute from
+                if isinstance(inputs, list) and id(inputs) not in seen_inputs:
+                    seen_inputs.add(id(inputs))
+                    found += [(inputs, i, x) for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
     return found
 
 
 def _put(holder: Any, key: Any, new: torch.Tensor) -> None:
-    if isinstance(holder, dict):
+    if isinstance(holder, list):  # a pending check's inputs
+        holder[key] = new
+    elif isinstance(holder, dict):
         part, k = key
         if part == "args":
             args = list(holder["args"])
@@ -109,18 +123,36 @@ def _view(storage: torch.UntypedStorage, byte_offset: int, t: torch.Tensor) -> t
         storage, byte_offset // item + t.storage_offset(), t.size(), t.stride())
 
 
-def apply_store(trace, store: Any):
-    """Move `trace`'s saved tensors to `store` (a value `parse_store` returned); returns `trace`."""
-    if store is None:
-        return trace
-    found = _saved_tensors(trace)
+def _storages(found: list[tuple[Any, Any, torch.Tensor]], skip: set[int] = frozenset()) -> dict:
+    """(device, data_ptr) -> (storage, dtype) of each distinct storage in `found`, less those whose
+    data_ptr is in `skip`."""
     storages: dict[tuple[str, int], tuple[torch.UntypedStorage, torch.dtype]] = {}
     for _, _, t in found:
         st = t.untyped_storage()
-        storages.setdefault((str(t.device), st.data_ptr()), (st, t.dtype))
-    placed: dict[tuple[str, int], tuple[torch.UntypedStorage, int]] = {}
+        if st.data_ptr() not in skip:
+            storages.setdefault((str(t.device), st.data_ptr()), (st, t.dtype))
+    return storages
+
+
+def _replace(found: list[tuple[Any, Any, torch.Tensor]], placed: dict) -> None:
+    for holder, key, t in found:
+        where = placed.get((str(t.device), t.untyped_storage().data_ptr()))
+        if where is not None:
+            _put(holder, key, _view(where[0], where[1], t))
+
+
+def apply_store(trace, store: Any):
+    """Move `trace`'s saved tensors to `store` (a value `parse_store` returned, or the
+    `DirectoryStore` capture wrote to); returns `trace`."""
+    if store is None:
+        return trace
+    if isinstance(store, str):
+        store = DirectoryStore(store)
+    found = _saved_tensors(trace)
     with torch.no_grad():
         if store == "cpu":
+            storages = _storages(found)
+            placed: dict[tuple[str, int], tuple[torch.UntypedStorage, int]] = {}
             pending = False
             for key, (st, _) in storages.items():
                 if st.device.type == "cpu":
@@ -131,46 +163,131 @@ def apply_store(trace, store: Any):
                 pending = True
             if pending and torch.cuda.is_available():
                 torch.cuda.synchronize()
+            _replace(found, placed)
         else:
-            placed = _write_directory(store, storages)
-        for holder, key, t in found:
-            where = placed.get((str(t.device), t.untyped_storage().data_ptr()))
-            if where is not None:
-                _put(holder, key, _view(where[0], where[1], t))
+            store.write(found)
     return trace
 
 
-def _write_directory(path: str, storages: dict) -> dict:
-    from safetensors.torch import save_file
+class DirectoryStore:
+    """A `store=<directory>`: writes storages to `tensors-<n>.safetensors` files there, numbered
+    on across writes, and serves them as memory-mapped views.
 
-    os.makedirs(path, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    names: dict[tuple[str, int], tuple[int, str]] = {}
-    size = 0
-    for n, (key, (st, dtype)) in enumerate(storages.items()):
-        flat = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).cpu()
-        item = torch.empty(0, dtype=dtype).element_size()
-        if dtype.is_complex or flat.numel() % item:
-            dtype = torch.uint8
-        else:
-            flat = flat.view(dtype)  # typed, so the file reads as ordinary tensors
-        if size and size + st.nbytes() > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][f"s{n}"] = flat
-        names[key] = (len(shards) - 1, f"s{n}")
-        size += st.nbytes()
-    files = []
-    for i, tensors in enumerate(shards):
-        name = os.path.join(path, f"tensors-{i:05d}.safetensors")
-        save_file(tensors, name, metadata={"format": "torchlens-store"})
-        files.append(name)
-    maps = [_mapped(f) for f in files]
-    placed = {}
-    for key, (i, name) in names.items():
-        storage, offsets = maps[i]
-        placed[key] = (storage, offsets[name])
-    return placed
+    Args:
+        path: the directory (created if missing).
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._files = 0
+        #: data_ptr of each mapped file storage this store handed out: tensors on them are stored.
+        self._mapped: set[int] = set()
+        #: (device, data_ptr) of a model storage written earlier -> (a weak reference to it, the
+        #: version counter and the count of seen writes into it then, where it was written).
+        self._written: dict[tuple[str, int], tuple[Any, int, int, tuple[torch.UntypedStorage, int]]] = {}
+        #: storage data_ptr -> writes the capture saw into it (the recorder's `_writes`).
+        self.writes: dict[int, int] = {}
+
+    def write(self, found: list[tuple[Any, Any, torch.Tensor]]) -> None:
+        """Write the storages of the tensors in `found` ((holder, key, tensor) triples) and put
+        each tensor's view on its file back into its holder. Tensors this store mapped already
+        are left as they are.
+
+        A tensor on a storage an earlier write wrote (a view, in a later layer, of a tensor an
+        earlier layer made: RoPE's cos and sin) becomes a view of that copy, so views stay views
+        of one copy, if the storage is still the same one (it was not freed) and is unchanged:
+        its version counter (shared by views) and the count of writes the capture saw into it
+        are what they were. Otherwise it is written again.
+        """
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        storages = _storages(found, self._mapped)
+        if not storages:
+            return
+        placed, fresh = {}, {}
+        for key, (st, dtype) in storages.items():
+            t = next(t for _, _, t in found if (str(t.device), t.untyped_storage().data_ptr()) == key)
+            old = self._written.get(key)
+            if (old is not None and not old[0].expired() and not t.is_inference() and t._version == old[1]
+                    and self.writes.get(key[1], 0) == old[2]):
+                placed[key] = old[3]
+            else:
+                fresh[key] = (st, dtype, t)
+        if fresh:
+            written = self._write({k: v[:2] for k, v in fresh.items()})
+            for key, (st, _, t) in fresh.items():
+                version = -1 if t.is_inference() else t._version
+                self._written[key] = (StorageWeakRef(st), version, self.writes.get(key[1], 0), written[key])
+            placed.update(written)
+        _replace(found, placed)
+
+    def _write(self, storages: dict) -> dict:
+        os.makedirs(self.path, exist_ok=True)
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        names: dict[tuple[str, int], tuple[int, str]] = {}
+        size = 0
+        for n, (key, (st, dtype)) in enumerate(storages.items()):
+            flat = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).cpu()
+            item = torch.empty(0, dtype=dtype).element_size()
+            if dtype.is_complex or flat.numel() % item:
+                dtype = torch.uint8
+            else:
+                flat = flat.view(dtype)  # typed, so the file reads as ordinary tensors
+            if size and size + st.nbytes() > SHARD_BYTES:
+                shards.append({})
+                size = 0
+            shards[-1][f"s{n}"] = flat
+            names[key] = (len(shards) - 1, f"s{n}")
+            size += st.nbytes()
+        files = []
+        for tensors in shards:
+            name = os.path.join(self.path, f"tensors-{self._files:05d}.safetensors")
+            self._files += 1
+            _save_file(tensors, name)
+            files.append(name)
+        del shards
+        maps = [_mapped(f) for f in files]
+        for storage, _ in maps:
+            self._mapped.add(storage.data_ptr())
+        placed = {}
+        for key, (i, name) in names.items():
+            storage, offsets = maps[i]
+            placed[key] = (storage, offsets[name])
+        return placed
+
+
+#: safetensors' dtype names; any other dtype is written as its bytes (U8).
+_DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _save_file(tensors: dict[str, torch.Tensor], file: str) -> None:
+    """Write 1-d CPU tensors to `file` in the safetensors format, streaming each tensor's bytes
+    from its own memory (no serialized copy of the whole shard is built first)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "torchlens-store"}}
+    offset, parts = 0, []
+    # widest elements first: every tensor then starts at a multiple of its element size
+    for name, t in sorted(tensors.items(), key=lambda kv: -kv[1].element_size()):
+        dtype = _DTYPE_NAMES.get(t.dtype)
+        raw = t.contiguous().view(torch.uint8) if dtype is not None else t.contiguous().view(-1).view(torch.uint8)
+        if dtype is None:
+            dtype = "U8"
+        n = raw.numel()
+        shape = [n // t.element_size()] if dtype != "U8" or t.dtype == torch.uint8 else [n]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        parts.append(raw)
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for raw in parts:
+            if raw.numel():
+                f.write(memoryview(raw.numpy()))
 
 
 def _mapped(file: str) -> tuple[torch.UntypedStorage, dict[str, int]]:

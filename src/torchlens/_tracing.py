@@ -15,7 +15,7 @@ from ._errors import TorchLensError
 from ._records import Trace
 from ._save import parse_save, plan_capture
 from ._snapshot import snapshot
-from ._store import apply_store, parse_store
+from ._store import DirectoryStore, apply_store, parse_store
 from ._structure import parse_roles, static_roles
 
 __all__ = ["trace"]
@@ -43,10 +43,11 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
             Named blocks form the layers of their holder's stack; inside a block that has named
             sublayers, only the named ones are taken.
         store: where the saved tensors live once the trace is returned: None (default) leaves
-            them where the model computed them; `"cpu"` copies them to host memory; a directory
-            path writes them to safetensors files there and serves them as memory-mapped views,
-            read back lazily. They are moved after the forward, so the peak memory during
-            capture is unchanged; see `torchlens._store`.
+            them where the model computed them; `"cpu"` copies them to host memory after the
+            forward; a directory path writes them to safetensors files there as capture goes
+            (each time a top-level block ends) and serves them as memory-mapped views, read back
+            lazily, so the peak memory during capture stays near the plain forward's plus one
+            layer's saved tensors; see `torchlens._store`.
         edit: sites to replace as the model computes them: a dict from a key (a hook name of any
             naming generation such as `"blocks.0.hook_resid_post"`, `"address:facet"`, or a tuple
             `(module_address, facet)` / `(module_address, facet, call)`) to a function
@@ -77,6 +78,13 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
             `torch.compile(model)` wrapper passed as `model` is traced as its `_orig_mod`.
         Exception: whatever the forward raises propagates unchanged, with a note naming the op
             and module where it happened; nothing TorchLens installed is left behind.
+
+    Note:
+        While a trace runs, `torch.compile`d code runs eagerly in the whole process, not only in
+        the tracing thread: torch keeps the compiler stance process-wide (one global, checked on
+        torch 2.13), so another thread calling a compiled function meanwhile gets its eager
+        Python (same values, no compiled graph, not recorded in this trace). The stance that was
+        set before is restored when the last running trace returns or raises.
 
     Examples:
         >>> import torch, torchlens
@@ -109,7 +117,9 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
     params: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), n)  # a shared (tied) weight keeps its first, canonical name
-    rec = Recorder(names, roles, capture, params, plan)
+    if isinstance(store_to, str):  # a directory store writes as capture goes
+        store_to = DirectoryStore(store_to)
+    rec = Recorder(names, roles, capture, params, plan, store_to if isinstance(store_to, DirectoryStore) else None)
     handles = []
     try:
         for m in names:
@@ -128,6 +138,8 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
     # Inside an outer trace, deriving the facets is not part of the forward; an accelerate-dispatched
     # model's modules hold the weights the forward used (not meta placeholders) while it runs.
     with rec.hidden(), dispatch.weights():
+        if rec.spill is not None:  # what was held after the last block goes to the directory too
+            rec.write_spill()
         overwritten = rec.check_versions()
         result = assemble(rec, model, names, aliases, roles, capture, output, overwritten)
         snapshot(rec, model, (args, kwargs, output))  # after assembly: only what the trace keeps is copied
