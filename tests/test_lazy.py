@@ -112,6 +112,9 @@ def test_statuses_say_when_a_check_has_not_run_and_resolve_alias_runs_it():
     # once checked, the report says so too
     rows = {r.query: r for r in mi.alias_report(t, generation="2.x")}
     assert rows["blocks.1.attn.hook_pattern"].checked and not rows["blocks.0.attn.hook_pattern"].checked
+    # a row's tensor is a read: it runs that site's check
+    assert rows["blocks.0.attn.hook_pattern"].tensor.shape == t.modules[_attn(0)].facets.site("pattern").shape
+    assert t.modules[_attn(0)].facets.site("pattern").checked
 
 
 def _plant_bad_rebuild(monkeypatch):
