@@ -5,6 +5,9 @@ Each bug class of the catalogue (docs/guides/wrong-hooks.md) is reproduced by a 
 through TorchLens. The engine's tensor is handed to `compare` under the name it was meant to
 read, and the test asserts that the explanation names the class. Each class runs on three
 families. Models are tiny random-init configs (seeded), traced on the CPU.
+
+Tests internals: `torchlens.mechinterp._diagnose._POOLS`, the per-trace pool of tensor
+statistics the search keeps (it must not keep a trace alive).
 """
 
 from __future__ import annotations

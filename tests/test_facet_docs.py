@@ -6,6 +6,9 @@ committed page is current runs here, with edited rows showing that it can fail.
 A facet counts as documented only where it opens a row of one of the guide's facet tables
 (``| `name` | layout and meaning |``); a mention elsewhere on the page (``k`` in a sentence) does
 not. The rows name no facet that TorchLens does not have, so the guide cannot go stale either.
+
+Tests internals: `torchlens._facet_spec` (`SPECS`, the rows the page is generated from and the
+test edits; `FACETS` and `ALL_FACETS`, what the page must document).
 """
 
 import dataclasses

@@ -7,6 +7,12 @@
   is shown failing on a planted bad row.
 - The sets other modules derive (per-head, kv-head, hook sides, remedies) are compared with
   literals written here.
+
+Tests internals: `torchlens._facet_spec` (`FacetSpec`, `FacetSpecError`, `check_rows`, `SPECS`,
+`BY_NAME`, `FACETS`, `ALL_FACETS`, `EVERY_MODULE`, `absent_reason` and the derived sets
+`PER_HEAD`, `TOKEN_MAJOR`, `HEAD_MAJOR`, `KV_HEADS`, `KERNEL_REBUILT`, `HOOK_SIDES`, `REMEDIES`),
+`torchlens.mechinterp._tables` (`Row`, `Table`, `TableError`, imported from there),
+`torchlens.mechinterp._targets` (`TARGETS`, `TARGET_ROLES`) and `torchlens._roles.ROLES`.
 """
 
 from __future__ import annotations
