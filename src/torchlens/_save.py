@@ -211,9 +211,9 @@ class CapturePlan:
                     site.tensor = None  # drops a pending check, and what it would compute from, too
         for op in ops:
             tensors = op.tensors
-            if (tensors[0] is not None or len(tensors) > 1) and any(t is not None for t in tensors):
-                if not covers(op.module):
-                    op.tensors = (None,) * len(tensors)
+            held = (tensors[0] is not None or len(tensors) > 1) and any(t is not None for t in tensors)
+            if held and not covers(op.module):
+                op.tensors = (None,) * len(tensors)
 
     def check_kept(self, calls: list) -> None:
         """Raise `SaveSpecError` when a selection kept no facet of any call (known only after the
