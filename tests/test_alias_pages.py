@@ -18,7 +18,6 @@ import sys
 import pytest
 
 import torchlens.mechinterp as mi
-from torchlens.mechinterp import _resolver as resolver
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gen_alias_pages.py"
@@ -39,10 +38,9 @@ def gen():
 
 @pytest.fixture
 def fresh_parser_cache():
-    """The resolver caches compiled patterns per generation: never let an edited table leak."""
-    resolver._compiled.cache_clear()
+    """Nothing to reset: each row compiles its own pattern (`Row.pattern`), so an edited table
+    never meets a pattern cached from the table it replaced."""
     yield
-    resolver._compiled.cache_clear()
 
 
 def _snapshot(gen) -> dict[pathlib.Path, str]:

@@ -5,8 +5,7 @@ committed files that differ. The first test runs that check on the working tree;
 make sure it can fail (an edited naming table, an edited SVG) and that what it draws is what
 the trace and the tables say.
 
-Tests internals: `mechinterp._resolver`'s pattern cache (cleared around an edited table) and
-`mechinterp._targets.find` (the script's public lookup must find the same modules).
+Tests internals: `mechinterp._targets.find` (the script's public lookup must find the same modules).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import script_modules
 
 import torchlens as tl
 import torchlens.mechinterp as mi
-from torchlens.mechinterp import _resolver as resolver
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gen_diagrams.py"
@@ -46,10 +44,9 @@ def fresh(gen):
 
 @pytest.fixture
 def fresh_parser_cache():
-    """The resolver caches compiled patterns per generation: never let an edited table leak."""
-    resolver._compiled.cache_clear()
+    """Nothing to reset: each row compiles its own pattern (`Row.pattern`), so an edited table
+    never meets a pattern cached from the table it replaced."""
     yield
-    resolver._compiled.cache_clear()
 
 
 def _texts(svg: str) -> list[str]:

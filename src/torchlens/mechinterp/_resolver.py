@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from .._errors import LookupFailed, close_matches
+from .._facet_spec import KERNEL_REBUILT, absent_reason
 from .._records import Trace
 from . import _targets as targets
 from ._tables import Row, Table, interp_engine, nnterp, tl2, tl3, tl4
@@ -213,8 +213,6 @@ class AliasReport(list):
 
 # -- parsing -----------------------------------------------------------------------------------
 
-_LAYER = r"(-?\d+)"
-
 #: Longer digit strings are out of range of any trace, and need not be converted to an int
 #: (Python refuses int() on more than 4300 digits).
 _MAX_DIGITS = 18
@@ -234,13 +232,6 @@ def _index_value(canonical: str) -> int:
     return int(canonical)
 
 
-@lru_cache(maxsize=None)
-def _compiled(generation: str) -> list[tuple[re.Pattern, Row]]:
-    out = []
-    for row in GENERATIONS[generation].rows:
-        parts = row.name.split("{L}")
-        out.append((re.compile("^" + _LAYER.join(re.escape(p) for p in parts) + "$"), row))
-    return out
 
 
 def _layer_value(text: str, table: Table, query: str, trace: Trace, row: Row | None = None) -> int:
@@ -271,10 +262,8 @@ def _for_trace(table: Table, trace: Trace) -> Table:
 
 
 def _patterns(table: Table) -> list[tuple[re.Pattern, Row]]:
-    if GENERATIONS.get(table.generation) is table:
-        return _compiled(table.generation)
-    return [(re.compile("^" + _LAYER.join(re.escape(p) for p in row.name.split("{L}")) + "$"), row)
-            for row in table.rows]
+    """Each row's pattern (the table's grammar: `Row.pattern`, compiled once per row) with the row."""
+    return [(row.pattern, row) for row in table.rows]
 
 
 def _n_layers(trace: Trace, row: Row | None = None) -> int:
@@ -299,7 +288,7 @@ def _matches(query: str, tables: list[Table], trace: Trace) -> list[tuple[Table,
             if m:
                 layer = _layer_value(m.group(1), table, query, trace, row) if row.per_layer else None
                 found.append((table, row, layer))
-            elif table.absent_once and row.facet is None and query == _bare(row.name):
+            elif table.absent_once and row.facet is None and query == row.bare:
                 found.append((table, row, None))  # the report's own spelling of a refused point
     return found
 
@@ -455,12 +444,12 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
         facet = next((f for f in row.facets if f in sites), None)
     refused = getattr(call.facets, "refused", {}).get(row.facets[0]) if facet is None else None
     if refused is not None:  # TorchLens derived it, but its check against the model failed
-        if row.facets[0] in ("scores", "pattern"):
+        if row.facets[0] in KERNEL_REBUILT:
             return res("needs_capture", address, row.facets[0], f"{row.facets[0]} is not served: {refused}.",
                        "trace a copy of the model loaded with attn_implementation='eager'")
         return res("structurally_absent", address, row.facets[0], f"{row.facets[0]} is not served: {refused}.")
     if facet is None:
-        absent = _ABSENT.get(row.facets[0], "the module does not compute it")
+        absent = absent_reason(row.facets[0])
         return res("structurally_absent", address, row.facets[0],
                    f"{address} ({rec.class_name}) has no {row.facets[0]!r} facet: {absent}.")
     site = sites[facet]
@@ -482,19 +471,6 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
     return res("reconstructed_read_only", address, facet, f"{how}; no op produced this tensor.",
                "to edit it, trace a model with attn_implementation='eager' (real softmax op)"
                if site.kind == "reconstructed" else "edit the tensors it is computed from", site.shape, site.checked)
-
-
-#: Why a facet can be missing on a module that exists.
-_ABSENT = {
-    "pre_linear": "the MLP is not gated (one input projection, no linear branch)",
-    "gated_out": "the MLP is not gated",
-    "resid_mid": "no residual add lies between its attention and its MLP in the block itself (they read the same "
-    "residual in parallel, the block holds no MLP module, or a sublayer wrapper adds the residual)",
-    "rot_q": "nothing transforms the queries between the projection and the kernel (no RoPE)",
-    "rot_k": "nothing transforms the keys between the projection and the kernel (no RoPE)",
-    "scores": "no softmax or fused attention kernel ran inside it",
-    "pattern": "no softmax or fused attention kernel ran inside it",
-}
 
 
 def _tables(generation: str | None, *, any_generation: bool = False) -> list[Table]:
@@ -612,13 +588,9 @@ def alias_report(trace: Trace, generation: str = "2.x") -> AliasReport:
             for layer in range(_n_layers(trace, row)):
                 rows.append(_status(trace, table_, row, layer, row.name.replace("{L}", str(layer)), force=False))
             if not _n_layers(trace, row):  # no layer found: one row says so, rather than none
-                rows.append(_status(trace, table_, row, None, _bare(row.name), force=False))
+                rows.append(_status(trace, table_, row, None, row.bare, force=False))
         else:
-            query = _bare(row.name) if row.per_layer else row.name
+            query = row.bare if row.per_layer else row.name
             rows.append(_status(trace, table_, row, None, query, force=False))
     return rows
 
-
-def _bare(pattern: str) -> str:
-    """A per-layer pattern without its layer: `"q_norm_in.{L}"` -> `"q_norm_in"`."""
-    return re.sub(r"[.\[]?\{L\}\]?", "", pattern)
