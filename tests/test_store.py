@@ -91,14 +91,35 @@ def test_directory_store_serves_hook_values_from_memory_mapped_files(tmp_path, f
     torch.testing.assert_close(res.tensor, seen[stored.blocks[1]], rtol=0, atol=0)
 
 
-def test_cpu_store_keeps_values_and_devices(tmp_path):
+def test_cpu_store_keeps_values_and_devices(tmp_path, monkeypatch):
+    """`store="cpu"` moves tensors in memory: no file is written anywhere (not even a directory
+    named "cpu" in the working directory) and no kept tensor is file-backed."""
+    monkeypatch.chdir(tmp_path)
     model = _models.build("gpt2", "sdpa")
-    stored = tl.trace(model, IDS, save=["resid_post"], store="cpu")
+    stored = tl.trace(model, IDS, save="all", store="cpu")
+    assert list(tmp_path.iterdir()) == []
+    assert not [f for t in _held(stored) if (f := _mapped_file(t.untyped_storage().data_ptr())) and f.startswith("/")]
     seen = _models.hooked_outputs(model, stored.blocks, IDS)
     for a in stored.blocks:
         t = stored.modules[a].facets["resid_post"]
         assert t.device.type == "cpu"
         torch.testing.assert_close(t, seen[a], rtol=0, atol=0)
+
+
+def test_a_second_trace_into_the_same_directory_leaves_the_first_unchanged(tmp_path):
+    """Each trace's files replace the names, not the contents, of the files a trace stored there
+    before: the first trace keeps serving its own forward's values."""
+    model = _models.build("gpt2", "sdpa")
+    other = _models.token_ids(length=6, seed=1)
+    assert not torch.equal(other, IDS)
+    first = tl.trace(model, IDS, save="all", store=tmp_path)
+    seen = _models.hooked_outputs(model, first.blocks, IDS)
+    second = tl.trace(model, other, save="all", store=tmp_path)
+    for a in first.blocks:
+        torch.testing.assert_close(first.modules[a].facets["resid_post"], seen[a], rtol=0, atol=0)
+    seen2 = _models.hooked_outputs(model, second.blocks, other)
+    for a in second.blocks:
+        torch.testing.assert_close(second.modules[a].facets["resid_post"], seen2[a], rtol=0, atol=0)
 
 
 def test_a_directory_stored_trace_saves_and_loads(tmp_path):

@@ -23,6 +23,7 @@ is assembled. The `"cpu"` store moves the tensors when the trace is assembled, a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -43,7 +44,7 @@ class StoreSpecError(TorchLensError, ValueError):
 
 
 def parse_store(store: Any) -> Any:
-    """`None` (leave tensors where they are), `"cpu"`, or the directory path, or raise."""
+    """`None` (leave tensors where they are), `"cpu"`, or a `DirectoryStore` for a directory path, or raise."""
     accepted = "store= accepts None or 'device' (the default), 'cpu', or a directory path (str or os.PathLike)"
     if store is None or store == "device":
         return None
@@ -57,7 +58,7 @@ def parse_store(store: Any) -> Any:
         if os.path.exists(path) and not os.path.isdir(path):
             raise StoreSpecError(f"store={store!r} is an existing file; a directory store needs a directory "
                                  f"(it is created if missing). {accepted}.")
-        return path
+        return DirectoryStore(path)
     raise StoreSpecError(f"store={store!r} is not accepted; {accepted}.")
 
 
@@ -146,8 +147,6 @@ def apply_store(trace, store: Any):
     `DirectoryStore` capture wrote to); returns `trace`."""
     if store is None:
         return trace
-    if isinstance(store, str):
-        store = DirectoryStore(store)
     found = _saved_tensors(trace)
     with torch.no_grad():
         if store == "cpu":
@@ -243,7 +242,16 @@ class DirectoryStore:
         for tensors in shards:
             name = os.path.join(self.path, f"tensors-{self._files:05d}.safetensors")
             self._files += 1
-            _save_file(tensors, name)
+            # Written beside, then renamed over the name: a trace stored here before keeps its
+            # memory maps on the file it wrote (the old inode), so its tensors never change.
+            part = f"{name}.{os.getpid()}-{id(self):x}.part"
+            try:
+                _save_file(tensors, part)
+                os.replace(part, name)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(part)
+                raise
             files.append(name)
         del shards
         maps = [_mapped(f) for f in files]

@@ -117,8 +117,7 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
     params: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), n)  # a shared (tied) weight keeps its first, canonical name
-    if isinstance(store_to, str):  # a directory store writes as capture goes
-        store_to = DirectoryStore(store_to)
+    # A directory store writes as capture goes; "cpu" moves the tensors once the trace is assembled.
     rec = Recorder(names, roles, capture, params, plan, store_to if isinstance(store_to, DirectoryStore) else None)
     handles = []
     try:
