@@ -513,3 +513,37 @@ def test_a_model_wrapped_by_the_transformer_lens_bridge_keeps_its_layers(family)
     assert t.blocks == [f"{prefix}.{i}" for i in range(len(layers))]
     for i in range(len(layers)):
         torch.testing.assert_close(mi.resolve_alias(t, f"blocks.{i}.hook_resid_post").tensor, seen[i], rtol=0, atol=0)
+
+
+def test_every_stack_has_its_final_norm_by_the_one_rule():
+    """Each stack's final norm comes from the same rule as the language-model stack's: on T5 the
+    encoder's norm reads the encoder's last block output (a forward hook on both says so) and the
+    decoder's is `Structure.final_norm`; a CLIP-style pair of towers gets one per tower."""
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(tf.T5Config(num_layers=2, d_model=16, d_ff=24, num_heads=2, d_kv=8,
+                                                      vocab_size=V)).eval()
+    seen, handles = _hook_outputs({"enc_last": model.encoder.block[1], "dec_last": model.decoder.block[1]})
+    inputs = {}
+    handles += [m.register_forward_pre_hook(lambda mod, args, k=k: inputs.__setitem__(k, args[0].clone()))
+                for k, m in (("enc_norm", model.encoder.final_layer_norm), ("dec_norm", model.decoder.final_layer_norm))]
+    try:
+        t = tl.trace(model, torch.tensor([[1, 2, 3, 4]]), decoder_input_ids=torch.tensor([[1, 2, 3]]))
+    finally:
+        for h in handles:
+            h.remove()
+    stacks = t.structure.stacks
+    assert {n: s.final_norm.address for n, s in stacks.items()} == {
+        "encoder.block": "encoder.final_layer_norm", "decoder.block": "decoder.final_layer_norm"}
+    assert t.structure.final_norm is stacks[t.structure.lm_stack].final_norm
+    torch.testing.assert_close(inputs["enc_norm"], seen["enc_last"][0], rtol=0, atol=0)
+    torch.testing.assert_close(t.modules["encoder.final_layer_norm"].facets["input"], inputs["enc_norm"], rtol=0, atol=0)
+
+    clip = tf.CLIPModel(tf.CLIPConfig(
+        text_config=dict(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=16),
+        vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=8, patch_size=4))).eval()
+    t = tl.trace(clip, input_ids=torch.tensor([[1, 2, 3]]), pixel_values=torch.zeros(1, 3, 8, 8))
+    finals = {n: (s.final_norm.address if s.final_norm else None) for n, s in t.structure.stacks.items()}
+    assert finals == {"text_model.encoder.layers": "text_model.final_layer_norm",
+                      "vision_model.encoder.layers": "vision_model.post_layernorm"}, finals

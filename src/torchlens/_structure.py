@@ -29,9 +29,11 @@ Roles are found in two passes:
      model input. The **unembedding** is the last linear layer outside every layer whose output
      width is the token embedding's vocabulary and whose output reaches the model output.
    - The **language-model stack** is the stack whose last layer's output reaches the
-     unembedding; without an unembedding, the only stack. The **final norm** is the last norm
-     outside every layer that runs after that stack's last layer, reads from its output, and
-     (when there is one) runs before the unembedding. One rule, with or without an LM head.
+     unembedding; without an unembedding, the only stack. A stack's **final norm** is the last
+     norm outside every layer that runs after the stack's last layer, reads from its output, and
+     runs before what comes next (the unembedding, for the language-model stack, when there is
+     one; another stack's first layer, for the others). One rule, with or without an LM head;
+     `Structure.final_norm` is the language-model stack's.
 
 `roles=` (the escape hatch of [`trace`][torchlens.trace]) names roles by address or glob
 pattern; a named role wins over every rule above.
@@ -85,11 +87,13 @@ class Stack:
             the position here.
         kind: `"decoder"` or `"encoder"` (an encoder-decoder's stacks, or one read by
             cross-attention, or a stack under a class whose name says encoder).
+        final_norm: the stack's final norm (see `final_norm`), or None.
     """
 
     name: str
     layers: list[Layer] = field(default_factory=list)
     kind: str = "decoder"
+    final_norm: ModuleCall | None = None
 
     @property
     def addresses(self) -> list[str]:
@@ -581,7 +585,9 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
         struct.kind = "multi-tower"
     else:
         struct.kind = "encoder-only" if struct.stacks[struct.lm_stack].kind == "encoder" else "decoder-only"
-    struct.final_norm = final_norm(flow, struct, outside, roles)
+    for s in struct.stacks.values():
+        s.final_norm = final_norm(flow, struct, outside, s)
+    struct.final_norm = struct.stacks[struct.lm_stack].final_norm if struct.lm_stack else None
     return struct
 
 
@@ -617,16 +623,22 @@ def from_model_input(ops: list[OpRecord], ref: Any) -> bool:
     return False
 
 
-def final_norm(flow: _Flow, struct: Structure, outside: list[ModuleCall], roles: dict[str, str]) -> ModuleCall | None:
-    """The one final-norm rule: the last norm outside every layer that runs after the LM stack's
-    last layer, reads from its output, and runs before the unembedding when there is one."""
-    if struct.lm_stack is None:
-        return None
-    last = struct.stacks[struct.lm_stack].layers[-1].call
+def final_norm(flow: _Flow, struct: Structure, outside: list[ModuleCall], stack: Stack) -> ModuleCall | None:
+    """The one final-norm rule: the last norm outside every layer that runs after the stack's last
+    layer, reads from its output, and runs before whatever comes next: the unembedding for the
+    language-model stack (when there is one), the first layer of a stack that starts later for
+    any other (T5's encoder.final_layer_norm runs before the decoder's first block)."""
+    last = stack.layers[-1].call
+    if stack.name == struct.lm_stack:
+        end = struct.unembed.first_op if struct.unembed is not None else None
+    else:
+        later = [s.layers[0].call.first_op for s in struct.stacks.values() if s.layers[0].call.first_op >= last.end_op]
+        end = min(later) if later else (struct.unembed.first_op if struct.unembed is not None
+                                        and struct.unembed.first_op >= last.end_op else None)
     norms = [
         c for c in outside
         if c.role == "norm" and c.first_op >= last.end_op
-        and (struct.unembed is None or c.end_op <= struct.unembed.first_op)
+        and (end is None or c.end_op <= end)
         and flow.reaches(last.output_ref, c.input_ref)
     ]
     return norms[-1] if norms else None

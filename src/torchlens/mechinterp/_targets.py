@@ -322,15 +322,9 @@ def find_call(trace: Trace, target: str, layer: int | None, stack: str | None = 
             return None, f"the model has no single {stack} stack"
         if layer is not None:
             layer = st.layers[layer]
-        if target == "final_norm":
-            return _stack_final_norm(trace, st), "no norm reads the last layer's output"
+        if target == "final_norm":  # the stack's own, by `_structure`'s one final-norm rule
+            return st.final_norm, "no norm reads the last layer's output"
     return finder(trace, layer), why
-
-
-def _stack_final_norm(trace: Trace, stack) -> ModuleCall | None:
-    """The norm outside every layer whose input is the stack's last output (T5's encoder.final_layer_norm)."""
-    last = stack.layers[-1].call
-    return next((c for c in _outside_layers(trace, "norm") if c.input_ref == last.output_ref), None)
 
 
 def find(trace: Trace, target: str, layer: int | None) -> tuple[str | None, str]:
