@@ -4,6 +4,9 @@
 `src/torchlens/mechinterp/_tables` and reports the committed pages that differ. The first test
 runs that check on the working tree; the others edit a table in memory and make sure the check
 notices, so the first test can actually fail.
+
+Tests internals: none of TorchLens's; the tables are edited through the public
+`torchlens.mechinterp.GENERATIONS`.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ trace says it can read is compared, and the test asserts that nothing readable w
 
 Models are random-init from small configs (seeded), traced on the CPU; everything is cached
 per module so the file runs in a few seconds.
+
+Tests internals: `torchlens.mechinterp._resolver._n_layers`, which a planted resolver bug (one
+layer too few) replaces to show that the report-count test can fail.
 """
 
 from __future__ import annotations
