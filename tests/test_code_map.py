@@ -95,7 +95,7 @@ def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tree(path: pathlib.Path) -> ast.Module:
     return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
 
