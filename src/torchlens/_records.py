@@ -96,7 +96,7 @@ class _Pending:
     `result` computed from a `z` that is refused is refused too).
     """
 
-    __slots__ = ("fn", "inputs", "sites", "owner", "after")
+    __slots__ = ("fn", "inputs", "sites", "owner", "after", "stamps")
 
     def __init__(self, fn: Any, inputs: list, sites: list[FacetSite], after: tuple[FacetSite, ...] = ()):
         self.fn = fn
@@ -104,6 +104,9 @@ class _Pending:
         self.sites = sites
         self.owner: FacetMap | None = None
         self.after = after
+        # What each input held when the forward left it, so a write after the trace (into a
+        # tensor the caller was served, which may share memory with an input) is caught.
+        self.stamps = [_stamp(t) for t in inputs]
         for s in sites:
             s._pending, s._inputs = self, inputs
 
@@ -119,10 +122,18 @@ class _Pending:
                     refusal = f"it is computed from {s.name}, which is not served: {s._refusal}"
                     break
             if refusal is None:
-                # Inside another trace the check's own torch calls must not be recorded by it.
+                # Inside another trace the check's own torch calls must not be recorded by it; the
+                # caller's autocast must not change what the check computes.
                 nested = torch._C._len_torch_function_stack() > 0
-                with torch.no_grad(), (torch._C.DisableTorchFunction() if nested else contextlib.nullcontext()):
-                    values, error, refusal = fn(self.inputs)
+                with torch.no_grad(), _no_autocast(), (
+                        torch._C.DisableTorchFunction() if nested else contextlib.nullcontext()):
+                    refusal = self._written()
+                    if refusal is None:
+                        try:
+                            values, error, refusal = fn(self.inputs)
+                        except Exception as exc:  # a check that cannot run refuses, it never raises
+                            values, error = {}, None
+                            refusal = f"it could not be computed: {type(exc).__name__}: {exc}"
             self.fn = self.inputs = None
             for s in self.sites:
                 s._pending = s._inputs = None
@@ -136,6 +147,17 @@ class _Pending:
             if refusal is not None and self.owner is not None:
                 self.owner._refuse(self.sites, refusal)
 
+    def _written(self) -> str | None:
+        """Why the check must not run: an input no longer holds what the forward left in it."""
+        for i, (t, stamp) in enumerate(zip(self.inputs, self.stamps)):
+            if stamp is not None and not torch.equal(_stamp(t), stamp):
+                return (f"a tensor it is computed from (input {i} of its check, a {list(t.shape)} "
+                        f"{str(t.dtype).replace('torch.', '')}) was written after the trace returned, e.g. in "
+                        f"place into a facet the trace served, so its values are no longer the forward's; "
+                        f"read the derived facets (or call trace.check()) before writing into a served "
+                        f"tensor, or write into a copy (tensor.clone())")
+        return None
+
     def discard(self, site: FacetSite) -> None:
         """`site` no longer waits for this check (its tensor was dropped)."""
         if site in self.sites:
@@ -143,6 +165,50 @@ class _Pending:
         site._pending = site._inputs = None
         if not self.sites:
             self.fn = self.inputs = None
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_STAMP_CHUNK = 1 << 22
+
+
+def _stamp(t: Any) -> torch.Tensor | None:
+    """A fingerprint of `t`'s values (a 0-d int64 tensor on its device), or None for a non-tensor.
+
+    The bits of each element, times a weight that depends on its position, summed in int64
+    (wrapping): exact integer arithmetic, so the same values give the same stamp whatever the
+    reduction order, and a write that changes any element changes it but for a collision. A
+    version counter would not do: the copies `trace` and `store=` make of a tensor the caller
+    can reach are views with counters of their own, and inference tensors have none.
+    """
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return None
+    with torch.no_grad(), _no_autocast():
+        x = t.detach()
+        if x.is_complex():
+            x = torch.view_as_real(x)
+        x = x.reshape(-1)
+        if x.dtype == torch.bool:
+            bits = x.view(torch.uint8)
+        else:
+            bits = x.view(_INT_OF_SIZE[x.element_size()])
+        total = torch.zeros((), dtype=torch.int64, device=x.device)
+        for lo in range(0, bits.numel(), _STAMP_CHUNK):
+            part = bits[lo : lo + _STAMP_CHUNK].to(torch.int64)
+            w = torch.arange(lo, lo + part.numel(), dtype=torch.int64, device=x.device).mul_(2654435761).add_(1)
+            total += part.mul_(w).sum()
+        return total
+
+
+def _no_autocast() -> contextlib.ExitStack:
+    """Autocast switched off for every device type this torch knows, so a check computes in the
+    dtypes of its inputs whatever the caller's context."""
+    stack = contextlib.ExitStack()
+    for device in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia"):
+        try:
+            stack.enter_context(torch.autocast(device_type=device, enabled=False))
+        except Exception:  # a device type this build does not support
+            continue
+    return stack
 
 
 #: Serializes deferred checks, so two threads reading one site run its check once. Re-entrant:
