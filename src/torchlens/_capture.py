@@ -14,11 +14,15 @@ recorder's own bookkeeping (which runs with torch functions disabled when a mode
 
 Saved tensors are detached *aliases*, not copies, which keeps capture fast and memory-lean.
 They still behave as copies: before any op that writes in place (`add_`, `x[i] = ...`,
-`inplace=True`, `out=`), the recorder clones every saved alias (op outputs, and the module
-inputs/outputs the hooks kept) that shares storage with the tensor about to be written. Each
-alias's version counter is checked at the end, so a write the mode could not see is reported,
-and the alias it overwrote is dropped rather than served with contents the op never returned. Inference tensors (`torch.inference_mode()`) have no version
-counter, so that last check cannot cover them.
+`inplace=True`, `out=`), the recorder clones every saved alias (op outputs, the arguments kept
+for rebuilding a fused attention kernel or `multi_head_attention_forward` (`OpRecord.extra`), and
+the module inputs/outputs the hooks kept) that shares storage with the tensor about to be
+written: `x += attn(x, x, x)` leaves the attention's kept query/key/value as the op read them.
+Each alias's version counter is checked at the end, so a write the mode could not see is
+reported, and the alias it overwrote is dropped rather than served with contents the op never
+returned; a kept argument overwritten that way is marked stale, and the facets rebuilt from it are
+refused with that reason. Inference tensors (`torch.inference_mode()`) have no version counter, so
+that last check cannot cover them.
 
 A tensor used after an in-place write is used with its new contents, and the trace says so.
 Every recorded tensor carries a stamp (its version counter, or for an inference tensor the count
@@ -132,6 +136,27 @@ def _replace_input(args: tuple, kwargs: dict, fn: Any) -> tuple[tuple, dict]:
     return args, kwargs
 
 
+def _arg_slots(extra: dict) -> list[tuple[tuple[str, Any], Tensor]]:
+    """(key, tensor) for each tensor a rebuilt op's kept arguments (`OpRecord.extra`) hold; a key
+    is `("args", position)` or `("kwargs", name)`, as `torchlens._store` names them."""
+    found = [(("args", k), a) for k, a in enumerate(extra["args"]) if isinstance(a, Tensor)]
+    return found + [(("kwargs", k), v) for k, v in extra["kwargs"].items() if isinstance(v, Tensor)]
+
+
+def _get_arg(extra: dict, key: tuple[str, Any]) -> Any:
+    return extra[key[0]][key[1]]
+
+
+def _set_arg(extra: dict, key: tuple[str, Any], value: Tensor) -> None:
+    part, k = key
+    if part == "args":
+        args = list(extra["args"])
+        args[k] = value
+        extra["args"] = tuple(args)
+    else:
+        extra["kwargs"][k] = value
+
+
 def _refuse_script_modules(names: dict[nn.Module, str]) -> None:
     """Raise `CaptureError` naming the first `torch.jit.script`ed module of the model.
 
@@ -185,6 +210,8 @@ class Recorder(TorchFunctionMode):
         self.producer: dict[int, tuple[Ref, Any]] = {}
         self.thread = threading.get_ident()
         self.versions: dict[tuple[int, int], int] = {}  # (op, slot) -> version when saved
+        #: (op, ("args", i) or ("kwargs", name)) -> version of a rebuilt op's kept argument
+        self.arg_versions: dict[tuple[int, tuple[str, Any]], int] = {}
         self._cow: dict[int, list[tuple[int, int]]] = {}
         self._cow_upto = 0
         self._writes: dict[int, int] = {}  # storage data_ptr -> writes the mode saw (for inference tensors)
@@ -365,10 +392,7 @@ class Recorder(TorchFunctionMode):
             shapes, dtypes = tuple([o.shape for o in outs]), tuple([o.dtype for o in outs])
         extra = None
         if retain and name in REBUILT_OPS:
-            extra = {
-                "args": tuple(a.detach() if isinstance(a, Tensor) else a for a in args),
-                "kwargs": {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in kwargs.items()},
-            }
+            extra = self._keep_args(idx, args, kwargs)
         if call is None:
             self.ops.append(OpRecord(idx, name, "", 0, inputs, shapes, dtypes, o0.device, tensors, mutated, extra))
         else:
@@ -377,8 +401,29 @@ class Recorder(TorchFunctionMode):
             )
         return Ref(idx, 0)
 
+    def _keep_args(self, idx: int, args: tuple, kwargs: dict) -> dict:
+        """The arguments of rebuilt op `idx` (`OpRecord.extra`), each tensor detached once (a
+        tensor passed as query, key and value is one alias), with its version noted for
+        `check_versions`. `_before_write` clones an alias before a write into its storage."""
+        seen: dict[int, Tensor] = {}
+
+        def keep(a: Any) -> Any:
+            if not isinstance(a, Tensor):
+                return a
+            kept = seen.get(id(a))
+            if kept is None:
+                kept = seen[id(a)] = a.detach()
+            return kept
+
+        extra = {"args": tuple([keep(a) for a in args]), "kwargs": {k: keep(v) for k, v in kwargs.items()}}
+        for key, t in _arg_slots(extra):
+            if not t.is_inference():  # inference tensors have no version counter
+                self.arg_versions[idx, key] = t._version
+        return extra
+
     def _before_write(self, args, kwargs) -> None:
-        """Clone every saved alias that shares storage with a tensor an op is about to write."""
+        """Clone every saved alias (op outputs, kept kernel arguments, hook aliases) that shares
+        storage with a tensor an op is about to write."""
         targets = [args[0]] if args and isinstance(args[0], Tensor) else []
         out = kwargs.get("out")
         targets += [out] if isinstance(out, Tensor) else [t for t in (out or ()) if isinstance(t, Tensor)]
@@ -393,14 +438,29 @@ class Recorder(TorchFunctionMode):
             for slot, t in enumerate(ops[i].tensors):
                 if t is not None:
                     cow.setdefault(t.untyped_storage().data_ptr(), []).append((i, slot))
+            if ops[i].extra is not None:
+                for key, t in _arg_slots(ops[i].extra):
+                    cow.setdefault(t.untyped_storage().data_ptr(), []).append((i, key))
         self._cow_upto = len(ops)
         for call, attr in self._hook_aliases[self._hook_upto :]:
             cow.setdefault(getattr(call, attr).untyped_storage().data_ptr(), []).append((call, attr))
         self._hook_upto = len(self._hook_aliases)
+        clones: dict[int, Tensor] = {}  # one clone per alias (a kept argument passed twice is one)
         for target in targets:
             for i, slot in cow.pop(target.untyped_storage().data_ptr(), ()):
                 if isinstance(i, ModuleCall):  # a module input/output alias kept by a hook
                     setattr(i, slot, getattr(i, slot).clone())
+                    continue
+                if isinstance(slot, tuple):  # a kept argument of a rebuilt op
+                    old = _get_arg(ops[i].extra, slot)
+                    new = clones.get(id(old))
+                    if new is None:
+                        new = clones[id(old)] = old.clone()
+                    _set_arg(ops[i].extra, slot, new)
+                    if new.is_inference():
+                        self.arg_versions.pop((i, slot), None)
+                    else:
+                        self.arg_versions[i, slot] = new._version
                     continue
                 tensors = list(ops[i].tensors)
                 tensors[slot] = tensors[slot].clone()
@@ -541,8 +601,9 @@ class Recorder(TorchFunctionMode):
         sees), so the file holds that value; the view no model code can reach is no longer
         version-checked or cloned on writes.
         """
-        ops, versions = self.ops, self.versions
+        ops, versions, arg_versions = self.ops, self.versions, self.arg_versions
         found: list[tuple[Any, Any, Tensor]] = []
+        args_found: list[tuple[int, tuple[str, Any]]] = []
         for i in range(self._spill_ops, len(ops)):
             op = ops[i]
             for slot, t in enumerate(op.tensors):
@@ -550,10 +611,12 @@ class Recorder(TorchFunctionMode):
                     v = versions.get((i, slot))
                     if v is None or t._version == v:
                         found.append((op, slot, t))
-            extra = op.extra
-            if extra is not None:
-                found += [(extra, ("args", k), a) for k, a in enumerate(extra["args"]) if isinstance(a, Tensor)]
-                found += [(extra, ("kwargs", k), a) for k, a in extra["kwargs"].items() if isinstance(a, Tensor)]
+            if op.extra is not None:
+                for key, a in _arg_slots(op.extra):
+                    v = arg_versions.get((i, key))
+                    if v is None or a._version == v:  # a moved one stays for `check_versions`
+                        found.append((op.extra, key, a))
+                        args_found.append((i, key))
         for call, attr in self._hook_aliases[self._spill_hooks :]:
             t = getattr(call, attr)
             if isinstance(t, Tensor):
@@ -565,17 +628,34 @@ class Recorder(TorchFunctionMode):
         for holder, slot, _ in found:
             if isinstance(holder, OpRecord):
                 versions.pop((holder.index, slot), None)
+        for i_key in args_found:
+            arg_versions.pop(i_key, None)
         # The views share no storage with the model: nothing held so far needs a clone on a write.
         self._cow.clear()
         self._cow_upto = len(ops)
         self._hook_upto = len(self._hook_aliases)
 
     def check_versions(self) -> list[int]:
-        """Indices of ops whose saved alias was written by something the mode could not see."""
+        """Indices of ops whose saved alias was written by something the mode could not see.
+
+        A kept argument of a rebuilt op (`OpRecord.extra`) written that way no longer holds
+        what the op read, so its facets must not be rebuilt from it: `extra["stale"]` is set
+        to the reason, which the facet derivation gives as the refusal.
+        """
         ops = self.ops
         bad = []
         for (i, slot), version in self.versions.items():
             t = ops[i].tensors[slot]
             if t is not None and t._version != version:
                 bad.append(i)
+        for (i, key), version in self.arg_versions.items():
+            extra = ops[i].extra
+            if extra is None or "stale" in extra or _get_arg(extra, key)._version == version:
+                continue
+            which = f"tensor argument {key[1]}" if key[0] == "args" else f"argument {key[1]!r}"
+            extra["stale"] = (
+                f"{which} of {ops[i].name} (op #{i}) was written in place after the op ran, by code the capture "
+                "could not see (a write under torch._C.DisableTorchFunction, or in code that bypasses torch "
+                "functions), so the kept argument no longer holds what the op read"
+            )
         return sorted(set(bad))

@@ -1,0 +1,174 @@
+"""Rebuilt facets when the rebuilt op's arguments are written in place after it ran, and the
+status a facet refused by its check gets.
+
+The kernel arguments TorchLens keeps for a rebuild (`OpRecord.extra`) are aliases: a write the
+capture sees is preceded by a copy, so the rebuild reads what the kernel read; a write it cannot
+see refuses the rebuild with that reason. Ground truth comes from outside TorchLens:
+`nn.MultiheadAttention`'s own attention weights on an unmodified copy of its input, or the
+softmax written out by hand from the projection weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchlens
+
+E, H, T = 16, 4, 5
+
+
+class _MhaBlock(nn.Module):
+    """A post-norm block whose residual add writes the attention's query/key/value in place."""
+
+    def __init__(self, inplace: bool):
+        super().__init__()
+        self.inplace = inplace
+        self.self_attn = nn.MultiheadAttention(E, H, batch_first=True)
+        self.norm1 = nn.LayerNorm(E)
+        self.mlp = nn.Sequential(nn.Linear(E, 32), nn.ReLU(), nn.Linear(32, E))
+        self.norm2 = nn.LayerNorm(E)
+
+    def forward(self, x):
+        a = self.self_attn(x, x, x, need_weights=False)[0]
+        if self.inplace:
+            x += a  # x was the query, key and value of the op that just ran
+        else:
+            x = x + a
+        x = self.norm1(x)
+        return self.norm2(x + self.mlp(x))
+
+
+class _MhaNet(nn.Module):
+    def __init__(self, inplace: bool = True):
+        super().__init__()
+        self.layers = nn.ModuleList([_MhaBlock(inplace), _MhaBlock(inplace)])
+
+    def forward(self, x):
+        x = x * 1.0  # the blocks write into a tensor of the forward, not the caller's input
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _mha_truth(net: _MhaNet, x: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's per-head attention weights, from the module itself (need_weights=True) run
+    on a copy of the input it got, taken by a plain forward pre-hook."""
+    inputs = []
+    handles = [layer.self_attn.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach().clone()))
+               for layer in net.layers]
+    with torch.no_grad():
+        net(x.clone())
+        weights = [layer.self_attn(i, i, i, need_weights=True, average_attn_weights=False)[1]
+                   for layer, i in zip(net.layers, inputs)]
+    for h in handles:
+        h.remove()
+    return weights
+
+
+@pytest.mark.parametrize("store", [None, "dir"])
+def test_mha_whose_input_the_residual_add_writes_in_place_serves_its_pattern(store, tmp_path):
+    torch.manual_seed(0)
+    net = _MhaNet().eval()
+    x = torch.randn(2, T, E)
+    truth = _mha_truth(net, x)
+    tr = torchlens.trace(net, x, store=str(tmp_path / "store") if store else None)
+    for n, w in enumerate(truth):
+        fm = tr.modules[f"layers.{n}.self_attn"].facets
+        torch.testing.assert_close(fm["pattern"], w, rtol=1e-5, atol=1e-6)
+        assert not fm.refused
+    with torch.no_grad():  # the first layer's query projection, by hand from its input
+        layer = net.layers[0].self_attn
+        q = F.linear(x, layer.in_proj_weight[:E], layer.in_proj_bias[:E]).view(2, T, H, E // H)
+    torch.testing.assert_close(tr.modules["layers.0.self_attn"].facets["q"], q, rtol=1e-5, atol=1e-6)
+
+
+class _SdpaAttn(nn.Module):
+    """Attention through the fused kernel; `after` writes q and k in place once it ran."""
+
+    def __init__(self, after: str):
+        super().__init__()
+        self.after = after
+        self.q, self.k, self.v, self.o = (nn.Linear(E, E) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, H, E // H).transpose(1, 2) for p in (self.q, self.k, self.v))
+        z = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.after == "seen":
+            q.mul_(0)
+            k.add_(1)
+        elif self.after == "unseen":
+            with torch._C.DisableTorchFunction():  # the capture does not see these writes
+                q.mul_(0)
+                k.add_(1)
+        return self.o(z.transpose(1, 2).reshape(b, t, E))
+
+
+class _SdpaBlock(nn.Module):
+    def __init__(self, after: str):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(E)
+        self.attn = _SdpaAttn(after)
+        self.ln2 = nn.LayerNorm(E)
+        self.mlp = nn.Sequential(nn.Linear(E, 32), nn.GELU(), nn.Linear(32, E))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class _SdpaNet(nn.Module):
+    def __init__(self, after: str):
+        super().__init__()
+        self.blocks = nn.ModuleList([_SdpaBlock(after), _SdpaBlock(after)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _sdpa_truth(net: _SdpaNet, x: torch.Tensor) -> torch.Tensor:
+    """Block 0's causal pattern, softmax(q k^T / sqrt(d)) written out from its q and k weights and
+    the attention's input (a plain pre-hook)."""
+    got = {}
+    h = net.blocks[0].attn.register_forward_pre_hook(lambda m, a: got.update(x=a[0].detach().clone()))
+    with torch.no_grad():
+        net(x)
+        h.remove()
+        b, t, _ = got["x"].shape
+        attn = net.blocks[0].attn
+        q, k = (p(got["x"]).view(b, t, H, E // H).transpose(1, 2) for p in (attn.q, attn.k))
+        s = q @ k.transpose(-1, -2) / math.sqrt(E // H)
+        s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+        return torch.softmax(s, -1)
+
+
+def test_fused_kernel_whose_q_and_k_are_written_after_it_ran_serves_the_pattern_it_used():
+    torch.manual_seed(0)
+    net = _SdpaNet("seen").eval()
+    x = torch.randn(2, T, E)
+    truth = _sdpa_truth(net, x)
+    tr = torchlens.trace(net, x)
+    fm = tr.modules["blocks.0.attn"].facets
+    torch.testing.assert_close(fm["pattern"], truth, rtol=1e-5, atol=1e-6)
+    assert not fm.refused
+
+
+@pytest.mark.xfail(strict=True, reason="_facets.py does not yet refuse an op whose extra['stale'] is set "
+                   "(requested in /tmp/team/requests-capture.md); remove this mark once it does")
+def test_unseen_write_to_a_kept_kernel_argument_refuses_with_the_reason():
+    torch.manual_seed(0)
+    net = _SdpaNet("unseen").eval()
+    x = torch.randn(2, T, E)
+    tr = torchlens.trace(net, x)
+    fm = tr.modules["blocks.0.attn"].facets
+    with pytest.raises(torchlens.FacetNotFound, match="could not see") as info:
+        fm["pattern"]
+    assert "the rebuild disagreed" not in str(info.value)
+    assert "could not see" in fm.refused["scores"]
