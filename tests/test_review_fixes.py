@@ -123,3 +123,133 @@ def test_read_under_autocast_serves_what_a_read_outside_serves():
     for f, w in want.items():
         assert got[f].dtype == torch.float32
         assert torch.equal(got[f], w), f
+
+
+# -- GQA single-token decode: the query packed into the kernel's query axis ------------------------
+
+
+def _llama(impl: str = "sdpa") -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    cfg._attn_implementation = impl
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.3)
+    return m
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_gqa_packed_decode_serves_spec_layout_equal_to_eager_attentions(cache):
+    model = _llama("sdpa")
+    eager = copy.deepcopy(model)
+    eager.config._attn_implementation = "eager"
+    for mod in eager.modules():
+        if hasattr(mod, "config"):
+            mod.config._attn_implementation = "eager"
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2], [4, 4, 8, 6, 1, 3]])
+    am = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    step = torch.tensor([[11], [12]])
+
+    def new_cache():
+        if cache == "dynamic":
+            return transformers.DynamicCache(config=model.config)
+        return transformers.StaticCache(config=model.config, max_cache_len=12)
+
+    pre = dict(attention_mask=am) if cache == "dynamic" else {}
+    kw = (dict(attention_mask=torch.cat([am, torch.ones(2, 1, dtype=am.dtype)], 1)) if cache == "dynamic"
+          else dict(cache_position=torch.tensor([6])))
+    ce, c, ch = new_cache(), new_cache(), new_cache()
+    with torch.no_grad():
+        eager(ids, past_key_values=ce, use_cache=True, **pre)
+        truth = eager(step, past_key_values=ce, use_cache=True, output_attentions=True, **kw).attentions[0]
+        model(ids, past_key_values=c, use_cache=True, **pre)
+        model(ids, past_key_values=ch, use_cache=True, **pre)
+    attn = "model.layers.0.self_attn"
+    z_in, proj_out = _hooked(model, attn + ".o_proj", step, past_key_values=ch, use_cache=True, **kw)
+    t = tl.trace(model, step, past_key_values=c, use_cache=True, **kw)
+    assert t.check() == {}
+    fm = t.modules[attn].facets
+    b, n_heads, d = 2, 4, 8
+    assert fm["pattern"].shape == truth.shape == (b, n_heads, 1, truth.shape[-1])
+    assert torch.allclose(fm["pattern"], truth, atol=1e-5)
+    z = fm["z"]
+    assert z.shape == (b, n_heads, 1, d) and fm.site("z").kind == "real"
+    assert torch.equal(z.transpose(1, 2).reshape(b, 1, n_heads * d), z_in)  # o_proj's input, by hook
+    w = model.model.layers[0].self_attn.o_proj.weight.detach()
+    by_hand = torch.einsum("bthd,ohd->btho", z_in.view(b, 1, n_heads, d), w.view(-1, n_heads, d))
+    assert torch.allclose(fm["result"], by_hand, atol=1e-6)
+    assert torch.allclose(by_hand.sum(2), proj_out, atol=1e-5)
+    assert fm["rot_q"].shape == (b, 1, n_heads, d)
+
+
+class _RegroupedQuery(torch.nn.Module):
+    """One decode token, its heads moved into the kernel's query axis by a transpose (not a
+    reshape), against one shared key/value head: the kernel's z is [b, 1, heads, d]."""
+
+    def __init__(self, d_model: int = 16, heads: int = 4):
+        super().__init__()
+        self.h, self.d = heads, d_model // heads
+        self.q_proj = torch.nn.Linear(d_model, d_model)
+        self.k_proj = torch.nn.Linear(d_model, self.d)
+        self.v_proj = torch.nn.Linear(d_model, self.d)
+        self.o_proj = torch.nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)  # [b, h, 1, d]
+        k = self.k_proj(x).view(b, t, 1, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, 1, self.d).transpose(1, 2)
+        z = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v)  # [b, 1, h, d]
+        return self.o_proj(z.reshape(b, t, self.h * self.d))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, attn: torch.nn.Module, d_model: int = 16):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = torch.nn.LayerNorm(d_model), attn, torch.nn.LayerNorm(d_model)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d_model, 32), torch.nn.GELU(), torch.nn.Linear(32, d_model))
+
+    def forward(self, x, **kw):
+        x = x + self.attn(self.ln1(x), **kw)
+        return x + self.mlp(self.ln2(x))
+
+
+class _Net(torch.nn.Module):
+    """Two pre-norm blocks around the given attention modules (found by TorchLens's structure rules)."""
+
+    def __init__(self, make_attn):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(make_attn()), _Block(make_attn())])
+
+    def forward(self, x, **kw):
+        for b in self.blocks:
+            x = b(x, **kw)
+        return x
+
+
+def test_head_axis_that_is_not_the_querys_heads_is_refused_not_served():
+    torch.manual_seed(0)
+    t = tl.trace(_Net(_RegroupedQuery).eval(), torch.randn(2, 1, 16))
+    fm = t.modules["blocks.0.attn"].facets
+    assert fm.site("q").shape == (2, 1, 4, 4)
+    for name in ("scores", "pattern", "z"):
+        with pytest.raises(tl.FacetNotFound, match="not the query's 4 heads"):
+            fm[name]
+    assert "result" in fm.refused
+
+
+def test_a_check_that_raises_refuses_and_check_and_save_do_not_raise(monkeypatch, tmp_path):
+    from torchlens import _facets
+
+    def broken(*a, **kw):
+        raise RuntimeError("shape '[32, 2, 8]' is invalid for input of size 1024")
+
+    monkeypatch.setattr(_facets, "_per_head_weight", broken)
+    t = tl.trace(_gpt2(), IDS)
+    refused = t.check()
+    assert "could not be computed: RuntimeError: shape" in refused[("transformer.h.0.attn", 0, "result")]
+    t.save(tmp_path / "t")
+    assert "result" not in tl.load(tmp_path / "t").modules["transformer.h.0.attn"].facets

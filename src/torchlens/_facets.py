@@ -291,7 +291,7 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
     fused = next((op for op in ops if op.name in _ops.FUSED_ATTENTION_OPS), None)
     soft = next((op for op in ops if op.name in _ops.SOFTMAX_OPS), None)
     sites: dict[str, FacetSite] = {}
-    z_ref = q_ref = k_ref = v_ref = None
+    z_ref = q_ref = k_ref = v_ref = unpacked = None
     if soft is not None and fused is None:
         scores_ref = soft.inputs[0]
         pattern_ref = g.follow(Ref(soft.index, 0), _ops.CAST_OPS)
@@ -325,14 +325,23 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
     elif fused is not None:
         z_ref = Ref(fused.index, 0)
         q_ref, k_ref, v_ref = (fused.inputs + (None, None, None))[:3]
-        _reconstruct(g, fused, sites)
+        packed = _gqa_packed(g, q_ref)
+        if packed is not None:  # the kernel saw [b, kv_heads, n_rep * T, d]: unpack to [b, heads, T, ...]
+            q_ref, unpacked = packed
+        _reconstruct(g, fused, sites, unpacked)
     if z_ref is not None:
         sites["z"] = _site(g, "z", z_ref, note="pattern @ v, head-major")
+        if unpacked is not None and sites["z"] is not None:
+            z = sites["z"]
+            z.shape = unpacked + (z.shape[-1],)
+            z.tensor = None if _held(z) is None else _held(z).reshape(z.shape)
+            z.note = ("the kernel output, head-major: the kernel ran on the query packed as [batch, kv_heads, "
+                      "heads per kv head * query, d_head] (GQA single-token decode), unpacked by the inverse reshape")
         if fused is None:
             sites.update(_check_z(g, sites.get("pattern"), v_ref, sites["z"]))
     qm = g.meta(q_ref)
     if qm is None:
-        return {k: v for k, v in sites.items() if v is not None}
+        return _head_guard({k: v for k, v in sites.items() if v is not None})
     d_head = qm[0][-1]
     for name, ref in (("q", q_ref), ("k", k_ref), ("v", v_ref)):
         if type(ref) is not Ref:
@@ -368,8 +377,61 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
         sites[name] = site
         if name in ("q", "k") and _path_has_math(g, start, ref):
             sites["rot_" + name] = _rot_site(g, "rot_" + name, ref, site.shape)
+    sites = _head_guard(sites)
     sites.update(_result_site(g, call, kids, sites.get("z")))
     return {k: v for k, v in sites.items() if v is not None}
+
+
+_HEAD_AXIS_FACETS = ("scores", "pattern", "z", "result")
+
+
+def _head_guard(sites: dict[str, FacetSite | None]) -> dict[str, FacetSite | None]:
+    """Refuse scores, pattern, z and result when their head axis does not hold the query's heads.
+
+    `q` is `[batch, pos, heads, d_head]` (found from the head split of the projection); `z`,
+    `scores` and `pattern` are `[batch, heads, query, ...]`. A kernel that ran on a regrouped
+    query (kv heads times heads per group as its head and query axes) that TorchLens could not
+    unpack would serve another head's values at `[b, h]`, so nothing with that axis is served.
+    """
+    q = sites.get("q")
+    if q is None or len(q.shape) != 4:
+        return sites
+    bad = [n for n in ("scores", "pattern", "z") if sites.get(n) is not None and len(sites[n].shape) == 4
+           and (sites[n].shape[1], sites[n].shape[2]) != (q.shape[2], q.shape[1])]
+    if not bad:
+        return sites
+    n = bad[0]
+    reason = (f"its head and query axes {list(sites[n].shape[1:3])} are not the query's {q.shape[2]} heads x "
+              f"{q.shape[1]} positions (the kernel ran on a regrouped query that is not unpacked here), so "
+              f"[batch, head, query, ...] would read another head's values")
+    out = dict(sites)
+    out.update(_refused(tuple(f for f in _HEAD_AXIS_FACETS if f in sites or f == "result"), reason))
+    return out
+
+
+def _gqa_packed(g: _Graph, q_ref: Any) -> tuple[Ref, tuple[int, int, int]] | None:
+    """Whether the kernel's query is a GQA-packed reshape of a per-head query, and how to unpack.
+
+    Hugging Face's sdpa path for one decode token (`pack_gqa`) reshapes the query from
+    `[b, heads, T, d]` to `[b, kv_heads, heads / kv_heads * T, d]`, so the kernel reads kv heads x
+    heads per group as its head and query axes. When that reshape is the op producing the kernel's
+    query, it is a pure regrouping (the same elements in the same order), and reshaping the kernel's
+    `[b, kv_heads, n_rep * T, x]` results back to `[b, heads, T, x]` is its exact inverse.
+
+    Returns:
+        The Ref of the unpacked query and `(b, heads, T)`, the leading shape to reshape the
+        kernel's results to; None when the kernel's query is not such a reshape.
+    """
+    op = g.op(q_ref)
+    if op is None or op.name not in _ops.RESHAPE_OPS or not op.inputs or type(op.inputs[0]) is not Ref:
+        return None
+    src, out = g.meta(op.inputs[0]), g.meta(q_ref)
+    if src is None or out is None or len(src[0]) != 4 or len(out[0]) != 4:
+        return None
+    (b, h, t, d), (b2, kv, rows, d2) = src[0], out[0]
+    if (b, d) != (b2, d2) or kv >= h or h % kv or rows != (h // kv) * t:
+        return None
+    return op.inputs[0], (b, h, t)
 
 
 def _check_z(g: _Graph, pattern: FacetSite | None, v_ref: Any, z: FacetSite | None) -> dict[str, FacetSite]:
@@ -442,15 +504,23 @@ def _unpack(args: tuple, kwargs: dict, inputs: list) -> tuple[tuple, dict]:
     return tuple(get(a) for a in args), {k: get(v) for k, v in kwargs.items()}
 
 
-def _reconstruct(g: _Graph, fused: OpRecord, sites: dict[str, FacetSite]) -> None:
+def _reconstruct(g: _Graph, fused: OpRecord, sites: dict[str, FacetSite],
+                 unpacked: tuple[int, int, int] | None = None) -> None:
     """Scores and pattern of a fused attention kernel, rebuilt from its recorded inputs and
-    checked against its output on first read (see `FacetSite`)."""
+    checked against its output on first read (see `FacetSite`).
+
+    With `unpacked` (`(batch, heads, query)`, from `_gqa_packed`), the kernel ran on a GQA-packed
+    query: the rebuild and its check run in the kernel's layout, and the checked tensors are
+    served reshaped back to `[batch, heads, query, key]`.
+    """
     qm, km = g.meta(fused.inputs[0]), g.meta(fused.inputs[1])
     if qm is None or km is None:
         return
-    shape = qm[0][:-2] + (qm[0][-2], km[0][-2])
+    shape = qm[0][:-2] + (qm[0][-2], km[0][-2]) if unpacked is None else unpacked + (km[0][-2],)
     dtype = qm[1]
     note = "rebuilt from the fused kernel's inputs, checked against its output"
+    if unpacked is not None:
+        note += " (in the kernel's GQA-packed layout, then unpacked by the inverse reshape)"
     scores = FacetSite("scores", "reconstructed", shape, dtype, note=note, op=fused.index)
     pattern = FacetSite("pattern", "reconstructed", shape, dtype, note=note, op=fused.index)
     sites["scores"], sites["pattern"] = scores, pattern
@@ -468,6 +538,8 @@ def _reconstruct(g: _Graph, fused: OpRecord, sites: dict[str, FacetSite]) -> Non
         a, kw = _unpack(args, kwargs, inputs)
         s, p, err, tol = rebuild_attention(a, kw, inputs[-1])
         if err <= tol:
+            if unpacked is not None:
+                s, p = s.reshape(shape), p.reshape(shape)
             return {"scores": s, "pattern": p}, err, None
         return {}, err, f"the rebuild disagreed with the kernel output by {err:.3g} (> {tol:.3g})"
 

@@ -193,9 +193,9 @@ def _stamp(t: Any) -> torch.Tensor | None:
             bits = x.view(_INT_OF_SIZE[x.element_size()])
         total = torch.zeros((), dtype=torch.int64, device=x.device)
         for lo in range(0, bits.numel(), _STAMP_CHUNK):
-            part = bits[lo : lo + _STAMP_CHUNK].to(torch.int64)
+            part = bits[lo : lo + _STAMP_CHUNK]
             w = torch.arange(lo, lo + part.numel(), dtype=torch.int64, device=x.device).mul_(2654435761).add_(1)
-            total += part.mul_(w).sum()
+            total += w.mul_(part).sum()  # into the weights: `part` may be `t`'s own memory (int64, float64)
         return total
 
 
