@@ -253,3 +253,26 @@ def test_a_check_that_raises_refuses_and_check_and_save_do_not_raise(monkeypatch
     assert "could not be computed: RuntimeError: shape" in refused[("transformer.h.0.attn", 0, "result")]
     t.save(tmp_path / "t")
     assert "result" not in tl.load(tmp_path / "t").modules["transformer.h.0.attn"].facets
+
+
+# -- result's status does not depend on save= -----------------------------------------------------
+
+
+@pytest.mark.parametrize("save", ["all", ["result"], ["z", "result"]])
+def test_result_under_dropout_is_checked_on_its_own_and_equals_the_projection_by_hand(save):
+    model = _gpt2("eager", attn_pdrop=0.5).train()
+    attn = "transformer.h.0.attn"
+    torch.manual_seed(1)
+    z_in, proj_out = _hooked(model, attn + ".c_proj", IDS)  # the post-dropout z the projection read
+    torch.manual_seed(1)
+    t = tl.trace(model, IDS, save=save)
+    refused = t.check()
+    assert (attn, 0, "result") not in refused
+    b, n, h, d = 1, IDS.shape[1], 4, 8
+    w = model.transformer.h[0].attn.c_proj.weight.detach()  # Conv1D: [in, out]
+    by_hand = torch.einsum("bthd,hdo->btho", z_in.view(b, n, h, d), w.view(h, d, -1))
+    result = t[attn + ":result"]
+    assert torch.allclose(result, by_hand, atol=1e-6)
+    assert torch.allclose(by_hand.sum(2) + model.transformer.h[0].attn.c_proj.bias.detach(), proj_out, atol=1e-5)
+    if save != ["result"]:
+        assert "dropout" in refused[(attn, 0, "z")]  # z's own check: pattern @ v is not z

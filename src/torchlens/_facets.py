@@ -820,8 +820,10 @@ def _result_site(g: _Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSi
                                  f"projection by {err32:.3g} (> {tol32:.3g}, its scale)")
         return {"result": result}, err, None
 
-    # z's own check (pattern @ v = z) must hold first: a result computed from a refused z is refused.
-    _Pending(run, [zt, module.weight.detach(), actual, bias], [site], after=(z,) if not z.checked else ())
+    # Its own check (sum over heads + bias = the output projection) decides, not z's pattern @ v:
+    # z is the tensor the projection read even where dropout makes z's own check fail, so
+    # save="all" and save=["result"] give result the same status.
+    _Pending(run, [zt, module.weight.detach(), actual, bias], [site])
     return {"result": site}
 
 
