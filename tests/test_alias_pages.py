@@ -140,3 +140,16 @@ def test_render_is_deterministic_across_processes():
     first, second = _render_in_subprocess("1"), _render_in_subprocess("2")
     assert len(first.splitlines()) == len(SLUGS_EXPECTED)
     assert first == second
+
+
+def test_the_index_explains_every_status_the_resolver_gives():
+    """docs/aliases/index.md's Statuses table lists exactly `STATUSES` (a new status word, such as
+    `refused`, must be explained there), and the report colours each of them."""
+    from torchlens.mechinterp._resolver import _STATUS_COLORS
+
+    text = (REPO / "docs" / "aliases" / "index.md").read_text()
+    section = text.split("## Statuses", 1)[1].split("\n## ", 1)[0]
+    listed = [line.split("|")[1].strip().strip("`") for line in section.splitlines()
+              if line.startswith("| `")]
+    assert listed == list(mi.STATUSES), listed
+    assert set(_STATUS_COLORS) == set(mi.STATUSES)

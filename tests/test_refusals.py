@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchlens
+import torchlens.mechinterp as mi
 
 E, H, T = 16, 4, 5
 
@@ -172,3 +173,101 @@ def test_unseen_write_to_a_kept_kernel_argument_refuses_with_the_reason():
         fm["pattern"]
     assert "the rebuild disagreed" not in str(info.value)
     assert "could not see" in fm.refused["scores"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The status of a facet whose check failed: `refused`, not `structurally_absent`
+# ----------------------------------------------------------------------------------------------
+
+
+def _gpt2(impl: str, attn_pdrop: float = 0.0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+                                     initializer_range=0.5, attn_pdrop=attn_pdrop, resid_pdrop=0.0, embd_pdrop=0.0)
+    config._attn_implementation = impl
+    return transformers.GPT2LMHeadModel(config)
+
+
+IDS = torch.tensor([[1, 5, 9, 3, 7, 2]])
+ATTN = "transformer.h.0.attn"
+
+
+@pytest.fixture(scope="module")
+def dropout_gpt2():
+    """Eager GPT-2 in training mode with attention dropout: dropout runs between the softmax and
+    `pattern @ v`, so z's check fails."""
+    return _gpt2("eager", attn_pdrop=0.5).train()
+
+
+def test_the_refused_site_exists_in_the_model(dropout_gpt2):
+    """Ground truth for the status: the module computes z (the merged heads reach c_proj, read by
+    a plain pre-hook), so the name has a site and `structurally_absent` would be false."""
+    got = {}
+    h = dropout_gpt2.get_submodule(ATTN).c_proj.register_forward_pre_hook(lambda m, a: got.update(z=a[0]))
+    with torch.no_grad():
+        dropout_gpt2(IDS)
+    h.remove()
+    assert got["z"].shape == (1, IDS.shape[1], 32)  # 4 heads x 8, merged
+    tr = torchlens.trace(dropout_gpt2, IDS)
+    r = mi.resolve_alias(tr, "blocks.0.attn.hook_z")
+    assert r.status != "structurally_absent"
+
+
+def test_facet_refused_by_its_check_resolves_refused_with_the_reason(dropout_gpt2):
+    tr = torchlens.trace(dropout_gpt2, IDS)
+    r = mi.resolve_alias(tr, "blocks.0.attn.hook_z")
+    assert (r.status, r.module_address, r.facet, r.checked) == ("refused", ATTN, "z", True), r
+    assert "z is not served: pattern @ v differs from z" in r.reason
+    assert "model.eval()" in r.remedy
+    assert not r.readable
+    with pytest.raises(torchlens.FacetNotFound, match="not served"):
+        r.tensor
+    assert "refused" in mi.STATUSES and "not served" in mi.STATUSES["refused"]
+
+
+def test_alias_report_says_refused_once_the_check_ran_and_pending_before(dropout_gpt2):
+    tr = torchlens.trace(dropout_gpt2, IDS)
+    before = {r.query: r for r in mi.alias_report(tr, generation="2.x")}["blocks.0.attn.hook_z"]
+    assert before.status == "real" and before.checked is False  # alias_report computes nothing
+    tr.check()
+    report = mi.alias_report(tr, generation="2.x")
+    rows = {r.query: r for r in report}
+    assert rows["blocks.0.attn.hook_z"].status == "refused" and rows["blocks.0.attn.hook_z"].checked
+    line = next(x for x in repr(report).splitlines() if x.startswith("blocks.0.attn.hook_z "))
+    assert f"{ATTN}:z" in line and "pattern @ v differs" in line, line
+    assert report.counts()["refused"] == sum(r.status == "refused" for r in report) >= 2  # both layers
+    html = report._repr_html_()
+    assert '<span style="color:#ad1457">refused</span>' in html
+
+
+def test_compare_reports_a_refused_site_as_refused(dropout_gpt2):
+    tr = torchlens.trace(dropout_gpt2, IDS)
+    c = mi.compare(tr, {"blocks.0.attn.hook_z": torch.zeros(1, 6, 4, 8)}, generation="2.x", explain=False)
+    (row,) = c
+    assert (row.status, row.passed, row.module_address, row.facet) == ("refused", False, ATTN, "z"), row
+    assert "pattern @ v differs" in row.hint and "model.eval()" in row.hint
+    assert f"{ATTN}:z" in repr(c)
+
+
+def test_compare_editable_on_a_rebuilt_site_keeps_its_resolution_status():
+    model = _gpt2("sdpa").eval()
+    tr = torchlens.trace(model, IDS)
+    pattern = tr.modules[ATTN].facets["pattern"]
+    (row,) = mi.compare(tr, {"blocks.0.attn.hook_pattern": pattern.clone()}, generation="2.x", editable=True)
+    assert row.status == "reconstructed_read_only" and not row.passed
+    assert "editable=True" in row.hint and "read-only" in row.hint
+
+
+def test_mha_facets_refused_under_dropout_are_refused_not_needs_capture():
+    """nn.MultiheadAttention runs as one op in any capture: no eager-attention capture serves its
+    pattern, so a refused pattern there is `refused`, not `needs_capture` with that remedy."""
+    torch.manual_seed(0)
+    net = _MhaNet(inplace=False)
+    for layer in net.layers:
+        layer.self_attn.dropout = 0.5
+    tr = torchlens.trace(net.train(), torch.randn(2, T, E))
+    for name in ("blocks.0.attn.hook_pattern", "blocks.0.attn.hook_z", "blocks.0.attn.hook_q"):
+        r = mi.resolve_alias(tr, name)
+        assert (r.status, r.module_address) == ("refused", "layers.0.self_attn"), r
+        assert "dropout in training mode" in r.reason and "attn_implementation" not in r.remedy

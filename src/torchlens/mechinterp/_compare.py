@@ -33,7 +33,10 @@ class Comparison:
 
     Attributes:
         name: the name as given.
-        status: the resolution status (see `torchlens.mechinterp.STATUSES`), or `"refused"`.
+        status: the name's resolution status, one of `torchlens.mechinterp.STATUSES` (`refused`
+            when TorchLens found the site but does not serve it because its check failed; an
+            `editable=True` row on a read-only site keeps `reconstructed_read_only` and fails,
+            its hint saying why).
         module_address: the module of the TorchLens site (None when there is none).
         facet: the facet of the TorchLens site (None when there is none).
         engine_shape: the shape of the tensor as handed in.
@@ -367,7 +370,8 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
     if not res.readable:
         return row(res.status, False, f"no readable TorchLens site: {res.reason} {res.remedy}".strip())
     if editable and res.status == "reconstructed_read_only":
-        return row("refused", False, "TorchLens only reconstructs this site (read-only): an engine writing it "
+        return row(res.status, False, "not compared: editable=True, and TorchLens only reconstructs this site "
+                   "(read-only): an engine writing it "
                    "edits a tensor the eager model never materializes; trace with attn_implementation='eager'")
     ref = res.tensor.detach().cpu()
     if engine.dtype != ref.dtype:

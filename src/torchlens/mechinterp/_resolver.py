@@ -36,7 +36,11 @@ STATUSES = {
     "real": "an op of the forward produced this tensor; the trace holds it",
     "reconstructed_read_only": "derived from recorded tensors (e.g. a fused attention kernel's inputs, checked "
     "against its output): readable, not editable",
-    "needs_capture": "the site exists, but this trace's save= did not keep it",
+    "needs_capture": "the site exists, but this trace does not hold it: save= did not keep it, or (scores, "
+    "pattern) the fused kernel's rebuild is not served; another capture of the same forward serves it (the "
+    "remedy says which)",
+    "refused": "the site exists and TorchLens found it, but its check against a relation the model fixes failed "
+    "or could not run (the reason says which); it is not served",
     "structurally_absent": "this architecture has no such site, or TorchLens has no facet for it",
     "ambiguous": "several sites match the name",
 }
@@ -70,7 +74,8 @@ class AliasResolution:
         query: the name as given (per-layer rows of a report carry their layer).
         generation: the naming generation the name was found in.
         status: one of `STATUSES`: `real`, `reconstructed_read_only`, `needs_capture`,
-            `structurally_absent`, `ambiguous`.
+            `refused`, `structurally_absent`, `ambiguous`. A pending site keeps its status word
+            with `checked` False until its check runs (it may then become `refused`).
         module_address: the module that holds the site (None when there is none).
         facet: the facet read there (None when TorchLens has no facet for the name).
         layer: the layer index, for per-layer names.
@@ -147,7 +152,7 @@ def _site(r: AliasResolution) -> str:
 
 
 _STATUS_COLORS = {"real": "#2e7d32", "reconstructed_read_only": "#1565c0", "needs_capture": "#ef6c00",
-                  "structurally_absent": "#757575", "ambiguous": "#c62828"}
+                  "refused": "#ad1457", "structurally_absent": "#757575", "ambiguous": "#c62828"}
 
 
 def _status_counts(rows) -> dict[str, int]:
@@ -197,6 +202,8 @@ class AliasReport(list):
         for r in self:
             if r.module_address is not None and r.facet is not None and r.status != "structurally_absent":
                 site = _site(r) + ("" if r.checked else "  (not checked yet)")
+                if r.status == "refused":
+                    site += "  - " + r.reason.rstrip(".")
             else:
                 site = "- " + r.reason.rstrip(".")
             lines.append(f"{r.query.ljust(w)}  {r.status.ljust(s)}  {site}".rstrip())
@@ -444,10 +451,14 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
         facet = next((f for f in row.facets if f in sites), None)
     refused = getattr(call.facets, "refused", {}).get(row.facets[0]) if facet is None else None
     if refused is not None:  # TorchLens derived it, but its check against the model failed
-        if row.facets[0] in KERNEL_REBUILT:
+        # A fused kernel's pattern is a real softmax op under eager attention; nn.MultiheadAttention
+        # runs as one op (multi_head_attention_forward) in any capture, so there no capture serves it.
+        mha = any(op.name == "multi_head_attention_forward" for op in trace.ops[call.first_op:call.end_op])
+        if row.facets[0] in KERNEL_REBUILT and not mha:
             return res("needs_capture", address, row.facets[0], f"{row.facets[0]} is not served: {refused}.",
                        "trace a copy of the model loaded with attn_implementation='eager'")
-        return res("structurally_absent", address, row.facets[0], f"{row.facets[0]} is not served: {refused}.")
+        return res("refused", address, row.facets[0], f"{row.facets[0]} is not served: {refused}.",
+                   _refusal_remedy(refused, address))
     if facet is None:
         absent = absent_reason(row.facets[0])
         return res("structurally_absent", address, row.facets[0],
@@ -471,6 +482,18 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
     return res("reconstructed_read_only", address, facet, f"{how}; no op produced this tensor.",
                "to edit it, trace a model with attn_implementation='eager' (real softmax op)"
                if site.kind == "reconstructed" else "edit the tensors it is computed from", site.shape, site.checked)
+
+
+def _refusal_remedy(reason: str, address: str) -> str:
+    """What to read instead of a facet refused for `reason` (a `refused` status's remedy)."""
+    if "this trace edited it" in reason:
+        return "read it on a trace without that edit; the edit changed what the relation joins"
+    if "dropout" in reason:
+        return ("dropout in training mode drew a mask the relation cannot see; trace the model in eval mode "
+                "(model.eval()) if dropout is not what you study")
+    where = address or "<root>"
+    return (f"read the recorded tensors the relation joins (the other facets of {where}: "
+            f"trace.modules[{address!r}].facets, or trace.ops)")
 
 
 def _tables(generation: str | None, *, any_generation: bool = False) -> list[Table]:
