@@ -276,3 +276,99 @@ def test_result_under_dropout_is_checked_on_its_own_and_equals_the_projection_by
     assert torch.allclose(by_hand.sum(2) + model.transformer.h[0].attn.c_proj.bias.detach(), proj_out, atol=1e-5)
     if save != ["result"]:
         assert "dropout" in refused[(attn, 0, "z")]  # z's own check: pattern @ v is not z
+
+
+# -- query rows with no visible key ----------------------------------------------------------------
+
+
+class _SdpaAttn(torch.nn.Module):
+    """Self-attention calling `scaled_dot_product_attention` with the mask it is given."""
+
+    def __init__(self, d_model: int = 16, heads: int = 2):
+        super().__init__()
+        self.h, self.d = heads, d_model // heads
+        self.qkv, self.o = torch.nn.Linear(d_model, 3 * d_model), torch.nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        b, t, e = x.shape
+        q, k, v = (y.view(b, t, self.h, self.d).transpose(1, 2) for y in self.qkv(x).split(e, -1))
+        z = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o(z.transpose(1, 2).reshape(b, t, e))
+
+
+def _fully_masked(kind: str) -> torch.Tensor:
+    """A [2, 1, 5, 5] mask that hides every key from query 2 of batch 1."""
+    if kind == "bool":
+        m = torch.ones(2, 1, 5, 5, dtype=torch.bool)
+        m[1, :, 2, :] = False
+        return m
+    m = torch.zeros(2, 1, 5, 5)
+    m[1, :, 2, :] = float("-inf")
+    return m
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_fully_masked_query_row_is_served_as_the_zero_weights_the_kernel_used(kind):
+    torch.manual_seed(0)
+    net = _Net(_SdpaAttn).eval()
+    x, mask = torch.randn(2, 5, 16), _fully_masked(kind)
+    att = net.blocks[0].attn
+    xin, _ = _hooked(net, "blocks.0.attn", x, mask=mask)
+    with torch.no_grad():  # by hand: softmax over the visible keys, no weights where none is visible
+        q, k, v = (y.view(2, 5, 2, 8).transpose(1, 2) for y in att.qkv(xin).split(16, -1))
+        s = q @ k.transpose(-1, -2) / math.sqrt(8)
+        s = s.masked_fill(~mask, float("-inf")) if kind == "bool" else s + mask
+        p_true = torch.softmax(s, -1).nan_to_num(0.0)
+    t = tl.trace(net, x, mask=mask)
+    fm = t.modules["blocks.0.attn"].facets
+    p = fm["pattern"]
+    assert not p.isnan().any()
+    assert torch.equal(p[1, :, 2], torch.zeros(2, 5))
+    assert torch.allclose(p, p_true, atol=1e-6)
+    assert torch.allclose(fm["z"], p_true @ v, atol=1e-6)
+
+
+def test_a_fully_masked_row_is_checked_against_the_kernel_output_too():
+    from torchlens._facets import rebuild_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 2, 5, 8).unbind(0)
+    mask = _fully_masked("bool")[1:]
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    _, p, err, tol = rebuild_attention((q, k, v), {"attn_mask": mask}, out)
+    assert err <= tol and torch.equal(p[0, :, 2], torch.zeros(2, 5))
+    planted = out.clone()
+    planted[0, :, 2] = v[0, :, 0]  # all weight on key 0, which the mask hides
+    _, _, err, tol = rebuild_attention((q, k, v), {"attn_mask": mask}, planted)
+    assert err > tol  # that row is compared, not skipped
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_mha_fully_masked_row_serves_what_its_output_proves(kind):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    net = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    with torch.no_grad():
+        for mod in net.modules():
+            if isinstance(mod, torch.nn.MultiheadAttention):
+                mod.out_proj.bias.normal_()
+    x = torch.randn(1, 4, 16)
+    mask = torch.zeros(4, 4, dtype=torch.bool) if kind == "bool" else torch.zeros(4, 4)
+    mask[1] = True if kind == "bool" else float("-inf")  # query 1 sees no key
+    mha = net.layers[0].self_attn
+    got = {}
+    h = mha.register_forward_hook(lambda m, a, o: got.update(x=a[0].detach().clone(), out=o[0].detach().clone()))
+    with torch.no_grad():
+        net(x, mask=mask)
+        h.remove()
+        _, w_true = mha(got["x"], got["x"], got["x"], attn_mask=mask, need_weights=True, average_attn_weights=False)
+    t = tl.trace(net, x, mask=mask)
+    assert t.check() == {}
+    p = t.modules["layers.0.self_attn"].facets["pattern"]
+    row = got["out"][0, 1]
+    if torch.equal(row, mha.out_proj.bias.detach()):  # the op used no weights on that row
+        assert torch.equal(p[0, :, 1], torch.zeros(2, 4))
+    else:  # the op's softmax had no answer there, as need_weights shows
+        assert row.isnan().all() and p[0, :, 1].isnan().all() and w_true[0, :, 1].isnan().all()
+    keep = torch.tensor([0, 2, 3])
+    assert torch.allclose(p[:, :, keep], w_true[:, :, keep], atol=1e-6)

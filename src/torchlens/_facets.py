@@ -654,17 +654,28 @@ def rebuild_mha(args: tuple, kwargs: dict, out: Tensor) -> tuple[dict[str, Tenso
         else:
             scores = scores + kpm.view(b, 1, 1, s_len)
     scores = scores.masked_fill(masked, float("-inf"))
-    pattern = torch.softmax(scores, dim=-1)
-    z = torch.einsum("bhts,bshd->bhtd", pattern, v)
-    w_o = a["out_proj_weight"]
-    result = torch.einsum("bhtd,ohd->btho", z, w_o.view(e, h, dh))
-    total = result.sum(2) + (a["out_proj_bias"] if a.get("out_proj_bias") is not None else 0)
-    rows = ~masked.all(-1).any(1).unsqueeze(-1)  # [batch, pos, 1]: query rows with a visible key
-    got, want = _wide(total), _wide(out.transpose(0, 1))
-    same_nan = got.isnan() & want.isnan()  # NaN where the model's own output is NaN (an upstream NaN)
-    diff = torch.where(rows & ~same_nan, (got - want).abs(), torch.zeros((), device=out.device))
-    err = float(diff.nan_to_num(nan=float("inf")).max()) if diff.numel() else 0.0
+    softmax = torch.softmax(scores, dim=-1)
+    w_o, b_o = a["out_proj_weight"], a.get("out_proj_bias")
+    want = _wide(out.transpose(0, 1))
     tol = _ops.reconstruction_tolerance(query.dtype) * max(1.0, float(want.nan_to_num(0.0).abs().max()))
+    # A query row with no visible key has no softmax (NaN); the op gives NaN there (the step-by-step
+    # path) or uses no weights (the fused one: zero). Both readings are checked on every row; the
+    # pattern served is the one the op's output proves.
+    empty = masked.all(-1, keepdim=True) | softmax.isnan().all(-1, keepdim=True)
+    candidates = [softmax] + ([softmax.masked_fill(empty, 0)] if bool(empty.any()) else [])
+    best = None
+    for pattern in candidates:
+        z = torch.einsum("bhts,bshd->bhtd", pattern, v)
+        result = torch.einsum("bhtd,ohd->btho", z, w_o.view(e, h, dh))
+        got = _wide(result.sum(2) + (b_o if b_o is not None else 0))
+        same_nan = got.isnan() & want.isnan()  # NaN where the model's own output is NaN
+        diff = torch.where(~same_nan, (got - want).abs(), torch.zeros((), device=out.device))
+        err = float(diff.nan_to_num(nan=float("inf")).max()) if diff.numel() else 0.0
+        if best is None or err < best[0]:
+            best = (err, pattern, z, result)
+        if err <= tol:
+            break
+    err, pattern, z, result = best
     facets = {"q": q, "k": k, "v": v, "scores": scores, "pattern": pattern, "z": z, "result": result}
     return facets, err, tol
 
@@ -710,9 +721,10 @@ def rebuild_attention(args: tuple, kwargs: dict, out: Tensor) -> tuple[Tensor, T
     """Recompute `scaled_dot_product_attention`'s scores and pattern, eager-style.
 
     Scores are `q @ k^T * scale` in the input dtype, masked with the dtype's minimum (as
-    Hugging Face's eager attention does), pattern is softmax in float32 cast back. The rebuilt
-    `pattern @ v` is compared with the kernel output `out` on every query row that has at
-    least one visible key.
+    Hugging Face's eager attention does), pattern is softmax in float32 cast back. A query row
+    with no visible key whose kernel output row is exactly zero gets zero weights (what the
+    kernel used). The rebuilt `pattern @ v` is compared with the kernel output `out` on every
+    query row, except one where both are NaN.
 
     Returns:
         scores, pattern, the largest absolute difference, and the tolerance it must meet.
@@ -750,13 +762,22 @@ def rebuild_attention(args: tuple, kwargs: dict, out: Tensor) -> tuple[Tensor, T
         hidden = ~visible
         scores = scores.masked_fill_(hidden, fill) if _fits(scores, hidden) else scores.masked_fill(hidden, fill)
     pattern = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
-    z = torch.matmul(pattern, v)
-    # Query rows with a visible key, from the unexpanded masks ([..., query, 1], viewed at the scores' shape).
+    # Query rows without a visible key ([..., query, 1]): the softmax has no answer there (uniform
+    # over masked scores, or NaN), and kernels differ. Where the kernel's output row is exactly
+    # zero, it used no weights: that row of the pattern is zero. Every row is then checked; a row
+    # is left out only where both the rebuild and the kernel give NaN on it (the kernel's own NaN).
     rows = visible.any(-1, keepdim=True)
     if mask is not None and mask.dtype != torch.bool:
         rows = rows & (mask > fill / 2).any(-1, keepdim=True)
-    rows = rows.expand(scores.shape[:-1] + (1,))
-    err = _largest(torch.sub(_wide(z), _wide(out)).abs_(), rows)
+    empty = ~rows.expand(scores.shape[:-1] + (1,))
+    if bool(empty.any()):
+        zero = empty & (out == 0).all(-1, keepdim=True)
+        if bool(zero.any()):
+            pattern = pattern.masked_fill(zero, 0)
+    z = torch.matmul(pattern, v)
+    checked = ~(empty & z.isnan().all(-1, keepdim=True) & out.isnan().all(-1, keepdim=True)) if bool(
+        empty.any()) else empty.logical_not()
+    err = _largest(torch.sub(_wide(z), _wide(out)).abs_(), checked)
     tol = _ops.reconstruction_tolerance(q.dtype) * max(1.0, float(v.abs().max()))
     return scores, pattern, err, tol
 

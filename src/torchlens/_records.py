@@ -92,8 +92,8 @@ class _Pending:
     `fn(inputs)` computes from the tensors in `inputs` only (the protocol `FacetSite._inputs`
     describes) and returns `(values, error, refusal)`: the tensors by facet name (a site not
     named keeps the tensor it holds), the check's largest difference (or None), and the reason
-    the check failed (None when it held). `after` are sites whose own check must hold first (a
-    `result` computed from a `z` that is refused is refused too).
+    the check failed (None when it held). `after` are sites whose own check must hold first: if
+    one of them is refused, so are these sites, with that reason.
     """
 
     __slots__ = ("fn", "inputs", "sites", "owner", "after", "stamps")
