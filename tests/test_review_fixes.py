@@ -372,3 +372,67 @@ def test_mha_fully_masked_row_serves_what_its_output_proves(kind):
         assert row.isnan().all() and p[0, :, 1].isnan().all() and w_true[0, :, 1].isnan().all()
     keep = torch.tensor([0, 2, 3])
     assert torch.allclose(p[:, :, keep], w_true[:, :, keep], atol=1e-6)
+
+
+# -- attention sinks (GPT-OSS) ---------------------------------------------------------------------
+
+
+def test_attention_sinks_serve_the_key_columns_equal_to_eager_attentions():
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=32, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=8, vocab_size=64, max_position_embeddings=32,
+                                    num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
+                                    layer_types=["sliding_attention", "full_attention"])
+    cfg._attn_implementation = "eager"
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for mod in model.modules():
+            if hasattr(mod, "sinks"):
+                mod.sinks.normal_(0, 2.0)
+        truth = model(IDS, output_attentions=True).attentions
+    attn = "model.layers.1.self_attn"
+    z_in, proj_out = _hooked(model, attn + ".o_proj", IDS)
+    t = tl.trace(model, IDS)
+    assert t.check() == {}
+    for layer in range(2):
+        fm = t.modules[f"model.layers.{layer}.self_attn"].facets
+        assert fm["pattern"].shape == truth[layer].shape == (1, 4, 6, 6)
+        assert torch.allclose(fm["pattern"], truth[layer], atol=1e-6)
+        assert fm["scores"].shape == (1, 4, 6, 6)
+    fm = t.modules[attn].facets
+    # scores: the key columns of the softmax input (shifted by the row's max, as the model does), so
+    # score differences are log-ratios of the eager weights on the visible keys (key 0 is visible to all)
+    s, p = fm["scores"].double(), truth[1].double()
+    visible = torch.ones(6, 6, dtype=torch.bool).tril()
+    diff = (s - s[..., :1]) - (p.log() - p[..., :1].log())
+    assert float(diff[..., visible].abs().max()) < 1e-4
+    assert torch.equal(fm["z"].transpose(1, 2).reshape(1, 6, 32), z_in)
+    w = model.model.layers[1].self_attn.o_proj.weight.detach()
+    assert torch.allclose(fm["result"], torch.einsum("bthd,ohd->btho", z_in.view(1, 6, 4, 8), w.view(32, 4, 8)),
+                          atol=1e-6)
+
+
+class _PaddedSoftmax(torch.nn.Module):
+    """Eager attention whose softmax runs over one extra padded column, dropped before `@ v`: no
+    `cat` names which columns are keys."""
+
+    def __init__(self, d_model: int = 16, heads: int = 2):
+        super().__init__()
+        self.h, self.d = heads, d_model // heads
+        self.qkv, self.o = torch.nn.Linear(d_model, 3 * d_model), torch.nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = (y.view(b, t, self.h, self.d).transpose(1, 2) for y in self.qkv(x).split(e, -1))
+        s = torch.nn.functional.pad(q @ k.transpose(-1, -2) / math.sqrt(self.d), (1, 0))
+        p = torch.softmax(s, -1)[..., 1:]
+        return self.o((p @ v).transpose(1, 2).reshape(b, t, e))
+
+
+def test_softmax_columns_that_cannot_be_told_keys_are_refused_not_served():
+    torch.manual_seed(0)
+    t = tl.trace(_Net(_PaddedSoftmax).eval(), torch.randn(1, 5, 16))
+    fm = t.modules["blocks.0.attn"].facets
+    for name in ("scores", "pattern"):
+        with pytest.raises(tl.FacetNotFound, match="which columns are keys"):
+            fm[name]

@@ -297,14 +297,24 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
         pattern_ref = g.follow(Ref(soft.index, 0), _ops.CAST_OPS)
         sites["scores"] = _site(g, "scores", scores_ref, note="input of the softmax")
         sites["pattern"] = _site(g, "pattern", pattern_ref, note="softmax output")
-        # z: the matmul that consumes the pattern (possibly through dropout).
-        frontier, z_op = [pattern_ref.op], None
+        # z: the matmul that consumes the pattern (possibly through dropout, or through an index
+        # that drops softmax columns that are not keys: attention sinks).
+        frontier, z_op, key_slice = [pattern_ref.op], None, None
+        p_meta = g.meta(pattern_ref)
         for _ in range(4):
             nxt = [c for f in frontier for c in g.consumers.get(f, [])]
             z_op = next((c for c in nxt if g.ops[c].name in _ops.MATMUL_OPS), None)
             if z_op is not None:
                 break
             frontier = [c for c in nxt if g.ops[c].name in _ops.PASS_THROUGH_OPS]
+            for c in nxt:
+                sh = tuple(g.ops[c].shape)
+                if (key_slice is None and g.ops[c].name in _ops.INDEX_OPS and p_meta is not None
+                        and len(sh) == len(p_meta[0]) and sh[:-1] == p_meta[0][:-1] and sh[-1] < p_meta[0][-1]):
+                    key_slice = c
+                    frontier.append(c)
+        if key_slice is not None:
+            _sink_columns(g, call, sites, scores_ref, pattern_ref, key_slice)
         if z_op is not None:
             z_ref = Ref(z_op, 0)
             iv = _ops.MATMUL_OPERANDS.get(g.ops[z_op].name, (0, 1))[1]
@@ -380,6 +390,51 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
     sites = _head_guard(sites)
     sites.update(_result_site(g, call, kids, sites.get("z")))
     return {k: v for k, v in sites.items() if v is not None}
+
+
+def _sink_columns(g: _Graph, call: ModuleCall, sites: dict[str, FacetSite | None], scores_ref: Any,
+                  pattern_ref: Ref, key_slice: int) -> None:
+    """Scores and pattern of a softmax over more columns than there are keys (GPT-OSS's attention
+    sinks: softmax over `cat([scores, sink])`, then the sink column dropped before `@ v`).
+
+    The spec's `[batch, heads, query, key]` holds keys only, so `pattern` is the index op's output
+    (the weights that multiply v; its rows sum below 1, the rest is the sinks' mass) and `scores`
+    the softmax input's first columns, when the softmax input comes from a `cat` whose first part
+    has exactly that many columns. Served only once the pattern is shown, on first read, to equal
+    those first columns of the softmax output; refused when the key columns cannot be told.
+    """
+    n = g.ops[key_slice].shape[-1]
+    s_meta = g.meta(scores_ref)
+    up = g.ancestors(scores_ref, call.first_op) if type(scores_ref) is Ref else {}
+    cat = next((i for i in sorted(up, reverse=True) if g.ops[i].name in ("cat", "concat", "concatenate")
+                and s_meta is not None and tuple(g.ops[i].shape) == s_meta[0] and g.ops[i].inputs
+                and (m := g.meta(g.ops[i].inputs[0])) is not None and m[0] == s_meta[0][:-1] + (n,)), None)
+    if cat is None or s_meta is None:
+        sites.update(_refused(("scores", "pattern"), (
+            f"the softmax runs over {s_meta[0][-1] if s_meta else '?'} columns but {n} of them multiply v, and "
+            f"which columns are keys was not found in the data flow")))
+        return
+    note = ("the softmax's first {n} columns, the keys (the softmax also covers {k} column(s) that are not keys, "
+            "e.g. attention sinks, whose weight is not in the pattern: rows sum below 1)").format(
+                n=n, k=s_meta[0][-1] - n)
+    pattern = _site(g, "pattern", Ref(key_slice, 0), note="weights that multiply v: " + note)
+    scores_full = g.value(scores_ref)
+    scores = FacetSite("scores", "real", s_meta[0][:-1] + (n,), s_meta[1],
+                       None if scores_full is None else scores_full[..., :n], scores_ref.op if type(scores_ref) is Ref
+                       else None, None, "input of the softmax, " + note)
+    sites["scores"], sites["pattern"] = scores, pattern
+    soft_out = g.value(pattern_ref)
+    if soft_out is None or _held(pattern) is None:
+        scores.tensor = pattern.tensor = None  # the key columns cannot be shown, so not served
+        return
+
+    def run(inputs: list) -> tuple:
+        p, full = inputs
+        if not torch.equal(p, full[..., :n].to(p.dtype)):
+            return {}, None, f"the weights that multiply v are not the softmax's first {n} columns (the keys)"
+        return {}, 0.0, None
+
+    _Pending(run, [_held(pattern), soft_out], [scores, pattern])
 
 
 _HEAD_AXIS_FACETS = ("scores", "pattern", "z", "result")
