@@ -96,6 +96,17 @@ def test_zeroing_a_head_of_served_z_refuses_result_with_the_write_as_reason():
     assert "dropout" not in fm.refused["result"]
 
 
+def test_write_into_an_inference_tensor_is_caught_too():
+    model = _gpt2(initializer_range=0.5)
+    with torch.inference_mode():
+        t = tl.trace(model, IDS)
+        r = t["transformer.h.0:resid_pre"]
+        assert r.is_inference()  # no version counter to read
+        r.mul_(2.0)
+    with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
+        t["transformer.h.0.ln_1:inv_std"]
+
+
 def test_check_before_the_write_keeps_every_facet():
     model = _gpt2()
     t = tl.trace(model, IDS)

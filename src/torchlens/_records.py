@@ -127,13 +127,13 @@ class _Pending:
                 nested = torch._C._len_torch_function_stack() > 0
                 with torch.no_grad(), _no_autocast(), (
                         torch._C.DisableTorchFunction() if nested else contextlib.nullcontext()):
-                    refusal = self._written()
-                    if refusal is None:
-                        try:
+                    try:
+                        refusal = self._written()
+                        if refusal is None:
                             values, error, refusal = fn(self.inputs)
-                        except Exception as exc:  # a check that cannot run refuses, it never raises
-                            values, error = {}, None
-                            refusal = f"it could not be computed: {type(exc).__name__}: {exc}"
+                    except Exception as exc:  # a check that cannot run refuses, it never raises
+                        values, error = {}, None
+                        refusal = f"it could not be computed: {type(exc).__name__}: {exc}"
             self.fn = self.inputs = None
             for s in self.sites:
                 s._pending = s._inputs = None
@@ -150,7 +150,10 @@ class _Pending:
     def _written(self) -> str | None:
         """Why the check must not run: an input no longer holds what the forward left in it."""
         for i, (t, stamp) in enumerate(zip(self.inputs, self.stamps)):
-            if stamp is not None and not torch.equal(_stamp(t), stamp):
+            if stamp is None:
+                continue
+            now = _stamp(t)  # on the device the input is on now (a store may have moved it)
+            if now is None or int(now) != int(stamp):
                 return (f"a tensor it is computed from (input {i} of its check, a {list(t.shape)} "
                         f"{str(t.dtype).replace('torch.', '')}) was written after the trace returned, e.g. in "
                         f"place into a facet the trace served, so its values are no longer the forward's; "
@@ -168,34 +171,46 @@ class _Pending:
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_STAMP_CHUNK = 1 << 22
+_STAMP_CHUNK = 1 << 20
+_STAMP_WEIGHTS: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+
+def _stamp_weights(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Odd position weights (`_STAMP_CHUNK` of them, made once per device and dtype)."""
+    key = (str(device), dtype)
+    w = _STAMP_WEIGHTS.get(key)
+    if w is None:
+        w = torch.arange(_STAMP_CHUNK, dtype=torch.int64, device=device).mul_(2654435761).bitwise_or_(1)
+        w = _STAMP_WEIGHTS[key] = w.to(dtype)  # wraps to the dtype's width, still odd
+    return w
 
 
 def _stamp(t: Any) -> torch.Tensor | None:
-    """A fingerprint of `t`'s values (a 0-d int64 tensor on its device), or None for a non-tensor.
+    """A fingerprint of `t`'s values (a 0-d int64 tensor on its device); None for what has no
+    values to compare (not a tensor; a meta, sparse or quantized one).
 
-    The bits of each element, times a weight that depends on its position, summed in int64
-    (wrapping): exact integer arithmetic, so the same values give the same stamp whatever the
-    reduction order, and a write that changes any element changes it but for a collision. A
-    version counter would not do: the copies `trace` and `store=` make of a tensor the caller
-    can reach are views with counters of their own, and inference tensors have none.
+    The bits of each element times an odd weight that depends on its position (in 32-bit or
+    64-bit integers, wrapping), summed in int64 chunk by chunk: exact integer arithmetic, so the
+    same values give the same stamp whatever the reduction order, and a write that changes any
+    element changes it but for a collision. A version counter would not do: the copies `trace`
+    and `store=` make of a tensor the caller can reach are views with counters of their own, and
+    inference tensors have none.
     """
-    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-        return None
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.layout != torch.strided or t.is_quantized:
+        return None  # no values to read (a meta tensor), or no bits to view: nothing to compare
     with torch.no_grad(), _no_autocast():
         x = t.detach()
         if x.is_complex():
             x = torch.view_as_real(x)
         x = x.reshape(-1)
-        if x.dtype == torch.bool:
-            bits = x.view(torch.uint8)
-        else:
-            bits = x.view(_INT_OF_SIZE[x.element_size()])
+        bits = x.view(torch.uint8) if x.dtype == torch.bool else x.view(_INT_OF_SIZE[x.element_size()])
+        wide = torch.int64 if bits.dtype == torch.int64 else torch.int32
+        w = _stamp_weights(x.device, wide)
         total = torch.zeros((), dtype=torch.int64, device=x.device)
         for lo in range(0, bits.numel(), _STAMP_CHUNK):
             part = bits[lo : lo + _STAMP_CHUNK]
-            w = torch.arange(lo, lo + part.numel(), dtype=torch.int64, device=x.device).mul_(2654435761).add_(1)
-            total += w.mul_(part).sum()  # into the weights: `part` may be `t`'s own memory (int64, float64)
+            # a new tensor (never into `part`, which may be `t`'s own memory), then the chunk's place
+            total.mul_(1000003).add_(torch.mul(part, w[: part.numel()]).sum(dtype=torch.int64))
         return total
 
 
