@@ -161,6 +161,31 @@ def test_fused_kernel_whose_q_and_k_are_written_after_it_ran_serves_the_pattern_
     assert not fm.refused
 
 
+def test_unseen_write_to_a_kept_kernel_argument_marks_it_stale_before_facets_are_derived(monkeypatch):
+    """The capture's half of the refusal: `Recorder.check_versions` finds the moved version
+    counter of the kept query and marks the kernel's arguments stale (with the reason) before
+    `derive` reads them; a write the capture saw leaves them as the kernel read them."""
+    import torchlens._assemble as assemble
+
+    seen = {}
+    derive = assemble.derive
+
+    def spy(ops, *args, **kwargs):
+        seen["stale"] = [op.extra.get("stale") for op in ops if op.extra is not None]
+        return derive(ops, *args, **kwargs)
+
+    monkeypatch.setattr(assemble, "derive", spy)
+    torch.manual_seed(0)
+    x = torch.randn(2, T, E)
+    torchlens.trace(_SdpaNet("seen").eval(), x)
+    assert seen["stale"] == [None, None]
+    with pytest.warns(UserWarning, match="could not see"):
+        torchlens.trace(_SdpaNet("unseen").eval(), x)
+    assert len(seen["stale"]) == 2
+    for reason in seen["stale"]:
+        assert "tensor argument 0 of scaled_dot_product_attention" in reason and "could not see" in reason
+
+
 @pytest.mark.xfail(strict=True, reason="_facets.py does not yet refuse an op whose extra['stale'] is set "
                    "(requested in /tmp/team/requests-capture.md); remove this mark once it does")
 def test_unseen_write_to_a_kept_kernel_argument_refuses_with_the_reason():
