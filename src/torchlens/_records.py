@@ -271,7 +271,9 @@ class FacetSite:
     # protocol for code that holds or moves a trace's tensors: `_inputs` entries are captured
     # as the forward left them and are read only when the check runs; `_snapshot` copies those
     # the caller could still write into, and a store may replace an entry in place by a tensor
-    # with the same values (on any device; the check computes where its inputs are). Both are
+    # with the same values (on any device; the check computes where its inputs are). The check
+    # keeps a fingerprint of each entry's values (`_Pending.stamps`) and refuses if one no longer
+    # matches when it runs (a write after the trace, e.g. into a served facet). Both are
     # None once the check ran or the site was dropped. The stored tensor itself is
     # `site.__dict__["tensor"]` (`tensor` is a property).
     _pending: _Pending | None = None
