@@ -218,12 +218,26 @@ def _no_autocast() -> contextlib.ExitStack:
     """Autocast switched off for every device type this torch knows, so a check computes in the
     dtypes of its inputs whatever the caller's context."""
     stack = contextlib.ExitStack()
-    for device in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia"):
+    for device in _autocast_devices():
         try:
             stack.enter_context(torch.autocast(device_type=device, enabled=False))
         except Exception:  # a device type this build does not support
             continue
     return stack
+
+
+@functools.lru_cache(maxsize=1)
+def _autocast_devices() -> tuple[str, ...]:
+    """The device types autocast can be on in this process: the CPU and each available accelerator."""
+    found = ["cpu"]
+    for device in ("cuda", "xpu", "mps", "hpu", "mtia"):
+        module = getattr(torch, device, None) or getattr(torch.backends, device, None)
+        try:
+            if module is not None and module.is_available():
+                found.append(device)
+        except Exception:  # a backend module without a usable is_available
+            continue
+    return tuple(found)
 
 
 #: Serializes deferred checks, so two threads reading one site run its check once. Re-entrant:
