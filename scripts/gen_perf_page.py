@@ -216,7 +216,20 @@ def _targets(run: dict) -> list[str]:
         r = ratio(name, "none")
         if r is not None:
             checks.append((f"`save='none'` at most 1.05x on {_title(name, run['models'][name]['spec'])}", r, r <= 1.05))
-    return [f"| {text} | {value:.2f}x | {'met' if ok else '**not met**'} |" for text, value, ok in checks]
+    rows = [f"| {text} | {value:.2f}x | {'met' if ok else '**not met**'} |" for text, value, ok in checks]
+    for name in run["table"]:  # a selection: no slower than save='none', peak within plain + kept + 10%
+        modes = run["models"][name].get("modes", {})
+        sel, none, plain = modes.get("resid_post", {}), modes.get("none", {}), modes.get("plain", {})
+        title = _title(name, run["models"][name]["spec"])
+        if "ratio" in sel and "ratio" in none:
+            rows.append(f"| `save=['resid_post']` no slower than `save='none'` on {title} ({none['ratio']:.2f}x) "
+                        f"| {sel['ratio']:.2f}x | {'met' if sel['ratio'] <= none['ratio'] else '**not met**'} |")
+        if "peak_growth_bytes" in sel and "peak_growth_bytes" in plain and "kept_bytes" in sel:
+            limit = 1.10 * (plain["peak_growth_bytes"] + sel["kept_bytes"])
+            rows.append(f"| `save=['resid_post']` peak at most 1.1 x (plain peak + kept) on {title} "
+                        f"({limit / 2**20:.1f} MiB) | {sel['peak_growth_bytes'] / 2**20:.1f} MiB "
+                        f"| {'met' if sel['peak_growth_bytes'] <= limit else '**not met**'} |")
+    return rows
 
 
 def render(run: dict, profile: dict | None, charts: list[str]) -> str:
