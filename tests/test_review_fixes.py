@@ -107,6 +107,101 @@ def test_write_into_an_inference_tensor_is_caught_too():
         t["transformer.h.0.ln_1:inv_std"]
 
 
+class _SplitHead(torch.nn.Module):
+    """A linear layer whose output the model returns and whose first half a LayerNorm reads: the
+    norm's input is a view of a tensor the caller holds (`trace.output[0]`), so the trace keeps
+    copies, and the linear layer's served output is another view of the same copied storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 16)
+        self.ln = torch.nn.LayerNorm(8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        a, b = h.split(8, dim=-1)
+        return h, self.ln(a) + b
+
+
+def _split_head() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The model, an input, and the norm's inv_std recomputed from a hook's clone of its input."""
+    torch.manual_seed(0)
+    model = _SplitHead().eval()
+    with torch.no_grad():
+        model.lin.bias.add_(3.0)
+    x = torch.randn(3, 8)
+    got = {}
+    h = model.ln.register_forward_hook(lambda mod, i, o: got.setdefault("in", i[0].detach().clone()))
+    with torch.no_grad():
+        model(x)
+    h.remove()
+    a = got["in"].double()
+    return model, x, torch.rsqrt(a.var(-1, unbiased=False, keepdim=True) + model.ln.eps)
+
+
+@pytest.mark.parametrize("store", [None, "cpu", "dir"])
+def test_a_write_into_a_served_view_of_a_copied_storage_is_caught(store, tmp_path):
+    """The norm's input shares storage with `trace.output[0]`, so the trace holds copies (the
+    snapshot's, then the store's); a write into another view of that copy (the linear layer's
+    served output) must refuse the norm's facets, while a write into the caller's own output
+    must not touch what they are computed from. Fails if the copies are made with `set_` (each
+    view with a version counter of its own)."""
+    model, x, true_inv = _split_head()
+    where = tmp_path / "store" if store == "dir" else store
+    t = tl.trace(model, x, store=where)
+    served = t.modules["lin"].facets["output"]
+    assert served.untyped_storage().data_ptr() != t.output[0].untyped_storage().data_ptr()  # a copy
+    t.output[0].mul_(-5.0)  # the caller's own tensor: not what the trace keeps
+    t2 = tl.trace(model, x, store=tmp_path / "store2" if store == "dir" else store)
+    t2.output[0].zero_()
+    assert torch.allclose(t2.modules["ln"].facets["inv_std"].double(), true_inv, atol=1e-5)
+    served[:, :8].mul_(2.0)  # the caller writes into a tensor it was served
+    fm = t.modules["ln"].facets
+    with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
+        fm["inv_std"]
+    assert "normalized" in fm.refused
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="store='cpu' moves only accelerator tensors")
+def test_a_write_into_a_cpu_stored_view_is_caught_on_an_accelerator():
+    """`store="cpu"` copies accelerator storages to host memory: the views placed on one host
+    copy share one version counter, so a write through one of them refuses what reads another."""
+    model, x, true_inv = _split_head()
+    model, x = model.cuda(), x.cuda()
+    t = tl.trace(model, x, store="cpu")
+    assert torch.allclose(t.modules["ln"].facets["inv_std"].double().cpu(), true_inv, atol=1e-5)
+    t = tl.trace(model, x, store="cpu")
+    served = t.modules["lin"].facets["output"]
+    assert served.device.type == "cpu"
+    served[:, :8].mul_(2.0)
+    with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
+        t.modules["ln"].facets["inv_std"]
+
+
+def test_a_write_through_another_dtype_of_a_copied_storage_is_caught():
+    """Tensors of one storage held in two dtypes get a version counter each once copied: the
+    check falls back to a fingerprint of its input's values, so a write through the other dtype
+    is still caught."""
+
+    class Bits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(8)
+
+        def forward(self, x):
+            return x.view(torch.int32), self.ln(x)  # the caller holds x's storage as int32 too
+
+    torch.manual_seed(0)
+    model, x = Bits().eval(), torch.randn(3, 8)
+    t = tl.trace(model, x)
+    fm = t.modules["ln"].facets
+    ints = [op.tensor for op in t.ops if op.tensor is not None and op.tensor.dtype == torch.int32]
+    assert ints, "the trace keeps the int32 view"
+    ints[0][0, 0].add_(1 << 20)  # changes the float bits the norm's input holds
+    with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
+        fm["inv_std"]
+
+
 def test_check_before_the_write_keeps_every_facet():
     model = _gpt2()
     t = tl.trace(model, IDS)

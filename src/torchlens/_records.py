@@ -96,7 +96,7 @@ class _Pending:
     one of them is refused, so are these sites, with that reason.
     """
 
-    __slots__ = ("fn", "inputs", "sites", "owner", "after", "stamps")
+    __slots__ = ("fn", "inputs", "sites", "owner", "after", "marks")
 
     def __init__(self, fn: Any, inputs: list, sites: list[FacetSite], after: tuple[FacetSite, ...] = ()):
         self.fn = fn
@@ -104,11 +104,39 @@ class _Pending:
         self.sites = sites
         self.owner: FacetMap | None = None
         self.after = after
-        # What each input held when the forward left it, so a write after the trace (into a
-        # tensor the caller was served, which may share memory with an input) is caught.
-        self.stamps = [_stamp(t) for t in inputs]
+        # What each input held when the trace was returned (`seal`), so a write after the trace
+        # (into a tensor the caller was served, which may share memory with an input) is caught.
+        # None until sealed: `trace` seals every pending check as its last step.
+        self.marks: list | None = None
         for s in sites:
             s._pending, s._inputs = self, inputs
+
+    def seal(self, split: set) -> None:
+        """Record what each input holds now, the state the forward left it in.
+
+        An input gets `("version", t._version)`: every tensor the finished trace holds on one
+        storage (with one dtype) shares one version counter (capture's aliases are views and
+        detached aliases of the model's tensors; the copies `_snapshot` and `_store` make are
+        views of one base tensor per storage and dtype), so an in-place write through any of
+        them, or through a view the caller made of one, moves it. An inference tensor has no
+        counter, and one in `split` (its bytes overlap a tensor of another dtype the trace holds,
+        whose counter may be another) may be written without its counter moving: those get
+        `("values", _stamp(t))`, a fingerprint of their values. Anything else (not a tensor)
+        gets None.
+
+        Args:
+            split: the ids of the inputs whose counter may not move on a write into their bytes.
+        """
+        marks: list = []
+        for t in self.inputs:
+            if not isinstance(t, torch.Tensor):
+                marks.append(None)
+            elif t.is_inference() or id(t) in split:
+                stamp = _stamp(t)
+                marks.append(None if stamp is None else ("values", int(stamp)))
+            else:
+                marks.append(("version", t._version))
+        self.marks = marks
 
     def run(self) -> None:
         with _RUN_LOCK:
@@ -149,11 +177,18 @@ class _Pending:
 
     def _written(self) -> str | None:
         """Why the check must not run: an input no longer holds what the forward left in it."""
-        for i, (t, stamp) in enumerate(zip(self.inputs, self.stamps)):
-            if stamp is None:
+        if self.marks is None:  # not sealed (a check made outside `trace`): nothing to compare with
+            return None
+        for i, (t, mark) in enumerate(zip(self.inputs, self.marks)):
+            if mark is None:
                 continue
-            now = _stamp(t)  # on the device the input is on now (a store may have moved it)
-            if now is None or int(now) != int(stamp):
+            kind, then = mark
+            if kind == "version":
+                changed = t._version != then
+            else:
+                now = _stamp(t)  # on the device the input is on now (a store may have moved it)
+                changed = now is None or int(now) != then
+            if changed:
                 return (f"a tensor it is computed from (input {i} of its check, a {list(t.shape)} "
                         f"{str(t.dtype).replace('torch.', '')}) was written after the trace returned, e.g. in "
                         f"place into a facet the trace served, so its values are no longer the forward's; "
@@ -192,9 +227,9 @@ def _stamp(t: Any) -> torch.Tensor | None:
     The bits of each element times an odd weight that depends on its position (in 32-bit or
     64-bit integers, wrapping), summed in int64 chunk by chunk: exact integer arithmetic, so the
     same values give the same stamp whatever the reduction order, and a write that changes any
-    element changes it but for a collision. A version counter would not do: the copies `trace`
-    and `store=` make of a tensor the caller can reach are views with counters of their own, and
-    inference tensors have none.
+    element changes it but for a collision. It costs a pass over `t`, so `_Pending.seal` takes
+    one only where a version counter cannot tell: an inference tensor (it has none), or a tensor
+    whose storage the trace holds in several dtypes (their copies do not share one).
     """
     if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.layout != torch.strided or t.is_quantized:
         return None  # no values to read (a meta tensor), or no bits to view: nothing to compare
@@ -212,6 +247,59 @@ def _stamp(t: Any) -> torch.Tensor | None:
             # a new tensor (never into `part`, which may be `t`'s own memory), then the chunk's place
             total.mul_(1000003).add_(torch.mul(part, w[: part.numel()]).sum(dtype=torch.int64))
         return total
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage `t` can reach, as [start, end) (empty for an empty tensor)."""
+    item = t.element_size()
+    start = t.storage_offset() * item
+    if t.numel() == 0:
+        return start, start
+    last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * item
+
+
+def seal_checks(trace: Any) -> None:
+    """Seal every pending facet check of the finished `trace` (`_Pending.seal`).
+
+    Called by `trace` as its last step, once `_snapshot` and the store have put the tensors
+    the trace keeps where they stay. An input whose bytes overlap a tensor of another dtype the
+    trace holds on the same storage is `split`: the copies of such a storage have one version
+    counter per dtype, so a write through the other dtype would not move the input's counter.
+    (Tensors of different dtypes on one storage that do not overlap, as the directory store
+    lays out the storages it writes in one file, need no fingerprint.)
+    """
+    from ._store import _saved_tensors
+
+    pendings: dict[int, _Pending] = {}
+    for rec in trace.modules.values():
+        for call in rec.calls:
+            if call.facets is None:
+                continue
+            for site in call.facets.sites.values():
+                pending = site._pending
+                if pending is not None and pending.fn is not None:
+                    pendings.setdefault(id(pending), pending)
+    if not pendings:
+        return
+    # storage -> dtype -> the byte extents of the tensors the trace holds there in that dtype
+    extents: dict[tuple[str, int], dict[torch.dtype, list[tuple[int, int]]]] = {}
+    for _, _, t in _saved_tensors(trace):
+        extents.setdefault((str(t.device), t.untyped_storage().data_ptr()), {}).setdefault(
+            t.dtype, []).append(_extent(t))
+    split: set[int] = set()
+    for pending in pendings.values():
+        for t in pending.inputs:
+            if not isinstance(t, torch.Tensor) or t.is_inference():
+                continue
+            by_dtype = extents.get((str(t.device), t.untyped_storage().data_ptr()), {})
+            if len(by_dtype) < 2:
+                continue
+            lo, hi = _extent(t)
+            if any(a < hi and lo < b for dtype, spans in by_dtype.items() if dtype != t.dtype for a, b in spans):
+                split.add(id(t))
+    for pending in pendings.values():
+        pending.seal(split)
 
 
 def _no_autocast() -> contextlib.ExitStack:
@@ -285,8 +373,10 @@ class FacetSite:
     # protocol for code that holds or moves a trace's tensors: `_inputs` entries are captured
     # as the forward left them and are read only when the check runs; `_snapshot` copies those
     # the caller could still write into, and a store may replace an entry in place by a tensor
-    # with the same values (on any device; the check computes where its inputs are). The check
-    # keeps a fingerprint of each entry's values (`_Pending.stamps`) and refuses if one no longer
+    # with the same values (on any device; the check computes where its inputs are), keeping
+    # every tensor the trace holds on one storage and dtype on one version counter (views of one
+    # base). When `trace` returns it seals the check (`_Pending.seal`: each entry's version, or a
+    # fingerprint of its values where a counter cannot tell), which refuses if one no longer
     # matches when it runs (a write after the trace, e.g. into a served facet). Both are
     # None once the check ran or the site was dropped. The stored tensor itself is
     # `site.__dict__["tensor"]` (`tensor` is a property).

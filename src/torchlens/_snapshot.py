@@ -35,7 +35,8 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     optimizer step still shows the forward that was traced.
     It runs once the trace is assembled, so only what the trace keeps is copied; several
     views of one storage (a KV cache's keys as each op saw them) share one copy of it when
-    that costs no more than copying each view.
+    that costs no more than copying each view; they are views of one base tensor on the copy
+    (per dtype), so they share its version counter, as the aliases they replace did.
 
     Args:
         model: the traced model.
@@ -106,12 +107,18 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
         if whole:  # one copy of the storage serves every view of it (and keeps them views of one another)
             new = storage.clone()
             copied += storage.nbytes()
+            # One base tensor per dtype on the copy, and every view made from it, so the views share
+            # its version counter (a write through one moves it for all, see `_Pending.seal`).
+            bases: dict[torch.dtype, Tensor] = {}
         memo: dict[int, Tensor] = {}
         for (holder, key), t in zip(items, tensors):
             c = memo.get(id(t))
             if c is None:
                 if whole:
-                    c = torch.empty(0, dtype=t.dtype, device=t.device).set_(new, t.storage_offset(), t.size(), t.stride())
+                    base = bases.get(t.dtype)
+                    if base is None:
+                        base = bases[t.dtype] = torch.empty(0, dtype=t.dtype, device=t.device).set_(new, 0, (0,), (1,))
+                    c = base.as_strided(t.size(), t.stride(), t.storage_offset())
                 else:
                     c = t.clone()
                     copied += t.numel() * t.element_size()

@@ -114,14 +114,22 @@ def _put(holder: Any, key: Any, new: torch.Tensor) -> None:
         setattr(holder, key, new)
 
 
-def _view(storage: torch.UntypedStorage, byte_offset: int, t: torch.Tensor) -> torch.Tensor:
-    """`t`'s view (offset, size, stride) on `storage`, whose byte `byte_offset` is `t`'s storage start."""
+def _view(storage: torch.UntypedStorage, byte_offset: int, t: torch.Tensor, bases: dict) -> torch.Tensor:
+    """`t`'s view (offset, size, stride) on `storage`, whose byte `byte_offset` is `t`'s storage start.
+
+    The view is made from one base tensor per (storage, byte_offset, dtype), kept in `bases`, so
+    every tensor placed on one copy of a storage shares the base's version counter (a write
+    through one of them moves it for all, which is what `_Pending.seal` relies on).
+    """
     item = t.element_size()
     if byte_offset % item:
         raise TorchLensError(f"torchlens store: a {t.dtype} storage landed at byte {byte_offset}, not a multiple "
                              f"of {item}")
-    return torch.empty(0, dtype=t.dtype, device=storage.device).set_(
-        storage, byte_offset // item + t.storage_offset(), t.size(), t.stride())
+    key = (storage.data_ptr(), byte_offset, t.dtype)
+    base = bases.get(key)
+    if base is None:
+        base = bases[key] = torch.empty(0, dtype=t.dtype, device=storage.device).set_(storage, 0, (0,), (1,))
+    return base.as_strided(t.size(), t.stride(), byte_offset // item + t.storage_offset())
 
 
 def _storages(found: list[tuple[Any, Any, torch.Tensor]], skip: set[int] = frozenset()) -> dict:
@@ -135,11 +143,11 @@ def _storages(found: list[tuple[Any, Any, torch.Tensor]], skip: set[int] = froze
     return storages
 
 
-def _replace(found: list[tuple[Any, Any, torch.Tensor]], placed: dict) -> None:
+def _replace(found: list[tuple[Any, Any, torch.Tensor]], placed: dict, bases: dict) -> None:
     for holder, key, t in found:
         where = placed.get((str(t.device), t.untyped_storage().data_ptr()))
         if where is not None:
-            _put(holder, key, _view(where[0], where[1], t))
+            _put(holder, key, _view(where[0], where[1], t, bases))
 
 
 def apply_store(trace, store: Any):
@@ -162,7 +170,7 @@ def apply_store(trace, store: Any):
                 pending = True
             if pending and torch.cuda.is_available():
                 torch.cuda.synchronize()
-            _replace(found, placed)
+            _replace(found, placed, {})
         else:
             store.write(found)
     return trace
@@ -186,6 +194,9 @@ class DirectoryStore:
         self._written: dict[tuple[str, int], tuple[Any, int, int, tuple[torch.UntypedStorage, int]]] = {}
         #: storage data_ptr -> writes the capture saw into it (the recorder's `_writes`).
         self.writes: dict[int, int] = {}
+        #: the base tensors `_view` makes views of, kept across writes: a later view of a storage
+        #: written earlier shares the version counter of the views made then.
+        self._bases: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def write(self, found: list[tuple[Any, Any, torch.Tensor]]) -> None:
         """Write the storages of the tensors in `found` ((holder, key, tensor) triples) and put
@@ -218,7 +229,7 @@ class DirectoryStore:
                 version = -1 if t.is_inference() else t._version
                 self._written[key] = (StorageWeakRef(st), version, self.writes.get(key[1], 0), written[key])
             placed.update(written)
-        _replace(found, placed)
+        _replace(found, placed, self._bases)
 
     def _write(self, storages: dict) -> dict:
         os.makedirs(self.path, exist_ok=True)

@@ -12,7 +12,7 @@ from ._capture import Recorder
 from ._compiled import CompiledRunsEagerly, compiled_module_class
 from ._dispatch import accelerate_hooks
 from ._errors import TorchLensError
-from ._records import Trace
+from ._records import Trace, seal_checks
 from ._save import parse_save, plan_capture
 from ._snapshot import snapshot
 from ._store import DirectoryStore, apply_store, parse_store
@@ -145,7 +145,9 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
         if plan is not None:
             result.edits = tuple(plan.records)
             note_edited_refusals(result)
-        return apply_store(result, store_to)
+        result = apply_store(result, store_to)
+        seal_checks(result)  # last: each pending check records what its inputs hold as returned
+        return result
 
 
 def _locate(model: nn.Module, args: tuple, kwargs: dict, edit: Any, roles: Any):
