@@ -581,6 +581,10 @@ def _reconstruct(g: _Graph, fused: OpRecord, sites: dict[str, FacetSite],
     sites["scores"], sites["pattern"] = scores, pattern
     if fused.extra is None or fused.tensor is None:
         return
+    stale = fused.extra.get("stale")
+    if stale is not None:  # a kept argument was written after the kernel ran, by code the capture could not see
+        sites.update(_refused(("scores", "pattern"), f"not rebuilt: {stale}"))
+        return
     why = _sdpa_unsupported(_sdpa_bound(fused.extra["args"], fused.extra["kwargs"]))
     if why is not None:
         scores.note = pattern.note = f"not rebuilt: {why}"
@@ -621,6 +625,9 @@ def _mha_facets(g: _Graph, op: OpRecord, h: int | None) -> dict[str, FacetSite]:
     sites = {n: FacetSite(n, "reconstructed", shapes[n], dtype, op=op.index, note=note) for n in _MHA_FACETS}
     if op.tensor is None or op.extra is None:
         return sites
+    stale = op.extra.get("stale")
+    if stale is not None:  # a kept argument was written after the op ran, by code the capture could not see
+        return _refused(_MHA_FACETS, f"not rebuilt: {stale}")
     why = _mha_unsupported(_mha_bound(op.extra["args"], op.extra["kwargs"]))
     if why is not None:
         return _refused(_MHA_FACETS, f"not rebuilt: {why}")
