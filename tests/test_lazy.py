@@ -235,7 +235,8 @@ def test_a_saved_trace_has_no_pending_check(tmp_path):
     with torch.no_grad():
         t = tl.trace(model, IDS)
     assert t.pending > 0
-    t.save(tmp_path / "t")
+    with pytest.warns(UserWarning, match=r"could not store 1 value.*DynamicCache"):  # the KV cache is no tensor
+        t.save(tmp_path / "t")
     assert t.pending == 0  # save ran every check
     back = tl.load(tmp_path / "t")
     assert back.pending == 0
