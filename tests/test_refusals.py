@@ -186,8 +186,6 @@ def test_unseen_write_to_a_kept_kernel_argument_marks_it_stale_before_facets_are
         assert "tensor argument 0 of scaled_dot_product_attention" in reason and "could not see" in reason
 
 
-@pytest.mark.xfail(strict=True, reason="_facets.py does not yet refuse an op whose extra['stale'] is set "
-                   "(requested in /tmp/team/requests-capture.md); remove this mark once it does")
 def test_unseen_write_to_a_kept_kernel_argument_refuses_with_the_reason():
     torch.manual_seed(0)
     net = _SdpaNet("unseen").eval()
