@@ -190,7 +190,8 @@ def test_unseen_write_to_a_kept_kernel_argument_refuses_with_the_reason():
     torch.manual_seed(0)
     net = _SdpaNet("unseen").eval()
     x = torch.randn(2, T, E)
-    tr = torchlens.trace(net, x)
+    with pytest.warns(UserWarning, match="written in place by code the capture could not see"):
+        tr = torchlens.trace(net, x)
     fm = tr.modules["blocks.0.attn"].facets
     with pytest.raises(torchlens.FacetNotFound, match="could not see") as info:
         fm["pattern"]

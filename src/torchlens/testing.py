@@ -38,9 +38,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # transformers stays an optional import of the library
+    from transformers import PreTrainedTokenizerFast
 
 __all__ = [
     "FAMILIES",
@@ -192,7 +195,7 @@ def build(family: str, attn_implementation: str = "eager", dtype: torch.dtype = 
         KeyError: `family` is not a key of `FAMILIES` (the message lists them).
         ValueError: the family does not run `attn_implementation` (the message says why).
 
-    Example:
+    Examples:
         >>> from torchlens import testing
         >>> model = testing.build("gpt2", "sdpa")
         >>> model.config.n_layer, model.config._attn_implementation
@@ -235,7 +238,7 @@ def checkpoint(family: str, directory: str | Path | None = None, *, tokenizer_to
     Returns:
         The model and the directory.
 
-    Example:
+    Examples:
         >>> import tempfile, torch, transformers
         >>> from torchlens import testing
         >>> model, path = testing.checkpoint("llama", tempfile.mkdtemp())
@@ -255,7 +258,7 @@ def checkpoint(family: str, directory: str | Path | None = None, *, tokenizer_to
 def token_ids(batch: int = 1, length: int = 7, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
     """Seeded random token ids, shape `[batch, length]`, drawn from `range(vocab)`.
 
-    Example:
+    Examples:
         >>> from torchlens import testing
         >>> testing.token_ids(2, 3).shape
         torch.Size([2, 3])
@@ -266,16 +269,16 @@ def token_ids(batch: int = 1, length: int = 7, seed: int = 0, vocab: int = VOCAB
     return torch.randint(0, vocab, (batch, length), generator=gen)
 
 
-def tokenizer(vocab: int = VOCAB):
+def tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     """A word-level fast tokenizer made in memory: nothing is downloaded.
 
     Ids 0-3 are `<unk>`, `<bos>`, `<eos>` and `<pad>`; the words `t4` ... `t{vocab-1}` are ids 4 to
     `vocab - 1`, split on whitespace. Engines that insist on a tokenizer (nnterp) accept it.
 
     Returns:
-        A `transformers.PreTrainedTokenizerFast`.
+        The tokenizer, a `transformers.PreTrainedTokenizerFast`.
 
-    Example:
+    Examples:
         >>> from torchlens import testing
         >>> testing.tokenizer()("t5 t9 t63")["input_ids"]
         [5, 9, 63]
@@ -311,7 +314,7 @@ def hooked_outputs(model: torch.nn.Module, addresses: Iterable[str], *args: Any,
     Raises:
         KeyError: an address is not a module of `model`.
 
-    Example:
+    Examples:
         >>> from torchlens import testing
         >>> model = testing.build("gpt2")
         >>> out = testing.hooked_outputs(model, ["transformer.h.1", "lm_head"], testing.token_ids(length=3))
