@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ._capture import _set_arg
 from ._errors import TorchLensError
 
 __all__ = ["DirectoryStore", "StoreSpecError", "apply_store", "parse_store"]
@@ -98,14 +99,8 @@ def _saved_tensors(trace) -> list[tuple[Any, Any, torch.Tensor]]:
 def _put(holder: Any, key: Any, new: torch.Tensor) -> None:
     if isinstance(holder, list):  # a pending check's inputs
         holder[key] = new
-    elif isinstance(holder, dict):
-        part, k = key
-        if part == "args":
-            args = list(holder["args"])
-            args[k] = new
-            holder["args"] = tuple(args)
-        else:
-            holder["kwargs"][k] = new
+    elif isinstance(holder, dict):  # a rebuilt op's kept arguments (`OpRecord.extra`)
+        _set_arg(holder, key, new)
     elif isinstance(key, int):  # an OpRecord output slot
         tensors = list(holder.tensors)
         tensors[key] = new
