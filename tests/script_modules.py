@@ -11,7 +11,10 @@ caches (a test session runs each engine once). The engine runs that `tests/test_
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import pathlib
+import subprocess
 import sys
 import types
 
@@ -36,3 +39,20 @@ def load(name: str) -> types.ModuleType:
 
 
 engine_runs = load("engine_runs")
+
+
+def json_per_hash_seed(code: str, args: list[str], seeds: tuple[str, ...], *, env: dict | None = None,
+                       timeout: float = 300) -> list:
+    """What `python -c code *args` prints as JSON, once per seed, each run in a fresh interpreter
+    started with that `PYTHONHASHSEED` (in parallel, from the repository root). A run that fails
+    fails the test with the end of its stderr."""
+    base = {**os.environ, **(env or {})}
+    procs = [subprocess.Popen([sys.executable, "-c", code, *args], cwd=SCRIPTS.parent,
+                              env={**base, "PYTHONHASHSEED": seed}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for seed in seeds]
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, stderr[-3000:]
+        out.append(json.loads(stdout))
+    return out

@@ -11,13 +11,9 @@ Tests internals: `mechinterp._targets.find` (the script's public lookup must fin
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import pathlib
 import re
 import shutil
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -111,16 +107,8 @@ json.dump({"order": list({"GPT-2", "Llama", "eager", "sdpa"}), "outputs": {str(p
 def _render_in_fresh_processes(seeds: tuple[str, ...]) -> list[dict]:
     """Every output of the script, rendered once per seed, each in a fresh interpreter started with
     that `PYTHONHASHSEED` (the torchlens this test imports, run in parallel)."""
-    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(tl.__file__).parents[1])}
-    procs = [subprocess.Popen([sys.executable, "-c", _RENDER_IN_A_FRESH_PROCESS, str(SCRIPT)], cwd=REPO,
-                              env={**env, "PYTHONHASHSEED": seed}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for seed in seeds]
-    out = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout))
-    return out
+    return script_modules.json_per_hash_seed(_RENDER_IN_A_FRESH_PROCESS, [str(SCRIPT)], seeds, timeout=600,
+                                             env={"PYTHONPATH": str(pathlib.Path(tl.__file__).parents[1])})
 
 
 def test_render_is_deterministic_across_processes(fresh):

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import pathlib
-import subprocess
-import sys
 import xml.dom.minidom
 
 import pytest
@@ -97,15 +94,7 @@ def render_in_fresh_processes(data, tmp_path: pathlib.Path, seeds=("0", "1"), sc
     with that `PYTHONHASHSEED` (in parallel): {"order": how a small set iterated, "outputs": {file name: text}}."""
     path = tmp_path / "data.json"
     path.write_text(json.dumps(list(data)))
-    procs = [subprocess.Popen([sys.executable, "-c", _RENDER_IN_A_FRESH_PROCESS, str(script), str(path)], cwd=REPO,
-                              env={**os.environ, "PYTHONHASHSEED": seed}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for seed in seeds]
-    out = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout))
-    return out
+    return script_modules.json_per_hash_seed(_RENDER_IN_A_FRESH_PROCESS, [str(script), str(path)], seeds)
 
 
 def test_render_is_deterministic_across_processes(gen, data, tmp_path):

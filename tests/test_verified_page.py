@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import script_modules
@@ -102,15 +99,8 @@ def _render_in_fresh_processes(record: dict, tmp_path: pathlib.Path, seeds: tupl
     `PYTHONHASHSEED` (in parallel)."""
     path = tmp_path / "record.json"
     path.write_text(json.dumps(record))
-    procs = [subprocess.Popen([sys.executable, "-c", _RENDER_IN_A_FRESH_PROCESS, str(REPO / "scripts" / "gen_verified.py"),
-                               str(path)], cwd=REPO, env={**os.environ, "PYTHONHASHSEED": seed},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in seeds]
-    out = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout))
-    return out
+    return script_modules.json_per_hash_seed(
+        _RENDER_IN_A_FRESH_PROCESS, [str(REPO / "scripts" / "gen_verified.py"), str(path)], seeds)
 
 
 def test_render_is_deterministic_across_processes(gen, tmp_path):
