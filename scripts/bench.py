@@ -28,6 +28,11 @@ Modes:
         from the same random-init model (the bridge switches it to eager attention).
     nnsight: nnsight 0.7 `NNsight(model).trace(ids)` saving every module's output.
     hooks: a forward hook on every module keeping a clone of its output.
+    floor_pass, floor_keep: the floors of any capture that sees every op through a
+        `TorchFunctionMode`, as TorchLens does: a mode that only passes each op through, and one
+        that also keeps a reference to every op output (the memory `save="all"` must hold, with
+        none of the bookkeeping). `save="none"` cannot cost less than `floor_pass`, nor
+        `save="all"` less than `floor_keep`, on the same model in the same rounds.
     pypi: PyPI `torchlens` 2.36.1 `trace(model, ids)` (its default saves every layer's output).
 
 The working tree may be in flux; to measure one commit, export it and say which:
@@ -77,12 +82,14 @@ LABELS = {
     "hooks": "forward hook on every module (clone)",
     "pypi": "PyPI torchlens 2.36.1 (own process)",
     "all_dir": "TorchLens save='all', store=<directory>",
+    "floor_pass": "floor: a torch function mode passing every op through",
+    "floor_keep": "floor: a torch function mode keeping every op output",
 }
 #: `--mmap-threshold`: glibc's MALLOC_MMAP_THRESHOLD_ for the memory children (None: glibc's default).
 MMAP_THRESHOLD: list[int | None] = [None]
 #: Where the directory-store mode writes (removed after each memory run).
 STORE_ROOT = os.path.join(ROOT, "build", "bench-store")
-IN_PROCESS = ["plain", "all", "none", "resid_post", "tl_cache", "nnsight", "hooks"]
+IN_PROCESS = ["plain", "all", "none", "resid_post", "tl_cache", "nnsight", "hooks", "floor_pass", "floor_keep"]
 
 #: The side-by-side table: every mode.
 TABLE_MODELS = ["tiny", "L12-T128", "L12-T1024", "L12-T2048"]
@@ -147,6 +154,29 @@ def hooks_forward(model, ids):
         for h in handles:
             h.remove()
     return kept
+
+
+class _FloorMode(torch.overrides.TorchFunctionMode):
+    """The floor of op capture: every torch function runs through the mode and nothing else is
+    done, or (`keep`) a reference to each result is appended to a list."""
+
+    def __init__(self, keep: bool):
+        super().__init__()
+        self.kept: list | None = [] if keep else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.kept is not None:
+            self.kept.append(out)
+        return out
+
+
+def floor_forward(model, ids, keep: bool):
+    """A plain forward under `_FloorMode`; returns what the mode kept (None when it kept nothing)."""
+    mode = _FloorMode(keep)
+    with torch.no_grad(), mode:
+        model(ids)
+    return mode.kept
 
 
 def _nnsight(name: str):
@@ -221,6 +251,8 @@ def make_modes(name: str, wanted: list[str], with_plain: bool = False) -> dict:
         "resid_post": lambda: tl.trace(model, ids, save=["resid_post"]),
         "hooks": lambda: hooks_forward(model, ids),
         "all_dir": lambda: tl.trace(model, ids, save="all", store=_store_dir()),
+        "floor_pass": lambda: floor_forward(model, ids, keep=False),
+        "floor_keep": lambda: floor_forward(model, ids, keep=True),
     }
     out = {}
     for mode in wanted:

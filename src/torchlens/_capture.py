@@ -379,7 +379,8 @@ class Recorder(TorchFunctionMode):
                 stamp = o0._version
             except RuntimeError:  # an inference tensor
                 stamp = self._stamp(o0)
-            producer[id(o0)] = (Ref(idx, 0), weakref.ref(o0), stamp)
+            first = Ref(idx, 0)
+            producer[id(o0)] = (first, weakref.ref(o0), stamp)
             shapes, dtypes = (o0.shape,), (o0.dtype,)
         else:
             for slot, o in enumerate(outs):
@@ -389,6 +390,7 @@ class Recorder(TorchFunctionMode):
                     stamp = self._stamp(o)
                 producer[id(o)] = (Ref(idx, slot), weakref.ref(o), stamp)
             o0 = outs[0]
+            first = Ref(idx, 0)
             shapes, dtypes = tuple([o.shape for o in outs]), tuple([o.dtype for o in outs])
         extra = None
         if retain and name in REBUILT_OPS:
@@ -399,7 +401,7 @@ class Recorder(TorchFunctionMode):
             self.ops.append(
                 OpRecord(idx, name, call.address, call.index, inputs, shapes, dtypes, o0.device, tensors, mutated, extra)
             )
-        return Ref(idx, 0)
+        return first
 
     def _keep_args(self, idx: int, args: tuple, kwargs: dict) -> dict:
         """The arguments of rebuilt op `idx` (`OpRecord.extra`), each tensor detached once (a
@@ -522,13 +524,16 @@ class Recorder(TorchFunctionMode):
         changed = False
         self._quiet = True
         try:
-            with self.hidden():
-                if self.edits is not None and self.edits.hook_in:
+            if self.edits is not None and self.edits.hook_in:
+                with self.hidden():
                     addr = self.names[module]
                     edits = self.edits.hook_in.get((addr, self.call_counts.get(addr, 0)))
                     if edits:
                         args, kwargs = _replace_input(args, kwargs, lambda t: self._edit_hooked(edits, t))
                         changed = True
+            # The bookkeeping reaches no torch function mode, this one included: outside an op,
+            # this mode is active, and every `t._version` or `t.detach()` would pass through it.
+            with torch._C.DisableTorchFunction():
                 self._enter(module, args, kwargs)
         finally:
             self._quiet = False
@@ -560,13 +565,14 @@ class Recorder(TorchFunctionMode):
         changed = False
         self._quiet = True
         try:
-            with self.hidden():
-                if self.edits is not None and self.edits.hook_out and output is not None and self.stack:
+            if self.edits is not None and self.edits.hook_out and output is not None and self.stack:
+                with self.hidden():
                     call = self.stack[-1]
                     edits = self.edits.hook_out.get((call.address, call.index))
                     if edits and call.address == self.names[module]:
                         output = _replace_first(output, lambda t: self._edit_hooked(edits, t))
                         changed = True
+            with torch._C.DisableTorchFunction():  # as in `pre_hook`
                 self._leave(module, output)
         finally:
             self._quiet = False

@@ -282,18 +282,20 @@ def seal_checks(trace: Any) -> None:
                     pendings.setdefault(id(pending), pending)
     if not pendings:
         return
-    # storage -> dtype -> the byte extents of the tensors the trace holds there in that dtype
-    extents: dict[tuple[str, int], dict[torch.dtype, list[tuple[int, int]]]] = {}
+    # storage -> dtype -> the tensors the trace holds there in that dtype; the byte extents are
+    # worked out only for a storage held in two dtypes or more (rare: most hold one)
+    held: dict[tuple[Any, int], dict[torch.dtype, list[torch.Tensor]]] = {}
     for _, _, t in _saved_tensors(trace):
-        extents.setdefault((str(t.device), t.untyped_storage().data_ptr()), {}).setdefault(
-            t.dtype, []).append(_extent(t))
+        held.setdefault((t.device, t.untyped_storage().data_ptr()), {}).setdefault(t.dtype, []).append(t)
+    extents = {key: {dtype: [_extent(t) for t in ts] for dtype, ts in by_dtype.items()}
+               for key, by_dtype in held.items() if len(by_dtype) > 1}
     split: set[int] = set()
     for pending in pendings.values():
         for t in pending.inputs:
             if not isinstance(t, torch.Tensor) or t.is_inference():
                 continue
-            by_dtype = extents.get((str(t.device), t.untyped_storage().data_ptr()), {})
-            if len(by_dtype) < 2:
+            by_dtype = extents.get((t.device, t.untyped_storage().data_ptr()))
+            if by_dtype is None:
                 continue
             lo, hi = _extent(t)
             if any(a < hi and lo < b for dtype, spans in by_dtype.items() if dtype != t.dtype for a, b in spans):

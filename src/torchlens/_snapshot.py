@@ -67,19 +67,40 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
             add(t)
     live.discard(0)  # empty tensors own no memory
 
-    # Every place the finished trace holds a tensor: op outputs, kept kernel arguments, facets
-    # and the inputs of their pending checks.
-    slots: list[tuple[Any, Any]] = []  # (holder, key); holder[key] is the tensor
+    # Every place the finished trace holds a tensor on a live storage, grouped by storage: op
+    # outputs, kept kernel arguments, facets and the inputs of their pending checks. Most saved
+    # tensors are intermediates nothing else holds, and are left as they are.
+    groups: dict[int, list[tuple[Any, Any]]] = {}  # storage -> [(holder, key)]; holder[key] is the tensor
+    listed: list[Any] = []  # the ops whose `tensors` became a list (a tuple again at the end)
+
+    def check(holder: Any, key: Any, t: Tensor) -> None:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in live:
+            groups.setdefault(ptr, []).append((holder, key))
+
     for op in rec.ops:
-        if any(t is not None for t in op.tensors):
-            op.tensors = list(op.tensors)
-            slots += [(op.tensors, i) for i, t in enumerate(op.tensors) if t is not None]
-        if op.extra is not None and all(t is None for t in op.tensors):
+        kept = False
+        for i, t in enumerate(op.tensors):
+            if t is not None:
+                kept = True
+                if t.untyped_storage().data_ptr() in live:
+                    if type(op.tensors) is not list:
+                        op.tensors = list(op.tensors)
+                        listed.append(op)
+                    check(op.tensors, i, t)
+        extra = op.extra
+        if extra is None:
+            continue
+        if not kept:
             op.extra = None  # the op's output was not kept, so its arguments serve no rebuild
-        if op.extra is not None:
-            op.extra = {"args": list(op.extra["args"]), "kwargs": dict(op.extra["kwargs"])}
-            slots += [(op.extra["args"], i) for i, a in enumerate(op.extra["args"]) if isinstance(a, Tensor)]
-            slots += [(op.extra["kwargs"], k) for k, v in op.extra["kwargs"].items() if isinstance(v, Tensor)]
+            continue
+        op.extra = extra = {"args": list(extra["args"]), "kwargs": dict(extra["kwargs"])}
+        for i, a in enumerate(extra["args"]):
+            if isinstance(a, Tensor):
+                check(extra["args"], i, a)
+        for k, v in extra["kwargs"].items():
+            if isinstance(v, Tensor):
+                check(extra["kwargs"], k, v)
     # A facet's stored tensor (`site.__dict__["tensor"]`: reading `site.tensor` would run a pending
     # check) and, while its check is pending, the tensors it will compute from (`site._inputs`,
     # one list per deferred check, weights included): they must stay as the forward left them.
@@ -87,18 +108,15 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     for call in rec.calls:
         sites = call.facets.sites if call.facets is not None else {}
         for s in sites.values():
-            if s.__dict__.get("tensor") is not None:
-                slots.append((s.__dict__, "tensor"))
+            t = s.__dict__.get("tensor")
+            if t is not None:
+                check(s.__dict__, "tensor", t)
             inputs = s._inputs
             if inputs is not None and id(inputs) not in pending:
                 pending.add(id(inputs))
-                slots += [(inputs, i) for i, t in enumerate(inputs) if isinstance(t, Tensor)]
-    groups: dict[int, list[tuple[Any, Any]]] = {}
-    for holder, key in slots:
-        t = holder[key]
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in live:
-            groups.setdefault(ptr, []).append((holder, key))
+                for i, t in enumerate(inputs):
+                    if isinstance(t, Tensor):
+                        check(inputs, i, t)
     copied = 0
     for items in groups.values():
         tensors = [h[k] for h, k in items]
@@ -124,8 +142,9 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
                     copied += t.numel() * t.element_size()
                 memo[id(t)] = c
             holder[key] = c
-    for op in rec.ops:
+    for op in listed:
         op.tensors = tuple(op.tensors)
-        if op.extra is not None:
+    for op in rec.ops:
+        if op.extra is not None and type(op.extra["args"]) is list:
             op.extra["args"] = tuple(op.extra["args"])
     return copied
