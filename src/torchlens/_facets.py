@@ -1108,6 +1108,9 @@ def norm_facets(g: _Graph, call: ModuleCall) -> dict[str, FacetSite]:
 # -- the whole trace ---------------------------------------------------------------------------
 
 
+_IO_SITES = (("input", "in", "module input"), ("output", "out", "module output"))
+
+
 def derive(
     ops: list[OpRecord],
     calls: list[ModuleCall],
@@ -1129,8 +1132,8 @@ def derive(
     for call in calls:
         kids = kids_of.get(id(call), [])
         sites: dict[str, FacetSite] = {}
-        for name, which in (("input", "in"), ("output", "out")):
-            s = _site(g, name, _io(g, call, which), note=f"module {which}put")
+        for name, which, note in _IO_SITES:
+            s = _site(g, name, _io(g, call, which), note=note)
             if s:
                 sites[name] = s
         role = call.role

@@ -282,11 +282,16 @@ def seal_checks(trace: Any) -> None:
                     pendings.setdefault(id(pending), pending)
     if not pendings:
         return
-    # storage -> dtype -> the tensors the trace holds there in that dtype; the byte extents are
-    # worked out only for a storage held in two dtypes or more (rare: most hold one)
+    # storage -> dtype -> the tensors the trace holds there in that dtype, for the storages the
+    # pending inputs are on; the byte extents are worked out only for a storage held in two
+    # dtypes or more (rare: most hold one)
+    wanted = {t.untyped_storage().data_ptr() for p in pendings.values() for t in p.inputs
+              if isinstance(t, torch.Tensor) and not t.is_inference()}
     held: dict[tuple[Any, int], dict[torch.dtype, list[torch.Tensor]]] = {}
     for _, _, t in _saved_tensors(trace):
-        held.setdefault((t.device, t.untyped_storage().data_ptr()), {}).setdefault(t.dtype, []).append(t)
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in wanted:
+            held.setdefault((t.device, ptr), {}).setdefault(t.dtype, []).append(t)
     extents = {key: {dtype: [_extent(t) for t in ts] for dtype, ts in by_dtype.items()}
                for key, by_dtype in held.items() if len(by_dtype) > 1}
     split: set[int] = set()

@@ -45,27 +45,14 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     Returns:
         The number of bytes copied (the memory this costs on top of the saved aliases).
     """
-    live: set[int] = set()
+    live: set[int] | None = None  # worked out on the first saved tensor (a save="none" trace has none)
 
-    def add(t: Tensor) -> None:
-        live.add(t.untyped_storage().data_ptr())
-
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        add(t)
-    todo, seen = [(reachable, 0)], 0
-    while todo and seen < 100_000:
-        value, depth = todo.pop()
-        seen += 1
-        if isinstance(value, Tensor):
-            add(value)
-        elif depth < 8 and isinstance(value, (Mapping, tuple, list)):
-            items = value.values() if isinstance(value, Mapping) else value
-            todo.extend((v, depth + 1) for v in items)
-    for _, ref, _ in rec.producer.values():
-        t = ref()
-        if t is not None:
-            add(t)
-    live.discard(0)  # empty tensors own no memory
+    def on_live(t: Tensor) -> int | None:
+        nonlocal live
+        if live is None:
+            live = _live_storages(rec, model, reachable)
+        ptr = t.untyped_storage().data_ptr()
+        return ptr if ptr in live else None
 
     # Every place the finished trace holds a tensor on a live storage, grouped by storage: op
     # outputs, kept kernel arguments, facets and the inputs of their pending checks. Most saved
@@ -74,8 +61,8 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     listed: list[Any] = []  # the ops whose `tensors` became a list (a tuple again at the end)
 
     def check(holder: Any, key: Any, t: Tensor) -> None:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in live:
+        ptr = on_live(t)
+        if ptr is not None:
             groups.setdefault(ptr, []).append((holder, key))
 
     for op in rec.ops:
@@ -83,11 +70,12 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
         for i, t in enumerate(op.tensors):
             if t is not None:
                 kept = True
-                if t.untyped_storage().data_ptr() in live:
+                ptr = on_live(t)
+                if ptr is not None:
                     if type(op.tensors) is not list:
                         op.tensors = list(op.tensors)
                         listed.append(op)
-                    check(op.tensors, i, t)
+                    groups.setdefault(ptr, []).append((op.tensors, i))
         extra = op.extra
         if extra is None:
             continue
@@ -148,3 +136,31 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
         if op.extra is not None and type(op.extra["args"]) is list:
             op.extra["args"] = tuple(op.extra["args"])
     return copied
+
+
+def _live_storages(rec: Recorder, model: nn.Module, reachable: Any) -> set[int]:
+    """The storages (data pointers) the caller can still write into: the model's parameters and
+    buffers, every tensor in `reachable` (through tuples, lists and mappings), and every recorded
+    tensor still alive."""
+    live: set[int] = set()
+
+    def add(t: Tensor) -> None:
+        live.add(t.untyped_storage().data_ptr())
+
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        add(t)
+    todo, seen = [(reachable, 0)], 0
+    while todo and seen < 100_000:
+        value, depth = todo.pop()
+        seen += 1
+        if isinstance(value, Tensor):
+            add(value)
+        elif depth < 8 and isinstance(value, (Mapping, tuple, list)):
+            items = value.values() if isinstance(value, Mapping) else value
+            todo.extend((v, depth + 1) for v in items)
+    for _, ref, _ in rec.producer.values():
+        t = ref()
+        if t is not None:
+            add(t)
+    live.discard(0)  # empty tensors own no memory
+    return live

@@ -207,12 +207,12 @@ def _glob(pattern: str) -> re.Pattern:
 def _groups(model: nn.Module, names: dict[nn.Module, str]) -> list[tuple[str, list[nn.Module]]]:
     """Groups of repeated non-leaf modules, as (holder address, distinct modules in order)."""
     out = []
-    for holder in model.modules():
+    for holder in names:  # every module of `model`, once each, in `model.modules()` order
         kids = []
         for m in holder._modules.values():
             if m is not None and m not in kids:
                 kids.append(m)
-        nonleaf = [m for m in kids if any(True for _ in m.children())]
+        nonleaf = [m for m in kids if any(c is not None for c in m._modules.values())]
         if not nonleaf:
             continue
         if isinstance(holder, (nn.ModuleList, nn.Sequential)):
@@ -228,8 +228,8 @@ def _groups(model: nn.Module, names: dict[nn.Module, str]) -> list[tuple[str, li
     return out
 
 
-def _vocab_sizes(model: nn.Module) -> set[int]:
-    return {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+def _vocab_sizes(names: dict[nn.Module, str]) -> set[int]:
+    return {m.num_embeddings for m in names if isinstance(m, nn.Embedding)}
 
 
 class Roles(dict):
@@ -250,7 +250,7 @@ def static_roles(model: nn.Module, names: dict[nn.Module, str], overrides: dict[
     """
     roles = Roles({addr: "other" for addr in names.values()}, overrides)
     roles[""] = "root"
-    vocab = _vocab_sizes(model)
+    vocab = _vocab_sizes(names)
     for module, addr in names.items():
         if isinstance(module, nn.Embedding):
             roles[addr] = "embedding"
