@@ -43,7 +43,6 @@ corrupted prompt built in the same `ids` tensor) leave the finished trace unchan
 from __future__ import annotations
 
 import contextlib
-import itertools
 import sys
 import threading
 import weakref
@@ -66,12 +65,36 @@ _NO_HIDING = contextlib.nullcontext()
 def _tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
     """The tensors among an op's arguments, one level into lists and tuples (e.g. `torch.cat`)."""
     found = []
-    for a in itertools.chain(args, kwargs.values()) if kwargs else args:
+    for a in args:
         if isinstance(a, Tensor):
             found.append(a)
         elif isinstance(a, (list, tuple)):
             found.extend([x for x in a if isinstance(x, Tensor)])
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, Tensor):
+                found.append(a)
+            elif isinstance(a, (list, tuple)):
+                found.extend([x for x in a if isinstance(x, Tensor)])
     return found
+
+
+def _plain_tensors(args: tuple, kwargs: dict) -> bool:
+    """Whether every tensor among a module call's arguments (one level into lists and tuples, as
+    `_tensor_args` looks) is a plain `torch.Tensor`, no subclass."""
+    for a in args:
+        if isinstance(a, Tensor):
+            if type(a) is not Tensor:
+                return False
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, Tensor) and type(x) is not Tensor for x in a):
+            return False
+    for a in kwargs.values():
+        if isinstance(a, Tensor):
+            if type(a) is not Tensor:
+                return False
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, Tensor) and type(x) is not Tensor for x in a):
+            return False
+    return True
 
 
 def first_tensor(value: Any, _depth: int = 0) -> Tensor | None:
@@ -533,7 +556,9 @@ class Recorder(TorchFunctionMode):
                         changed = True
             # The bookkeeping reaches no torch function mode, this one included: outside an op,
             # this mode is active, and every `t._version` or `t.detach()` would pass through it.
-            with torch._C.DisableTorchFunction():
+            # A tensor subclass among the inputs keeps its own `__torch_function__` (its aliases
+            # stay of its type), so then the mode passes the calls through as `_quiet`.
+            with torch._C.DisableTorchFunction() if _plain_tensors(args, kwargs) else self.hidden():
                 self._enter(module, args, kwargs)
         finally:
             self._quiet = False
@@ -572,13 +597,20 @@ class Recorder(TorchFunctionMode):
                     if edits and call.address == self.names[module]:
                         output = _replace_first(output, lambda t: self._edit_hooked(edits, t))
                         changed = True
-            with torch._C.DisableTorchFunction():  # as in `pre_hook`
-                self._leave(module, output)
+            t = first_tensor(output)
+            with torch._C.DisableTorchFunction() if t is None or type(t) is Tensor else self.hidden():  # as in `pre_hook`
+                call = self._leave(module, output, t)
+            if self.spill is not None and call is not None and call.role == "block" and not any(
+                    c.role == "block" for c in self.stack):
+                with self.hidden():
+                    self.write_spill()
         finally:
             self._quiet = False
         return output if changed else None
 
-    def _leave(self, module: nn.Module, output: Any) -> None:
+    def _leave(self, module: nn.Module, output: Any, t: Tensor | None) -> ModuleCall | None:
+        """Pop this module's call (and any left open under it) and note its output `t`
+        (`first_tensor(output)`); the call, or None when it was not on the stack."""
         addr = self.names[module]
         if output is None:  # torch runs always_call hooks with output None while an exception unwinds
             exc = sys.exc_info()[1]
@@ -590,12 +622,10 @@ class Recorder(TorchFunctionMode):
             if call.address == addr:
                 break
         else:
-            return
-        t = first_tensor(output)
+            return None
         if t is not None:
             self._keep_io(call, "_out", t)
-        if self.spill is not None and call.role == "block" and not any(c.role == "block" for c in self.stack):
-            self.write_spill()
+        return call
 
     def write_spill(self) -> None:
         """Write every tensor held since the last write to the directory store and hold its
