@@ -336,7 +336,7 @@ def _measure_memory(fn, warm, trace_type=None) -> dict:
 def memory_child(name: str, mode: str) -> dict:
     """In a fresh process: how far one run of `mode` raises the peak resident set."""
     if mode == "pypi":
-        import torchlens as pypi_torchlens  # the PyPI package of that name, in its own venv
+        pypi_torchlens = _pypi_torchlens()  # the PyPI package of that name, in its own venv
 
         model, ids = build(name)
         with torch.no_grad():
@@ -351,24 +351,36 @@ def memory_child(name: str, mode: str) -> dict:
         shutil.rmtree(STORE_ROOT, ignore_errors=True)
 
 
+def _pypi_torchlens():
+    """The PyPI package named `torchlens` (a different project), refusing this project's."""
+    import torchlens as pypi_torchlens
+
+    path = os.path.realpath(pypi_torchlens.__file__)
+    if "site-packages" not in path or hasattr(pypi_torchlens, "mechinterp"):
+        raise RuntimeError(f"imported this project's torchlens ({path}), not the PyPI package")
+    return pypi_torchlens
+
+
 def pypi_child(name: str, rounds: int) -> dict:
     """In the PyPI-torchlens venv: plain forward and its `trace` (saving everything), interleaved."""
-    import torchlens as pypi_torchlens
+    pypi_torchlens = _pypi_torchlens()
 
     model, ids = build(name)
     fns = {"plain": lambda: model(ids),
            "pypi": lambda: pypi_torchlens.trace(model, ids)}
     samples = time_modes(fns, rounds)
-    version = getattr(pypi_torchlens, "__version__", None)
-    if version is None:
-        from importlib.metadata import version as _v
-        version = _v("torchlens")
-    return {"samples": samples, "version": version}
+    from importlib.metadata import version
+
+    return {"samples": samples, "version": version("torchlens")}
 
 
 def _child(python: str, call: str, timeout: float = 3600) -> dict:
     code = f"import sys; sys.path.insert(0, {HERE!r}); import bench, json; print('BENCH' + json.dumps(bench.{call}))"
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    if os.path.abspath(python) != os.path.abspath(sys.executable):  # not realpath: venvs link one base
+        # Another interpreter (the PyPI torchlens venv) must import its own packages: a PYTHONPATH
+        # set for this run (`build/bench-src/src`) would put this project's torchlens first.
+        env.pop("PYTHONPATH", None)
     if MMAP_THRESHOLD[0] is not None:  # a fixed threshold: glibc's adaptive one makes peaks vary by ~100 MiB
         env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD[0])
     proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)

@@ -390,12 +390,28 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
     return "\n".join(line for line in lines if line is not None)
 
 
+#: The PyPI package the `pypi` mode measures (a different project that shares the name).
+PYPI_VERSION = "2.36.1"
+
+
+def _pypi_checked(model: dict) -> dict:
+    """`model`'s results, with a `pypi` row that did not measure PyPI torchlens 2.36.1 (a run whose
+    child imported another `torchlens`, e.g. this project's through PYTHONPATH) turned into an error."""
+    row = model.get("modes", {}).get("pypi")
+    if row is None or "error" in row or row.get("version") == PYPI_VERSION:
+        return model
+    modes = dict(model["modes"])
+    modes["pypi"] = {"error": f"measured torchlens {row.get('version')!r}, not the PyPI package {PYPI_VERSION}"}
+    return {**model, "modes": modes}
+
+
 def outputs(run: dict, profile: dict | None) -> dict[Path, str]:
     run = dict(run)  # a run cut short lists models it never measured: leave those out, and say so
     planned = [n for key in ("table", "token_sweep", "layer_sweep") for n in run.get(key, [])]
     run["missing"] = sorted({n for n in planned if n not in run["models"]})
     for key in ("table", "token_sweep", "layer_sweep"):
         run[key] = [n for n in run.get(key, []) if n in run["models"]]
+    run["models"] = {n: _pypi_checked(m) for n, m in run["models"].items()}
     charts = {"performance.svg": bar_chart(run), **sweep_charts(run)}
     out = {ASSETS / name: text for name, text in charts.items()}
     page = render(run, profile, list(charts))

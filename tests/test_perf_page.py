@@ -53,7 +53,7 @@ def test_every_table_number_is_the_runs_and_every_chart_is_well_formed(gen, data
     out = gen.outputs(run, profile)
     page = out[gen.PAGE]
     for name in run["table"]:
-        for mode, r in run["models"][name]["modes"].items():
+        for mode, r in gen._pypi_checked(run["models"][name])["modes"].items():
             if "ratio" in r:
                 assert f"{r['ratio']:.2f}x" in page, (name, mode)
     for path, text in out.items():
@@ -106,3 +106,18 @@ def test_render_is_deterministic_across_processes(gen, data, tmp_path):
     differ = sorted(n for n in first["outputs"] if first["outputs"][n] != second["outputs"].get(n))
     assert not differ and first["outputs"].keys() == second["outputs"].keys(), f"rendered differently: {differ}"
     assert first["outputs"] == {p.name: text for p, text in gen.outputs(*data).items()}
+
+
+def test_a_pypi_row_that_measured_another_torchlens_is_shown_as_failed(gen, data):
+    """The PyPI mode's child must import PyPI torchlens 2.36.1; a row recording another version
+    (this project's, through an inherited PYTHONPATH) is not shown as PyPI's figure."""
+    run, profile = data
+    changed = copy.deepcopy(run)
+    name = run["table"][0]
+    changed["models"][name]["modes"]["pypi"] = {"median_s": 0.123456, "ratio": 9.87, "samples": [0.123456],
+                                                "own_plain_s": 0.0125, "version": "0.1.0"}
+    page = gen.outputs(changed, profile)[gen.PAGE]
+    assert "9.87x" not in page
+    assert "measured torchlens '0.1.0', not the PyPI package 2.36.1" in page
+    changed["models"][name]["modes"]["pypi"]["version"] = "2.36.1"
+    assert "9.87x" in gen.outputs(changed, profile)[gen.PAGE]
