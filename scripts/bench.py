@@ -446,13 +446,18 @@ def _loadavg() -> list[float]:
         return []
 
 
+def _paired_ratio(mode: list[float], plain: list[float]) -> float:
+    """The median over the rounds of the mode's time over the plain forward's in the same round
+    (a round's pair shares the machine's state, so a drift in its speed across rounds cancels)."""
+    return statistics.median(m / p for m, p in zip(mode, plain, strict=True))
+
+
 def run_model(name: str, modes: list[str], rounds: int, memory: bool, pypi_python: str | None) -> dict:
     print(f"{name}: {', '.join(modes)}; {rounds} rounds", file=sys.stderr, flush=True)
     load_before = _loadavg()
     t0 = time.perf_counter()
     samples = time_modes(make_modes(name, [m for m in modes if m in IN_PROCESS]), rounds, SETTLE[0])
-    plain = statistics.median(samples["plain"])
-    rows = {m: {"median_s": statistics.median(v), "ratio": statistics.median(v) / plain, "samples": v}
+    rows = {m: {"median_s": statistics.median(v), "ratio": _paired_ratio(v, samples["plain"]), "samples": v}
             for m, v in samples.items()}
     if "pypi" in modes and pypi_python:
         res = _child(pypi_python, f"pypi_child({name!r}, {rounds})")
@@ -460,8 +465,8 @@ def run_model(name: str, modes: list[str], rounds: int, memory: bool, pypi_pytho
             rows["pypi"] = {"error": res["error"]}
         else:
             p, q = statistics.median(res["samples"]["plain"]), statistics.median(res["samples"]["pypi"])
-            rows["pypi"] = {"median_s": q, "ratio": q / p, "samples": res["samples"]["pypi"],
-                            "own_plain_s": p, "version": res["version"]}
+            rows["pypi"] = {"median_s": q, "ratio": _paired_ratio(res["samples"]["pypi"], res["samples"]["plain"]),
+                            "samples": res["samples"]["pypi"], "own_plain_s": p, "version": res["version"]}
     if memory and "all" in modes and "all" in rows:
         rows["all_dir"] = {"memory_only": True}
     if memory:
@@ -487,7 +492,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Benchmark TorchLens capture side by side.")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--models", nargs="*", help="only these models (default: the table and both sweeps)")
-    parser.add_argument("--rounds", type=int, default=0, help="rounds per model (default: 21 tiny, 7 up to GPT-2 small at 128 tokens, 3 above)")
+    parser.add_argument("--rounds", type=int, default=0, help="rounds per model (default: 21 tiny, 7 up to GPT-2 small at 128 tokens, 5 above)")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--no-pypi-above", type=int, default=1024,
@@ -546,7 +551,7 @@ def main(argv=None) -> int:
 
     for name in sorted(plan, key=cost):  # cheapest first: a run cut short keeps the small models
         modes = plan[name]
-        rounds = args.rounds or (21 if name == "tiny" else 7 if cost(name) <= 12 * 128 else 3)
+        rounds = args.rounds or (21 if name == "tiny" else 7 if cost(name) <= 12 * 128 else 5)
         results["models"][name] = run_model(name, modes, rounds, not args.no_memory, pypi)
         if args.json:  # written after every model, so a long run that dies keeps what it measured
             os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
