@@ -65,36 +65,18 @@ _NO_HIDING = contextlib.nullcontext()
 def _tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
     """The tensors among an op's arguments, one level into lists and tuples (e.g. `torch.cat`)."""
     found = []
-    for a in args:
+    for a in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(a, Tensor):
             found.append(a)
         elif isinstance(a, (list, tuple)):
             found.extend([x for x in a if isinstance(x, Tensor)])
-    if kwargs:
-        for a in kwargs.values():
-            if isinstance(a, Tensor):
-                found.append(a)
-            elif isinstance(a, (list, tuple)):
-                found.extend([x for x in a if isinstance(x, Tensor)])
     return found
 
 
 def _plain_tensors(args: tuple, kwargs: dict) -> bool:
-    """Whether every tensor among a module call's arguments (one level into lists and tuples, as
-    `_tensor_args` looks) is a plain `torch.Tensor`, no subclass."""
-    for a in args:
-        if isinstance(a, Tensor):
-            if type(a) is not Tensor:
-                return False
-        elif isinstance(a, (list, tuple)) and any(isinstance(x, Tensor) and type(x) is not Tensor for x in a):
-            return False
-    for a in kwargs.values():
-        if isinstance(a, Tensor):
-            if type(a) is not Tensor:
-                return False
-        elif isinstance(a, (list, tuple)) and any(isinstance(x, Tensor) and type(x) is not Tensor for x in a):
-            return False
-    return True
+    """Whether every tensor among a module call's arguments (as `_tensor_args` finds them) is a
+    plain `torch.Tensor`, no subclass."""
+    return all(type(t) is Tensor for t in _tensor_args(args, kwargs))
 
 
 def first_tensor(value: Any, _depth: int = 0) -> Tensor | None:

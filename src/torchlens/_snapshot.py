@@ -133,7 +133,7 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     for op in listed:
         op.tensors = tuple(op.tensors)
     for op in rec.ops:
-        if op.extra is not None and type(op.extra["args"]) is list:
+        if op.extra is not None:  # every kept one was rebuilt above with its args as a list
             op.extra["args"] = tuple(op.extra["args"])
     return copied
 
