@@ -375,14 +375,14 @@ def _pypi_torchlens():
     return pypi_torchlens
 
 
-def pypi_child(name: str, rounds: int) -> dict:
+def pypi_child(name: str, rounds: int, settle: bool = False) -> dict:
     """In the PyPI-torchlens venv: plain forward and its `trace` (saving everything), interleaved."""
     pypi_torchlens = _pypi_torchlens()
 
     model, ids = build(name)
     fns = {"plain": lambda: model(ids),
            "pypi": lambda: pypi_torchlens.trace(model, ids)}
-    samples = time_modes(fns, rounds)
+    samples = time_modes(fns, rounds, settle)
     from importlib.metadata import version
 
     return {"samples": samples, "version": version("torchlens")}
@@ -460,7 +460,7 @@ def run_model(name: str, modes: list[str], rounds: int, memory: bool, pypi_pytho
     rows = {m: {"median_s": statistics.median(v), "ratio": _paired_ratio(v, samples["plain"]), "samples": v}
             for m, v in samples.items()}
     if "pypi" in modes and pypi_python:
-        res = _child(pypi_python, f"pypi_child({name!r}, {rounds})")
+        res = _child(pypi_python, f"pypi_child({name!r}, {rounds}, {SETTLE[0]!r})")
         if "error" in res:
             rows["pypi"] = {"error": res["error"]}
         else:
