@@ -24,19 +24,26 @@ import torchlens as tl
 IDS = torch.tensor([[1, 5, 9, 3, 7, 2]])
 
 
+def _seeded(model_class, cfg, impl: str, norm_part: str, seed: int = 0) -> torch.nn.Module:
+    """`model_class(cfg)` built after `torch.manual_seed(seed)`, with `impl` attention, in eval mode,
+    with noise of scale 0.3 on every parameter whose name contains `norm_part` (so the norm gains
+    sit away from 1; `torchlens.testing.from_config` adds 0.1, too little for these checks)."""
+    torch.manual_seed(seed)
+    cfg._attn_implementation = impl
+    m = model_class(cfg).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if norm_part in n:
+                p.add_(torch.randn_like(p) * 0.3)
+    return m
+
+
 def _gpt2(impl: str = "sdpa", seed: int = 0, **kw) -> torch.nn.Module:
     """A 2-layer GPT-2 with norm gains away from 1 (and, with `initializer_range=0.5`, residuals
     much larger than the norm's eps, as in trained models)."""
-    torch.manual_seed(seed)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
                                   bos_token_id=0, eos_token_id=0, **kw)
-    cfg._attn_implementation = impl
-    m = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "ln" in n:
-                p.add_(torch.randn_like(p) * 0.3)
-    return m
+    return _seeded(transformers.GPT2LMHeadModel, cfg, impl, "ln", seed)
 
 
 def _hooked(model, address: str, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,16 +245,9 @@ def test_read_under_autocast_serves_what_a_read_outside_serves():
 
 
 def _llama(impl: str = "sdpa") -> torch.nn.Module:
-    torch.manual_seed(0)
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
-    cfg._attn_implementation = impl
-    m = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "norm" in n:
-                p.add_(torch.randn_like(p) * 0.3)
-    return m
+    return _seeded(transformers.LlamaForCausalLM, cfg, impl, "norm")
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
