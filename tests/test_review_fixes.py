@@ -27,7 +27,7 @@ IDS = torch.tensor([[1, 5, 9, 3, 7, 2]])
 def _seeded(model_class, cfg, impl: str, norm_part: str, seed: int = 0) -> torch.nn.Module:
     """`model_class(cfg)` built after `torch.manual_seed(seed)`, with `impl` attention, in eval mode,
     with noise of scale 0.3 on every parameter whose name contains `norm_part` (so the norm gains
-    sit away from 1; `torchlens.testing.from_config` adds 0.1, too little for these checks)."""
+    sit away from 1; `torchlens.testing.from_config` adds 0.1, which would change the models these tests check)."""
     torch.manual_seed(seed)
     cfg._attn_implementation = impl
     m = model_class(cfg).eval()
