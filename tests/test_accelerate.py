@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate import cpu_offload, disk_offload, dispatch_model
+from accelerate.hooks import ModelHook, add_hook_to_module
 
 import _models
 import torchlens as tl
@@ -78,3 +79,84 @@ def test_hooks_are_restored_when_a_dispatched_forward_raises(tmp_path):
     assert {a: m._hf_hook for a, m in model.named_modules() if hasattr(m, "_hf_hook")} == hooks_before
     t = tl.trace(model, IDS)
     assert len(t.blocks) == 2
+
+
+class _CopyingHook(ModelHook):
+    """What accelerate's hook does on a model spread over devices, on one device: every tensor
+    going into the module, and its output, is replaced by a copy (`send_to_device` to another
+    device returns a new tensor; to the same device it returns the tensor itself, so the offload
+    tests above never see a moved tensor)."""
+
+    @staticmethod
+    def _copy(value):
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        if isinstance(value, (tuple, list)):
+            return type(value)(_CopyingHook._copy(v) for v in value)
+        if isinstance(value, dict):
+            return {k: _CopyingHook._copy(v) for k, v in value.items()}
+        return value
+
+    def pre_forward(self, module, *args, **kwargs):
+        return self._copy(args), self._copy(kwargs)
+
+    def post_forward(self, module, output):
+        return self._copy(output)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_tensors_a_hook_moves_between_modules_keep_their_data_flow_and_values(family):
+    plain = _models.build(family, "sdpa")
+    reference = tl.trace(plain, IDS)
+    model = _models.build(family, "sdpa")
+    for address in reference.blocks:
+        add_hook_to_module(model.get_submodule(address), _CopyingHook())
+    t = tl.trace(model, IDS)
+    # The moves are not ops, and the op reading a moved tensor is linked to the original's producer.
+    assert [(o.name, o.module, o.inputs, o.shapes) for o in t.ops] == \
+           [(o.name, o.module, o.inputs, o.shapes) for o in reference.ops]
+    seen = _models.hooked_outputs(plain, t.blocks, IDS)
+    for a in t.blocks:
+        torch.testing.assert_close(t.modules[a].facets["resid_post"], seen[a], rtol=0, atol=0)
+    for address, rec in reference.modules.items():
+        for call, other in zip(rec.calls, t.modules[address].calls, strict=True):
+            assert set(call.facets.sites) == set(other.facets.sites), address
+            for name, site in call.facets.sites.items():
+                if site.tensor is not None:
+                    torch.testing.assert_close(other.facets.sites[name].tensor, site.tensor, rtol=0, atol=0)
+
+
+def _gpu_maps(family: str) -> dict[str, dict]:
+    """Device maps for a model spread over accelerators: on one GPU the second block and the final
+    norm are kept in CPU memory and streamed in (accelerate runs them on the GPU); on two GPUs the
+    second half runs on the second one. The tied unembedding stays with the embeddings."""
+    if family == "gpt2":
+        head = {"transformer.wte": 0, "transformer.wpe": 0, "transformer.drop": 0, "transformer.h.0": 0, "lm_head": 0}
+        tail = ("transformer.h.1", "transformer.ln_f")
+    else:
+        head = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "lm_head": 0}
+        tail = ("model.layers.1", "model.norm")
+    return {"one_gpu_cpu_offload": {**head, **dict.fromkeys(tail, "cpu")},
+            "two_gpus": {**head, **dict.fromkeys(tail, 1)}}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("layout,gpus", [("one_gpu_cpu_offload", 1), ("two_gpus", 2)])
+def test_a_model_spread_over_devices_traces_like_the_undispatched_one(family, layout, gpus):
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA device(s)")
+    plain = _models.build(family, "sdpa")
+    reference = tl.trace(plain, IDS)
+    model = dispatch_model(_models.build(family, "sdpa"), device_map=_gpu_maps(family)[layout])
+    t = tl.trace(model, IDS.to("cuda:0"))
+    assert [(o.name, o.module, o.inputs, o.shapes) for o in t.ops] == \
+           [(o.name, o.module, o.inputs, o.shapes) for o in reference.ops]
+    seen = _models.hooked_outputs(plain, t.blocks, IDS)
+    for a in t.blocks:  # float32 on the GPU against the CPU: kernels differ, values agree closely
+        torch.testing.assert_close(t.modules[a].facets["resid_post"].cpu(), seen[a], rtol=1e-4, atol=1e-4)
+    for address, rec in reference.modules.items():
+        for call, other in zip(rec.calls, t.modules[address].calls, strict=True):
+            for name, site in call.facets.sites.items():
+                got = other.facets.sites.get(name)
+                if site.tensor is not None and got is not None and got.tensor is not None:
+                    torch.testing.assert_close(got.tensor.cpu(), site.tensor, rtol=1e-4, atol=1e-4)

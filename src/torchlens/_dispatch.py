@@ -29,6 +29,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ._records import Ref
+
 __all__ = ["accelerate_hooks"]
 
 
@@ -67,18 +69,25 @@ class _Quiet:
             self.rec._quiet = quiet
 
     def _alias(self, before: list[Tensor], after: list[Tensor]) -> None:
-        """A tensor the hook replaced by a moved copy keeps the original's data-flow reference."""
+        """A tensor the hook replaced by a moved copy keeps the original's data-flow reference
+        (the op that produced it, as it is now: one written in place since gets its
+        `written_in_place` op first; or the parameter's name). A model spread over devices moves
+        each block's inputs and outputs; on one device the hook returns the tensors themselves."""
         if len(before) != len(after):
             return
-        for old, new in zip(before, after):
-            if new is not old:
-                entry = self.rec.producer.get(id(old))
-                if entry is not None and entry[1]() is old:
-                    self.rec.producer[id(new)] = (entry[0], weakref.ref(new))
-                    self.used[("moved", id(new))] = new  # alive until the trace is assembled
-                elif id(old) in self.rec.param_names:
-                    self.rec.param_names[id(new)] = self.rec.param_names[id(old)]
-                    self.used[("moved", id(new))] = new
+        rec = self.rec
+        with self._hidden():
+            for old, new in zip(before, after):
+                if new is old:
+                    continue
+                ref = rec._ref(old)
+                if isinstance(ref, Ref):
+                    rec.producer[id(new)] = (ref, weakref.ref(new), rec._stamp(new))
+                elif isinstance(ref, str):
+                    rec.param_names[id(new)] = ref
+                else:
+                    continue
+                self.used[("moved", id(new))] = new  # alive until the trace is assembled, so ids stay unique
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any):
         before = _flat((args, kwargs), [])

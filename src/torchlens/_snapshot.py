@@ -147,8 +147,10 @@ def _live_storages(rec: Recorder, model: nn.Module, reachable: Any) -> set[int]:
     def add(t: Tensor) -> None:
         live.add(t.untyped_storage().data_ptr())
 
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        add(t)
+    for m in rec.names:  # every module of the model (`model.parameters()` and `buffers()`, in one pass)
+        for t in itertools.chain(m._parameters.values(), m._buffers.values()):
+            if t is not None:
+                add(t)
     todo, seen = [(reachable, 0)], 0
     while todo and seen < 100_000:
         value, depth = todo.pop()

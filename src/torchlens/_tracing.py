@@ -114,9 +114,13 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
     spec = parse_save(save, names.values(), aliases)
     store_to = parse_store(store)
     capture = plan_capture(spec, roles, {addr: m for m, addr in names.items()})
+    # `named_parameters` in one pass over the modules already listed: a shared (tied) weight
+    # keeps its first, canonical name
     params: dict[int, str] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        params.setdefault(id(p), n)  # a shared (tied) weight keeps its first, canonical name
+    for m, addr in names.items():
+        for n, p in m._parameters.items():
+            if p is not None:
+                params.setdefault(id(p), f"{addr}.{n}" if addr else n)
     # A directory store writes as capture goes; "cpu" moves the tensors once the trace is assembled.
     rec = Recorder(names, roles, capture, params, plan, store_to if isinstance(store_to, DirectoryStore) else None)
     handles = []
