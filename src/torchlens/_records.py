@@ -276,7 +276,7 @@ def seal_checks(trace: Any) -> None:
         for call in rec.calls:
             if call.facets is None:
                 continue
-            for site in call.facets.sites.values():
+            for site in call.facets._sites.values():
                 pending = site._pending
                 if pending is not None and pending.fn is not None:
                     pendings.setdefault(id(pending), pending)
@@ -287,13 +287,21 @@ def seal_checks(trace: Any) -> None:
     # dtypes or more (rare: most hold one)
     wanted = {t.untyped_storage().data_ptr() for p in pendings.values() for t in p.inputs
               if isinstance(t, torch.Tensor) and not t.is_inference()}
-    held: dict[tuple[Any, int], dict[torch.dtype, list[torch.Tensor]]] = {}
-    for _, _, t in _saved_tensors(trace):
+    saved = _saved_tensors(trace)
+    first: dict[tuple[Any, int], torch.dtype] = {}  # storage -> the dtype of the first tensor held there
+    multi: set[tuple[Any, int]] = set()  # the storages held in a second dtype
+    for _, _, t in saved:
         ptr = t.untyped_storage().data_ptr()
         if ptr in wanted:
-            held.setdefault((t.device, ptr), {}).setdefault(t.dtype, []).append(t)
-    extents = {key: {dtype: [_extent(t) for t in ts] for dtype, ts in by_dtype.items()}
-               for key, by_dtype in held.items() if len(by_dtype) > 1}
+            key = (t.device, ptr)
+            if first.setdefault(key, t.dtype) != t.dtype:
+                multi.add(key)
+    extents: dict[tuple[Any, int], dict[torch.dtype, list[tuple[int, int]]]] = {}
+    if multi:
+        for _, _, t in saved:
+            key = (t.device, t.untyped_storage().data_ptr())
+            if key in multi:
+                extents.setdefault(key, {}).setdefault(t.dtype, []).append(_extent(t))
     split: set[int] = set()
     for pending in pendings.values():
         for t in pending.inputs:

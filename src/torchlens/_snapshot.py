@@ -46,32 +46,20 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
         The number of bytes copied (the memory this costs on top of the saved aliases).
     """
     live: set[int] | None = None  # worked out on the first saved tensor (a save="none" trace has none)
-
-    def on_live(t: Tensor) -> int | None:
-        nonlocal live
-        if live is None:
-            live = _live_storages(rec, model, reachable)
-        ptr = t.untyped_storage().data_ptr()
-        return ptr if ptr in live else None
-
     # Every place the finished trace holds a tensor on a live storage, grouped by storage: op
     # outputs, kept kernel arguments, facets and the inputs of their pending checks. Most saved
     # tensors are intermediates nothing else holds, and are left as they are.
     groups: dict[int, list[tuple[Any, Any]]] = {}  # storage -> [(holder, key)]; holder[key] is the tensor
     listed: list[Any] = []  # the ops whose `tensors` became a list (a tuple again at the end)
-
-    def check(holder: Any, key: Any, t: Tensor) -> None:
-        ptr = on_live(t)
-        if ptr is not None:
-            groups.setdefault(ptr, []).append((holder, key))
-
     for op in rec.ops:
         kept = False
         for i, t in enumerate(op.tensors):
             if t is not None:
                 kept = True
-                ptr = on_live(t)
-                if ptr is not None:
+                if live is None:
+                    live = _live_storages(rec, model, reachable)
+                ptr = t.untyped_storage().data_ptr()
+                if ptr in live:
                     if type(op.tensors) is not list:
                         op.tensors = list(op.tensors)
                         listed.append(op)
@@ -82,29 +70,41 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
         if not kept:
             op.extra = None  # the op's output was not kept, so its arguments serve no rebuild
             continue
+        # kept output: `live` is known
         op.extra = extra = {"args": list(extra["args"]), "kwargs": dict(extra["kwargs"])}
-        for i, a in enumerate(extra["args"]):
-            if isinstance(a, Tensor):
-                check(extra["args"], i, a)
-        for k, v in extra["kwargs"].items():
-            if isinstance(v, Tensor):
-                check(extra["kwargs"], k, v)
+        for holder, keys in ((extra["args"], range(len(extra["args"]))), (extra["kwargs"], list(extra["kwargs"]))):
+            for k in keys:
+                a = holder[k]
+                if isinstance(a, Tensor):
+                    ptr = a.untyped_storage().data_ptr()
+                    if ptr in live:
+                        groups.setdefault(ptr, []).append((holder, k))
     # A facet's stored tensor (`site.__dict__["tensor"]`: reading `site.tensor` would run a pending
     # check) and, while its check is pending, the tensors it will compute from (`site._inputs`,
     # one list per deferred check, weights included): they must stay as the forward left them.
     pending: set[int] = set()
     for call in rec.calls:
-        sites = call.facets.sites if call.facets is not None else {}
-        for s in sites.values():
-            t = s.__dict__.get("tensor")
-            if t is not None:
-                check(s.__dict__, "tensor", t)
+        if call.facets is None:
+            continue
+        for s in call.facets._sites.values():
+            d = s.__dict__
+            t = d.get("tensor")
             inputs = s._inputs
+            if t is None and inputs is None:
+                continue
+            if live is None:
+                live = _live_storages(rec, model, reachable)
+            if t is not None:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr in live:
+                    groups.setdefault(ptr, []).append((d, "tensor"))
             if inputs is not None and id(inputs) not in pending:
                 pending.add(id(inputs))
                 for i, t in enumerate(inputs):
                     if isinstance(t, Tensor):
-                        check(inputs, i, t)
+                        ptr = t.untyped_storage().data_ptr()
+                        if ptr in live:
+                            groups.setdefault(ptr, []).append((inputs, i))
     copied = 0
     for items in groups.values():
         tensors = [h[k] for h, k in items]

@@ -85,7 +85,7 @@ def _saved_tensors(trace) -> list[tuple[Any, Any, torch.Tensor]]:
         for call in rec.calls:
             if call.facets is None:
                 continue
-            for site in call.facets.sites.values():
+            for site in call.facets._sites.values():
                 t = site.__dict__.get("tensor")  # the stored value, not a lazily computed one
                 if isinstance(t, torch.Tensor):
                     found.append((site, "tensor", t))
