@@ -60,6 +60,8 @@ from ._records import ModuleCall, OpRecord, Ref
 __all__ = ["Recorder"]
 
 _NO_HIDING = contextlib.nullcontext()
+#: `Ref(op, slot)` without the Python-level `__new__` of a named tuple (once per recorded op).
+_new_ref = tuple.__new__
 
 
 def _tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
@@ -371,31 +373,39 @@ class Recorder(TorchFunctionMode):
         call = stack[-1] if stack else None
         producer = self.producer
         retain = self.retain_all or (call is not None and call.retained)
-        if retain:
-            tensors = tuple([o.detach() for o in outs])
-            for slot, t in enumerate(tensors):
-                if not t.is_inference():  # inference tensors have no version counter
-                    self.versions[idx, slot] = t._version
-        else:
-            tensors = (None,) * len(outs)
-        if len(outs) == 1:
+        if len(outs) == 1:  # most ops: one output
             o0 = outs[0]
             try:
-                stamp = o0._version
-            except RuntimeError:  # an inference tensor
+                stamp = o0._version  # a detached alias shares the counter: its version when saved
+                counted = True
+            except RuntimeError:  # an inference tensor: no version counter
                 stamp = self._stamp(o0)
-            first = Ref(idx, 0)
+                counted = False
+            if retain:
+                tensors = (o0.detach(),)
+                if counted:
+                    self.versions[idx, 0] = stamp
+            else:
+                tensors = (None,)
+            first = _new_ref(Ref, (idx, 0))
             producer[id(o0)] = (first, weakref.ref(o0), stamp)
             shapes, dtypes = (o0.shape,), (o0.dtype,)
         else:
+            if retain:
+                tensors = tuple([o.detach() for o in outs])
+                for slot, t in enumerate(tensors):
+                    if not t.is_inference():  # inference tensors have no version counter
+                        self.versions[idx, slot] = t._version
+            else:
+                tensors = (None,) * len(outs)
             for slot, o in enumerate(outs):
                 try:
                     stamp = o._version
                 except RuntimeError:  # an inference tensor
                     stamp = self._stamp(o)
-                producer[id(o)] = (Ref(idx, slot), weakref.ref(o), stamp)
+                producer[id(o)] = (_new_ref(Ref, (idx, slot)), weakref.ref(o), stamp)
             o0 = outs[0]
-            first = Ref(idx, 0)
+            first = _new_ref(Ref, (idx, 0))
             shapes, dtypes = tuple([o.shape for o in outs]), tuple([o.dtype for o in outs])
         extra = None
         if retain and name in REBUILT_OPS:
