@@ -146,7 +146,9 @@ def accelerate_hooks(names: dict[nn.Module, str], rec: Any) -> Iterator[_Dispatc
     Yields an object whose `weights()` context puts the used weights back for deriving facets.
     """
     dispatch = _Dispatch()
-    wrapped = [(m, m._hf_hook) for m in names if getattr(m, "_hf_hook", None) is not None]
+    # accelerate sets `module._hf_hook` as a plain attribute (in the instance dict); reading it
+    # there costs no `Module.__getattr__` miss per module of a model that is not dispatched
+    wrapped = [(m, m.__dict__["_hf_hook"]) for m in names if m.__dict__.get("_hf_hook") is not None]
     if wrapped and not hasattr(rec, "canonical_param"):
         canonical: dict[str, str] = {}
         by_id: dict[int, str] = {}
