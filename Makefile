@@ -21,7 +21,7 @@ STAMP := $(VENV)/.torchlens-installed
 
 # Peer engines whose pins conflict with the main environment get one virtual environment
 # each: envs/NAME.txt pins it, envs/build.sh builds it into $(ENGINE_DIR)/NAME, and the docs
-# harness runs a block with tool=NAME in that interpreter (tests/docs_harness.py). An
+# harness runs a block with tool=NAME in that interpreter (the rule: scripts/engine_envs.py). An
 # environment is rebuilt when its file changes; the three build in parallel.
 ENGINE_ENVS := $(patsubst envs/%.txt,%,$(wildcard envs/*.txt))
 ENGINE_DIR ?= .venv-engines

