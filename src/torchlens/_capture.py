@@ -214,7 +214,8 @@ class Recorder(TorchFunctionMode):
         self.calls: list[ModuleCall] = []
         self.stack: list[ModuleCall] = []
         self.call_counts: dict[str, int] = {}
-        self.producer: dict[int, tuple[Ref, Any]] = {}
+        #: id(tensor) -> (the Ref it is, a weak reference to it, its stamp when recorded)
+        self.producer: dict[int, tuple[Ref, Any, Any]] = {}
         self.thread = threading.get_ident()
         self.versions: dict[tuple[int, int], int] = {}  # (op, slot) -> version when saved
         #: (op, ("args", i) or ("kwargs", name)) -> version of a rebuilt op's kept argument
