@@ -160,3 +160,50 @@ def test_a_model_spread_over_devices_traces_like_the_undispatched_one(family, la
                 got = other.facets.sites.get(name)
                 if site.tensor is not None and got is not None and got.tensor is not None:
                     torch.testing.assert_close(got.tensor.cpu(), site.tensor, rtol=1e-4, atol=1e-4)
+
+
+class _Halve(ModelHook):
+    """An ablation written as an accelerate hook: the module's output (or input) scaled by 0.5."""
+
+    def __init__(self, side: str):
+        super().__init__()
+        self.side = side
+
+    def pre_forward(self, module, *args, **kwargs):
+        if self.side == "in":
+            args = (args[0] * 0.5,) + tuple(args[1:])
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        if self.side != "out":
+            return output
+        if isinstance(output, tuple):
+            return (output[0] * 0.5,) + tuple(output[1:])
+        return output * 0.5
+
+
+@pytest.mark.parametrize("side", ["in", "out"])
+@pytest.mark.parametrize("where", ["transformer.h.0", "transformer.h.0.attn", "transformer.h.0.mlp.c_fc"])
+def test_an_accelerate_hook_that_changes_values_is_recorded_as_computing_them(side, where):
+    model = _models.build("gpt2", "sdpa")
+    add_hook_to_module(model.get_submodule(where), _Halve(side))
+    addresses = [a for a, _ in model.named_modules() if a.startswith("transformer.h.") or a == "lm_head"]
+    # Ground truth: what every module received and returned, seen by plain hooks outside accelerate's.
+    seen_in, handles = {}, []
+    for a in addresses:
+        m = model.get_submodule(a)
+        handles.append(m.register_forward_pre_hook(
+            lambda mod, args, a=a: seen_in.setdefault(a, args[0].detach().clone()) if args else None))
+    seen_out = _models.hooked_outputs(model, addresses, IDS)  # also runs the pre-hooks above
+    for h in handles:
+        h.remove()
+    t = tl.trace(model, IDS, save="all")
+    assert any(op.name == "accelerate_hook" for op in t.ops)
+    for a in addresses:
+        facets = t.modules[a].facets
+        if a in seen_out and "output" in facets:
+            torch.testing.assert_close(facets["output"], seen_out[a], rtol=0, atol=0, msg=f"{a} output")
+        if a in seen_in and "input" in facets and facets.sites["input"].dtype.is_floating_point:
+            torch.testing.assert_close(facets["input"], seen_in[a], rtol=0, atol=0, msg=f"{a} input")
+    for a in t.blocks:
+        torch.testing.assert_close(t.modules[a].facets["resid_post"], seen_out[a], rtol=0, atol=0)

@@ -78,21 +78,37 @@ def _ablate(module, args, out):
     _first(out)[:, 2] = 0  # the usual zero-ablation hook: edits the tensor the caller receives
 
 
+def _ablate_data(module, args, out):
+    _first(out).data[:, 2] = 0  # the same through `.data`, whose version counter is its own
+
+
+def _halve_data(module, args, out):
+    _first(out).data.mul_(0.5)
+
+
+def _repoint_data(module, args, out):
+    x = _first(out)
+    x.data = x.data * 0.5  # other memory for the same tensor: no counter moves
+
+
+_HOOKS = {"hook": _ablate, "hook_data": _ablate_data, "hook_data_mul": _halve_data, "hook_data_set": _repoint_data}
+
+
 @pytest.mark.parametrize("family", list(_LAYOUT))
-@pytest.mark.parametrize("how", ["hook", "setitem", "view", "out"])
+@pytest.mark.parametrize("how", [*_HOOKS, "setitem", "view", "out"])
 def test_in_place_edits_after_return_are_what_the_caller_received(family, how):
     model = _models.build(family)
     stack, norm = _LAYOUT[family]
     b0, b1 = f"{stack}.0", f"{stack}.1"
-    if how == "hook":
+    if how in _HOOKS:
         edited = b0
-        handle = model.get_submodule(b0).register_forward_hook(_ablate)
+        handle = model.get_submodule(b0).register_forward_hook(_HOOKS[how])
     else:
         edited = f"{b0}.mlp"
         block = model.get_submodule(b0)
         block.mlp = Edit(block.mlp, how)
         handle = None
-    watched = [b0, b1, f"{b1}.{norm}", edited] + ([f"{edited}.inner"] if how != "hook" else [])
+    watched = [b0, b1, f"{b1}.{norm}", edited] + ([f"{edited}.inner"] if how not in _HOOKS else [])
     ground = Ground(model, watched)
     with torch.no_grad():
         ref = model(IDS, output_hidden_states=True)
@@ -103,7 +119,7 @@ def test_in_place_edits_after_return_are_what_the_caller_received(family, how):
         handle.remove()
     facets = lambda a: tr.modules[a].facets  # noqa: E731
     # The edit really changed something: the edited output differs from what the inner op returned.
-    if how != "hook":
+    if how not in _HOOKS:
         assert not torch.equal(ground.out[edited], ground.out[f"{edited}.inner"])
         assert torch.equal(facets(f"{edited}.inner")["output"], ground.out[f"{edited}.inner"])
     assert torch.equal(facets(edited)["output"], ground.out[edited])

@@ -570,3 +570,22 @@ def test_a_tensor_subclass_input_keeps_its_type_in_every_kept_alias():
         assert type(site) is _Tagged, address
     assert torch.equal(t.ops[0].tensor.as_subclass(torch.Tensor), x.as_subclass(torch.Tensor))
     assert torch.equal(t.modules["2"].facets["output"].as_subclass(torch.Tensor), plain.as_subclass(torch.Tensor))
+
+
+def test_a_fused_kernel_run_under_autocast_is_rebuilt_in_the_dtype_it_computed_in():
+    # Llama's RoPE returns a float32 query and key next to a bfloat16 value; autocast casts all
+    # three to bfloat16 for the kernel. The rebuild must do the same, not refuse (or upcast).
+    from torchlens import testing
+
+    sdpa, eager = testing.build("llama", "sdpa"), testing.build("llama", "eager")
+    ids = testing.token_ids(batch=2)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        t = tl.trace(sdpa, ids)
+        ref = eager(ids, output_attentions=True).attentions
+    kernel = next(op for op in t.ops if op.name == "scaled_dot_product_attention")
+    assert {a.dtype for a in kernel.extra["args"][:3]} == {torch.float32, torch.bfloat16}  # the case at hand
+    for i, a in enumerate(t.by_role("attention")):
+        facets = t.modules[a].facets
+        assert "pattern" in facets and not facets.refused, facets.refused
+        assert facets.sites["pattern"].dtype == facets["pattern"].dtype == torch.bfloat16
+        torch.testing.assert_close(facets["pattern"].float(), ref[i].float(), rtol=0, atol=1e-2)

@@ -25,13 +25,16 @@ refused with that reason. Inference tensors (`torch.inference_mode()`) have no v
 that last check cannot cover them.
 
 A tensor used after an in-place write is used with its new contents, and the trace says so.
-Every recorded tensor carries a stamp (its version counter, or for an inference tensor the count
-of writes the mode saw into its storage). When a tensor whose stamp changed since its producer
-recorded it is used again (as an op input, or as a module's input or output as the hooks see it),
-the recorder first appends a `written_in_place` op whose output is the tensor as it is now and
-whose input is the op that produced it before the write. This covers writes that no recorded op
-returns: `x[i] = v`, a write through a view (`y.view(-1).add_(1)` changes `y`), a user's forward
-hook that edits a module's output, and writes the mode could not see at all.
+Every recorded tensor carries a stamp: its version counter (none for an inference tensor), its
+storage, and the count of writes the mode saw into that storage. When a tensor whose stamp changed
+since its producer recorded it is used again (as an op input, or as a module's input or output as
+the hooks see it), the recorder first appends a `written_in_place` op whose output is the tensor as
+it is now and whose input is the op that produced it before the write. This covers writes that no
+recorded op returns: `x[i] = v`, a write through a view (`y.view(-1).add_(1)` changes `y`), a
+user's forward hook that edits a module's output (also through `.data`, which has a version counter
+of its own, or by `x.data = y`, which gives `x` other memory), and writes the mode could not see
+that move the version counter. A write that moves nothing the stamp holds (into memory shared with
+NumPy, `x.numpy()[:] = 0`) is not seen at all: the values served there are the later ones.
 
 When `trace` returns, every saved alias that still shares storage with a tensor the caller can
 reach (the model's inputs, parameters and buffers, the returned output, or any recorded tensor
@@ -214,7 +217,7 @@ class Recorder(TorchFunctionMode):
         self.calls: list[ModuleCall] = []
         self.stack: list[ModuleCall] = []
         self.call_counts: dict[str, int] = {}
-        #: id(tensor) -> (the Ref it is, a weak reference to it, its stamp when recorded)
+        #: id(tensor) -> (the Ref it is, a weak reference to it, its `_stamp` when recorded)
         self.producer: dict[int, tuple[Ref, Any, Any]] = {}
         self.thread = threading.get_ident()
         self.versions: dict[tuple[int, int], int] = {}  # (op, slot) -> version when saved
@@ -222,7 +225,7 @@ class Recorder(TorchFunctionMode):
         self.arg_versions: dict[tuple[int, tuple[str, Any]], int] = {}
         self._cow: dict[int, list[tuple[int, int]]] = {}
         self._cow_upto = 0
-        self._writes: dict[int, int] = {}  # storage data_ptr -> writes the mode saw (for inference tensors)
+        self._writes: dict[int, int] = {}  # storage data_ptr -> writes the mode saw into it (`_stamp`)
         self._hook_aliases: list[tuple[ModuleCall, str]] = []  # module inputs/outputs the hooks kept
         self._hook_upto = 0
         self._kinds: dict[Any, tuple[str, int]] = {}  # torch function -> `classify` answer, this trace
@@ -343,22 +346,26 @@ class Recorder(TorchFunctionMode):
             self._n_edited += 1
         return t
 
-    def _stamp(self, t: Tensor) -> Any:
-        """What changes when `t` is written in place: its version counter, or for an inference
-        tensor (which has none) the number of writes the mode saw into its storage."""
+    def _stamp(self, t: Tensor) -> tuple:
+        """What changes when `t` is written in place or given other memory: `(version, storage,
+        writes)`, its version counter (None for an inference tensor, which has none), the data
+        pointer of its storage (`x.data = y` swaps it and moves no counter), and the number of
+        writes the mode saw into that storage (a write through `x.data`, an alias with a version
+        counter of its own, moves only that)."""
         try:
-            return t._version
-        except RuntimeError:
-            return ("w", self._writes.get(t.untyped_storage().data_ptr(), 0))
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage to point to (a sparse tensor)
+            ptr = None
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor
+            version = None
+        return (version, ptr, self._writes.get(ptr, 0) if self._writes else 0)
 
     def _ref(self, t: Tensor):
         entry = self.producer.get(id(t))
         if entry is not None and entry[1]() is t:
-            try:
-                stamp = t._version
-            except RuntimeError:  # an inference tensor
-                stamp = self._stamp(t)
-            if entry[2] != stamp:  # written in place since its producer recorded it
+            if entry[2] != self._stamp(t):  # written in place (or re-pointed) since its producer recorded it
                 return self._record("written_in_place", (t,), (), True, refs=(entry[0],))
             return entry[0]
         return self.param_names.get(id(t))
@@ -376,16 +383,11 @@ class Recorder(TorchFunctionMode):
         retain = self.retain_all or (call is not None and call.retained)
         if len(outs) == 1:  # most ops: one output
             o0 = outs[0]
-            try:
-                stamp = o0._version  # a detached alias shares the counter: its version when saved
-                counted = True
-            except RuntimeError:  # an inference tensor: no version counter
-                stamp = self._stamp(o0)
-                counted = False
+            stamp = self._stamp(o0)
             if retain:
                 tensors = (o0.detach(),)
-                if counted:
-                    self.versions[idx, 0] = stamp
+                if stamp[0] is not None:  # a detached alias shares the counter: its version when saved
+                    self.versions[idx, 0] = stamp[0]
             else:
                 tensors = (None,)
             first = _new_ref(Ref, (idx, 0))
@@ -400,11 +402,7 @@ class Recorder(TorchFunctionMode):
             else:
                 tensors = (None,) * len(outs)
             for slot, o in enumerate(outs):
-                try:
-                    stamp = o._version
-                except RuntimeError:  # an inference tensor
-                    stamp = self._stamp(o)
-                producer[id(o)] = (_new_ref(Ref, (idx, slot)), weakref.ref(o), stamp)
+                producer[id(o)] = (_new_ref(Ref, (idx, slot)), weakref.ref(o), self._stamp(o))
             o0 = outs[0]
             first = _new_ref(Ref, (idx, 0))
             shapes, dtypes = tuple([o.shape for o in outs]), tuple([o.dtype for o in outs])
@@ -450,7 +448,8 @@ class Recorder(TorchFunctionMode):
         writes = self._writes
         for target in targets:
             ptr = target.untyped_storage().data_ptr()
-            writes[ptr] = writes.get(ptr, 0) + 1
+            if ptr:  # every empty tensor has pointer 0: a write into one changes no other
+                writes[ptr] = writes.get(ptr, 0) + 1
         ops, cow = self.ops, self._cow
         for i in range(self._cow_upto, len(ops)):
             for slot, t in enumerate(ops[i].tensors):

@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ._records import Ref
@@ -44,6 +45,15 @@ def _flat(value: Any, out: list[Tensor], depth: int = 0) -> list[Tensor]:
         for v in value.values():
             _flat(v, out, depth + 1)
     return out
+
+
+def _moved(old: Tensor, new: Tensor) -> bool:
+    """Whether `new` holds exactly `old`'s values: the same shape and dtype, and equal elements
+    (compared on `new`'s device). NaNs compare unequal, so a tensor holding one counts as changed
+    (it is then recorded as computed, which is still true)."""
+    if new.shape != old.shape or new.dtype != old.dtype or old.is_meta or new.is_meta:
+        return False
+    return bool(torch.equal(old.to(new.device), new))
 
 
 class _Quiet:
@@ -69,16 +79,26 @@ class _Quiet:
             self.rec._quiet = quiet
 
     def _alias(self, before: list[Tensor], after: list[Tensor]) -> None:
-        """A tensor the hook replaced by a moved copy keeps the original's data-flow reference
-        (the op that produced it, as it is now: one written in place since gets its
-        `written_in_place` op first; or the parameter's name). A model spread over devices moves
-        each block's inputs and outputs; on one device the hook returns the tensors themselves."""
+        """Link each tensor the hook replaced to what it stands for.
+
+        A move (the same values, on another device: a model spread over devices moves each
+        block's inputs and outputs) keeps the data-flow reference of the tensor it copies: the op
+        that produced it, as it is now (one written in place since gets its `written_in_place`
+        op first), or the parameter's name. A hook that returns other values (an ablation written
+        as an accelerate `ModelHook`) computed something: its result is recorded as an
+        `accelerate_hook` op whose input is the tensor it replaced, so the trace holds the values
+        the next module received. On one device, accelerate's own hooks return the tensors
+        themselves.
+        """
         if len(before) != len(after):
             return
         rec = self.rec
         with self._hidden():
             for old, new in zip(before, after):
-                if new is old:
+                if new is old or not isinstance(new, Tensor):
+                    continue
+                if not _moved(old, new):
+                    rec._record("accelerate_hook", (new,), (old,), False)
                     continue
                 ref = rec._ref(old)
                 if isinstance(ref, Ref):

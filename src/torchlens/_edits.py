@@ -195,8 +195,9 @@ def _op_edit(trace: Any, address: str, facet: str, call: int, n_calls: int, site
         remedy = _REMEDIES.get(facet, "edit a real site it is computed from (the module's input or output)")
         raise NotEditable(f"{name} cannot be edited: {why}. Remedy: {remedy}.")
     op = trace.ops[site.op]
-    if op.name in ("input", "written_in_place") or op.mutated or len(op.shapes) != 1:
+    if op.name in ("input", "written_in_place", "accelerate_hook") or op.mutated or len(op.shapes) != 1:
         why = ("it enters the forward from outside" if op.name == "input" else
+               "an accelerate hook returned it (the model ran no op there)" if op.name == "accelerate_hook" else
                "the op writes a tensor in place" if op.mutated or op.name == "written_in_place" else
                f"its op ({op.name}) returns several tensors")
         raise NotEditable(

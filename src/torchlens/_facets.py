@@ -572,7 +572,8 @@ def _reconstruct(g: _Graph, fused: OpRecord, sites: dict[str, FacetSite],
     if qm is None or km is None:
         return
     shape = qm[0][:-2] + (qm[0][-2], km[0][-2]) if unpacked is None else unpacked + (km[0][-2],)
-    dtype = qm[1]
+    # the dtype the kernel computed in: the query's, or under autocast its output's (`rebuild_attention`)
+    dtype = fused.dtypes[0] if fused.dtypes[0].is_floating_point else qm[1]
     note = "rebuilt from the fused kernel's inputs, checked against its output"
     if unpacked is not None:
         note += " (in the kernel's GQA-packed layout, then unpacked by the inverse reshape)"
@@ -800,6 +801,12 @@ def rebuild_attention(args: tuple, kwargs: dict, out: Tensor) -> tuple[Tensor, T
         raise ValueError(why)
     q, k, v = bound["query"], bound["key"], bound["value"]
     mask, scale = bound.get("attn_mask"), bound.get("scale")
+    if out.is_floating_point() and any(x.dtype != out.dtype for x in (q, k, v)):
+        # Under autocast the kernel computed in its output's dtype: its floating inputs (a float32
+        # query after RoPE next to a bfloat16 value, a float32 mask) were cast to it first.
+        q, k, v = (x.to(out.dtype) if x.is_floating_point() else x for x in (q, k, v))
+        if mask is not None and mask.is_floating_point():
+            mask = mask.to(out.dtype)
     if k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)

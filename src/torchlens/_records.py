@@ -33,7 +33,9 @@ class OpRecord:
             `"written_in_place"` for the entry TorchLens adds where a tensor is used after an
             in-place write no recorded op returned (`x[i] = v`, a write through a view, a hook
             editing a module's output): its output is the tensor as it was used, its input the
-            op that produced it before the write.
+            op that produced it before the write. `"accelerate_hook"` is the entry for a tensor an
+            accelerate hook (`module._hf_hook`, e.g. a `ModelHook` that ablates) returned in place
+            of one with other values; its input is the tensor it replaced.
         module (str): address of the innermost module that was running (`""` for the root).
         call (int): which call of that module (0 for the first).
         inputs (tuple[Ref | str | None, ...]): for each tensor argument, in order, a
