@@ -784,3 +784,23 @@ def test_float64_traces_pass_their_checks(family, impl):
         assert name in tr.modules[attn].facets, name
     norms = [a for a in tr.modules if tr.modules[a].role == "norm" and tr.modules[a].calls]
     assert norms and all("normalized" in tr.modules[a].facets for a in norms)
+
+
+def test_a_data_swap_is_seen_as_a_new_value():
+    # `w.data = u` gives w other memory and moves no version counter: the next use of w is
+    # recorded as a write, with the values w holds then.
+    class Swap(nn.Module):
+        def forward(self, x):
+            w = x * 2
+            w.data = x * 3
+            return w + 0
+
+    x = torch.arange(4.0)
+    tr = torchlens.trace(Swap(), x)
+    double = next(op for op in tr.ops if op.name == "mul")
+    assert torch.equal(double.tensor, x * 2)  # as the op returned it
+    add = tr.ops[-1]
+    assert add.name == "add"
+    source = tr.ops[add.inputs[0].op]
+    assert source.name == "written_in_place" and torch.equal(source.tensor, x * 3)
+    assert torch.equal(tr.output, x * 3)

@@ -25,9 +25,9 @@ refused with that reason. Inference tensors (`torch.inference_mode()`) have no v
 that last check cannot cover them.
 
 A tensor used after an in-place write is used with its new contents, and the trace says so.
-Every recorded tensor carries a stamp: its version counter (none for an inference tensor), its
-storage, and the count of writes the mode saw into that storage. When a tensor whose stamp changed
-since its producer recorded it is used again (as an op input, or as a module's input or output as
+Every recorded tensor carries a stamp: its version counter (none for an inference tensor) and the
+count of writes the mode saw into its storage; `x.data = y`, seen by the mode, voids `x`'s stamp.
+When a tensor whose stamp changed since its producer recorded it is used again (as an op input, or as a module's input or output as
 the hooks see it), the recorder first appends a `written_in_place` op whose output is the tensor as
 it is now and whose input is the op that produced it before the write. This covers writes that no
 recorded op returns: `x[i] = v`, a write through a view (`y.view(-1).add_(1)` changes `y`), a
@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ._errors import CaptureError, EditSpecError
-from ._ops import INPLACE, REBUILT_OPS, SKIP, classify
+from ._ops import INPLACE, REBUILT_OPS, REPOINT, SKIP, classify
 from ._records import ModuleCall, OpRecord, Ref
 
 __all__ = ["Recorder"]
@@ -272,6 +272,12 @@ class Recorder(TorchFunctionMode):
         kind = info[1]
         if kind == SKIP:
             return func(*args, **kwargs) if kwargs else func(*args)
+        if kind == REPOINT:  # `x.data = y`: `x` holds other values now, and no counter says so
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            entry = self.producer.get(id(args[0])) if args else None
+            if entry is not None:
+                self.producer[id(args[0])] = (entry[0], entry[1], None)  # no stamp matches: next use is a write
+            return out
         if kwargs is None:
             kwargs = {}
         mutated = kind == INPLACE or (
@@ -347,25 +353,34 @@ class Recorder(TorchFunctionMode):
         return t
 
     def _stamp(self, t: Tensor) -> tuple:
-        """What changes when `t` is written in place or given other memory: `(version, storage,
-        writes)`, its version counter (None for an inference tensor, which has none), the data
-        pointer of its storage (`x.data = y` swaps it and moves no counter), and the number of
-        writes the mode saw into that storage (a write through `x.data`, an alias with a version
-        counter of its own, moves only that)."""
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):  # no storage to point to (a sparse tensor)
-            ptr = None
+        """What changes when `t` is written in place: `(version, writes)`, its version counter
+        (None for an inference tensor, which has none) and the number of writes the mode saw into
+        its storage (a write through `x.data`, an alias with a version counter of its own, moves
+        only that). `x.data = y`, which gives `x` other memory and moves neither, is noted where
+        the mode sees it (`REPOINT`)."""
         try:
             version = t._version
         except RuntimeError:  # an inference tensor
             version = None
-        return (version, ptr, self._writes.get(ptr, 0) if self._writes else 0)
+        writes = self._writes
+        if not writes:  # no write seen yet (most forwards see none): no storage to look up
+            return (version, 0)
+        try:
+            return (version, writes.get(t.untyped_storage().data_ptr(), 0))
+        except (RuntimeError, NotImplementedError):  # no storage (a sparse tensor)
+            return (version, 0)
 
     def _ref(self, t: Tensor):
         entry = self.producer.get(id(t))
         if entry is not None and entry[1]() is t:
-            if entry[2] != self._stamp(t):  # written in place (or re-pointed) since its producer recorded it
+            if self._writes:
+                now = self._stamp(t)
+            else:  # `_stamp` inlined for the common case: no write seen yet
+                try:
+                    now = (t._version, 0)
+                except RuntimeError:  # an inference tensor
+                    now = (None, 0)
+            if entry[2] != now:  # written in place (or given other memory) since its producer recorded it
                 return self._record("written_in_place", (t,), (), True, refs=(entry[0],))
             return entry[0]
         return self.param_names.get(id(t))
@@ -383,7 +398,13 @@ class Recorder(TorchFunctionMode):
         retain = self.retain_all or (call is not None and call.retained)
         if len(outs) == 1:  # most ops: one output
             o0 = outs[0]
-            stamp = self._stamp(o0)
+            if self._writes:
+                stamp = self._stamp(o0)
+            else:  # `_stamp` inlined for the common case: no write seen yet
+                try:
+                    stamp = (o0._version, 0)
+                except RuntimeError:  # an inference tensor
+                    stamp = (None, 0)
             if retain:
                 tensors = (o0.detach(),)
                 if stamp[0] is not None:  # a detached alias shares the counter: its version when saved

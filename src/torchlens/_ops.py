@@ -14,13 +14,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["classify", "SKIP", "PLAIN", "INPLACE"]
+__all__ = ["classify", "SKIP", "PLAIN", "INPLACE", "REPOINT"]
 
 # -- classifying a torch function ------------------------------------------------------------
 
-#: How the recorder treats a torch function: not recorded (metadata only), recorded, or
-#: recorded as a write into one of its inputs.
-SKIP, PLAIN, INPLACE = 0, 1, 2
+#: How the recorder treats a torch function: not recorded (metadata only), recorded, recorded as
+#: a write into one of its inputs, or (`x.data = y`) not recorded but noted as giving its first
+#: argument other memory.
+SKIP, PLAIN, INPLACE, REPOINT = 0, 1, 2, 3
+#: Property setters that reach the mode: `x.data = y` gives `x` other memory and moves no version
+#: counter; the others (`x.grad = g`, `x.requires_grad = b`) change no values. (`x.real = y` does
+#: not reach a torch function mode on torch 2.13: a write the mode cannot see.)
+SETTERS = {"data": REPOINT}
 #: Attribute reads that never produce a tensor: answered without any bookkeeping.
 METADATA_GETTERS = frozenset(
     {"shape", "dtype", "device", "ndim", "is_cuda", "is_sparse", "is_quantized", "is_meta", "layout",
@@ -43,6 +48,9 @@ INPLACE_DUNDERS = frozenset(
 
 def _classify(func: Any) -> tuple[str, int]:
     name = getattr(func, "__name__", None) or type(func).__name__
+    if name == "__set__":  # a property write such as `x.data = y`: it returns None, so nothing is recorded
+        owner = getattr(getattr(func, "__self__", None), "__name__", "")
+        return (f"{owner}.__set__", SETTERS.get(owner, SKIP))
     if name == "__get__":  # a property read such as `x.shape` or `x.T`
         owner = getattr(func, "__self__", None)
         name = getattr(owner, "__name__", name)
