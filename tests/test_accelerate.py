@@ -163,42 +163,60 @@ def test_a_model_spread_over_devices_traces_like_the_undispatched_one(family, la
 
 
 class _Halve(ModelHook):
-    """An ablation written as an accelerate hook: the module's output (or input) scaled by 0.5."""
+    """An ablation written as an accelerate hook: the module's output (or input) scaled by 0.5,
+    returned as a new tensor, or written into the same tensor through `.data` (in place, or by
+    giving it other memory). `received` is the tensor as the hook got it (cloned)."""
 
-    def __init__(self, side: str):
+    def __init__(self, side: str, how: str):
         super().__init__()
-        self.side = side
+        self.side, self.how, self.received = side, how, None
+
+    def _halve(self, t):
+        self.received = t.detach().clone()
+        if self.how == "new":
+            return t * 0.5
+        if self.how == "data_inplace":
+            t.data.mul_(0.5)
+        else:
+            t.data = t.data * 0.5
+        return t
 
     def pre_forward(self, module, *args, **kwargs):
         if self.side == "in":
-            args = (args[0] * 0.5,) + tuple(args[1:])
+            args = (self._halve(args[0]),) + tuple(args[1:])
         return args, kwargs
 
     def post_forward(self, module, output):
         if self.side != "out":
             return output
         if isinstance(output, tuple):
-            return (output[0] * 0.5,) + tuple(output[1:])
-        return output * 0.5
+            return (self._halve(output[0]),) + tuple(output[1:])
+        return self._halve(output)
 
 
+@pytest.mark.parametrize("how", ["new", "data_inplace", "data_assign"])
 @pytest.mark.parametrize("side", ["in", "out"])
 @pytest.mark.parametrize("where", ["transformer.h.0", "transformer.h.0.attn", "transformer.h.0.mlp.c_fc"])
-def test_an_accelerate_hook_that_changes_values_is_recorded_as_computing_them(side, where):
+def test_an_accelerate_hook_that_changes_values_is_recorded_as_computing_them(side, where, how):
     model = _models.build("gpt2", "sdpa")
-    add_hook_to_module(model.get_submodule(where), _Halve(side))
+    hook = _Halve(side, how)
+    add_hook_to_module(model.get_submodule(where), hook)
     addresses = [a for a, _ in model.named_modules() if a.startswith("transformer.h.") or a == "lm_head"]
     # Ground truth: what every module received and returned, seen by plain hooks outside accelerate's.
     seen_in, handles = {}, []
+
+    def look(address):
+        def pre_hook(module, args):  # returns None: the module gets its own arguments
+            if args:
+                seen_in.setdefault(address, args[0].detach().clone())
+        return pre_hook
+
     for a in addresses:
-        m = model.get_submodule(a)
-        handles.append(m.register_forward_pre_hook(
-            lambda mod, args, a=a: seen_in.setdefault(a, args[0].detach().clone()) if args else None))
+        handles.append(model.get_submodule(a).register_forward_pre_hook(look(a)))
     seen_out = _models.hooked_outputs(model, addresses, IDS)  # also runs the pre-hooks above
     for h in handles:
         h.remove()
     t = tl.trace(model, IDS, save="all")
-    assert any(op.name == "accelerate_hook" for op in t.ops)
     for a in addresses:
         facets = t.modules[a].facets
         if a in seen_out and "output" in facets:
@@ -207,3 +225,9 @@ def test_an_accelerate_hook_that_changes_values_is_recorded_as_computing_them(si
             torch.testing.assert_close(facets["input"], seen_in[a], rtol=0, atol=0, msg=f"{a} input")
     for a in t.blocks:
         torch.testing.assert_close(t.modules[a].facets["resid_post"], seen_out[a], rtol=0, atol=0)
+    # The hook's change is an op of its own, whose input is the op that produced what the hook got,
+    # and that op keeps what it returned, not what the hook then wrote into its memory.
+    changed = [op for op in t.ops if op.name in ("accelerate_hook", "written_in_place")]
+    assert [op.name for op in changed] == ["accelerate_hook" if how == "new" else "written_in_place"]
+    before = t.ops[changed[0].inputs[0].op]
+    assert torch.equal(before.tensor, hook.received)

@@ -259,24 +259,44 @@ class Recorder(TorchFunctionMode):
 
     # -- ops -----------------------------------------------------------------------------------
 
+    def _classify(self, func) -> tuple[str, int]:
+        try:
+            return self._kinds[func]
+        except KeyError:
+            info = self._kinds[func] = classify(func)
+            return info
+        except TypeError:  # an unhashable callable
+            return classify(func)
+
+    def _repointed(self, args: tuple) -> None:
+        """`x.data = y` ran: `x` holds other values now, and no counter says so."""
+        entry = self.producer.get(id(args[0])) if args else None
+        if entry is not None:
+            self.producer[id(args[0])] = (entry[0], entry[1], None)  # no stamp matches: next use is a write
+
+    def _quiet_call(self, func, args, kwargs):
+        """Run `func` unrecorded (the recorder's own calls, an accelerate hook's moves, an edit),
+        still keeping what the trace holds right: an in-place write first clones the saved
+        aliases on the memory it writes and is counted there (so a write through `x.data` marks
+        `x` written), and `x.data = y` voids `x`'s stamp."""
+        kind = self._classify(func)[1]
+        if kind == INPLACE or (kwargs and (kwargs.get("out") is not None or kwargs.get("inplace") is True)):
+            with self.hidden():
+                self._before_write(args, kwargs or {})
+        elif kind == REPOINT:
+            self._repointed(args)
+        return func(*args, **kwargs) if kwargs else func(*args)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self._quiet:
-            return func(*args, **kwargs) if kwargs else func(*args)
-        kinds = self._kinds
-        try:
-            info = kinds[func]
-        except KeyError:
-            info = kinds[func] = classify(func)
-        except TypeError:  # an unhashable callable
-            info = classify(func)
+            return self._quiet_call(func, args, kwargs)
+        info = self._classify(func)
         kind = info[1]
         if kind == SKIP:
             return func(*args, **kwargs) if kwargs else func(*args)
-        if kind == REPOINT:  # `x.data = y`: `x` holds other values now, and no counter says so
+        if kind == REPOINT:
             out = func(*args, **kwargs) if kwargs else func(*args)
-            entry = self.producer.get(id(args[0])) if args else None
-            if entry is not None:
-                self.producer[id(args[0])] = (entry[0], entry[1], None)  # no stamp matches: next use is a write
+            self._repointed(args)
             return out
         if kwargs is None:
             kwargs = {}
