@@ -748,6 +748,39 @@ def test_model_without_submodules():
     assert torch.equal(tr.modules[""].facets["output"], tr.output)
 
 
+@pytest.mark.parametrize("store", [None, "cpu", "directory"])
+def test_tensors_without_a_storage_of_their_own_are_kept_and_copied(store, tmp_path):
+    # A sparse tensor has no storage to tell liveness or writes by: it is kept, and copied when the
+    # trace returns (so a later write into the returned one leaves the trace as it was).
+    class Sparse(nn.Module):
+        def forward(self, x):
+            s = (x * 1).to_sparse()
+            return s.to_dense() + 1, s
+
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    tr = torchlens.trace(Sparse(), x, store=str(tmp_path) if store == "directory" else store)
+    assert [op.name for op in tr.ops] == ["input", "mul", "to_sparse", "to_dense", "add"]
+    kept = tr.ops[2].tensor
+    assert kept.layout == torch.sparse_coo and torch.equal(kept.to_dense(), x)
+    assert torch.equal(tr.ops[-1].tensor, x + 1)
+    tr.output[1].mul_(0)  # the caller writes into the sparse tensor the model returned
+    assert torch.equal(tr.ops[2].tensor.to_dense(), x)
+
+
+def test_a_wrapper_subclass_input_is_traced():
+    # A wrapper subclass keeps its data in the tensors it wraps: its own storage has no data pointer.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    model = nn.Linear(4, 4)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    tr = torchlens.trace(model, TwoTensor(x, x * 2))
+    assert [op.name for op in tr.ops] == ["input", "linear"]
+    out = tr.ops[-1].tensor
+    assert type(out).__name__ == "TwoTensor"
+    with torch.no_grad():
+        assert torch.equal(out.a, model(x)) and torch.equal(out.b, model(x * 2))
+
+
 @pytest.mark.parametrize(
     "not_a_module",
     [lambda x: x * 2, torch.ones(2), nn.Linear, "model", None],

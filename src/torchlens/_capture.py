@@ -58,7 +58,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._errors import CaptureError, EditSpecError
 from ._ops import INPLACE, REBUILT_OPS, REPOINT, SKIP, classify
-from ._records import ModuleCall, OpRecord, Ref
+from ._records import ModuleCall, OpRecord, Ref, _storage_ptr
 
 __all__ = ["Recorder"]
 
@@ -385,10 +385,7 @@ class Recorder(TorchFunctionMode):
         writes = self._writes
         if not writes:  # no write seen yet (most forwards see none): no storage to look up
             return (version, 0)
-        try:
-            return (version, writes.get(t.untyped_storage().data_ptr(), 0))
-        except (RuntimeError, NotImplementedError):  # no storage (a sparse tensor)
-            return (version, 0)
+        return (version, writes.get(_storage_ptr(t), 0))  # None (no storage of its own) is never written
 
     def _ref(self, t: Tensor):
         entry = self.producer.get(id(t))
@@ -487,25 +484,28 @@ class Recorder(TorchFunctionMode):
         if not targets:
             return
         writes = self._writes
-        for target in targets:
-            ptr = target.untyped_storage().data_ptr()
+        # A tensor with no storage of its own (sparse, a wrapper subclass) is neither counted nor
+        # cloned by storage: a write into one moves its version counter, which the end check reads.
+        ptrs = [_storage_ptr(target) for target in targets]
+        for ptr in ptrs:
             if ptr:  # every empty tensor has pointer 0: a write into one changes no other
                 writes[ptr] = writes.get(ptr, 0) + 1
         ops, cow = self.ops, self._cow
         for i in range(self._cow_upto, len(ops)):
             for slot, t in enumerate(ops[i].tensors):
                 if t is not None:
-                    cow.setdefault(t.untyped_storage().data_ptr(), []).append((i, slot))
+                    cow.setdefault(_storage_ptr(t), []).append((i, slot))
             if ops[i].extra is not None:
                 for key, t in _arg_slots(ops[i].extra):
-                    cow.setdefault(t.untyped_storage().data_ptr(), []).append((i, key))
+                    cow.setdefault(_storage_ptr(t), []).append((i, key))
         self._cow_upto = len(ops)
         for call, attr in self._hook_aliases[self._hook_upto :]:
-            cow.setdefault(getattr(call, attr).untyped_storage().data_ptr(), []).append((call, attr))
+            cow.setdefault(_storage_ptr(getattr(call, attr)), []).append((call, attr))
         self._hook_upto = len(self._hook_aliases)
+        cow.pop(None, None)
         clones: dict[int, Tensor] = {}  # one clone per alias (a kept argument passed twice is one)
-        for target in targets:
-            for i, slot in cow.pop(target.untyped_storage().data_ptr(), ()):
+        for ptr in ptrs:
+            for i, slot in cow.pop(ptr, ()):
                 if isinstance(i, ModuleCall):  # a module input/output alias kept by a hook
                     setattr(i, slot, getattr(i, slot).clone())
                     continue
@@ -565,7 +565,9 @@ class Recorder(TorchFunctionMode):
         if not kept.is_inference():
             self.versions[ref.op, ref.slot] = kept._version
         if ref.op < self._cow_upto:  # `_before_write` has scanned this op already
-            self._cow.setdefault(kept.untyped_storage().data_ptr(), []).append((ref.op, ref.slot))
+            ptr = _storage_ptr(kept)
+            if ptr is not None:
+                self._cow.setdefault(ptr, []).append((ref.op, ref.slot))
 
     # -- modules -------------------------------------------------------------------------------
 

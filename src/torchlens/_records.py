@@ -251,6 +251,15 @@ def _stamp(t: Any) -> torch.Tensor | None:
         return total
 
 
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The data pointer of `t`'s storage, or None for a tensor with no storage of its own to point
+    to (a sparse tensor; a wrapper subclass, whose data lives in the tensors it wraps)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """The bytes of its storage `t` can reach, as [start, end) (empty for an empty tensor)."""
     item = t.element_size()
@@ -287,13 +296,14 @@ def seal_checks(trace: Any) -> None:
     # storage -> dtype -> the tensors the trace holds there in that dtype, for the storages the
     # pending inputs are on; the byte extents are worked out only for a storage held in two
     # dtypes or more (rare: most hold one)
-    wanted = {t.untyped_storage().data_ptr() for p in pendings.values() for t in p.inputs
+    wanted = {_storage_ptr(t) for p in pendings.values() for t in p.inputs
               if isinstance(t, torch.Tensor) and not t.is_inference()}
+    wanted.discard(None)  # a tensor without a storage of its own shares no counter with another dtype
     saved = _saved_tensors(trace)
     first: dict[tuple[Any, int], torch.dtype] = {}  # storage -> the dtype of the first tensor held there
     multi: set[tuple[Any, int]] = set()  # the storages held in a second dtype
     for _, _, t in saved:
-        ptr = t.untyped_storage().data_ptr()
+        ptr = _storage_ptr(t)
         if ptr in wanted:
             key = (t.device, ptr)
             if first.setdefault(key, t.dtype) != t.dtype:
@@ -301,7 +311,7 @@ def seal_checks(trace: Any) -> None:
     extents: dict[tuple[Any, int], dict[torch.dtype, list[tuple[int, int]]]] = {}
     if multi:
         for _, _, t in saved:
-            key = (t.device, t.untyped_storage().data_ptr())
+            key = (t.device, _storage_ptr(t))
             if key in multi:
                 extents.setdefault(key, {}).setdefault(t.dtype, []).append(_extent(t))
     split: set[int] = set()
@@ -309,7 +319,7 @@ def seal_checks(trace: Any) -> None:
         for t in pending.inputs:
             if not isinstance(t, torch.Tensor) or t.is_inference():
                 continue
-            by_dtype = extents.get((t.device, t.untyped_storage().data_ptr()))
+            by_dtype = extents.get((t.device, _storage_ptr(t)))
             if by_dtype is None:
                 continue
             lo, hi = _extent(t)

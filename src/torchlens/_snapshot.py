@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ._records import _storage_ptr
+
 if TYPE_CHECKING:
     from ._capture import Recorder
 
@@ -58,8 +60,13 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
                 kept = True
                 if live is None:
                     live = _live_storages(rec, model, reachable)
-                ptr = t.untyped_storage().data_ptr()
-                if ptr in live:
+                try:
+                    ptr = t.untyped_storage().data_ptr()
+                except (RuntimeError, NotImplementedError):
+                    ptr = _OWN  # no storage of its own to tell by (sparse, a wrapper subclass): copied
+                if ptr in live or ptr is _OWN:
+                    if ptr is _OWN:
+                        ptr = ("own", id(t))
                     if type(op.tensors) is not list:
                         op.tensors = list(op.tensors)
                         listed.append(op)
@@ -76,8 +83,8 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
             for k in keys:
                 a = holder[k]
                 if isinstance(a, Tensor):
-                    ptr = a.untyped_storage().data_ptr()
-                    if ptr in live:
+                    ptr = _live_key(a, live)
+                    if ptr is not None:
                         groups.setdefault(ptr, []).append((holder, k))
     # A facet's stored tensor (`site.__dict__["tensor"]`: reading `site.tensor` would run a pending
     # check) and, while its check is pending, the tensors it will compute from (`site._inputs`,
@@ -95,21 +102,23 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
             if live is None:
                 live = _live_storages(rec, model, reachable)
             if t is not None:
-                ptr = t.untyped_storage().data_ptr()
-                if ptr in live:
+                ptr = _live_key(t, live)
+                if ptr is not None:
                     groups.setdefault(ptr, []).append((d, "tensor"))
             if inputs is not None and id(inputs) not in pending:
                 pending.add(id(inputs))
                 for i, t in enumerate(inputs):
                     if isinstance(t, Tensor):
-                        ptr = t.untyped_storage().data_ptr()
-                        if ptr in live:
+                        ptr = _live_key(t, live)
+                        if ptr is not None:
                             groups.setdefault(ptr, []).append((inputs, i))
     copied = 0
-    for items in groups.values():
+    for key, items in groups.items():
         tensors = [h[k] for h, k in items]
-        storage = tensors[0].untyped_storage()
-        whole = len({id(t) for t in tensors}) > 1 and storage.nbytes() <= sum(t.numel() * t.element_size() for t in tensors)
+        whole = type(key) is int and len({id(t) for t in tensors}) > 1  # a storage several views share
+        if whole:
+            storage = tensors[0].untyped_storage()
+            whole = storage.nbytes() <= sum(t.numel() * t.element_size() for t in tensors)
         if whole:  # one copy of the storage serves every view of it (and keeps them views of one another)
             new = storage.clone()
             copied += storage.nbytes()
@@ -138,6 +147,19 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     return copied
 
 
+_OWN = object()  # the storage key of a tensor with no storage of its own
+
+
+def _live_key(t: Tensor, live: set[int]) -> Any:
+    """The group key of a saved tensor that must be copied: its storage's data pointer when the
+    caller can still reach that storage, `("own", id(t))` for a tensor with no storage of its own
+    (whether the caller holds it cannot be told, so it is copied), else None."""
+    ptr = _storage_ptr(t)
+    if ptr is None:
+        return ("own", id(t))
+    return ptr if ptr in live else None
+
+
 def _live_storages(rec: Recorder, model: nn.Module, reachable: Any) -> set[int]:
     """The storages (data pointers) the caller can still write into: the model's parameters and
     buffers, every tensor in `reachable` (through tuples, lists and mappings), and every recorded
@@ -145,7 +167,9 @@ def _live_storages(rec: Recorder, model: nn.Module, reachable: Any) -> set[int]:
     live: set[int] = set()
 
     def add(t: Tensor) -> None:
-        live.add(t.untyped_storage().data_ptr())
+        ptr = _storage_ptr(t)
+        if ptr is not None:  # one without a storage of its own is copied whatever holds it
+            live.add(ptr)
 
     for m in rec.names:  # every module of the model (`model.parameters()` and `buffers()`, in one pass)
         for t in itertools.chain(m._parameters.values(), m._buffers.values()):

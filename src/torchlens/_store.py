@@ -33,6 +33,7 @@ import torch
 
 from ._capture import _set_arg
 from ._errors import TorchLensError
+from ._records import _storage_ptr
 
 __all__ = ["DirectoryStore", "StoreSpecError", "apply_store", "parse_store"]
 
@@ -132,15 +133,15 @@ def _storages(found: list[tuple[Any, Any, torch.Tensor]], skip: set[int] = froze
     data_ptr is in `skip`."""
     storages: dict[tuple[str, int], tuple[torch.UntypedStorage, torch.dtype]] = {}
     for _, _, t in found:
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            storages.setdefault((str(t.device), st.data_ptr()), (st, t.dtype))
+        ptr = _storage_ptr(t)
+        if ptr is not None and ptr not in skip:  # one with no storage of its own is not written
+            storages.setdefault((str(t.device), ptr), (t.untyped_storage(), t.dtype))
     return storages
 
 
 def _replace(found: list[tuple[Any, Any, torch.Tensor]], placed: dict, bases: dict) -> None:
     for holder, key, t in found:
-        where = placed.get((str(t.device), t.untyped_storage().data_ptr()))
+        where = placed.get((str(t.device), _storage_ptr(t)))
         if where is not None:
             _put(holder, key, _view(where[0], where[1], t, bases))
 
@@ -166,7 +167,10 @@ def apply_store(trace, store: Any):
             if pending and torch.cuda.is_available():
                 torch.cuda.synchronize()
             _replace(found, placed, {})
-        else:
+            for holder, key, t in found:  # no storage of its own (sparse, a wrapper subclass): moved whole
+                if t.device.type != "cpu" and _storage_ptr(t) is None:
+                    _put(holder, key, t.cpu())
+        else:  # a directory: a tensor with no storage of its own stays in memory
             store.write(found)
     return trace
 
@@ -211,7 +215,7 @@ class DirectoryStore:
             return
         placed, fresh = {}, {}
         for key, (st, dtype) in storages.items():
-            t = next(t for _, _, t in found if (str(t.device), t.untyped_storage().data_ptr()) == key)
+            t = next(t for _, _, t in found if (str(t.device), _storage_ptr(t)) == key)
             old = self._written.get(key)
             if (old is not None and not old[0].expired() and not t.is_inference() and t._version == old[1]
                     and self.writes.get(key[1], 0) == old[2]):
