@@ -8,6 +8,8 @@ accelerate set it up (hooks restored, weights back on meta), also when the forwa
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from accelerate import cpu_offload, disk_offload, dispatch_model
@@ -194,10 +196,11 @@ class _Halve(ModelHook):
         return self._halve(output)
 
 
+@pytest.mark.parametrize("outer", [None, "device"])  # "device": inside `with torch.device("cpu")`, a mode below
 @pytest.mark.parametrize("how", ["new", "data_inplace", "data_assign"])
 @pytest.mark.parametrize("side", ["in", "out"])
 @pytest.mark.parametrize("where", ["transformer.h.0", "transformer.h.0.attn", "transformer.h.0.mlp.c_fc"])
-def test_an_accelerate_hook_that_changes_values_is_recorded_as_computing_them(side, where, how):
+def test_an_accelerate_hook_that_changes_values_is_recorded_as_computing_them(side, where, how, outer):
     model = _models.build("gpt2", "sdpa")
     hook = _Halve(side, how)
     add_hook_to_module(model.get_submodule(where), hook)
@@ -216,7 +219,8 @@ def test_an_accelerate_hook_that_changes_values_is_recorded_as_computing_them(si
     seen_out = _models.hooked_outputs(model, addresses, IDS)  # also runs the pre-hooks above
     for h in handles:
         h.remove()
-    t = tl.trace(model, IDS, save="all")
+    with torch.device("cpu") if outer == "device" else contextlib.nullcontext():
+        t = tl.trace(model, IDS, save="all")
     for a in addresses:
         facets = t.modules[a].facets
         if a in seen_out and "output" in facets:

@@ -9,6 +9,7 @@ intervention mechanisms.
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -333,6 +334,52 @@ def test_a_patched_tensor_is_not_written_by_the_model():
     assert bool((value == 3).all())
     tl.trace(model, x, edit={("a", "output"): lambda h: held})
     assert bool((held == 5).all())
+
+
+@pytest.mark.parametrize("outer", [None, "device", "trace"])
+@pytest.mark.parametrize("write", ["mul_", "data"])
+def test_an_edit_that_writes_into_a_kept_tensor_leaves_its_facet_as_the_model_made_it(outer, write):
+    # The edit of block 1's MLP output also halves, in place, block 0's output (which a user hook
+    # stashed): block 0's output facet must stay what block 0 returned, with a torch function mode
+    # below the trace (`torch.device`, an outer trace) or not.
+    model = testing.build("gpt2")
+    with torch.no_grad():
+        truth = testing.hooked_outputs(model, ["transformer.h.0"], IDS)["transformer.h.0"]
+    stash = {}
+    handle = model.transformer.h[0].register_forward_hook(lambda m, a, o: stash.update(b0=o[0] if isinstance(o, tuple) else o))
+
+    def edit(y):
+        (stash["b0"].data if write == "data" else stash["b0"]).mul_(0.5)
+        return y * 3
+
+    def run():
+        return tl.trace(model, IDS, edit={("transformer.h.1.mlp", "output"): edit})
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an outer trace warns about the write it cannot attribute
+        try:
+            if outer == "device":
+                with torch.device("cpu"):
+                    t = run()
+            elif outer == "trace":
+                inner = {}
+
+                class Wrap(torch.nn.Module):
+                    def __init__(self):
+                        super().__init__()
+                        self.model = model
+
+                    def forward(self, ids):
+                        inner["t"] = run()
+                        return ids
+
+                tl.trace(Wrap(), IDS)
+                t = inner["t"]
+            else:
+                t = run()
+        finally:
+            handle.remove()
+    torch.testing.assert_close(t.modules["transformer.h.0"].facets["output"], truth, rtol=0, atol=0)
 
 
 def test_training_mode_dropout_draws_the_same_masks_as_an_unedited_forward():

@@ -341,12 +341,14 @@ class Recorder(TorchFunctionMode):
     # -- edits ---------------------------------------------------------------------------------
 
     def _run_edit(self, edit, t: Tensor) -> Tensor:
-        """`edit` applied to `t`, its own torch calls unrecorded."""
+        """`edit` applied to `t`, its own torch calls not recorded by this trace (its `edited` op
+        stands for them) but still seen by it (`_quiet_call`: an in-place write in it is one), and
+        by any other torch function mode below: they are computation of the forward, not the
+        recorder's bookkeeping."""
         quiet = self._quiet
         self._quiet = True
         try:
-            with self.hidden():
-                return edit.apply(t)
+            return edit.apply(t)
         finally:
             self._quiet = quiet
 
@@ -366,9 +368,11 @@ class Recorder(TorchFunctionMode):
     def _edit_hooked(self, edits, t: Tensor) -> Tensor:
         """`t` replaced by each edit in turn; each replacement is recorded as an `edited` op."""
         for edit in edits:
-            ref = self._ref(t)
+            with self.hidden():
+                ref = self._ref(t)
             t = self._run_edit(edit, t)
-            self._record("edited", (t,), (), False, refs=(ref,))
+            with self.hidden():
+                self._record("edited", (t,), (), False, refs=(ref,))
             self._n_edited += 1
         return t
 
@@ -583,12 +587,11 @@ class Recorder(TorchFunctionMode):
         self._quiet = True
         try:
             if self.edits is not None and self.edits.hook_in:
-                with self.hidden():
-                    addr = self.names[module]
-                    edits = self.edits.hook_in.get((addr, self.call_counts.get(addr, 0)))
-                    if edits:
-                        args, kwargs = _replace_input(args, kwargs, lambda t: self._edit_hooked(edits, t))
-                        changed = True
+                addr = self.names[module]
+                edits = self.edits.hook_in.get((addr, self.call_counts.get(addr, 0)))
+                if edits:
+                    args, kwargs = _replace_input(args, kwargs, lambda t: self._edit_hooked(edits, t))
+                    changed = True
             # The bookkeeping reaches no torch function mode, this one included: outside an op,
             # this mode is active, and every `t._version` or `t.detach()` would pass through it.
             # A tensor subclass among the inputs keeps its own `__torch_function__` (its aliases
@@ -626,12 +629,11 @@ class Recorder(TorchFunctionMode):
         self._quiet = True
         try:
             if self.edits is not None and self.edits.hook_out and output is not None and self.stack:
-                with self.hidden():
-                    call = self.stack[-1]
-                    edits = self.edits.hook_out.get((call.address, call.index))
-                    if edits and call.address == self.names[module]:
-                        output = _replace_first(output, lambda t: self._edit_hooked(edits, t))
-                        changed = True
+                call = self.stack[-1]
+                edits = self.edits.hook_out.get((call.address, call.index))
+                if edits and call.address == self.names[module]:
+                    output = _replace_first(output, lambda t: self._edit_hooked(edits, t))
+                    changed = True
             t = first_tensor(output)
             with torch._C.DisableTorchFunction() if t is None or type(t) is Tensor else self.hidden():  # as in `pre_hook`
                 call = self._leave(module, output, t)

@@ -69,11 +69,15 @@ class _Quiet:
         return getattr(self.hook, name)
 
     @contextlib.contextmanager
-    def _hidden(self) -> Iterator[None]:
+    def _quiet(self, hide: bool = False) -> Iterator[None]:
+        """The hook's own calls are not recorded as ops (the recorder still sees their writes,
+        `Recorder._quiet_call`); with `hide`, this wrapper's bookkeeping reaches no torch
+        function mode below either. The hook itself runs where a plain forward runs it: another
+        mode (`torch.device(...)`, an outer trace) sees its calls."""
         quiet = self.rec._quiet
         self.rec._quiet = True
         try:
-            with self.rec.hidden():
+            with self.rec.hidden() if hide else contextlib.nullcontext():
                 yield
         finally:
             self.rec._quiet = quiet
@@ -93,7 +97,7 @@ class _Quiet:
         if len(before) != len(after):
             return
         rec = self.rec
-        with self._hidden():
+        with self._quiet(hide=True):
             for old, new in zip(before, after):
                 if new is old or not isinstance(new, Tensor):
                     continue
@@ -111,21 +115,22 @@ class _Quiet:
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any):
         before = _flat((args, kwargs), [])
-        with self._hidden():
+        with self._quiet():
             args, kwargs = self.hook.pre_forward(module, *args, **kwargs)
         self._alias(before, _flat((args, kwargs), []))
         prefix = self.address + "." if self.address else ""
-        for name, p in module.named_parameters(recurse=True):
-            if not p.is_meta:
-                # Assigned, not set-if-missing: the meta placeholder this id named may be gone.
-                self.rec.param_names[id(p)] = self.rec.canonical_param.get(prefix + name, prefix + name)
-                self.used.setdefault((module, name), p)  # what `weights()` puts back
-                self.used[("loaded", id(p))] = p  # alive until the trace is assembled, so ids stay unique
+        with self._quiet(hide=True):
+            for name, p in module.named_parameters(recurse=True):
+                if not p.is_meta:
+                    # Assigned, not set-if-missing: the meta placeholder this id named may be gone.
+                    self.rec.param_names[id(p)] = self.rec.canonical_param.get(prefix + name, prefix + name)
+                    self.used.setdefault((module, name), p)  # what `weights()` puts back
+                    self.used[("loaded", id(p))] = p  # alive until the trace is assembled, so ids stay unique
         return args, kwargs
 
     def post_forward(self, module: nn.Module, output: Any):
         before = _flat(output, [])
-        with self._hidden():
+        with self._quiet():
             output = self.hook.post_forward(module, output)
         self._alias(before, _flat(output, []))
         return output
