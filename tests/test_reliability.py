@@ -781,6 +781,62 @@ def test_a_wrapper_subclass_input_is_traced():
         assert torch.equal(out.a, model(x)) and torch.equal(out.b, model(x * 2))
 
 
+@pytest.mark.parametrize("store", [None, "directory"])
+@pytest.mark.parametrize("how", ["mul_", "data"])
+def test_a_wrapper_subclass_written_in_place_keeps_what_each_op_returned(how, store, tmp_path):
+    # A wrapper subclass's memory is its inner tensors': a write into it (also through `.data`,
+    # whose version counter is its own) first copies what the trace kept there.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class Writes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.lin2 = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = self.lin(x)
+            (h.data if how == "data" else h).mul_(0)
+            return self.lin2(h)
+
+    model = Writes()
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        first = model.lin(x)
+    tr = torchlens.trace(model, TwoTensor(x, x * 2), store=str(tmp_path) if store else None)
+    linear = tr.ops[1]
+    assert linear.name == "linear" and torch.equal(linear.tensor.a, first)  # as the op returned it
+    assert torch.equal(tr.modules["lin"].facets["output"].a, first)
+    assert bool((tr.modules["lin2"].facets["input"].a == 0).all())  # what lin2 received
+    source = tr.ops[tr.modules["lin2"].calls[0].input_ref.op]
+    assert source.name == ("written_in_place" if how == "data" else "mul_")  # what lin2 read comes from the write
+    with pytest.warns(UserWarning, match="TwoTensor"):
+        tr.save(tmp_path / "saved")  # a wrapper subclass is left out of the file, with a note, not a crash
+    assert any("TwoTensor" in note for note in torchlens.load(tmp_path / "saved").load_notes)
+
+
+def test_a_kept_module_input_written_where_the_mode_cannot_see_is_not_served():
+    class Inner(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            with torch._C.DisableTorchFunction():  # hidden from the mode
+                x.mul_(0)
+            return y
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x):
+            return self.inner(x)
+
+    x = torch.arange(1.0, 7.0).reshape(2, 3)
+    with pytest.warns(UserWarning, match="inner input"):
+        tr = torchlens.trace(Outer(), x, save=["inner"])  # the input is kept as a hook alias
+    assert "input" not in tr.modules["inner"].facets  # not served with the zeros written later
+    assert torch.equal(tr.output, torch.arange(1.0, 7.0).reshape(2, 3) * 2)
+
+
 @pytest.mark.parametrize(
     "not_a_module",
     [lambda x: x * 2, torch.ones(2), nn.Linear, "model", None],

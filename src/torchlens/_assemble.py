@@ -71,8 +71,9 @@ def drop_overwritten(rec: Recorder, overwritten: list[int]) -> None:
     labels = ", ".join(f"#{i} {rec.ops[i].name}" for i in overwritten[:5])
     warnings.warn(
         f"torchlens: {len(overwritten)} saved op outputs were written in place by code the capture "
-        f"could not see ({labels}); they are not kept, since they would show the later contents "
-        "(the tensor as the forward used it next is kept, as a written_in_place op).",
+        f"could not see, or as a sparse tensor, which it cannot copy before a write ({labels}); they "
+        "are not kept, since they would show the later contents (where the forward used the tensor "
+        "again, it is kept as it was then, as a written_in_place op).",
         stacklevel=4,
     )
     for i in overwritten:  # a value the model did not produce there is never served

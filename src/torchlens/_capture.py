@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -58,7 +59,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._errors import CaptureError, EditSpecError
 from ._ops import INPLACE, REBUILT_OPS, REPOINT, SKIP, classify
-from ._records import ModuleCall, OpRecord, Ref, _storage_ptr
+from ._records import ModuleCall, OpRecord, Ref, _memory_key, _storage_ptr
 
 __all__ = ["Recorder"]
 
@@ -227,6 +228,7 @@ class Recorder(TorchFunctionMode):
         self._cow_upto = 0
         self._writes: dict[int, int] = {}  # storage data_ptr -> writes the mode saw into it (`_stamp`)
         self._hook_aliases: list[tuple[ModuleCall, str]] = []  # module inputs/outputs the hooks kept
+        self._hook_versions: dict[tuple[int, str], int] = {}  # (id(call), side) -> the alias's version when kept
         self._hook_upto = 0
         self._kinds: dict[Any, tuple[str, int]] = {}  # torch function -> `classify` answer, this trace
         self.spill = spill
@@ -389,7 +391,7 @@ class Recorder(TorchFunctionMode):
         writes = self._writes
         if not writes:  # no write seen yet (most forwards see none): no storage to look up
             return (version, 0)
-        return (version, writes.get(_storage_ptr(t), 0))  # None (no storage of its own) is never written
+        return (version, writes.get(_memory_key(t), 0))  # None (a sparse tensor) is never counted
 
     def _ref(self, t: Tensor):
         entry = self.producer.get(id(t))
@@ -488,9 +490,10 @@ class Recorder(TorchFunctionMode):
         if not targets:
             return
         writes = self._writes
-        # A tensor with no storage of its own (sparse, a wrapper subclass) is neither counted nor
-        # cloned by storage: a write into one moves its version counter, which the end check reads.
-        ptrs = [_storage_ptr(target) for target in targets]
+        # Memory is told by its storage (a wrapper subclass by its first inner tensor's); a sparse
+        # tensor, with neither, is not counted or cloned: a write into it moves its version
+        # counter, which the end check reads.
+        ptrs = [_memory_key(target) for target in targets]
         for ptr in ptrs:
             if ptr:  # every empty tensor has pointer 0: a write into one changes no other
                 writes[ptr] = writes.get(ptr, 0) + 1
@@ -498,20 +501,22 @@ class Recorder(TorchFunctionMode):
         for i in range(self._cow_upto, len(ops)):
             for slot, t in enumerate(ops[i].tensors):
                 if t is not None:
-                    cow.setdefault(_storage_ptr(t), []).append((i, slot))
+                    cow.setdefault(_memory_key(t), []).append((i, slot))
             if ops[i].extra is not None:
                 for key, t in _arg_slots(ops[i].extra):
-                    cow.setdefault(_storage_ptr(t), []).append((i, key))
+                    cow.setdefault(_memory_key(t), []).append((i, key))
         self._cow_upto = len(ops)
         for call, attr in self._hook_aliases[self._hook_upto :]:
-            cow.setdefault(_storage_ptr(getattr(call, attr)), []).append((call, attr))
+            cow.setdefault(_memory_key(getattr(call, attr)), []).append((call, attr))
         self._hook_upto = len(self._hook_aliases)
         cow.pop(None, None)
         clones: dict[int, Tensor] = {}  # one clone per alias (a kept argument passed twice is one)
         for ptr in ptrs:
             for i, slot in cow.pop(ptr, ()):
                 if isinstance(i, ModuleCall):  # a module input/output alias kept by a hook
-                    setattr(i, slot, getattr(i, slot).clone())
+                    copy = getattr(i, slot).clone()
+                    setattr(i, slot, copy)
+                    self._note_hook_version(i, slot, copy)
                     continue
                 if isinstance(slot, tuple):  # a kept argument of a rebuilt op
                     old = _get_arg(ops[i].extra, slot)
@@ -551,10 +556,19 @@ class Recorder(TorchFunctionMode):
         ref = self._ref(t)
         setattr(call, "input_ref" if side == "_in" else "output_ref", ref)
         if ref is None or isinstance(ref, str) or (call.retained and not self.retain_all):
-            setattr(call, side, t.detach())
+            alias = t.detach()
+            setattr(call, side, alias)
             self._hook_aliases.append((call, side))
+            self._note_hook_version(call, side, alias)
         elif not self.retain_all and call.address in self._hold[side]:
             self._hold_output(ref, t)
+
+    def _note_hook_version(self, call: ModuleCall, side: str, alias: Tensor) -> None:
+        """Note the version of a module input/output alias, for `check_versions`."""
+        if alias.is_inference():  # no version counter
+            self._hook_versions.pop((id(call), side), None)
+        else:
+            self._hook_versions[id(call), side] = alias._version
 
     def _hold_output(self, ref: Ref, t: Tensor) -> None:
         """Keep `t`, the tensor op `ref` produced (as it is now: a stale one got a
@@ -569,7 +583,7 @@ class Recorder(TorchFunctionMode):
         if not kept.is_inference():
             self.versions[ref.op, ref.slot] = kept._version
         if ref.op < self._cow_upto:  # `_before_write` has scanned this op already
-            ptr = _storage_ptr(kept)
+            ptr = _memory_key(kept)
             if ptr is not None:
                 self._cow.setdefault(ptr, []).append((ref.op, ref.slot))
 
@@ -677,23 +691,28 @@ class Recorder(TorchFunctionMode):
         ops, versions, arg_versions = self.ops, self.versions, self.arg_versions
         found: list[tuple[Any, Any, Tensor]] = []
         args_found: list[tuple[int, tuple[str, Any]]] = []
+        # A tensor with no storage of its own (sparse, a wrapper subclass) is not written: it stays
+        # in memory, version-checked, like one whose counter moved.
+        hook_versions = self._hook_versions
         for i in range(self._spill_ops, len(ops)):
             op = ops[i]
             for slot, t in enumerate(op.tensors):
-                if t is not None:
+                if t is not None and _storage_ptr(t) is not None:
                     v = versions.get((i, slot))
                     if v is None or t._version == v:
                         found.append((op, slot, t))
             if op.extra is not None:
                 for key, a in _arg_slots(op.extra):
                     v = arg_versions.get((i, key))
-                    if v is None or a._version == v:  # a moved one stays for `check_versions`
+                    if (v is None or a._version == v) and _storage_ptr(a) is not None:  # a moved one stays for `check_versions`
                         found.append((op.extra, key, a))
                         args_found.append((i, key))
         for call, attr in self._hook_aliases[self._spill_hooks :]:
             t = getattr(call, attr)
-            if isinstance(t, Tensor):
-                found.append((call, attr, t))
+            if isinstance(t, Tensor) and _storage_ptr(t) is not None:
+                v = hook_versions.get((id(call), attr))
+                if v is None or t._version == v:
+                    found.append((call, attr, t))
         self._spill_ops, self._spill_hooks = len(ops), len(self._hook_aliases)
         if not found:
             return
@@ -701,6 +720,8 @@ class Recorder(TorchFunctionMode):
         for holder, slot, _ in found:
             if isinstance(holder, OpRecord):
                 versions.pop((holder.index, slot), None)
+            elif isinstance(holder, ModuleCall):
+                hook_versions.pop((id(holder), slot), None)
         for i_key in args_found:
             arg_versions.pop(i_key, None)
         # The views share no storage with the model: nothing held so far needs a clone on a write.
@@ -721,6 +742,18 @@ class Recorder(TorchFunctionMode):
             t = ops[i].tensors[slot]
             if t is not None and t._version != version:
                 bad.append(i)
+        dropped = []  # module inputs/outputs the hooks kept, written the same way: not served
+        for call, side in self._hook_aliases:
+            t, version = getattr(call, side), self._hook_versions.get((id(call), side))
+            if isinstance(t, Tensor) and version is not None and t._version != version:
+                setattr(call, side, None)
+                dropped.append(f"{call.address or '<root>'} {'input' if side == '_in' else 'output'}")
+        if dropped:
+            warnings.warn(
+                f"torchlens: {len(dropped)} module inputs/outputs the trace kept were written in place by code the "
+                f"capture could not see, or as a sparse tensor, which it cannot copy before a write "
+                f"({', '.join(dropped[:5])}); they are not kept, since they would show the later contents.",
+                stacklevel=3)
         for (i, key), version in self.arg_versions.items():
             extra = ops[i].extra
             if extra is None or "stale" in extra or _get_arg(extra, key)._version == version:

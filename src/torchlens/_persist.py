@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ._errors import TorchLensError
+from ._records import _storage_ptr
 
 __all__ = ["TraceFileError", "save", "load", "FORMAT", "FORMAT_VERSION"]
 
@@ -99,6 +100,9 @@ class _Encoder:
             return {"tensor": key}
         if t.is_meta or t.is_complex() or t.layout != torch.strided:
             self.dropped.append(f"{where} (a {'meta' if t.is_meta else str(t.dtype)} tensor)")
+            return {"dropped": f"tensor {t.dtype} {list(t.shape)}"}
+        if _storage_ptr(t) is None:  # a wrapper subclass: its data is in the tensors it wraps
+            self.dropped.append(f"{where} (a {type(t).__name__}, a tensor subclass with no storage of its own)")
             return {"dropped": f"tensor {t.dtype} {list(t.shape)}"}
         key = f"t{len(self.tensors)}"
         c = t.detach().to("cpu").contiguous()

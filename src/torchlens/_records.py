@@ -260,6 +260,22 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
         return None
 
 
+def _memory_key(t: torch.Tensor, _depth: int = 0) -> int | None:
+    """What identifies the memory `t`'s values live in, to tell which tensors a write changes: its
+    storage's data pointer; for a wrapper subclass (one with `__tensor_flatten__`, such as
+    `TwoTensor`), its first inner tensor's, which a write into the wrapper writes too; None for
+    a tensor with neither (a sparse tensor)."""
+    ptr = _storage_ptr(t)
+    if ptr is not None or _depth > 4 or not hasattr(type(t), "__tensor_flatten__"):
+        return ptr
+    try:
+        names, _ = t.__tensor_flatten__()
+        inner = next((x for x in (getattr(t, n) for n in names) if isinstance(x, torch.Tensor)), None)
+    except Exception:  # a subclass whose flattening fails here: nothing to key it by
+        return None
+    return None if inner is None else _memory_key(inner, _depth + 1)
+
+
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """The bytes of its storage `t` can reach, as [start, end) (empty for an empty tensor)."""
     item = t.element_size()
