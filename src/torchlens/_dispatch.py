@@ -9,9 +9,13 @@ meta and moves the output to the input's device.
 Those moves are not the model's computation, so while a trace runs each module's hook object is
 wrapped (on that module only, restored before `trace` returns or raises) so that:
 
-- the hook's own torch calls are not recorded as ops;
+- the hook's own torch calls are not recorded as ops, but the recorder still sees the writes
+  among them (a hook that writes into a tensor, also through `.data`, is a write in place), and
+  another torch function mode below the trace still sees them all;
 - a tensor the hook moved to another device keeps the data-flow reference of the tensor it
-  copies, so an op reading it is linked to the op that produced the original;
+  copies (its values are compared), so an op reading it is linked to the op that produced the
+  original; a tensor the hook replaced with other values (an ablation written as a `ModelHook`)
+  is recorded as an `accelerate_hook` op computed from the one it replaced;
 - each weight the hook loaded is named like the parameter it stands for (a tied weight by its
   first name, as in the undispatched model: dispatch unties the meta placeholders, so the ties a
   Hugging Face model declares in `all_tied_weights_keys` are used), and kept until the
