@@ -8,6 +8,7 @@ intervention mechanisms.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 
@@ -380,6 +381,25 @@ def test_an_edit_that_writes_into_a_kept_tensor_leaves_its_facet_as_the_model_ma
         finally:
             handle.remove()
     torch.testing.assert_close(t.modules["transformer.h.0"].facets["output"], truth, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("outer", [None, "device"])
+def test_an_edit_that_calls_a_module_of_the_model_is_one_edited_op(outer):
+    # The edit runs block 1's first norm on block 0's output: that call is the edit's computation,
+    # not a module call of the forward, and none of its ops are recorded, so op positions stay those
+    # of the locating pass and an op-level edit after it is still placed.
+    model = testing.build("gpt2")
+    ln = model.transformer.h[1].ln_1
+    plain = tl.trace(model, IDS)
+    with torch.device("cpu") if outer else contextlib.nullcontext():
+        t = tl.trace(model, IDS, edit={"transformer.h.0:resid_post": lambda x: ln(x) * 2 + 1,
+                                       "transformer.h.1.attn:pattern": lambda p: p * 1.0})
+    assert [r.where.split(" #")[0] for r in t.edits] == ["forward hook", "op"]  # both placed
+    assert len(t.modules["transformer.h.1.ln_1"].calls) == 1
+    assert [op.name for op in t.ops if op.name != "edited"] == [op.name for op in plain.ops]
+    with torch.no_grad():
+        expected = ln(plain.modules["transformer.h.0"].facets["resid_post"]) * 2 + 1
+    torch.testing.assert_close(t.modules["transformer.h.1"].facets["resid_pre"], expected, rtol=0, atol=0)
 
 
 def test_training_mode_dropout_draws_the_same_masks_as_an_unedited_forward():

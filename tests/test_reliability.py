@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import gc
 import threading
+import warnings
 import weakref
 
 import pytest
@@ -812,6 +813,38 @@ def test_a_wrapper_subclass_written_in_place_keeps_what_each_op_returned(how, st
     with pytest.warns(UserWarning, match="TwoTensor"):
         tr.save(tmp_path / "saved")  # a wrapper subclass is left out of the file, with a note, not a crash
     assert any("TwoTensor" in note for note in torchlens.load(tmp_path / "saved").load_notes)
+
+
+def test_a_directory_store_keeps_copying_a_wrapper_subclass_it_leaves_in_memory(tmp_path):
+    # The store cannot write a wrapper subclass, so it stays in memory; a write into it in a later
+    # block (seen by the mode) must still copy it first, after the store wrote block 0's plain tensors.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class B0(nn.Module):
+        def forward(self, x):
+            self.plain = torch.ones(2) * 3  # a plain tensor the store writes when block 0 ends
+            return x * 2
+
+    class B1(nn.Module):
+        def forward(self, y):
+            y.add_(1)
+            return y * 3
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b0, self.b1 = B0(), B1()
+
+        def forward(self, x):
+            return self.b1(self.b0(x))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no write goes unseen here
+        tr = torchlens.trace(M(), TwoTensor(torch.ones(3), torch.ones(3) * 5), store=str(tmp_path),
+                             roles={"b0": "block", "b1": "block"})
+    out = tr.modules["b0"].facets["output"]
+    assert torch.equal(out.a, torch.full((3,), 2.0)) and torch.equal(out.b, torch.full((3,), 10.0))
+    assert torch.equal(tr.output.a, torch.full((3,), 9.0))
 
 
 def test_a_kept_module_input_written_where_the_mode_cannot_see_is_not_served():

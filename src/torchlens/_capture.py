@@ -235,6 +235,7 @@ class Recorder(TorchFunctionMode):
         if spill is not None:
             spill.writes = self._writes
         self._spill_ops = 0  # ops before this index were written to `spill` (or had nothing to write)
+        self._kept_in_memory = False  # a tensor the spill could not write (no storage of its own) stays held
         self._spill_hooks = 0  # the same for `_hook_aliases`
         #: (exception, op name) of the last op that raised, for the note `trace` adds; an op
         #: failure the model caught and handled is never mistaken for a later error.
@@ -594,7 +595,9 @@ class Recorder(TorchFunctionMode):
     # the removal without the kwargs it no longer knows the hook wants.
 
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict | None = None):
-        if threading.get_ident() != self.thread:
+        # Quiet already: a module called by code the trace does not record (an edit function, an
+        # accelerate hook's body) is part of that code, not a module call of the forward.
+        if threading.get_ident() != self.thread or self._quiet:
             return None
         kwargs = kwargs or {}
         changed = False
@@ -636,7 +639,7 @@ class Recorder(TorchFunctionMode):
         self.calls.append(call)
 
     def post_hook(self, module: nn.Module, args: tuple, *kwargs_and_output: Any):
-        if threading.get_ident() != self.thread:
+        if threading.get_ident() != self.thread or self._quiet:  # as in `pre_hook`
             return None
         output = kwargs_and_output[-1]
         changed = False
@@ -697,19 +700,28 @@ class Recorder(TorchFunctionMode):
         for i in range(self._spill_ops, len(ops)):
             op = ops[i]
             for slot, t in enumerate(op.tensors):
-                if t is not None and _storage_ptr(t) is not None:
+                if t is not None:
+                    if _storage_ptr(t) is None:
+                        self._kept_in_memory = True
+                        continue
                     v = versions.get((i, slot))
                     if v is None or t._version == v:
                         found.append((op, slot, t))
             if op.extra is not None:
                 for key, a in _arg_slots(op.extra):
+                    if _storage_ptr(a) is None:
+                        self._kept_in_memory = True
+                        continue
                     v = arg_versions.get((i, key))
-                    if (v is None or a._version == v) and _storage_ptr(a) is not None:  # a moved one stays for `check_versions`
+                    if v is None or a._version == v:  # a moved one stays for `check_versions`
                         found.append((op.extra, key, a))
                         args_found.append((i, key))
         for call, attr in self._hook_aliases[self._spill_hooks :]:
             t = getattr(call, attr)
-            if isinstance(t, Tensor) and _storage_ptr(t) is not None:
+            if isinstance(t, Tensor):
+                if _storage_ptr(t) is None:
+                    self._kept_in_memory = True
+                    continue
                 v = hook_versions.get((id(call), attr))
                 if v is None or t._version == v:
                     found.append((call, attr, t))
@@ -724,10 +736,12 @@ class Recorder(TorchFunctionMode):
                 hook_versions.pop((id(holder), slot), None)
         for i_key in args_found:
             arg_versions.pop(i_key, None)
-        # The views share no storage with the model: nothing held so far needs a clone on a write.
+        # The views share no storage with the model: nothing held so far needs a clone on a write,
+        # unless a tensor that could not be written stays in memory: then the next write looks at
+        # every kept tensor again (the views it meets share no memory with what a model writes).
         self._cow.clear()
-        self._cow_upto = len(ops)
-        self._hook_upto = len(self._hook_aliases)
+        self._cow_upto = 0 if self._kept_in_memory else len(ops)
+        self._hook_upto = 0 if self._kept_in_memory else len(self._hook_aliases)
 
     def check_versions(self) -> list[int]:
         """Indices of ops whose saved alias was written by something the mode could not see.
