@@ -337,12 +337,15 @@ def test_a_patched_tensor_is_not_written_by_the_model():
     assert bool((held == 5).all())
 
 
+@pytest.mark.parametrize("site", [("transformer.h.1.mlp", "output"), ("transformer.h.1.attn", "pattern")],
+                         ids=["hook-edit", "op-edit"])
 @pytest.mark.parametrize("outer", [None, "device", "trace"])
 @pytest.mark.parametrize("write", ["mul_", "data"])
-def test_an_edit_that_writes_into_a_kept_tensor_leaves_its_facet_as_the_model_made_it(outer, write):
-    # The edit of block 1's MLP output also halves, in place, block 0's output (which a user hook
-    # stashed): block 0's output facet must stay what block 0 returned, with a torch function mode
-    # below the trace (`torch.device`, an outer trace) or not.
+def test_an_edit_that_writes_into_a_kept_tensor_leaves_its_facet_as_the_model_made_it(outer, write, site):
+    # The edit of block 1's MLP output (placed in a forward hook) or of its attention pattern
+    # (placed on an op) also halves, in place, block 0's output, which a user hook stashed: block
+    # 0's output facet must stay what block 0 returned, with a torch function mode below the trace
+    # (`torch.device`, an outer trace) or not.
     model = testing.build("gpt2")
     with torch.no_grad():
         truth = testing.hooked_outputs(model, ["transformer.h.0"], IDS)["transformer.h.0"]
@@ -354,7 +357,7 @@ def test_an_edit_that_writes_into_a_kept_tensor_leaves_its_facet_as_the_model_ma
         return y * 3
 
     def run():
-        return tl.trace(model, IDS, edit={("transformer.h.1.mlp", "output"): edit})
+        return tl.trace(model, IDS, edit={site: edit})
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an outer trace warns about the write it cannot attribute

@@ -366,7 +366,14 @@ class Recorder(TorchFunctionMode):
                 f"{where[0] or '<root>'} (call {where[1]}) there: it took another path (an earlier edit changed "
                 f"control flow, or the forward is not deterministic), so the edit is not placed."
             )
-        return self._run_edit(edit, out)
+        # This runs in the mode's handler, where torch has taken the mode off its stack: it goes
+        # back on for the edit, so that the edit's writes are seen (`_quiet_call`) as a hook
+        # edit's are.
+        torch.overrides._push_mode(self)
+        try:
+            return self._run_edit(edit, out)
+        finally:
+            torch.overrides._pop_mode()
 
     def _edit_hooked(self, edits, t: Tensor) -> Tensor:
         """`t` replaced by each edit in turn; each replacement is recorded as an `edited` op."""
