@@ -79,6 +79,12 @@ def _tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
     return found
 
 
+def _writes_inputs(kind: int, kwargs: dict | None) -> bool:
+    """Whether a call of this `classify` kind with these keyword arguments writes into a tensor
+    it was given: an in-place function, or one called with `out=` or `inplace=True`."""
+    return kind == INPLACE or bool(kwargs) and (kwargs.get("out") is not None or kwargs.get("inplace") is True)
+
+
 def _plain_tensors(args: tuple, kwargs: dict) -> bool:
     """Whether every tensor among a module call's arguments (as `_tensor_args` finds them) is a
     plain `torch.Tensor`, no subclass."""
@@ -283,7 +289,7 @@ class Recorder(TorchFunctionMode):
         aliases on the memory it writes and is counted there (so a write through `x.data` marks
         `x` written), and `x.data = y` voids `x`'s stamp."""
         kind = self._classify(func)[1]
-        if kind == INPLACE or (kwargs and (kwargs.get("out") is not None or kwargs.get("inplace") is True)):
+        if _writes_inputs(kind, kwargs):
             with self.hidden():
                 self._before_write(args, kwargs or {})
         elif kind == REPOINT:
@@ -303,9 +309,7 @@ class Recorder(TorchFunctionMode):
             return out
         if kwargs is None:
             kwargs = {}
-        mutated = kind == INPLACE or (
-            bool(kwargs) and (kwargs.get("out") is not None or kwargs.get("inplace") is True)
-        )
+        mutated = _writes_inputs(kind, kwargs)
         ins = _tensor_args(args, kwargs)
         refs = None
         if mutated:  # the input refs are taken before the op writes them (the write makes them stale)
@@ -404,14 +408,7 @@ class Recorder(TorchFunctionMode):
     def _ref(self, t: Tensor):
         entry = self.producer.get(id(t))
         if entry is not None and entry[1]() is t:
-            if self._writes:
-                now = self._stamp(t)
-            else:  # `_stamp` inlined for the common case: no write seen yet
-                try:
-                    now = (t._version, 0)
-                except RuntimeError:  # an inference tensor
-                    now = (None, 0)
-            if entry[2] != now:  # written in place (or given other memory) since its producer recorded it
+            if entry[2] != self._stamp(t):  # written in place (or given other memory) since its producer recorded it
                 return self._record("written_in_place", (t,), (), True, refs=(entry[0],))
             return entry[0]
         return self.param_names.get(id(t))
@@ -429,13 +426,7 @@ class Recorder(TorchFunctionMode):
         retain = self.retain_all or (call is not None and call.retained)
         if len(outs) == 1:  # most ops: one output
             o0 = outs[0]
-            if self._writes:
-                stamp = self._stamp(o0)
-            else:  # `_stamp` inlined for the common case: no write seen yet
-                try:
-                    stamp = (o0._version, 0)
-                except RuntimeError:  # an inference tensor
-                    stamp = (None, 0)
+            stamp = self._stamp(o0)
             if retain:
                 tensors = (o0.detach(),)
                 if stamp[0] is not None:  # a detached alias shares the counter: its version when saved
@@ -446,15 +437,16 @@ class Recorder(TorchFunctionMode):
             producer[id(o0)] = (first, weakref.ref(o0), stamp)
             shapes, dtypes = (o0.shape,), (o0.dtype,)
         else:
+            stamps = [self._stamp(o) for o in outs]
             if retain:
                 tensors = tuple([o.detach() for o in outs])
-                for slot, t in enumerate(tensors):
-                    if not t.is_inference():  # inference tensors have no version counter
-                        self.versions[idx, slot] = t._version
+                for slot, stamp in enumerate(stamps):
+                    if stamp[0] is not None:  # as above
+                        self.versions[idx, slot] = stamp[0]
             else:
                 tensors = (None,) * len(outs)
-            for slot, o in enumerate(outs):
-                producer[id(o)] = (_new_ref(Ref, (idx, slot)), weakref.ref(o), self._stamp(o))
+            for slot, (o, stamp) in enumerate(zip(outs, stamps)):
+                producer[id(o)] = (_new_ref(Ref, (idx, slot)), weakref.ref(o), stamp)
             o0 = outs[0]
             first = _new_ref(Ref, (idx, 0))
             shapes, dtypes = tuple([o.shape for o in outs]), tuple([o.dtype for o in outs])

@@ -60,13 +60,8 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
                 kept = True
                 if live is None:
                     live = _live_storages(rec, model, reachable)
-                try:
-                    ptr = t.untyped_storage().data_ptr()
-                except (RuntimeError, NotImplementedError):
-                    ptr = _OWN  # no storage of its own to tell by (sparse, a wrapper subclass): copied
-                if ptr in live or ptr is _OWN:
-                    if ptr is _OWN:
-                        ptr = ("own", id(t))
+                ptr = _live_key(t, live)
+                if ptr is not None:
                     if type(op.tensors) is not list:
                         op.tensors = list(op.tensors)
                         listed.append(op)
@@ -145,9 +140,6 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
         if op.extra is not None:  # every kept one was rebuilt above with its args as a list
             op.extra["args"] = tuple(op.extra["args"])
     return copied
-
-
-_OWN = object()  # the storage key of a tensor with no storage of its own
 
 
 def _live_key(t: Tensor, live: set[int]) -> Any:
