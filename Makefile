@@ -22,7 +22,9 @@ STAMP := $(VENV)/.torchlens-installed
 # Peer engines whose pins conflict with the main environment get one virtual environment
 # each: envs/NAME.txt pins it, envs/build.sh builds it into $(ENGINE_DIR)/NAME, and the docs
 # harness runs a block with tool=NAME in that interpreter (the rule: scripts/engine_envs.py). An
-# environment is rebuilt when its file changes; the three build in parallel.
+# environment is rebuilt when its file changes. They build one after another, after .venv:
+# build.sh hard-links the files they share (torch above all) to finished trees, which keeps
+# four environments near 4 GB on disk instead of 7.
 ENGINE_ENVS := $(patsubst envs/%.txt,%,$(wildcard envs/*.txt))
 ENGINE_DIR ?= .venv-engines
 ENGINE_STAMPS := $(foreach e,$(ENGINE_ENVS),$(ENGINE_DIR)/$(e)/.built)
@@ -38,8 +40,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -c constraints.txt -e ".[test,docs]"
 	touch $@
 
-engines:
-	@$(MAKE) --no-print-directory -j3 $(ENGINE_STAMPS)
+engines: $(STAMP)
+	@$(MAKE) --no-print-directory -j1 $(ENGINE_STAMPS)
 
 $(ENGINE_DIR)/%/.built: envs/%.txt envs/build.sh
 	bash envs/build.sh $*

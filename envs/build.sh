@@ -8,6 +8,14 @@
 # then TorchLens from this checkout (it needs only torch). The file's `# smoke:` line is run
 # last; the build fails if it raises. The Makefile's `engines` target calls this script
 # when the file (or this script) is newer than the environment.
+#
+# Disk: four environments each hold the same torch wheel (about 0.8 GB unpacked). pip runs
+# without its cache, and once an environment is built, every file in it that is byte-equal to
+# one in the main .venv or in an environment already built is replaced by a hard link
+# (util-linux `hardlink`; skipped with a note where it is missing or the trees are on
+# different file systems). pip and Python replace files rather than rewrite them, so a later
+# install into one environment never changes another. Builds run one at a time, so that each
+# links against finished trees and the peak stays near the linked total.
 set -euo pipefail
 name="${1:?usage: bash envs/build.sh NAME   (one of: $(cd "$(dirname "$0")" && ls *.txt | sed 's/\.txt$//' | tr '\n' ' '))}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -21,10 +29,24 @@ smoke="$(sed -n 's/^# smoke: //p' "$pins")"
 start=$(date +%s)
 rm -rf "$dir"
 "$python" -m venv "$dir"
-"$dir/bin/python" -m pip install --quiet --no-compile "$torch_pin"
-"$dir/bin/python" -m pip install --quiet --no-compile --no-deps -r "$pins"
-"$dir/bin/python" -m pip install --quiet --no-compile --no-deps -e "$root"
+pip=("$dir/bin/python" -m pip install --quiet --no-compile --no-cache-dir)
+"${pip[@]}" "$torch_pin"
+"${pip[@]}" --no-deps -r "$pins"
+"${pip[@]}" --no-deps -e "$root"
 if [ -n "$smoke" ]; then
     (cd "$dir" && "$dir/bin/python" -c "$smoke")
 fi
-echo "envs/build.sh: built $name in $(( $(date +%s) - start )) s ($dir)"
+size() { du -sm "$1" | cut -f1; }
+before=$(size "$dir")
+others=()
+for other in "$root/.venv" "$(dirname "$dir")"/*/; do
+    other="${other%/}"
+    [ "$other" != "$dir" ] && [ -d "$other/lib" ] && others+=("$other")
+done
+if ! command -v hardlink >/dev/null 2>&1; then
+    echo "envs/build.sh: no hardlink command (util-linux); $name keeps its own copies" >&2
+elif [ ${#others[@]} -gt 0 ]; then
+    # -t: equal content is enough (pip sets its own mtimes). Files are only linked, never changed.
+    hardlink --quiet --ignore-time "$dir" "${others[@]}"
+fi
+echo "envs/build.sh: built $name in $(( $(date +%s) - start )) s ($dir: $before MB, $(size "$dir") MB not shared)"
