@@ -49,4 +49,7 @@ elif [ ${#others[@]} -gt 0 ]; then
     # -t: equal content is enough (pip sets its own mtimes). Files are only linked, never changed.
     hardlink --quiet --ignore-time "$dir" "${others[@]}"
 fi
-echo "envs/build.sh: built $name in $(( $(date +%s) - start )) s ($dir: $before MB, $(size "$dir") MB not shared)"
+# du counts a file with several links once, under the first tree named: the last line is what
+# this environment holds that no other tree does.
+own=$(du -sm "${others[@]}" "$dir" | tail -1 | cut -f1)
+echo "envs/build.sh: built $name in $(( $(date +%s) - start )) s ($dir: $before MB, $own MB its own)"
