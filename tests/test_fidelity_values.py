@@ -804,3 +804,36 @@ def test_a_data_swap_is_seen_as_a_new_value():
     source = tr.ops[add.inputs[0].op]
     assert source.name == "written_in_place" and torch.equal(source.tensor, x * 3)
     assert torch.equal(tr.output, x * 3)
+
+
+@pytest.mark.parametrize("proj", ["relu", "gated-gelu"])
+def test_t5_mlp_act_is_the_activation_output_not_the_dropout_after_it(proj):
+    """T5's MLP runs dropout between the activation (or the gating product) and `wo`: in
+    training mode `act` must be the activation's output, `post` what `wo` read."""
+    from transformers import T5Config, T5Model
+
+    from torchlens import testing
+
+    cfg = T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=4, d_kv=8,
+                   dropout_rate=0.5, feed_forward_proj=proj)
+    model = testing.from_config(cfg, T5Model).train()
+    mlp = model.encoder.block[0].layer[1].DenseReluDense
+    seen, handles = {}, []
+    gated = proj.startswith("gated")
+    ups = {"pre": mlp.wi_0, "pre_linear": mlp.wi_1} if gated else {"pre": mlp.wi}
+    for name, m in ups.items():
+        handles.append(m.register_forward_hook(lambda m, a, o, name=name: seen.__setitem__(name, o.detach().clone())))
+    handles.append(mlp.act.register_forward_hook(lambda m, a, o: seen.__setitem__("act", o.detach().clone())))
+    handles.append(mlp.wo.register_forward_pre_hook(lambda m, a: seen.__setitem__("post", a[0].detach().clone())))
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    try:
+        tr = torchlens.trace(model, ids, decoder_input_ids=ids, save="all")
+    finally:
+        for h in handles:
+            h.remove()
+    facets = tr.modules["encoder.block.0.layer.1.DenseReluDense"].facets
+    assert not torch.equal(seen["act"] * (seen["pre_linear"] if gated else 1), seen["post"])  # dropout ran
+    for name in ["pre", "act", "post"] + (["pre_linear"] if gated else []):
+        assert torch.equal(facets[name], seen[name]), name
+    if gated:
+        assert torch.equal(facets["gated_out"], seen["act"] * seen["pre_linear"])

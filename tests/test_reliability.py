@@ -847,7 +847,8 @@ def test_a_directory_store_keeps_copying_a_wrapper_subclass_it_leaves_in_memory(
     assert torch.equal(tr.output.a, torch.full((3,), 9.0))
 
 
-def test_a_kept_module_input_written_where_the_mode_cannot_see_is_not_served():
+@pytest.mark.parametrize("source", ["model input", "op output"])
+def test_a_kept_module_input_written_where_the_mode_cannot_see_is_not_served(source):
     class Inner(nn.Module):
         def forward(self, x):
             y = x * 2
@@ -861,13 +862,19 @@ def test_a_kept_module_input_written_where_the_mode_cannot_see_is_not_served():
             self.inner = Inner()
 
         def forward(self, x):
-            return self.inner(x)
+            return self.inner(x if source == "model input" else x + 0)  # an op's output, not kept
 
     x = torch.arange(1.0, 7.0).reshape(2, 3)
     with pytest.warns(UserWarning, match="inner input"):
         tr = torchlens.trace(Outer(), x, save=["inner"])  # the input is kept as a hook alias
-    assert "input" not in tr.modules["inner"].facets  # not served with the zeros written later
+    facets = tr.modules["inner"].facets
+    assert "input" not in facets  # not served with the zeros written later
     assert torch.equal(tr.output, torch.arange(1.0, 7.0).reshape(2, 3) * 2)
+    # Asking for it says why: a refusal naming the write, not "not saved, trace with save=".
+    assert "written in place after the trace kept it" in facets.refused["input"]
+    with pytest.raises(torchlens.FacetNotFound, match="not served: the input tensor of 'inner' was written"):
+        facets["input"]
+    assert "output" in facets  # the output was not written
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._errors import CaptureError, EditSpecError
 from ._ops import INPLACE, REBUILT_OPS, REPOINT, SKIP, classify
-from ._records import ModuleCall, OpRecord, Ref, _memory_key, _storage_ptr
+from ._records import ModuleCall, OpRecord, Ref, _Dropped, _memory_key, _storage_ptr
 
 __all__ = ["Recorder"]
 
@@ -759,8 +759,13 @@ class Recorder(TorchFunctionMode):
         for call, side in self._hook_aliases:
             t, version = getattr(call, side), self._hook_versions.get((id(call), side))
             if isinstance(t, Tensor) and version is not None and t._version != version:
-                setattr(call, side, None)
-                dropped.append(f"{call.address or '<root>'} {'input' if side == '_in' else 'output'}")
+                what = f"{call.address or '<root>'} {'input' if side == '_in' else 'output'}"
+                setattr(call, side, _Dropped(tuple(t.shape), t.dtype, (
+                    f"the {what.split()[-1]} tensor of {what.split()[0]!r} was written in place after the trace "
+                    "kept it, by code the capture could not see (a write under torch._C.DisableTorchFunction, "
+                    "through NumPy, or into a sparse tensor), so what the trace held is no longer what the "
+                    "model used there")))
+                dropped.append(what)
         if dropped:
             warnings.warn(
                 f"torchlens: {len(dropped)} module inputs/outputs the trace kept were written in place by code the "

@@ -216,7 +216,8 @@ SPECS: tuple[FacetSpec, ...] = (
     FacetSpec("gated_out", ("mlp",), ("batch", "pos", "d_mlp"), None, False, "op",
               "`act(pre) * pre_linear`", absent="the MLP is not gated"),
     FacetSpec("post", ("mlp",), ("batch", "pos", "d_mlp"), None, False, "op",
-              "the down projection's input: `act` on a plain MLP, `gated_out` on a gated one"),
+              "the down projection's input: `act` on a plain MLP, `gated_out` on a gated one, after any dropout "
+              "or cast the model applies in between (T5), so in training mode it holds the dropped-out tensor"),
     FacetSpec("down_out", ("mlp",), ("batch", "pos", "d_model"), None, False, "op",
               "the down projection's output, before any dropout"),
     FacetSpec("normalized", ("norm",), ("batch", "pos", "d_model"), None, False, "op",

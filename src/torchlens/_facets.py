@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _ops, _roles
-from ._records import FacetSite, ModuleCall, OpRecord, Ref, _Pending
+from ._records import FacetSite, ModuleCall, OpRecord, Ref, _Dropped, _Pending
 
 class _Graph:
     """Read helpers over the recorded ops: producers, consumers, saved values, shapes."""
@@ -44,6 +44,7 @@ class _Graph:
         self.ops = ops
         self.modules = modules
         self.consumers: dict[int, list[int]] = {}
+        self.dropped: dict[Ref, str] = {}  # a ref `_io` fell back to because its alias was dropped -> why
         for op in ops:
             for r in op.inputs:
                 if type(r) is Ref:
@@ -74,6 +75,16 @@ class _Graph:
             ref = Ref(nxt[0], 0)
         return ref
 
+    def source(self, ref: Any, names: frozenset[str], limit: int = 4) -> Any:
+        """Walk back from `ref` through producers whose op name is in `names` (dropout, casts) to
+        the tensor they pass on: what `follow` does downstream, upstream."""
+        for _ in range(limit):
+            op = self.op(ref)
+            if op is None or op.name not in names or not op.inputs or type(op.inputs[0]) is not Ref:
+                break
+            ref = op.inputs[0]
+        return ref
+
     def ancestors(self, ref: Ref, lo: int) -> dict[int, int]:
         """Ops (index -> slot reached) upstream of `ref`, restricted to ops with index >= lo."""
         seen: dict[int, int] = {}
@@ -98,10 +109,15 @@ def _wide(t: Tensor) -> Tensor:
 
 
 def _site(g: _Graph, name: str, ref: Any, kind: str = "real", note: str = "") -> FacetSite | None:
+    if type(ref) is _Dropped:
+        return FacetSite(name, "refused", ref.shape, ref.dtype, note=ref.reason)
     m = g.meta(ref)
     if m is None:
         return None
-    return FacetSite(name, kind, m[0], m[1], g.value(ref), ref.op if type(ref) is Ref else None, None, note)
+    value = g.value(ref)
+    if value is None and g.dropped and type(ref) is Ref and ref in g.dropped:
+        return FacetSite(name, "refused", m[0], m[1], note=g.dropped[ref])
+    return FacetSite(name, kind, m[0], m[1], value, ref.op if type(ref) is Ref else None, None, note)
 
 
 def _io(g: _Graph, call: ModuleCall, which: str) -> Any:
@@ -111,6 +127,10 @@ def _io(g: _Graph, call: ModuleCall, which: str) -> Any:
     kept, e.g. a retained block whose input came from an op outside it.
     """
     ref, alias = (call.input_ref, call._in) if which == "in" else (call.output_ref, call._out)
+    if type(alias) is _Dropped and type(ref) is Ref:  # the Ref still leads through the graph
+        if g.value(ref) is None:
+            g.dropped[ref] = alias.reason
+        return ref
     if type(ref) is Ref and (alias is None or g.value(ref) is not None):
         return ref
     return alias if alias is not None else ref
@@ -946,14 +966,18 @@ def mlp_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str,
             ref = op.inputs[0]
         return False
 
-    act_call = next((k for k in kids if k.output_ref == post_ref and not _weighted(g, k)), None)
-    act_ref = post_ref
-    prod = g.op(post_ref)
+    # Dropout or a cast between the activation (or the gating product) and the down projection
+    # (T5's DenseReluDense) is walked back over: `act` is the activation's own output, which in
+    # training mode differs from the dropped-out tensor the down projection reads (`post`).
+    core = g.source(post_ref, _ops.PASS_THROUGH_OPS)
+    act_call = next((k for k in kids if k.output_ref == core and not _weighted(g, k)), None)
+    act_ref = core
+    prod = g.op(core)
     if act_call is None and prod is not None and prod.name in _ops.MUL_OPS and len(prod.inputs) == 2:
         a, b = prod.inputs
         if is_linear_branch(a) != is_linear_branch(b):
             lin, act_ref = (a, b) if is_linear_branch(a) else (b, a)
-            sites["gated_out"] = _site(g, "gated_out", post_ref, note="act(pre) * pre_linear")
+            sites["gated_out"] = _site(g, "gated_out", core, note="act(pre) * pre_linear")
             sites["pre_linear"] = _site(g, "pre_linear", lin, note="linear branch of the gated MLP")
     if act_ref is not None:
         sites["act"] = _site(g, "act", act_ref, note="activation output")

@@ -24,6 +24,15 @@ class Ref(NamedTuple):
     slot: int = 0
 
 
+class _Dropped(NamedTuple):
+    """In place of a module input/output alias the end-of-trace version check dropped: the
+    facets read from it are refused with `reason`, not reported as unsaved."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    reason: str
+
+
 class OpRecord:
     """One executed torch operation.
 

@@ -241,9 +241,10 @@ def checkpoint(family: str, directory: str | Path | None = None, *, tokenizer_to
     Examples:
         >>> import tempfile, torch, transformers
         >>> from torchlens import testing
-        >>> model, path = testing.checkpoint("llama", tempfile.mkdtemp())
-        >>> loaded = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
         >>> ids = testing.token_ids()
+        >>> with tempfile.TemporaryDirectory() as directory:
+        ...     model, path = testing.checkpoint("llama", directory)
+        ...     loaded = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
         >>> torch.equal(loaded(ids).logits, model(ids).logits)
         True
     """
