@@ -103,6 +103,27 @@ def test_metadata_only_trace_round_trips(tmp_path):
         loaded.modules[loaded.blocks[0]].facets["resid_post"]
 
 
+def test_an_edited_trace_keeps_its_edits(tmp_path):
+    """A loaded reference that was edited must still say so: its `edits` records come back."""
+    model = _models.build("gpt2", "sdpa")
+    block = "transformer.h.0"
+    seen = {}
+    handle = model.get_submodule("transformer.h.1").register_forward_pre_hook(
+        lambda m, args: seen.__setitem__("next_in", args[0].detach().clone()))
+    try:
+        trace = tl.trace(model, IDS, save="all", edit={f"{block}:resid_post": lambda x: x * 0.5})
+    finally:
+        handle.remove()
+    with pytest.warns(UserWarning, match="Cache"):
+        trace.save(tmp_path / "t")
+    loaded = tl.load(tmp_path / "t")
+    assert [(r.key, r.module_address, r.facet, r.calls, r.how, r.where, r.applied) for r in loaded.edits] == \
+        [(f"{block}:resid_post", block, "resid_post", (0,), "fn", "forward hook", 1)]
+    assert not any("EditRecord" in n for n in loaded.load_notes)
+    # The edited value is what the next block received, in the loaded trace too.
+    assert torch.equal(loaded.modules[block].facets["resid_post"], seen["next_in"])
+
+
 # -- refusing what is not a trace --------------------------------------------------------------
 
 

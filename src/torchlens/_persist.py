@@ -51,11 +51,13 @@ class TraceFileError(TorchLensError, ValueError):
 
 def _record_classes() -> dict[str, type]:
     """The only classes a trace file may name: TorchLens's own record types."""
+    from . import _edits as edits
     from . import _records as records
     from . import _save as selection
 
     classes: list[type] = [records.OpRecord, records.FacetSite, records.FacetMap, records.ModuleCall,
-                           records.ModuleRecord, records.ModuleMap, records.Trace, selection.SaveSpec]
+                           records.ModuleRecord, records.ModuleMap, records.Trace, selection.SaveSpec,
+                           edits.EditRecord]  # an edited trace keeps saying what it edited
     try:
         from . import _structure
     except ImportError:  # older trees have no structure records
