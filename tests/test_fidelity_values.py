@@ -837,3 +837,91 @@ def test_t5_mlp_act_is_the_activation_output_not_the_dropout_after_it(proj):
         assert torch.equal(facets[name], seen[name]), name
     if gated:
         assert torch.equal(facets["gated_out"], seen["act"] * seen["pre_linear"])
+
+
+class _VariantMLP(nn.Module):
+    """An MLP with something between its activation and the down projection (or the gate)."""
+
+    def __init__(self, variant: str, d: int = 16, f: int = 24):
+        super().__init__()
+        self.variant = variant
+        self.fc1, self.up, self.fc2 = nn.Linear(d, f), nn.Linear(d, f), nn.Linear(f, d)
+        self.act, self.drop, self.ln = nn.GELU(), nn.Dropout(0.3), nn.LayerNorm(f)
+
+    def forward(self, x):
+        a = self.act(self.fc1(x))
+        v = self.variant
+        if v == "dropout before the gate":
+            return self.fc2(self.drop(a) * self.up(x))
+        if v == "cast before the gate":
+            return self.fc2(a.to(torch.bfloat16).float() * self.up(x))
+        if v == "norm before down":  # Kosmos-2's text FFN
+            return self.fc2(self.ln(self.drop(a)))
+        if v == "gated, norm before down":  # BitNet's MLP
+            return self.fc2(self.ln(a * self.up(x)))
+        if v == "scale before down":
+            return self.fc2(self.drop(a * 0.5))
+        a.mul_(2.0)  # "in-place scale"
+        return self.fc2(self.drop(a))
+
+
+class _VariantBlock(nn.Module):
+    def __init__(self, variant: str):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(16), nn.LayerNorm(16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.mlp = _VariantMLP(variant)
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+@pytest.mark.parametrize("variant", ["dropout before the gate", "cast before the gate", "norm before down",
+                                     "gated, norm before down", "scale before down", "in-place scale"])
+def test_mlp_act_is_served_only_as_the_activation_of_the_up_projection(variant):
+    """Dropout, casts and norms between the activation and what the down projection reads are
+    walked back over; a scale or an in-place write is not an activation, so `act` is refused
+    rather than served with a later tensor. Ground truth: hooks on the activation module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), _VariantBlock(variant), _VariantBlock(variant)).train()
+    mlp = model[1].mlp
+    seen = {}
+    handles = [mlp.act.register_forward_hook(lambda m, a, o: seen.__setitem__("act", o.detach().clone())),
+               mlp.fc1.register_forward_hook(lambda m, a, o: seen.__setitem__("pre", o.detach().clone())),
+               mlp.fc2.register_forward_pre_hook(lambda m, a: seen.__setitem__("post", a[0].detach().clone()))]
+    try:
+        with torch.no_grad():
+            tr = torchlens.trace(model, torch.tensor([[3, 1, 4, 1, 5]]), save="all", roles={"1": "block", "2": "block"})
+    finally:
+        for h in handles:
+            h.remove()
+    facets = tr.modules["1.mlp"].facets
+    assert torch.equal(facets["post"], seen["post"])
+    if variant in ("scale before down", "in-place scale"):
+        assert "act" not in facets and "pre" not in facets
+        assert "not from an activation of the up projection" in facets.refused["act"]
+        with pytest.raises(torchlens.FacetNotFound, match="not served"):
+            facets["act"]
+    else:
+        assert torch.equal(facets["act"], seen["act"]) and torch.equal(facets["pre"], seen["pre"])
+    gated = "gate" in variant
+    assert ("pre_linear" in facets) == gated
+    # gated_out is act(pre) * pre_linear: served only where nothing sits between act and the product
+    assert ("gated_out" in facets) == (variant == "gated, norm before down")
+    if "gated_out" in facets:
+        assert torch.equal(facets["gated_out"], seen["act"] * facets["pre_linear"])
+
+
+def test_sdpa_with_dropout_refuses_scores_and_pattern_with_the_reason():
+    """A kernel that ran with dropout_p > 0 cannot be rebuilt: scores and pattern are refused
+    (FacetNotFound naming dropout), not reported as unsaved with a save= hint."""
+    from torchlens import testing
+
+    model = testing.build("gpt2", attn_implementation="sdpa", attn_pdrop=0.3).train()
+    facets = torchlens.trace(model, testing.token_ids(), save="all").modules["transformer.h.0.attn"].facets
+    for name in ("scores", "pattern"):
+        assert "dropout_p > 0" in facets.refused[name] and name not in facets.sites
+        with pytest.raises(torchlens.FacetNotFound, match="dropout_p > 0"):
+            facets[name]

@@ -212,12 +212,16 @@ SPECS: tuple[FacetSpec, ...] = (
     FacetSpec("pre_linear", ("mlp",), ("batch", "pos", "d_mlp"), None, False, "op",
               "a gated MLP's linear branch (Llama `up_proj` output)", absent=_NOT_GATED),
     FacetSpec("act", ("mlp",), ("batch", "pos", "d_mlp"), None, False, "op",
-              "the activation's output, `act(pre)`"),
+              "the activation's output, `act(pre)`: an activation module's output or an activation op's "
+              "(relu, gelu, silu, ...), served only where its input is the up projection's output; where a "
+              "scale or an in-place write comes between it and the down projection it is refused"),
     FacetSpec("gated_out", ("mlp",), ("batch", "pos", "d_mlp"), None, False, "op",
-              "`act(pre) * pre_linear`", absent="the MLP is not gated"),
+              "`act(pre) * pre_linear`, served only where `act` itself is the product's operand (no dropout "
+              "or cast between them)", absent="the MLP is not gated"),
     FacetSpec("post", ("mlp",), ("batch", "pos", "d_mlp"), None, False, "op",
-              "the down projection's input: `act` on a plain MLP, `gated_out` on a gated one, after any dropout "
-              "or cast the model applies in between (T5), so in training mode it holds the dropped-out tensor"),
+              "the down projection's input: `act` on a plain MLP, `gated_out` on a gated one, after any dropout, "
+              "cast or norm the model applies in between (T5's dropout, Kosmos-2's and BitNet's norms), so in "
+              "training mode it holds the dropped-out tensor"),
     FacetSpec("down_out", ("mlp",), ("batch", "pos", "d_model"), None, False, "op",
               "the down projection's output, before any dropout"),
     FacetSpec("normalized", ("norm",), ("batch", "pos", "d_model"), None, False, "op",
@@ -246,7 +250,9 @@ SPECS: tuple[FacetSpec, ...] = (
               "`sqrt(d_model)`); elsewhere it equals the output",
               absent="no embedding lookup op ran inside it"),
     FacetSpec("final_norm_input", ("root",), ("batch", "pos", "d_model"), None, False, "io",
-              "the input of the final norm, i.e. the last block's output",
+              "the input of the final norm (the last norm before the unembedding): on a pre-norm decoder the "
+              "last block's output; where a head transforms that first (BERT's prediction head: dense, "
+              "activation, then the norm), the transformed tensor",
               hooks=(("norm", "in"),),
               absent="no norm runs between the last block and the unembedding"),
     FacetSpec("logits", ("root",), ("batch", "pos", "vocab"), None, False, "io",

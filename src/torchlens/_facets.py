@@ -293,14 +293,15 @@ def _pre_scale_source(g: _Graph, split_ref: Ref, kids: list[ModuleCall]) -> Any:
     return op.inputs[0]
 
 
-def _path_has_math(g: _Graph, start: int, ref: Ref) -> bool:
-    """Whether values are transformed between op `start` and `ref` (RoPE, QK-norm), not just moved.
+def _path_math(g: _Graph, start: int, ref: Ref) -> list[str]:
+    """The names of the ops that transform values between op `start` and `ref` (RoPE, QK-norm, a
+    scale), not just move them; empty when there are none.
 
     RoPE multiplies by cos/sin and a norm multiplies by its scale, so a product on the path
     is the sign; reshapes, transposes, the KV-cache concatenation and GQA expansion are not.
     """
     up = g.ancestors(ref, start + 1)
-    return any(g.ops[i].name in _ops.MUL_OPS or g.ops[i].name in _ops.NORM_OPS for i in up)
+    return sorted({g.ops[i].name for i in up if g.ops[i].name in _ops.MUL_OPS or g.ops[i].name in _ops.NORM_OPS})
 
 
 def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str, FacetSite]:
@@ -405,8 +406,9 @@ def attention_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dic
             site.tensor = None if site.tensor is None else site.tensor.reshape(site.shape)
             site.note = "projection viewed per head (grouped q|k|v layout: group-major heads)"
         sites[name] = site
-        if name in ("q", "k") and _path_has_math(g, start, ref):
-            sites["rot_" + name] = _rot_site(g, "rot_" + name, ref, site.shape)
+        math = _path_math(g, start, ref) if name in ("q", "k") else []
+        if math:
+            sites["rot_" + name] = _rot_site(g, "rot_" + name, ref, site.shape, math)
     sites = _head_guard(sites)
     sites.update(_result_site(g, call, kids, sites.get("z")))
     return {k: v for k, v in sites.items() if v is not None}
@@ -537,7 +539,7 @@ def _check_z(g: _Graph, pattern: FacetSite | None, v_ref: Any, z: FacetSite | No
     return {}
 
 
-def _rot_site(g: _Graph, name: str, kernel_ref: Ref, shape: tuple[int, ...]) -> FacetSite | None:
+def _rot_site(g: _Graph, name: str, kernel_ref: Ref, shape: tuple[int, ...], math: list[str]) -> FacetSite | None:
     m = g.meta(kernel_ref)
     if m is None or len(m[0]) != 4:
         return None
@@ -548,7 +550,8 @@ def _rot_site(g: _Graph, name: str, kernel_ref: Ref, shape: tuple[int, ...]) -> 
             t = t[:, :: t.shape[1] // kv]
         t = t.transpose(1, 2)
     return FacetSite(name, "real", (m[0][0], m[0][2], kv, m[0][3]), m[1], t, kernel_ref.op, None,
-                     "attention kernel input (after RoPE), token-major")
+                     f"attention kernel input, token-major: the projection after {', '.join(math)} "
+                     "(RoPE, a QK-norm or a scale)")
 
 
 class _In:
@@ -607,8 +610,8 @@ def _reconstruct(g: _Graph, fused: OpRecord, sites: dict[str, FacetSite],
         sites.update(_refused(("scores", "pattern"), f"not rebuilt: {stale}"))
         return
     why = _sdpa_unsupported(_sdpa_bound(fused.extra["args"], fused.extra["kwargs"]))
-    if why is not None:
-        scores.note = pattern.note = f"not rebuilt: {why}"
+    if why is not None:  # refused with the reason (not "not saved": save= is not what is missing)
+        sites.update(_refused(("scores", "pattern"), f"not rebuilt: {why}; trace in eval mode to get them"))
         return
     inputs: list = []
     args, kwargs = _pack(fused.extra["args"], fused.extra["kwargs"], inputs)
@@ -966,29 +969,60 @@ def mlp_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str,
             ref = op.inputs[0]
         return False
 
-    # Dropout or a cast between the activation (or the gating product) and the down projection
-    # (T5's DenseReluDense) is walked back over: `act` is the activation's own output, which in
-    # training mode differs from the dropped-out tensor the down projection reads (`post`).
-    core = g.source(post_ref, _ops.PASS_THROUGH_OPS)
-    act_call = next((k for k in kids if k.output_ref == core and not _weighted(g, k)), None)
-    act_ref = core
+    def back(ref: Any) -> Any:
+        """Back from `ref` over what sits between the activation (or the gating product) and
+        the down projection: dropout and casts (T5), a norm child (Kosmos-2's `ffn_layernorm`,
+        BitNet's `ffn_sub_norm`). In training mode the down projection reads the dropped-out
+        tensor (`post`), not the activation's output (`act`)."""
+        for _ in range(4):
+            ref = g.source(ref, _ops.PASS_THROUGH_OPS)
+            norm = next((k for k in kids if k.output_ref == ref and _roles.is_norm(g.modules[k.address])), None)
+            if norm is None or type(norm.input_ref) is not Ref:
+                break
+            ref = norm.input_ref
+        return ref
+
+    def activation_module(ref: Any) -> ModuleCall | None:
+        return next((k for k in kids if k.output_ref == ref and not _weighted(g, k)
+                     and not _roles.is_norm(g.modules[k.address])), None)
+
+    def activation_input(ref: Any) -> Any:
+        """The input of the activation that produced `ref` (an activation module's, or a
+        functional activation op's); None when `ref` is not an activation's output."""
+        module = activation_module(ref)
+        if module is not None:
+            return _io(g, module, "in")
+        op = g.op(ref)
+        return op.inputs[0] if op is not None and op.name in _ops.ACTIVATION_OPS and op.inputs else None
+
+    core = back(post_ref)
+    act_ref, gated = core, False
     prod = g.op(core)
-    if act_call is None and prod is not None and prod.name in _ops.MUL_OPS and len(prod.inputs) == 2:
+    # An activation module's output is the activation even where its last op is a product
+    # (CLIP's QuickGELU: x * sigmoid(1.702 x)); only a bare product can be the gate.
+    if activation_module(core) is None and prod is not None and prod.name in _ops.MUL_OPS and len(prod.inputs) == 2:
         a, b = prod.inputs
         if is_linear_branch(a) != is_linear_branch(b):
-            lin, act_ref = (a, b) if is_linear_branch(a) else (b, a)
-            sites["gated_out"] = _site(g, "gated_out", core, note="act(pre) * pre_linear")
+            lin, other = (a, b) if is_linear_branch(a) else (b, a)
+            act_ref, gated = g.source(other, _ops.PASS_THROUGH_OPS), True
             sites["pre_linear"] = _site(g, "pre_linear", lin, note="linear branch of the gated MLP")
-    if act_ref is not None:
+            if act_ref == other:  # nothing between act and the product: it is act(pre) * pre_linear
+                sites["gated_out"] = _site(g, "gated_out", core, note="act(pre) * pre_linear")
+    # `act` only where it is an activation of the up projection: a scale, an in-place write or
+    # anything else in between would otherwise be served under its name.
+    pre_ref = activation_input(act_ref)
+    if pre_ref is not None and is_linear_branch(pre_ref):
         sites["act"] = _site(g, "act", act_ref, note="activation output")
-        act_call = next((k for k in kids if k.output_ref == act_ref and not _weighted(g, k)), None)
-        if act_call is not None:
-            pre_ref = _io(g, act_call, "in")
-        else:
-            op = g.op(act_ref)
-            pre_ref = op.inputs[0] if op is not None and op.inputs else None
-        if pre_ref is not None and (is_linear_branch(pre_ref)):
-            sites["pre"] = _site(g, "pre", pre_ref, note="input of the activation")
+        sites["pre"] = _site(g, "pre", pre_ref, note="input of the activation")
+    else:  # not known to be an activation of the up projection, so not known to be gated either
+        sites.pop("gated_out", None)
+        sites.pop("pre_linear", None)
+        m, op = g.meta(act_ref), g.op(act_ref)
+        if m is not None and op is not None:
+            sites["act"] = FacetSite("act", "refused", m[0], m[1], note=(
+                f"what reaches the down projection{' through the gating product' if gated else ''} comes from "
+                f"op #{op.index} {op.name}, not from an activation of the up projection, so no tensor of this MLP "
+                "is known to be act(pre)"))
     return {k: v for k, v in sites.items() if v is not None}
 
 

@@ -116,6 +116,15 @@ NORM_OPS = frozenset({"rsqrt", "rms_norm", "layer_norm"})
 CAST_OPS = frozenset({"to", "type", "float", "half", "bfloat16"})
 #: Ops that only pass a value through (casts, copies, identity dropout in eval).
 PASS_THROUGH_OPS = CAST_OPS | {"contiguous", "clone", "dropout"}
+#: Elementwise activation functions (and their in-place forms): an MLP's `act` is served from
+#: one of these, or from an activation module's output, and only where its input is the output
+#: of the MLP's up projection (`pre`).
+ACTIVATION_OPS = frozenset({
+    "relu", "relu_", "gelu", "gelu_", "silu", "silu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "softplus",
+    "mish", "mish_", "elu", "elu_", "selu", "selu_", "celu", "celu_", "leaky_relu", "leaky_relu_",
+    "hardswish", "hardswish_", "hardsigmoid", "hardsigmoid_", "hardtanh", "hardtanh_", "relu6", "prelu",
+    "rrelu", "rrelu_", "logsigmoid", "softsign", "threshold", "threshold_",
+})
 #: Elementwise ops that map logits to logits (a final softcap, casts): the model's output is
 #: taken as `logits` only when nothing else runs between the unembedding and it (not a
 #: log_softmax, which gives log-probabilities).
