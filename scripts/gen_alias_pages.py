@@ -93,6 +93,8 @@ def _table(generation: str, trace: tl.Trace, family: str) -> list[str]:
         site, status = _site(trace, row, generation)
         facet = " or ".join(f"`{f}`" for f in row.facets) if row.facets else None
         target = f"target `{row.target}` : {facet}" if row.target else "no TorchLens facet"
+        if row.or_else is not None:  # the second site, read where the first is structurally absent
+            target += f"; where absent, `{row.or_else[0]}` : `{row.or_else[1]}`"
         note = row.note + (" (not in the report)" if not row.in_report else "")
         reads = _prose(row.meaning) + (f'<br><span class="tl-note">{_prose(note)}</span>' if note else "")
         lines.append(
@@ -112,7 +114,8 @@ def generated_section(generation: str, traces: dict[str, tl.Trace]) -> str:
         "Each tab resolves every name on one family: a 2-layer model with random weights and the default `sdpa` "
         "attention (under `attn_implementation=\"eager\"` the `scores` and `pattern` rows are `real`). "
         "Under each site: its status, and the target (the module role the name is defined on, found in any family) "
-        "and the facet read there.",
+        "and the facet read there; \"where absent\" gives the site read instead on a model that lays the tensor "
+        "out another way (OPT's MLP, held by no module of its own).",
         "",
     ]
     for family, trace in traces.items():

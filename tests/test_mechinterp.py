@@ -1255,3 +1255,55 @@ def test_final_norm_is_found_with_and_without_the_lm_head(cls):
     assert torch.equal(r_in.tensor, seen["x"]) and torch.equal(r_out.tensor, seen["y"])
     assert torch.equal(trace.modules[""].facets["final_norm_input"], seen["x"])
     assert trace.structure.final_norm.address == address
+
+
+# -- an MLP held by no module of its own (OPT) ---------------------------------------------------------
+
+
+def _opt(layers=2):
+    torch.manual_seed(0)
+    cfg = transformers.OPTConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=2, ffn_dim=64,
+                                 vocab_size=64, max_position_embeddings=16, word_embed_proj_dim=32)
+    return tl.testing.from_config(cfg, transformers.OPTForCausalLM)
+
+
+@pytest.mark.parametrize("generation", ["2.x", "3.x", "4.x"])
+def test_opt_mlp_names_read_its_fc_layers_and_match_plain_hooks(generation):
+    """OPT's layer holds fc1, its activation and fc2 itself and flattens [batch, pos] around them;
+    the MLP names read those layers (each row's `or_else`), against plain hooks on them."""
+    model = _opt()
+    ids = _models.token_ids(2, 5)
+    seen, handles = {}, []
+
+    def keep(key, from_args=False):
+        return (lambda m, args: seen.__setitem__(key, args[0].detach().clone())) if from_args else \
+            (lambda m, args, out: seen.__setitem__(key, out.detach().clone()))
+
+    for i, layer in enumerate(model.model.decoder.layers):
+        handles += [layer.fc1.register_forward_hook(keep(f"pre.{i}")),
+                    layer.fc2.register_forward_pre_hook(keep(f"post.{i}", True), with_kwargs=False),
+                    layer.fc2.register_forward_hook(keep(f"mlp_out.{i}")),
+                    layer.final_layer_norm.register_forward_pre_hook(keep(f"resid_mid.{i}", True))]
+    try:
+        trace = tl.trace(model, ids, save="all")
+    finally:
+        for h in handles:
+            h.remove()
+    names = ({"pre": "blocks.{L}.mlp.hook_pre", "post": "blocks.{L}.mlp.hook_post",
+              "mlp_out": "blocks.{L}.hook_mlp_out", "resid_mid": "blocks.{L}.hook_resid_mid"}
+             if generation != "4.x" else
+             {"pre": "blocks.{L}.mlp.in.hook_out", "post": "blocks.{L}.mlp.out.hook_in",
+              "mlp_out": "blocks.{L}.mlp.hook_out", "resid_mid": "blocks.{L}.ln2.hook_in"})
+    engine = {}
+    for key, name in names.items():
+        for i in range(2):
+            res = mi.resolve_alias(trace, name.replace("{L}", str(i)), generation=generation)
+            module = {"pre": "fc1", "post": "fc2", "mlp_out": "fc2", "resid_mid": "final_layer_norm"}[key]
+            assert (res.status, res.module_address) == ("real", f"model.decoder.layers.{i}.{module}"), res
+            flat = seen[f"{key}.{i}"]  # [batch * pos, width], as the layer computed it
+            engine[name.replace("{L}", str(i))] = flat.reshape(2, 5, -1)  # an engine's [batch, pos, width]
+    report = mi.compare(trace, engine, generation=generation, atol=0, rtol=0)
+    assert len(report) == 8 and report.mismatched == [], report
+    # A model with an MLP module keeps reading it: no second site on GPT-2.
+    gpt2 = tl.trace(_models.build("gpt2", "sdpa"), ids)
+    assert mi.resolve_alias(gpt2, "blocks.0.mlp.hook_pre", generation="2.x").module_address == "transformer.h.0.mlp"

@@ -377,6 +377,9 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
     if engine.dtype != ref.dtype:
         hints.append(f"dtypes differ (engine {str(engine.dtype)[6:]}, TorchLens {str(ref.dtype)[6:]})")
     options = [(label, t) for label, t in _candidates(ref, res.facet) if tuple(t.shape) == tuple(engine.shape)]
+    if (not options and ref.dim() == 2 and engine.dim() == 3 and ref.shape[-1] == engine.shape[-1]
+            and ref.shape[0] == engine.shape[0] * engine.shape[1]):  # the model flattened [batch, pos] (OPT's MLP)
+        options = [("tokens unflattened", ref.reshape(engine.shape))]
     expanded = _expand_kv(ref, engine, res.facet)
     if expanded is not None:
         options += [(f"kv heads repeated, {label}", t) for label, t in _candidates(expanded, res.facet)

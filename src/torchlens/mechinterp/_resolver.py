@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .._errors import LookupFailed, close_matches
 from .._facet_spec import KERNEL_REBUILT, absent_reason
@@ -399,7 +399,19 @@ def _other_generation_hint(query: str, table: Table, trace: Trace) -> str:
 def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
             address: str | None = None, force: bool = True) -> AliasResolution:
     """The resolution of one row at `layer`. With `force`, the site's pending check runs first
-    (so the status is final); without, nothing is computed and a pending site says so."""
+    (so the status is final); without, nothing is computed and a pending site says so. Where the
+    row's site is structurally absent and the row has an `or_else`, that site is read instead."""
+    first = _status_of_site(trace, table, row, layer, query, address, force)
+    if first.status != "structurally_absent" or row.or_else is None or address is not None:
+        return first
+    target, facet = row.or_else
+    other = _status_of_site(trace, table, replace(row, target=target, facet=facet, or_else=None), layer, query,
+                            None, force)
+    return first if other.status == "structurally_absent" else other
+
+
+def _status_of_site(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
+                    address: str | None = None, force: bool = True) -> AliasResolution:
     call = None
 
     def res(status, addr, facet, reason, remedy="", shape=None, checked=True):

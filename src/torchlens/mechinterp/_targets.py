@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from .._errors import TorchLensError
 from .._facet_spec import absent_reason
-from .._ops import ADD_OPS, FUSED_ATTENTION_OPS, PASS_THROUGH_OPS, SOFTMAX_OPS
+from .._ops import ACTIVATION_OPS, ADD_OPS, FUSED_ATTENTION_OPS, PASS_THROUGH_OPS, SOFTMAX_OPS
 from .._roles import WEIGHT_LAYOUT
 from .._structure import Layer, from_model_input
 from .._records import ModuleCall, Ref, Trace
@@ -192,6 +192,38 @@ def _split_mlp(trace: Trace, layer: int, which: int) -> ModuleCall | None:
     return lins[which] if len(lins) == 2 else None
 
 
+def _pre_ln_split(trace: Trace, layer: int) -> tuple[ModuleCall, ModuleCall, ModuleCall] | None:
+    """(norm, up, down) of a pre-LN block whose MLP is held by no module of its own (OPT's and
+    fairseq-style layers: `final_layer_norm`, `fc1`, `fc2` are children of the block): exactly two
+    weighted layers run after the attention, the first reads a norm's output directly, and the
+    block's output is not a norm's (which would make it post-LN)."""
+    lay = _layer(trace, layer)
+    if lay.mlp is not None or lay.attention is None or _post_ln(trace, layer, -1) is not None:
+        return None
+    end = max(c.end_op for c in (lay.attention, lay.cross_attention) if c is not None)
+    lins = [c for c in _weighted_below(trace, lay.call) if c.first_op >= end]
+    if len(lins) != 2 or type(lins[0].input_ref) is not Ref or type(lins[0].output_ref) is not Ref:
+        return None
+    norm = next((c for c in _below(trace, lay.call) if c.role == "norm" and c.first_op >= end
+                 and c.output_ref == lins[0].input_ref), None)
+    # The up projection's output goes straight into an activation (a module, or an activation op),
+    # so that it is the activation's input (`hook_pre`).
+    up = lins[0].output_ref
+    activated = any(c.input_ref == up and c.role != "norm" and c.class_name not in WEIGHT_LAYOUT
+                    for c in _below(trace, lay.call)) or \
+        any(op.name in ACTIVATION_OPS and op.inputs and op.inputs[0] == up
+            for op in trace.ops[lins[0].end_op : lins[1].first_op])
+    return None if norm is None or not activated else (norm, lins[0], lins[1])
+
+
+def _pre_ln_mlp(which: int) -> Callable[[Trace, int], ModuleCall | None]:
+    def find(trace: Trace, layer: int) -> ModuleCall | None:
+        split = _pre_ln_split(trace, layer)
+        return None if split is None else split[which]
+
+    return find
+
+
 def _attn_out_proj(trace: Trace, layer: int) -> ModuleCall | None:
     """The output projection that reads the attention's output, when it sits outside the attention (BERT)."""
     lay = _layer(trace, layer)
@@ -285,6 +317,13 @@ TARGETS: dict[str, tuple[Callable, bool, str]] = {
                      "no MLP split over two modules between the block's two norms"),
     "split_mlp_out": (lambda t, i: _split_mlp(t, i, -1), True,
                       "no MLP split over two modules between the block's two norms"),
+    "pre_ln_mlp_norm": (_pre_ln_mlp(0), True,
+                        "the block is not pre-LN with an MLP held by no module of its own (a norm, then two "
+                        "weighted layers, all children of the block)"),
+    "pre_ln_mlp_in": (_pre_ln_mlp(1), True,
+                      "the block is not pre-LN with an MLP held by no module of its own"),
+    "pre_ln_mlp_out": (_pre_ln_mlp(2), True,
+                       "the block is not pre-LN with an MLP held by no module of its own"),
     "type_embed": (lambda t, i: _type_embed(t), False, "no token-type embedding module ran"),
     "ln_cross": (lambda t, i: _norm_where(t, i, _feeds, "cross_attention"), True,
                  "no norm feeds the cross-attention input"),
@@ -305,6 +344,7 @@ TARGET_ROLES: dict[str, tuple[str, ...]] = {
     "mlp_gated": ("mlp",), "token_embed": ("embedding",), "pos_embed": ("embedding",), "final_norm": ("norm",),
     "unembed": ("unembed",), "post_ln1": ("norm",), "post_ln2": ("norm",), "post_ln_block": ("block",),
     "attn_out_proj": ("other",), "split_mlp_in": ("other",), "split_mlp_out": ("other",),
+    "pre_ln_mlp_norm": ("norm",), "pre_ln_mlp_in": ("other",), "pre_ln_mlp_out": ("other",),
     "type_embed": ("embedding",), "ln_cross": ("norm",), "first_block": ("block",), "attn_residual": ("other",),
     "cross_residual": ("other",), "root": ("root",),
 }

@@ -54,6 +54,9 @@ class Row:
         in_report: whether `alias_report` lists the row (every row resolves either way).
         stack: which stack `{L}` counts the layers of, by kind (`"encoder"` / `"decoder"`); None
             for the language-model stack.
+        or_else: a `(target, facet)` read where the row's own site is structurally absent because
+            the model lays the same tensor out another way: an MLP held by no module of its own
+            (OPT's `fc1`/`fc2`), whose activation input is the up projection's `output`.
     """
 
     name: str
@@ -63,6 +66,7 @@ class Row:
     note: str = ""
     in_report: bool = True
     stack: str | None = None
+    or_else: tuple[str, str] | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -153,23 +157,12 @@ def check_table(table: Table) -> None:
         if row.stack not in STACKS:
             raise _row_error(table, row, f"stack={row.stack!r} is not one of {list(STACKS)}.")
         if row.target is None:
+            if row.or_else is not None:
+                raise _row_error(table, row, "or_else gives a second site to a row that has none; give the row its site.")
             continue
-        if row.target not in TARGETS:
-            hits = close_matches(row.target, TARGETS)
-            hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
-            raise _row_error(table, row, f"target {row.target!r} is not a target.{hint} "
-                             f"Targets: {', '.join(sorted(TARGETS))}.")
-        roles = TARGET_ROLES[row.target]
-        for facet in row.facets:
-            if facet not in ALL_FACETS:
-                hits = close_matches(facet, ALL_FACETS)
-                hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
-                raise _row_error(table, row, f"facet {facet!r} is not a facet TorchLens produces, so the name would "
-                                 f"always read as structurally_absent.{hint} Facets: {', '.join(sorted(ALL_FACETS))}.")
-            have = BY_NAME[facet].roles
-            if EVERY_MODULE not in have and not set(have) & set(roles):
-                raise _row_error(table, row, f"facet {facet!r} belongs to {list(have)} modules, but target "
-                                 f"{row.target!r} finds a {' or '.join(roles)} module.")
+        sites = [(row.target, row.facets)] + ([(row.or_else[0], (row.or_else[1],))] if row.or_else else [])
+        for target, facets in sites:
+            _check_site(table, row, target, facets)
     for name in table.unmapped or {}:
         if name in seen:
             raise TableError(f"naming table {table.title!r} ({table.generation}): {name!r} is both a row and "
@@ -182,3 +175,23 @@ def check_table(table: Table) -> None:
             if hit is not None:
                 raise _row_error(table, row, f"its pattern also matches {hit!r}, a name of row {other.name!r}; "
                                  f"a name must read one row.")
+
+
+def _check_site(table: Table, row: Row, target: str, facets: tuple[str, ...]) -> None:
+    """A row's site (or its `or_else`): the target exists and each facet fits its role."""
+    if target not in TARGETS:
+        hits = close_matches(target, TARGETS)
+        hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+        raise _row_error(table, row, f"target {target!r} is not a target.{hint} "
+                         f"Targets: {', '.join(sorted(TARGETS))}.")
+    roles = TARGET_ROLES[target]
+    for facet in facets:
+        if facet not in ALL_FACETS:
+            hits = close_matches(facet, ALL_FACETS)
+            hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+            raise _row_error(table, row, f"facet {facet!r} is not a facet TorchLens produces, so the name would "
+                             f"always read as structurally_absent.{hint} Facets: {', '.join(sorted(ALL_FACETS))}.")
+        have = BY_NAME[facet].roles
+        if EVERY_MODULE not in have and not set(have) & set(roles):
+            raise _row_error(table, row, f"facet {facet!r} belongs to {list(have)} modules, but target "
+                             f"{target!r} finds a {' or '.join(roles)} module.")
