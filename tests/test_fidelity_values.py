@@ -925,3 +925,37 @@ def test_sdpa_with_dropout_refuses_scores_and_pattern_with_the_reason():
         assert "dropout_p > 0" in facets.refused[name] and name not in facets.sites
         with pytest.raises(torchlens.FacetNotFound, match="dropout_p > 0"):
             facets[name]
+
+
+@pytest.mark.parametrize("heads", [4, 8])
+def test_codegen_heads_are_not_read_from_its_model_parallel_groups(heads):
+    """CodeGen views its fused qkv projection as [B, T, mp_num=4, 3 * local]: that axis holds groups
+    of heads, not heads. Where groups are not heads (n_head != 4) q, k and v are not served (they
+    were: group j's columns as head j); everything served matches a plain hook's recomputation."""
+    from transformers import CodeGenConfig, CodeGenForCausalLM
+
+    from torchlens import testing
+
+    e = 64
+    cfg = CodeGenConfig(n_layer=1, n_embd=e, n_head=heads, rotary_dim=4, vocab_size=64, n_positions=32,
+                        n_ctx=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = testing.from_config(cfg, CodeGenForCausalLM)
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    seen = {}
+    handle = model.transformer.h[0].attn.qkv_proj.register_forward_hook(
+        lambda m, a, o: seen.__setitem__("qkv", o.detach().clone()))
+    try:
+        tr = torchlens.trace(model, ids, save="all")
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        pattern = model(ids, output_attentions=True).attentions[0]
+    facets = tr.modules["transformer.h.0.attn"].facets
+    q, v, k = seen["qkv"].view(1, 6, 4, -1).split(e // 4, dim=-1)  # CodeGen's own order: q, v, k per group
+    truth = {name: t.reshape(1, 6, heads, e // heads) for name, t in (("q", q), ("k", k), ("v", v))}
+    for name in ("q", "k", "v"):
+        if heads == 4:
+            assert torch.equal(facets[name], truth[name]), name
+        else:
+            assert name not in facets, name
+    assert torch.allclose(facets["pattern"], pattern, atol=1e-6)

@@ -109,14 +109,14 @@ def traced(family: str, n_layers: int = 2, attn: str = "sdpa", perturb: bool = F
 #: The report's length on a single-stack decoder with L layers, `a * L + b`, counted by hand from
 #: the table sources (each name with `{L}` counts once per layer, each other name once), not with
 #: the resolver's logic or the tables' flags:
-#: - 2.x: 35 `blocks.{L}.` names; hook_tokens, hook_embed, hook_pos_embed, ln_final.hook_scale and
+#: - 2.x: 39 `blocks.{L}.` names (4 of them QK-norm hooks without a site); hook_tokens, hook_embed, hook_pos_embed, ln_final.hook_scale and
 #:   ln_final.hook_normalized;
 #: - 3.x: the 4.x names (43 + 14), 16 per-layer 2.x aliases, and hook_pos_embed, hook_embed, hook_unembed;
 #: - 4.x: 43 `blocks.{L}.` names; embed.*, pos_embed.*, rotary_emb.* (4), ln_final.* (4), unembed.* (2);
 #: - nnterp: 7 per-layer accessors; input_ids, token_embeddings, embed_tokens.output, logits, lm_head.output;
 #: - interp-engine: 14 per-layer points with a site; 17 per-layer points without one, listed once
 #:   without a layer (interp-engine refuses them whatever the layer); embeddings, final_norm, lm_head.
-REPORT_LENGTH = {"2.x": (35, 5), "3.x": (59, 17), "4.x": (43, 14), "nnterp": (7, 5), "interp-engine": (14, 20)}
+REPORT_LENGTH = {"2.x": (39, 5), "3.x": (59, 17), "4.x": (43, 14), "nnterp": (7, 5), "interp-engine": (14, 20)}
 #: Per-layer names a report lists once, without a layer (interp-engine's points without a site).
 LISTED_ONCE = {"2.x": 0, "3.x": 0, "4.x": 0, "nnterp": 0, "interp-engine": 17}
 
@@ -313,10 +313,14 @@ def test_structurally_absent_reasons():
     assert mi.resolve_alias(llama, "mlp_pre_linear.0").status == "real"
 
     _, neox = traced("neox", 2, "sdpa")
-    for name in ("blocks.0.hook_resid_mid", "resid_mid.1", "blocks.1.hook_mlp_in"):
+    for name in ("blocks.0.hook_resid_mid", "resid_mid.1"):
         r = mi.resolve_alias(neox, name)
         assert r.status == "structurally_absent", r
         assert "parallel" in r.reason, r.reason
+    # TransformerLens hooks hook_mlp_in on a parallel block too: the MLP norm's input, resid_pre
+    r = mi.resolve_alias(neox, "blocks.1.hook_mlp_in")
+    assert (r.status, r.module_address, r.facet) == ("real", "gpt_neox.layers.1.post_attention_layernorm", "input")
+    assert torch.equal(r.tensor, neox.modules["gpt_neox.layers.1"].facets["resid_pre"])
     assert mi.resolve_alias(neox, "blocks.0.hook_resid_post").status == "real"
 
     r = mi.resolve_alias(gpt2, "q_norm_in")
@@ -443,8 +447,9 @@ def test_ambiguous_name_in_two_generations(monkeypatch):
 
 #: Spellings whose meaning really changed between generations, with the reason.
 KNOWN_CLASHES = {
-    # 2.x HookedTransformer hooks the lookup before Gemma's sqrt(d_model) scaling; a 3.x bridge
-    # aliases hook_embed to embed.hook_out, the module output after it.
+    # 2.x HookedTransformer folds Gemma's sqrt(d_model) into W_E, so its hook_embed is the scaled
+    # embedding wherever the model scales it; a 3.x bridge aliases hook_embed to embed.hook_out,
+    # the embedding module's output, which is unscaled where the model scales outside that module.
     "hook_embed",
 }
 
@@ -459,17 +464,37 @@ def test_no_real_name_clashes_across_generations():
 
 
 def test_known_clash_is_ambiguous_only_where_the_tensors_differ():
-    """hook_embed: one tensor on GPT-2 (lookup is the module output), two on Gemma-2 (scaled)."""
+    """hook_embed: one tensor on GPT-2 (lookup is the module output) and on a Gemma-2 whose
+    embedding module scales (both generations read the scaled output); two where the model
+    scales outside the module (2.x reads the scaled first-block input, 3.x the module output)."""
     _, gpt2 = traced("gpt2", 2, "sdpa")
     assert mi.resolve_alias(gpt2, "hook_embed").status == "real"
     gemma = tl.trace(_models.build("gemma2", "eager"), torch.tensor([[1, 2, 3, 4]]))
-    r = mi.resolve_alias(gemma, "hook_embed")
-    assert r.status == "ambiguous" and "'2.x'" in r.remedy and "'3.x'" in r.remedy
-    lookup = gemma.modules["model.embed_tokens"].facets["lookup"]
     output = gemma.modules["model.embed_tokens"].facets["output"]
-    assert mi.resolve_alias(gemma, "hook_embed", generation="2.x").tensor is lookup
-    assert mi.resolve_alias(gemma, "hook_embed", generation="3.x").tensor is output
-    assert not torch.equal(lookup, output)
+    assert mi.resolve_alias(gemma, "hook_embed").status == "real"
+    assert mi.resolve_alias(gemma, "hook_embed", generation="2.x").tensor is output
+    assert not torch.equal(gemma.modules["model.embed_tokens"].facets["lookup"], output)
+
+    class Scaled(nn.Module):  # an older Gemma: the model multiplies the lookup by sqrt(d_model) itself
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+        def forward(self, ids):
+            x = self.embed(ids) * torch.tensor(8 ** 0.5)
+            for layer in self.layers:
+                x = x + layer(x)
+            return x
+
+    model = Scaled()
+    scaled = model.embed(torch.tensor([[1, 2, 3]])).detach() * 8 ** 0.5
+    trace = tl.trace(model, torch.tensor([[1, 2, 3]]), roles={"layers.*": "block"})
+    r = mi.resolve_alias(trace, "hook_embed")
+    assert r.status == "ambiguous" and "'2.x'" in r.remedy and "'3.x'" in r.remedy
+    r2 = mi.resolve_alias(trace, "hook_embed", generation="2.x")
+    assert (r2.module_address, r2.facet) == ("layers.0", "resid_pre") and torch.equal(r2.tensor, scaled)
+    assert mi.resolve_alias(trace, "hook_embed", generation="3.x").facet == "output"
 
 
 # -- ground truth ------------------------------------------------------------------------------
@@ -834,9 +859,7 @@ TRUTH = {
 
 
 #: Where one spelling means different tensors in different generations (see KNOWN_CLASHES).
-MEANING_BY_GENERATION = {
-    ("2.x", "hook_embed"): "embed_lookup",  # the raw rows, before Gemma's sqrt(d_model) scaling
-}
+MEANING_BY_GENERATION: dict[tuple[str, str], str] = {}
 
 
 def _check_ground_truth(family: str, attn: str):
@@ -1307,3 +1330,32 @@ def test_opt_mlp_names_read_its_fc_layers_and_match_plain_hooks(generation):
     # A model with an MLP module keeps reading it: no second site on GPT-2.
     gpt2 = tl.trace(_models.build("gpt2", "sdpa"), ids)
     assert mi.resolve_alias(gpt2, "blocks.0.mlp.hook_pre", generation="2.x").module_address == "transformer.h.0.mlp"
+
+
+def test_a_position_embedding_shared_by_the_batch_compares_against_a_broadcast_one():
+    """GPT-2's wpe output is [1, pos, d] for a batch of 2; TransformerLens broadcasts it to [2, pos, d]."""
+    model = _models.build("gpt2", "sdpa")
+    ids = _models.token_ids(2, 5)
+    seen = {}
+    handle = model.transformer.wpe.register_forward_hook(lambda m, a, o: seen.__setitem__("pos", o.detach().clone()))
+    try:
+        trace = tl.trace(model, ids)
+    finally:
+        handle.remove()
+    assert seen["pos"].shape[0] == 1
+    (row,) = mi.compare(trace, {"hook_pos_embed": seen["pos"].expand(2, -1, -1)}, generation="2.x", atol=0, rtol=0)
+    assert row.passed and row.layout == "batch broadcast", row
+    wrong = seen["pos"].expand(2, -1, -1).clone()
+    wrong[1] += 1  # the second sequence's rows are not the shared ones
+    (row,) = mi.compare(trace, {"hook_pos_embed": wrong}, generation="2.x", explain=False)
+    assert not row.passed
+
+
+def test_transformer_lens_qk_norm_hooks_are_rows_without_a_site():
+    """TransformerLens 2.x caches q_norm/k_norm hooks on QK-norm models (Qwen3): compare lists
+    them as structurally absent with the reason instead of raising UnknownAlias on the cache."""
+    trace = tl.trace(_models.build("qwen3", "sdpa"), _models.token_ids())
+    names = [f"blocks.0.attn.{w}_norm.hook_{h}" for w in "qk" for h in ("scale", "normalized")]
+    report = mi.compare(trace, {n: torch.zeros(3) for n in names}, generation="2.x", explain=False)
+    assert [c.name for c in report] == names
+    assert all(c.status == "structurally_absent" and not c.passed and "QK-norm" in c.hint for c in report)

@@ -247,7 +247,9 @@ def _head_split(g: _Graph, kernel_ref: Ref, lo: int, d_head: int) -> tuple[Ref, 
         offset = 0
         if op.shape[3] != d_head:  # fused per-head q|k|v: find which chunk this input took
             splits = [j for j in up if g.ops[j].name in _ops.SPLIT_OPS and j > i]
-            if not splits:
+            # Each chunk must be one head wide ([B, T, H, 3 * d_head] cut into d_head columns, GPT-NeoX);
+            # CodeGen's [B, T, mp, 3 * local] holds groups of heads there, not heads.
+            if not splits or g.ops[min(splits)].shapes[up[min(splits)]][-1] != d_head:
                 continue
             offset = up[min(splits)] * d_head
         else:  # one view holds every head (Falcon's multi-query q|k|v): the slice taking this input's heads
@@ -478,11 +480,13 @@ def _head_guard(sites: dict[str, FacetSite | None]) -> dict[str, FacetSite | Non
     if not bad:
         return sites
     n = bad[0]
-    reason = (f"its head and query axes {list(sites[n].shape[1:3])} are not the query's {q.shape[2]} heads x "
-              f"{q.shape[1]} positions (the kernel ran on a regrouped query that is not unpacked here), so "
-              f"[batch, head, query, ...] would read another head's values")
+    reason = (f"the kernel's head and query axes {list(sites[n].shape[1:3])} are not the {q.shape[2]} heads x "
+              f"{q.shape[1]} positions found for the query projection: either the kernel ran on a regrouped query "
+              f"that is not unpacked here, or the projection's head split was misread, and TorchLens cannot tell "
+              f"which, so nothing with a head axis is served ([b, h] could read another head's values)")
     out = dict(sites)
-    out.update(_refused(tuple(f for f in _HEAD_AXIS_FACETS if f in sites or f == "result"), reason))
+    per_head = ("q", "k", "v", "rot_q", "rot_k")
+    out.update(_refused(tuple(f for f in _HEAD_AXIS_FACETS + per_head if f in sites or f == "result"), reason))
     return out
 
 

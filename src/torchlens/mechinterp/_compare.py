@@ -380,6 +380,9 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
     if (not options and ref.dim() == 2 and engine.dim() == 3 and ref.shape[-1] == engine.shape[-1]
             and ref.shape[0] == engine.shape[0] * engine.shape[1]):  # the model flattened [batch, pos] (OPT's MLP)
         options = [("tokens unflattened", ref.reshape(engine.shape))]
+    if (not options and ref.dim() == engine.dim() >= 2 and ref.shape[0] == 1 < engine.shape[0]
+            and ref.shape[1:] == engine.shape[1:]):  # one row for every sequence (a position embedding)
+        options = [("batch broadcast", ref.expand(engine.shape))]
     expanded = _expand_kv(ref, engine, res.facet)
     if expanded is not None:
         options += [(f"kv heads repeated, {label}", t) for label, t in _candidates(expanded, res.facet)

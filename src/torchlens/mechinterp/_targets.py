@@ -11,11 +11,12 @@ a layer index counts the calls of the language-model stack's blocks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from .._errors import TorchLensError
 from .._facet_spec import absent_reason
-from .._ops import ACTIVATION_OPS, ADD_OPS, FUSED_ATTENTION_OPS, PASS_THROUGH_OPS, SOFTMAX_OPS
+from .._ops import ACTIVATION_OPS, ADD_OPS, CAST_OPS, FUSED_ATTENTION_OPS, PASS_THROUGH_OPS, SCALE_OPS, SOFTMAX_OPS
 from .._roles import WEIGHT_LAYOUT
 from .._structure import Layer, from_model_input
 from .._records import ModuleCall, Ref, Trace
@@ -237,6 +238,32 @@ def _post_ln_block(trace: Trace, layer: int) -> ModuleCall | None:
     return _layer(trace, layer).call if _post_ln(trace, layer, -1) is not None else None
 
 
+def _scaled_embed_block(trace: Trace) -> ModuleCall | None:
+    """The first block, when what it reads is the token embedding module's output scaled by a
+    constant outside that module (Gemma's sqrt(d_model) in the model's forward) and nothing else:
+    then that input is the embedding as it enters the residual stream. None where the module
+    itself scales (its output is that tensor) or where anything else (a position embedding) is
+    added on the way."""
+    token = trace.structure.token_embed if trace.structure is not None else None
+    if token is None or not trace.structure.layers or type(token.output_ref) is not Ref:
+        return None
+    first = trace.structure.layers[0].call
+    ref, scaled = first.input_ref, False
+    while type(ref) is Ref and ref != token.output_ref:
+        op = trace.ops[ref.op]
+        tensors = [r for r in op.inputs if type(r) is Ref]
+        if op.name in CAST_OPS and len(tensors) == 1:
+            ref = tensors[0]
+            continue
+        if op.name not in SCALE_OPS or not tensors:
+            return None
+        others = [r for r in op.inputs if r is not tensors[0]]
+        if any(type(r) is Ref and math.prod(trace.ops[r.op].shapes[r.slot]) != 1 for r in others):
+            return None  # a product with a tensor of values, not a constant
+        ref, scaled = tensors[0], True
+    return first if ref == token.output_ref and scaled else None
+
+
 def _type_embed(trace: Trace) -> ModuleCall | None:
     """The one embedding outside the layers that is neither the token nor the position embedding."""
     token, pos = _token_embed(trace), _pos_embed(trace)
@@ -288,7 +315,7 @@ TARGETS: dict[str, tuple[Callable, bool, str]] = {
             "the block has no MLP sublayer (no single module holds the MLP, or the block has no attention)"),
     "ln1": (lambda t, i: _norm_where(t, i, _feeds, "attention"), True,
             "no norm feeds the attention input (the block normalizes after its sublayers)"),
-    "ln2": (lambda t, i: _norm_where(t, i, _feeds, "mlp"), True,
+    "ln2": (lambda t, i: _norm_where(t, i, _feeds, "mlp") or _pre_ln_mlp(0)(t, i), True,
             "no norm feeds the MLP input (the block normalizes after its sublayers)"),
     "attn_post_norm": (lambda t, i: _norm_where(t, i, _follows, "attention"), True,
                        "no norm is applied to the attention output (no sandwich norm)"),
@@ -325,6 +352,8 @@ TARGETS: dict[str, tuple[Callable, bool, str]] = {
     "pre_ln_mlp_out": (_pre_ln_mlp(2), True,
                        "the block is not pre-LN with an MLP held by no module of its own"),
     "type_embed": (lambda t, i: _type_embed(t), False, "no token-type embedding module ran"),
+    "scaled_embed_block": (lambda t, i: _scaled_embed_block(t), False,
+                           "the first block does not read the token embedding scaled outside its module"),
     "ln_cross": (lambda t, i: _norm_where(t, i, _feeds, "cross_attention"), True,
                  "no norm feeds the cross-attention input"),
     "first_block": (lambda t, i: _layer(t, 0).call if t.structure.layers else None, False, "no block ran"),
@@ -345,7 +374,7 @@ TARGET_ROLES: dict[str, tuple[str, ...]] = {
     "unembed": ("unembed",), "post_ln1": ("norm",), "post_ln2": ("norm",), "post_ln_block": ("block",),
     "attn_out_proj": ("other",), "split_mlp_in": ("other",), "split_mlp_out": ("other",),
     "pre_ln_mlp_norm": ("norm",), "pre_ln_mlp_in": ("other",), "pre_ln_mlp_out": ("other",),
-    "type_embed": ("embedding",), "ln_cross": ("norm",), "first_block": ("block",), "attn_residual": ("other",),
+    "type_embed": ("embedding",), "scaled_embed_block": ("block",), "ln_cross": ("norm",), "first_block": ("block",), "attn_residual": ("other",),
     "cross_residual": ("other",), "root": ("root",),
 }
 if set(TARGET_ROLES) != set(TARGETS):

@@ -13,10 +13,16 @@ _UNFOLDED_LN = (
     "RMSNorm hook it before the gain, like TorchLens's normalized"
 )
 
+_QK_NORM = ("QK-norm internals: TorchLens has no facet for the query/key norm's statistics; rot_q and rot_k "
+            "hold the queries and keys after it (and after RoPE)")
+
 ROWS = (
     Row("hook_tokens", "token_embed", "indices", "token ids (cfg.use_hook_tokens)"),
-    Row("hook_embed", "token_embed", "lookup", "token embedding lookup",
-        "before any scaling the embedding module applies (Gemma multiplies by sqrt(d_model) afterwards)"),
+    Row("hook_embed", "scaled_embed_block", "resid_pre", "token embedding as it enters the residual stream",
+        "after any constant scaling (TransformerLens folds Gemma's sqrt(d_model) into W_E), before a position "
+        "embedding is added: the embedding module's output, or where the model scales outside that module, "
+        "the first block's input",
+        or_else=("token_embed", "output")),
     Row("hook_pos_embed", "pos_embed", "output", "learned position embedding",
         "absent on rotary models: they have no position embedding module"),
     Row("blocks.{L}.hook_resid_pre", "block", "resid_pre", "residual entering the block"),
@@ -37,6 +43,14 @@ ROWS = (
         "shortformer positional embeddings only; TorchLens has no facet for it"),
     Row("blocks.{L}.attn.hook_attn_scores", "attention", "scores", "attention logits entering softmax",
         "TL 2.x masks with -inf; TorchLens keeps the model's fill (HF: the dtype minimum): compare visible entries"),
+    Row("blocks.{L}.attn.q_norm.hook_scale", None, None, "query QK-norm divisor, per head (cfg.use_qk_norm)",
+        _QK_NORM),
+    Row("blocks.{L}.attn.q_norm.hook_normalized", None, None, "query QK-norm output before the gain, per head",
+        _QK_NORM),
+    Row("blocks.{L}.attn.k_norm.hook_scale", None, None, "key QK-norm divisor, per head (cfg.use_qk_norm)",
+        _QK_NORM),
+    Row("blocks.{L}.attn.k_norm.hook_normalized", None, None, "key QK-norm output before the gain, per head",
+        _QK_NORM),
     Row("blocks.{L}.attn.hook_pattern", "attention", "pattern", "softmax of the scores"),
     Row("blocks.{L}.attn.hook_z", "attention", "z", "pattern @ v per head, before W_O",
         "TL is token-major [batch, pos, heads, d_head]; TorchLens z is head-major: z.transpose(1, 2)"),
@@ -48,12 +62,10 @@ ROWS = (
         "absent on parallel attention+MLP blocks",
         or_else=("pre_ln_mlp_norm", "input")),
     Row("blocks.{L}.hook_mlp_in", "block", "resid_mid", "pre-norm residual feeding the MLP branch (cfg.use_hook_mlp_in)",
-        "the same tensor as hook_resid_mid",
-        or_else=("pre_ln_mlp_norm", "input")),
-    Row("blocks.{L}.ln2.hook_scale", "ln2", "scale", "pre-MLP norm divisor",
-        or_else=("pre_ln_mlp_norm", "scale")),
-    Row("blocks.{L}.ln2.hook_normalized", "ln2", "normalized", "pre-MLP norm output before the gain", _UNFOLDED_LN,
-        or_else=("pre_ln_mlp_norm", "normalized")),
+        "the same tensor as hook_resid_mid; on a parallel attention+MLP block, the MLP norm's input (resid_pre)",
+        or_else=("ln2", "input")),
+    Row("blocks.{L}.ln2.hook_scale", "ln2", "scale", "pre-MLP norm divisor"),
+    Row("blocks.{L}.ln2.hook_normalized", "ln2", "normalized", "pre-MLP norm output before the gain", _UNFOLDED_LN),
     Row("blocks.{L}.mlp.hook_pre", "mlp", "pre", "activation input (GPT-2 c_fc, Llama gate_proj output)",
         or_else=("pre_ln_mlp_in", "output")),
     Row("blocks.{L}.mlp.hook_pre_linear", "mlp", "pre_linear", "linear branch of a gated MLP (Llama up_proj)",

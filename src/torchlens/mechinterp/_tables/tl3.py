@@ -25,7 +25,7 @@ ROWS = (
     + tuple(r for r in tl2.ROWS if r.name in LEGACY_ALIASES)
     + (
         Row("hook_embed", "token_embed", "output", "token embedding (alias of embed.hook_out)",
-            "the embedding module's output: after Gemma's sqrt(d_model) scaling, unlike 2.x hook_embed"),
+            "the embedding module's output: after Gemma's sqrt(d_model) scaling where that module applies it"),
         Row("hook_unembed", "unembed", "output", "logits (alias of unembed.hook_out)"),
     )
 )
