@@ -1359,3 +1359,16 @@ def test_transformer_lens_qk_norm_hooks_are_rows_without_a_site():
     report = mi.compare(trace, {n: torch.zeros(3) for n in names}, generation="2.x", explain=False)
     assert [c.name for c in report] == names
     assert all(c.status == "structurally_absent" and not c.passed and "QK-norm" in c.hint for c in report)
+
+
+def test_a_norm_copied_per_head_compares_against_the_one_norm():
+    """With use_split_qkv_input TransformerLens caches ln1.hook_scale/normalized per head."""
+    trace = tl.trace(_models.build("llama", "sdpa"), _models.token_ids())
+    norm = trace.modules["model.layers.0.input_layernorm"].facets
+    per_head = {f"blocks.0.ln1.hook_{n}": norm[n].unsqueeze(2).expand(-1, -1, 4, -1) for n in ("scale", "normalized")}
+    report = mi.compare(trace, per_head, generation="2.x", atol=0, rtol=0)
+    assert report.mismatched == [] and {c.layout for c in report} == {"repeated per head"}, report
+    bad = dict(per_head)
+    bad["blocks.0.ln1.hook_scale"] = bad["blocks.0.ln1.hook_scale"].clone()
+    bad["blocks.0.ln1.hook_scale"][:, :, 1] += 1  # one head's copy differs
+    assert mi.compare(trace, bad, generation="2.x", explain=False).mismatched == ["blocks.0.ln1.hook_scale"]

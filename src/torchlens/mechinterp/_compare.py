@@ -132,6 +132,10 @@ def _summary(report: ComparisonReport) -> str:
     return f"{len(report)} compared: {len(report) - failed} agree, {failed} do not"
 
 
+#: A norm's facets, which TransformerLens copies per head where it splits the q/k/v inputs.
+_NORM_FACETS = frozenset({"scale", "normalized", "inv_std", "inv_rms"})
+
+
 def _candidates(ref: Tensor, facet: str) -> Iterator[tuple[str, Tensor]]:
     """The TorchLens tensor in each layout an engine plausibly uses, most literal first."""
     majors = [("", ref)]
@@ -383,6 +387,10 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
     if (not options and ref.dim() == engine.dim() >= 2 and ref.shape[0] == 1 < engine.shape[0]
             and ref.shape[1:] == engine.shape[1:]):  # one row for every sequence (a position embedding)
         options = [("batch broadcast", ref.expand(engine.shape))]
+    if (not options and res.facet in _NORM_FACETS and engine.dim() == ref.dim() + 1 >= 4
+            and engine.shape[:2] == ref.shape[:2] and engine.shape[3:] == ref.shape[2:]):
+        # a norm's tensor copied per head (TransformerLens's use_split_qkv_input)
+        options = [("repeated per head", ref.unsqueeze(2).expand(engine.shape))]
     expanded = _expand_kv(ref, engine, res.facet)
     if expanded is not None:
         options += [(f"kv heads repeated, {label}", t) for label, t in _candidates(expanded, res.facet)
