@@ -1327,6 +1327,14 @@ def test_opt_mlp_names_read_its_fc_layers_and_match_plain_hooks(generation):
             engine[name.replace("{L}", str(i))] = flat.reshape(2, 5, -1)  # an engine's [batch, pos, width]
     report = mi.compare(trace, engine, generation=generation, atol=0, rtol=0)
     assert len(report) == 8 and report.mismatched == [], report
+    # An unfolded LayerNorm's output handed as ln2's normalized: the explanation finds it in the
+    # flattened layer (where the model computed it), not "matches no tensor".
+    out = trace.modules["model.decoder.layers.0.final_layer_norm"].facets["output"].reshape(2, 5, -1)
+    name = "blocks.0.ln2.hook_normalized"
+    (row,) = mi.compare(trace, {name: out}, generation=generation)
+    assert not row.passed and row.layout == "tokens unflattened", row
+    assert row.explanation in ("equals model.decoder.layers.0.fc1:input", "equals blocks.0.mlp.hook_in"), \
+        row.explanation  # fc1's input is the norm's output (4.x names it mlp.hook_in)
     # A model with an MLP module keeps reading it: no second site on GPT-2.
     gpt2 = tl.trace(_models.build("gpt2", "sdpa"), ids)
     assert mi.resolve_alias(gpt2, "blocks.0.mlp.hook_pre", generation="2.x").module_address == "transformer.h.0.mlp"

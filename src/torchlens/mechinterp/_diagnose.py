@@ -238,6 +238,10 @@ def _layouts(c_shape: tuple[int, ...], e_shape: tuple[int, ...], facet: str | No
     then describes a layout, not a mistake). Steps are applied in order by `_apply`.
     """
     n = len(c_shape)
+    if n == 2 and len(e_shape) == 3 and c_shape[-1] == e_shape[-1] and c_shape[0] == e_shape[0] * e_shape[1]:
+        # the model flattened [batch, pos] (OPT's MLP), as compare accepts it
+        yield "tokens unflattened", True, [("reshape", e_shape)]
+        return
     majors: list[tuple[str, bool, list, tuple]] = [("", True, [], c_shape)]
     if n == 4:
         swapped = (c_shape[0], c_shape[2], c_shape[1], c_shape[3])
@@ -289,6 +293,8 @@ def _apply(t: Tensor, steps: list) -> Tensor:
             t = t[0]
         elif s[0] == "flat":
             t = t.flatten(-2)
+        elif s[0] == "reshape":
+            t = t.reshape(s[1])
     return t
 
 
