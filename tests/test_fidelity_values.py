@@ -959,3 +959,39 @@ def test_codegen_heads_are_not_read_from_its_model_parallel_groups(heads):
         else:
             assert name not in facets, name
     assert torch.allclose(facets["pattern"], pattern, atol=1e-6)
+
+
+def test_z_is_found_through_a_softmax_cast_back_with_type_as():
+    """transformers 4.57's T5 runs softmax(scores.float()).type_as(scores): z (pattern @ v) is still found."""
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = (p(x).view(b, t, 2, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+            scores = q @ k.transpose(-1, -2)
+            pattern = torch.softmax(scores.float(), dim=-1).type_as(scores)
+            return self.o((pattern @ v).transpose(1, 2).reshape(b, t, 8))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = Attn()
+
+        def forward(self, x):
+            return x + self.attn(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block()).eval()
+    x = torch.randn(1, 3, 8)
+    seen = {}
+    handle = model[0].attn.o.register_forward_pre_hook(lambda m, a: seen.__setitem__("z", a[0].detach().clone()))
+    try:
+        tr = torchlens.trace(model, x, roles={"0": "block", "1": "block", "0.attn": "attention", "1.attn": "attention"})
+    finally:
+        handle.remove()
+    z = tr.modules["0.attn"].facets["z"]  # head-major [b, h, t, d]
+    assert torch.equal(z.transpose(1, 2).reshape(1, 3, 8), seen["z"])

@@ -1380,3 +1380,34 @@ def test_a_norm_copied_per_head_compares_against_the_one_norm():
     bad["blocks.0.ln1.hook_scale"] = bad["blocks.0.ln1.hook_scale"].clone()
     bad["blocks.0.ln1.hook_scale"][:, :, 1] += 1  # one head's copy differs
     assert mi.compare(trace, bad, generation="2.x", explain=False).mismatched == ["blocks.0.ln1.hook_scale"]
+
+
+def test_hooked_encoder_cache_names_resolve_on_bert_against_plain_hooks():
+    """Every name a HookedEncoder cache holds has a row (embed.ln, mlm_head.ln and the flag-gated
+    ones); the sites hold what plain hooks see; an unknown name's hint reads the encoder table."""
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                                  num_attention_heads=4, max_position_embeddings=32)
+    model = tl.testing.from_config(cfg, transformers.BertForMaskedLM)
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    seen, handles = {}, []
+    for key, module, pre in [("embed_ln", model.bert.embeddings.LayerNorm, False),
+                             ("head_ln", model.cls.predictions.transform.LayerNorm, False),
+                             ("mlp_in", model.bert.encoder.layer[0].attention.output.LayerNorm, True)]:
+        handles.append(module.register_forward_pre_hook(lambda m, a, key=key: seen.__setitem__(key, a[0].clone()))
+                       if pre else module.register_forward_hook(lambda m, a, o, key=key: seen.__setitem__(key, o.clone())))
+    try:
+        trace = tl.trace(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    engine = {"embed.ln.hook_normalized": seen["embed_ln"], "mlm_head.ln.hook_normalized": seen["head_ln"],
+              "blocks.0.hook_mlp_in": seen["mlp_in"]}
+    report = mi.compare(trace, engine, generation="2.x", atol=0, rtol=0)
+    assert report.mismatched == [], report
+    for name, status in [("embed.ln.hook_scale", "reconstructed_read_only"), ("mlm_head.ln.hook_scale",
+                         "reconstructed_read_only"), ("blocks.1.hook_q_input", "structurally_absent"),
+                         ("blocks.1.attn.hook_result", "structurally_absent")]:
+        assert mi.resolve_alias(trace, name, generation="2.x").status == status, name
+    with pytest.raises(UnknownAlias, match="in 2.x the same site is 'mlm_head.ln.hook_scale'"):
+        mi.resolve_alias(trace, "ln_final.hook_scale", generation="2.x")

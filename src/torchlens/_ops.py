@@ -113,7 +113,7 @@ SUB_OPS = frozenset({"sub", "__sub__", "__rsub__", "sub_", "__isub__"})
 #: values were normalized, not just moved.
 NORM_OPS = frozenset({"rsqrt", "rms_norm", "layer_norm"})
 #: Dtype casts.
-CAST_OPS = frozenset({"to", "type", "float", "half", "bfloat16"})
+CAST_OPS = frozenset({"to", "type", "type_as", "float", "half", "bfloat16"})
 #: Ops that only pass a value through (casts, copies, identity dropout in eval).
 PASS_THROUGH_OPS = CAST_OPS | {"contiguous", "clone", "dropout"}
 #: Elementwise activation functions (and their in-place forms): an MLP's `act` is served from

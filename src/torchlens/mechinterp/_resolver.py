@@ -343,6 +343,7 @@ def _interp_engine_special(query: str, trace: Trace) -> AliasResolution | None:
 
 
 def _unknown(query: str, tables: list[Table], trace: Trace) -> AliasError:
+    tables = [_for_trace(t, trace) for t in tables]  # the rows this trace is read with (HookedEncoder's on BERT)
     for table in tables:
         if table.unmapped and query in table.unmapped:
             return UnknownAlias(f"{query!r}: {table.unmapped[query]}")
@@ -367,7 +368,7 @@ def _unknown(query: str, tables: list[Table], trace: Trace) -> AliasError:
 
 def _other_generation_hint(query: str, table: Table, trace: Trace) -> str:
     """For a name of another generation: which one it is, and this generation's name for its site."""
-    others = [t for t in GENERATIONS.values() if t is not table]
+    others = [_for_trace(t, trace) for t in GENERATIONS.values() if t.generation != table.generation]
     try:
         found = _matches(query, others, trace)
     except AliasError:

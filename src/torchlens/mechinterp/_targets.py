@@ -264,6 +264,22 @@ def _scaled_embed_block(trace: Trace) -> ModuleCall | None:
     return first if ref == token.output_ref and scaled else None
 
 
+def _embed_norm(trace: Trace) -> ModuleCall | None:
+    """The norm outside the layers whose output is the first block's input (BERT's
+    `embeddings.LayerNorm`, over the sum of the embeddings)."""
+    if trace.structure is None or not trace.structure.layers:
+        return None
+    ref = trace.structure.layers[0].call.input_ref
+    for _ in range(4):  # through the embedding's dropout (eval or not, the norm's output is what it passes on)
+        if type(ref) is not Ref:
+            return None
+        op = trace.ops[ref.op]
+        if op.name not in PASS_THROUGH_OPS or not op.inputs:
+            break
+        ref = op.inputs[0]
+    return next((c for c in _outside_layers(trace, "norm") if c.output_ref == ref), None)
+
+
 def _type_embed(trace: Trace) -> ModuleCall | None:
     """The one embedding outside the layers that is neither the token nor the position embedding."""
     token, pos = _token_embed(trace), _pos_embed(trace)
@@ -352,6 +368,7 @@ TARGETS: dict[str, tuple[Callable, bool, str]] = {
     "pre_ln_mlp_out": (_pre_ln_mlp(2), True,
                        "the block is not pre-LN with an MLP held by no module of its own"),
     "type_embed": (lambda t, i: _type_embed(t), False, "no token-type embedding module ran"),
+    "embed_norm": (lambda t, i: _embed_norm(t), False, "no norm outside the layers feeds the first block"),
     "scaled_embed_block": (lambda t, i: _scaled_embed_block(t), False,
                            "the first block does not read the token embedding scaled outside its module"),
     "ln_cross": (lambda t, i: _norm_where(t, i, _feeds, "cross_attention"), True,
@@ -374,7 +391,7 @@ TARGET_ROLES: dict[str, tuple[str, ...]] = {
     "unembed": ("unembed",), "post_ln1": ("norm",), "post_ln2": ("norm",), "post_ln_block": ("block",),
     "attn_out_proj": ("other",), "split_mlp_in": ("other",), "split_mlp_out": ("other",),
     "pre_ln_mlp_norm": ("norm",), "pre_ln_mlp_in": ("other",), "pre_ln_mlp_out": ("other",),
-    "type_embed": ("embedding",), "scaled_embed_block": ("block",), "ln_cross": ("norm",), "first_block": ("block",), "attn_residual": ("other",),
+    "type_embed": ("embedding",), "scaled_embed_block": ("block",), "embed_norm": ("norm",), "ln_cross": ("norm",), "first_block": ("block",), "attn_residual": ("other",),
     "cross_residual": ("other",), "root": ("root",),
 }
 if set(TARGET_ROLES) != set(TARGETS):

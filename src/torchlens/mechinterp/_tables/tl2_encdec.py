@@ -25,6 +25,8 @@ def _attn(prefix: str, target: str, stack: str) -> tuple[Row, ...]:
         Row(f"{prefix}.hook_pattern", target, "pattern", "softmax of the scores", stack=stack),
         Row(f"{prefix}.hook_z", target, "z", "pattern @ v per head",
             "TL is token-major [batch, pos, heads, d_head]; TorchLens z is head-major: z.transpose(1, 2)", stack=stack),
+        Row(f"{prefix}.hook_result", target, "result", "each head's output contribution (cfg.use_attn_result)",
+            stack=stack),
     )
 
 
