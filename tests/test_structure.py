@@ -350,8 +350,9 @@ def test_hooked_encoder_names_resolve_on_bert():
         assert r.status == "real", r
         torch.testing.assert_close(r.tensor, seen[key][0], rtol=0, atol=0)
     assert mi.resolve_alias(t, "blocks.0.hook_resid_pre", "2.x").status == "real"
-    # 2 layers x 16 names + 4 global ones with a site; the embedding and MLM-head norms add 2 real and
-    # 2 derived; the per-head input copies and hook_result (BERT's W_O lies outside its attention) have none
+    # Beyond the 32 real and 8 derived: the embedding and MLM-head norms' outputs (2 real) and scales
+    # (2 derived), hook_mlp_in per layer (2 real); the per-head input copies (3 per layer) and hook_result
+    # (BERT's W_O lies outside its attention) have no site
     assert mi.alias_report(t, "2.x").counts() == {"real": 36, "reconstructed_read_only": 10, "structurally_absent": 8}
 
 
