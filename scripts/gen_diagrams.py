@@ -212,12 +212,13 @@ def module_of(trace: tl.Trace, target: str, layer: int = 0) -> str | None:
     `trace` at `layer`, or None when the model has none.
 
     Read through the public resolver: the first row of any generation whose target is `target`
-    (a language-model row, not an encoder one), resolved on the trace, names the module. Every
-    row of a target points at the same module; only the facet read there differs.
+    (a language-model row, not an encoder one, and none with a second site that it may resolve
+    to instead), resolved on the trace, names the module. Every such row of a target points at
+    the same module; only the facet read there differs.
     """
     for generation in GENERATIONS:
         for row in mi.table(generation):
-            if row.target != target or row.stack is not None:
+            if row.target != target or row.stack is not None or row.or_else is not None:
                 continue
             res = mi.resolve_alias(trace, row.name.replace("{L}", str(layer)), generation=generation)
             return res.module_address

@@ -603,3 +603,40 @@ def measure_cost(repeats: int = 3) -> dict[str, float]:
 if __name__ == "__main__":
     for k, v in measure_cost().items():
         print(f"{k:20s} {v * 1000:8.1f} ms")
+
+
+def _opt_model():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.OPTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, ffn_dim=64,
+                                 vocab_size=64, max_position_embeddings=16, word_embed_proj_dim=32)
+    return testing.from_config(cfg, transformers.OPTForCausalLM)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_resid_mid_and_mlp_in_edits_reach_what_transformer_lens_edits(family):
+    """TransformerLens's hook_resid_mid is the residual stream itself; its hook_mlp_in is a copy
+    only the MLP branch reads. Zeroing each: the block output is mlp(ln2(0)) for resid_mid, and
+    resid_mid + mlp(ln2(0)) for mlp_in. Ground truth: the block's own modules, called by hand."""
+    model = _opt_model() if family == "opt" else testing.build("gpt2")
+    ids = testing.token_ids(length=5)
+    layer = model.model.decoder.layers[0] if family == "opt" else model.transformer.h[0]
+    ln2, mlp = ((layer.final_layer_norm, lambda x: layer.fc2(layer.activation_fn(layer.fc1(x))))
+                if family == "opt" else (layer.ln_2, layer.mlp))
+    block = "model.decoder.layers.0" if family == "opt" else "transformer.h.0"
+    seen = {}
+    handle = ln2.register_forward_pre_hook(lambda m, a: seen.__setitem__("mid", a[0].detach().clone()))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        handle.remove()
+    mid = seen["mid"].reshape(1, 5, -1)
+    with torch.no_grad():
+        branch = mlp(ln2(torch.zeros_like(seen["mid"]))).reshape(1, 5, -1)
+    for name, truth in (("blocks.0.hook_resid_mid", branch), ("blocks.0.hook_mlp_in", mid + branch)):
+        with torch.no_grad():
+            tr = tl.trace(model, ids, edit={name: torch.zeros_like})
+        got = tr.modules[block].facets["resid_post"]
+        assert torch.allclose(got, truth, atol=1e-6), (name, float((got - truth).abs().max()))

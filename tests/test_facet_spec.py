@@ -161,8 +161,8 @@ def test_absent_reason():
     ((Row("x.{L}", None, None, "m"), Row("x", "root", "logits", "m")), {"absent_once": True}, "also matches 'x'"),
     ((Row("blocks.{L}.hook_x", "mlp", "pre", "m", or_else=("pre_ln_mlp_up", "output")),), {},
      "target 'pre_ln_mlp_up' is not a target"),
-    ((Row("blocks.{L}.hook_x", "mlp", "pre", "m", or_else=("pre_ln_mlp_norm", "q")),), {},
-     "facet 'q' belongs to ['attention'] modules, but target 'pre_ln_mlp_norm' finds a norm module"),
+    ((Row("blocks.{L}.hook_x", "mlp", "pre", "m", or_else=("ln2", "q")),), {},
+     "facet 'q' belongs to ['attention'] modules, but target 'ln2' finds a norm module"),
     ((Row("blocks.{L}.hook_x", None, None, "m", or_else=("pre_ln_mlp_in", "output")),), {},
      "or_else gives a second site to a row that has none"),
 ])

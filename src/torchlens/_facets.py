@@ -147,6 +147,8 @@ def block_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[st
             sites[name] = s
     attn = next((k for k in kids if k.role == "attention"), None)
     mlp = next((k for k in kids if k.role == "mlp"), None)
+    if mlp is None and attn is not None:
+        mlp = _split_mlp_norm(g, call, kids, attn)
     if attn is None or mlp is None or type(attn.output_ref) is not Ref or type(mlp.input_ref) is not Ref:
         return sites
     # Ops downstream of the attention output and upstream of the MLP input: the residual add.
@@ -163,6 +165,21 @@ def block_facets(g: _Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[st
         sites["resid_mid"] = _site(g, "resid_mid", Ref(_pick_resid_mid(g, attn, adds), 0), note="residual add after attention")
         sites.update(_check_resid_mid(g, sites, kids, attn, mlp))
     return sites
+
+
+def _split_mlp_norm(g: _Graph, call: ModuleCall, kids: list[ModuleCall], attn: ModuleCall) -> ModuleCall | None:
+    """Where the block holds its MLP's layers itself (OPT: `final_layer_norm`, `fc1`, `fc2`), the
+    norm child whose output the first weighted layer after the attention reads: the MLP branch
+    starts there, so `resid_mid` is the residual add before it. None for a post-LN block (its
+    output is a norm's), where the residual carried on is that norm's output."""
+    after = [k for k in kids if k.first_op >= attn.end_op]
+    lins = [k for k in after if _weighted(g, k)]
+    if not lins or type(lins[0].input_ref) is not Ref:
+        return None
+    norms = [k for k in after if _roles.is_norm(g.modules[k.address])]
+    if any(type(k.output_ref) is Ref and k.output_ref == call.output_ref for k in norms):
+        return None
+    return next((k for k in norms if k.output_ref == lins[0].input_ref), None)
 
 
 def _pick_resid_mid(g: _Graph, attn: ModuleCall, adds: list[int]) -> int:
@@ -197,6 +214,9 @@ def _check_resid_mid(
         def best(base: Tensor, target: Tensor, outs: list) -> float:
             errors = [float("inf")]
             for v in outs:
+                if (v is not None and v.shape != target.shape and v.dim() == 2 and v.shape[-1] == target.shape[-1]
+                        and v.numel() == target.numel()):
+                    v = v.reshape(target.shape)  # a branch run on flattened tokens (OPT's MLP)
                 if v is not None and v.shape == target.shape:
                     errors.append(float((base + _wide(v)).sub_(target).abs_().max()))
                     if errors[-1] <= tol:

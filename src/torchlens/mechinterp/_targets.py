@@ -360,11 +360,9 @@ TARGETS: dict[str, tuple[Callable, bool, str]] = {
                      "no MLP split over two modules between the block's two norms"),
     "split_mlp_out": (lambda t, i: _split_mlp(t, i, -1), True,
                       "no MLP split over two modules between the block's two norms"),
-    "pre_ln_mlp_norm": (_pre_ln_mlp(0), True,
-                        "the block is not pre-LN with an MLP held by no module of its own (a norm, then two "
-                        "weighted layers, all children of the block)"),
     "pre_ln_mlp_in": (_pre_ln_mlp(1), True,
-                      "the block is not pre-LN with an MLP held by no module of its own"),
+                      "the block is not pre-LN with an MLP held by no module of its own (a norm, then two "
+                      "weighted layers, all children of the block)"),
     "pre_ln_mlp_out": (_pre_ln_mlp(2), True,
                        "the block is not pre-LN with an MLP held by no module of its own"),
     "type_embed": (lambda t, i: _type_embed(t), False, "no token-type embedding module ran"),
@@ -390,7 +388,7 @@ TARGET_ROLES: dict[str, tuple[str, ...]] = {
     "mlp_gated": ("mlp",), "token_embed": ("embedding",), "pos_embed": ("embedding",), "final_norm": ("norm",),
     "unembed": ("unembed",), "post_ln1": ("norm",), "post_ln2": ("norm",), "post_ln_block": ("block",),
     "attn_out_proj": ("other",), "split_mlp_in": ("other",), "split_mlp_out": ("other",),
-    "pre_ln_mlp_norm": ("norm",), "pre_ln_mlp_in": ("other",), "pre_ln_mlp_out": ("other",),
+    "pre_ln_mlp_in": ("other",), "pre_ln_mlp_out": ("other",),
     "type_embed": ("embedding",), "scaled_embed_block": ("block",), "embed_norm": ("norm",), "ln_cross": ("norm",), "first_block": ("block",), "attn_residual": ("other",),
     "cross_residual": ("other",), "root": ("root",),
 }

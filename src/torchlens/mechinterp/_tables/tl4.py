@@ -50,10 +50,10 @@ ROWS = (
     Row("blocks.{L}.attn.hook_hidden_states", "attn_o", "output", "output projection output (fires on GPT-2's bridge)"),
     Row("blocks.{L}.attn.hook_out", "attention", "output", "attention module output (element 0)"),
     Row("blocks.{L}.ln2.hook_in", "ln2", "input", "pre-MLP norm input (= resid_mid)"),
-    Row("blocks.{L}.hook_mlp_in", "block", "resid_mid", "pre-norm residual feeding the MLP (set_use_hook_mlp_in)",
-        "TL 3.0.0 pointed this name at the MLP input (post-norm); 3.9 and 4.x at the pre-norm residual; on a "
-        "parallel attention+MLP block, the MLP norm's input (resid_pre)",
-        or_else=("ln2", "input")),
+    Row("blocks.{L}.hook_mlp_in", "ln2", "input", "pre-norm residual feeding the MLP (set_use_hook_mlp_in)",
+        "TL 3.0.0 pointed this name at the MLP input (post-norm); 3.9 and 4.x at the pre-norm residual (resid_pre "
+        "on a parallel attention+MLP block); an edit here reaches the MLP branch, not the residual stream",
+        or_else=("block", "resid_mid")),
     Row("blocks.{L}.ln2.hook_scale", "ln2", "scale", "pre-MLP norm divisor"),
     Row("blocks.{L}.ln2.hook_normalized", "ln2", "normalized", "pre-MLP norm output before the gain"),
     Row("blocks.{L}.ln2.hook_out", "ln2", "output", "pre-MLP norm output"),
