@@ -36,8 +36,7 @@ pip=("$dir/bin/python" -m pip install --quiet --no-compile --no-cache-dir)
 if [ -n "$smoke" ]; then
     (cd "$dir" && "$dir/bin/python" -c "$smoke")
 fi
-size() { du -sm "$1" | cut -f1; }
-before=$(size "$dir")
+before=$(du -sm "$dir" | cut -f1)
 others=()
 for other in "$root/.venv" "$(dirname "$dir")"/*/; do
     other="${other%/}"

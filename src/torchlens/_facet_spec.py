@@ -40,12 +40,14 @@ __all__ = [
     "HEAD_MAJOR",
     "KV_HEADS",
     "KERNEL_REBUILT",
+    "NORM_FACETS",
     "HOOK_SIDES",
     "REMEDIES",
     "check_rows",
     "DEFAULT_ABSENT",
     "spec",
     "absent_reason",
+    "tokens_flattened",
 ]
 
 #: The pseudo-role of the facets every module call has (`input`, `output`).
@@ -328,6 +330,8 @@ HEAD_MAJOR: frozenset[str] = frozenset(f.name for f in SPECS if f.head_major)
 KV_HEADS: frozenset[str] = frozenset(f.name for f in SPECS if f.kv_heads)
 #: Facets TorchLens rebuilds from a fused attention kernel's inputs when no softmax op ran.
 KERNEL_REBUILT: frozenset[str] = frozenset(f.name for f in SPECS if f.fused == "reconstructed")
+#: A norm's own facets (`normalized`, `scale`, ...): an engine may hand them copied per head.
+NORM_FACETS: frozenset[str] = frozenset(f.name for f in SPECS if f.roles == ("norm",))
 #: Facets an edit replaces in the reporting module's own hooks: facet -> `"in"` (its forward
 #: pre-hook) or `"out"` (its forward hook).
 HOOK_SIDES: dict[str, str] = {
@@ -362,3 +366,9 @@ def absent_reason(name: str) -> str:
         FacetSpecError: `name` is no facet.
     """
     return spec(name).absent or DEFAULT_ABSENT
+
+
+def tokens_flattened(flat: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of shape `flat` is one of `shape` (`[batch, pos, width]`) with batch and
+    positions flattened into one axis, as OPT runs its MLP: `[batch * pos, width]`."""
+    return len(flat) == 2 and len(shape) == 3 and tuple(flat) == (shape[0] * shape[1], shape[2])

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _ops, _roles
+from ._facet_spec import tokens_flattened
 from ._records import FacetSite, ModuleCall, OpRecord, Ref, _Dropped, _Pending
 
 class _Graph:
@@ -214,8 +215,7 @@ def _check_resid_mid(
         def best(base: Tensor, target: Tensor, outs: list) -> float:
             errors = [float("inf")]
             for v in outs:
-                if (v is not None and v.shape != target.shape and v.dim() == 2 and v.shape[-1] == target.shape[-1]
-                        and v.numel() == target.numel()):
+                if v is not None and tokens_flattened(v.shape, target.shape):
                     v = v.reshape(target.shape)  # a branch run on flattened tokens (OPT's MLP)
                 if v is not None and v.shape == target.shape:
                     errors.append(float((base + _wide(v)).sub_(target).abs_().max()))

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .._errors import LookupFailed, TorchLensError
-from .._facet_spec import HEAD_MAJOR, KERNEL_REBUILT, KV_HEADS, PER_HEAD
+from .._facet_spec import HEAD_MAJOR, KERNEL_REBUILT, KV_HEADS, NORM_FACETS, PER_HEAD, tokens_flattened
 from .._records import Trace
 from ._diagnose import Candidate, diagnose
 from ._resolver import AliasResolution, resolve_alias
@@ -130,10 +130,6 @@ def _err(c: Comparison) -> str:
 def _summary(report: ComparisonReport) -> str:
     failed = sum(not c.passed for c in report)
     return f"{len(report)} compared: {len(report) - failed} agree, {failed} do not"
-
-
-#: A norm's facets, which TransformerLens copies per head where it splits the q/k/v inputs.
-_NORM_FACETS = frozenset({"scale", "normalized", "inv_std", "inv_rms"})
 
 
 def _candidates(ref: Tensor, facet: str) -> Iterator[tuple[str, Tensor]]:
@@ -381,13 +377,12 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
     if engine.dtype != ref.dtype:
         hints.append(f"dtypes differ (engine {str(engine.dtype)[6:]}, TorchLens {str(ref.dtype)[6:]})")
     options = [(label, t) for label, t in _candidates(ref, res.facet) if tuple(t.shape) == tuple(engine.shape)]
-    if (not options and ref.dim() == 2 and engine.dim() == 3 and ref.shape[-1] == engine.shape[-1]
-            and ref.shape[0] == engine.shape[0] * engine.shape[1]):  # the model flattened [batch, pos] (OPT's MLP)
+    if not options and tokens_flattened(ref.shape, engine.shape):  # the model flattened [batch, pos] (OPT's MLP)
         options = [("tokens unflattened", ref.reshape(engine.shape))]
     if (not options and ref.dim() == engine.dim() >= 2 and ref.shape[0] == 1 < engine.shape[0]
             and ref.shape[1:] == engine.shape[1:]):  # one row for every sequence (a position embedding)
         options = [("batch broadcast", ref.expand(engine.shape))]
-    if (not options and res.facet in _NORM_FACETS and engine.dim() == ref.dim() + 1 >= 4
+    if (not options and res.facet in NORM_FACETS and engine.dim() == ref.dim() + 1 >= 4
             and engine.shape[:2] == ref.shape[:2] and engine.shape[3:] == ref.shape[2:]):
         # a norm's tensor copied per head (TransformerLens's use_split_qkv_input)
         options = [("repeated per head", ref.unsqueeze(2).expand(engine.shape))]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._facet_spec import HEAD_MAJOR, KV_HEADS, PER_HEAD, TOKEN_MAJOR
+from .._facet_spec import HEAD_MAJOR, KV_HEADS, PER_HEAD, TOKEN_MAJOR, tokens_flattened
 from .._ops import ADD_OPS, PASS_THROUGH_OPS, RESHAPE_OPS, SCALE_OPS
 from .._records import Ref, Trace
 
@@ -238,8 +238,7 @@ def _layouts(c_shape: tuple[int, ...], e_shape: tuple[int, ...], facet: str | No
     then describes a layout, not a mistake). Steps are applied in order by `_apply`.
     """
     n = len(c_shape)
-    if n == 2 and len(e_shape) == 3 and c_shape[-1] == e_shape[-1] and c_shape[0] == e_shape[0] * e_shape[1]:
-        # the model flattened [batch, pos] (OPT's MLP), as compare accepts it
+    if tokens_flattened(c_shape, e_shape):  # the model flattened [batch, pos] (OPT's MLP), as compare accepts it
         yield "tokens unflattened", True, [("reshape", e_shape)]
         return
     majors: list[tuple[str, bool, list, tuple]] = [("", True, [], c_shape)]

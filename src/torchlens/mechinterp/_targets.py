@@ -389,7 +389,8 @@ TARGET_ROLES: dict[str, tuple[str, ...]] = {
     "unembed": ("unembed",), "post_ln1": ("norm",), "post_ln2": ("norm",), "post_ln_block": ("block",),
     "attn_out_proj": ("other",), "split_mlp_in": ("other",), "split_mlp_out": ("other",),
     "pre_ln_mlp_in": ("other",), "pre_ln_mlp_out": ("other",),
-    "type_embed": ("embedding",), "scaled_embed_block": ("block",), "embed_norm": ("norm",), "ln_cross": ("norm",), "first_block": ("block",), "attn_residual": ("other",),
+    "type_embed": ("embedding",), "scaled_embed_block": ("block",), "embed_norm": ("norm",), "ln_cross": ("norm",),
+    "first_block": ("block",), "attn_residual": ("other",),
     "cross_residual": ("other",), "root": ("root",),
 }
 if set(TARGET_ROLES) != set(TARGETS):
