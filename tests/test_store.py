@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import _models
+from torchlens import testing
 import torchlens as tl
 import torchlens.mechinterp as mi
 
@@ -237,3 +238,69 @@ def test_a_directory_store_writes_only_values_the_ops_produced(tmp_path):
         facet = "resid_post" if n.count(".") == 1 else "output"
         torch.testing.assert_close(stored.modules[n].facets[facet], seen[n], rtol=0, atol=0)
         assert _mapped_file(stored.modules[n].facets[facet].data_ptr()).startswith(str(tmp_path / "store"))
+
+
+def _served(trace):
+    """Every facet value and check error of `trace`, its pending checks run."""
+    trace.check()
+    return {(a, c.index, n): (s.tensor, s.check_error) for a, rec in trace.modules.items() for c in rec.calls
+            for n, s in c.facets.sites.items()}
+
+
+_EVERY_VARIANT = [(f, impl) for f, spec in testing.FAMILIES.items() for impl in spec.attn_implementations]
+
+
+@pytest.mark.parametrize("family, impl", _EVERY_VARIANT, ids=[f"{f}-{i}" for f, i in _EVERY_VARIANT])
+def test_no_store_changes_a_served_value_bit_for_bit(tmp_path, family, impl):
+    """What a trace serves does not depend on where its tensors were put: the computed and
+    reconstructed facets (rebuilt scores and pattern, per-head results, norm statistics) and
+    every check error are the same bits under `store=<dir>` (memory-mapped files, at whatever
+    alignment the file gives) and `store="cpu"` as in memory. A matrix product computed from the
+    tensors where they sit takes an alignment-dependent kernel path on some CPUs (AMD EPYC:
+    GPT-2's rebuilt scores differed in the last bit)."""
+    model = testing.build(family, impl)
+    for length, store in [(n, s) for n in (3, 6) for s in (tmp_path / f"store{n}", "cpu")]:
+        ids = testing.token_ids(length=length)
+        reference = _served(tl.trace(model, ids, save="all"))
+        served = _served(tl.trace(model, ids, save="all", store=store))
+        assert served.keys() == reference.keys()
+        for key, (value, error) in served.items():
+            ref_value, ref_error = reference[key]
+            assert (value is None) == (ref_value is None), (store, key)
+            assert value is None or torch.equal(value, ref_value), (store, key)
+            assert error == ref_error, (store, key, error, ref_error)
+
+
+def test_a_check_computes_the_same_bits_wherever_its_inputs_sit():
+    """The pending checks compute from their inputs wherever those sit: move each input of every
+    pending check to a shifted, strided place in a larger buffer (values unchanged), and every
+    computed facet and check error stays the same bits. Internals: `FacetSite._inputs`."""
+    model = testing.build("gpt2", "sdpa")
+    ids = testing.token_ids(length=6)
+    reference = _served(tl.trace(model, ids, save="all"))
+    for shift in range(1, 9):
+        trace = tl.trace(model, ids, save="all")
+        lists = {}
+        for rec in trace.modules.values():
+            for call in rec.calls:
+                for site in call.facets.sites.values():
+                    if site._inputs is not None:
+                        lists[id(site._inputs)] = site._inputs
+        assert lists
+        for inputs in lists.values():
+            for i, t in enumerate(inputs):
+                if isinstance(t, torch.Tensor) and t.numel() and t.is_floating_point():
+                    buffer = torch.empty(t.numel() * 2 + shift, dtype=t.dtype)
+                    moved = buffer[shift : shift + 2 * t.numel() : 2].view(t.shape)
+                    moved.copy_(t)
+                    inputs[i] = moved
+        for rec in trace.modules.values():  # the moved inputs are new tensors: no version to compare with
+            for call in rec.calls:
+                for site in call.facets.sites.values():
+                    if site._pending is not None:
+                        site._pending.marks = None
+        served = _served(trace)
+        for key, (value, error) in served.items():
+            ref_value, ref_error = reference[key]
+            assert value is None or torch.equal(value, ref_value), (shift, key)
+            assert error == ref_error, (shift, key)

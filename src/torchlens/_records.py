@@ -169,7 +169,7 @@ class _Pending:
                     try:
                         refusal = self._written()
                         if refusal is None:
-                            values, error, refusal = fn(self.inputs)
+                            values, error, refusal = fn(_placed(self.inputs))
                     except Exception as exc:  # a check that cannot run refuses, it never raises
                         values, error = {}, None
                         refusal = f"it could not be computed: {type(exc).__name__}: {exc}"
@@ -214,6 +214,21 @@ class _Pending:
         site._pending = site._inputs = None
         if not self.sites:
             self.fn = self.inputs = None
+
+
+def _placed(inputs: list) -> list:
+    """Each strided tensor of a check's `inputs` as a fresh contiguous copy, everything else as is.
+
+    A matrix product's kernel path (and so its last bits) depends on where its operands' bytes
+    sit: their alignment and strides. A store keeps the same values at other addresses (a
+    memory-mapped file, another device's allocator), so a check computed from the tensors where
+    they are would give a store-dependent result. Fresh copies are laid out the same way whatever
+    held the originals, so a served value does not depend on `store=`, bit for bit.
+    """
+    return [torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_quantized
+            and t.device.type != "meta" and type(t) in (torch.Tensor, torch.nn.Parameter) else t
+            for t in inputs]
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
