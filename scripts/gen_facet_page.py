@@ -1,7 +1,7 @@
 """Generate the facet tables of docs/guides/facets.md from the facet specification rows.
 
 The page has hand-written parts (kept as they are) and one generated part between two marker
-comments: one table per role, one row per facet of `torchlens._facet_spec.SPECS`, giving its
+comments: one table per role, one row per facet of `torchlens._core.facet_spec.SPECS`, giving its
 layout, what it is, when a module of its role lacks it, how TorchLens finds it, and whether an
 `edit=` can replace it. Nothing is traced, so the output depends on the rows alone.
 
@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from torchlens import _facet_spec as spec
+from torchlens._core import facet_spec as spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _outputs import write_or_check  # noqa: E402  (a sibling of this script)

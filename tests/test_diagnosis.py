@@ -6,7 +6,7 @@ through TorchLens. The engine's tensor is handed to `compare` under the name it 
 read, and the test asserts that the explanation names the class. Each class runs on three
 families. Models are tiny random-init configs (seeded), traced on the CPU.
 
-Tests internals: `torchlens.mechinterp._diagnose._POOLS`, the per-trace pool of tensor
+Tests internals: `torchlens._naming.diagnose._POOLS`, the per-trace pool of tensor
 statistics the search keeps (it must not keep a trace alive).
 """
 
@@ -378,7 +378,7 @@ def test_the_search_does_not_keep_a_trace_alive():
     import gc
     import weakref
 
-    from torchlens.mechinterp import _diagnose
+    from torchlens._naming import diagnose as _diagnose
 
     model, _ = traced("gpt2")
     trace = tl.trace(model, IDS)

@@ -5,7 +5,7 @@ committed files that differ. The first test runs that check on the working tree;
 make sure it can fail (an edited naming table, an edited SVG) and that what it draws is what
 the trace and the tables say.
 
-Tests internals: `mechinterp._targets.find` (the script's public lookup must find the same modules).
+Tests internals: `_naming.targets.find` (the script's public lookup must find the same modules).
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def test_page_embeds_every_diagram(gen):
 def test_module_lookup_through_the_tables_is_the_target_finder(gen, slug):
     """The script finds a target's module through the public resolver (`module_of`); that is the
     module the internal target finder names, on every target the diagram draws."""
-    from torchlens.mechinterp import _targets
+    from torchlens._naming import targets as _targets
 
     trace = gen.build(slug).trace
     for target in ("token_embed", "pos_embed", "ln1", "attention", "attn_post_norm", "ln2", "mlp", "mlp_post_norm"):

@@ -7,7 +7,7 @@ A facet counts as documented only where it opens a row of one of the guide's fac
 (``| `name` | layout and meaning |``); a mention elsewhere on the page (``k`` in a sentence) does
 not. The rows name no facet that TorchLens does not have, so the guide cannot go stale either.
 
-Tests internals: `torchlens._facet_spec` (`SPECS`, the rows the page is generated from and the
+Tests internals: `torchlens._core.facet_spec` (`SPECS`, the rows the page is generated from and the
 test edits; `FACETS` and `ALL_FACETS`, what the page must document).
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from torchlens import _facet_spec as spec
-from torchlens._facet_spec import ALL_FACETS, FACETS
+from torchlens._core import facet_spec as spec
+from torchlens._core.facet_spec import ALL_FACETS, FACETS
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "facets.md"
 # The guide's tables of kinds and statuses open rows with these; they are not facets.

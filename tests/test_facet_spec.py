@@ -1,18 +1,18 @@
-"""The facet specification (torchlens._facet_spec, an internal module) and the checks built on it.
+"""The facet specification (torchlens._core.facet_spec, an internal module) and the checks built on it.
 
 - Each row's layout is checked against real tensors: a Llama with grouped-query attention and
   a GPT-2 are traced, and every facet's shape is compared with its axes sized from the model's
   config (not from TorchLens).
-- Each import-time invariant of the rows, and of the naming tables (torchlens.mechinterp._tables),
+- Each import-time invariant of the rows, and of the naming tables (torchlens._naming.tables),
   is shown failing on a planted bad row.
 - The sets other modules derive (per-head, kv-head, hook sides, remedies) are compared with
   literals written here.
 
-Tests internals: `torchlens._facet_spec` (`FacetSpec`, `FacetSpecError`, `check_rows`, `SPECS`,
+Tests internals: `torchlens._core.facet_spec` (`FacetSpec`, `FacetSpecError`, `check_rows`, `SPECS`,
 `BY_NAME`, `FACETS`, `ALL_FACETS`, `EVERY_MODULE`, `absent_reason` and the derived sets
 `PER_HEAD`, `TOKEN_MAJOR`, `HEAD_MAJOR`, `KV_HEADS`, `KERNEL_REBUILT`, `HOOK_SIDES`, `REMEDIES`),
-`torchlens.mechinterp._tables` (`Row`, `Table`, `TableError`, imported from there),
-`torchlens.mechinterp._targets` (`TARGETS`, `TARGET_ROLES`) and `torchlens._roles.ROLES`.
+`torchlens._naming.tables` (`Row`, `Table`, `TableError`, imported from there),
+`torchlens._naming.targets` (`TARGETS`, `TARGET_ROLES`) and `torchlens._core.roles.ROLES`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import transformers
 
 import torchlens as tl
 import torchlens.mechinterp as mi
-from torchlens import _facet_spec as spec
-from torchlens._facet_spec import FacetSpec, FacetSpecError, check_rows
-from torchlens.mechinterp._tables import Row, Table, TableError
+from torchlens._core import facet_spec as spec
+from torchlens._core.facet_spec import FacetSpec, FacetSpecError, check_rows
+from torchlens._naming.tables import Row, Table, TableError
 
 IDS = torch.tensor([[1, 2, 3, 4]])
 
@@ -182,7 +182,9 @@ def test_a_mistyped_facet_in_a_shipped_table_fails_at_import():
 
 
 def test_every_target_has_roles():
-    from torchlens.mechinterp import _targets
+    from torchlens._naming import targets as _targets
 
     assert set(_targets.TARGET_ROLES) == set(_targets.TARGETS)
-    assert all(set(r) <= set(tl._roles.ROLES) for r in _targets.TARGET_ROLES.values())
+    from torchlens._core.roles import ROLES
+
+    assert all(set(r) <= set(ROLES) for r in _targets.TARGET_ROLES.values())

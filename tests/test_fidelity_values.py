@@ -285,7 +285,7 @@ def test_save_a_container_keeps_all_its_children(save):
 
 @pytest.mark.parametrize("save", ["", [""], ["model.layers.0", ""]])
 def test_save_empty_string_is_refused_with_what_to_pass(save):
-    with pytest.raises(torchlens._errors.SaveSpecError) as info:
+    with pytest.raises(torchlens.SaveSpecError) as info:
         torchlens.trace(_models.llama(), IDS, save=save)
     msg = str(info.value)
     assert "save='all'" in msg and "'model.layers'" in msg
@@ -419,10 +419,10 @@ def test_facets_looked_up_by_a_non_name_teach():
     tr = torchlens.trace(_models.gpt2(), IDS)
     facets = tr.modules["transformer.h.0"].facets
     for bad in (0, None, 1.5):
-        with pytest.raises(torchlens._errors.FacetNotFound) as info:
+        with pytest.raises(torchlens.FacetNotFound) as info:
             facets[bad]
         assert "by name (a str)" in str(info.value) and "resid_post" in str(info.value)
-        with pytest.raises(torchlens._errors.FacetNotFound):
+        with pytest.raises(torchlens.FacetNotFound):
             facets.site(bad)
         assert bad not in facets
 
@@ -439,7 +439,7 @@ def test_scripted_submodule_is_refused_naming_it_and_the_remedy():
             return self.inner(self.a(x))
 
     net = Net()
-    with pytest.raises(torchlens._errors.CaptureError) as info:
+    with pytest.raises(torchlens.CaptureError) as info:
         torchlens.trace(net, torch.ones(2, 4))
     msg = str(info.value)
     assert "'inner'" in msg and "torch.jit.script" in msg and "eager" in msg
@@ -504,14 +504,17 @@ def test_multihead_attention_facets_are_rebuilt_and_checked(batch_first, masks):
 # No facet served without proof: a planted wrong derivation is refused, with the reason
 # ----------------------------------------------------------------------------------------------
 
-from torchlens import _facets as _facets  # noqa: E402
+from torchlens._analysis.facets import attention as _attention  # noqa: E402
+from torchlens._analysis.facets import block as _block  # noqa: E402
+from torchlens._analysis.facets import norm as _norm  # noqa: E402
+from torchlens._analysis.facets import rebuild as _rebuild  # noqa: E402
 
 
 def _refused(tr, address, facet, why):
     """`facet` is refused, with `why` in the reason. The check runs on first read (it is deferred),
     so the facet is read first; from then on the map lists it under `refused`."""
     f = tr.modules[address].calls[0].facets
-    with pytest.raises(torchlens._errors.FacetNotFound, match="not served") as info:
+    with pytest.raises(torchlens.FacetNotFound, match="not served") as info:
         f[facet]
     assert why in str(info.value)
     assert facet not in f.sites and facet in f.refused, (facet, f.refused)
@@ -528,7 +531,7 @@ def test_planted_norm_derivation_is_refused(monkeypatch):
     model = _Normed(nn.LayerNorm((3, 5)))
     x = torch.randn(2, 4, 3, 5, generator=torch.Generator().manual_seed(0)) * 3 + 1
     assert "normalized" in torchlens.trace(model, x).modules["norm"].facets
-    monkeypatch.setattr(_facets, "_normalize", _last_dim_only)
+    monkeypatch.setattr(_norm, "_normalize", _last_dim_only)
     tr = torchlens.trace(model, x)
     for name in ("normalized", "inv_std", "scale"):
         _refused(tr, "norm", name, "normalized * gain + bias differs from the norm's output")
@@ -540,8 +543,8 @@ def test_planted_result_derivation_is_refused(monkeypatch, dtype):
     it pass a tolerance floored at 1."""
     model = _models.gpt2("eager", dtype)
     assert "result" in torchlens.trace(model, IDS).modules["transformer.h.0.attn"].facets
-    real = _facets._roles.weight_layout
-    monkeypatch.setattr(_facets._roles, "weight_layout", lambda m: {"out_in": "in_out", "in_out": "out_in"}.get(real(m)))
+    real = _attention._roles.weight_layout
+    monkeypatch.setattr(_attention._roles, "weight_layout", lambda m: {"out_in": "in_out", "in_out": "out_in"}.get(real(m)))
     tr = torchlens.trace(model, IDS)
     _refused(tr, "transformer.h.0.attn", "result", "sum over heads plus bias")
 
@@ -557,12 +560,12 @@ def test_result_with_heads_and_head_width_swapped_is_refused_in_bfloat16(monkeyp
     with torch.no_grad():
         proj.weight.mul_(0.25)
     assert "result" in torchlens.trace(model, IDS).modules[attn].facets
-    real = _facets._per_head_weight
+    real = _attention._per_head_weight
 
     def swapped(w, layout, d_out, h, dh):  # the head and head-width axes read the wrong way round
         return real(w, layout, d_out, dh, h).transpose(1, 2)
 
-    monkeypatch.setattr(_facets, "_per_head_weight", swapped)
+    monkeypatch.setattr(_attention, "_per_head_weight", swapped)
     tr = torchlens.trace(model, IDS)
     _refused(tr, attn, "result", "in float32, differs from the output projection")
 
@@ -571,8 +574,8 @@ def test_planted_sdpa_rebuild_is_refused(monkeypatch):
     model = _models.llama("sdpa")
     attn = "model.layers.0.self_attn"
     assert "pattern" in torchlens.trace(model, IDS).modules[attn].facets
-    real = _facets.rebuild_attention
-    monkeypatch.setattr(_facets, "rebuild_attention", lambda a, kw, out: real(a, {**kw, "scale": 0.01}, out))
+    real = _rebuild.rebuild_attention
+    monkeypatch.setattr(_rebuild, "rebuild_attention", lambda a, kw, out: real(a, {**kw, "scale": 0.01}, out))
     tr = torchlens.trace(model, IDS)
     for name in ("scores", "pattern"):
         _refused(tr, attn, name, "the rebuild disagreed")
@@ -585,8 +588,8 @@ def test_planted_sdpa_rebuild_is_refused(monkeypatch):
 def test_planted_mha_rebuild_is_refused(monkeypatch):
     model = _TinyLM().eval()
     assert "pattern" in torchlens.trace(model, IDS).modules["layers.0.attn"].facets
-    real = _facets.rebuild_mha
-    monkeypatch.setattr(_facets, "rebuild_mha", lambda a, kw, out: real(a[:4] + (1,) + a[5:], kw, out))
+    real = _rebuild.rebuild_mha
+    monkeypatch.setattr(_rebuild, "rebuild_mha", lambda a, kw, out: real(a[:4] + (1,) + a[5:], kw, out))
     tr = torchlens.trace(model, IDS)
     for name in ("q", "pattern", "z", "result"):
         _refused(tr, "layers.0.attn", name, "the rebuild disagreed")
@@ -595,7 +598,7 @@ def test_planted_mha_rebuild_is_refused(monkeypatch):
 def test_planted_resid_mid_is_refused(monkeypatch):
     model = _models.llama()
     assert "resid_mid" in torchlens.trace(model, IDS).modules["model.layers.0"].facets
-    monkeypatch.setattr(_facets, "_pick_resid_mid", lambda g, attn, adds: attn.output_ref.op)
+    monkeypatch.setattr(_block, "_pick_resid_mid", lambda g, attn, adds: attn.output_ref.op)
     tr = torchlens.trace(model, IDS)
     _refused(tr, "model.layers.0", "resid_mid", "does not hold")
 

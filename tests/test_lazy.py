@@ -20,24 +20,27 @@ from torch import nn
 import _models
 import torchlens as tl
 import torchlens.mechinterp as mi
-from torchlens import _facets  # internals: the rebuild functions whose calls are counted
+from torchlens._analysis.facets import attention as _attention  # internals: the functions whose calls are counted
+from torchlens._analysis.facets import norm as _norm
+from torchlens._analysis.facets import rebuild as _rebuild
 
 IDS = _models.token_ids(2, 6)
-COUNTED = ("rebuild_attention", "rebuild_mha", "_normalize", "_affine_error", "_per_head_weight")
+COUNTED = ((_rebuild, "rebuild_attention"), (_rebuild, "rebuild_mha"), (_norm, "_normalize"), (_norm, "_affine_error"),
+           (_attention, "_per_head_weight"))
 
 
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the calls into the functions that compute or check derived facets."""
     counts: collections.Counter = collections.Counter()
-    for name in COUNTED:
-        real = getattr(_facets, name)
+    for module, name in COUNTED:
+        real = getattr(module, name)
 
         def counted(*a, _real=real, _name=name, **kw):
             counts[_name] += 1
             return _real(*a, **kw)
 
-        monkeypatch.setattr(_facets, name, counted)
+        monkeypatch.setattr(module, name, counted)
     return counts
 
 
@@ -118,8 +121,8 @@ def test_statuses_say_when_a_check_has_not_run_and_resolve_alias_runs_it():
 
 
 def _plant_bad_rebuild(monkeypatch):
-    real = _facets.rebuild_attention
-    monkeypatch.setattr(_facets, "rebuild_attention", lambda a, kw, out: real(a, {**kw, "scale": 0.01}, out))
+    real = _rebuild.rebuild_attention
+    monkeypatch.setattr(_rebuild, "rebuild_attention", lambda a, kw, out: real(a, {**kw, "scale": 0.01}, out))
 
 
 def test_a_check_that_fails_on_first_read_refuses_the_facet(monkeypatch):

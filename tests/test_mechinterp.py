@@ -8,7 +8,7 @@ trace says it can read is compared, and the test asserts that nothing readable w
 Models are random-init from small configs (seeded), traced on the CPU; everything is cached
 per module so the file runs in a few seconds.
 
-Tests internals: `torchlens.mechinterp._resolver._n_layers`, which a planted resolver bug (one
+Tests internals: `torchlens._naming.resolver._n_layers`, which a planted resolver bug (one
 layer too few) replaces to show that the report-count test can fail.
 """
 
@@ -39,7 +39,7 @@ from torchlens.mechinterp import (
     UnknownAlias,
     UnknownGeneration,
 )
-from torchlens.mechinterp import _resolver as resolver
+from torchlens._naming import resolver
 
 IDS = torch.tensor([[1, 2, 3, 4]])
 LIVE = ("real", "reconstructed_read_only")

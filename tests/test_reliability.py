@@ -16,7 +16,7 @@ Every test states what must hold whatever the model does:
 Ground truth comes from plain forwards and plain PyTorch hooks, never from TorchLens. The models
 are tiny random-init ones (`torchlens.testing`), except the GPT-2-small-shaped memory model.
 
-Tests internals: `torchlens._ops`'s op-classification cache (that it stays bounded).
+Tests internals: `torchlens._core.ops`'s op-classification cache (that it stays bounded).
 """
 
 from __future__ import annotations
@@ -1335,7 +1335,7 @@ def test_op_classification_cache_stays_bounded():
     call) must not grow the op-classification cache without bound: after 10,000 fresh callables
     it holds at most its 4,096 entries, the first callables are no longer kept alive by it, and
     every answer is still right (name with one leading underscore removed; `name_` in place)."""
-    from torchlens import _ops
+    from torchlens._core import ops as _ops
 
     first = []
     for i in range(10_000):

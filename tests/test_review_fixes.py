@@ -352,12 +352,12 @@ def test_head_axis_that_is_not_the_querys_heads_is_refused_not_served():
 
 
 def test_a_check_that_raises_refuses_and_check_and_save_do_not_raise(monkeypatch, tmp_path):
-    from torchlens import _facets
+    from torchlens._analysis.facets import attention as _attention
 
     def broken(*a, **kw):
         raise RuntimeError("shape '[32, 2, 8]' is invalid for input of size 1024")
 
-    monkeypatch.setattr(_facets, "_per_head_weight", broken)
+    monkeypatch.setattr(_attention, "_per_head_weight", broken)
     t = tl.trace(_gpt2(), IDS)
     refused = t.check()
     assert "could not be computed: RuntimeError: shape" in refused[("transformer.h.0.attn", 0, "result")]
@@ -440,7 +440,7 @@ def test_fully_masked_query_row_is_served_as_the_zero_weights_the_kernel_used(ki
 
 
 def test_a_fully_masked_row_is_checked_against_the_kernel_output_too():
-    from torchlens._facets import rebuild_attention
+    from torchlens._analysis.facets.rebuild import rebuild_attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 1, 2, 5, 8).unbind(0)

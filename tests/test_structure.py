@@ -1,10 +1,10 @@
-"""Structure rules (torchlens._structure, an internal module): stacks, layers, sublayers, heads, roles=.
+"""Structure rules (torchlens._analysis.structure, an internal module): stacks, layers, sublayers, heads, roles=.
 
 Ground truth is plain forward hooks, the model's own returned tensors, or the module objects
 named by hand; the tiny models are built here or from transformers configs (random weights).
 
 Tests internals: the naming tables' targets and facets are checked against
-`torchlens.mechinterp._targets.TARGETS` and `torchlens._facet_spec.ALL_FACETS`.
+`torchlens._naming.targets.TARGETS` and `torchlens._core.facet_spec.ALL_FACETS`.
 """
 
 from __future__ import annotations
@@ -452,8 +452,8 @@ def test_hooked_encoder_decoder_names_resolve_on_t5():
 
 def test_every_row_of_every_table_names_a_known_target_and_facet():
     """A mistyped target or facet in a (kind-specific) table would read as structurally_absent: refuse it here."""
-    from torchlens._facet_spec import ALL_FACETS
-    from torchlens.mechinterp import _targets as targets
+    from torchlens._core.facet_spec import ALL_FACETS
+    from torchlens._naming import targets
 
     tables = [t for g in mi.GENERATIONS.values() for t in (g, *dict(g.by_kind).values())]
     assert len(tables) >= 8

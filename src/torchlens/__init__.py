@@ -14,8 +14,9 @@ Everything public is importable from here (or from `torchlens.mechinterp`); the 
 it are underscore-named and may change without notice.
 """
 
-from ._edits import EditRecord
-from ._errors import (
+from torchlens._analysis.structure import Layer, Stack, Structure
+from torchlens._capture.stores import StoreSpecError
+from torchlens._core.errors import (
     AmbiguousModuleCall,
     CaptureError,
     EditSpecError,
@@ -28,14 +29,14 @@ from ._errors import (
     SaveSpecError,
     TorchLensError,
 )
-from ._facet_spec import FACETS
-from ._persist import TraceFileError, load
-from ._records import FacetMap, FacetSite, ModuleCall, ModuleMap, ModuleRecord, OpRecord, Ref, Trace
-from ._store import StoreSpecError
-from ._structure import Layer, Stack, Structure
-from ._tracing import trace
-
-__version__ = "0.1.0"
+from torchlens._core.facet_spec import FACETS
+from torchlens._core.records import ModuleCall, ModuleMap, ModuleRecord, OpRecord, Ref
+from torchlens._core.sites import FacetMap, FacetSite
+from torchlens._core.version import __version__ as __version__
+from torchlens._edits import EditRecord
+from torchlens._persist import TraceFileError, load
+from torchlens._trace import Trace
+from torchlens._tracing import trace
 
 __all__ = [
     "trace",

@@ -22,12 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._capture import Recorder
-from ._compiled import check_compiled
-from ._facets import derive
-from ._records import FacetMap, ModuleMap, ModuleRecord, Trace
-from ._save import CapturePlan
-from ._structure import find as find_structure
+from torchlens._analysis.facets import derive
+from torchlens._analysis.selection import CapturePlan
+from torchlens._analysis.structure import find as find_structure
+from torchlens._capture.compiled import check_compiled
+from torchlens._capture.recorder import Recorder
+from torchlens._core.records import ModuleMap, ModuleRecord
+from torchlens._core.sites import FacetMap
+from torchlens._trace import Trace
 
 __all__ = ["assemble", "note_edited_refusals"]
 

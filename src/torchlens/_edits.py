@@ -32,8 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._errors import EditSpecError, NotEditable
-from ._facet_spec import HOOK_SIDES, REMEDIES
+from torchlens._core.errors import EditSpecError, NotEditable
+from torchlens._core.facet_spec import HOOK_SIDES, REMEDIES
+from torchlens._core.persisted import persisted
+from torchlens._naming.resolver import resolve_alias
 
 __all__ = ["EditPlan", "EditRecord", "plan_edits"]
 
@@ -42,6 +44,7 @@ __all__ = ["EditPlan", "EditRecord", "plan_edits"]
 _HOOK_FACETS, _REMEDIES = HOOK_SIDES, REMEDIES
 
 
+@persisted
 @dataclass
 class EditRecord:
     """One edit of an edited trace, as `trace.edits` lists it.
@@ -145,8 +148,6 @@ class EditPlan:
 
 def _resolve_key(trace: Any, key: Any) -> tuple[str, str, int | None]:
     """(module address, facet, call or None) a key names in the locating trace."""
-    from .mechinterp._resolver import resolve_alias
-
     if isinstance(key, tuple):
         if not (2 <= len(key) <= 3 and isinstance(key[0], str) and isinstance(key[1], str)
                 and (len(key) == 2 or isinstance(key[2], int))):

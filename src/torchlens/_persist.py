@@ -33,8 +33,11 @@ from typing import Any
 
 import torch
 
-from ._errors import TorchLensError
-from ._records import _storage_ptr
+from torchlens._core.errors import TorchLensError
+from torchlens._core.holdings import storage_ptr
+from torchlens._core.persisted import PERSISTED
+from torchlens._core.records import Ref
+from torchlens._core.version import __version__
 
 __all__ = ["TraceFileError", "save", "load", "FORMAT", "FORMAT_VERSION"]
 
@@ -50,26 +53,11 @@ class TraceFileError(TorchLensError, ValueError):
 
 
 def _record_classes() -> dict[str, type]:
-    """The only classes a trace file may name: TorchLens's own record types."""
-    from . import _edits as edits
-    from . import _records as records
-    from . import _save as selection
-
-    classes: list[type] = [records.OpRecord, records.FacetSite, records.FacetMap, records.ModuleCall,
-                           records.ModuleRecord, records.ModuleMap, records.Trace, selection.SaveSpec,
-                           edits.EditRecord]  # an edited trace keeps saying what it edited
-    try:
-        from . import _structure
-    except ImportError:  # older trees have no structure records
-        pass
-    else:
-        classes += [getattr(_structure, n) for n in ("Layer", "Stack", "Structure") if hasattr(_structure, n)]
-    return {c.__name__: c for c in classes}
+    """The only classes a trace file may name: TorchLens's own record types (`PERSISTED`)."""
+    return dict(PERSISTED)
 
 
 def _versions() -> dict[str, str]:
-    from . import __version__
-
     out = {"torchlens": __version__, "torch": torch.__version__, "python": platform.python_version()}
     try:
         import safetensors
@@ -103,7 +91,7 @@ class _Encoder:
         if t.is_meta or t.is_complex() or t.layout != torch.strided:
             self.dropped.append(f"{where} (a {'meta' if t.is_meta else str(t.dtype)} tensor)")
             return {"dropped": f"tensor {t.dtype} {list(t.shape)}"}
-        if _storage_ptr(t) is None:  # a wrapper subclass: its data is in the tensors it wraps
+        if storage_ptr(t) is None:  # a wrapper subclass: its data is in the tensors it wraps
             self.dropped.append(f"{where} (a {type(t).__name__}, a tensor subclass with no storage of its own)")
             return {"dropped": f"tensor {t.dtype} {list(t.shape)}"}
         key = f"t{len(self.tensors)}"
@@ -306,8 +294,6 @@ class _Decoder:
         if "obj" in v:
             return self.obj(v["obj"])
         if "ref" in v:
-            from ._records import Ref
-
             return Ref(*v["ref"])
         if "tuple" in v:
             return tuple(self.dec(x) for x in v["tuple"])

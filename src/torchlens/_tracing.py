@@ -7,16 +7,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._assemble import assemble, note_edited_refusals
-from ._capture import Recorder
-from ._compiled import CompiledRunsEagerly, compiled_module_class
-from ._dispatch import accelerate_hooks
-from ._errors import TorchLensError
-from ._records import Trace, seal_checks
-from ._save import parse_save, plan_capture
-from ._snapshot import snapshot
-from ._store import DirectoryStore, apply_store, parse_store
-from ._structure import parse_roles, static_roles
+from torchlens._analysis.selection import parse_save, plan_capture
+from torchlens._analysis.role_rules import parse_roles, static_roles
+from torchlens._assemble import assemble, note_edited_refusals
+from torchlens._capture.accelerate import accelerate_hooks
+from torchlens._capture.compiled import CompiledRunsEagerly, compiled_module_class
+from torchlens._capture.recorder import Recorder
+from torchlens._capture.snapshot import snapshot
+from torchlens._capture.stores import DirectoryStore, apply_store, parse_store
+from torchlens._core.errors import TorchLensError
+from torchlens._core.pending import seal_checks
+from torchlens._edits import check_inputs, plan_edits
+from torchlens._trace import Trace
 
 __all__ = ["trace"]
 
@@ -157,8 +159,6 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
 def _locate(model: nn.Module, args: tuple, kwargs: dict, edit: Any, roles: Any):
     """The locating pass of an edited trace: one `save="none"` trace, RNG state restored after it
     (so dropout in training mode draws the same masks in the edited run), and the edit plan."""
-    from ._edits import check_inputs, plan_edits
-
     check_inputs(args, kwargs)
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):

@@ -15,8 +15,8 @@
 module, so no submodule shares its name.
 """
 
-from ._compare import Candidate, Comparison, ComparisonReport, ToleranceError, compare
-from ._resolver import (
+from torchlens._naming.diagnose import Candidate
+from torchlens._naming.resolver import (
     GENERATIONS,
     STATUSES,
     AliasError,
@@ -30,7 +30,8 @@ from ._resolver import (
     resolve_alias,
     table,
 )
-from ._tables import Row, Table, TableError
+from torchlens._naming.tables import Row, Table, TableError
+from torchlens.mechinterp._compare import Comparison, ComparisonReport, ToleranceError, compare
 
 __all__ = [
     "resolve_alias",

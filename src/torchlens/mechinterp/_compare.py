@@ -10,11 +10,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._errors import LookupFailed, TorchLensError
-from .._facet_spec import HEAD_MAJOR, KERNEL_REBUILT, KV_HEADS, NORM_FACETS, PER_HEAD, tokens_flattened
-from .._records import Trace
-from ._diagnose import Candidate, diagnose
-from ._resolver import AliasResolution, resolve_alias
+from torchlens._core.errors import LookupFailed, TorchLensError
+from torchlens._core.facet_spec import HEAD_MAJOR, KERNEL_REBUILT, KV_HEADS, NORM_FACETS, PER_HEAD, tokens_flattened
+from torchlens._core import html
+from torchlens._naming.diagnose import Candidate, diagnose
+from torchlens._naming.resolver import AliasResolution, resolve_alias
+from torchlens._trace import Trace
+from torchlens._tracing import trace as run_trace
 
 __all__ = ["compare", "Comparison", "ComparisonReport", "Candidate", "ToleranceError", "AUTO_FACTOR"]
 
@@ -101,20 +103,18 @@ class ComparisonReport(list):
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        from .._html import code, esc, nowrap, table
-
         rows = [
             [
-                code(c.name),
+                html.code(c.name),
                 '<span style="color:#2e7d32">yes</span>' if c.passed else '<span style="color:#c62828">no</span>',
-                esc(_err(c)) if c.max_abs_error is not None else "",
-                esc(c.status),
-                nowrap(code(_site(c))) + (f" <small>[{esc(c.layout)}]</small>" if c.layout != "as is" else ""),
-                (f"<b>{esc(c.explanation)}</b><br/>" if c.explanation else "") + esc(c.hint),
+                html.esc(_err(c)) if c.max_abs_error is not None else "",
+                html.esc(c.status),
+                html.nowrap(html.code(_site(c))) + (f" <small>[{html.esc(c.layout)}]</small>" if c.layout != "as is" else ""),
+                (f"<b>{html.esc(c.explanation)}</b><br/>" if c.explanation else "") + html.esc(c.hint),
             ]
             for c in self
         ]
-        return table(["name", "ok", "max |diff|", "status", "site", "hint"], rows, note=_summary(self) if self else "")
+        return html.table(["name", "ok", "max |diff|", "status", "site", "hint"], rows, note=_summary(self) if self else "")
 
 
 def _site(c: Comparison) -> str:
@@ -302,8 +302,6 @@ def _cast_inputs(inputs: Any, dtype: torch.dtype) -> tuple[tuple, dict]:
 
 
 def _rerun(model: nn.Module, inputs: Any, dtype: torch.dtype, sites: set[tuple[str, str]]) -> Trace:
-    from .._tracing import trace as run_trace
-
     twin = copy.deepcopy(model).to(dtype)
     args, kwargs = _cast_inputs(inputs, dtype)
     with torch.no_grad():

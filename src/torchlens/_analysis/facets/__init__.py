@@ -1,0 +1,141 @@
+"""Facets: the named tensors of a module call, found from the recorded data flow.
+
+A facet is found by following which op consumed which tensor inside a module call, never by
+reading a tensor's name in the model's source. The module's *role* (from
+`torchlens._structure`) says which facets to look for:
+
+| role | facets |
+|---|---|
+| every module | `input`, `output` |
+| block | `resid_pre`, `resid_mid`, `resid_post` |
+| attention | `q`, `k`, `v`, `rot_q`, `rot_k`, `scores`, `pattern`, `z`, `result` |
+| mlp | `pre`, `pre_linear`, `act`, `gated_out`, `post`, `down_out` |
+| norm | `normalized`, `inv_rms` or `inv_std`, `scale` |
+| embedding | `indices` |
+| root | `final_norm_input`, `logits` |
+
+A facet that a module cannot have (no residual add between attention and MLP on a
+parallel-attention block, no linear branch on a non-gated MLP) is simply not in its map.
+
+`derive` finds every site eagerly, from refs, shapes and dtypes alone. The tensor work is
+deferred: a derived facet (the scores and pattern rebuilt from a fused kernel, the facets of
+`nn.MultiheadAttention`, `result`, a norm's `normalized`/`inv_*`/`scale`) and the expensive check
+of a real one (`z`: pattern @ v; `resid_mid`: the residual sums) become a pending check
+(`torchlens._core.pending.Pending`) over the tensors it needs, captured here. It runs, and its facets
+are served or refused, on the first read of any of them (see `FacetSite`).
+"""
+
+from __future__ import annotations
+
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from torchlens._analysis.graph import Graph
+from torchlens._analysis.facets.attention import attention_facets
+from torchlens._analysis.facets.block import block_facets
+from torchlens._analysis.facets.common import io_ref, make_site
+from torchlens._analysis.facets.mlp import mlp_facets
+from torchlens._analysis.facets.norm import norm_facets
+from torchlens._core import ops as _ops
+from torchlens._core.records import ModuleCall, OpRecord, Ref
+from torchlens._core.sites import FacetSite
+
+
+# -- the whole trace ---------------------------------------------------------------------------
+
+
+_IO_SITES = (("input", "in", "module input"), ("output", "out", "module output"))
+
+
+def derive(
+    ops: list[OpRecord],
+    calls: list[ModuleCall],
+    modules: dict[str, nn.Module],
+    keep: Callable[[str, str], bool] | None,
+    structure: Any = None,
+) -> list[dict[str, FacetSite]]:
+    """The facet sites of every call, in the order of `calls`; tensors dropped where `keep` says no.
+
+    Nothing is computed here beyond cheap views: derived facets and the expensive checks are left
+    pending on their sites, each holding the tensors it will compute from (`FacetSite._inputs`).
+    """
+    g = Graph(ops, calls, modules)
+    kids_of: dict[int, list[ModuleCall]] = {}
+    for c in calls:
+        if c.parent is not None:
+            kids_of.setdefault(id(c.parent), []).append(c)
+    out: list[dict[str, FacetSite]] = []
+    for call in calls:
+        kids = kids_of.get(id(call), [])
+        sites: dict[str, FacetSite] = {}
+        for name, which, note in _IO_SITES:
+            s = make_site(g, name, io_ref(g, call, which), note=note)
+            if s:
+                sites[name] = s
+        role = call.role
+        if role == "block":
+            sites.update(block_facets(g, call, kids))
+        elif role == "attention":
+            sites.update(attention_facets(g, call, kids))
+        elif role == "mlp":
+            sites.update(mlp_facets(g, call, kids))
+        elif role == "norm":
+            sites.update(norm_facets(g, call))
+        elif role == "embedding" and "input" in sites:
+            sites["indices"] = make_site(g, "indices", io_ref(g, call, "in"), note="token ids")
+            lookup = next((op for op in g.ops[call.first_op : call.end_op] if op.name == "embedding"), None)
+            if lookup is not None:
+                sites["lookup"] = make_site(g, "lookup", Ref(lookup.index, 0), note="the embedding lookup op")
+        elif role == "root":
+            sites.update(_root_facets(g, call, calls, structure))
+        if keep is not None:
+            for name, s in sites.items():
+                if s.saved and not keep(call.address, name):
+                    s.tensor = None
+        out.append(sites)
+    return out
+
+
+def _logits_site(g: Graph, root: ModuleCall, unembed: ModuleCall) -> FacetSite | None:
+    """The model's logits: the root output when it is computed from the unembedding output
+    with the same shape by elementwise ops only (a final softcap, a cast: `LOGIT_MAP_OPS`), else
+    the unembedding output itself (so `log_softmax(lm_head(h))` gives `lm_head`'s output)."""
+    u_ref, r_ref = io_ref(g, unembed, "out"), io_ref(g, root, "out")
+    u_m, r_m = g.meta(u_ref), g.meta(r_ref)
+    if (
+        type(unembed.output_ref) is Ref
+        and type(root.output_ref) is Ref
+        and root.output_ref != unembed.output_ref
+        and u_m is not None
+        and r_m is not None
+        and u_m[0] == r_m[0]
+    ):
+        between = g.ancestors(root.output_ref, unembed.output_ref.op)
+        between.pop(unembed.output_ref.op, None)
+        if unembed.output_ref.op in g.ancestors(root.output_ref, unembed.output_ref.op) and all(
+            g.ops[i].name in _ops.LOGIT_MAP_OPS for i in between
+        ):
+            return make_site(g, "logits", r_ref, note="model output, computed elementwise from the unembedding output")
+    return make_site(g, "logits", u_ref, note="unembedding output")
+
+
+def _root_facets(g: Graph, root: ModuleCall, calls: list[ModuleCall], structure: Any) -> dict[str, FacetSite]:
+    """`logits` (from the unembedding) and `final_norm_input` (from `_structure`'s one final-norm rule)."""
+    sites = {}
+    unembed = structure.unembed if structure is not None else next((c for c in calls if c.role == "unembed"), None)
+    if unembed is not None:
+        s = _logits_site(g, root, unembed)
+        if s:
+            sites["logits"] = s
+    norm = structure.final_norm if structure is not None else None
+    if norm is not None:
+        s = make_site(g, "final_norm_input", io_ref(g, norm, "in"), note="input of the final norm")
+        if s:
+            sites["final_norm_input"] = s
+    return sites
+

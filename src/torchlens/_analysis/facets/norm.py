@@ -1,0 +1,162 @@
+"""Norm facets: `normalized`, `inv_rms` / `inv_std` and `scale`, computed from the norm's input and
+weights and checked against its output."""
+
+from __future__ import annotations
+
+
+import torch
+from torch import Tensor, nn
+
+from torchlens._analysis.graph import Graph
+from torchlens._analysis.facets.common import held, io_ref, make_site, wide
+from torchlens._core import ops as _ops
+from torchlens._core import roles as _roles
+from torchlens._core.pending import Pending
+from torchlens._core.records import ModuleCall, OpRecord, Ref
+from torchlens._core.sites import FacetSite
+
+
+# -- norms -------------------------------------------------------------------------------------
+
+
+def _norm_kind(module: nn.Module, ops: list[OpRecord]) -> str:
+    """`"rms"`, `"std"` or `"group"`: what the norm divides by, from the ops it ran.
+
+    A fused op names it (`rms_norm`, `layer_norm`, `group_norm`); a norm written out with
+    `rsqrt` centres its input first (a subtraction) only when it is a LayerNorm, so T5's
+    `T5LayerNorm`, which is an RMS norm, is found to be one.
+    """
+    names = {op.name for op in ops}
+    if "group_norm" in names or isinstance(module, nn.GroupNorm):
+        return "group"
+    if "rms_norm" in names:
+        return "rms"
+    if "layer_norm" in names:
+        return "std"
+    if "rsqrt" in names:
+        return "std" if names & _ops.SUB_OPS else "rms"
+    return "rms" if _roles.is_rms_norm(module) else "std"
+
+
+def _n_normalized(module: nn.Module) -> int:
+    """How many trailing dimensions a LayerNorm/RMSNorm normalizes over: its `normalized_shape`
+    (default: the last one)."""
+    shape = getattr(module, "normalized_shape", None)
+    return len(shape) if isinstance(shape, (tuple, list, torch.Size)) and shape else 1
+
+
+def _normalize(x: Tensor, kind: str, eps: float, n_dims: int, groups: int | None) -> tuple[Tensor, Tensor | None]:
+    """The norm's input centred (unless RMS) and divided by its RMS/std over its last `n_dims`
+    dimensions (over each of `groups` groups for GroupNorm), in float32; and the inverse divisor
+    (None for GroupNorm, whose statistics are per group, not per position)."""
+    xf = wide(x)
+    if kind == "group":
+        g = xf.reshape(xf.shape[0], groups, -1)
+        g = g - g.mean(-1, keepdim=True)
+        inv = torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+        return (g * inv).reshape(xf.shape), None
+    dims = tuple(range(x.dim() - n_dims, x.dim()))
+    centred = xf if kind == "rms" else xf - xf.mean(dims, keepdim=True)
+    inv = torch.rsqrt(centred.pow(2).mean(dims, keepdim=True) + eps)
+    return centred * inv, inv
+
+
+def _affine_error(normalized: Tensor, out: Tensor, w: Tensor | None, b: Tensor | None, kind: str,
+                  tol: float = 0.0) -> float:
+    """How far `normalized * gain + bias` is from the norm's output, for the gain the model uses.
+
+    The gain is the module's weight `w`, or `1 + w` (Gemma's RMSNorm stores the offset), or
+    1 without a weight; the smallest error over those is returned (the first within `tol`).
+    """
+    n, o = wide(normalized), wide(out)
+    shape = (-1,) + (1,) * (n.dim() - 2) if kind == "group" else None
+    bias = 0 if b is None else (wide(b).view(shape) if shape else wide(b))
+    gains = [None] if w is None else [wide(w), 1 + wide(w)]
+    errors = []
+    for gain in gains:
+        y = n + bias if gain is None else (n * (gain.view(shape) if shape else gain)).add_(bias)  # new tensors
+        errors.append(float(y.sub_(o).abs_().max()) if o.numel() else 0.0)
+        if errors[-1] <= tol:
+            break
+    return min(errors)
+
+
+def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
+    """`normalized`, `inv_rms`/`inv_std` and `scale` of a norm call, each checked.
+
+    The real ops (a `rsqrt` and the product with it) are taken where the norm is written out;
+    otherwise (a fused `layer_norm`, `rms_norm`, `group_norm`) they are computed from the input
+    over the normalized shape. Either way the facets are served only if `normalized * gain + bias`
+    equals the norm's output within the dtype's tolerance; else they are refused with the error.
+    What is computed, and the check, run on first read of any of them (see `FacetSite`).
+    GroupNorm has `normalized` only (its statistics are per group).
+    """
+    module = g.modules[call.address]
+    x_ref, out_ref = io_ref(g, call, "in"), io_ref(g, call, "out")
+    xm, om = g.meta(x_ref), g.meta(out_ref)
+    if xm is None or om is None or xm[0] != om[0]:
+        return {}
+    ops = g.ops[call.first_op : call.end_op]
+    kind = _norm_kind(module, ops)
+    inv_name = "inv_rms" if kind == "rms" else "inv_std"
+    names = ("normalized",) if kind == "group" else ("normalized", inv_name, "scale")
+    rsqrt = next((op for op in ops if op.name == "rsqrt"), None) if kind != "group" else None
+    sites: dict[str, FacetSite] = {}
+    if rsqrt is not None:
+        sites[inv_name] = make_site(g, inv_name, Ref(rsqrt.index, 0), note="the norm's rsqrt op")
+        mul = next((c for c in g.consumers.get(rsqrt.index, []) if g.ops[c].name in _ops.MUL_OPS), None)
+        if mul is not None:
+            n_ref = g.follow(Ref(mul, 0), _ops.CAST_OPS)
+            sites["normalized"] = make_site(g, "normalized", n_ref, note="input times the rsqrt, before the gain")
+    x, out = g.value(x_ref), g.value(out_ref)
+    compute = any(sites.get(n) is None for n in names[:2])
+    n_dims, eps, groups = _n_normalized(module), _roles.norm_eps(module), getattr(module, "num_groups", None)
+    if compute:
+        note = "computed from the norm's input over its normalized shape (the norm ran as one fused op)"
+        dims = range(len(xm[0]) - n_dims, len(xm[0]))
+        stat_shape = tuple(1 if i in dims else d for i, d in enumerate(xm[0]))
+        sites["normalized"] = FacetSite("normalized", "computed", xm[0], xm[1], note=note)
+        if kind != "group":
+            sites[inv_name] = FacetSite(inv_name, "computed", stat_shape, torch.float32, note=note)
+    if kind != "group":
+        inv_site = sites[inv_name]
+        sites["scale"] = FacetSite("scale", "computed", inv_site.shape, inv_site.dtype, note=f"1 / {inv_name}")
+    if (x if compute else held(sites["normalized"])) is None:
+        # Nothing is served, so nothing needs checking; a written-out norm whose product was not
+        # kept still serves its rsqrt, and the scale from it.
+        inv = None if compute or kind == "group" else held(sites[inv_name])
+        if inv is not None:
+            with torch.no_grad():
+                sites["scale"].tensor = torch.reciprocal(inv)
+        return sites
+    if out is None:  # cannot be checked, so not served; a save= that keeps the norm serves it
+        for site in sites.values():
+            site.tensor = None
+        return sites
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    w = w.detach() if isinstance(w, Tensor) else None
+    b = b.detach() if isinstance(b, Tensor) else None
+    inputs = [x if compute else None, out, w, b,
+              None if compute or kind == "group" else held(sites[inv_name]),
+              None if compute else held(sites["normalized"])]
+
+    def run(inputs: list) -> tuple:
+        x, out, w, b, inv, normalized = inputs
+        values: dict[str, Tensor] = {}
+        if compute:
+            normalized, inv = _normalize(x, kind, eps, n_dims, groups)
+            values["normalized"] = normalized = normalized.to(x.dtype)
+            if kind != "group":
+                values[inv_name] = inv
+        if kind != "group":
+            values["scale"] = torch.reciprocal(inv)
+        tol = _ops.reconstruction_tolerance(out.dtype) * max(1.0, float(out.abs().max()))
+        err = _affine_error(normalized, out, w, b, kind, tol)
+        if not err <= tol:
+            return {}, err, f"normalized * gain + bias differs from the norm's output by {err:.3g} (> {tol:.3g})"
+        return values, err, None
+
+    Pending(run, inputs, list(sites.values()))
+    return sites
+
+

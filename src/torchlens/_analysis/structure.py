@@ -1,0 +1,431 @@
+"""The structure of a traced model: stacks of layers, their sublayers, embeddings, final norm, unembedding.
+
+This one module decides which module calls play which role. It is read by the facet code
+(`facets.derive` asks it for the final norm and the unembedding) and by the name resolver
+(`mechinterp.targets` asks it for layers and sublayers), so both sides agree on every rule.
+
+Roles are found in two passes:
+
+1. **Before the forward** (`static_roles`): from the module tree alone, a generous guess used
+   only to decide which tensors the capture keeps for `save=`. Every module that could be a
+   block, attention, MLP or unembedding gets that role.
+2. **After the forward** (`find`): from the module tree *and the recorded data flow*:
+
+   - A **stack** is a group of repeated modules: the children of an `nn.ModuleList` /
+     `nn.Sequential` that are all of one class, or two or more children of one module that share
+     a class. Its **layers** are the calls of those modules in the order they ran, one layer per
+     call (a block object run three times gives three layers). A group is a stack when every
+     call returns a tensor of the shape it received and each call's input is computed from the
+     previous call's output. Where a stack's layers contain another stack, the inner one is kept.
+   - In a layer, the **attention** is found from an attention kernel (a softmax over a
+     `[batch, heads, query, key]` tensor, or a fused attention op): it is the layer's child call
+     that ran the kernel, or, when that child adds its own input back (a residual inside it, as in
+     T5's `T5LayerSelfAttention` or BERT's `BertAttention`), its child that ran the kernel. A second
+     attention whose keys do not come from the layer's input is the **cross-attention**.
+   - The **MLP** is a child call of a layer that has attention: not a norm, no kernel, at least
+     two ops reading weights outside norms, found with the same descent through residual
+     wrappers (T5's `T5LayerFF` -> `DenseReluDense`).
+   - The **token embedding** is the first `nn.Embedding` outside every layer whose input is a
+     model input. The **unembedding** is the last linear layer outside every layer whose output
+     width is the token embedding's vocabulary and whose output reaches the model output.
+   - The **language-model stack** is the stack whose last layer's output reaches the
+     unembedding; without an unembedding, the only stack. A stack's **final norm** is the last
+     norm outside every layer that runs after the stack's last layer, reads from its output, and
+     runs before what comes next (the unembedding, for the language-model stack, when there is
+     one; another stack's first layer, for the others). One rule, with or without an LM head;
+     `Structure.final_norm` is the language-model stack's.
+
+`roles=` (the escape hatch of [`trace`][torchlens.trace]) names roles by address or glob
+pattern; a named role wins over every rule above.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from torchlens._analysis.graph import Graph
+from torchlens._analysis.role_rules import Roles
+from torchlens._core import ops as _ops
+from torchlens._core import roles as _roles
+from torchlens._core.persisted import persisted
+from torchlens._core.records import ModuleCall, OpRecord, Ref
+
+
+@persisted
+@dataclass
+class Layer:
+    """One layer of a stack: one call of a block, with its sublayer calls.
+
+    Attributes:
+        call: the block's call.
+        attention: the self-attention call, if any.
+        cross_attention: the cross-attention call (keys from outside the layer), if any.
+        mlp: the MLP call, if any.
+    """
+
+    call: ModuleCall
+    attention: ModuleCall | None = None
+    cross_attention: ModuleCall | None = None
+    mlp: ModuleCall | None = None
+
+
+@persisted
+@dataclass
+class Stack:
+    """Layers that run one after another, each reading the previous one's output.
+
+    Attributes:
+        name: the address of the module holding the repeated layers (`"model.layers"`).
+        layers: one `Layer` per call, in run order; the layer index is
+            the position here.
+        kind: `"decoder"` or `"encoder"` (an encoder-decoder's stacks, or one read by
+            cross-attention, or a stack under a class whose name says encoder).
+        final_norm: the stack's final norm (see `final_norm`), or None.
+    """
+
+    name: str
+    layers: list[Layer] = field(default_factory=list)
+    kind: str = "decoder"
+    final_norm: ModuleCall | None = None
+
+    @property
+    def addresses(self) -> list[str]:
+        """The block address of each layer (repeated for a block run several times)."""
+        return [layer.call.address for layer in self.layers]
+
+
+@persisted
+@dataclass
+class Structure:
+    """What `find` decided about one traced forward.
+
+    Attributes:
+        stacks: every stack, by name, in the order their first layer ran.
+        lm_stack: the stack names of decoder-only libraries read (None when none can be chosen).
+        kind: `"decoder-only"`, `"encoder-only"`, `"encoder-decoder"`, `"multi-tower"` (several
+            stacks, none feeding a language-model head) or `"no-stack"`.
+        token_embed, unembed, final_norm: those calls, or None.
+        notes: warnings issued while finding the structure.
+        children: `id(call)` -> the calls made directly inside it, in run order.
+    """
+
+    stacks: dict[str, Stack] = field(default_factory=dict)
+    lm_stack: str | None = None
+    kind: str = "no-stack"
+    token_embed: ModuleCall | None = None
+    unembed: ModuleCall | None = None
+    final_norm: ModuleCall | None = None
+    notes: list[str] = field(default_factory=list)
+    children: dict[int, list[ModuleCall]] = field(default_factory=dict, repr=False)
+
+    @property
+    def layers(self) -> list[Layer]:
+        """The language-model stack's layers (empty when there is none)."""
+        return self.stacks[self.lm_stack].layers if self.lm_stack else []
+
+    def describe(self) -> str:
+        """`'encoder.block (2 layers), decoder.block (2 layers)'`."""
+        return ", ".join(f"{s.name or '<root>'} ({len(s.layers)} layers)" for s in self.stacks.values()) or "no stack"
+
+
+# -- after the forward -------------------------------------------------------------------------
+
+
+def _chains(flow: Graph, calls: list[ModuleCall]) -> list[list[ModuleCall]]:
+    """Split calls (in run order) into runs where each call reads the previous call's output
+    (`Graph.follows`)."""
+    runs: list[list[ModuleCall]] = []
+    for c in calls:
+        same = flow.shape(c.input_ref) is not None and flow.shape(c.input_ref) == flow.shape(c.output_ref)
+        if not same:
+            runs.append([])
+            continue
+        if runs and runs[-1] and flow.follows(runs[-1][-1], c):
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return [r for r in runs if r]
+
+
+def _sublayer(flow: Graph, layer: ModuleCall, pick) -> list[ModuleCall]:
+    """Calls under `layer` that `pick` accepts, descending through residual wrappers.
+
+    A picked child that adds its own input back (a residual inside it) is replaced by its picked
+    children, when it has any; so is one that only wraps a picked child returning the same output.
+    """
+    out: list[ModuleCall] = []
+    todo = list(flow.kids.get(id(layer), []))  # iterative: a recursive closure would make a reference cycle
+    while todo:
+        node = todo.pop(0)
+        if not pick(node):
+            continue
+        inner = [k for k in flow.kids.get(id(node), []) if pick(k)]
+        if inner and flow.adds_own_input(node):
+            todo[:0] = inner
+            continue
+        if len(inner) == 1 and type(node.output_ref) is Ref and inner[0].output_ref == node.output_ref:
+            todo.insert(0, inner[0])  # a pure wrapper (GPT-Neo's attn around attn.attention): take the inner one
+            continue
+        out.append(node)
+    return out
+
+
+def _param_ops(flow: Graph, call: ModuleCall, roles: dict[str, str]) -> int:
+    return sum(
+        1 for op in flow.ops[call.first_op : call.end_op]
+        if roles.get(op.module) != "norm" and any(isinstance(r, str) for r in op.inputs)
+    )
+
+
+def _fill_layer(flow: Graph, layer: Layer, roles: dict[str, str], modules: dict[str, nn.Module],
+                overrides: dict[str, str]) -> None:
+    below = flow.descendants(layer.call)
+    named = {c.address: overrides[c.address] for c in below if c.address in overrides}
+    if named:
+        attns = [c for c in below if named.get(c.address) in ("attention", "cross_attention")]
+    else:
+        attns = _sublayer(flow, layer.call, lambda c: bool(flow.kernels(c)) or isinstance(
+            modules.get(c.address), nn.MultiheadAttention))
+    for a in attns:
+        if named.get(a.address) == "cross_attention" or (layer.attention is not None and _keys_outside(flow, layer.call, a)):
+            layer.cross_attention = layer.cross_attention or a
+        elif layer.attention is None:
+            layer.attention = a
+    if named:
+        mlps = [c for c in below if named.get(c.address) == "mlp"]
+    elif layer.attention is None:
+        mlps = []  # no attention (an SSM mixer, say): no MLP is looked for either
+    else:
+        mlps = _sublayer(flow, layer.call, lambda c: (
+            roles.get(c.address) not in ("norm", "embedding")
+            and not flow.kernels(c)
+            and bool(flow.kids.get(id(c)))
+            and _param_ops(flow, c, roles) >= 2
+        ))
+    layer.mlp = mlps[0] if mlps else None
+
+
+def _keys_outside(flow: Graph, layer: ModuleCall, attn: ModuleCall) -> bool:
+    """Whether the attention's keys are not computed from the layer's input (cross-attention)."""
+    kernel = next(iter(flow.kernels(attn)), None)
+    if kernel is None or type(layer.input_ref) is not Ref:
+        return False
+    if kernel.name in _ops.FUSED_ATTENTION_OPS:
+        return len(kernel.inputs) > 1 and not flow.reaches(layer.input_ref, kernel.inputs[1])
+    r = kernel.inputs[0] if kernel.inputs else None  # eager: walk back from the scores to their matmul
+    for _ in range(12):
+        if type(r) is not Ref:
+            return False
+        op = flow.ops[r.op]
+        if op.name in _ops.MATMUL_OPS:
+            k = _ops.MATMUL_OPERANDS.get(op.name, (0, 1))[1]
+            return k < len(op.inputs) and not flow.reaches(layer.input_ref, op.inputs[k])
+        r = next((x for x in op.inputs if type(x) is Ref), None)
+    return False
+
+
+def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Module], roles: Roles,
+         model: nn.Module, names: dict[nn.Module, str]) -> Structure:
+    """Find the structure of one recorded forward; set each call's role and `roles` accordingly.
+
+    Args:
+        ops, calls: what the capture recorded.
+        modules: address -> module.
+        roles: address -> role from `static_roles` (with the `roles=` overrides); updated in place
+            to the settled roles.
+        model: the root module.
+        names: module -> canonical address.
+
+    Returns:
+        The `Structure`.
+    """
+    overrides = roles.overrides
+    flow = Graph(ops, calls)
+    calls_of: dict[str, list[ModuleCall]] = {}
+    for c in calls:
+        calls_of.setdefault(c.address, []).append(c)
+    struct = Structure(children=flow.kids)
+    # 1. stacks
+    named_blocks = [a for a, r in overrides.items() if r == "block"]
+    if named_blocks:
+        by_holder: dict[str, list[str]] = {}
+        for a in named_blocks:
+            by_holder.setdefault(a.rsplit(".", 1)[0] if "." in a else "", []).append(a)
+        groups = [(h, [modules[a] for a in addrs]) for h, addrs in by_holder.items()]
+    else:
+        groups = roles.groups if getattr(roles, "groups", None) is not None else groups(model, names)
+    candidates: list[tuple[str, list[ModuleCall]]] = []
+    repeated_unchained: list[str] = []
+    for holder, members in groups:
+        member_calls = sorted((c for m in members for c in calls_of.get(names[m], [])), key=lambda c: c.first_op)
+        if not member_calls:
+            continue
+        if not named_blocks and not isinstance(modules.get(holder), (nn.ModuleList, nn.Sequential)) and any(
+            op.module == c.address for c in member_calls for op in flow.kernels(c)
+        ):
+            continue  # same-class siblings that run an attention kernel themselves are attentions, not layers
+        runs = [member_calls] if named_blocks else _chains(flow, member_calls)
+        if len(member_calls) >= 2:  # repeated calls must chain: a lone call among them is no stack
+            runs = [r for r in runs if len(r) >= 2]
+        if not runs:
+            if len(members) >= 2 or len(member_calls) >= 2:
+                repeated_unchained.append(holder)
+            continue
+        for i, run in enumerate(runs):
+            candidates.append((holder if i == 0 else f"{holder}#{i}", run))
+    # keep the innermost: drop a candidate whose first layer contains another candidate's layers
+    kept = []
+    for holder, run in candidates:
+        others = {id(c) for h, r in candidates if h != holder for c in r}
+        if named_blocks or not any(id(d) in others for d in flow.descendants(run[0])):
+            kept.append((holder, run))
+    kept.sort(key=lambda hr: hr[1][0].first_op)
+    for holder, run in kept:
+        stack = Stack(holder, [Layer(c) for c in run])
+        for layer in stack.layers:
+            _fill_layer(flow, layer, roles, modules, overrides)
+        struct.stacks[holder] = stack
+    if not struct.stacks and repeated_unchained:
+        note = (
+            f"torchlens: {', '.join(repeated_unchained)} hold repeated modules, but none was taken as a block "
+            "(their outputs do not chain, or do not keep the shape of their input), so per-layer names find no "
+            "layer; name them with trace(..., roles={'<address>.*': 'block'})"
+        )
+        struct.notes.append(note)
+        warnings.warn(note, stacklevel=4)
+    # 2. settle roles: only confirmed blocks/attention/MLP keep those roles
+    confirmed: dict[int, str] = {}
+    for stack in struct.stacks.values():
+        for layer in stack.layers:
+            confirmed[id(layer.call)] = "block"
+            for sub, role in ((layer.attention, "attention"), (layer.cross_attention, "attention"), (layer.mlp, "mlp")):
+                if sub is not None:
+                    confirmed[id(sub)] = role
+    for addr, role in list(roles.items()):
+        if role in ("block", "attention", "mlp"):
+            roles[addr] = "other"
+    for c in calls:
+        if c.role in ("block", "attention", "mlp") and id(c) not in confirmed:
+            c.role = "other"
+    for c in calls:
+        if id(c) in confirmed:
+            c.role = confirmed[id(c)]
+            roles[c.address] = c.role
+    # 3. embeddings, unembedding, LM stack, final norm
+    in_layer = {id(d) for s in struct.stacks.values() for layer in s.layers for d in [layer.call] + flow.descendants(layer.call)}
+    outside = [c for c in calls if id(c) not in in_layer]
+    root = calls[0] if calls else None
+    struct.token_embed = next(
+        (c for c in outside if isinstance(modules.get(c.address), nn.Embedding) and from_model_input(ops, c.input_ref)), None
+    )
+    vocab = modules[struct.token_embed.address].num_embeddings if struct.token_embed else None
+    named_unembed = [c for c in outside if overrides.get(c.address) == "unembed"]
+    if named_unembed:
+        struct.unembed = named_unembed[-1]
+    elif vocab is not None and root is not None:
+        heads = [
+            c for c in outside
+            if isinstance(modules.get(c.address), nn.Linear) and modules[c.address].out_features == vocab
+            and c.role != "embedding" and flow.reaches(c.output_ref, root.output_ref)
+        ]
+        struct.unembed = heads[-1] if heads else None
+    for c in calls:
+        if c.role == "unembed" and c is not struct.unembed:
+            c.role = "other"
+            roles[c.address] = "other"
+    if struct.unembed is not None:
+        struct.unembed.role = roles[struct.unembed.address] = "unembed"
+    feeding = [
+        s for s in struct.stacks.values()
+        if struct.unembed is not None and flow.reaches(s.layers[-1].call.output_ref, struct.unembed.input_ref)
+    ]
+    if feeding:
+        struct.lm_stack = feeding[-1].name
+    elif len(struct.stacks) == 1:
+        struct.lm_stack = next(iter(struct.stacks))
+    # kinds
+    read_by_cross = set()
+    for s in struct.stacks.values():
+        if any(layer.cross_attention is not None for layer in s.layers):
+            s.kind = "decoder"
+            for other in struct.stacks.values():
+                if other is not s and any(
+                    layer.cross_attention is not None and _feeds_kernel(flow, other.layers[-1].call, layer.cross_attention)
+                    for layer in s.layers
+                ):
+                    read_by_cross.add(other.name)
+    for s in struct.stacks.values():
+        if s.name in read_by_cross or (
+            not any(layer.cross_attention is not None for layer in s.layers) and _encoder_named(model, s, modules)
+        ):
+            s.kind = "encoder"
+    if not struct.stacks:
+        struct.kind = "no-stack"
+    elif read_by_cross:
+        struct.kind = "encoder-decoder"
+    elif struct.lm_stack is None:
+        struct.kind = "multi-tower"
+    else:
+        struct.kind = "encoder-only" if struct.stacks[struct.lm_stack].kind == "encoder" else "decoder-only"
+    for s in struct.stacks.values():
+        s.final_norm = final_norm(flow, struct, outside, s)
+    struct.final_norm = struct.stacks[struct.lm_stack].final_norm if struct.lm_stack else None
+    return struct
+
+
+def _feeds_kernel(flow: Graph, producer: ModuleCall, attn: ModuleCall) -> bool:
+    return any(
+        any(flow.reaches(producer.output_ref, r) for r in k.inputs if type(r) is Ref) for k in flow.kernels(attn)
+    ) or any(flow.reaches(producer.output_ref, c.input_ref) for c in flow.kids.get(id(attn), []))
+
+
+def _encoder_named(model: nn.Module, stack: Stack, modules: dict[str, nn.Module]) -> bool:
+    """Whether the stack is an encoder by the family data (`_roles.ENCODER_MODEL_TYPES`, class names)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in _roles.ENCODER_MODEL_TYPES:
+        return True
+    parts = stack.name.split(".")
+    holders = [".".join(parts[:i]) for i in range(len(parts) + 1)]
+    return any(
+        any(f in type(modules[h]).__name__ for f in _roles.ENCODER_CLASS_FRAGMENTS) for h in holders if h in modules
+    )
+
+
+def from_model_input(ops: list[OpRecord], ref: Any) -> bool:
+    """Whether `ref` is a model input, possibly reshaped (`input_ids.view(...)`), not computed."""
+    for _ in range(8):
+        if type(ref) is not Ref:
+            return False
+        op = ops[ref.op]
+        if op.name == "input":
+            return True
+        if op.name not in _ops.RESHAPE_OPS | _ops.PASS_THROUGH_OPS | _ops.INDEX_OPS | _ops.INT_CAST_OPS or not op.inputs:
+            return False
+        ref = op.inputs[0]
+    return False
+
+
+def final_norm(flow: Graph, struct: Structure, outside: list[ModuleCall], stack: Stack) -> ModuleCall | None:
+    """The one final-norm rule: the last norm outside every layer that runs after the stack's last
+    layer, reads from its output, and runs before whatever comes next: the unembedding for the
+    language-model stack (when there is one), the first layer of a stack that starts later for
+    any other (T5's encoder.final_layer_norm runs before the decoder's first block)."""
+    last = stack.layers[-1].call
+    if stack.name == struct.lm_stack:
+        end = struct.unembed.first_op if struct.unembed is not None else None
+    else:
+        later = [s.layers[0].call.first_op for s in struct.stacks.values() if s.layers[0].call.first_op >= last.end_op]
+        end = min(later) if later else (struct.unembed.first_op if struct.unembed is not None
+                                        and struct.unembed.first_op >= last.end_op else None)
+    norms = [
+        c for c in outside
+        if c.role == "norm" and c.first_op >= last.end_op
+        and (end is None or c.end_op <= end)
+        and flow.reaches(last.output_ref, c.input_ref)
+    ]
+    return norms[-1] if norms else None
+

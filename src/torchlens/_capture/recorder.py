@@ -1,0 +1,745 @@
+"""Capturing one eager forward pass: a `TorchFunctionMode` for ops, module hooks for structure.
+
+How it works, in one paragraph: `trace` registers a forward pre-hook and a forward hook on every
+module of the model and enters a `TorchFunctionMode`. Every torch function the forward calls
+passes through the mode, which runs it and appends an [`OpRecord`][torchlens.OpRecord]:
+its name, the module running it, references to the ops that produced its tensor inputs, and the
+shapes of its outputs. The hooks keep a stack of module calls, so each op knows where it ran.
+No torch function or class is patched; every hook and the mode are removed before `trace`
+returns or raises. Two things are changed for the duration of a trace and then restored: the
+`torch.compile` stance is set to `force_eager` process-wide (see `compiled.py`: other threads
+running compiled code meanwhile run it eagerly too), and the hooks accelerate attaches to a
+dispatched model's modules are wrapped on those modules only (see `_dispatch.py`). Traces nest: an outer trace records the model ops an inner trace runs, never the inner
+recorder's own bookkeeping (which runs with torch functions disabled when a mode lies below).
+
+Saved tensors are detached *aliases*, not copies, which keeps capture fast and memory-lean.
+They still behave as copies: before any op that writes in place (`add_`, `x[i] = ...`,
+`inplace=True`, `out=`), the recorder clones every saved alias (op outputs, the arguments kept
+for rebuilding a fused attention kernel or `multi_head_attention_forward` (`OpRecord.extra`), and
+the module inputs/outputs the hooks kept) that shares storage with the tensor about to be
+written: `x += attn(x, x, x)` leaves the attention's kept query/key/value as the op read them.
+Each alias's version counter is checked at the end, so a write the mode could not see is
+reported, and the alias it overwrote is dropped rather than served with contents the op never
+returned; a kept argument overwritten that way is marked stale, and the facets rebuilt from it are
+refused with that reason. Inference tensors (`torch.inference_mode()`) have no version counter, so
+that last check cannot cover them.
+
+A tensor used after an in-place write is used with its new contents, and the trace says so.
+Every recorded tensor carries a stamp: its version counter (none for an inference tensor) and the
+count of writes the mode saw into its storage; `x.data = y`, seen by the mode, voids `x`'s stamp.
+When a tensor whose stamp changed since its producer recorded it is used again (as an op input, or as a module's input or output as
+the hooks see it), the recorder first appends a `written_in_place` op whose output is the tensor as
+it is now and whose input is the op that produced it before the write. This covers writes that no
+recorded op returns: `x[i] = v`, a write through a view (`y.view(-1).add_(1)` changes `y`), a
+user's forward hook that edits a module's output (also through `.data`, which has a version counter
+of its own, or by `x.data = y`, which gives `x` other memory), and writes the mode could not see
+that move the version counter. A write that moves nothing the stamp holds (into memory shared with
+NumPy, `x.numpy()[:] = 0`) is not seen at all: the values served there are the later ones.
+
+When `trace` returns, every saved alias that still shares storage with a tensor the caller can
+reach (the model's inputs, parameters and buffers, the returned output, or any recorded tensor
+still alive) is replaced by a copy, so later in-place writes by the caller (an optimizer step, a
+corrupted prompt built in the same `ids` tensor) leave the finished trace unchanged
+(`torchlens._snapshot.snapshot`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from torchlens._core.errors import CaptureError, EditSpecError
+from torchlens._core.holdings import Holding, arg_slots, get_arg, held_tensors, memory_key, set_arg, storage_ptr
+from torchlens._core.ops import INPLACE, REBUILT_OPS, REPOINT, SKIP, classify
+from torchlens._core.records import Dropped, ModuleCall, OpRecord, Ref
+
+__all__ = ["Recorder"]
+
+_NO_HIDING = contextlib.nullcontext()
+#: `Ref(op, slot)` without the Python-level `__new__` of a named tuple (once per recorded op).
+_new_ref = tuple.__new__
+
+
+def _tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors among an op's arguments, one level into lists and tuples (e.g. `torch.cat`)."""
+    found = []
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend([x for x in a if isinstance(x, Tensor)])
+    return found
+
+
+def _writes_inputs(kind: int, kwargs: dict | None) -> bool:
+    """Whether a call of this `classify` kind with these keyword arguments writes into a tensor
+    it was given: an in-place function, or one called with `out=` or `inplace=True`."""
+    return kind == INPLACE or bool(kwargs) and (kwargs.get("out") is not None or kwargs.get("inplace") is True)
+
+
+def _plain_tensors(args: tuple, kwargs: dict) -> bool:
+    """Whether every tensor among a module call's arguments (as `_tensor_args` finds them) is a
+    plain `torch.Tensor`, no subclass."""
+    return all(type(t) is Tensor for t in _tensor_args(args, kwargs))
+
+
+def first_tensor(value: Any, _depth: int = 0) -> Tensor | None:
+    """The tensor a module output stands for: the first tensor in it, depth first.
+
+    A tensor is itself; a tuple or list gives the first tensor among its elements (so element 0
+    when that is a tensor, and `(None, x)` or `(("a", (x, 2)), y)` give `x`); a mapping (a dict,
+    a `ModelOutput`) gives the first tensor among its values. Anything else has none.
+    """
+    if isinstance(value, Tensor):
+        return value
+    if _depth < 8:
+        if isinstance(value, Mapping):
+            value = value.values()
+        elif not isinstance(value, (tuple, list)):
+            return None
+        for v in value:
+            t = first_tensor(v, _depth + 1)
+            if t is not None:
+                return t
+    return None
+
+
+def _replace_first(value: Any, fn: Any, _depth: int = 0) -> Any:
+    """`value` with the tensor `first_tensor(value)` finds replaced by `fn(tensor)`.
+
+    Tuples and lists are rebuilt (a named tuple as its own type); a mapping (a dict, a
+    `ModelOutput`) has the entry set in place. Returns `value` unchanged when it holds no tensor.
+    """
+    if isinstance(value, Tensor):
+        return fn(value)
+    if _depth >= 8:
+        return value
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if first_tensor(v) is not None:
+                value[k] = _replace_first(v, fn, _depth + 1)
+                break
+        return value
+    if isinstance(value, (tuple, list)):
+        items = list(value)
+        for i, v in enumerate(items):
+            if first_tensor(v) is not None:
+                items[i] = _replace_first(v, fn, _depth + 1)
+                break
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def _replace_input(args: tuple, kwargs: dict, fn: Any) -> tuple[tuple, dict]:
+    """(args, kwargs) with the module input `_enter` reads (the first positional argument when it
+    is a tensor, else with no positional arguments the first tensor keyword argument) replaced."""
+    if args:
+        if isinstance(args[0], Tensor):
+            return (fn(args[0]),) + tuple(args[1:]), kwargs
+        return args, kwargs
+    for k, v in kwargs.items():
+        if isinstance(v, Tensor):
+            return args, {**kwargs, k: fn(v)}
+    return args, kwargs
+
+
+def _refuse_script_modules(names: dict[nn.Module, str]) -> None:
+    """Raise `CaptureError` naming the first `torch.jit.script`ed module of the model.
+
+    TorchScript runs a scripted module's forward in its own interpreter: it takes no forward
+    hooks and its ops never reach a torch function mode, so nothing inside it could be recorded.
+    """
+    for module, addr in names.items():
+        if isinstance(module, torch.jit.ScriptModule):
+            where = f"module {addr!r}" if addr else "the model itself"
+            raise CaptureError(
+                f"{where} is a torch.jit.ScriptModule ({type(module).__name__}): TorchScript runs its "
+                "forward in its own interpreter, which takes no module hooks and hides its ops, so "
+                "TorchLens cannot record it. Trace the eager module instead: keep the module you "
+                f"passed to torch.jit.script (or torch.jit.trace) and put it back before tracing"
+                + (f" (model.{addr} = eager_module)" if addr else "")
+                + ", or build the model without scripting."
+            )
+
+
+class Recorder(TorchFunctionMode):
+    """Records ops (as a torch function mode) and module calls (through hooks) for one forward.
+
+    Not part of the public API: [`trace`][torchlens.trace] creates one per call.
+
+    Args:
+        names: module object to canonical address.
+        roles: address to role.
+        plan: the `CapturePlan` (`torchlens._save`): whether every op keeps its output, which
+            calls (and everything inside them) keep their op outputs, and which keep only the
+            tensors their hooks see as input or output.
+        param_names: `id(parameter)` to qualified name.
+        edits: an `EditPlan`: sites to replace as the forward computes
+            them (module inputs/outputs in the hooks, op outputs in the mode), or None.
+        spill: a `torchlens._store.DirectoryStore` to write held tensors to as capture goes
+            (each time a top-level block call ends), or None to keep them in memory.
+    """
+
+    def __init__(self, names, roles, plan, param_names, edits=None, spill=None):
+        super().__init__()
+        _refuse_script_modules(names)
+        self.names = names
+        self.roles = roles
+        self.retain_all = plan.retain_all
+        self.retain_modules = plan.op_modules
+        self._hold = {"_in": plan.hold_in, "_out": plan.hold_out}
+        self.param_names = param_names
+        self.ops: list[OpRecord] = []
+        self.calls: list[ModuleCall] = []
+        self.stack: list[ModuleCall] = []
+        self.call_counts: dict[str, int] = {}
+        #: id(tensor) -> (the Ref it is, a weak reference to it, its `_stamp` when recorded)
+        self.producer: dict[int, tuple[Ref, Any, Any]] = {}
+        self.thread = threading.get_ident()
+        self.versions: dict[tuple[int, int], int] = {}  # (op, slot) -> version when saved
+        #: (op, ("args", i) or ("kwargs", name)) -> version of a rebuilt op's kept argument
+        self.arg_versions: dict[tuple[int, tuple[str, Any]], int] = {}
+        self._cow: dict[int, list[tuple[int, int]]] = {}
+        self._cow_upto = 0
+        self._writes: dict[int, int] = {}  # storage data_ptr -> writes the mode saw into it (`_stamp`)
+        self._hook_aliases: list[tuple[ModuleCall, str]] = []  # module inputs/outputs the hooks kept
+        self._hook_versions: dict[tuple[int, str], int] = {}  # (id(call), side) -> the alias's version when kept
+        self._hook_upto = 0
+        self._kinds: dict[Any, tuple[str, int]] = {}  # torch function -> `classify` answer, this trace
+        self.spill = spill
+        if spill is not None:
+            spill.writes = self._writes
+        self._spill_ops = 0  # ops before this index were written to `spill` (or had nothing to write)
+        self._kept_in_memory = False  # a tensor the spill could not write (no storage of its own) stays held
+        self._spill_hooks = 0  # the same for `_hook_aliases`
+        #: (exception, op name) of the last op that raised, for the note `trace` adds; an op
+        #: failure the model caught and handled is never mistaken for a later error.
+        self.op_failure: tuple[BaseException, str] | None = None
+        #: (exception, module path) where a forward raised, seen by the innermost hook that
+        #: unwound it; `trace` names it in the note it adds to the exception.
+        self.failure: tuple[BaseException, list[str]] | None = None
+        self._quiet = False  # True while the hooks run torch functions of their own
+        #: True when another torch function mode (an outer trace, a user's mode) was active when
+        #: this recorder was entered: the recorder's own bookkeeping is then hidden from it.
+        self.nested = False
+        self.edits = edits
+        #: `edited` ops recorded so far: an op's position in the forward (as the locating pass
+        #: numbered it) is its index minus these.
+        self._n_edited = 0
+
+    def __enter__(self):
+        self.nested = torch._C._len_torch_function_stack() > 0
+        return super().__enter__()
+
+    def hidden(self):
+        """A context in which the recorder's own torch calls reach no outer torch function mode."""
+        return torch._C.DisableTorchFunction() if self.nested else _NO_HIDING
+
+    # -- ops -----------------------------------------------------------------------------------
+
+    def _classify(self, func) -> tuple[str, int]:
+        try:
+            return self._kinds[func]
+        except KeyError:
+            info = self._kinds[func] = classify(func)
+            return info
+        except TypeError:  # an unhashable callable
+            return classify(func)
+
+    def _repointed(self, args: tuple) -> None:
+        """`x.data = y` ran: `x` holds other values now, and no counter says so."""
+        entry = self.producer.get(id(args[0])) if args else None
+        if entry is not None:
+            self.producer[id(args[0])] = (entry[0], entry[1], None)  # no stamp matches: next use is a write
+
+    def _quiet_call(self, func, args, kwargs):
+        """Run `func` unrecorded (the recorder's own calls, an accelerate hook's moves, an edit),
+        still keeping what the trace holds right: an in-place write first clones the saved
+        aliases on the memory it writes and is counted there (so a write through `x.data` marks
+        `x` written), and `x.data = y` voids `x`'s stamp."""
+        kind = self._classify(func)[1]
+        if _writes_inputs(kind, kwargs):
+            with self.hidden():
+                self._before_write(args, kwargs or {})
+        elif kind == REPOINT:
+            self._repointed(args)
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self._quiet:
+            return self._quiet_call(func, args, kwargs)
+        info = self._classify(func)
+        kind = info[1]
+        if kind == SKIP:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kind == REPOINT:
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            self._repointed(args)
+            return out
+        if kwargs is None:
+            kwargs = {}
+        mutated = _writes_inputs(kind, kwargs)
+        ins = _tensor_args(args, kwargs)
+        refs = None
+        if mutated:  # the input refs are taken before the op writes them (the write makes them stale)
+            if self.nested:
+                with torch._C.DisableTorchFunction():
+                    refs = tuple([self._ref(t) for t in ins])
+                    self._before_write(args, kwargs)
+            else:
+                refs = tuple([self._ref(t) for t in ins])
+                self._before_write(args, kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            self.op_failure = (exc, info[0])
+            raise
+        if isinstance(out, Tensor):
+            outs = (out,)
+        elif isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+            outs = tuple(o for o in out if isinstance(o, Tensor))
+        else:
+            return out
+        if self.edits is not None and self.edits.ops and not mutated and isinstance(out, Tensor):
+            with self.hidden():
+                refs = tuple([self._ref(t) for t in ins])
+            edit = self.edits.ops.get(len(self.ops) - self._n_edited)
+            if edit is not None:
+                out = self._edit_op(edit, info[0], out)
+                outs = (out,)
+        if self.nested:
+            with torch._C.DisableTorchFunction():
+                self._record(info[0], outs, ins, mutated, args, kwargs, refs)
+        else:
+            self._record(info[0], outs, ins, mutated, args, kwargs, refs)
+        return out
+
+    # -- edits ---------------------------------------------------------------------------------
+
+    def _run_edit(self, edit, t: Tensor) -> Tensor:
+        """`edit` applied to `t`, its own torch calls not recorded by this trace (its `edited` op
+        stands for them) but still seen by it (`_quiet_call`: an in-place write in it is one), and
+        by any other torch function mode below: they are computation of the forward, not the
+        recorder's bookkeeping."""
+        quiet = self._quiet
+        self._quiet = True
+        try:
+            return edit.apply(t)
+        finally:
+            self._quiet = quiet
+
+    def _edit_op(self, edit, name: str, out: Tensor) -> Tensor:
+        """The replaced output of the op the plan names at this position (checked to be that op)."""
+        call = self.stack[-1] if self.stack else None
+        where = (call.address, call.index) if call is not None else ("", 0)
+        if (name, where) != (edit.op_name, (edit.op_module, edit.op_call)):
+            raise EditSpecError(
+                f"edit {edit.record.key!r}: the locating pass found {edit.op_name} in {edit.op_module or '<root>'} "
+                f"(call {edit.op_call}) at op #{len(self.ops) - self._n_edited}, but the edited forward ran {name} in "
+                f"{where[0] or '<root>'} (call {where[1]}) there: it took another path (an earlier edit changed "
+                f"control flow, or the forward is not deterministic), so the edit is not placed."
+            )
+        # This runs in the mode's handler, where torch has taken the mode off its stack: it goes
+        # back on for the edit, so that the edit's writes are seen (`_quiet_call`) as a hook
+        # edit's are.
+        torch.overrides._push_mode(self)
+        try:
+            return self._run_edit(edit, out)
+        finally:
+            torch.overrides._pop_mode()
+
+    def _edit_hooked(self, edits, t: Tensor) -> Tensor:
+        """`t` replaced by each edit in turn; each replacement is recorded as an `edited` op."""
+        for edit in edits:
+            with self.hidden():
+                ref = self._ref(t)
+            t = self._run_edit(edit, t)
+            with self.hidden():
+                self._record("edited", (t,), (), False, refs=(ref,))
+            self._n_edited += 1
+        return t
+
+    def _stamp(self, t: Tensor) -> tuple:
+        """What changes when `t` is written in place: `(version, writes)`, its version counter
+        (None for an inference tensor, which has none) and the number of writes the mode saw into
+        its storage (a write through `x.data`, an alias with a version counter of its own, moves
+        only that). `x.data = y`, which gives `x` other memory and moves neither, is noted where
+        the mode sees it (`REPOINT`)."""
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor
+            version = None
+        writes = self._writes
+        if not writes:  # no write seen yet (most forwards see none): no storage to look up
+            return (version, 0)
+        return (version, writes.get(memory_key(t), 0))  # None (a sparse tensor) is never counted
+
+    def _ref(self, t: Tensor):
+        entry = self.producer.get(id(t))
+        if entry is not None and entry[1]() is t:
+            if entry[2] != self._stamp(t):  # written in place (or given other memory) since its producer recorded it
+                return self._record("written_in_place", (t,), (), True, refs=(entry[0],))
+            return entry[0]
+        return self.param_names.get(id(t))
+
+    def _record(self, name, outs, ins, mutated, args=(), kwargs=None, refs=None):
+        if refs is None:
+            ref = self._ref
+            inputs = tuple([ref(t) for t in ins])
+        else:
+            inputs = refs
+        idx = len(self.ops)  # after the inputs: a stale input appends a `written_in_place` op first
+        stack = self.stack
+        call = stack[-1] if stack else None
+        producer = self.producer
+        retain = self.retain_all or (call is not None and call.retained)
+        if len(outs) == 1:  # most ops: one output
+            o0 = outs[0]
+            stamp = self._stamp(o0)
+            if retain:
+                tensors = (o0.detach(),)
+                if stamp[0] is not None:  # a detached alias shares the counter: its version when saved
+                    self.versions[idx, 0] = stamp[0]
+            else:
+                tensors = (None,)
+            first = _new_ref(Ref, (idx, 0))
+            producer[id(o0)] = (first, weakref.ref(o0), stamp)
+            shapes, dtypes = (o0.shape,), (o0.dtype,)
+        else:
+            stamps = [self._stamp(o) for o in outs]
+            if retain:
+                tensors = tuple([o.detach() for o in outs])
+                for slot, stamp in enumerate(stamps):
+                    if stamp[0] is not None:  # as above
+                        self.versions[idx, slot] = stamp[0]
+            else:
+                tensors = (None,) * len(outs)
+            for slot, (o, stamp) in enumerate(zip(outs, stamps)):
+                producer[id(o)] = (_new_ref(Ref, (idx, slot)), weakref.ref(o), stamp)
+            o0 = outs[0]
+            first = _new_ref(Ref, (idx, 0))
+            shapes, dtypes = tuple([o.shape for o in outs]), tuple([o.dtype for o in outs])
+        extra = None
+        if retain and name in REBUILT_OPS:
+            extra = self._keep_args(idx, args, kwargs)
+        if call is None:
+            self.ops.append(OpRecord(idx, name, "", 0, inputs, shapes, dtypes, o0.device, tensors, mutated, extra))
+        else:
+            self.ops.append(
+                OpRecord(idx, name, call.address, call.index, inputs, shapes, dtypes, o0.device, tensors, mutated, extra)
+            )
+        return first
+
+    def _keep_args(self, idx: int, args: tuple, kwargs: dict) -> dict:
+        """The arguments of rebuilt op `idx` (`OpRecord.extra`), each tensor detached once (a
+        tensor passed as query, key and value is one alias), with its version noted for
+        `check_versions`. `_before_write` clones an alias before a write into its storage."""
+        seen: dict[int, Tensor] = {}
+
+        def keep(a: Any) -> Any:
+            if not isinstance(a, Tensor):
+                return a
+            kept = seen.get(id(a))
+            if kept is None:
+                kept = seen[id(a)] = a.detach()
+            return kept
+
+        extra = {"args": tuple([keep(a) for a in args]), "kwargs": {k: keep(v) for k, v in kwargs.items()}}
+        for key, t in arg_slots(extra):
+            if not t.is_inference():  # inference tensors have no version counter
+                self.arg_versions[idx, key] = t._version
+        return extra
+
+    def _before_write(self, args, kwargs) -> None:
+        """Clone every saved alias (op outputs, kept kernel arguments, hook aliases) that shares
+        storage with a tensor an op is about to write."""
+        targets = [args[0]] if args and isinstance(args[0], Tensor) else []
+        out = kwargs.get("out")
+        targets += [out] if isinstance(out, Tensor) else [t for t in (out or ()) if isinstance(t, Tensor)]
+        if not targets:
+            return
+        writes = self._writes
+        # Memory is told by its storage (a wrapper subclass by its first inner tensor's); a sparse
+        # tensor, with neither, is not counted or cloned: a write into it moves its version
+        # counter, which the end check reads.
+        ptrs = [memory_key(target) for target in targets]
+        for ptr in ptrs:
+            if ptr:  # every empty tensor has pointer 0: a write into one changes no other
+                writes[ptr] = writes.get(ptr, 0) + 1
+        ops, cow = self.ops, self._cow
+        for i in range(self._cow_upto, len(ops)):
+            for slot, t in enumerate(ops[i].tensors):
+                if t is not None:
+                    cow.setdefault(memory_key(t), []).append((i, slot))
+            if ops[i].extra is not None:
+                for key, t in arg_slots(ops[i].extra):
+                    cow.setdefault(memory_key(t), []).append((i, key))
+        self._cow_upto = len(ops)
+        for call, attr in self._hook_aliases[self._hook_upto :]:
+            cow.setdefault(memory_key(getattr(call, attr)), []).append((call, attr))
+        self._hook_upto = len(self._hook_aliases)
+        cow.pop(None, None)
+        clones: dict[int, Tensor] = {}  # one clone per alias (a kept argument passed twice is one)
+        for ptr in ptrs:
+            for i, slot in cow.pop(ptr, ()):
+                if isinstance(i, ModuleCall):  # a module input/output alias kept by a hook
+                    copy = getattr(i, slot).clone()
+                    setattr(i, slot, copy)
+                    self._note_hook_version(i, slot, copy)
+                    continue
+                if isinstance(slot, tuple):  # a kept argument of a rebuilt op
+                    old = get_arg(ops[i].extra, slot)
+                    new = clones.get(id(old))
+                    if new is None:
+                        new = clones[id(old)] = old.clone()
+                    set_arg(ops[i].extra, slot, new)
+                    if new.is_inference():
+                        self.arg_versions.pop((i, slot), None)
+                    else:
+                        self.arg_versions[i, slot] = new._version
+                    continue
+                tensors = list(ops[i].tensors)
+                tensors[slot] = tensors[slot].clone()
+                ops[i].tensors = tuple(tensors)
+                if tensors[slot].is_inference():  # a clone made under inference_mode
+                    self.versions.pop((i, slot), None)
+                else:
+                    self.versions[i, slot] = tensors[slot]._version
+
+    def add_external(self, t: Tensor, where: ModuleCall) -> None:
+        """Record a tensor that enters the forward from outside (a model input) as an `input` op."""
+        self.stack.append(where)
+        try:
+            self._record("input", (t,), (), False)
+        finally:
+            self.stack.pop()
+
+    def _keep_io(self, call: ModuleCall, side: str, t: Tensor) -> None:
+        """Note which op produced a module's input or output; keep an alias where that is not enough.
+
+        The alias is kept when no op of the forward produced the tensor (a model input, a
+        parameter) or when only this module's subtree is retained (the producer's output is not).
+        A call the plan holds this side of (`save=["resid_post"]` holds each block's output)
+        keeps the tensor as the output of the op that produced it, and nothing else of its ops.
+        """
+        ref = self._ref(t)
+        setattr(call, "input_ref" if side == "_in" else "output_ref", ref)
+        if ref is None or isinstance(ref, str) or (call.retained and not self.retain_all):
+            alias = t.detach()
+            setattr(call, side, alias)
+            self._hook_aliases.append((call, side))
+            self._note_hook_version(call, side, alias)
+        elif not self.retain_all and call.address in self._hold[side]:
+            self._hold_output(ref, t)
+
+    def _note_hook_version(self, call: ModuleCall, side: str, alias: Tensor) -> None:
+        """Note the version of a module input/output alias, for `check_versions`."""
+        if alias.is_inference():  # no version counter
+            self._hook_versions.pop((id(call), side), None)
+        else:
+            self._hook_versions[id(call), side] = alias._version
+
+    def _hold_output(self, ref: Ref, t: Tensor) -> None:
+        """Keep `t`, the tensor op `ref` produced (as it is now: a stale one got a
+        `written_in_place` op from `_ref`), as that op's saved output."""
+        op = self.ops[ref.op]
+        if op.tensors[ref.slot] is not None:
+            return
+        kept = t.detach()
+        tensors = list(op.tensors)
+        tensors[ref.slot] = kept
+        op.tensors = tuple(tensors)
+        if not kept.is_inference():
+            self.versions[ref.op, ref.slot] = kept._version
+        if ref.op < self._cow_upto:  # `_before_write` has scanned this op already
+            ptr = memory_key(kept)
+            if ptr is not None:
+                self._cow.setdefault(ptr, []).append((ref.op, ref.slot))
+
+    # -- modules -------------------------------------------------------------------------------
+
+    # The hooks accept the signatures with and without kwargs: another thread can run the model
+    # while `trace` removes its hooks, and `Module._call_impl` then calls a hook it listed before
+    # the removal without the kwargs it no longer knows the hook wants.
+
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict | None = None):
+        # Quiet already: a module called by code the trace does not record (an edit function, an
+        # accelerate hook's body) is part of that code, not a module call of the forward.
+        if threading.get_ident() != self.thread or self._quiet:
+            return None
+        kwargs = kwargs or {}
+        changed = False
+        self._quiet = True
+        try:
+            if self.edits is not None and self.edits.hook_in:
+                addr = self.names[module]
+                edits = self.edits.hook_in.get((addr, self.call_counts.get(addr, 0)))
+                if edits:
+                    args, kwargs = _replace_input(args, kwargs, lambda t: self._edit_hooked(edits, t))
+                    changed = True
+            # The bookkeeping reaches no torch function mode, this one included: outside an op,
+            # this mode is active, and every `t._version` or `t.detach()` would pass through it.
+            # A tensor subclass among the inputs keeps its own `__torch_function__` (its aliases
+            # stay of its type), so then the mode passes the calls through as `_quiet`.
+            with torch._C.DisableTorchFunction() if _plain_tensors(args, kwargs) else self.hidden():
+                self._enter(module, args, kwargs)
+        finally:
+            self._quiet = False
+        return (args, kwargs) if changed else None
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        addr = self.names[module]
+        n = self.call_counts.get(addr, 0)
+        self.call_counts[addr] = n + 1
+        parent = self.stack[-1] if self.stack else None
+        call = ModuleCall(addr, n, self.roles[addr], type(module).__name__, len(self.ops), parent=parent)
+        call.retained = self.retain_all or addr in self.retain_modules or bool(parent and parent.retained)
+        if parent is None:  # the root: its tensor inputs become `input` ops
+            for t in _tensor_args(args, kwargs):
+                if self._ref(t) is None:
+                    self.add_external(t, call)
+        t = args[0] if args and isinstance(args[0], Tensor) else None
+        if t is None and not args:
+            t = next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
+        if t is not None:
+            self._keep_io(call, "_in", t)
+        self.stack.append(call)
+        self.calls.append(call)
+
+    def post_hook(self, module: nn.Module, args: tuple, *kwargs_and_output: Any):
+        if threading.get_ident() != self.thread or self._quiet:  # as in `pre_hook`
+            return None
+        output = kwargs_and_output[-1]
+        changed = False
+        self._quiet = True
+        try:
+            if self.edits is not None and self.edits.hook_out and output is not None and self.stack:
+                call = self.stack[-1]
+                edits = self.edits.hook_out.get((call.address, call.index))
+                if edits and call.address == self.names[module]:
+                    output = _replace_first(output, lambda t: self._edit_hooked(edits, t))
+                    changed = True
+            t = first_tensor(output)
+            with torch._C.DisableTorchFunction() if t is None or type(t) is Tensor else self.hidden():  # as in `pre_hook`
+                call = self._leave(module, output, t)
+            if self.spill is not None and call is not None and call.role == "block" and not any(
+                    c.role == "block" for c in self.stack):
+                with self.hidden():
+                    self.write_spill()
+        finally:
+            self._quiet = False
+        return output if changed else None
+
+    def _leave(self, module: nn.Module, output: Any, t: Tensor | None) -> ModuleCall | None:
+        """Pop this module's call (and any left open under it) and note its output `t`
+        (`first_tensor(output)`); the call, or None when it was not on the stack."""
+        addr = self.names[module]
+        if output is None:  # torch runs always_call hooks with output None while an exception unwinds
+            exc = sys.exc_info()[1]
+            if exc is not None and (self.failure is None or self.failure[0] is not exc):
+                self.failure = (exc, [c.address or "<root>" for c in self.stack])
+        while self.stack:  # pop up to and including this module's call (robust to errors)
+            call = self.stack.pop()
+            call.end_op = len(self.ops)
+            if call.address == addr:
+                break
+        else:
+            return None
+        if t is not None:
+            self._keep_io(call, "_out", t)
+        return call
+
+    def write_spill(self) -> None:
+        """Write every tensor held since the last write to the directory store and hold its
+        memory-mapped view instead (when a top-level block call ends, and once after the forward).
+
+        A held op output whose version counter moved (a write the mode could not see) is not
+        written: it stays in memory for `check_versions`, which drops it. Every other one is
+        still the value its op produced (the recorder clones a held alias before any write it
+        sees), so the file holds that value; the view no model code can reach is no longer
+        version-checked or cloned on writes.
+        """
+        ops, start = self.ops, self._spill_ops
+        held = held_tensors(ops[start:], hooks=self._hook_aliases[self._spill_hooks :])
+        extra_op = {id(op.extra): op.index for op in ops[start:] if op.extra is not None}
+        # A tensor with no storage of its own (sparse, a wrapper subclass) is not written: it stays
+        # in memory, version-checked, like one whose counter moved.
+        found: list[tuple[Holding, dict, Any]] = []
+        for h in held:
+            if storage_ptr(h.tensor) is None:
+                self._kept_in_memory = True
+                continue
+            if isinstance(h.holder, OpRecord):
+                versions, key = self.versions, (h.holder.index, h.key)
+            elif isinstance(h.holder, dict):  # a rebuilt op's kept argument
+                versions, key = self.arg_versions, (extra_op[id(h.holder)], h.key)
+            else:  # a module input/output alias a hook kept
+                versions, key = self._hook_versions, (id(h.holder), h.key)
+            v = versions.get(key)
+            if v is None or h.tensor._version == v:  # a moved one stays for `check_versions`
+                found.append((h, versions, key))
+        self._spill_ops, self._spill_hooks = len(ops), len(self._hook_aliases)
+        if not found:
+            return
+        self.spill.write([h for h, _, _ in found])
+        for _, versions, key in found:
+            versions.pop(key, None)
+        # The views share no storage with the model: nothing held so far needs a clone on a write,
+        # unless a tensor that could not be written stays in memory: then the next write looks at
+        # every kept tensor again (the views it meets share no memory with what a model writes).
+        self._cow.clear()
+        self._cow_upto = 0 if self._kept_in_memory else len(ops)
+        self._hook_upto = 0 if self._kept_in_memory else len(self._hook_aliases)
+
+    def check_versions(self) -> list[int]:
+        """Indices of ops whose saved alias was written by something the mode could not see.
+
+        A kept argument of a rebuilt op (`OpRecord.extra`) written that way no longer holds
+        what the op read, so its facets must not be rebuilt from it: `extra["stale"]` is set
+        to the reason, which the facet derivation gives as the refusal.
+        """
+        ops = self.ops
+        bad = []
+        for (i, slot), version in self.versions.items():
+            t = ops[i].tensors[slot]
+            if t is not None and t._version != version:
+                bad.append(i)
+        dropped = []  # module inputs/outputs the hooks kept, written the same way: not served
+        for call, side in self._hook_aliases:
+            t, version = getattr(call, side), self._hook_versions.get((id(call), side))
+            if isinstance(t, Tensor) and version is not None and t._version != version:
+                what = f"{call.address or '<root>'} {'input' if side == '_in' else 'output'}"
+                setattr(call, side, Dropped(tuple(t.shape), t.dtype, (
+                    f"the {what.split()[-1]} tensor of {what.split()[0]!r} was written in place after the trace "
+                    "kept it, by code the capture could not see (a write under torch._C.DisableTorchFunction, "
+                    "through NumPy, or into a sparse tensor), so what the trace held is no longer what the "
+                    "model used there")))
+                dropped.append(what)
+        if dropped:
+            warnings.warn(
+                f"torchlens: {len(dropped)} module inputs/outputs the trace kept were written in place by code the "
+                f"capture could not see, or as a sparse tensor, which it cannot copy before a write "
+                f"({', '.join(dropped[:5])}); they are not kept, since they would show the later contents.",
+                stacklevel=3)
+        for (i, key), version in self.arg_versions.items():
+            extra = ops[i].extra
+            if extra is None or "stale" in extra or get_arg(extra, key)._version == version:
+                continue
+            which = f"tensor argument {key[1]}" if key[0] == "args" else f"argument {key[1]!r}"
+            extra["stale"] = (
+                f"{which} of {ops[i].name} (op #{i}) was written in place after the op ran, by code the capture "
+                "could not see (a write under torch._C.DisableTorchFunction, or in code that bypasses torch "
+                "functions), so the kept argument no longer holds what the op read"
+            )
+        return sorted(set(bad))

@@ -1,0 +1,209 @@
+"""The records a trace is made of: ops (`OpRecord`, `Ref`) and module calls (`ModuleCall`,
+`ModuleRecord`, `ModuleMap`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from torchlens._core.errors import AmbiguousModuleCall, ModuleNotFoundInTrace
+from torchlens._core.persisted import persisted
+from torchlens._core.sites import FacetMap
+
+__all__ = ["Dropped", "ModuleCall", "ModuleMap", "ModuleRecord", "OpRecord", "Ref"]
+
+class Ref(NamedTuple):
+    """Where a tensor came from: output `slot` of op number `op`."""
+
+    op: int
+    slot: int = 0
+
+
+class Dropped(NamedTuple):
+    """In place of a module input/output alias the end-of-trace version check dropped: the
+    facets read from it are refused with `reason`, not reported as unsaved."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    reason: str
+
+
+@persisted
+class OpRecord:
+    """One executed torch operation.
+
+    Attributes:
+        index (int): position in execution order (0-based).
+        name (str): the torch function's name, e.g. `"linear"`, `"__add__"`, `"softmax"`; or
+            `"written_in_place"` for the entry TorchLens adds where a tensor is used after an
+            in-place write no recorded op returned (`x[i] = v`, a write through a view, a hook
+            editing a module's output): its output is the tensor as it was used, its input the
+            op that produced it before the write. `"accelerate_hook"` is the entry for a tensor an
+            accelerate hook (`module._hf_hook`, e.g. a `ModelHook` that ablates) returned in place
+            of one with other values; its input is the tensor it replaced.
+        module (str): address of the innermost module that was running (`""` for the root).
+        call (int): which call of that module (0 for the first).
+        inputs (tuple[Ref | str | None, ...]): for each tensor argument, in order, a
+            [`Ref`][torchlens.Ref] to the op that produced it, the parameter's qualified
+            name (a `str`), or None for a tensor from outside the forward (a model input).
+        shapes (tuple[torch.Size, ...]): the shape of each tensor output.
+        dtypes (tuple[torch.dtype, ...]): the dtype of each tensor output.
+        device (torch.device): the device of the first output.
+        tensors (tuple[torch.Tensor | None, ...]): one entry per tensor output when saved, else
+            None: the output detached, as the op returned it; a later in-place write during the
+            forward clones it first, and a tensor still sharing memory with something the caller
+            holds (inputs, weights, the output) is copied when `trace` returns.
+        mutated (bool): True when the op changed one of its inputs in place.
+    """
+
+    __slots__ = ("index", "name", "module", "call", "inputs", "shapes", "dtypes", "device", "tensors", "mutated", "extra")
+
+    def __init__(self, index, name, module, call, inputs, shapes, dtypes, device, tensors, mutated=False, extra=None):
+        self.index = index
+        self.name = name
+        self.module = module
+        self.call = call
+        self.inputs = inputs
+        self.shapes = shapes
+        self.dtypes = dtypes
+        self.device = device
+        self.tensors = tensors
+        self.mutated = mutated
+        self.extra = extra
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the first output."""
+        return self.shapes[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the first output."""
+        return self.dtypes[0]
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The first output, when this trace saved it."""
+        return self.tensors[0]
+
+    def __repr__(self) -> str:
+        where = self.module or "<root>"
+        shape = "x".join(map(str, self.shape)) or "scalar"
+        return f"OpRecord(#{self.index} {self.name} in {where}[{self.call}] -> {shape} {str(self.dtype).replace('torch.', '')})"
+
+
+
+@persisted
+@dataclass
+class ModuleCall:
+    """One call of one module during the forward pass.
+
+    Attributes:
+        address: the module's address, e.g. `"transformer.h.1"` (`""` for the root).
+        index: 0 for the module's first call, 1 for the second, ...
+        role: the module's role (`"block"`, `"attention"`, `"mlp"`, `"norm"`, `"embedding"`,
+            `"unembed"`, `"root"` or `"other"`).
+        class_name: the module's class, e.g. `"GPT2Block"`.
+        first_op: index of this call's first op: the call's ops are
+            `trace.ops[first_op:end_op]` (children's ops included).
+        end_op: index one past this call's last op.
+        facets: this call's [`FacetMap`][torchlens.FacetMap].
+        input_ref: where the call's input came from: a [`Ref`][torchlens.Ref] to the op that
+            produced it, a parameter's name (a `str`), or None for a tensor from outside the
+            forward (a model input) or a call without a tensor input.
+        output_ref: the same for the call's output (its first tensor, depth first).
+    """
+
+    address: str
+    index: int
+    role: str
+    class_name: str
+    first_op: int
+    end_op: int = -1
+    facets: FacetMap | None = None
+    parent: ModuleCall | None = field(default=None, repr=False)
+    retained: bool = field(default=False, repr=False)
+    input_ref: Any = field(default=None, repr=False)
+    output_ref: Any = field(default=None, repr=False)
+    # Aliases of the input and output tensors, kept during capture where the producing op's
+    # output is not; dropped when the trace is finished.
+    _in: Any = field(default=None, repr=False)
+    _out: Any = field(default=None, repr=False)
+
+
+@persisted
+@dataclass
+class ModuleRecord:
+    """Everything the trace holds about one module address.
+
+    Attributes:
+        address: the module's address.
+        class_name: the module's class, e.g. `"GPT2Block"`.
+        role: see [`ModuleCall`][torchlens.ModuleCall].
+        calls: one [`ModuleCall`][torchlens.ModuleCall] per time the module ran; empty if
+            it never ran in this forward.
+        aliases: other addresses the same module object is registered under (shared modules).
+    """
+
+    address: str
+    class_name: str
+    role: str
+    calls: list[ModuleCall] = field(default_factory=list)
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def facets(self) -> FacetMap:
+        """The facets of the module's only call.
+
+        A module that never ran in this forward gets an empty map (`ran` is False), and asking it
+        for a facet raises `FacetNotFound` saying so.
+
+        Raises:
+            AmbiguousModuleCall: the module ran several times; read `calls[i].facets`.
+        """
+        if len(self.calls) == 1:
+            return self.calls[0].facets  # type: ignore[return-value]
+        if not self.calls:
+            return FacetMap(self.address, self.role, {}, ran=False)
+        raise AmbiguousModuleCall(self.address, len(self.calls))
+
+    def __repr__(self) -> str:
+        return f"ModuleRecord({self.address!r}, {self.class_name}, role={self.role}, calls={len(self.calls)})"
+
+
+@persisted
+class ModuleMap(Mapping):
+    """Module records by address. A missed lookup raises with close matches."""
+
+    def __init__(self, records: dict[str, ModuleRecord], aliases: dict[str, str]):
+        self._records = records
+        self._aliases = aliases
+
+    def __getitem__(self, address: str) -> ModuleRecord:
+        if not isinstance(address, str):
+            raise ModuleNotFoundInTrace(repr(address), self._records)
+        rec = self._records.get(address)
+        if rec is None and address in self._aliases:
+            rec = self._records[self._aliases[address]]
+        if rec is None:
+            if address in ("self", "<root>", "root"):
+                return self._records[""]
+            raise ModuleNotFoundInTrace(address, self._records)
+        return rec
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, address: object) -> bool:
+        return address in self._records or address in self._aliases
+
+    def __repr__(self) -> str:
+        return f"ModuleMap({len(self)} modules)"
+
+

@@ -1,0 +1,90 @@
+"""TransformerLens 2.x `HookedEncoderDecoder` (T5) hook names.
+
+`HookedEncoderDecoder` keeps two stacks, `encoder` and `decoder`, each numbered from 0. Its
+`T5Block` hooks `hook_resid_mid` after the self-attention's residual add and, in the decoder,
+`hook_resid_mid_cross` after the cross-attention's; Hugging Face's T5 adds each residual inside the
+sublayer wrapper (`T5LayerSelfAttention`, `T5LayerCrossAttention`), so those are the wrappers'
+outputs. `ln1` normalizes before the self-attention, `ln2` before the MLP (encoder) or the
+cross-attention (decoder), `ln3` before the decoder's MLP; its `RMSNorm` hooks `hook_normalized`
+before the gain. The resolver uses this table for generation `"2.x"` on an encoder-decoder trace.
+"""
+
+from torchlens._naming.tables import Row, Table
+
+_HEADS = ("a per-head copy of the residual (cfg.use_split_qkv_input / use_attn_in); TorchLens keeps the "
+          "residual once: read hook_resid_pre and broadcast it over heads")
+
+
+def _attn(prefix: str, target: str, stack: str) -> tuple[Row, ...]:
+    return (
+        Row(f"{prefix}.hook_q", target, "q", "queries per head", "[batch, pos, heads, d_head]", stack=stack),
+        Row(f"{prefix}.hook_k", target, "k", "keys per head", stack=stack),
+        Row(f"{prefix}.hook_v", target, "v", "values per head", stack=stack),
+        Row(f"{prefix}.hook_attn_scores", target, "scores", "attention logits entering softmax (with T5's position bias)",
+            "masked entries hold the model's fill: compare visible entries", stack=stack),
+        Row(f"{prefix}.hook_pattern", target, "pattern", "softmax of the scores", stack=stack),
+        Row(f"{prefix}.hook_z", target, "z", "pattern @ v per head",
+            "TL is token-major [batch, pos, heads, d_head]; TorchLens z is head-major: z.transpose(1, 2)", stack=stack),
+        Row(f"{prefix}.hook_result", target, "result", "each head's output contribution (cfg.use_attn_result)",
+            stack=stack),
+    )
+
+
+def _norm(prefix: str, target: str, stack: str, what: str) -> tuple[Row, ...]:
+    return (
+        Row(f"{prefix}.hook_scale", target, "scale", f"{what} divisor sqrt(mean(x^2)+eps)", stack=stack),
+        Row(f"{prefix}.hook_normalized", target, "normalized", f"{what} output before the gain", stack=stack),
+    )
+
+
+def _block(stack: str) -> tuple[Row, ...]:
+    p = f"{stack}.{{L}}"
+    rows = [
+        Row(f"{p}.hook_resid_pre", "block", "resid_pre", "residual entering the block", stack=stack),
+        Row(f"{p}.hook_q_input", None, None, "residual repeated per head (q path)", _HEADS, stack=stack),
+        Row(f"{p}.hook_k_input", None, None, "residual repeated per head (k path)", _HEADS, stack=stack),
+        Row(f"{p}.hook_v_input", None, None, "residual repeated per head (v path)", _HEADS, stack=stack),
+        Row(f"{p}.hook_attn_in", None, None, "residual repeated per head (cfg.use_attn_in)", _HEADS, stack=stack),
+        *_norm(f"{p}.ln1", "ln1", stack, "pre-attention norm"),
+        *_attn(f"{p}.attn", "attention", stack),
+        Row(f"{p}.hook_attn_out", "attention", "output", "self-attention output", stack=stack),
+        Row(f"{p}.hook_resid_mid", "attn_residual", "output", "residual after the self-attention add",
+            "the output of T5LayerSelfAttention, which adds the residual", stack=stack),
+    ]
+    if stack == "decoder":
+        rows += [
+            Row(f"{p}.hook_cross_attn_in", "attn_residual", "output", "cross-attention input residual (cfg.use_attn_in)",
+                "the same tensor as hook_resid_mid", stack=stack),
+            *_norm(f"{p}.ln2", "ln_cross", stack, "pre-cross-attention norm"),
+            *_attn(f"{p}.cross_attn", "cross_attention", stack),
+            Row(f"{p}.hook_cross_attn_out", "cross_attention", "output", "cross-attention output", stack=stack),
+            Row(f"{p}.hook_resid_mid_cross", "cross_residual", "output", "residual after the cross-attention add",
+                "the output of T5LayerCrossAttention, which adds the residual", stack=stack),
+            Row(f"{p}.hook_mlp_in", "cross_residual", "output", "MLP input residual (cfg.use_hook_mlp_in)",
+                "the same tensor as hook_resid_mid_cross", stack=stack),
+            *_norm(f"{p}.ln3", "ln2", stack, "pre-MLP norm"),
+        ]
+    else:
+        rows += [
+            Row(f"{p}.hook_mlp_in", "attn_residual", "output", "MLP input residual (cfg.use_hook_mlp_in)",
+                "the same tensor as hook_resid_mid", stack=stack),
+            *_norm(f"{p}.ln2", "ln2", stack, "pre-MLP norm"),
+        ]
+    rows += [
+        Row(f"{p}.mlp.hook_pre", "mlp", "pre", "activation input (T5 wi output)", stack=stack),
+        Row(f"{p}.mlp.hook_post", "mlp", "post", "down projection input", stack=stack),
+        Row(f"{p}.hook_mlp_out", "mlp", "output", "MLP output", stack=stack),
+        Row(f"{p}.hook_resid_post", "block", "resid_post", "residual leaving the block", stack=stack),
+    ]
+    return tuple(rows)
+
+
+ROWS = (
+    Row("hook_embed", "token_embed", "output", "encoder token embedding"),
+    *_block("encoder"),
+    *_norm("encoder_final_ln", "final_norm", "encoder", "encoder final norm"),
+    *_block("decoder"),
+    *_norm("decoder_final_ln", "final_norm", "decoder", "decoder final norm"),
+)
+
+TABLE = Table("2.x", "TransformerLens 2.x HookedEncoderDecoder hook names", ROWS)

@@ -1,0 +1,412 @@
+"""Targets: which module of a trace a table row reads, found from roles and data flow.
+
+A row of a naming table says *what* it reads (`target="ln2"`, `facet="scale"`); this module
+says *where* that is in a given trace. Each target is found from module roles and from which
+module's output feeds which module's input, so the same row reads the right module on GPT-2
+(`transformer.h.0.ln_2`), Llama (`model.layers.0.post_attention_layernorm`) or Gemma-2
+(`model.layers.0.pre_feedforward_layernorm`). Layers, sublayers, embeddings, final norm and
+unembedding come from the trace's structure (`torchlens._structure`), so
+a layer index counts the calls of the language-model stack's blocks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import math
+from collections.abc import Callable
+
+from torchlens._analysis.graph import adds_own_input
+from torchlens._analysis.structure import Layer, from_model_input
+from torchlens._core.errors import TorchLensError
+from torchlens._core.facet_spec import absent_reason
+from torchlens._core.ops import ACTIVATION_OPS, ADD_OPS, CAST_OPS, FUSED_ATTENTION_OPS, PASS_THROUGH_OPS, SCALE_OPS, SOFTMAX_OPS
+from torchlens._core.records import ModuleCall, Ref
+from torchlens._core.roles import WEIGHT_LAYOUT
+
+if TYPE_CHECKING:
+    from torchlens._trace import Trace
+
+# Finders take (trace, layer) and return the ModuleCall the target names, or None.
+
+
+def _layer(trace: Trace, layer):
+    """The LM stack's layer `layer`, or `layer` itself when `find_call` already picked one of another stack."""
+    return layer if isinstance(layer, Layer) else trace.structure.layers[layer]
+
+
+def stack_of_kind(trace: Trace, kind: str):
+    """The one stack of that kind (`"encoder"` / `"decoder"`), or None."""
+    stacks = [s for s in trace.structure.stacks.values() if s.kind == kind] if trace.structure else []
+    return stacks[0] if len(stacks) == 1 else None
+
+
+def _kids(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
+    return trace.structure.children.get(id(call), [])
+
+
+def _below(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
+    """Every call made inside `call`, in the order they started."""
+    out, todo = [], list(_kids(trace, call))
+    while todo:
+        c = todo.pop(0)
+        out.append(c)
+        todo.extend(_kids(trace, c))
+    return sorted(out, key=lambda c: c.first_op)
+
+
+def _sublayer(trace: Trace, layer: int, which: str) -> ModuleCall | None:
+    return getattr(_layer(trace, layer), which)
+
+
+def _norm_where(trace: Trace, layer: int, match: Callable[[ModuleCall, ModuleCall], bool], which: str):
+    sub = _sublayer(trace, layer, which)
+    if sub is None:
+        return None
+    inside = {id(c) for c in _below(trace, sub)}
+    for norm in _below(trace, _layer(trace, layer).call):
+        if norm.role == "norm" and id(norm) not in inside and match(norm, sub):
+            return norm
+    return None
+
+
+def _feeds(n: ModuleCall, s: ModuleCall) -> bool:
+    return type(n.output_ref) is Ref and n.output_ref == s.input_ref
+
+
+def _follows(n: ModuleCall, s: ModuleCall) -> bool:
+    return type(s.output_ref) is Ref and n.input_ref == s.output_ref
+
+
+def _added_to_residual(trace: Trace, layer: int, sub: ModuleCall) -> bool:
+    """Whether the sublayer's output (through casts and dropout) is an operand of an add in the layer.
+
+    That is what makes its output the sublayer's contribution to the residual stream; BERT's
+    self-attention returns the merged heads, and its output projection lies outside it.
+    """
+    block = _layer(trace, layer).call
+    if type(sub.output_ref) is not Ref:
+        return False
+    refs = {sub.output_ref}
+    for op in trace.ops[sub.end_op : block.end_op]:
+        hit = [r for r in op.inputs if r in refs]
+        if not hit:
+            continue
+        if op.name in ADD_OPS:
+            return True
+        if op.name in PASS_THROUGH_OPS:
+            refs.add(Ref(op.index, 0))
+    return False
+
+
+def _contribution(which: str) -> Callable[[Trace, int], ModuleCall | None]:
+    def find(trace: Trace, layer: int) -> ModuleCall | None:
+        sub = _sublayer(trace, layer, which)
+        return sub if sub is not None and _added_to_residual(trace, layer, sub) else None
+
+    return find
+
+
+def _token_embed(trace: Trace) -> ModuleCall | None:
+    return trace.structure.token_embed
+
+
+def _outside_layers(trace: Trace, role: str) -> list[ModuleCall]:
+    inside = {id(c) for s in trace.structure.stacks.values() for l in s.layers for c in [l.call] + _below(trace, l.call)}
+    return [c for rec in trace.modules.values() for c in rec.calls if c.role == role and id(c) not in inside]
+
+
+def _pos_embed(trace: Trace) -> ModuleCall | None:
+    """The one embedding outside the layers, other than the token embedding, whose indices are positions.
+
+    With several (BERT also embeds token types), the one whose saved indices count 0, 1, 2, ...;
+    none when that cannot be told.
+    """
+    token = _token_embed(trace)
+    others = [c for c in _outside_layers(trace, "embedding")
+              if (token is None or c.address != token.address) and not from_model_input(trace.ops, c.input_ref)]
+    if len(others) <= 1:  # (a lookup of model input ids, T5's decoder embedding, is no position embedding)
+        return others[0] if others else None
+    for c in others:
+        site = c.facets.sites.get("indices") if c.facets else None
+        t = site.tensor if site is not None else None
+        if t is not None and t.numel() and t.shape[-1] > 1 and bool((t.diff(dim=-1) == 1).all()):
+            return c
+    return None
+
+
+def _attn_o(trace: Trace, layer: int) -> ModuleCall | None:
+    """The attention's output projection: a weighted module inside it that runs after its kernel."""
+    attn = _sublayer(trace, layer, "attention")
+    if attn is None:
+        return None
+    kernel = next((op.index for op in trace.ops[attn.first_op : attn.end_op]
+                   if op.name in SOFTMAX_OPS | FUSED_ATTENTION_OPS), None)
+    weighted = [c for c in _below(trace, attn) if c.class_name in WEIGHT_LAYOUT and kernel is not None
+                and c.first_op > kernel]
+    return weighted[-1] if weighted else None
+
+
+#: The facet only a gated MLP has (its row in `torchlens._facet_spec` says why others lack it).
+_GATED_BY = "pre_linear"
+
+
+def _mlp_gated(trace: Trace, layer: int) -> ModuleCall | None:
+    """The layer's MLP when it is gated (it has a linear branch), else None."""
+    mlp = _sublayer(trace, layer, "mlp")
+    if mlp is None or _GATED_BY not in mlp.facets.sites:
+        return None
+    return mlp
+
+
+def _or_raw(norm_target: str, which: str) -> Callable[[Trace, int], ModuleCall | None]:
+    def find(trace: Trace, layer: int) -> ModuleCall | None:
+        return TARGETS[norm_target][0](trace, layer) or _contribution(which)(trace, layer)
+
+    return find
+
+
+# -- post-LN encoder blocks (BERT): norms after the residual adds, an MLP split over two modules --
+
+
+def _weighted_below(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
+    return [c for c in _below(trace, call) if c.class_name in WEIGHT_LAYOUT and not _below(trace, c)]
+
+
+def _post_ln(trace: Trace, layer: int, which: int) -> ModuleCall | None:
+    """A post-LN block's norms, outside its attention: `0` after the attention, `-1` the last.
+
+    Only for a block whose output is its last norm's output (post-LN), and only when there are
+    exactly two such norms, so a pre-LN block never gets them.
+    """
+    lay = _layer(trace, layer)
+    attn = lay.attention
+    if attn is None:
+        return None
+    inside = {id(c) for c in _below(trace, attn)} | {id(attn)}
+    norms = [c for c in _below(trace, lay.call) if c.role == "norm" and id(c) not in inside and c.first_op > attn.end_op]
+    if len(norms) != 2 or type(norms[-1].output_ref) is not Ref or norms[-1].output_ref != lay.call.output_ref:
+        return None
+    return norms[which]
+
+
+def _split_mlp(trace: Trace, layer: int, which: int) -> ModuleCall | None:
+    """The two weighted layers of an MLP held by no module of its own, between a post-LN block's two norms."""
+    ln1, ln2 = _post_ln(trace, layer, 0), _post_ln(trace, layer, -1)
+    if ln1 is None or ln2 is None or _layer(trace, layer).mlp is not None:
+        return None
+    lins = [c for c in _weighted_below(trace, _layer(trace, layer).call) if ln1.end_op <= c.first_op < ln2.first_op]
+    return lins[which] if len(lins) == 2 else None
+
+
+def _pre_ln_split(trace: Trace, layer: int) -> tuple[ModuleCall, ModuleCall, ModuleCall] | None:
+    """(norm, up, down) of a pre-LN block whose MLP is held by no module of its own (OPT's and
+    fairseq-style layers: `final_layer_norm`, `fc1`, `fc2` are children of the block): exactly two
+    weighted layers run after the attention, the first reads a norm's output directly, and the
+    block's output is not a norm's (which would make it post-LN)."""
+    lay = _layer(trace, layer)
+    if lay.mlp is not None or lay.attention is None or _post_ln(trace, layer, -1) is not None:
+        return None
+    end = max(c.end_op for c in (lay.attention, lay.cross_attention) if c is not None)
+    lins = [c for c in _weighted_below(trace, lay.call) if c.first_op >= end]
+    if len(lins) != 2 or type(lins[0].input_ref) is not Ref or type(lins[0].output_ref) is not Ref:
+        return None
+    norm = next((c for c in _below(trace, lay.call) if c.role == "norm" and c.first_op >= end
+                 and c.output_ref == lins[0].input_ref), None)
+    # The up projection's output goes straight into an activation (a module, or an activation op),
+    # so that it is the activation's input (`hook_pre`).
+    up = lins[0].output_ref
+    activated = any(c.input_ref == up and c.role != "norm" and c.class_name not in WEIGHT_LAYOUT
+                    for c in _below(trace, lay.call)) or \
+        any(op.name in ACTIVATION_OPS and op.inputs and op.inputs[0] == up
+            for op in trace.ops[lins[0].end_op : lins[1].first_op])
+    return None if norm is None or not activated else (norm, lins[0], lins[1])
+
+
+def _pre_ln_mlp(which: int) -> Callable[[Trace, int], ModuleCall | None]:
+    def find(trace: Trace, layer: int) -> ModuleCall | None:
+        split = _pre_ln_split(trace, layer)
+        return None if split is None else split[which]
+
+    return find
+
+
+def _attn_out_proj(trace: Trace, layer: int) -> ModuleCall | None:
+    """The output projection that reads the attention's output, when it sits outside the attention (BERT)."""
+    lay = _layer(trace, layer)
+    attn = lay.attention
+    if attn is None or type(attn.output_ref) is not Ref:
+        return None
+    return next((c for c in _weighted_below(trace, lay.call) if c.input_ref == attn.output_ref), None)
+
+
+def _post_ln_block(trace: Trace, layer: int) -> ModuleCall | None:
+    return _layer(trace, layer).call if _post_ln(trace, layer, -1) is not None else None
+
+
+def _scaled_embed_block(trace: Trace) -> ModuleCall | None:
+    """The first block, when what it reads is the token embedding module's output scaled by a
+    constant outside that module (Gemma's sqrt(d_model) in the model's forward) and nothing else:
+    then that input is the embedding as it enters the residual stream. None where the module
+    itself scales (its output is that tensor) or where anything else (a position embedding) is
+    added on the way."""
+    token = trace.structure.token_embed if trace.structure is not None else None
+    if token is None or not trace.structure.layers or type(token.output_ref) is not Ref:
+        return None
+    first = trace.structure.layers[0].call
+    ref, scaled = first.input_ref, False
+    while type(ref) is Ref and ref != token.output_ref:
+        op = trace.ops[ref.op]
+        tensors = [r for r in op.inputs if type(r) is Ref]
+        if op.name in CAST_OPS and len(tensors) == 1:
+            ref = tensors[0]
+            continue
+        if op.name not in SCALE_OPS or not tensors:
+            return None
+        others = [r for r in op.inputs if r is not tensors[0]]
+        if any(type(r) is Ref and math.prod(trace.ops[r.op].shapes[r.slot]) != 1 for r in others):
+            return None  # a product with a tensor of values, not a constant
+        ref, scaled = tensors[0], True
+    return first if ref == token.output_ref and scaled else None
+
+
+def _embed_norm(trace: Trace) -> ModuleCall | None:
+    """The norm outside the layers whose output is the first block's input (BERT's
+    `embeddings.LayerNorm`, over the sum of the embeddings)."""
+    if trace.structure is None or not trace.structure.layers:
+        return None
+    ref = trace.structure.layers[0].call.input_ref
+    for _ in range(4):  # through the embedding's dropout (eval or not, the norm's output is what it passes on)
+        if type(ref) is not Ref:
+            return None
+        op = trace.ops[ref.op]
+        if op.name not in PASS_THROUGH_OPS or not op.inputs:
+            break
+        ref = op.inputs[0]
+    return next((c for c in _outside_layers(trace, "norm") if c.output_ref == ref), None)
+
+
+def _type_embed(trace: Trace) -> ModuleCall | None:
+    """The one embedding outside the layers that is neither the token nor the position embedding."""
+    token, pos = _token_embed(trace), _pos_embed(trace)
+    if pos is None:
+        return None
+    others = [c for c in _outside_layers(trace, "embedding")
+              if c is not pos and (token is None or c.address != token.address)]
+    return others[0] if len(others) == 1 else None
+
+
+def _residual_wrapper(which: str) -> Callable[[Trace, int], ModuleCall | None]:
+    """The call between the block and its sublayer that adds the residual (T5's T5LayerSelfAttention)."""
+
+    def find(trace: Trace, layer: int) -> ModuleCall | None:
+        lay = _layer(trace, layer)
+        c = getattr(lay, which)
+        while c is not None and c.parent is not None and c.parent is not lay.call:
+            c = c.parent
+            if adds_own_input(trace.ops, c):
+                return c
+        return None
+
+    return find
+
+
+def _root(trace: Trace, layer: int) -> ModuleCall | None:
+    return trace.modules[""].calls[0] if trace.modules[""].calls else None
+
+
+#: target name -> (finder(trace, layer) -> ModuleCall or None, per_layer, why it can be missing)
+TARGETS: dict[str, tuple[Callable, bool, str]] = {
+    "block": (lambda t, i: _layer(t, i).call, True, "no block"),
+    "attention": (lambda t, i: _sublayer(t, i, "attention"), True, "the block has no attention sublayer"),
+    "cross_attention": (lambda t, i: _sublayer(t, i, "cross_attention"), True,
+                        "the block has no cross-attention sublayer"),
+    "mlp": (lambda t, i: _sublayer(t, i, "mlp"), True,
+            "the block has no MLP sublayer (no single module holds the MLP, or the block has no attention)"),
+    "ln1": (lambda t, i: _norm_where(t, i, _feeds, "attention"), True,
+            "no norm feeds the attention input (the block normalizes after its sublayers)"),
+    "ln2": (lambda t, i: _norm_where(t, i, _feeds, "mlp") or _pre_ln_mlp(0)(t, i), True,
+            "no norm feeds the MLP input (the block normalizes after its sublayers)"),
+    "attn_post_norm": (lambda t, i: _norm_where(t, i, _follows, "attention"), True,
+                       "no norm is applied to the attention output (no sandwich norm)"),
+    "mlp_post_norm": (lambda t, i: _norm_where(t, i, _follows, "mlp"), True,
+                      "no norm is applied to the MLP output (no sandwich norm)"),
+    "attn_out_final": (_or_raw("attn_post_norm", "attention"), True,
+                       "no attention sublayer whose output is added to the residual stream"),
+    "mlp_out_final": (_or_raw("mlp_post_norm", "mlp"), True,
+                      "no MLP sublayer whose output is added to the residual stream"),
+    "attn_o": (_attn_o, True, "the attention has no output projection module"),
+    "mlp_gated": (_mlp_gated, True, absent_reason(_GATED_BY)),
+    "token_embed": (lambda t, i: _token_embed(t), False, "no embedding module read the model's input ids"),
+    "pos_embed": (lambda t, i: _pos_embed(t), False,
+                  "no learned position embedding module ran (positions are rotary or absent), or it cannot be "
+                  "told from the other embeddings"),
+    "final_norm": (lambda t, i: t.structure.final_norm, False,
+                   "no norm runs between the last block and the unembedding"),
+    "unembed": (lambda t, i: t.structure.unembed, False, "the model has no unembedding (lm_head) module"),
+    "post_ln1": (lambda t, i: _post_ln(t, i, 0), True,
+                 "the block is not post-LN (no norm after the attention's residual add)"),
+    "post_ln2": (lambda t, i: _post_ln(t, i, -1), True,
+                 "the block is not post-LN (its output is not a norm's output)"),
+    "post_ln_block": (_post_ln_block, True, "the block is not post-LN (its output is not a norm's output)"),
+    "attn_out_proj": (_attn_out_proj, True, "no output projection reads the attention's output outside it"),
+    "split_mlp_in": (lambda t, i: _split_mlp(t, i, 0), True,
+                     "no MLP split over two modules between the block's two norms"),
+    "split_mlp_out": (lambda t, i: _split_mlp(t, i, -1), True,
+                      "no MLP split over two modules between the block's two norms"),
+    "pre_ln_mlp_in": (_pre_ln_mlp(1), True,
+                      "the block is not pre-LN with an MLP held by no module of its own (a norm, then two "
+                      "weighted layers, all children of the block)"),
+    "pre_ln_mlp_out": (_pre_ln_mlp(2), True,
+                       "the block is not pre-LN with an MLP held by no module of its own"),
+    "type_embed": (lambda t, i: _type_embed(t), False, "no token-type embedding module ran"),
+    "embed_norm": (lambda t, i: _embed_norm(t), False, "no norm outside the layers feeds the first block"),
+    "scaled_embed_block": (lambda t, i: _scaled_embed_block(t), False,
+                           "the first block does not read the token embedding scaled outside its module"),
+    "ln_cross": (lambda t, i: _norm_where(t, i, _feeds, "cross_attention"), True,
+                 "no norm feeds the cross-attention input"),
+    "first_block": (lambda t, i: _layer(t, 0).call if t.structure.layers else None, False, "no block ran"),
+    "attn_residual": (_residual_wrapper("attention"), True,
+                      "no module between the block and its attention adds the residual"),
+    "cross_residual": (_residual_wrapper("cross_attention"), True,
+                       "no module between the block and its cross-attention adds the residual"),
+    "root": (_root, False, ""),
+}
+
+#: target name -> the roles the module it finds can have (a naming table's row may read only
+#: facets of those roles, or the `input`/`output` every module has).
+TARGET_ROLES: dict[str, tuple[str, ...]] = {
+    "block": ("block",), "attention": ("attention",), "cross_attention": ("attention",), "mlp": ("mlp",),
+    "ln1": ("norm",), "ln2": ("norm",), "attn_post_norm": ("norm",), "mlp_post_norm": ("norm",),
+    "attn_out_final": ("norm", "attention"), "mlp_out_final": ("norm", "mlp"), "attn_o": ("other",),
+    "mlp_gated": ("mlp",), "token_embed": ("embedding",), "pos_embed": ("embedding",), "final_norm": ("norm",),
+    "unembed": ("unembed",), "post_ln1": ("norm",), "post_ln2": ("norm",), "post_ln_block": ("block",),
+    "attn_out_proj": ("other",), "split_mlp_in": ("other",), "split_mlp_out": ("other",),
+    "pre_ln_mlp_in": ("other",), "pre_ln_mlp_out": ("other",),
+    "type_embed": ("embedding",), "scaled_embed_block": ("block",), "embed_norm": ("norm",), "ln_cross": ("norm",),
+    "first_block": ("block",), "attn_residual": ("other",),
+    "cross_residual": ("other",), "root": ("root",),
+}
+if set(TARGET_ROLES) != set(TARGETS):
+    raise TorchLensError(f"TARGET_ROLES and TARGETS name different targets: {sorted(set(TARGET_ROLES) ^ set(TARGETS))}")
+
+
+def find_call(trace: Trace, target: str, layer: int | None, stack: str | None = None) -> tuple[ModuleCall | None, str]:
+    """The module call `target` names in `trace` at `layer` of the language-model stack (or of the
+    stack of kind `stack`), or None and the reason."""
+    finder, _, why = TARGETS[target]
+    if stack is not None:
+        st = stack_of_kind(trace, stack)
+        if st is None:
+            return None, f"the model has no single {stack} stack"
+        if layer is not None:
+            layer = st.layers[layer]
+        if target == "final_norm":  # the stack's own, by `_structure`'s one final-norm rule
+            return st.final_norm, "no norm reads the last layer's output"
+    return finder(trace, layer), why
+
+
+def find(trace: Trace, target: str, layer: int | None) -> tuple[str | None, str]:
+    """The module address `target` names in `trace` at `layer`, or None and the reason."""
+    call, why = find_call(trace, target, layer)
+    return (call.address if call is not None else None), why

@@ -1,0 +1,189 @@
+"""`Trace`: one captured forward pass, and how it is read (`trace[name]`, `check`, `summary`,
+the notebook table) and saved."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from torchlens import _persist
+from torchlens._core.errors import LookupFailed
+from torchlens._core import html
+from torchlens._core.persisted import persisted
+from torchlens._core.records import ModuleMap, OpRecord
+from torchlens._naming.resolver import AliasError, resolve_alias
+
+__all__ = ["Trace"]
+
+
+@persisted
+class Trace:
+    """One captured forward pass.
+
+    Attributes:
+        ops: every executed torch operation, in order ([`OpRecord`][torchlens.OpRecord]).
+        modules: module records by address ([`ModuleMap`][torchlens.ModuleMap]); `""` is the
+            root.
+        output: what the model returned.
+        blocks: the block address of each layer of the language-model stack, in run order (a block
+            run several times appears once per call); a layer index is a position in this list.
+        model_class: the root module's class name.
+        save_spec: the normalized `save=` selection the trace was taken with.
+        structure: the model's stacks, layers and sublayers as TorchLens found them
+            (`structure.stacks`, `structure.kind`; see `torchlens._structure`).
+        edits: for a trace taken with `edit=`, one record per key: the site, the calls edited, how
+            the edit was placed and how often it ran; empty otherwise (not kept by `save`/`load`).
+    """
+
+    def __init__(self, ops, modules, output, blocks, model_class, save, structure=None):
+        self.ops: list[OpRecord] = ops
+        self.modules: ModuleMap = modules
+        self.output = output
+        self.blocks: list[str] = blocks
+        self.model_class: str = model_class
+        self.save_spec = save
+        self.structure = structure
+        self.edits: tuple = ()
+
+    def save(self, path: str | os.PathLike, model: Any = None) -> list[str]:
+        """Write this trace to the directory `path`, for [`torchlens.load`][torchlens.load].
+
+        Tensors go to a safetensors file, everything else (module tree, op records, facets,
+        dtypes, versions) to `trace.json`; nothing is pickled.
+
+        Args:
+            path: a directory (created if missing; a trace already there is replaced).
+            model: optionally the traced model, to record its class and (Hugging Face) config.
+
+        Returns:
+            What could not be stored portably (a `save=` predicate, a KV-cache object in the
+            output); also issued as one warning. Empty when everything was stored.
+
+        Raises:
+            TraceFileError: `path` is an existing file.
+        """
+        return _persist.save(self, path, model)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """The tensor at a site: `trace["address:facet"]`, or any name another library uses.
+
+        `trace["transformer.h.1:resid_post"]` is `trace.modules["transformer.h.1"].facets["resid_post"]`
+        (write the root as `"<root>:logits"`). A name without a colon is resolved with
+        [`resolve_alias`][torchlens.mechinterp.resolve_alias] in every naming generation, so
+        `trace["blocks.1.hook_resid_post"]` and `trace["layers_output[1]"]` read the same tensor.
+
+        Raises:
+            LookupFailed: the lookup's own error: no such module, facet or name
+                (`ModuleNotFoundInTrace`, `FacetNotFound`, `UnknownAlias`, ...), a facet `save=`
+                did not keep (`FacetNotSaved`), or a name with no site in this trace (`AliasError`).
+        """
+        if not isinstance(name, str):
+            raise LookupFailed(
+                f"trace[...] takes a name (a str): 'address:facet' or another library's hook name, "
+                f"not {type(name).__name__} {name!r}; the ops are trace.ops[i]."
+            )
+        if ":" in name:
+            address, facet = name.rsplit(":", 1)
+            return self.modules[address.strip()].facets[facet.strip()]
+        r = resolve_alias(self, name)
+        if r.module_address is None or r.facet is None or r.status in ("structurally_absent", "ambiguous"):
+            remedy = f" {r.remedy[0].upper()}{r.remedy[1:]}." if r.remedy else ""
+            raise AliasError(f"{name!r} has no site to read in this trace ({r.status}): {r.reason}{remedy}")
+        return r.tensor  # the call the name's layer ran (a block run twice is two layers)
+
+    def check(self) -> dict[tuple[str, int, str], str]:
+        """Run every pending check of the trace now, rather than on first read.
+
+        Derived facets (rebuilt attention patterns, per-head results, norm statistics) and the
+        expensive checks of real ones (`z`, `resid_mid`) run lazily; see
+        [`FacetSite`][torchlens.FacetSite]. After `check()` no site is pending, every
+        `check_error` is set, and each `FacetMap.refused` is final. `Trace.save` runs it.
+
+        Returns:
+            Every facet the trace does not serve because its check failed or could not run, as
+            `(module address, call index, facet) -> reason`; empty when every check held.
+        """
+        refused = {}
+        for rec in self.modules.values():
+            for call in rec.calls:
+                if call.facets is not None:
+                    for facet, why in call.facets.check().items():
+                        refused[(call.address, call.index, facet)] = why
+        return refused
+
+    @property
+    def pending(self) -> int:
+        """How many facet sites still wait for their check (computes nothing)."""
+        return sum(len(c.facets.pending) for rec in self.modules.values() for c in rec.calls if c.facets is not None)
+
+    def by_role(self, role: str) -> list[str]:
+        """Addresses of the modules with `role` that ran, in the order they first ran."""
+        recs = [r for r in self.modules.values() if r.role == role and r.calls]
+        return [r.address for r in sorted(recs, key=lambda r: r.calls[0].first_op)]
+
+    def __repr__(self) -> str:
+        saved = sum(t is not None for op in self.ops for t in op.tensors)
+        return (
+            f"Trace({self.model_class}: {len(self.ops)} ops, {len(self.modules)} modules, "
+            f"{len(self.blocks)} blocks, {saved} tensors saved)"
+        )
+
+    def summary(self, max_rows: int | None = None) -> str:
+        """A plain-text table of the modules that ran: address, role, calls, facets with shapes.
+
+        It computes nothing: the last line counts the facets whose check is still pending (they
+        are computed and checked on first read, or by `check()`).
+        """
+        rows = [("module", "role", "calls", "facets")]
+        for rec in self.modules.values():
+            if not rec.calls:
+                continue
+            fac = rec.calls[0].facets
+            facets = ", ".join(
+                f"{n}{list(s.shape)}" + ("" if s.saved else "*") for n, s in (fac.sites.items() if fac else [])
+            )
+            rows.append((rec.address or "<root>", rec.role, str(len(rec.calls)), facets))
+        if max_rows is not None:
+            rows = rows[: max_rows + 1]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = ["  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
+        pending = self.pending
+        lines.append("(* = exists but not saved" + (
+            f"; {pending} facets are checked on first read or by trace.check())" if pending else ")"))
+        return "\n".join(lines)
+
+    def _repr_html_(self, max_rows: int = 60) -> str:
+        """The modules that ran as an HTML table (what `summary()` prints), for notebooks.
+
+        Facets are listed with their shapes; a facet this trace did not save is grey and starred,
+        and a computed or reconstructed (read-only) facet is in italics; a facet's tooltip says
+        when its check is pending. Past `max_rows` modules the table says how many it left out.
+        It computes nothing.
+        """
+        ran = [rec for rec in self.modules.values() if rec.calls]
+        rows = []
+        for rec in ran[:max_rows]:
+            facets = rec.calls[0].facets
+            cells = []
+            for name, site in (facets.sites.items() if facets else []):
+                style = "white-space:nowrap;" + ("" if site.saved else "color:#8c959f;") + (
+                    "font-style:italic;" if site.read_only else "")
+                note = site.kind + ("" if site.saved else ", not saved") + (
+                    "" if site.checked else ", check pending (runs on first read)") + (f": {site.note}" if site.note else "")
+                cells.append(html.code(f"{name}{list(site.shape)}" + ("" if site.saved else "*"), style, note))
+            depth = rec.address.count(".") + 1 if rec.address else 0
+            address = html.code(rec.address or "<root>", f"margin-left:{depth * 0.8:.1f}em" if depth else "")
+            rows.append([address, html.esc(rec.role), html.esc(len(rec.calls)), " ".join(cells)])
+        notes = []
+        if len(ran) > max_rows:
+            notes.append(f"{len(ran) - max_rows} more modules ran; trace.summary() lists them all.")
+        if any(not s.saved for rec in ran for c in rec.calls[:1] if c.facets for s in c.facets.sites.values()):
+            notes.append("* exists but not saved.")
+        notes.append("Italic: computed or reconstructed, read-only.")
+        pending = self.pending
+        if pending:
+            notes.append(f"{pending} facets are checked on first read (or by trace.check()).")
+        return html.table(["module", "role", "calls", "facets"], rows, caption=repr(self), note=" ".join(notes))
+
