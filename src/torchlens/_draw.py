@@ -891,7 +891,7 @@ def _graph(scene: _Scene, with_text: bool):
     their text, which Graphviz then renders itself)."""
     pgv = _pygraphviz()
     g = pgv.AGraph(directed=True, strict=False)
-    g.graph_attr.update(rankdir="TB", nodesep="0.2", ranksep="0.28", newrank="true", outputorder="edgesfirst",
+    g.graph_attr.update(rankdir="TB", nodesep="0.16", ranksep="0.26", newrank="true", outputorder="edgesfirst",
                         fontname="Courier", pad="0")
     g.node_attr.update(shape="box", fixedsize="true", fontname="Courier", fontsize=str(FS_SMALL), margin="0")
     g.edge_attr.update(arrowsize="0.6", color=COLORS["edge"])
@@ -1119,6 +1119,7 @@ def _svg(scene: _Scene, lay: _Layout, title: str, desc: str) -> str:
         x += w
     svg.add("</g>")
     # boxes, outermost first
+    labels = _Svg()
     svg.add('<g class="boxes">')
     for box in sorted(scene.boxes.values(), key=lambda b: b.level):
         if box.id not in lay.boxes:
@@ -1134,9 +1135,13 @@ def _svg(scene: _Scene, lay: _Layout, title: str, desc: str) -> str:
         stroke = COLORS["group_line"] if grouped else COLORS["box_line"]
         svg.rect(bx, by, bw, bh, BOX_FILLS[box.level % 2], stroke, rx=6, dash=bool(grouped and box.group.reason),
                  width=1.6 if grouped else 1.0)
-        lw, _ = _box_label_size(box)
-        _draw_lines(svg, bx + PAD_X, by + PAD_Y - 1, box.lines, box.marks, lw - 2 * PAD_X)
         svg.add("</g>")
+        # the title goes over the edges (an edge entering a box may cross its title's band)
+        lw, lh = _box_label_size(box)
+        labels.add(f'<g class="box-label" data-box="{box.id}">')
+        labels.rect(bx + 1.5, by + 1.5, min(lw, bw - 3), lh, BOX_FILLS[box.level % 2], rx=5)
+        _draw_lines(labels, bx + PAD_X, by + PAD_Y - 1, box.lines, box.marks, lw - 2 * PAD_X)
+        labels.add("</g>")
     svg.add("</g>")
     # edges
     svg.add('<g class="edges">')
@@ -1156,6 +1161,9 @@ def _svg(scene: _Scene, lay: _Layout, title: str, desc: str) -> str:
             color, marker, dash = COLORS["param_line"], "tl-arrow-param", ' stroke-dasharray="3 3"'
         svg.add(f'<path class="edge {kind}" data-src="{a}" data-dst="{b}" d="{d}" fill="none" stroke="{color}" '
                 f'stroke-width="1.2"{dash} marker-end="url(#{marker})"/>')
+    svg.add("</g>")
+    svg.add('<g class="box-labels">')
+    svg.parts += labels.parts
     svg.add("</g>")
     # nodes
     svg.add('<g class="nodes">')
