@@ -36,6 +36,7 @@ from torchlens import testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this script's siblings, also when a test loads it by path
 from _outputs import write_or_check  # noqa: E402
+from gen_diagrams import FAMILIES as DIAGRAM_FAMILIES  # noqa: E402  (slug -> (title, testing family))
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "assets" / "op-graphs"
@@ -145,7 +146,13 @@ def trace_of(slug: str) -> tl.Trace:
     return tl.trace(model, *args, save="all", **kwargs)
 
 
-def page_section(made: dict[str, tuple[tl.Trace, dict]]) -> str:
+def others() -> dict[str, tuple[str, str]]:
+    """The block-diagram families this page has no section for: slug -> (title, testing family).
+    Each gets its block 0 unrolled, so every block diagram links to an op graph."""
+    return {slug: v for slug, v in DIAGRAM_FAMILIES.items() if slug not in FAMILIES}
+
+
+def page_section(made: dict[str, tuple[tl.Trace, dict]], more: dict[str, tuple]) -> str:
     lines = [BEGIN, ""]
     for slug, (trace, ds) in made.items():
         family = FAMILIES[slug]
@@ -183,6 +190,28 @@ def page_section(made: dict[str, tuple[tl.Trace, dict]]) -> str:
                 "</div>",
                 "",
             ]
+    if more:
+        lines += ["## Block 0 of the other families", "",
+                  "The other families of the [block diagrams](diagrams.md), each built with "
+                  "`testing.build(family, 'eager')` and drawn with `trace.draw(focus=trace.blocks[0])`, or with "
+                  "`depth=` where every op would not fit the page's column.", ""]
+        for slug, (trace, d, depth) in more.items():
+            title = others()[slug][0]
+            call = f"focus={trace.blocks[0]!r}" + (f", depth={depth}" if depth is not None else "")
+            lines += [
+                f"### {title}: block {{#{slug}-block}}",
+                "",
+                f"`{trace.model_class}`, `trace.draw({call})`: {d.counts.get('op', 0)} ops drawn"
+                + (f"; {d.counts['module']} modules folded (every op would be wider than the column)"
+                   if d.counts.get("module") else "") + f"; {d.counts.get('param', 0)} parameters.",
+                "",
+                '<div class="tl-opgraph" markdown>',
+                "",
+                f"![{title}, block 0 unrolled: every op of {trace.blocks[0]}](../assets/op-graphs/{slug}-block.svg)",
+                "",
+                "</div>",
+                "",
+            ]
     lines.append(END)
     return "\n".join(lines)
 
@@ -211,7 +240,18 @@ def outputs() -> dict[Path, str]:
             ds[kind] = d
             out[OUT / f"{slug}-{kind}.svg"] = str(d)
         made[slug] = (trace, ds)
-    out[PAGE] = render_page(page_section(made))
+    more = {}
+    for slug, (_, key) in others().items():
+        trace = tl.trace(testing.build(key, "eager"), testing.token_ids(length=N_TOKENS), save="all")
+        for depth in (None, 2, 1):  # every op, or as many levels of module boxes as fit the column
+            d = trace.draw(focus=trace.blocks[0], depth=depth)
+            if float(d.split('width="', 1)[1].split('"', 1)[0]) <= MAX_WIDTH:
+                break
+        else:
+            raise SystemExit(f"{slug}-block: the drawing is wider than {MAX_WIDTH} px even at depth=1")
+        out[OUT / f"{slug}-block.svg"] = str(d)
+        more[slug] = (trace, d, depth)
+    out[PAGE] = render_page(page_section(made, more))
     return out
 
 

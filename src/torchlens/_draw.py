@@ -549,6 +549,7 @@ class _Scene:
                              f"{call.index}: ops #{call.first_op}–#{call.end_op - 1}")
                 node.attrs["data-module"] = call.address
                 node.attrs["data-call"] = str(call.index)
+                node.attrs["data-first-op"] = str(call.first_op)
                 self.nodes[nid] = node
             return node
         nid = f"o{i}"
@@ -891,7 +892,7 @@ def _graph(scene: _Scene, with_text: bool):
     their text, which Graphviz then renders itself)."""
     pgv = _pygraphviz()
     g = pgv.AGraph(directed=True, strict=False)
-    g.graph_attr.update(rankdir="TB", nodesep="0.16", ranksep="0.26", newrank="true", outputorder="edgesfirst",
+    g.graph_attr.update(rankdir="TB", nodesep="0.14", ranksep="0.26", newrank="true", outputorder="edgesfirst",
                         fontname="Courier", pad="0")
     g.node_attr.update(shape="box", fixedsize="true", fontname="Courier", fontsize=str(FS_SMALL), margin="0")
     g.edge_attr.update(arrowsize="0.6", color=COLORS["edge"])
@@ -922,6 +923,22 @@ def _graph(scene: _Scene, with_text: bool):
             attrs.update(label="\\n".join(t.replace("\\", "\\\\") for t in text), style="filled,rounded",
                          fillcolor=COLORS.get(node.kind, COLORS["op"]))
         holder(node.box).add_node(node.id, **attrs)
+    # An op that reads nothing computed in view (an `arange`, a constant, an op fed only from outside a
+    # focus) would be ranked at the top, and its module box with it, beside the boxes that ran
+    # before it: an invisible edge from the node drawn for the op before it keeps run order.
+    fed = {b for (a, b), kind in scene.edges.items() if kind in ("flow", "loop") and scene.nodes[a].kind != "stub"}
+    order = {}
+    for node in scene.nodes.values():
+        first = node.op if node.op is not None else node.attrs.get("data-first-op")
+        if node.kind in ("op", "module") and first is not None:
+            order[int(first)] = node
+    ranked = sorted(order)
+    for k, i in enumerate(ranked):
+        node = order[i]
+        if k and node.id not in fed and node.kind != "input":
+            prev = order[ranked[k - 1]]
+            if prev is not node:
+                g.add_edge(prev.id, node.id, style="invis", weight="0", id=f"r{k}")
     for k, ((a, b), kind) in enumerate(scene.edges.items()):
         attrs = {"id": f"e{k}"}
         if kind == "loop":
@@ -970,6 +987,8 @@ def _layout(scene: _Scene) -> _Layout:
     edges = []
     kinds = list(scene.edges.values())
     for e in data.get("edges", []):
+        if not e["id"].startswith("e"):
+            continue  # an invisible ordering edge
         k = int(e["id"][1:])
         spline = e.get("pos", "")
         end = None
