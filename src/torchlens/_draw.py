@@ -39,9 +39,10 @@ from ._records import ModuleCall, Ref, Trace
 __all__ = ["Drawing", "DrawSpecError", "DrawingTooLarge", "LayoutEngineMissing", "draw", "MAX_NODES"]
 
 #: The most nodes and module boxes `draw` lays out without being asked to (`max_nodes=`).
-#: Graphviz's `dot` takes about 3 s per 1,000 of them on one core of the reference machine
-#: (`scripts/bench_draw.py` measures it): 4,000 stay well under 30 s; past them the call refuses
-#: before the layout starts and says how to narrow the drawing.
+#: Graphviz's `dot` grows faster than the node count: on the reference machine (one core) an
+#: unrolled GPT-2 small (680 nodes) takes 0.2 s, 2,700 nodes 2 s and 5,300 nodes with their
+#: 1,100 boxes 10 s (`scripts/bench_draw.py`); a loaded machine takes a few times longer. Past
+#: this many, the call refuses before the layout starts and says how to narrow the drawing.
 MAX_NODES = 4000
 
 
