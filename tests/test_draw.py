@@ -399,3 +399,24 @@ def test_without_the_layout_engine_the_error_says_how_to_install_it(gpt2, monkey
     monkeypatch.setitem(sys.modules, "pygraphviz", None)
     with pytest.raises(_draw.LayoutEngineMissing, match=r"torchlens\[draw\]"):
         gpt2.draw()
+
+
+_DRAW_IN_A_FRESH_PROCESS = """
+import json, torchlens as tl
+from torchlens import testing
+trace = tl.trace(testing.build("llama"), testing.token_ids(length=4), save="none")
+json.dump([trace.draw(depth=2), trace.draw(focus="model.layers.1", depth=1, highlight="facets")], __import__("sys").stdout)
+"""
+
+
+def test_a_drawing_is_the_same_bytes_in_every_process():
+    """Node ids, order and coordinates come from the records, not from object ids or hash order."""
+    import pathlib
+
+    import script_modules
+
+    first, second = script_modules.json_per_hash_seed(
+        _DRAW_IN_A_FRESH_PROCESS, [], ("0", "1"), env={"PYTHONPATH": str(pathlib.Path(tl.__file__).parents[1])})
+    trace = _trace("llama", save="none")
+    here = [trace.draw(depth=2), trace.draw(focus="model.layers.1", depth=1, highlight="facets")]
+    assert first == second == here

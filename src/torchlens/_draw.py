@@ -422,6 +422,7 @@ class _Scene:
                         if pos:
                             self._map_calls(c, rep)
         self._children = self._child_calls()
+        self._folded: dict[int, str] = {}
         self._build()
 
     # -- calls ------------------------------------------------------------------------------
@@ -539,7 +540,7 @@ class _Scene:
             parent = self._box(call, parent, level)
         if folded:
             call = chain[depth]
-            nid = f"m{id(call)}"
+            nid = self._folded_id(call)
             node = self.nodes.get(nid)
             if node is None:
                 group = self.group_of_rep.get(id(call))
@@ -559,6 +560,14 @@ class _Scene:
             node = self._op_node(i, parent)
             self.nodes[nid] = node
         return node
+
+    def _folded_id(self, call: ModuleCall) -> str:
+        """The node id of a module drawn as one node: numbered in the order calls are first met
+        (never an object's `id`, which changes from one process to the next)."""
+        key = self._folded.get(id(call))
+        if key is None:
+            key = self._folded[id(call)] = f"m{len(self._folded)}"
+        return key
 
     def _op_node(self, i: int, parent: _Box | None) -> _Node:
         op = self.trace.ops[i]
@@ -707,7 +716,7 @@ class _Scene:
         box = self.boxes.get(id(call))
         if box is not None:
             return box
-        node = self.nodes.get(f"m{id(call)}")
+        node = self.nodes.get(self._folded.get(id(call), ""))
         if node is not None:
             return node
         if self.focus_calls and any(call is c for c in self.focus_calls):
