@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import html
 import io
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -934,21 +935,21 @@ def _graph(scene: _Scene, with_text: bool):
                          fillcolor=COLORS.get(node.kind, COLORS["op"]))
         holder(node.box).add_node(node.id, **attrs)
     # An op that reads nothing computed in view (an `arange`, a constant, an op fed only from outside a
-    # focus) would be ranked at the top, and its module box with it, beside the boxes that ran
-    # before it: an invisible edge from the node drawn for the op before it keeps run order.
+    # focus) would be ranked at the top, and the module box it runs in with it, beside the boxes that
+    # ran before it: an invisible edge from the node drawn for the op before it keeps run order.
     fed = {b for (a, b), kind in scene.edges.items() if kind in ("flow", "loop") and scene.nodes[a].kind != "stub"}
     order = {}
     for node in scene.nodes.values():
         first = node.op if node.op is not None else node.attrs.get("data-first-op")
-        if node.kind in ("op", "module") and first is not None:
-            order[int(first)] = node
+        if node.kind in ("op", "module", "input") and first is not None:
+            order.setdefault(int(first), node)
     ranked = sorted(order)
     for k, i in enumerate(ranked):
         node = order[i]
         if k and node.id not in fed and node.kind != "input":
             prev = order[ranked[k - 1]]
             if prev is not node:
-                g.add_edge(prev.id, node.id, style="invis", weight="0", id=f"r{k}")
+                g.add_edge(prev.id, node.id, style="invis", weight="0", id=f"r{i}")
     for k, ((a, b), kind) in enumerate(scene.edges.items()):
         attrs = {"id": f"e{k}"}
         if kind == "loop":
@@ -1111,7 +1112,8 @@ def _svg(scene: _Scene, lay: _Layout, title: str, desc: str) -> str:
     if note_lines:
         width = max(width, 2 * MARGIN + _text_w("   " + "x" * NOTE_CHARS, FS_SMALL))
     notes_h = (LH_SMALL * len(note_lines) + LH + 10) if note_lines else 0
-    height = top + lay.height + MARGIN + notes_h
+    height = math.ceil(top + lay.height + MARGIN + notes_h)
+    width = math.ceil(width)  # whole pixels: a browser reports an image's own size rounded
     ox = MARGIN + (width - graph_w) / 2
     svg = _Svg()
     svg.add(f'<svg xmlns="http://www.w3.org/2000/svg" width="{_f(width)}" height="{_f(height)}" '
