@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 import sys
-import tempfile
 import warnings
 import xml.etree.ElementTree as ET
 

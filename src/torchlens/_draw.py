@@ -241,12 +241,15 @@ def _difference(trace: Trace, a: ModuleCall, b: ModuleCall, sa: tuple, sb: tuple
             continue
         name_x, rel_x, cls_x = x[:3]
         name_y, rel_y, cls_y = y[:3]
-        where = lambda rel, cls: ("the layer itself" if rel == "." else rel.lstrip("@")) + (f" ({cls})" if cls else "")  # noqa: E731
+        def where(rel, cls):
+            return ("the layer itself" if rel == "." else rel.lstrip("@")) + (f" ({cls})" if cls else "")
+
         if (name_x, rel_x) != (name_y, rel_y):
             return (f"its op {k} is `{name_y}` in {where(rel_y, cls_y)} where layer {la}'s is `{name_x}` in "
                     f"{where(rel_x, cls_x)}; it runs {len(sb)} ops, layer {la} {len(sa)}")
         if x[3] != y[3]:
-            shape = lambda s: "×".join(map(str, s[0])) if s else "-"  # noqa: E731
+            def shape(s):
+                return "×".join(map(str, s[0])) if s else "-"
             return f"its op {k} (`{name_y}`) returns {shape(y[3])} where layer {la}'s returns {shape(x[3])}"
         if x[4] != y[4]:
             return f"its op {k} (`{name_y}`) returns {y[4][0]} where layer {la}'s returns {x[4][0]}"
@@ -391,7 +394,6 @@ class _Scene:
         root = trace.modules[""].calls[0] if trace.modules[""].calls else None
         self.root = root
         tops = focus_calls or ([root] if root is not None else [])
-        self.tops = tops
         self._top_ids = {id(c) for c in tops}
         if focus_calls:
             self.visible = sorted({i for c in focus_calls for i in range(c.first_op, c.end_op)})
@@ -422,19 +424,10 @@ class _Scene:
                                 self.canon[i] = rep.first_op + (i - c.first_op)
                         if pos:
                             self._map_calls(c, rep)
-        self._children = self._child_calls()
         self._folded: dict[int, str] = {}
         self._build()
 
     # -- calls ------------------------------------------------------------------------------
-
-    def _child_calls(self) -> dict[int, list[ModuleCall]]:
-        kids: dict[int, list[ModuleCall]] = {}
-        for rec in self.trace.modules.values():
-            for c in rec.calls:
-                if c.parent is not None:
-                    kids.setdefault(id(c.parent), []).append(c)
-        return kids
 
     def _map_calls(self, hidden: ModuleCall, rep: ModuleCall) -> None:
         """Map each call under a hidden layer to the call at the same place under its group's first layer."""
@@ -599,9 +592,8 @@ class _Scene:
         return node
 
     def _build(self) -> None:
-        trace, ops = self.trace, self.trace.ops
+        ops = self.trace.ops
         params: dict[str, list[str]] = {}  # parameter -> the nodes that read it
-        outside_n = 0
         consumers_outside: dict[int, list[int]] = {}
         if self.focus_calls:
             for op in ops:
@@ -635,7 +627,6 @@ class _Scene:
                 elif not hidden and dst.kind != "module":
                     nid = f"n{i}"
                     if nid not in self.nodes:
-                        outside_n += 1
                         self.nodes[nid] = _Node(nid, "outside", [("from outside", FS_SMALL, True),
                                                                  ("the forward", FS_SMALL, False)], dst.box,
                                                 title="a tensor that no recorded op produced (not a model input)")
@@ -711,7 +702,7 @@ class _Scene:
     def holder_of_call(self, call: ModuleCall) -> _Box | _Node | None:
         """The box (or folded node) a call is drawn as; None when it is not in view."""
         call = self.call_canon.get(id(call), call)
-        if call.end_op <= call.first_op or not (call.first_op in self.visible_set):
+        if call.end_op <= call.first_op or call.first_op not in self.visible_set:
             return None
         self._node_for_op(self.canon.get(call.first_op, call.first_op))  # makes its boxes
         box = self.boxes.get(id(call))
