@@ -37,7 +37,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(TORCH_PIN)
-	$(BIN)/python -m pip install -c constraints.txt -e ".[test,docs]"
+	$(BIN)/python -m pip install -c constraints.txt -e ".[test,docs,draw]"
 	touch $@
 
 engines: $(STAMP)

@@ -729,7 +729,8 @@ def page_section(diagrams: list[Diagram]) -> str:
             "",
             "</div>",
             "",
-            f"[Open the {d.title} diagram on its own](../assets/diagrams/{d.slug}.svg)",
+            f"[Open the {d.title} diagram on its own](../assets/diagrams/{d.slug}.svg) · "
+            f"[{d.title}'s block 0 as an op graph](op-graph.md#{d.slug}-block)",
             "",
         ]
     lines.append(END)

@@ -60,6 +60,12 @@ PAGES = {
         "!!document.getElementById('torchlens.mechinterp.resolve_alias')"
         " && !!document.getElementById('torchlens.mechinterp.alias_report')",
     ),
+    "op-graph": (
+        "guides/op-graph/",
+        "document.querySelectorAll('.tl-opgraph img').length >= 9"
+        " && Array.from(document.querySelectorAll('.tl-opgraph img'))"
+        "      .every(i => i.complete && i.naturalWidth > 0)",
+    ),
     "diagrams": (
         "guides/diagrams/",
         "document.querySelectorAll('.tl-diagram img').length === 8"
@@ -375,8 +381,9 @@ def test_page_loads_without_errors(page, origin, name):
     path, shows = PAGES[name]
     page.open(origin + path)
     shown = page.wait_until(shows, timeout=10)
-    if name == "diagrams":  # show a diagram rather than the page's introduction
-        page.evaluate("document.querySelector('.tl-diagram').scrollIntoView()")
+    if name in ("diagrams", "op-graph"):  # show a drawing rather than the page's introduction
+        page.evaluate(f"document.querySelector('{'.tl-diagram' if name == 'diagrams' else '.tl-opgraph'}')"
+                      ".scrollIntoView()")
         page.tools.pump(0.3)
     shot = page.screenshot(name)
     errors, _ = page.problems()
@@ -444,6 +451,100 @@ def test_no_clipped_or_broken_text(page, site, origin, width):
         page.resize(VIEWPORT["width"])
     listing = "\n".join(f"{p}: {len(v)} problems\n    " + "\n    ".join(v[:8]) for p, v in found.items())
     assert not found, f"at {width} px:\n{listing}"
+
+
+#: Returns the problems of the op-graph drawings on the page as a reader sees them:
+#: - "scaled": an image shown smaller than its own size (its 11 px text would be smaller);
+#: - "clipped": an image that sticks out of the window or of its container;
+#: - "overlap": two images on top of each other, or, inside one drawing laid out by the browser
+#:   with its own fonts, two text lines whose boxes intersect or a line that sticks out of its
+#:   node or box title.
+OP_GRAPH_PROBLEMS_JS = r"""
+(async () => {
+  const problems = [];
+  const imgs = Array.from(document.querySelectorAll('.tl-opgraph img'));
+  const view = document.documentElement.clientWidth;
+  const rects = imgs.map(i => i.getBoundingClientRect());
+  imgs.forEach((img, k) => {
+    const r = rects[k], name = img.getAttribute('src');
+    if (r.width < img.naturalWidth - 0.5) problems.push(`scaled: ${name} shown ${r.width} px wide, drawn ${img.naturalWidth}`);
+    const box = img.parentElement.getBoundingClientRect();
+    if (r.left < -0.5 || r.right > view + 0.5 || r.right > box.right + 0.5 || r.left < box.left - 0.5)
+      problems.push(`clipped: ${name} spans ${r.left}..${r.right}, window 0..${view}, container ${box.left}..${box.right}`);
+    for (let j = 0; j < k; j++) {
+      const o = rects[j];
+      if (r.left < o.right - 0.5 && o.left < r.right - 0.5 && r.top < o.bottom - 0.5 && o.top < r.bottom - 0.5)
+        problems.push(`overlap: ${name} and ${imgs[j].getAttribute('src')}`);
+    }
+  });
+  const host = document.createElement('div');
+  host.style.cssText = 'position:absolute;left:0;top:0;visibility:hidden;';
+  document.body.appendChild(host);
+  const inter = (a, b) => a.x < b.x + b.width - 0.5 && b.x < a.x + a.width - 0.5 && a.y < b.y + b.height - 0.5 && b.y < a.y + a.height - 0.5;
+  for (const img of imgs) {
+    const text = await (await fetch(img.src)).text();
+    const svg = new DOMParser().parseFromString(text, 'image/svg+xml').documentElement;
+    host.replaceChildren(document.importNode(svg, true));
+    const drawn = host.firstElementChild, name = img.getAttribute('src');
+    const boxes = Array.from(drawn.querySelectorAll('text')).map(t => ({t, b: t.getBBox()}));
+    for (let i = 0; i < boxes.length; i++)
+      for (let j = 0; j < i; j++)
+        if (inter(boxes[i].b, boxes[j].b))
+          problems.push(`overlap: in ${name}, "${boxes[i].t.textContent}" and "${boxes[j].t.textContent}"`);
+    for (const g of drawn.querySelectorAll('g.node, g.box-label')) {
+      const r = g.querySelector('rect').getBBox();
+      for (const t of g.querySelectorAll('text')) {
+        const b = t.getBBox();
+        if (b.x < r.x - 0.5 || b.x + b.width > r.x + r.width + 0.5)
+          problems.push(`overlap: in ${name}, "${t.textContent}" sticks out of its ${g.getAttribute('class')}`);
+      }
+    }
+  }
+  host.remove();
+  return problems;
+})()
+"""
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_op_graph_drawings_are_shown_whole_and_legible(page, origin, width):
+    page.resize(width)
+    try:
+        page.open(origin + "guides/op-graph/")
+        assert page.wait_until(PAGES["op-graph"][1], timeout=20)
+        problems = page.evaluate(OP_GRAPH_PROBLEMS_JS)
+        page.evaluate("document.querySelector('.tl-opgraph').scrollIntoView()")
+        page.screenshot(f"op-graph@{width}")
+    finally:
+        page.resize(VIEWPORT["width"])
+    assert not problems, f"at {width} px:\n" + "\n".join(problems[:20])
+
+
+def test_the_op_graph_check_can_fail(page, origin):
+    """The drawing check sees a scaled-down drawing, one that sticks out of the window, and two text
+    lines drawn on top of each other."""
+    page.open(origin + "guides/op-graph/")
+    page.wait_until(PAGES["op-graph"][1], timeout=20)
+    page.evaluate(
+        "const imgs = document.querySelectorAll('.tl-opgraph img');"
+        "imgs[0].style.width = (imgs[0].naturalWidth / 2) + 'px';"
+        "imgs[1].style.position = 'relative'; imgs[1].style.left = '2000px'; true"
+    )
+    problems = page.evaluate(OP_GRAPH_PROBLEMS_JS)
+    assert any(p.startswith("scaled: ") for p in problems), problems
+    assert any(p.startswith("clipped: ") for p in problems), problems
+    # a drawing whose two labels overlap: the first drawing with its second text moved onto its first
+    page.evaluate(
+        "window._fetch = window.fetch;"
+        "window.fetch = async (url) => { const r = await window._fetch(url); const t = await r.text();"
+        "  const doc = new DOMParser().parseFromString(t, 'image/svg+xml');"
+        "  const texts = doc.querySelectorAll('g.node text');"
+        "  texts[1].setAttribute('x', texts[0].getAttribute('x')); texts[1].setAttribute('y', texts[0].getAttribute('y'));"
+        "  const s = new XMLSerializer().serializeToString(doc); return {text: async () => s}; }; true"
+    )
+    problems = page.evaluate(OP_GRAPH_PROBLEMS_JS)
+    page.evaluate("window.fetch = window._fetch; true")
+    assert any(p.startswith("overlap: in ") for p in problems), problems
 
 
 def test_the_layout_check_can_fail(page, origin):

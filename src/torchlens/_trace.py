@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from torchlens import _persist
+from torchlens import _draw, _persist
 from torchlens._core.errors import LookupFailed
 from torchlens._core import html
 from torchlens._core.persisted import persisted
@@ -65,6 +65,38 @@ class Trace:
             TraceFileError: `path` is an existing file.
         """
         return _persist.save(self, path, model)
+
+    def draw(self, path: str | os.PathLike | None = None, **options: Any) -> Any:
+        """The op graph as SVG text (shown as the picture in a notebook), written to `path` if given.
+
+        Every op is a node (index, name, output shape, dtype where it changes), with the model inputs,
+        the parameters where they enter and the output; arrows are the recorded data flow; module calls
+        are nested boxes. It reads only the records, so a loaded or `save="none"` trace draws too.
+        See the [op graph guide](../guides/op-graph.md).
+
+        Args:
+            path: where to write the drawing: a `.svg`, `.png` or `.pdf` file (PNG and PDF are
+                rendered by Graphviz), or None.
+            **options: `rolled=True` (each stack's layers with one recorded op sequence drawn once,
+                `×N`; a differing layer, or a second call of one block, drawn apart with the reason),
+                `depth=None` (levels of module boxes; deeper modules are one node each; `0`: no boxes),
+                `focus=None` (a module address or a hook name: that module's ops and the edges into
+                and out of it), `highlight=None` (hook names with `generation=`, a dict generation
+                -> names, or `"facets"`: each marked on the op whose output it reads, with its
+                status), `generation=None`, `max_nodes=4000` (past it the call refuses before the
+                layout and says how to narrow the drawing; None: no limit).
+
+        Returns:
+            A `torchlens._draw.Drawing`: the SVG as a `str`, with `counts`, `unplaced` (names with no
+            mark, and why) and `groups` (each rolled stack's groups of layers, and why a group is apart).
+
+        Raises:
+            DrawSpecError: an option is not accepted (the message says what is); `DrawingTooLarge`
+                (a subclass) when the drawing has more than `max_nodes` nodes.
+            LookupFailed: a `highlight=` or `focus=` name that no naming table knows, with close matches.
+            LayoutEngineMissing: pygraphviz is not installed (`pip install 'torchlens[draw]'`).
+        """
+        return _draw.draw(self, path, **options)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         """The tensor at a site: `trace["address:facet"]`, or any name another library uses.
