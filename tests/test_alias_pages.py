@@ -145,7 +145,7 @@ def test_render_is_deterministic_across_processes():
 def test_the_index_explains_every_status_the_resolver_gives():
     """docs/aliases/index.md's Statuses table lists exactly `STATUSES` (a new status word, such as
     `refused`, must be explained there), and the report colours each of them."""
-    from torchlens._naming.resolver import _STATUS_COLORS
+    from torchlens._naming.results import _STATUS_COLORS
 
     text = (REPO / "docs" / "aliases" / "index.md").read_text()
     section = text.split("## Statuses", 1)[1].split("\n## ", 1)[0]

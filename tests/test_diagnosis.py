@@ -6,7 +6,7 @@ through TorchLens. The engine's tensor is handed to `compare` under the name it 
 read, and the test asserts that the explanation names the class. Each class runs on three
 families. Models are tiny random-init configs (seeded), traced on the CPU.
 
-Tests internals: `torchlens._naming.diagnose._POOLS`, the per-trace pool of tensor
+Tests internals: `torchlens._naming.pool.POOLS`, the per-trace pool of tensor
 statistics the search keeps (it must not keep a trace alive).
 """
 
@@ -378,12 +378,12 @@ def test_the_search_does_not_keep_a_trace_alive():
     import gc
     import weakref
 
-    from torchlens._naming import diagnose as _diagnose
+    from torchlens._naming import pool as _pool
 
     model, _ = traced("gpt2")
     trace = tl.trace(model, IDS)
     (row,) = mi.compare(trace, engine_neighbour(model, "gpt2"))
-    assert "neighbouring layer" in row.explanation and trace in _diagnose._POOLS
+    assert "neighbouring layer" in row.explanation and trace in _pool.POOLS
     ref = weakref.ref(trace)
     del trace, row
     gc.collect()

@@ -22,6 +22,7 @@ import torch
 
 import torchlens as tl
 from torchlens import _draw, testing
+from torchlens._drawing import style
 from torchlens.mechinterp import UnknownAlias, UnknownGeneration
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -274,7 +275,7 @@ def test_the_svg_parses_and_no_label_overlaps_another(gpt2, options):
             assert not _overlap(a, b), (a[4].get("id"), b[4].get("id") or b[4].get("data-box"))
         # every line of text fits inside its node, at the drawing's own character width
         for t in a[4].iter(SVG + "text"):
-            width = len(t.text) * _draw.CW * float(t.get("font-size"))
+            width = len(t.text) * style.CW * float(t.get("font-size"))
             assert float(t.get("x")) + width <= a[0] + a[2] + 0.5, (a[4].get("id"), t.text)
     for i, a in enumerate(labels):
         for b in labels[i + 1:]:
@@ -282,7 +283,7 @@ def test_the_svg_parses_and_no_label_overlaps_another(gpt2, options):
     # status is in the words, not only the colour
     for m in root.iter(SVG + "g"):
         if m.get("class") == "mark":
-            word = _draw.STATUS_STYLE[m.get("data-status")][2]
+            word = style.STATUS_STYLE[m.get("data-status")][2]
             assert "".join(t.text for t in m.iter(SVG + "text")).endswith(" · " + word)
 
 
@@ -368,7 +369,7 @@ def test_a_large_drawing_is_refused_before_its_layout_with_smaller_ones(gpt2, mo
     def no_layout(scene):
         raise AssertionError("the layout started")
 
-    monkeypatch.setattr(_draw, "_layout", no_layout)
+    monkeypatch.setattr(_draw, "layout", no_layout)
     with pytest.raises(_draw.DrawingTooLarge) as info:
         gpt2.draw(rolled=False, max_nodes=100)
     message = str(info.value)

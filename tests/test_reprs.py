@@ -17,7 +17,7 @@ import transformers
 import torchlens as tl
 import torchlens.mechinterp as mi
 from torchlens.mechinterp import Comparison, ComparisonReport
-from torchlens._naming.resolver import AliasReport, AliasResolution
+from torchlens._naming.results import AliasReport, AliasResolution
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from torchlens._core.errors import LookupFailed
 from torchlens._core import html
 from torchlens._core.persisted import persisted
 from torchlens._core.records import ModuleMap, OpRecord
-from torchlens._naming.resolver import AliasError, resolve_alias
+from torchlens._naming.resolver import resolve_alias
+from torchlens._naming.results import AliasError
 
 __all__ = ["Trace"]
 

@@ -50,16 +50,24 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from torchlens._core.errors import CaptureError, EditSpecError
+from torchlens._core.errors import EditSpecError
 from torchlens._core.holdings import Holding, arg_slots, get_arg, held_tensors, memory_key, set_arg, storage_ptr
-from torchlens._core.ops import INPLACE, REBUILT_OPS, REPOINT, SKIP, classify
+from torchlens._core.ops import REBUILT_OPS, REPOINT, SKIP, classify
+from torchlens._capture.values import (
+    first_tensor,
+    plain_tensors,
+    refuse_script_modules,
+    replace_first,
+    replace_input,
+    tensor_args,
+    writes_inputs,
+)
 from torchlens._core.records import Dropped, ModuleCall, OpRecord, Ref
 
 __all__ = ["Recorder"]
@@ -67,110 +75,6 @@ __all__ = ["Recorder"]
 _NO_HIDING = contextlib.nullcontext()
 #: `Ref(op, slot)` without the Python-level `__new__` of a named tuple (once per recorded op).
 _new_ref = tuple.__new__
-
-
-def _tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
-    """The tensors among an op's arguments, one level into lists and tuples (e.g. `torch.cat`)."""
-    found = []
-    for a in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(a, Tensor):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found.extend([x for x in a if isinstance(x, Tensor)])
-    return found
-
-
-def _writes_inputs(kind: int, kwargs: dict | None) -> bool:
-    """Whether a call of this `classify` kind with these keyword arguments writes into a tensor
-    it was given: an in-place function, or one called with `out=` or `inplace=True`."""
-    return kind == INPLACE or bool(kwargs) and (kwargs.get("out") is not None or kwargs.get("inplace") is True)
-
-
-def _plain_tensors(args: tuple, kwargs: dict) -> bool:
-    """Whether every tensor among a module call's arguments (as `_tensor_args` finds them) is a
-    plain `torch.Tensor`, no subclass."""
-    return all(type(t) is Tensor for t in _tensor_args(args, kwargs))
-
-
-def first_tensor(value: Any, _depth: int = 0) -> Tensor | None:
-    """The tensor a module output stands for: the first tensor in it, depth first.
-
-    A tensor is itself; a tuple or list gives the first tensor among its elements (so element 0
-    when that is a tensor, and `(None, x)` or `(("a", (x, 2)), y)` give `x`); a mapping (a dict,
-    a `ModelOutput`) gives the first tensor among its values. Anything else has none.
-    """
-    if isinstance(value, Tensor):
-        return value
-    if _depth < 8:
-        if isinstance(value, Mapping):
-            value = value.values()
-        elif not isinstance(value, (tuple, list)):
-            return None
-        for v in value:
-            t = first_tensor(v, _depth + 1)
-            if t is not None:
-                return t
-    return None
-
-
-def _replace_first(value: Any, fn: Any, _depth: int = 0) -> Any:
-    """`value` with the tensor `first_tensor(value)` finds replaced by `fn(tensor)`.
-
-    Tuples and lists are rebuilt (a named tuple as its own type); a mapping (a dict, a
-    `ModelOutput`) has the entry set in place. Returns `value` unchanged when it holds no tensor.
-    """
-    if isinstance(value, Tensor):
-        return fn(value)
-    if _depth >= 8:
-        return value
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            if first_tensor(v) is not None:
-                value[k] = _replace_first(v, fn, _depth + 1)
-                break
-        return value
-    if isinstance(value, (tuple, list)):
-        items = list(value)
-        for i, v in enumerate(items):
-            if first_tensor(v) is not None:
-                items[i] = _replace_first(v, fn, _depth + 1)
-                break
-        if isinstance(value, list):
-            return items
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    return value
-
-
-def _replace_input(args: tuple, kwargs: dict, fn: Any) -> tuple[tuple, dict]:
-    """(args, kwargs) with the module input `_enter` reads (the first positional argument when it
-    is a tensor, else with no positional arguments the first tensor keyword argument) replaced."""
-    if args:
-        if isinstance(args[0], Tensor):
-            return (fn(args[0]),) + tuple(args[1:]), kwargs
-        return args, kwargs
-    for k, v in kwargs.items():
-        if isinstance(v, Tensor):
-            return args, {**kwargs, k: fn(v)}
-    return args, kwargs
-
-
-def _refuse_script_modules(names: dict[nn.Module, str]) -> None:
-    """Raise `CaptureError` naming the first `torch.jit.script`ed module of the model.
-
-    TorchScript runs a scripted module's forward in its own interpreter: it takes no forward
-    hooks and its ops never reach a torch function mode, so nothing inside it could be recorded.
-    """
-    for module, addr in names.items():
-        if isinstance(module, torch.jit.ScriptModule):
-            where = f"module {addr!r}" if addr else "the model itself"
-            raise CaptureError(
-                f"{where} is a torch.jit.ScriptModule ({type(module).__name__}): TorchScript runs its "
-                "forward in its own interpreter, which takes no module hooks and hides its ops, so "
-                "TorchLens cannot record it. Trace the eager module instead: keep the module you "
-                f"passed to torch.jit.script (or torch.jit.trace) and put it back before tracing"
-                + (f" (model.{addr} = eager_module)" if addr else "")
-                + ", or build the model without scripting."
-            )
 
 
 class Recorder(TorchFunctionMode):
@@ -193,7 +97,7 @@ class Recorder(TorchFunctionMode):
 
     def __init__(self, names, roles, plan, param_names, edits=None, spill=None):
         super().__init__()
-        _refuse_script_modules(names)
+        refuse_script_modules(names)
         self.names = names
         self.roles = roles
         self.retain_all = plan.retain_all
@@ -269,7 +173,7 @@ class Recorder(TorchFunctionMode):
         aliases on the memory it writes and is counted there (so a write through `x.data` marks
         `x` written), and `x.data = y` voids `x`'s stamp."""
         kind = self._classify(func)[1]
-        if _writes_inputs(kind, kwargs):
+        if writes_inputs(kind, kwargs):
             with self.hidden():
                 self._before_write(args, kwargs or {})
         elif kind == REPOINT:
@@ -289,8 +193,8 @@ class Recorder(TorchFunctionMode):
             return out
         if kwargs is None:
             kwargs = {}
-        mutated = _writes_inputs(kind, kwargs)
-        ins = _tensor_args(args, kwargs)
+        mutated = writes_inputs(kind, kwargs)
+        ins = tensor_args(args, kwargs)
         refs = None
         if mutated:  # the input refs are taken before the op writes them (the write makes them stale)
             if self.nested:
@@ -586,13 +490,13 @@ class Recorder(TorchFunctionMode):
                 addr = self.names[module]
                 edits = self.edits.hook_in.get((addr, self.call_counts.get(addr, 0)))
                 if edits:
-                    args, kwargs = _replace_input(args, kwargs, lambda t: self._edit_hooked(edits, t))
+                    args, kwargs = replace_input(args, kwargs, lambda t: self._edit_hooked(edits, t))
                     changed = True
             # The bookkeeping reaches no torch function mode, this one included: outside an op,
             # this mode is active, and every `t._version` or `t.detach()` would pass through it.
             # A tensor subclass among the inputs keeps its own `__torch_function__` (its aliases
             # stay of its type), so then the mode passes the calls through as `_quiet`.
-            with torch._C.DisableTorchFunction() if _plain_tensors(args, kwargs) else self.hidden():
+            with torch._C.DisableTorchFunction() if plain_tensors(args, kwargs) else self.hidden():
                 self._enter(module, args, kwargs)
         finally:
             self._quiet = False
@@ -606,7 +510,7 @@ class Recorder(TorchFunctionMode):
         call = ModuleCall(addr, n, self.roles[addr], type(module).__name__, len(self.ops), parent=parent)
         call.retained = self.retain_all or addr in self.retain_modules or bool(parent and parent.retained)
         if parent is None:  # the root: its tensor inputs become `input` ops
-            for t in _tensor_args(args, kwargs):
+            for t in tensor_args(args, kwargs):
                 if self._ref(t) is None:
                     self.add_external(t, call)
         t = args[0] if args and isinstance(args[0], Tensor) else None
@@ -628,7 +532,7 @@ class Recorder(TorchFunctionMode):
                 call = self.stack[-1]
                 edits = self.edits.hook_out.get((call.address, call.index))
                 if edits and call.address == self.names[module]:
-                    output = _replace_first(output, lambda t: self._edit_hooked(edits, t))
+                    output = replace_first(output, lambda t: self._edit_hooked(edits, t))
                     changed = True
             t = first_tensor(output)
             with torch._C.DisableTorchFunction() if t is None or type(t) is Tensor else self.hidden():  # as in `pre_hook`
@@ -743,3 +647,4 @@ class Recorder(TorchFunctionMode):
                 "functions), so the kept argument no longer holds what the op read"
             )
         return sorted(set(bad))
+

@@ -16,8 +16,8 @@ module, so no submodule shares its name.
 """
 
 from torchlens._naming.diagnose import Candidate
-from torchlens._naming.resolver import (
-    GENERATIONS,
+from torchlens._naming.resolver import GENERATIONS, alias_report, resolve_alias, table
+from torchlens._naming.results import (
     STATUSES,
     AliasError,
     AliasReport,
@@ -26,9 +26,6 @@ from torchlens._naming.resolver import (
     MalformedAlias,
     UnknownAlias,
     UnknownGeneration,
-    alias_report,
-    resolve_alias,
-    table,
 )
 from torchlens._naming.tables import Row, Table, TableError
 from torchlens.mechinterp._compare import Comparison, ComparisonReport, ToleranceError, compare

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -11,10 +11,12 @@ import torch
 from torch import Tensor, nn
 
 from torchlens._core.errors import LookupFailed, TorchLensError
-from torchlens._core.facet_spec import HEAD_MAJOR, KERNEL_REBUILT, KV_HEADS, NORM_FACETS, PER_HEAD, tokens_flattened
+from torchlens._core.facet_spec import KERNEL_REBUILT
 from torchlens._core import html
 from torchlens._naming.diagnose import Candidate, diagnose
-from torchlens._naming.resolver import AliasResolution, resolve_alias
+from torchlens._naming.layouts import apply, conversions
+from torchlens._naming.resolver import resolve_alias
+from torchlens._naming.results import AliasResolution
 from torchlens._trace import Trace
 from torchlens._tracing import trace as run_trace
 
@@ -132,34 +134,10 @@ def _summary(report: ComparisonReport) -> str:
     return f"{len(report)} compared: {len(report) - failed} agree, {failed} do not"
 
 
-def _candidates(ref: Tensor, facet: str) -> Iterator[tuple[str, Tensor]]:
-    """The TorchLens tensor in each layout an engine plausibly uses, most literal first."""
-    majors = [("", ref)]
-    if facet in HEAD_MAJOR and facet in PER_HEAD and ref.dim() == 4:  # z: head-major here, token-major in engines
-        majors.append(("token-major", ref.transpose(1, 2)))
-    for major_name, t in majors:
-        batches = [("", t)]
-        if t.shape[0] == 1:
-            batches.append(("batch dropped", t[0]))
-        for batch_name, u in batches:
-            flats = [("", u)]
-            if facet in PER_HEAD and u.dim() >= 3:
-                flats.append(("heads flattened", u.flatten(-2)))
-            for flat_name, w in flats:
-                label = ", ".join(x for x in (major_name, batch_name, flat_name) if x) or "as is"
-                yield label, w
-
-
-def _expand_kv(ref: Tensor, engine: Tensor, facet: str) -> Tensor | None:
-    """k/v with kv heads, repeated to the engine's query-head count (GQA), if that fits."""
-    if facet not in KV_HEADS or ref.dim() != 4:
-        return None
-    for axis in (2, 1):  # token-major [B, T, kv, d] first, then head-major
-        if engine.dim() == 4 and engine.shape[axis] % ref.shape[2] == 0 and engine.shape[axis] > ref.shape[2]:
-            rep = engine.shape[axis] // ref.shape[2]
-            expanded = ref.repeat_interleave(rep, dim=2)
-            return expanded if axis == 2 else expanded.transpose(1, 2)
-    return None
+def _layouts(ref: Tensor, engine_shape: tuple[int, ...], facet: str, broadcasts: bool = True) -> list[tuple[str, Tensor]]:
+    """The TorchLens tensor in each layout `compare` accepts (`_naming.layouts`) that gives the engine's shape."""
+    return [(c.label, apply(ref, c.steps)) for c in conversions(tuple(ref.shape), tuple(engine_shape), facet,
+                                                                  broadcasts=broadcasts) if c.accepted]
 
 
 def _diff(engine: Tensor, ref: Tensor, facet: str) -> tuple[float, Tensor]:
@@ -374,20 +352,7 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
     ref = res.tensor.detach().cpu()
     if engine.dtype != ref.dtype:
         hints.append(f"dtypes differ (engine {str(engine.dtype)[6:]}, TorchLens {str(ref.dtype)[6:]})")
-    options = [(label, t) for label, t in _candidates(ref, res.facet) if tuple(t.shape) == tuple(engine.shape)]
-    if not options and tokens_flattened(ref.shape, engine.shape):  # the model flattened [batch, pos] (OPT's MLP)
-        options = [("tokens unflattened", ref.reshape(engine.shape))]
-    if (not options and ref.dim() == engine.dim() >= 2 and ref.shape[0] == 1 < engine.shape[0]
-            and ref.shape[1:] == engine.shape[1:]):  # one row for every sequence (a position embedding)
-        options = [("batch broadcast", ref.expand(engine.shape))]
-    if (not options and res.facet in NORM_FACETS and engine.dim() == ref.dim() + 1 >= 4
-            and engine.shape[:2] == ref.shape[:2] and engine.shape[3:] == ref.shape[2:]):
-        # a norm's tensor copied per head (TransformerLens's use_split_qkv_input)
-        options = [("repeated per head", ref.unsqueeze(2).expand(engine.shape))]
-    expanded = _expand_kv(ref, engine, res.facet)
-    if expanded is not None:
-        options += [(f"kv heads repeated, {label}", t) for label, t in _candidates(expanded, res.facet)
-                    if tuple(t.shape) == tuple(engine.shape)]
+    options = _layouts(ref, engine.shape, res.facet)
     if not options:
         return row(res.status, False, f"shapes do not line up under any layout conversion "
                    f"(engine {list(engine.shape)}, TorchLens {list(ref.shape)})", tuple(ref.shape))
@@ -418,11 +383,10 @@ def _equals_facet(trace, res: AliasResolution, facet: str, engine: Tensor, atol,
     if not isinstance(other, Tensor):
         return False
     other = other.detach().cpu()
-    for _, t in _candidates(other, facet):
-        if tuple(t.shape) == tuple(engine.shape):
-            err, d = _diff(engine, t, facet)
-            if bool((d <= atol + rtol * t.float().abs().nan_to_num(posinf=0.0, neginf=0.0)).all()):
-                return True
+    for _, t in _layouts(other, engine.shape, facet, broadcasts=False):
+        err, d = _diff(engine, t, facet)
+        if bool((d <= atol + rtol * t.float().abs().nan_to_num(posinf=0.0, neginf=0.0)).all()):
+            return True
     return False
 
 
