@@ -12,7 +12,7 @@ Tests internals: `torchlens._core.facet_spec` (`FacetSpec`, `FacetSpecError`, `c
 `BY_NAME`, `FACETS`, `ALL_FACETS`, `EVERY_MODULE`, `absent_reason` and the derived sets
 `PER_HEAD`, `TOKEN_MAJOR`, `HEAD_MAJOR`, `KV_HEADS`, `KERNEL_REBUILT`, `HOOK_SIDES`, `REMEDIES`),
 `torchlens._naming.tables` (`Row`, `Table`, `TableError`, imported from there),
-`torchlens._naming.targets` (`TARGETS`, `TARGET_ROLES`) and `torchlens._core.roles.ROLES`.
+`torchlens._naming.targets` (`TARGETS`, `check_targets`) and `torchlens._core.roles.ROLES`.
 """
 
 from __future__ import annotations
@@ -182,9 +182,12 @@ def test_a_mistyped_facet_in_a_shipped_table_fails_at_import():
 
 
 def test_every_target_has_roles():
+    from torchlens._core.roles import ROLES
     from torchlens._naming import targets as _targets
 
-    assert set(_targets.TARGET_ROLES) == set(_targets.TARGETS)
-    from torchlens._core.roles import ROLES
-
-    assert all(set(r) <= set(ROLES) for r in _targets.TARGET_ROLES.values())
+    assert all(t.roles and set(t.roles) <= set(ROLES) and t.name == name for name, t in _targets.TARGETS.items())
+    block = _targets.TARGETS["block"]
+    with pytest.raises(tl.TorchLensError, match="names roles"):
+        _targets.check_targets((dataclasses.replace(block, roles=("blok",)),))
+    with pytest.raises(tl.TorchLensError, match="two targets"):
+        _targets.check_targets((block, block))

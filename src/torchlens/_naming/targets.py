@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from torchlens._analysis.graph import adds_own_input
 from torchlens._analysis.structure import Layer, from_model_input
@@ -22,7 +23,7 @@ from torchlens._core.errors import TorchLensError
 from torchlens._core.facet_spec import absent_reason
 from torchlens._core.ops import ACTIVATION_OPS, ADD_OPS, CAST_OPS, FUSED_ATTENTION_OPS, PASS_THROUGH_OPS, SCALE_OPS, SOFTMAX_OPS
 from torchlens._core.records import ModuleCall, Ref
-from torchlens._core.roles import WEIGHT_LAYOUT
+from torchlens._core.roles import ROLES, WEIGHT_LAYOUT
 
 if TYPE_CHECKING:
     from torchlens._trace import Trace
@@ -161,7 +162,7 @@ def _mlp_gated(trace: Trace, layer: int) -> ModuleCall | None:
 
 def _or_raw(norm_target: str, which: str) -> Callable[[Trace, int], ModuleCall | None]:
     def find(trace: Trace, layer: int) -> ModuleCall | None:
-        return TARGETS[norm_target][0](trace, layer) or _contribution(which)(trace, layer)
+        return TARGETS[norm_target].find(trace, layer) or _contribution(which)(trace, layer)
 
     return find
 
@@ -315,86 +316,120 @@ def _root(trace: Trace, layer: int) -> ModuleCall | None:
     return trace.modules[""].calls[0] if trace.modules[""].calls else None
 
 
-#: target name -> (finder(trace, layer) -> ModuleCall or None, per_layer, why it can be missing)
-TARGETS: dict[str, tuple[Callable, bool, str]] = {
-    "block": (lambda t, i: _layer(t, i).call, True, "no block"),
-    "attention": (lambda t, i: _sublayer(t, i, "attention"), True, "the block has no attention sublayer"),
-    "cross_attention": (lambda t, i: _sublayer(t, i, "cross_attention"), True,
-                        "the block has no cross-attention sublayer"),
-    "mlp": (lambda t, i: _sublayer(t, i, "mlp"), True,
-            "the block has no MLP sublayer (no single module holds the MLP, or the block has no attention)"),
-    "ln1": (lambda t, i: _norm_where(t, i, _feeds, "attention"), True,
-            "no norm feeds the attention input (the block normalizes after its sublayers)"),
-    "ln2": (lambda t, i: _norm_where(t, i, _feeds, "mlp") or _pre_ln_mlp(0)(t, i), True,
-            "no norm feeds the MLP input (the block normalizes after its sublayers)"),
-    "attn_post_norm": (lambda t, i: _norm_where(t, i, _follows, "attention"), True,
-                       "no norm is applied to the attention output (no sandwich norm)"),
-    "mlp_post_norm": (lambda t, i: _norm_where(t, i, _follows, "mlp"), True,
-                      "no norm is applied to the MLP output (no sandwich norm)"),
-    "attn_out_final": (_or_raw("attn_post_norm", "attention"), True,
-                       "no attention sublayer whose output is added to the residual stream"),
-    "mlp_out_final": (_or_raw("mlp_post_norm", "mlp"), True,
-                      "no MLP sublayer whose output is added to the residual stream"),
-    "attn_o": (_attn_o, True, "the attention has no output projection module"),
-    "mlp_gated": (_mlp_gated, True, absent_reason(_GATED_BY)),
-    "token_embed": (lambda t, i: _token_embed(t), False, "no embedding module read the model's input ids"),
-    "pos_embed": (lambda t, i: _pos_embed(t), False,
-                  "no learned position embedding module ran (positions are rotary or absent), or it cannot be "
-                  "told from the other embeddings"),
-    "final_norm": (lambda t, i: t.structure.final_norm, False,
-                   "no norm runs between the last block and the unembedding"),
-    "unembed": (lambda t, i: t.structure.unembed, False, "the model has no unembedding (lm_head) module"),
-    "post_ln1": (lambda t, i: _post_ln(t, i, 0), True,
-                 "the block is not post-LN (no norm after the attention's residual add)"),
-    "post_ln2": (lambda t, i: _post_ln(t, i, -1), True,
-                 "the block is not post-LN (its output is not a norm's output)"),
-    "post_ln_block": (_post_ln_block, True, "the block is not post-LN (its output is not a norm's output)"),
-    "attn_out_proj": (_attn_out_proj, True, "no output projection reads the attention's output outside it"),
-    "split_mlp_in": (lambda t, i: _split_mlp(t, i, 0), True,
-                     "no MLP split over two modules between the block's two norms"),
-    "split_mlp_out": (lambda t, i: _split_mlp(t, i, -1), True,
-                      "no MLP split over two modules between the block's two norms"),
-    "pre_ln_mlp_in": (_pre_ln_mlp(1), True,
-                      "the block is not pre-LN with an MLP held by no module of its own (a norm, then two "
-                      "weighted layers, all children of the block)"),
-    "pre_ln_mlp_out": (_pre_ln_mlp(2), True,
-                       "the block is not pre-LN with an MLP held by no module of its own"),
-    "type_embed": (lambda t, i: _type_embed(t), False, "no token-type embedding module ran"),
-    "embed_norm": (lambda t, i: _embed_norm(t), False, "no norm outside the layers feeds the first block"),
-    "scaled_embed_block": (lambda t, i: _scaled_embed_block(t), False,
-                           "the first block does not read the token embedding scaled outside its module"),
-    "ln_cross": (lambda t, i: _norm_where(t, i, _feeds, "cross_attention"), True,
-                 "no norm feeds the cross-attention input"),
-    "first_block": (lambda t, i: _layer(t, 0).call if t.structure.layers else None, False, "no block ran"),
-    "attn_residual": (_residual_wrapper("attention"), True,
-                      "no module between the block and its attention adds the residual"),
-    "cross_residual": (_residual_wrapper("cross_attention"), True,
-                       "no module between the block and its cross-attention adds the residual"),
-    "root": (_root, False, ""),
-}
+@dataclass(frozen=True)
+class Target:
+    """What a naming row's `target` names: one kind of module a trace may have.
 
-#: target name -> the roles the module it finds can have (a naming table's row may read only
-#: facets of those roles, or the `input`/`output` every module has).
-TARGET_ROLES: dict[str, tuple[str, ...]] = {
-    "block": ("block",), "attention": ("attention",), "cross_attention": ("attention",), "mlp": ("mlp",),
-    "ln1": ("norm",), "ln2": ("norm",), "attn_post_norm": ("norm",), "mlp_post_norm": ("norm",),
-    "attn_out_final": ("norm", "attention"), "mlp_out_final": ("norm", "mlp"), "attn_o": ("other",),
-    "mlp_gated": ("mlp",), "token_embed": ("embedding",), "pos_embed": ("embedding",), "final_norm": ("norm",),
-    "unembed": ("unembed",), "post_ln1": ("norm",), "post_ln2": ("norm",), "post_ln_block": ("block",),
-    "attn_out_proj": ("other",), "split_mlp_in": ("other",), "split_mlp_out": ("other",),
-    "pre_ln_mlp_in": ("other",), "pre_ln_mlp_out": ("other",),
-    "type_embed": ("embedding",), "scaled_embed_block": ("block",), "embed_norm": ("norm",), "ln_cross": ("norm",),
-    "first_block": ("block",), "attn_residual": ("other",),
-    "cross_residual": ("other",), "root": ("root",),
-}
-if set(TARGET_ROLES) != set(TARGETS):
-    raise TorchLensError(f"TARGET_ROLES and TARGETS name different targets: {sorted(set(TARGET_ROLES) ^ set(TARGETS))}")
+    Attributes:
+        name: the key a row uses (`"ln2"`, `"attn_o"`).
+        find: `find(trace, layer) -> ModuleCall | None`: the call in that trace (`layer` is a layer
+            index of the language-model stack, or a `Layer` of another stack; ignored when not
+            `per_layer`).
+        per_layer: whether there is one per layer (a sublayer, a norm in the block) or one per
+            model (an embedding, the final norm).
+        roles: the roles the module it finds can have: a row may read only facets of those
+            roles, or the `input`/`output` every module has.
+        absent: why a trace may have none.
+    """
+
+    name: str
+    find: Callable
+    per_layer: bool
+    roles: tuple[str, ...]
+    absent: str
+
+
+def check_targets(rows: tuple[Target, ...]) -> dict[str, Target]:
+    """The rows by name, once each is checked: a unique name, and roles TorchLens has.
+
+    Raises:
+        TorchLensError: a name appears twice, or a row names a role `_core.roles.ROLES` lacks.
+    """
+    by_name: dict[str, Target] = {}
+    for t in rows:
+        if t.name in by_name:
+            raise TorchLensError(f"two targets are named {t.name!r}")
+        bad = [r for r in t.roles if r not in ROLES]
+        if not t.roles or bad:
+            raise TorchLensError(f"target {t.name!r} names roles {list(t.roles)}; each must be one of {', '.join(ROLES)}")
+        by_name[t.name] = t
+    return by_name
+
+
+#: target name -> its `Target` row, checked on import.
+TARGETS: dict[str, Target] = check_targets((
+    Target(name='block', find=lambda t, i: _layer(t, i).call, per_layer=True, roles=('block',),
+           absent="no block"),
+    Target(name='attention', find=lambda t, i: _sublayer(t, i, "attention"), per_layer=True, roles=('attention',),
+           absent="the block has no attention sublayer"),
+    Target(name='cross_attention', find=lambda t, i: _sublayer(t, i, "cross_attention"), per_layer=True, roles=('attention',),
+           absent="the block has no cross-attention sublayer"),
+    Target(name='mlp', find=lambda t, i: _sublayer(t, i, "mlp"), per_layer=True, roles=('mlp',),
+           absent="the block has no MLP sublayer (no single module holds the MLP, or the block has no attention)"),
+    Target(name='ln1', find=lambda t, i: _norm_where(t, i, _feeds, "attention"), per_layer=True, roles=('norm',),
+           absent="no norm feeds the attention input (the block normalizes after its sublayers)"),
+    Target(name='ln2', find=lambda t, i: _norm_where(t, i, _feeds, "mlp") or _pre_ln_mlp(0)(t, i), per_layer=True, roles=('norm',),
+           absent="no norm feeds the MLP input (the block normalizes after its sublayers)"),
+    Target(name='attn_post_norm', find=lambda t, i: _norm_where(t, i, _follows, "attention"), per_layer=True, roles=('norm',),
+           absent="no norm is applied to the attention output (no sandwich norm)"),
+    Target(name='mlp_post_norm', find=lambda t, i: _norm_where(t, i, _follows, "mlp"), per_layer=True, roles=('norm',),
+           absent="no norm is applied to the MLP output (no sandwich norm)"),
+    Target(name='attn_out_final', find=_or_raw("attn_post_norm", "attention"), per_layer=True, roles=('norm', 'attention'),
+           absent="no attention sublayer whose output is added to the residual stream"),
+    Target(name='mlp_out_final', find=_or_raw("mlp_post_norm", "mlp"), per_layer=True, roles=('norm', 'mlp'),
+           absent="no MLP sublayer whose output is added to the residual stream"),
+    Target(name='attn_o', find=_attn_o, per_layer=True, roles=('other',),
+           absent="the attention has no output projection module"),
+    Target(name='mlp_gated', find=_mlp_gated, per_layer=True, roles=('mlp',),
+           absent=absent_reason(_GATED_BY)),
+    Target(name='token_embed', find=lambda t, i: _token_embed(t), per_layer=False, roles=('embedding',),
+           absent="no embedding module read the model's input ids"),
+    Target(name='pos_embed', find=lambda t, i: _pos_embed(t), per_layer=False, roles=('embedding',),
+           absent="no learned position embedding module ran (positions are rotary or absent), or it cannot be " "told from the other embeddings"),
+    Target(name='final_norm', find=lambda t, i: t.structure.final_norm, per_layer=False, roles=('norm',),
+           absent="no norm runs between the last block and the unembedding"),
+    Target(name='unembed', find=lambda t, i: t.structure.unembed, per_layer=False, roles=('unembed',),
+           absent="the model has no unembedding (lm_head) module"),
+    Target(name='post_ln1', find=lambda t, i: _post_ln(t, i, 0), per_layer=True, roles=('norm',),
+           absent="the block is not post-LN (no norm after the attention's residual add)"),
+    Target(name='post_ln2', find=lambda t, i: _post_ln(t, i, -1), per_layer=True, roles=('norm',),
+           absent="the block is not post-LN (its output is not a norm's output)"),
+    Target(name='post_ln_block', find=_post_ln_block, per_layer=True, roles=('block',),
+           absent="the block is not post-LN (its output is not a norm's output)"),
+    Target(name='attn_out_proj', find=_attn_out_proj, per_layer=True, roles=('other',),
+           absent="no output projection reads the attention's output outside it"),
+    Target(name='split_mlp_in', find=lambda t, i: _split_mlp(t, i, 0), per_layer=True, roles=('other',),
+           absent="no MLP split over two modules between the block's two norms"),
+    Target(name='split_mlp_out', find=lambda t, i: _split_mlp(t, i, -1), per_layer=True, roles=('other',),
+           absent="no MLP split over two modules between the block's two norms"),
+    Target(name='pre_ln_mlp_in', find=_pre_ln_mlp(1), per_layer=True, roles=('other',),
+           absent="the block is not pre-LN with an MLP held by no module of its own (a norm, then two " "weighted layers, all children of the block)"),
+    Target(name='pre_ln_mlp_out', find=_pre_ln_mlp(2), per_layer=True, roles=('other',),
+           absent="the block is not pre-LN with an MLP held by no module of its own"),
+    Target(name='type_embed', find=lambda t, i: _type_embed(t), per_layer=False, roles=('embedding',),
+           absent="no token-type embedding module ran"),
+    Target(name='embed_norm', find=lambda t, i: _embed_norm(t), per_layer=False, roles=('norm',),
+           absent="no norm outside the layers feeds the first block"),
+    Target(name='scaled_embed_block', find=lambda t, i: _scaled_embed_block(t), per_layer=False, roles=('block',),
+           absent="the first block does not read the token embedding scaled outside its module"),
+    Target(name='ln_cross', find=lambda t, i: _norm_where(t, i, _feeds, "cross_attention"), per_layer=True, roles=('norm',),
+           absent="no norm feeds the cross-attention input"),
+    Target(name='first_block', find=lambda t, i: _layer(t, 0).call if t.structure.layers else None, per_layer=False, roles=('block',),
+           absent="no block ran"),
+    Target(name='attn_residual', find=_residual_wrapper("attention"), per_layer=True, roles=('other',),
+           absent="no module between the block and its attention adds the residual"),
+    Target(name='cross_residual', find=_residual_wrapper("cross_attention"), per_layer=True, roles=('other',),
+           absent="no module between the block and its cross-attention adds the residual"),
+    Target(name='root', find=_root, per_layer=False, roles=('root',),
+           absent=""),
+))
 
 
 def find_call(trace: Trace, target: str, layer: int | None, stack: str | None = None) -> tuple[ModuleCall | None, str]:
     """The module call `target` names in `trace` at `layer` of the language-model stack (or of the
     stack of kind `stack`), or None and the reason."""
-    finder, _, why = TARGETS[target]
+    row = TARGETS[target]
+    finder, why = row.find, row.absent
     if stack is not None:
         st = stack_of_kind(trace, stack)
         if st is None:

@@ -39,6 +39,7 @@ from torchlens._analysis.graph import Graph
 from torchlens._analysis.facets.attention import attention_facets
 from torchlens._analysis.facets.block import block_facets
 from torchlens._analysis.facets.common import io_ref, make_site
+from torchlens._core.facet_spec import EVERY_MODULE, SPECS, FacetSpecError
 from torchlens._analysis.facets.mlp import mlp_facets
 from torchlens._analysis.facets.norm import norm_facets
 from torchlens._core import ops as _ops
@@ -65,34 +66,17 @@ def derive(
     pending on their sites, each holding the tensors it will compute from (`FacetSite._inputs`).
     """
     g = Graph(ops, calls, modules)
-    kids_of: dict[int, list[ModuleCall]] = {}
-    for c in calls:
-        if c.parent is not None:
-            kids_of.setdefault(id(c.parent), []).append(c)
     out: list[dict[str, FacetSite]] = []
     for call in calls:
-        kids = kids_of.get(id(call), [])
+        kids = g.kids.get(id(call), [])
         sites: dict[str, FacetSite] = {}
         for name, which, note in _IO_SITES:
             s = make_site(g, name, io_ref(g, call, which), note=note)
             if s:
                 sites[name] = s
-        role = call.role
-        if role == "block":
-            sites.update(block_facets(g, call, kids))
-        elif role == "attention":
-            sites.update(attention_facets(g, call, kids))
-        elif role == "mlp":
-            sites.update(mlp_facets(g, call, kids))
-        elif role == "norm":
-            sites.update(norm_facets(g, call))
-        elif role == "embedding" and "input" in sites:
-            sites["indices"] = make_site(g, "indices", io_ref(g, call, "in"), note="token ids")
-            lookup = next((op for op in g.ops[call.first_op : call.end_op] if op.name == "embedding"), None)
-            if lookup is not None:
-                sites["lookup"] = make_site(g, "lookup", Ref(lookup.index, 0), note="the embedding lookup op")
-        elif role == "root":
-            sites.update(_root_facets(g, call, calls, structure))
+        finder = FINDERS.get(call.role)
+        if finder is not None:
+            sites.update(finder(g, call, kids, calls, structure))
         if keep is not None:
             for name, s in sites.items():
                 if s.saved and not keep(call.address, name):
@@ -139,3 +123,31 @@ def _root_facets(g: Graph, root: ModuleCall, calls: list[ModuleCall], structure:
             sites["final_norm_input"] = s
     return sites
 
+
+def _embedding_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
+    """`indices` (the token ids the embedding read) and `lookup` (its embedding op's output)."""
+    indices = make_site(g, "indices", io_ref(g, call, "in"), note="token ids")
+    if indices is None:  # no tensor input (the call's `input` site is missing too)
+        return {}
+    sites = {"indices": indices}
+    lookup = next((op for op in g.ops[call.first_op : call.end_op] if op.name == "embedding"), None)
+    if lookup is not None:
+        sites["lookup"] = make_site(g, "lookup", Ref(lookup.index, 0), note="the embedding lookup op")
+    return sites
+
+
+#: role -> the rule that finds that role's facets in one call, `(graph, call, its child calls, every
+#: call, the structure)`. Every role a facet row of `_core.facet_spec.SPECS` names has one (checked
+#: below), and no other role has facets beyond `input` and `output`.
+FINDERS: dict[str, Callable[..., dict[str, FacetSite]]] = {
+    "block": lambda g, call, kids, calls, structure: block_facets(g, call, kids),
+    "attention": lambda g, call, kids, calls, structure: attention_facets(g, call, kids),
+    "mlp": lambda g, call, kids, calls, structure: mlp_facets(g, call, kids),
+    "norm": lambda g, call, kids, calls, structure: norm_facets(g, call),
+    "embedding": lambda g, call, kids, calls, structure: _embedding_facets(g, call),
+    "root": lambda g, call, kids, calls, structure: _root_facets(g, call, calls, structure),
+}
+_SPEC_ROLES = {r for f in SPECS for r in f.roles if r != EVERY_MODULE}
+if _SPEC_ROLES != set(FINDERS):
+    raise FacetSpecError(f"the facet rows name roles {sorted(_SPEC_ROLES)} and facet rules exist for "
+                         f"{sorted(FINDERS)}: every role with facets needs one rule")

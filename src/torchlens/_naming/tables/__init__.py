@@ -13,7 +13,7 @@ order the blocks ran (`LAYER` is what it matches).
 Every `Table` is checked when it is built, so a mistyped table fails at import instead of
 quietly reporting its names `structurally_absent`: each row's facets exist
 (`torchlens._facet_spec.ALL_FACETS`) and fit its target's role, each target exists
-(`_targets.TARGETS`), no name appears twice, and no row's pattern matches another row's
+(`targets.TARGETS`), no name appears twice, and no row's pattern matches another row's
 names. A violation raises `TableError` naming the table and the row.
 """
 
@@ -25,7 +25,7 @@ from functools import cached_property
 
 from torchlens._core.errors import TorchLensError, close_matches
 from torchlens._core.facet_spec import ALL_FACETS, BY_NAME, EVERY_MODULE
-from torchlens._naming.targets import TARGET_ROLES, TARGETS
+from torchlens._naming.targets import TARGETS
 
 #: What `{L}` in a pattern matches: an optionally negative run of digits (the resolver then
 #: insists on ASCII digits without leading zeros, and checks the range).
@@ -184,7 +184,7 @@ def _check_site(table: Table, row: Row, target: str, facets: tuple[str, ...]) ->
         hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
         raise _row_error(table, row, f"target {target!r} is not a target.{hint} "
                          f"Targets: {', '.join(sorted(TARGETS))}.")
-    roles = TARGET_ROLES[target]
+    roles = TARGETS[target].roles
     for facet in facets:
         if facet not in ALL_FACETS:
             hits = close_matches(facet, ALL_FACETS)

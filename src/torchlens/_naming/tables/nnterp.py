@@ -9,22 +9,19 @@ norm's output) have no row, and resolving one says where to read the tensor inst
 from torchlens._naming.tables import Row, Table
 
 ROWS = (
-    Row("layers_input[{L}]", "block", "resid_pre", "decoder layer input"),
-    Row("attentions_input[{L}]", "attention", "input", "attention input (normed residual)",
-        "nnterp reads the first keyword tensor when the attention is called with keywords only"),
-    Row("attention_probabilities[{L}]", "attention", "pattern", "attention softmax output",
-        "nnterp needs enable_attention_probs=True (eager attention) to read it"),
-    Row("attentions_output[{L}]", "attention", "output", "attention output (element 0)"),
-    Row("mlps_input[{L}]", "mlp", "input", "MLP input (normed residual)"),
-    Row("mlps_output[{L}]", "mlp", "output", "MLP output"),
-    Row("layers_output[{L}]", "block", "resid_post", "decoder layer output (element 0)"),
-    Row("input_ids", "token_embed", "indices", "token ids entering the embedding"),
-    Row("token_embeddings", "token_embed", "output", "token embedding (no position embedding)"),
-    Row("embed_tokens.output", "token_embed", "output", "token embedding module output"),
-    Row("logits", "root", "logits", "logits the model returns (nnterp reads output.logits)",
-        "after any step that follows the unembedding (Gemma-2's final logit softcap); lm_head.output is "
+    Row(name="layers_input[{L}]", target="block", facet="resid_pre", meaning="decoder layer input"),
+    Row(name="attentions_input[{L}]", target="attention", facet="input", meaning="attention input (normed residual)", note="nnterp reads the first keyword tensor when the attention is called with keywords only"),
+    Row(name="attention_probabilities[{L}]", target="attention", facet="pattern", meaning="attention softmax output", note="nnterp needs enable_attention_probs=True (eager attention) to read it"),
+    Row(name="attentions_output[{L}]", target="attention", facet="output", meaning="attention output (element 0)"),
+    Row(name="mlps_input[{L}]", target="mlp", facet="input", meaning="MLP input (normed residual)"),
+    Row(name="mlps_output[{L}]", target="mlp", facet="output", meaning="MLP output"),
+    Row(name="layers_output[{L}]", target="block", facet="resid_post", meaning="decoder layer output (element 0)"),
+    Row(name="input_ids", target="token_embed", facet="indices", meaning="token ids entering the embedding"),
+    Row(name="token_embeddings", target="token_embed", facet="output", meaning="token embedding (no position embedding)"),
+    Row(name="embed_tokens.output", target="token_embed", facet="output", meaning="token embedding module output"),
+    Row(name="logits", target="root", facet="logits", meaning="logits the model returns (nnterp reads output.logits)", note="after any step that follows the unembedding (Gemma-2's final logit softcap); lm_head.output is "
         "the unembedding's own output"),
-    Row("lm_head.output", "unembed", "output", "unembedding module output"),
+    Row(name="lm_head.output", target="unembed", facet="output", meaning="unembedding module output"),
 )
 
 _FINAL_NORM = (

@@ -17,70 +17,62 @@ _HEADS = ("a per-head copy of the residual (cfg.use_split_qkv_input / use_attn_i
 
 def _attn(prefix: str, target: str, stack: str) -> tuple[Row, ...]:
     return (
-        Row(f"{prefix}.hook_q", target, "q", "queries per head", "[batch, pos, heads, d_head]", stack=stack),
-        Row(f"{prefix}.hook_k", target, "k", "keys per head", stack=stack),
-        Row(f"{prefix}.hook_v", target, "v", "values per head", stack=stack),
-        Row(f"{prefix}.hook_attn_scores", target, "scores", "attention logits entering softmax (with T5's position bias)",
-            "masked entries hold the model's fill: compare visible entries", stack=stack),
-        Row(f"{prefix}.hook_pattern", target, "pattern", "softmax of the scores", stack=stack),
-        Row(f"{prefix}.hook_z", target, "z", "pattern @ v per head",
-            "TL is token-major [batch, pos, heads, d_head]; TorchLens z is head-major: z.transpose(1, 2)", stack=stack),
-        Row(f"{prefix}.hook_result", target, "result", "each head's output contribution (cfg.use_attn_result)",
-            stack=stack),
+        Row(name=f"{prefix}.hook_q", target=target, facet="q", meaning="queries per head", note="[batch, pos, heads, d_head]", stack=stack),
+        Row(name=f"{prefix}.hook_k", target=target, facet="k", meaning="keys per head", stack=stack),
+        Row(name=f"{prefix}.hook_v", target=target, facet="v", meaning="values per head", stack=stack),
+        Row(name=f"{prefix}.hook_attn_scores", target=target, facet="scores", meaning="attention logits entering softmax (with T5's position bias)", note="masked entries hold the model's fill: compare visible entries", stack=stack),
+        Row(name=f"{prefix}.hook_pattern", target=target, facet="pattern", meaning="softmax of the scores", stack=stack),
+        Row(name=f"{prefix}.hook_z", target=target, facet="z", meaning="pattern @ v per head", note="TL is token-major [batch, pos, heads, d_head]; TorchLens z is head-major: z.transpose(1, 2)", stack=stack),
+        Row(name=f"{prefix}.hook_result", target=target, facet="result", meaning="each head's output contribution (cfg.use_attn_result)", stack=stack),
     )
 
 
 def _norm(prefix: str, target: str, stack: str, what: str) -> tuple[Row, ...]:
     return (
-        Row(f"{prefix}.hook_scale", target, "scale", f"{what} divisor sqrt(mean(x^2)+eps)", stack=stack),
-        Row(f"{prefix}.hook_normalized", target, "normalized", f"{what} output before the gain", stack=stack),
+        Row(name=f"{prefix}.hook_scale", target=target, facet="scale", meaning=f"{what} divisor sqrt(mean(x^2)+eps)", stack=stack),
+        Row(name=f"{prefix}.hook_normalized", target=target, facet="normalized", meaning=f"{what} output before the gain", stack=stack),
     )
 
 
 def _block(stack: str) -> tuple[Row, ...]:
     p = f"{stack}.{{L}}"
     rows = [
-        Row(f"{p}.hook_resid_pre", "block", "resid_pre", "residual entering the block", stack=stack),
-        Row(f"{p}.hook_q_input", None, None, "residual repeated per head (q path)", _HEADS, stack=stack),
-        Row(f"{p}.hook_k_input", None, None, "residual repeated per head (k path)", _HEADS, stack=stack),
-        Row(f"{p}.hook_v_input", None, None, "residual repeated per head (v path)", _HEADS, stack=stack),
-        Row(f"{p}.hook_attn_in", None, None, "residual repeated per head (cfg.use_attn_in)", _HEADS, stack=stack),
+        Row(name=f"{p}.hook_resid_pre", target="block", facet="resid_pre", meaning="residual entering the block", stack=stack),
+        Row(name=f"{p}.hook_q_input", target=None, facet=None, meaning="residual repeated per head (q path)", note=_HEADS, stack=stack),
+        Row(name=f"{p}.hook_k_input", target=None, facet=None, meaning="residual repeated per head (k path)", note=_HEADS, stack=stack),
+        Row(name=f"{p}.hook_v_input", target=None, facet=None, meaning="residual repeated per head (v path)", note=_HEADS, stack=stack),
+        Row(name=f"{p}.hook_attn_in", target=None, facet=None, meaning="residual repeated per head (cfg.use_attn_in)", note=_HEADS, stack=stack),
         *_norm(f"{p}.ln1", "ln1", stack, "pre-attention norm"),
         *_attn(f"{p}.attn", "attention", stack),
-        Row(f"{p}.hook_attn_out", "attention", "output", "self-attention output", stack=stack),
-        Row(f"{p}.hook_resid_mid", "attn_residual", "output", "residual after the self-attention add",
-            "the output of T5LayerSelfAttention, which adds the residual", stack=stack),
+        Row(name=f"{p}.hook_attn_out", target="attention", facet="output", meaning="self-attention output", stack=stack),
+        Row(name=f"{p}.hook_resid_mid", target="attn_residual", facet="output", meaning="residual after the self-attention add", note="the output of T5LayerSelfAttention, which adds the residual", stack=stack),
     ]
     if stack == "decoder":
         rows += [
-            Row(f"{p}.hook_cross_attn_in", "attn_residual", "output", "cross-attention input residual (cfg.use_attn_in)",
-                "the same tensor as hook_resid_mid", stack=stack),
+            Row(name=f"{p}.hook_cross_attn_in", target="attn_residual", facet="output", meaning="cross-attention input residual (cfg.use_attn_in)", note="the same tensor as hook_resid_mid", stack=stack),
             *_norm(f"{p}.ln2", "ln_cross", stack, "pre-cross-attention norm"),
             *_attn(f"{p}.cross_attn", "cross_attention", stack),
-            Row(f"{p}.hook_cross_attn_out", "cross_attention", "output", "cross-attention output", stack=stack),
-            Row(f"{p}.hook_resid_mid_cross", "cross_residual", "output", "residual after the cross-attention add",
-                "the output of T5LayerCrossAttention, which adds the residual", stack=stack),
-            Row(f"{p}.hook_mlp_in", "cross_residual", "output", "MLP input residual (cfg.use_hook_mlp_in)",
-                "the same tensor as hook_resid_mid_cross", stack=stack),
+            Row(name=f"{p}.hook_cross_attn_out", target="cross_attention", facet="output", meaning="cross-attention output", stack=stack),
+            Row(name=f"{p}.hook_resid_mid_cross", target="cross_residual", facet="output", meaning="residual after the cross-attention add", note="the output of T5LayerCrossAttention, which adds the residual", stack=stack),
+            Row(name=f"{p}.hook_mlp_in", target="cross_residual", facet="output", meaning="MLP input residual (cfg.use_hook_mlp_in)", note="the same tensor as hook_resid_mid_cross", stack=stack),
             *_norm(f"{p}.ln3", "ln2", stack, "pre-MLP norm"),
         ]
     else:
         rows += [
-            Row(f"{p}.hook_mlp_in", "attn_residual", "output", "MLP input residual (cfg.use_hook_mlp_in)",
-                "the same tensor as hook_resid_mid", stack=stack),
+            Row(name=f"{p}.hook_mlp_in", target="attn_residual", facet="output", meaning="MLP input residual (cfg.use_hook_mlp_in)", note="the same tensor as hook_resid_mid", stack=stack),
             *_norm(f"{p}.ln2", "ln2", stack, "pre-MLP norm"),
         ]
     rows += [
-        Row(f"{p}.mlp.hook_pre", "mlp", "pre", "activation input (T5 wi output)", stack=stack),
-        Row(f"{p}.mlp.hook_post", "mlp", "post", "down projection input", stack=stack),
-        Row(f"{p}.hook_mlp_out", "mlp", "output", "MLP output", stack=stack),
-        Row(f"{p}.hook_resid_post", "block", "resid_post", "residual leaving the block", stack=stack),
+        Row(name=f"{p}.mlp.hook_pre", target="mlp", facet="pre", meaning="activation input (T5 wi output)", stack=stack),
+        Row(name=f"{p}.mlp.hook_post", target="mlp", facet="post", meaning="down projection input", stack=stack),
+        Row(name=f"{p}.hook_mlp_out", target="mlp", facet="output", meaning="MLP output", stack=stack),
+        Row(name=f"{p}.hook_resid_post", target="block", facet="resid_post", meaning="residual leaving the block", stack=stack),
     ]
     return tuple(rows)
 
 
 ROWS = (
-    Row("hook_embed", "token_embed", "output", "encoder token embedding"),
+    Row(name="hook_embed", target="token_embed", facet="output", meaning="encoder token embedding"),
     *_block("encoder"),
     *_norm("encoder_final_ln", "final_norm", "encoder", "encoder final norm"),
     *_block("decoder"),

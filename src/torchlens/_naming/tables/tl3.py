@@ -24,9 +24,8 @@ ROWS = (
     tl4.ROWS
     + tuple(r for r in tl2.ROWS if r.name in LEGACY_ALIASES)
     + (
-        Row("hook_embed", "token_embed", "output", "token embedding (alias of embed.hook_out)",
-            "the embedding module's output: after Gemma's sqrt(d_model) scaling where that module applies it"),
-        Row("hook_unembed", "unembed", "output", "logits (alias of unembed.hook_out)"),
+        Row(name="hook_embed", target="token_embed", facet="output", meaning="token embedding (alias of embed.hook_out)", note="the embedding module's output: after Gemma's sqrt(d_model) scaling where that module applies it"),
+        Row(name="hook_unembed", target="unembed", facet="output", meaning="logits (alias of unembed.hook_out)"),
     )
 )
 

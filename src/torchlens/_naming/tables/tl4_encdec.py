@@ -24,7 +24,7 @@ _ALIASES = (
 
 def _moved(row: Row, name: str, stack: str, target: str | None = None) -> Row:
     facet = "output" if target in ("attn_residual", "cross_residual") else row.facet  # a wrapper's output
-    return Row(name, target or row.target, facet, row.meaning, row.note, row.in_report, stack)
+    return Row(name=name, target=target or row.target, facet=facet, meaning=row.meaning, note=row.note, in_report=row.in_report, stack=stack)
 
 
 def encoder_decoder_rows(rows: tuple[Row, ...]) -> tuple[Row, ...]:
@@ -55,9 +55,6 @@ def encoder_decoder_rows(rows: tuple[Row, ...]) -> tuple[Row, ...]:
                               "cross_residual" if rest == "hook_mlp_in" else None))
     for prefix, stack in (("encoder_blocks", "encoder"), ("decoder_blocks", "decoder")):
         for name, target, facet, meaning in _ALIASES:
-            out.append(Row(f"{prefix}.{{L}}.{name}", target, facet, meaning, "a block alias of the bridge",
-                           stack=stack))
-    out.append(Row("decoder_blocks.{L}.hook_cross_attn_out", "cross_attention", "output",
-                   "cross-attention output (its contribution to the residual)", "a block alias of the bridge",
-                   stack="decoder"))
+            out.append(Row(name=f"{prefix}.{{L}}.{name}", target=target, facet=facet, meaning=meaning, note="a block alias of the bridge", stack=stack))
+    out.append(Row(name="decoder_blocks.{L}.hook_cross_attn_out", target="cross_attention", facet="output", meaning="cross-attention output (its contribution to the residual)", note="a block alias of the bridge", stack="decoder"))
     return tuple(out)
