@@ -5,9 +5,9 @@ The steps, in order (`assemble`):
 1. `check_compiled`: refuse a trace with a hole where compiled code ran unseen.
 2. `drop_overwritten`: a saved op output that a write the mode could not see changed is dropped,
    with a warning, so no value the model did not produce there is served.
-3. the structure (`_structure.find`: stacks, layers, final norm, unembedding; settles roles).
-4. the facets of every call (`_facets.derive`).
-5. `CapturePlan.trim` (`torchlens._save`): what `save=` does not keep is dropped.
+3. the structure (`_analysis.structure.find`: stacks, layers, final norm, unembedding; settles roles).
+4. the facets of every call (`_analysis.facets.derive`).
+5. `CapturePlan.trim` (`torchlens._analysis.selection`): what `save=` does not keep is dropped.
 6. `module_records`: one `ModuleRecord` per canonical address, its calls with their `FacetMap`.
 7. `CapturePlan.check_kept`: a selection that kept nothing in this forward raises.
 

@@ -40,7 +40,7 @@ from torchlens._naming.resolver import resolve_alias
 __all__ = ["EditPlan", "EditRecord", "plan_edits"]
 
 #: Facets served by a module's hooks (facet -> 'in'/'out') and what to edit instead of a facet no
-#: single op produces: both from the facet rows (`torchlens._facet_spec`).
+#: single op produces: both from the facet rows (`torchlens._core.facet_spec`).
 _HOOK_FACETS, _REMEDIES = HOOK_SIDES, REMEDIES
 
 

@@ -33,7 +33,7 @@ class Trace:
         model_class: the root module's class name.
         save_spec: the normalized `save=` selection the trace was taken with.
         structure: the model's stacks, layers and sublayers as TorchLens found them
-            (`structure.stacks`, `structure.kind`; see `torchlens._structure`).
+            (`structure.stacks`, `structure.kind`; see `torchlens._analysis.structure`).
         edits: for a trace taken with `edit=`, one record per key: the site, the calls edited, how
             the edit was placed and how often it ran; empty otherwise (not kept by `save`/`load`).
     """

@@ -37,7 +37,7 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
             modules); a callable `predicate(address, facet) -> bool` keeps the facets it accepts.
             During capture a selection holds only what it needs: a facet a hook sees
             (`resid_post`, `logits`) is held alone, the ops inside a module are held for a facet
-            found from them (`pattern`) or for a named module; see `torchlens._save`.
+            found from them (`pattern`) or for a named module; see `torchlens._analysis.selection`.
         roles: where TorchLens's structure rules cannot tell, name roles yourself: a dict from a
             module address or glob pattern (`"encoder.blocks.*"`; `*` is one address part) to
             `"block"`, `"attention"`,
@@ -49,7 +49,7 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
             forward; a directory path writes them to safetensors files there as capture goes
             (each time a top-level block ends) and serves them as memory-mapped views, read back
             lazily, so the peak memory during capture stays near the plain forward's plus one
-            layer's saved tensors; see `torchlens._store`.
+            layer's saved tensors; see `torchlens._capture.stores`.
         edit: sites to replace as the model computes them: a dict from a key (a hook name of any
             naming generation such as `"blocks.0.hook_resid_post"`, `"address:facet"`, or a tuple
             `(module_address, facet)` / `(module_address, facet, call)`) to a function

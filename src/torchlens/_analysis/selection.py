@@ -13,7 +13,7 @@ One module holds every `save=` rule, in the order a trace uses them:
    facet, `SaveSpec.covers` for an op output) and `CapturePlan.check_kept` raises "kept
    nothing" for what only the forward could tell.
 
-Where a facet's tensor comes from is read from its row in `torchlens._facet_spec`:
+Where a facet's tensor comes from is read from its row in `torchlens._core.facet_spec`:
 
 - an `"io"` facet (`FacetSpec.hooks`): a tensor a module hook sees, such as `resid_post` (a
   block's output), `final_norm_input` (the input of a norm outside every block, where the final
@@ -239,7 +239,7 @@ def plan_capture(spec: SaveSpec, roles: Mapping[str, str], modules: Mapping[str,
 
     Args:
         spec: the parsed `save=`.
-        roles: canonical address -> role before the forward (`_structure.static_roles`, a
+        roles: canonical address -> role before the forward (`_analysis.role_rules.static_roles`, a
             superset of the roles the forward settles).
         modules: canonical address -> module.
 

@@ -2,7 +2,7 @@
 
 This one module decides which module calls play which role. It is read by the facet code
 (`facets.derive` asks it for the final norm and the unembedding) and by the name resolver
-(`mechinterp.targets` asks it for layers and sublayers), so both sides agree on every rule.
+(`_naming.targets` asks it for layers and sublayers), so both sides agree on every rule.
 
 Roles are found in two passes:
 
@@ -384,7 +384,7 @@ def _feeds_kernel(flow: Graph, producer: ModuleCall, attn: ModuleCall) -> bool:
 
 
 def _encoder_named(model: nn.Module, stack: Stack, modules: dict[str, nn.Module]) -> bool:
-    """Whether the stack is an encoder by the family data (`_roles.ENCODER_MODEL_TYPES`, class names)."""
+    """Whether the stack is an encoder by the family data (`_core.roles.ENCODER_MODEL_TYPES`, class names)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in _roles.ENCODER_MODEL_TYPES:
         return True

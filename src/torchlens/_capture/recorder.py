@@ -7,9 +7,9 @@ its name, the module running it, references to the ops that produced its tensor 
 shapes of its outputs. The hooks keep a stack of module calls, so each op knows where it ran.
 No torch function or class is patched; every hook and the mode are removed before `trace`
 returns or raises. Two things are changed for the duration of a trace and then restored: the
-`torch.compile` stance is set to `force_eager` process-wide (see `compiled.py`: other threads
+`torch.compile` stance is set to `force_eager` process-wide (see `torchlens._capture.compiled`: other threads
 running compiled code meanwhile run it eagerly too), and the hooks accelerate attaches to a
-dispatched model's modules are wrapped on those modules only (see `_dispatch.py`). Traces nest: an outer trace records the model ops an inner trace runs, never the inner
+dispatched model's modules are wrapped on those modules only (see `torchlens._capture.accelerate`). Traces nest: an outer trace records the model ops an inner trace runs, never the inner
 recorder's own bookkeeping (which runs with torch functions disabled when a mode lies below).
 
 Saved tensors are detached *aliases*, not copies, which keeps capture fast and memory-lean.
@@ -40,7 +40,7 @@ When `trace` returns, every saved alias that still shares storage with a tensor 
 reach (the model's inputs, parameters and buffers, the returned output, or any recorded tensor
 still alive) is replaced by a copy, so later in-place writes by the caller (an optimizer step, a
 corrupted prompt built in the same `ids` tensor) leave the finished trace unchanged
-(`torchlens._snapshot.snapshot`).
+(`torchlens._capture.snapshot.snapshot`).
 """
 
 from __future__ import annotations
@@ -85,13 +85,13 @@ class Recorder(TorchFunctionMode):
     Args:
         names: module object to canonical address.
         roles: address to role.
-        plan: the `CapturePlan` (`torchlens._save`): whether every op keeps its output, which
+        plan: the `CapturePlan` (`torchlens._analysis.selection`): whether every op keeps its output, which
             calls (and everything inside them) keep their op outputs, and which keep only the
             tensors their hooks see as input or output.
         param_names: `id(parameter)` to qualified name.
         edits: an `EditPlan`: sites to replace as the forward computes
             them (module inputs/outputs in the hooks, op outputs in the mode), or None.
-        spill: a `torchlens._store.DirectoryStore` to write held tensors to as capture goes
+        spill: a `torchlens._capture.stores.DirectoryStore` to write held tensors to as capture goes
             (each time a top-level block call ends), or None to keep them in memory.
     """
 

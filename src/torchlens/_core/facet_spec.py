@@ -7,7 +7,7 @@ can be missing on a module of its role, whether an edit can replace it and what 
 it cannot. Everything else that knows about facets reads these rows:
 
 - `FACETS` (role -> facet -> prose) and `ALL_FACETS`, the vocabulary `save=` and the naming
-  tables are checked against (`torchlens.mechinterp._tables` validates every row at import);
+  tables are checked against (`torchlens._naming.tables` validates every row at import);
 - the layout sets `compare` and its diagnosis use (`PER_HEAD`, `TOKEN_MAJOR`, `HEAD_MAJOR`,
   `KV_HEADS`, `KERNEL_REBUILT`);
 - the reason the resolver gives for a facet a module lacks (`absent_reason`);
@@ -77,7 +77,7 @@ class FacetSpec:
 
     Attributes:
         name: the facet name (`trace.modules[address].facets[name]`).
-        roles: the roles whose calls report it (`torchlens._roles.ROLES`), or `("any",)` for the
+        roles: the roles whose calls report it (`torchlens._core.roles.ROLES`), or `("any",)` for the
             facets of every module call.
         axes: the layout, one name per axis (`("batch", "pos", "heads", "d_head")`); `()` for
             `input`/`output`, whose layout is the module's own.

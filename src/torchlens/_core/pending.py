@@ -50,7 +50,7 @@ class Pending:
 
         An input gets `("version", t._version)`: every tensor the finished trace holds on one
         storage (with one dtype) shares one version counter (capture's aliases are views and
-        detached aliases of the model's tensors; the copies `_snapshot` and `_store` make are
+        detached aliases of the model's tensors; the copies `_capture.snapshot` and `_capture.stores` make are
         views of one base tensor per storage and dtype), so an in-place write through any of
         them, or through a view the caller made of one, moves it. An inference tensor has no
         counter, and one in `split` (its bytes overlap a tensor of another dtype the trace holds,
@@ -202,7 +202,7 @@ def stamp(t: Any) -> torch.Tensor | None:
 def seal_checks(trace: Any) -> None:
     """Seal every pending facet check of the finished `trace` (`Pending.seal`).
 
-    Called by `trace` as its last step, once `_snapshot` and the store have put the tensors
+    Called by `trace` as its last step, once `_capture.snapshot` and the store have put the tensors
     the trace keeps where they stay. An input whose bytes overlap a tensor of another dtype the
     trace holds on the same storage is `split`: the copies of such a storage have one version
     counter per dtype, so a write through the other dtype would not move the input's counter.

@@ -1,10 +1,10 @@
 """What TorchLens knows about modules: the roles they can have and how to read their parameters.
 
 The rules that give modules their roles from the recorded data flow (block, attention, MLP,
-norm, embedding, unembedding) live in `torchlens._structure`, the `roles=` override with them.
+norm, embedding, unembedding) live in `torchlens._analysis.structure`, the `roles=` override with them.
 This module holds the data those rules read: the role names, the attribute and class-name hints,
 the norm classes, weight layouts and where a norm keeps its epsilon. What TorchLens knows about
-ops (names, classification, tolerances) is in `torchlens._ops`. Supporting a new family means
+ops (names, classification, tolerances) is in `torchlens._core.ops`. Supporting a new family means
 adding a name here or there, never an `if family == ...` branch.
 
 The attribute and class-name hints (`ATTENTION_ATTRS`, `MLP_ATTRS`, ...) are used only *before*

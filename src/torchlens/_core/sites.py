@@ -58,7 +58,7 @@ class FacetSite:
     # While a check is pending: the deferred check (a `Pending`, shared by the sites it checks
     # together) and `_inputs`, the one list of tensors it computes from, weights included. The
     # protocol for code that holds or moves a trace's tensors: `_inputs` entries are captured
-    # as the forward left them and are read only when the check runs; `_snapshot` copies those
+    # as the forward left them and are read only when the check runs; `_capture.snapshot` copies those
     # the caller could still write into, and a store may replace an entry in place by a tensor
     # with the same values (on any device; the check computes where its inputs are), keeping
     # every tensor the trace holds on one storage and dtype on one version counter (views of one

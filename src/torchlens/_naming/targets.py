@@ -5,7 +5,7 @@ says *where* that is in a given trace. Each target is found from module roles an
 module's output feeds which module's input, so the same row reads the right module on GPT-2
 (`transformer.h.0.ln_2`), Llama (`model.layers.0.post_attention_layernorm`) or Gemma-2
 (`model.layers.0.pre_feedforward_layernorm`). Layers, sublayers, embeddings, final norm and
-unembedding come from the trace's structure (`torchlens._structure`), so
+unembedding come from the trace's structure (`torchlens._analysis.structure`), so
 a layer index counts the calls of the language-model stack's blocks.
 """
 
@@ -148,7 +148,7 @@ def _attn_o(trace: Trace, layer: int) -> ModuleCall | None:
     return weighted[-1] if weighted else None
 
 
-#: The facet only a gated MLP has (its row in `torchlens._facet_spec` says why others lack it).
+#: The facet only a gated MLP has (its row in `torchlens._core.facet_spec` says why others lack it).
 _GATED_BY = "pre_linear"
 
 
@@ -436,7 +436,7 @@ def find_call(trace: Trace, target: str, layer: int | None, stack: str | None = 
             return None, f"the model has no single {stack} stack"
         if layer is not None:
             layer = st.layers[layer]
-        if target == "final_norm":  # the stack's own, by `_structure`'s one final-norm rule
+        if target == "final_norm":  # the stack's own, by `_analysis.structure`'s one final-norm rule
             return st.final_norm, "no norm reads the last layer's output"
     return finder(trace, layer), why
 

@@ -2,7 +2,7 @@
 
 A facet is found by following which op consumed which tensor inside a module call, never by
 reading a tensor's name in the model's source. The module's *role* (from
-`torchlens._structure`) says which facets to look for:
+`torchlens._analysis.structure`) says which facets to look for:
 
 | role | facets |
 |---|---|
@@ -109,7 +109,7 @@ def _logits_site(g: Graph, root: ModuleCall, unembed: ModuleCall) -> FacetSite |
 
 
 def _root_facets(g: Graph, root: ModuleCall, calls: list[ModuleCall], structure: Any) -> dict[str, FacetSite]:
-    """`logits` (from the unembedding) and `final_norm_input` (from `_structure`'s one final-norm rule)."""
+    """`logits` (from the unembedding) and `final_norm_input` (from `_analysis.structure`'s one final-norm rule)."""
     sites = {}
     unembed = structure.unembed if structure is not None else next((c for c in calls if c.role == "unembed"), None)
     if unembed is not None:

@@ -6,13 +6,13 @@ one row per name: the pattern, the site it points at, what it means — makes th
 reviewable line by line, lets one resolver serve every generation, and lets the docs print
 the very rows the resolver reads (`scripts/gen_alias_pages.py`).
 
-A row points at a *site*: a **target** module (see [`torchlens.mechinterp._targets`][]) and
+A row points at a *site*: a **target** module (see [`torchlens._naming.targets`][]) and
 a **facet** of it. `{L}` in a pattern is the layer: the position of the decoder block in the
 order the blocks ran (`LAYER` is what it matches).
 
 Every `Table` is checked when it is built, so a mistyped table fails at import instead of
 quietly reporting its names `structurally_absent`: each row's facets exist
-(`torchlens._facet_spec.ALL_FACETS`) and fit its target's role, each target exists
+(`torchlens._core.facet_spec.ALL_FACETS`) and fit its target's role, each target exists
 (`targets.TARGETS`), no name appears twice, and no row's pattern matches another row's
 names. A violation raises `TableError` naming the table and the row.
 """
