@@ -33,6 +33,7 @@ from torchlens._core.facet_spec import FACETS
 from torchlens._core.records import ModuleCall, ModuleMap, ModuleRecord, OpRecord, Ref
 from torchlens._core.sites import FacetMap, FacetSite
 from torchlens._core.version import __version__ as __version__
+from torchlens._draw import Drawing
 from torchlens._edits import EditRecord
 from torchlens._persist import TraceFileError, load
 from torchlens._trace import Trace
@@ -53,6 +54,7 @@ __all__ = [
     "Stack",
     "Layer",
     "EditRecord",
+    "Drawing",
     "FACETS",
     "TorchLensError",
     "LookupFailed",

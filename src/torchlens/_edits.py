@@ -59,7 +59,7 @@ class EditRecord:
         applied: how many times the edit ran in the edited forward (one per call).
     """
 
-    key: Any
+    key: str | tuple
     module_address: str
     facet: str
     calls: tuple[int, ...]

@@ -29,7 +29,7 @@ import platform
 import sys
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from torchlens._core.holdings import storage_ptr
 from torchlens._core.persisted import PERSISTED
 from torchlens._core.records import Ref
 from torchlens._core.version import __version__
+
+if TYPE_CHECKING:
+    from torchlens._trace import Trace
 
 __all__ = ["TraceFileError", "save", "load", "FORMAT", "FORMAT_VERSION"]
 
@@ -331,7 +334,7 @@ class _Decoder:
         raise TraceFileError(f"torchlens.load: unexpected value {str(v)[:80]!r} in trace.json.")
 
 
-def load(path: str | os.PathLike) -> Any:
+def load(path: str | os.PathLike) -> Trace:
     """Read a trace written by [`Trace.save`][torchlens.Trace.save].
 
     Only JSON and safetensors are read; nothing is unpickled, so loading a trace cannot run

@@ -4,7 +4,8 @@ the notebook table) and saved."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +16,10 @@ from torchlens._core.persisted import persisted
 from torchlens._core.records import ModuleMap, OpRecord
 from torchlens._naming.resolver import resolve_alias
 from torchlens._naming.results import AliasError
+
+if TYPE_CHECKING:
+    from torchlens._analysis.selection import SaveSpec
+    from torchlens._analysis.structure import Structure
 
 __all__ = ["Trace"]
 
@@ -33,12 +38,13 @@ class Trace:
         model_class: the root module's class name.
         save_spec: the normalized `save=` selection the trace was taken with.
         structure: the model's stacks, layers and sublayers as TorchLens found them
-            (`structure.stacks`, `structure.kind`; see `torchlens._analysis.structure`).
+            (`structure.stacks`, `structure.kind`: a [`Structure`][torchlens.Structure]).
         edits: for a trace taken with `edit=`, one record per key: the site, the calls edited, how
             the edit was placed and how often it ran; empty otherwise (not kept by `save`/`load`).
     """
 
-    def __init__(self, ops, modules, output, blocks, model_class, save, structure=None):
+    def __init__(self, ops: list[OpRecord], modules: ModuleMap, output: Any, blocks: list[str], model_class: str,
+                 save: SaveSpec, structure: Structure | None = None):
         self.ops: list[OpRecord] = ops
         self.modules: ModuleMap = modules
         self.output = output
@@ -48,7 +54,7 @@ class Trace:
         self.structure = structure
         self.edits: tuple = ()
 
-    def save(self, path: str | os.PathLike, model: Any = None) -> list[str]:
+    def save(self, path: str | os.PathLike, model: torch.nn.Module | None = None) -> list[str]:
         """Write this trace to the directory `path`, for [`torchlens.load`][torchlens.load].
 
         Tensors go to a safetensors file, everything else (module tree, op records, facets,
@@ -67,7 +73,17 @@ class Trace:
         """
         return _persist.save(self, path, model)
 
-    def draw(self, path: str | os.PathLike | None = None, **options: Any) -> Any:
+    def draw(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        rolled: bool = True,
+        depth: int | None = None,
+        focus: str | None = None,
+        highlight: str | Sequence[str] | Mapping[str, Sequence[str]] | None = None,
+        generation: str | None = None,
+        max_nodes: int | None = _draw.MAX_NODES,
+    ) -> _draw.Drawing:
         """The op graph as SVG text (shown as the picture in a notebook), written to `path` if given.
 
         Every op is a node (index, name, output shape, dtype where it changes), with the model inputs,
@@ -78,17 +94,21 @@ class Trace:
         Args:
             path: where to write the drawing: a `.svg`, `.png` or `.pdf` file (PNG and PDF are
                 rendered by Graphviz), or None.
-            **options: `rolled=True` (each stack's layers with one recorded op sequence drawn once,
-                `×N`; a differing layer, or a second call of one block, drawn apart with the reason),
-                `depth=None` (levels of module boxes; deeper modules are one node each; `0`: no boxes),
-                `focus=None` (a module address or a hook name: that module's ops and the edges into
-                and out of it), `highlight=None` (hook names with `generation=`, a dict generation
-                -> names, or `"facets"`: each marked on the op whose output it reads, with its
-                status), `generation=None`, `max_nodes=4000` (past it the call refuses before the
-                layout and says how to narrow the drawing; None: no limit).
+            rolled: each stack's layers with one recorded op sequence drawn once, `×N`; a differing
+                layer, or a second call of one block, drawn apart with the reason. False draws
+                every op.
+            depth: levels of module boxes; deeper modules are one node each; `0`: no boxes;
+                None: every level.
+            focus: a module address or a hook name: that module's ops and the edges into and out
+                of it.
+            highlight: hook names (with `generation=`), a dict generation -> names, or `"facets"`:
+                each marked on the op whose output it reads, with its status.
+            generation: the naming generation of `highlight` and `focus` names.
+            max_nodes: past this many nodes and boxes the call refuses before the layout and says
+                how to narrow the drawing; None: no limit.
 
         Returns:
-            A `torchlens._draw.Drawing`: the SVG as a `str`, with `counts`, `unplaced` (names with no
+            A [`Drawing`][torchlens.Drawing]: the SVG as a `str`, with `counts`, `unplaced` (names with no
             mark, and why) and `groups` (each rolled stack's groups of layers, and why a group is apart).
 
         Raises:
@@ -97,7 +117,8 @@ class Trace:
             LookupFailed: a `highlight=` or `focus=` name that no naming table knows, with close matches.
             LayoutEngineMissing: pygraphviz is not installed (`pip install 'torchlens[draw]'`).
         """
-        return _draw.draw(self, path, **options)
+        return _draw.draw(self, path, rolled=rolled, depth=depth, focus=focus, highlight=highlight,
+                          generation=generation, max_nodes=max_nodes)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         """The tensor at a site: `trace["address:facet"]`, or any name another library uses.

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from torchlens._analysis.selection import parse_save, plan_capture
 from torchlens._analysis.role_rules import parse_roles, static_roles
@@ -23,8 +25,15 @@ from torchlens._trace import Trace
 __all__ = ["trace"]
 
 
-def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, store: Any = None,
-          edit: Any = None, **kwargs: Any) -> Trace:
+def trace(
+    model: nn.Module,
+    *args: Any,
+    save: str | Sequence[str] | Callable[[str, str], bool] = "all",
+    roles: Mapping[str, str] | None = None,
+    store: str | os.PathLike | None = None,
+    edit: Mapping[str | tuple, Callable[[Tensor], Tensor] | Tensor] | None = None,
+    **kwargs: Any,
+) -> Trace:
     """Run `model(*args, **kwargs)` once in eager mode and record everything it does.
 
     Args:
@@ -37,7 +46,8 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
             modules); a callable `predicate(address, facet) -> bool` keeps the facets it accepts.
             During capture a selection holds only what it needs: a facet a hook sees
             (`resid_post`, `logits`) is held alone, the ops inside a module are held for a facet
-            found from them (`pattern`) or for a named module; see `torchlens._analysis.selection`.
+            found from them (`pattern`) or for a named module; see the
+            [Facets guide](../guides/facets.md#saving-less).
         roles: where TorchLens's structure rules cannot tell, name roles yourself: a dict from a
             module address or glob pattern (`"encoder.blocks.*"`; `*` is one address part) to
             `"block"`, `"attention"`,
@@ -49,7 +59,7 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
             forward; a directory path writes them to safetensors files there as capture goes
             (each time a top-level block ends) and serves them as memory-mapped views, read back
             lazily, so the peak memory during capture stays near the plain forward's plus one
-            layer's saved tensors; see `torchlens._capture.stores`.
+            layer's saved tensors; see [Large traces](../guides/storage.md).
         edit: sites to replace as the model computes them: a dict from a key (a hook name of any
             naming generation such as `"blocks.0.hook_resid_post"`, `"address:facet"`, or a tuple
             `(module_address, facet)` / `(module_address, facet, call)`) to a function
@@ -57,7 +67,7 @@ def trace(model: nn.Module, *args: Any, save: Any = "all", roles: Any = None, st
             of the site's shape. A site of a module that runs several times is edited on every call
             unless the key names one. The returned trace records the edited forward and lists the
             edits in `trace.edits`. An edited trace first runs one locating pass (`save="none"`)
-            to find each site's hook or op; see `torchlens._edits`.
+            to find each site's hook or op; see [Interventions](../guides/interventions.md).
         **kwargs: keyword inputs of the forward.
 
     Returns:

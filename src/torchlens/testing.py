@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:  # transformers stays an optional import of the library
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 __all__ = [
     "FAMILIES",
@@ -134,7 +134,7 @@ def _is_norm(name: str) -> bool:
     return "norm" in name.lower() or ".ln" in name or name.startswith("ln")
 
 
-def from_config(config: Any, model_class: type, attn_implementation: str = "eager",
+def from_config(config: PretrainedConfig, model_class: type, attn_implementation: str = "eager",
                 dtype: torch.dtype = torch.float32, perturb_norms: bool = True) -> torch.nn.Module:
     """Build `model_class(config)` with seeded weights, in eval mode and `dtype`.
 
@@ -285,7 +285,7 @@ def tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
         [5, 9, 63]
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
     words = {"<unk>": 0, "<bos>": 1, "<eos>": 2, "<pad>": 3, **{f"t{i}": i for i in range(4, vocab)}}
     backend = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))

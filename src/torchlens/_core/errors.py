@@ -61,7 +61,7 @@ class LookupFailed(TorchLensError, KeyError):
     """Base of every lookup error: a module, facet or alias name that finds nothing.
 
     It is a `KeyError` (so `except KeyError` keeps working) whose message prints as written,
-    not quoted. Import it from `torchlens._core.errors` to catch any failed lookup at once.
+    not quoted. Catch `torchlens.LookupFailed` to catch any failed lookup at once.
     """
 
     def __str__(self) -> str:

@@ -126,8 +126,8 @@ class ModuleCall:
     facets: FacetMap | None = None
     parent: ModuleCall | None = field(default=None, repr=False)
     retained: bool = field(default=False, repr=False)
-    input_ref: Any = field(default=None, repr=False)
-    output_ref: Any = field(default=None, repr=False)
+    input_ref: Ref | str | None = field(default=None, repr=False)
+    output_ref: Ref | str | None = field(default=None, repr=False)
     # Aliases of the input and output tensors, kept during capture where the producing op's
     # output is not; dropped when the trace is finished.
     _in: Any = field(default=None, repr=False)

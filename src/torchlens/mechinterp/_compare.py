@@ -163,7 +163,7 @@ def compare(
     editable: bool = False,
     tolerance: str | None = None,
     model: nn.Module | None = None,
-    inputs: Any = None,
+    inputs: Tensor | tuple | Mapping[str, Any] | None = None,
     explain: bool = True,
 ) -> ComparisonReport:
     """Compare tensors read from another engine with the trace's tensors at the same names.
