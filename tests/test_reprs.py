@@ -320,3 +320,23 @@ def test_facets_are_listed_in_forward_order(trace):
     assert mlp == ["input", "pre", "act", "post", "down_out", "output"]
     row = next(line for line in trace.summary().splitlines() if line.startswith("transformer.h.1 "))
     assert row.index("resid_pre") < row.index("resid_mid") < row.index("resid_post") < row.index("output")
+
+
+def test_trace_html_folds_the_rolled_op_graph_under_the_table(trace):
+    """The notebook view of a trace shows its rolled op graph (what `trace.draw()` returns), folded
+    in the table's footer; a trace too large for it says how to draw it instead."""
+    table = _parse(trace._repr_html_())
+    footer = table.find("tfoot")
+    svg = footer.find(".//{http://www.w3.org/2000/svg}svg")
+    assert svg is not None and footer.find(".//summary").text.startswith("op graph")
+    drawn = ET.fromstring(trace.draw())
+    svg.tail = drawn.tail = None
+    assert ET.tostring(svg) == ET.tostring(drawn)
+    small = type(trace).REPR_DRAWING_NODES
+    try:
+        type(trace).REPR_DRAWING_NODES = 5
+        footer = _parse(trace._repr_html_()).find("tfoot")
+        assert footer.find(".//{http://www.w3.org/2000/svg}svg") is None
+        assert "trace.draw(focus=" in "".join(footer.itertext())
+    finally:
+        type(trace).REPR_DRAWING_NODES = small

@@ -13,6 +13,7 @@ from torchlens import _draw, _persist
 from torchlens._core.errors import LookupFailed
 from torchlens._core import html
 from torchlens._core.persisted import persisted
+from torchlens._drawing.errors import DrawingTooLarge, LayoutEngineMissing
 from torchlens._core.records import ModuleMap, OpRecord
 from torchlens._naming.resolver import resolve_alias
 from torchlens._naming.results import AliasError
@@ -214,7 +215,8 @@ class Trace:
         Facets are listed with their shapes; a facet this trace did not save is grey and starred,
         and a computed or reconstructed (read-only) facet is in italics; a facet's tooltip says
         when its check is pending. Past `max_rows` modules the table says how many it left out.
-        It computes nothing.
+        It runs no check. Under the table, folded, is the rolled op graph (`draw()`), when it has at
+        most `REPR_DRAWING_NODES` nodes and boxes; otherwise a line says how to draw it.
         """
         ran = [rec for rec in self.modules.values() if rec.calls]
         rows = []
@@ -239,5 +241,22 @@ class Trace:
         pending = self.pending
         if pending:
             notes.append(f"{pending} facets are checked on first read (or by trace.check()).")
-        return html.table(["module", "role", "calls", "facets"], rows, caption=repr(self), note=" ".join(notes))
+        return html.table(["module", "role", "calls", "facets"], rows, caption=repr(self), note=" ".join(notes),
+                          footer=self._html_drawing())
+
+    #: The most nodes the notebook view of a trace lays out for its folded op graph.
+    REPR_DRAWING_NODES = 400
+
+    def _html_drawing(self) -> str:
+        """The rolled op graph, folded under the notebook table, or why it is not there."""
+        try:
+            svg = self.draw(max_nodes=self.REPR_DRAWING_NODES)
+        except DrawingTooLarge:
+            why = (f"its rolled op graph has more than {self.REPR_DRAWING_NODES} nodes; draw it with "
+                   f"trace.draw(focus=..., depth=...)")
+        except LayoutEngineMissing as exc:
+            why = f"no op graph: {exc}"
+        else:
+            return f"<details><summary>op graph (rolled; trace.draw())</summary>{svg}</details>"
+        return f"<small>{html.esc(why)}</small>"
 

@@ -28,8 +28,9 @@ def nowrap(html_text: str) -> str:
     return f'<span style="white-space:nowrap">{html_text}</span>'
 
 
-def table(head: list[str], rows: list[list[str]], caption: str = "", note: str = "") -> str:
-    """An HTML table: `head` is plain text, `rows` are cells of HTML, `note` a last full-width row."""
+def table(head: list[str], rows: list[list[str]], caption: str = "", note: str = "", footer: str = "") -> str:
+    """An HTML table: `head` is plain text, `rows` are cells of HTML, `note` a last full-width row,
+    `footer` HTML in a full-width footer cell (`<tfoot>`)."""
     parts = ['<table class="tl-repr">']
     if caption:
         parts.append(f'<caption style="text-align:left;caption-side:top;padding:2px 8px">{esc(caption)}</caption>')
@@ -40,5 +41,8 @@ def table(head: list[str], rows: list[list[str]], caption: str = "", note: str =
         parts.append("<tr>" + "".join(f'<td style="{_CELL}">{cell}</td>' for cell in row) + "</tr>")
     if note:
         parts.append(f'<tr><td colspan="{len(head)}" style="{_CELL};color:#57606a">{esc(note)}</td></tr>')
-    parts.append("</tbody></table>")
+    parts.append("</tbody>")
+    if footer:
+        parts.append(f'<tfoot><tr><td colspan="{len(head)}" style="{_CELL}">{footer}</td></tr></tfoot>')
+    parts.append("</table>")
     return "".join(parts)
