@@ -21,12 +21,36 @@ before the run is reported, then what is still resident while the result is aliv
 lets freed tensors stay in the heap, so a peak can vary by about 100 MiB between runs of one mode;
 `--mmap-threshold 65536` fixes it for the memory children, making peaks repeatable.
 
+Grad modes: every in-process mode runs twice in the same rounds, under `torch.no_grad()` (its
+plain name, `all`) and with autograd on, as the docs call `tl.trace` (`all+grad`); each ratio is
+to the plain forward in the same grad mode, and `grad_over_no_grad` is the median over the
+rounds of a mode's time with autograd over its time without (`--grad off|on|both`).
+
+Threads: the whole plan runs once per `--threads` count (default 1, then 2), in the same process;
+the first count's results are the top-level `models` (what `gen_perf_page.py` always read), every
+count's are under `by_threads`. Memory is measured for the first count only.
+
+Times: wall-clock seconds (`samples`, `median_s`, `ratio`) and, beside them, the process's CPU
+seconds over the same calls (`cpu_samples`, `cpu_ratio`), which a loaded machine disturbs less.
+
 Modes:
-    plain: `model(ids)` under `torch.no_grad()`.
-    all, none, resid_post: `torchlens.trace(model, ids, save=...)`.
+    plain: `model(ids)` (under `torch.no_grad()`, or with autograd for `plain+grad`).
+    all, none: `torchlens.trace(model, ids, save=...)`.
+    resid_post, modlist, output: module-level `save=` lists (`["resid_post"]`,
+        `["resid_pre", "resid_post", "logits"]`, `["output"]`: every module's output, what the
+        `hooks` baseline keeps); pattern, qkvz: lists of op-level facets (`["pattern"]`,
+        `["q", "k", "v", "z"]`).
     tl_cache: TransformerLens 4.x `TransformerBridge.run_with_cache(ids)` on a bridge booted
-        from the same random-init model (the bridge switches it to eager attention).
-    nnsight: nnsight 0.7 `NNsight(model).trace(ids)` saving every module's output.
+        from its own copy of the same random-init model (`boot_transformers(..., hf_model=copy)`).
+        Booting changes that copy in place: it switches it to eager attention and replaces its
+        submodules by the bridge's components (34 modules become 152 on `tiny`, hook points
+        included). Its `ratio` is to the plain forward of the unbooted model (GPT-2's default sdpa
+        attention: the model a user has); `ratio_to_booted_plain` is to `plain_booted`.
+    plain_booted, all_booted: the plain forward and `trace(save="all")` of that booted copy (what
+        `model(ids)` runs once `boot_transformers(..., hf_model=model)` has changed `model`), each
+        with `ratio_to_booted_plain`: the second TransformerLens setup, where every ratio is to
+        the booted model's forward.
+    nnsight: nnsight `NNsight(model).trace(ids)` saving every module's output.
     hooks: a forward hook on every module keeping a clone of its output.
     floor_pass, floor_keep: the floors of any capture that sees every op through a
         `TorchFunctionMode`, as TorchLens does: a mode that only passes each op through, and one
@@ -45,6 +69,7 @@ Usage:
     python scripts/bench.py --models tiny --rounds 3                 # a quick look
     python scripts/bench.py --models tiny L12-T128 --modes none resid_post --threads 1   # a few modes
     python scripts/bench.py --profile L12-T1024 --json build/profile.json   # where save="all" spends
+    python scripts/bench.py --models tiny --threads 1 --grad on --modes all tl_cache   # autograd only
 """
 
 from __future__ import annotations
@@ -77,20 +102,37 @@ LABELS = {
     "all": "TorchLens save='all'",
     "none": "TorchLens save='none'",
     "resid_post": "TorchLens save=['resid_post']",
+    "modlist": "TorchLens save=['resid_pre','resid_post','logits']",
+    "output": "TorchLens save=['output'] (every module)",
+    "pattern": "TorchLens save=['pattern']",
+    "qkvz": "TorchLens save=['q','k','v','z']",
     "tl_cache": "TransformerLens 4.3 run_with_cache",
+    "plain_booted": "plain forward of the model booted into TransformerLens",
+    "all_booted": "TorchLens save='all' of the model booted into TransformerLens",
     "nnsight": "nnsight, every module's output saved",
     "hooks": "forward hook on every module (clone)",
     "pypi": "PyPI torchlens 2.36.1 (own process)",
     "all_dir": "TorchLens save='all', store=<directory>",
     "floor_pass": "floor: a torch function mode passing every op through",
     "floor_keep": "floor: a torch function mode keeping every op output",
+    "floor_copy": "floor: keeping every op output, copying what the caller holds",
 }
+#: The suffix of a mode run with autograd on (`all+grad`), and how its label says so.
+GRAD = "+grad"
+GRAD_LABEL = " (autograd on)"
+#: The `save=` argument of each TorchLens mode.
+SAVES = {"all": "all", "none": "none", "resid_post": ["resid_post"],
+         "modlist": ["resid_pre", "resid_post", "logits"], "output": ["output"],
+         "pattern": ["pattern"], "qkvz": ["q", "k", "v", "z"]}
+#: Modes whose `ratio_to_booted_plain` is also reported (to `plain_booted`, same grad mode).
+BOOTED_REF = ("tl_cache", "all_booted", "plain_booted")
 #: `--mmap-threshold`: glibc's MALLOC_MMAP_THRESHOLD_ for the memory children (None: glibc's default).
 MMAP_THRESHOLD: list[int | None] = [None]
 #: Where the directory-store mode writes (removed after each memory run).
 STORE_ROOT = os.path.join(ROOT, "build", "bench-store")
 SETTLE = [False]  # --settle: a cold heap before every timed call (see `time_modes`)
-IN_PROCESS = ["plain", "all", "none", "resid_post", "tl_cache", "nnsight", "hooks", "floor_pass", "floor_keep"]
+IN_PROCESS = ["plain", "all", "none", "resid_post", "modlist", "output", "pattern", "qkvz", "tl_cache", "nnsight",
+              "hooks", "floor_pass", "floor_keep", "floor_copy", "plain_booted", "all_booted"]
 
 #: The side-by-side table: every mode.
 TABLE_MODELS = ["tiny", "L12-T128", "L12-T1024", "L12-T2048"]
@@ -98,6 +140,8 @@ TABLE_MODELS = ["tiny", "L12-T128", "L12-T1024", "L12-T2048"]
 TOKEN_SWEEP = ["L12-T128", "L12-T256", "L12-T512", "L12-T1024", "L12-T2048"]
 LAYER_SWEEP = ["L2-T128", "L6-T128", "L12-T128", "L24-T128"]
 SWEEP_MODES = ["plain", "all", "none", "resid_post", "tl_cache", "hooks"]
+#: Modes whose memory is also measured with autograd on (the memory children take time).
+MEMORY_GRAD_MODES = {"plain", "all", "none", "resid_post", "tl_cache", "nnsight", "hooks"}
 
 
 def spec(name: str) -> dict:
@@ -149,8 +193,7 @@ def hooks_forward(model, ids):
     for name, mod in model.named_modules():
         handles.append(mod.register_forward_hook(keep(name)))
     try:
-        with torch.no_grad():
-            model(ids)
+        model(ids)  # in the caller's grad mode
     finally:
         for h in handles:
             h.remove()
@@ -172,12 +215,41 @@ class _FloorMode(torch.overrides.TorchFunctionMode):
         return out
 
 
-def floor_forward(model, ids, keep: bool):
-    """A plain forward under `_FloorMode`; returns what the mode kept (None when it kept nothing)."""
+def floor_forward(model, ids, keep: bool, copy: bool = False):
+    """A plain forward under `_FloorMode` in the caller's grad mode; returns what the mode kept
+    (None when it kept nothing), each kept output detached (as any capture keeps it, so the
+    floor records no autograd history of its own).
+
+    With `copy`, the kept outputs that share memory with what the caller still holds afterwards
+    (the returned logits and KV cache) are replaced by copies, as a capture must that no later
+    write by the caller changes: the floor of a `save="all"` that keeps that promise.
+    """
     mode = _FloorMode(keep)
-    with torch.no_grad(), mode:
-        model(ids)
+    with mode:
+        out = model(ids)
+    if mode.kept is not None:
+        mode.kept = [o.detach() if isinstance(o, torch.Tensor) else o for o in mode.kept]
+    if copy and mode.kept is not None:
+        held = {t.untyped_storage().data_ptr() for t in _tensors_in(out)}
+        with torch.no_grad():
+            mode.kept = [o.clone() if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in held else o
+                         for o in mode.kept]
     return mode.kept
+
+
+def _tensors_in(value, depth: int = 0) -> list:
+    """The tensors in a model output (tensors, containers, `ModelOutput`s and a KV cache's layers)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth > 6:
+        return []
+    if isinstance(value, dict):
+        value = list(value.values())
+    elif hasattr(value, "layers") and not isinstance(value, (list, tuple)):  # a transformers Cache
+        value = [x for layer in value.layers for x in (getattr(layer, "keys", None), getattr(layer, "values", None))]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v, depth + 1)]
+    return []
 
 
 def _nnsight(name: str):
@@ -196,7 +268,7 @@ def _nnsight(name: str):
 
     def run():
         saved = []
-        with torch.no_grad(), engine.trace(ids):
+        with engine.trace(ids):  # in the caller's grad mode
             for e in envoys:
                 saved.append(e.output.save())
         return saved
@@ -205,7 +277,8 @@ def _nnsight(name: str):
 
 
 def _tl_cache(name: str):
-    """TransformerLens 4.x's bridge booted from its own copy of the same random-init model."""
+    """TransformerLens 4.x's bridge booted from its own copy of the same random-init model:
+    `(run_with_cache, the bridge's forward, the booted copy)`."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformer_lens.model_bridge import TransformerBridge
 
@@ -219,15 +292,13 @@ def _tl_cache(name: str):
         tok.save_pretrained(tokdir)  # boot reloads the tokenizer from its name_or_path
         bridge = TransformerBridge.boot_transformers(tokdir, hf_model=model, device="cpu")
 
-    def run():
-        with torch.no_grad():
-            return bridge.run_with_cache(ids)
+    def run():  # in the caller's grad mode
+        return bridge.run_with_cache(ids)
 
     def plain():
-        with torch.no_grad():
-            return bridge(ids)
+        return bridge(ids)
 
-    return run, plain
+    return run, plain, model
 
 
 def _store_dir() -> str:
@@ -247,29 +318,48 @@ def make_modes(name: str, wanted: list[str], with_plain: bool = False) -> dict:
     plain = lambda: model(ids)  # noqa: E731
     fns = {
         "plain": plain,
-        "all": lambda: tl.trace(model, ids, save="all"),
-        "none": lambda: tl.trace(model, ids, save="none"),
-        "resid_post": lambda: tl.trace(model, ids, save=["resid_post"]),
+        **{mode: (lambda s: lambda: tl.trace(model, ids, save=s))(save) for mode, save in SAVES.items()},
         "hooks": lambda: hooks_forward(model, ids),
         "all_dir": lambda: tl.trace(model, ids, save="all", store=_store_dir()),
         "floor_pass": lambda: floor_forward(model, ids, keep=False),
         "floor_keep": lambda: floor_forward(model, ids, keep=True),
+        "floor_copy": lambda: floor_forward(model, ids, keep=True, copy=True),
     }
+    booted = None
+    if any(m.endswith("_booted") or m == "tl_cache" for m in wanted):
+        run, bridge_plain, booted = _tl_cache(name)  # one bridge: run_with_cache and its booted model
+        fns["tl_cache"] = run
+        fns["plain_booted"] = lambda: booted(ids)
+        fns["all_booted"] = lambda: tl.trace(booted, ids, save="all")
     out = {}
     for mode in wanted:
+        if mode.endswith(GRAD):  # the same callable, run with autograd on
+            continue
         if mode == "tl_cache":
-            out[mode] = _tl_cache(name)
+            out[mode] = (fns[mode], bridge_plain)
         elif mode == "nnsight":
             out[mode] = _nnsight(name)
         elif mode in fns:
-            out[mode] = (fns[mode], plain)
+            out[mode] = (fns[mode], fns["plain_booted"] if mode.endswith("_booted") else plain)
         if mode in out and not with_plain:
             out[mode] = out[mode][0]
     return out
 
 
-def time_modes(fns: dict, rounds: int, settle: bool = False) -> dict[str, list[float]]:
+def grad_of(mode: str) -> bool:
+    """Whether `mode` (a mode name, `+grad` for autograd on) runs with autograd."""
+    return mode.endswith(GRAD)
+
+
+def base_of(mode: str) -> str:
+    return mode[: -len(GRAD)] if mode.endswith(GRAD) else mode
+
+
+def time_modes(fns: dict, rounds: int, settle: bool = False, cpu: dict | None = None) -> dict[str, list[float]]:
     """Per-mode wall times of `rounds` interleaved rounds, after one warm-up round.
+
+    A mode named `X+grad` runs `fns[X]` with autograd on; every other mode runs under
+    `torch.no_grad()`. With `cpu`, the process's CPU seconds of each call are appended there too.
 
     With `settle` (`--settle`), before each timed call the garbage collector runs and glibc
     returns its free heap to the system (`malloc_trim`), untimed: every mode then starts from a
@@ -281,18 +371,24 @@ def time_modes(fns: dict, rounds: int, settle: bool = False) -> dict[str, list[f
     import gc
 
     samples: dict[str, list[float]] = {k: [] for k in fns}
-    with torch.no_grad():
-        for r in range(rounds + 1):
-            for mode, fn in fns.items():
+    if cpu is not None:
+        cpu.update({k: [] for k in fns})
+    for r in range(rounds + 1):
+        for mode, fn in fns.items():
+            with torch.set_grad_enabled(grad_of(mode)):
                 if settle:
                     gc.collect()
                     _trim()
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 result = fn()
                 dt = time.perf_counter() - t0
+                dc = time.process_time() - c0
                 del result
-                if r:
-                    samples[mode].append(dt)
+            if r:
+                samples[mode].append(dt)
+                if cpu is not None:
+                    cpu[mode].append(dc)
     return samples
 
 
@@ -330,14 +426,15 @@ def _trim() -> bool:
         return False
 
 
-def _measure_memory(fn, warm, trace_type=None) -> dict:
-    warm()
-    warm()
+def _measure_memory(fn, warm, trace_type=None, grad: bool = False) -> dict:
+    with torch.set_grad_enabled(grad):
+        warm()
+        warm()
     _trim()
     base = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         result = fn()
     out = {"peak_growth_bytes": _status("VmHWM") - base, "held_bytes": _status("VmRSS") - base}
     if _trim():  # what the result holds, without the freed heap glibc would keep for reuse
@@ -358,9 +455,9 @@ def memory_child(name: str, mode: str) -> dict:
                                    lambda: model(ids))
     import torchlens as tl
 
-    fn, warm = make_modes(name, [mode], with_plain=True)[mode]
+    fn, warm = make_modes(name, [base_of(mode)], with_plain=True)[base_of(mode)]
     try:
-        return _measure_memory(fn, warm, tl.Trace)
+        return _measure_memory(fn, warm, tl.Trace, grad_of(mode))
     finally:
         shutil.rmtree(STORE_ROOT, ignore_errors=True)
 
@@ -382,7 +479,7 @@ def pypi_child(name: str, rounds: int, settle: bool = False) -> dict:
     model, ids = build(name)
     fns = {"plain": lambda: model(ids),
            "pypi": lambda: pypi_torchlens.trace(model, ids)}
-    samples = time_modes(fns, rounds, settle)
+    samples = time_modes(fns, rounds, settle)  # both under no_grad
     from importlib.metadata import version
 
     return {"samples": samples, "version": version("torchlens")}
@@ -404,12 +501,13 @@ def _child(python: str, call: str, timeout: float = 3600) -> dict:
     return json.loads(lines[-1][5:])
 
 
-def profile(name: str, top: int = 25) -> dict:
-    """cProfile of one `trace(save="all")` run, by cumulative time, TorchLens functions only."""
+def profile(name: str, top: int = 25, grad: bool = False) -> dict:
+    """cProfile of one `trace(save="all")` run, by cumulative time, TorchLens functions only
+    (under `torch.no_grad()`, or with autograd on with `grad`)."""
     import torchlens as tl
 
     model, ids = build(name)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         tl.trace(model, ids, save="all")
         t0 = time.perf_counter()
         model(ids)
@@ -426,7 +524,7 @@ def profile(name: str, top: int = 25) -> dict:
         if "torchlens" in file and "site-packages" not in file:
             rows.append((ct, tt, nc, f"{os.path.basename(file)}:{line} {func}"))
     rows.sort(reverse=True)
-    return {"model": name, "profiled_s": total, "plain_s": plain, "torch_threads": torch.get_num_threads(),
+    return {"model": name, "profiled_s": total, "plain_s": plain, "torch_threads": torch.get_num_threads(), "grad": grad,
             "torchlens_commit": os.environ.get("BENCH_COMMIT"), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "rows": [{"cumulative_s": ct, "own_s": tt, "calls": nc, "function": fn} for ct, tt, nc, fn in rows[:top]]}
 
@@ -452,14 +550,54 @@ def _paired_ratio(mode: list[float], plain: list[float]) -> float:
     return statistics.median(m / p for m, p in zip(mode, plain, strict=True))
 
 
-def run_model(name: str, modes: list[str], rounds: int, memory: bool, pypi_python: str | None) -> dict:
-    print(f"{name}: {', '.join(modes)}; {rounds} rounds", file=sys.stderr, flush=True)
+def _rows(samples: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str, dict]:
+    """One row per timed mode: medians and paired ratios to the plain forward of the same grad
+    mode (wall and CPU), and the ratios the grad-mode and eager-attention comparisons read."""
+    rows = {}
+    for m, v in samples.items():
+        grad = grad_of(m)
+        plain = "plain" + (GRAD if grad else "")
+        row = {"median_s": statistics.median(v), "ratio": _paired_ratio(v, samples[plain]), "samples": v}
+        if m in cpu and plain in cpu:
+            row.update(cpu_samples=cpu[m], cpu_median_s=statistics.median(cpu[m]),
+                       cpu_ratio=_paired_ratio(cpu[m], cpu[plain]))
+        if grad:
+            row["grad"] = True
+            if "plain" in samples:
+                row["ratio_to_no_grad_plain"] = _paired_ratio(v, samples["plain"])
+            if base_of(m) in samples:
+                row["grad_over_no_grad"] = _paired_ratio(v, samples[base_of(m)])
+                if base_of(m) in cpu:
+                    row["cpu_grad_over_no_grad"] = _paired_ratio(cpu[m], cpu[base_of(m)])
+        booted = "plain_booted" + (GRAD if grad else "")
+        if base_of(m) in BOOTED_REF and booted in samples:
+            row["ratio_to_booted_plain"] = _paired_ratio(v, samples[booted])
+            if m in cpu and booted in cpu:
+                row["cpu_ratio_to_booted_plain"] = _paired_ratio(cpu[m], cpu[booted])
+        rows[m] = row
+    return rows
+
+
+def label(mode: str) -> str:
+    """A mode's label, `(autograd on)` added for a `+grad` mode."""
+    return LABELS[base_of(mode)] + (GRAD_LABEL if grad_of(mode) else "")
+
+
+def run_model(name: str, modes: list[str], rounds: int, memory: bool, pypi_python: str | None,
+              grads: tuple[bool, ...] = (False, True)) -> dict:
+    timed = [m + (GRAD if g else "") for g in grads for m in modes if m in IN_PROCESS]
+    if "plain" in modes and False not in grads:
+        timed.insert(0, "plain")  # with autograd only, still measured once without it (the on/off ratios)
+    print(f"{name}: {', '.join(timed)}; {rounds} rounds, {torch.get_num_threads()} torch thread(s)",
+          file=sys.stderr, flush=True)
     load_before = _loadavg()
     t0 = time.perf_counter()
-    samples = time_modes(make_modes(name, [m for m in modes if m in IN_PROCESS]), rounds, SETTLE[0])
-    rows = {m: {"median_s": statistics.median(v), "ratio": _paired_ratio(v, samples["plain"]), "samples": v}
-            for m, v in samples.items()}
-    if "pypi" in modes and pypi_python:
+    made = make_modes(name, list(dict.fromkeys(base_of(m) for m in timed)))
+    fns = {m: made[base_of(m)] for m in timed if base_of(m) in made}
+    cpu: dict[str, list[float]] = {}
+    samples = time_modes(fns, rounds, SETTLE[0], cpu)
+    rows = _rows(samples, cpu)
+    if "pypi" in modes and pypi_python and False in grads:
         res = _child(pypi_python, f"pypi_child({name!r}, {rounds}, {SETTLE[0]!r})")
         if "error" in res:
             rows["pypi"] = {"error": res["error"]}
@@ -467,24 +605,30 @@ def run_model(name: str, modes: list[str], rounds: int, memory: bool, pypi_pytho
             p, q = statistics.median(res["samples"]["plain"]), statistics.median(res["samples"]["pypi"])
             rows["pypi"] = {"median_s": q, "ratio": _paired_ratio(res["samples"]["pypi"], res["samples"]["plain"]),
                             "samples": res["samples"]["pypi"], "own_plain_s": p, "version": res["version"]}
-    if memory and "all" in modes and "all" in rows:
+    if memory and "all" in rows:
         rows["all_dir"] = {"memory_only": True}
     if memory:
         for m in list(rows):
-            if "error" in rows[m]:
+            if "error" in rows[m] or (grad_of(m) and base_of(m) not in MEMORY_GRAD_MODES):
                 continue
             python = pypi_python if m == "pypi" else sys.executable
             rows[m].update(_child(python, f"memory_child({name!r}, {m!r})"))
     out = {"spec": spec(name), "rounds": rounds, "modes": rows, "seconds": time.perf_counter() - t0,
-           "load_before": load_before, "load_after": _loadavg()}
+           "load_before": load_before, "load_after": _loadavg(), "torch_threads": torch.get_num_threads()}
     for m, r in rows.items():
         if "error" in r:
-            print(f"  {LABELS[m]:40s} error: {r['error']}", file=sys.stderr)
+            print(f"  {label(m):58s} error: {r['error']}", file=sys.stderr)
             continue
         mem = f"  peak +{r['peak_growth_bytes'] / 2**20:8.1f} MiB" if "peak_growth_bytes" in r else ""
         mem += f"  held +{r['held_bytes'] / 2**20:8.1f} MiB" if "held_bytes" in r else ""
         timing = f"{r['median_s'] * 1e3:10.2f} ms  {r['ratio']:6.2f}x" if "median_s" in r else f"{'(memory only)':>21s}"
-        print(f"  {LABELS[m]:40s} {timing}{mem}", file=sys.stderr)
+        if "cpu_ratio" in r:
+            timing += f"  cpu {r['cpu_ratio']:6.2f}x"
+        if "ratio_to_booted_plain" in r:
+            timing += f"  /booted {r['ratio_to_booted_plain']:5.2f}x"
+        if "grad_over_no_grad" in r:
+            timing += f"  on/off {r['grad_over_no_grad']:5.2f}"
+        print(f"  {label(m):58s} {timing}{mem}", file=sys.stderr)
     return out
 
 
@@ -494,12 +638,16 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="*", help="only these models (default: the table and both sweeps)")
     parser.add_argument("--rounds", type=int, default=0, help="rounds per model (default: 21 tiny, 7 up to GPT-2 small at 128 tokens, 5 above)")
     parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                        help="torch thread counts, each a whole run (default: 1, then 2)")
+    parser.add_argument("--grad", choices=["both", "off", "on"], default="both",
+                        help="run each mode under no_grad (off), with autograd (on), or both in the same rounds")
     parser.add_argument("--no-pypi-above", type=int, default=1024,
                         help="run PyPI torchlens only up to this many tokens (it is slow)")
     parser.add_argument("--pypi-python", default=DEFAULT_PYPI_PYTHON,
                         help="python of a venv with PyPI torchlens 2.36.1 (skipped when missing)")
     parser.add_argument("--profile", metavar="MODEL", help="print a cProfile of trace(save='all') and exit")
+    parser.add_argument("--profile-grad", action="store_true", help="profile with autograd on (as the docs call trace)")
     parser.add_argument("--mmap-threshold", type=int, metavar="BYTES",
                         help="run the memory children with MALLOC_MMAP_THRESHOLD_=BYTES (e.g. 65536): large "
                              "tensors are then mapped and unmapped, so peaks do not depend on heap reuse")
@@ -507,11 +655,11 @@ def main(argv=None) -> int:
                         help="collect garbage and malloc_trim before each timed call (a cold heap for every mode)")
     parser.add_argument("--modes", nargs="*", help="only these modes (a quick look; default: every mode of each model)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads[0])
     MMAP_THRESHOLD[0] = args.mmap_threshold
     SETTLE[0] = args.settle
     if args.profile:
-        p = profile(args.profile)
+        p = profile(args.profile, grad=args.profile_grad)
         print(format_profile(p))
         if args.json:
             with open(args.json, "w") as f:
@@ -519,6 +667,7 @@ def main(argv=None) -> int:
         return 0
     import torchlens as tl
 
+    grads = {"both": (False, True), "off": (False,), "on": (True,)}[args.grad]
     pypi = args.pypi_python if os.path.exists(args.pypi_python) else None
     plan: dict[str, list[str]] = {}
     for name in TABLE_MODELS:
@@ -532,8 +681,13 @@ def main(argv=None) -> int:
         if unknown:
             raise SystemExit(f"unknown mode(s) {unknown}: use {', '.join(LABELS)}")
         plan = {n: ["plain"] + [m for m in modes if m in args.modes and m != "plain"] for n, modes in plan.items()}
+    for n, modes in plan.items():  # the booted modes are read against the booted model's forward
+        if any(m.endswith("_booted") or m == "tl_cache" for m in modes) and "plain_booted" not in modes:
+            plan[n] = modes + ["plain_booted"]
+    labels = dict(LABELS)
+    labels.update({m + GRAD: label(m + GRAD) for m in IN_PROCESS})
     results = {
-        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "machine": {"cpus": os.cpu_count(), "torch_threads": args.threads[0],
                     "python": platform.python_version(), "torch": torch.__version__,
                     "transformers": transformers.__version__, "torchlens": tl.__version__,
                     "torchlens_commit": os.environ.get("BENCH_COMMIT"),
@@ -543,20 +697,31 @@ def main(argv=None) -> int:
         "table": [n for n in TABLE_MODELS if n in plan],
         "token_sweep": [n for n in TOKEN_SWEEP if n in plan],
         "layer_sweep": [n for n in LAYER_SWEEP if n in plan],
-        "labels": LABELS,
+        "labels": labels,
+        "grad_modes": ["no_grad" if not g else "autograd" for g in grads],
+        "threads": list(args.threads),
         "models": {},
+        "by_threads": {},
     }
+
     def cost(name):
         return spec(name)["tokens"] * spec(name)["n_layer"]
 
-    for name in sorted(plan, key=cost):  # cheapest first: a run cut short keeps the small models
-        modes = plan[name]
-        rounds = args.rounds or (21 if name == "tiny" else 7 if cost(name) <= 12 * 128 else 5)
-        results["models"][name] = run_model(name, modes, rounds, not args.no_memory, pypi)
-        if args.json:  # written after every model, so a long run that dies keeps what it measured
-            os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+    for k, threads in enumerate(args.threads):
+        torch.set_num_threads(threads)
+        models = results["by_threads"].setdefault(str(threads), {})
+        if k == 0:
+            results["models"] = models  # the first count's results, where every reader looks
+        for name in sorted(plan, key=cost):  # cheapest first: a run cut short keeps the small models
+            modes = plan[name]
+            rounds = args.rounds or (21 if name == "tiny" else 7 if cost(name) <= 12 * 128 else 5)
+            # memory does not depend on the thread count: measured with the first count only
+            models[name] = run_model(name, modes, rounds, not args.no_memory and k == 0,
+                                     pypi if k == 0 else None, grads)
+            if args.json:  # written after every model, so a long run that dies keeps what it measured
+                os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
     return 0
 
 
