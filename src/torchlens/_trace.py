@@ -179,7 +179,7 @@ class Trace:
         return [r.address for r in sorted(recs, key=lambda r: r.calls[0].first_op)]
 
     def __repr__(self) -> str:
-        saved = sum(t is not None for op in self.ops for t in op.tensors)
+        saved = sum(t is not None for op in self.ops for t in op._tensors)  # no guarded copy made
         return (
             f"Trace({self.model_class}: {len(self.ops)} ops, {len(self.modules)} modules, "
             f"{len(self.blocks)} blocks, {saved} tensors saved)"

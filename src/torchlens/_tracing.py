@@ -15,7 +15,7 @@ from torchlens._assemble import assemble, note_edited_refusals
 from torchlens._capture.accelerate import accelerate_hooks
 from torchlens._capture.compiled import CompiledRunsEagerly, compiled_module_class
 from torchlens._capture.recorder import Recorder
-from torchlens._capture.snapshot import snapshot
+from torchlens._capture.snapshot import arm_guards, snapshot
 from torchlens._capture.stores import DirectoryStore, apply_store, parse_store
 from torchlens._core.errors import TorchLensError
 from torchlens._core.pending import seal_checks
@@ -162,6 +162,7 @@ def trace(
             result.edits = tuple(plan.records)
             note_edited_refusals(result)
         result = apply_store(result, store_to)
+        arm_guards(rec, result)  # the versions of what only the autograd graph shares, where the store left it
         seal_checks(result)  # last: each pending check records what its inputs hold as returned
         return result
 

@@ -133,6 +133,8 @@ class Recorder(TorchFunctionMode):
         #: (exception, module path) where a forward raised, seen by the innermost hook that
         #: unwound it; `trace` names it in the note it adds to the exception.
         self.failure: tuple[BaseException, list[str]] | None = None
+        #: the `_capture.snapshot.Guarded` groups the snapshot left, until `arm_guards` arms them
+        self.guarded: list = []
         self._quiet = False  # True while the hooks run torch functions of their own
         #: True when another torch function mode (an outer trace, a user's mode) was active when
         #: this recorder was entered: the recorder's own bookkeeping is then hidden from it.

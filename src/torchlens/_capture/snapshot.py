@@ -1,13 +1,27 @@
 """Making a finished trace independent of the caller's tensors.
 
-A saved tensor is a detached alias of what the model computed (see `torchlens._capture`). When
+A saved tensor is a detached alias of what the model computed (see `_capture.recorder`). When
 `trace` returns, the aliases that still share memory with something the caller can write into are
 replaced by copies, here, once the trace is assembled, so only what the trace keeps is copied.
+
+With autograd on, the autograd graph of the forward keeps many recorded tensors alive: the
+tensors its nodes saved for the backward pass. Memory nothing but that graph holds is not copied
+(`_autograd_holders` tells it apart, exactly, from memory any Python object holds); it is
+*guarded* instead (`Guarded`, armed by `arm_guards`), as is every other storage the graph saved
+(a node's own result, tanh's or softmax's, which no alive tensor holds): the only way to write
+into it is through a node's saved tensor (`grad_fn._saved_self`), which shares the version
+counter of the trace's alias, so the version taken when the trace is returned tells, on every
+later read, whether the value is still the forward's. An op output whose memory was written that
+way is dropped with a warning, a facet is refused with the reason, a pending check refuses
+(`Pending.seal`).
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
+import warnings
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -15,14 +29,22 @@ import torch
 from torch import Tensor, nn
 
 from torchlens._core.holdings import Holding, held_tensors, storage_ptr
+from torchlens._core.pending import _RUN_LOCK
 
 if TYPE_CHECKING:
     from torchlens._capture.recorder import Recorder
 
-__all__ = ["snapshot"]
+__all__ = ["Guarded", "arm_guards", "snapshot"]
 
 
 def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
+    """`_snapshot` under `torch.no_grad()`: the copies record no autograd history, whatever the
+    caller's grad mode (see `_snapshot`)."""
+    with torch.no_grad():
+        return _snapshot(rec, model, reachable)
+
+
+def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     """Copy every tensor the finished trace holds that the caller could still write into.
 
     A saved tensor is a detached alias of what the model computed. Once the forward is over,
@@ -35,6 +57,9 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     tensors a pending facet check will compute from (`FacetSite._inputs`: recorded tensors and
     the module weights it reads) are treated the same way, so a facet computed after an
     optimizer step still shows the forward that was traced.
+    Memory that only the autograd graph shares with the trace (with autograd on) is not copied
+    here: the trace's tensors on each such storage become one `Guarded` group (`rec.guarded`,
+    armed by `arm_guards`), copied on the first read of any of them.
     It runs once the trace is assembled, so only what the trace keeps is copied; several
     views of one storage (a KV cache's keys as each op saw them) share one copy of it when
     that costs no more than copying each view; they are views of one base tensor on the copy
@@ -47,8 +72,9 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     Returns:
         The number of bytes copied (the memory this costs on top of the saved aliases).
     """
+    rec.guarded = []
     for op in rec.ops:  # an op whose output was not kept: its arguments serve no rebuild
-        if op.extra is not None and all(t is None for t in op.tensors):
+        if op.extra is not None and all(t is None for t in op._tensors):
             op.extra = None
     # Every place the finished trace holds a tensor (op outputs, kept kernel arguments, facets and
     # the inputs of their pending checks), grouped by the live storage it is on. Most saved
@@ -56,40 +82,175 @@ def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     held = held_tensors(rec.ops, rec.calls)
     if not held:  # a save="none" trace: nothing to copy, no storage to look up
         return 0
-    live = _live_storages(rec, model, reachable)
+    live, shared = _live_storages(rec, model, reachable)
     groups: dict[Any, list[Holding]] = {}
+    guarded: dict[Any, list[Holding]] = {}  # storages only the autograd graph holds besides the trace
     for h in held:
         key = _live_key(h.tensor, live)
         if key is not None:
             groups.setdefault(key, []).append(h)
+        elif shared:
+            ptr = storage_ptr(h.tensor)
+            if shared is EVERY_STORAGE or ptr in shared:
+                guarded.setdefault(ptr, []).append(h)
     copied = 0
     for key, items in groups.items():
-        tensors = [h.tensor for h in items]
-        whole = type(key) is int and len({id(t) for t in tensors}) > 1  # a storage several views share
-        if whole:
-            storage = tensors[0].untyped_storage()
-            whole = storage.nbytes() <= sum(t.numel() * t.element_size() for t in tensors)
-        if whole:  # one copy of the storage serves every view of it (and keeps them views of one another)
-            new = storage.clone()
-            copied += storage.nbytes()
-            # One base tensor per dtype on the copy, and every view made from it, so the views share
-            # its version counter (a write through one moves it for all, see `Pending.seal`).
-            bases: dict[torch.dtype, Tensor] = {}
-        memo: dict[int, Tensor] = {}
-        for h, t in zip(items, tensors):
-            c = memo.get(id(t))
-            if c is None:
-                if whole:
-                    base = bases.get(t.dtype)
-                    if base is None:
-                        base = bases[t.dtype] = torch.empty(0, dtype=t.dtype, device=t.device).set_(new, 0, (0,), (1,))
-                    c = base.as_strided(t.size(), t.stride(), t.storage_offset())
-                else:
-                    c = t.clone()
-                    copied += t.numel() * t.element_size()
-                memo[id(t)] = c
-            h.put(c)
+        copied += _copy_group(key, items)
+    if guarded:
+        rec.guarded = [Guarded(items) for items in guarded.values()]
     return copied
+
+
+def _copy_group(key: Any, items: list[Holding]) -> int:
+    """Replace the tensor each holding holds by a copy; the number of bytes copied.
+
+    Several views of one storage (`key` its data pointer) share one copy of it when that costs no
+    more than copying each view; they are views of one base tensor on the copy (per dtype), so
+    they share its version counter, as the aliases they replace did.
+    """
+    tensors = [h.tensor for h in items]
+    copied = 0
+    whole = type(key) is int and len({id(t) for t in tensors}) > 1  # a storage several views share
+    if whole:
+        storage = tensors[0].untyped_storage()
+        whole = storage.nbytes() <= sum(t.numel() * t.element_size() for t in tensors)
+    if whole:  # one copy of the storage serves every view of it (and keeps them views of one another)
+        new = storage.clone()
+        copied += storage.nbytes()
+        # One base tensor per dtype on the copy, and every view made from it, so the views share
+        # its version counter (a write through one moves it for all, see `Pending.seal`).
+        bases: dict[torch.dtype, Tensor] = {}
+    memo: dict[int, Tensor] = {}
+    for h, t in zip(items, tensors):
+        c = memo.get(id(t))
+        if c is None:
+            if whole:
+                base = bases.get(t.dtype)
+                if base is None:
+                    base = bases[t.dtype] = torch.empty(0, dtype=t.dtype, device=t.device).set_(new, 0, (0,), (1,))
+                c = base.as_strided(t.size(), t.stride(), t.storage_offset())
+            else:
+                c = t.clone()
+                copied += t.numel() * t.element_size()
+            memo[id(t)] = c
+        h.put(c)
+    return copied
+
+
+class Guarded:
+    """The trace's tensors on one storage that only the autograd graph shares (`_snapshot`).
+
+    Nothing is copied when `trace` returns. `arm_guards` takes each tensor's version; the first
+    read of any of them (`OpRecord.tensors`, which also stands for the op's kept arguments,
+    `FacetSite.tensor`) calls `resolve`: if every one still has its version, the storage is copied
+    once and every tensor of the group becomes a view of the copy (as `_snapshot` copies a live
+    storage), the trace's own memory from then on; if one was written (through the graph's saved
+    tensor, `grad_fn._saved_self`, the only other way to reach this memory), none is served: op
+    outputs are dropped with a warning, facets refused with the reason, and a pending check
+    refuses by its seal.
+    """
+
+    __slots__ = ("items", "marks", "owners", "done")
+
+    def __init__(self, items: list[Holding]):
+        self.items = items
+        self.marks: list[tuple[int, int]] = []
+        #: per item: what is told when it is refused or copied: the `FacetMap` of a site
+        #: (weakly: the group must not keep the map and its sites in a cycle), the `Pending` whose
+        #: input list it is, or the `OpRecord` whose output or kept argument it is
+        self.owners: list[Any] = []
+        self.done = False
+
+    def arm(self, owners: dict[int, Any]) -> None:
+        """Take each tensor's identity and version (once the store has placed them).
+
+        Args:
+            owners: the id of each holder that is not an op (a site, a pending check's input
+                list, an op's kept arguments) -> its owner, as `owners` above names it.
+        """
+        items, marks, found = [], [], []
+        for h in self.items:
+            t = h.current()
+            if not isinstance(t, Tensor) or t is not h.tensor or t.is_inference():
+                continue  # a store replaced it (its copy shares no memory with the graph), or no counter
+            owner = h.holder if _is_output(h) else owners.get(id(h.holder))
+            if owner is None:
+                continue
+            items.append(h)
+            marks.append((id(t), t._version))
+            found.append(owner)
+            if h.key == "tensor":  # a site: its first read resolves the group
+                h.holder._guard = self
+            elif _is_output(h) or isinstance(h.holder, dict):  # an op's output or kept argument
+                owner._guard = (owner._guard or ()) + (self,)
+            # a pending check's input: its seal refuses the check if it was written
+        self.items, self.marks, self.owners = items, marks, found
+        self.done = not items
+
+    def _written(self) -> bool:
+        """Whether a tensor of the group that still serves was written since `arm`."""
+        for h, owner, (ident, version) in zip(self.items, self.owners, self.marks):
+            t = h.current()
+            if t is not None and id(t) == ident and _live_input(h, owner) and t._version != version:
+                return True
+        return False
+
+    def check(self) -> None:
+        """Refuse the group now if one of its tensors was written; copy nothing otherwise."""
+        if not self.done and self._written():
+            self.resolve()
+
+    def resolve(self) -> None:
+        """Copy the group, or refuse all of it if one was written (see the class docstring)."""
+        with _RUN_LOCK:
+            if self.done:
+                return
+            self.done = True
+            written = self._written()
+            same = [(h, owner) for h, owner, (ident, _) in zip(self.items, self.owners, self.marks)
+                    if id(h.current()) == ident and _live_input(h, owner)]  # what a check let go of is left alone
+            for h, owner in zip(self.items, self.owners):
+                if h.key == "tensor":
+                    h.holder._guard = None
+                elif not isinstance(h.holder, list):
+                    owner._guard = tuple(g for g in owner._guard or () if g is not self) or None
+            if not written:
+                if same:
+                    with torch.no_grad():
+                        _copy_group(storage_ptr(same[0][0].tensor), [h for h, _ in same])
+                    for h, owner in same:  # a sealed check's input is the copy now: its version
+                        if isinstance(h.holder, list) and owner.marks is not None:
+                            mark = owner.marks[h.key]
+                            if mark is not None and mark[0] == "version":
+                                owner.marks[h.key] = ("version", h.current()._version)
+                return
+            dropped = []
+            for h, owner in same:
+                if _is_output(h):
+                    h.put(None)
+                    dropped.append(f"#{h.holder.index} {h.holder.name}")
+                elif isinstance(h.holder, dict):  # a kept argument: its op's rebuild is gone with it
+                    owner.extra = None
+                elif h.key == "tensor":
+                    reason = f"its tensor {GUARD_REASON}"
+                    h.holder._refusal = reason
+                    h.holder.__dict__["tensor"] = None
+                    fmap = owner()
+                    if fmap is not None:
+                        fmap._refuse([h.holder], reason)
+            if dropped:
+                warnings.warn(f"torchlens: the saved outputs of op {', '.join(dropped[:5])} {GUARD_REASON}; they are "
+                              "not served.", stacklevel=4)
+
+
+def _is_output(h: Holding) -> bool:
+    """Whether `h` is an op's output slot (the holder an `OpRecord`)."""
+    return isinstance(h.key, int) and not isinstance(h.holder, list)
+
+
+def _live_input(h: Holding, owner: Any) -> bool:
+    """Whether a holding still serves: a pending input list only while its check has not run."""
+    return not isinstance(h.holder, list) or owner.inputs is h.holder
 
 
 def _live_key(t: Tensor, live: set[int]) -> Any:
@@ -102,10 +263,12 @@ def _live_key(t: Tensor, live: set[int]) -> Any:
     return ptr if ptr in live else None
 
 
-def _live_storages(rec: Recorder, model: nn.Module, reachable: Any) -> set[int]:
+def _live_storages(rec: Recorder, model: nn.Module, reachable: Any) -> tuple[set[int], set[int]]:
     """The storages (data pointers) the caller can still write into: the model's parameters and
     buffers, every tensor in `reachable` (through tuples, lists and mappings), and every recorded
-    tensor still alive."""
+    tensor still alive, but those that only the autograd graph holds; and, apart, the storages of
+    those and every other storage the autograd graph saved (`_autograd_holders`), which nothing
+    alive but the graph shares (`EVERY_STORAGE` when the graph cannot be read)."""
     live: set[int] = set()
 
     def add(t: Tensor) -> None:
@@ -126,9 +289,182 @@ def _live_storages(rec: Recorder, model: nn.Module, reachable: Any) -> set[int]:
         elif depth < 8 and isinstance(value, (Mapping, tuple, list)):
             items = value.values() if isinstance(value, Mapping) else value
             todo.extend((v, depth + 1) for v in items)
-    for _, ref, _ in rec.producer.values():
-        t = ref()
-        if t is not None:
+    alive = [t for t in (ref() for _, ref, _ in rec.producer.values()) if t is not None]
+    graph_only, graph = _autograd_holders(alive) if alive else (set(), set())
+    if graph is EVERY_STORAGE:  # the graph could not be read: copy every alive one, guard the rest
+        for t in alive:
             add(t)
+        alive.clear()
+        live.discard(0)
+        return live, EVERY_STORAGE
+    shared: set[int] = set(graph)  # what the graph can hand out (a node's saved result included)
+    for t in alive:
+        if id(t) in graph_only:
+            ptr = storage_ptr(t)
+            if ptr is not None:
+                shared.add(ptr)
+        else:
+            add(t)
+    alive.clear()
     live.discard(0)  # empty tensors own no memory
-    return live
+    shared -= live  # a storage something else holds too is copied
+    shared.discard(0)
+    return live, shared
+
+
+#: Per autograd node type, the attributes that unpack what it saved (`_saved_self`, ...).
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+#: `_refs` of a tensor that no Python object holds, as `_autograd_holders` reads it (its list,
+#: its loop variable, the call's argument, and the reference torch keeps from a tensor that C++
+#: also owns to its Python object); None until calibrated, False when this torch does not count
+#: that way (then nothing is taken for autograd-only).
+_NO_PYTHON_HOLDER: list[Any] = [None]
+#: `_autograd_holders`'s answer when the graph cannot be read: every storage is guarded.
+EVERY_STORAGE = frozenset({-1})
+
+
+def _refs(t: Tensor) -> int:
+    """`t`'s reference count, read the one way `_calibrate` and `_autograd_holders` both
+    read it (from a loop over a list, through this call)."""
+    return sys.getrefcount(t)
+
+
+def _calibrate() -> Any:
+    """The reference count `_autograd_holders` reads for a tensor nothing in Python holds,
+    measured on one such tensor; False unless a tensor also held by a list reads one more."""
+    import weakref
+
+    with torch.enable_grad():
+        x = torch.ones(2, requires_grad=True)
+        y = x * 2
+        z = y.sin()  # saves y for the backward pass (the same tensor object)
+        held_saved = [y * 3]
+        zz = held_saved[0].cos()  # held by a list and saved
+        ref = weakref.ref(y)
+        del y
+        probe = [ref()]
+        counts = []
+        for t in probe:
+            counts.append((_refs(t), t._use_count()))
+        del t
+        others = [held_saved[0]]
+        for t in others:
+            counts.append((_refs(t), t._use_count()))
+        del t
+        (graph_only, uc), (with_list, uc2) = counts
+        del z, zz, probe, others
+    if uc < 2 or uc2 < 2 or with_list != graph_only + 1:
+        return False
+    return graph_only
+
+
+def _autograd_holders(alive: list[Tensor]) -> tuple[set[int], frozenset[int] | set[int]]:
+    """What the autograd graph of the forward holds: the ids of the tensors in `alive` that
+    nothing else holds, and the storages of every tensor the graph saved.
+
+    The graph is walked from the alive tensors' `grad_fn`s, unpacking every node's saved
+    tensors (`_saved_self`, ...): a tensor a node saved as its input is the very tensor object;
+    one it saved as its own result (tanh's, softmax's) comes back as another tensor on the same
+    memory, sharing its version counter. Every storage met is guarded (the caller can write into
+    it through the node), and an alive tensor is autograd-only when each of its owners is
+    accounted for: C++ owns it besides its Python object (`t._use_count() > 1`), no Python
+    object refers to it (its reference count, calibrated once by `_calibrate`), and its owners
+    are saved tensors of the graph and alive views of it (a view holds its base). Any other
+    owner (a tensor the model made outside the capture, a C++ extension's state) leaves it
+    reachable, and so copied. Without a graph (no alive tensor has a `grad_fn`: `no_grad`) the
+    answer is empty; where a node's saved tensors cannot be read, nothing is autograd-only and
+    every storage is guarded (`EVERY_STORAGE`).
+    """
+    roots = [t.grad_fn for t in alive if t.grad_fn is not None]
+    if not roots:
+        return set(), set()
+    base = _NO_PYTHON_HOLDER[0]
+    if base is None:
+        try:
+            base = _NO_PYTHON_HOLDER[0] = _calibrate()
+        except Exception:  # a torch without these counters: take nothing for autograd-only
+            base = _NO_PYTHON_HOLDER[0] = False
+    owners: dict[int, int] = {}  # id -> C++ owners besides its Python object
+    if base is not False:
+        for t in alive:
+            use = t._use_count()
+            if use > 1 and _refs(t) == base:
+                owners[id(t)] = use - 1
+    found = dict.fromkeys(owners, 0)
+    if found:
+        for t in alive:  # an alive view holds its base
+            if t._is_view():
+                b = t._base
+                if id(b) in found:
+                    found[id(b)] += 1
+                del b
+    graph: set[int] = set()
+    alive_ids = {id(t) for t in alive}
+    views: dict[int, Tensor] = {}  # saved views the capture did not record (kept: their ids stay theirs)
+    seen: set[Any] = set()
+    limit = 50 * len(alive) + 1000  # a walk far beyond the ops recorded: something else, stop
+    while roots:
+        node = roots.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if len(seen) > limit:
+            return set(), EVERY_STORAGE
+        names = _SAVED_NAMES.get(type(node))
+        if names is None:
+            names = _SAVED_NAMES[type(node)] = tuple(
+                n for n in dir(node) if n.startswith("_saved_") or n == "saved_tensors")
+        for n in names:
+            try:
+                v = getattr(node, n)
+            except Exception:  # a saved tensor that cannot be unpacked: guard everything
+                return set(), EVERY_STORAGE
+            for x in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(x, Tensor):
+                    if id(x) in found:
+                        found[id(x)] += 1
+                    if found and id(x) not in alive_ids and id(x) not in views and x._is_view():
+                        views[id(x)] = x  # a view made inside an op (linear's reshape) holds its base
+                        b = x._base
+                        if id(b) in found:
+                            found[id(b)] += 1
+                        del b
+                    ptr = storage_ptr(x)
+                    if ptr is not None:
+                        graph.add(ptr)
+            del v
+        roots.extend(f for f, _ in node.next_functions)
+    views.clear()
+    return {i for i, n in owners.items() if found[i] == n}, graph
+
+
+def arm_guards(rec: Recorder, trace: Any) -> None:
+    """Arm the `Guarded` groups `_snapshot` left (`rec.guarded`), once the trace is where it
+    stays (after a store: a tensor the store replaced by a copy shares no memory with the graph,
+    and is left out)."""
+    if not rec.guarded:
+        return
+    owners: dict[int, Any] = {}  # holder id -> what a guard tells (see `Guarded.owners`)
+    for op in trace.ops:
+        if op.extra is not None:
+            owners[id(op.extra)] = op
+    for call in rec.calls:
+        if call.facets is None:
+            continue
+        fmap = weakref.ref(call.facets)
+        for site in call.facets._sites.values():
+            owners[id(site)] = fmap
+            if site._inputs is not None and site._pending is not None:
+                owners[id(site._inputs)] = site._pending
+    for group in rec.guarded:
+        group.arm(owners)
+    rec.guarded = []
+
+
+GUARD_REASON = (
+    "was written in place after the trace returned, before it was first read: its memory is shared "
+    "with the autograd graph of the traced forward (a tensor autograd saved for the backward pass, "
+    "reachable through grad_fn), so it no longer holds what the forward computed there. Read it "
+    "before writing into a tensor of the graph, or write into a copy (tensor.clone())"
+)
+

@@ -100,14 +100,28 @@ class Holding(NamedTuple):
             holder[key] = new
         elif isinstance(holder, dict):
             set_arg(holder, key, new)
-        elif isinstance(key, int):
-            tensors = list(holder.tensors)
+        elif isinstance(key, int):  # `_tensors`: what the op holds, a guarded output left unresolved
+            tensors = list(holder._tensors)
             tensors[key] = new
-            holder.tensors = tuple(tensors)
+            holder._tensors = tuple(tensors)
         elif key == "tensor":
             holder.__dict__["tensor"] = new  # the stored value (`FacetSite.tensor` is a property)
         else:
             setattr(holder, key, new)
+
+    def current(self) -> Any:
+        """What the holder holds here now (`tensor` until something else was put there; None
+        once a check ran and let go of its inputs, or the output was dropped)."""
+        holder, key = self.holder, self.key
+        if isinstance(holder, list):
+            return holder[key] if key < len(holder) else None
+        if isinstance(holder, dict):
+            return get_arg(holder, key)
+        if isinstance(key, int):
+            return holder._tensors[key]
+        if key == "tensor":
+            return holder.__dict__.get("tensor")
+        return getattr(holder, key)
 
 
 def held_tensors(ops: Iterable[Any], calls: Iterable[Any] = (), hooks: Iterable[tuple[Any, str]] = ()) -> list[Holding]:
@@ -116,7 +130,7 @@ def held_tensors(ops: Iterable[Any], calls: Iterable[Any] = (), hooks: Iterable[
     module input/output aliases `hooks` names (`(call, "_in" or "_out")`), in that order."""
     found: list[Holding] = []
     for op in ops:
-        for slot, t in enumerate(op.tensors):
+        for slot, t in enumerate(op._tensors):  # as held: a guarded output is not resolved by this walk
             if t is not None:
                 found.append(Holding(op, slot, t))
         if op.extra is not None:

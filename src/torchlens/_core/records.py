@@ -56,10 +56,15 @@ class OpRecord:
             None: the output detached, as the op returned it; a later in-place write during the
             forward clones it first, and a tensor still sharing memory with something the caller
             holds (inputs, weights, the output) is copied when `trace` returns.
+            With autograd on, an output whose memory the autograd graph shares is not copied
+            when `trace` returns but guarded: on its first read it is copied if it still holds
+            what the op returned, and is None (with a warning) if it was written since (through
+            the graph's saved tensor, `grad_fn._saved_self`).
         mutated (bool): True when the op changed one of its inputs in place.
     """
 
-    __slots__ = ("index", "name", "module", "call", "inputs", "shapes", "dtypes", "device", "tensors", "mutated", "extra")
+    __slots__ = ("index", "name", "module", "call", "inputs", "shapes", "dtypes", "device", "_tensors", "mutated",
+                 "extra", "_guard")
 
     def __init__(self, index, name, module, call, inputs, shapes, dtypes, device, tensors, mutated=False, extra=None):
         self.index = index
@@ -70,9 +75,48 @@ class OpRecord:
         self.shapes = shapes
         self.dtypes = dtypes
         self.device = device
-        self.tensors = tensors
+        self._tensors = tensors
         self.mutated = mutated
         self.extra = extra
+        #: the `_capture.snapshot.Guarded` groups of outputs on memory only the autograd graph
+        #: shares (copied on the first read), or None
+        self._guard = None
+
+    @property
+    def tensors(self) -> tuple:
+        """One entry per tensor output: the saved output, or None (see the class docstring)."""
+        try:
+            guard = self._guard
+        except AttributeError:  # made without `__init__` (a loaded trace)
+            guard = self._guard = None
+        if guard is not None:
+            for group in guard:  # copied if unwritten, else dropped with a warning
+                group.resolve()
+            self._guard = None
+        return self._tensors
+
+    @tensors.setter
+    def tensors(self, value: tuple) -> None:
+        self._tensors = value
+
+    #: The fields a saved trace stores (`tensors` through its property: a guarded one resolved).
+    _PERSISTED = ("index", "name", "module", "call", "inputs", "shapes", "dtypes", "device", "tensors", "mutated",
+                  "extra")
+
+    def _persist_fields(self) -> list[tuple[str, Any]]:
+        return [(f, getattr(self, f)) for f in self._PERSISTED]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For pickling and copying: the guarded outputs resolved, the guard itself not kept (a
+        copy shares no memory with the autograd graph)."""
+        state = {k: getattr(self, k) for k in self._PERSISTED}
+        state["_tensors"] = state.pop("tensors")
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._guard = None
+        for k, v in state.items():
+            setattr(self, k, v)
 
     @property
     def shape(self) -> torch.Size:

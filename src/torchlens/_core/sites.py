@@ -70,6 +70,9 @@ class FacetSite:
     _pending: Pending | None = None
     _inputs: list | None = None
     _refusal: str | None = None  # why a deferred check refused this site, once it ran and failed
+    # the `_capture.snapshot.Guarded` group of a tensor on memory only the autograd graph shares,
+    # copied on the first read instead of when the trace is returned; None otherwise
+    _guard: Any = None
 
     def __init__(self, name: str, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
                  tensor: torch.Tensor | None = None, op: int | None = None, check_error: float | None = None,
@@ -89,7 +92,20 @@ class FacetSite:
         not keep it or its check failed."""
         if self._pending is not None:
             self._pending.run()
+        if self._guard is not None:
+            self._check_guard()
         return self.__dict__.get("tensor")
+
+    def _check_guard(self, copy: bool = True) -> None:
+        """Resolve the guarded group of this site's tensor (`_capture.snapshot.Guarded`: copied if
+        unwritten, else refused); with `copy` False, only refuse a written one."""
+        group = self._guard
+        if copy:
+            group.resolve()
+        else:
+            group.check()
+        if group.done:
+            self._guard = None
 
     @tensor.setter
     def tensor(self, value: torch.Tensor | None) -> None:
@@ -119,7 +135,9 @@ class FacetSite:
         the final tensor and status."""
         if self._pending is not None:
             self._pending.run()
-        return {k: v for k, v in self.__dict__.items() if k not in ("_pending", "_inputs")}
+        if self._guard is not None:
+            self._check_guard()
+        return {k: v for k, v in self.__dict__.items() if k not in ("_pending", "_inputs", "_guard")}
 
     #: The fields a saved trace stores (`Trace.save` runs the pending check first).
     _PERSISTED = ("name", "kind", "shape", "dtype", "tensor", "op", "check_error", "note")
@@ -232,6 +250,8 @@ class FacetMap(Mapping):
         for s in todo:
             if s._pending is not None:
                 s._pending.run()
+            if s._guard is not None:  # a guarded tensor written since the trace is refused now
+                s._check_guard(copy=False)
         return self.refused
 
     @property
