@@ -140,6 +140,10 @@ TABLE_MODELS = ["tiny", "L12-T128", "L12-T1024", "L12-T2048"]
 TOKEN_SWEEP = ["L12-T128", "L12-T256", "L12-T512", "L12-T1024", "L12-T2048"]
 LAYER_SWEEP = ["L2-T128", "L6-T128", "L12-T128", "L24-T128"]
 SWEEP_MODES = ["plain", "all", "none", "resid_post", "tl_cache", "hooks"]
+#: Modes left out above 1024 tokens: the targets name the save= lists at 128 and 1024 tokens and
+#: the booted TransformerLens setup on the tiny model, and every mode in both grad modes at 2048
+#: tokens in one process needs more than 24 GiB (each trace there keeps about 9 GiB).
+BIG_SKIP = {"modlist", "output", "pattern", "qkvz", "plain_booted", "all_booted", "floor_pass"}
 #: Modes whose memory is also measured with autograd on (the memory children take time).
 MEMORY_GRAD_MODES = {"plain", "all", "none", "resid_post", "tl_cache", "nnsight", "hooks"}
 
@@ -671,7 +675,8 @@ def main(argv=None) -> int:
     pypi = args.pypi_python if os.path.exists(args.pypi_python) else None
     plan: dict[str, list[str]] = {}
     for name in TABLE_MODELS:
-        plan[name] = IN_PROCESS + (["pypi"] if spec(name)["tokens"] <= args.no_pypi_above else [])
+        modes = IN_PROCESS if spec(name)["tokens"] <= 1024 else [m for m in IN_PROCESS if m not in BIG_SKIP]
+        plan[name] = modes + (["pypi"] if spec(name)["tokens"] <= args.no_pypi_above else [])
     for name in TOKEN_SWEEP + LAYER_SWEEP:
         plan.setdefault(name, SWEEP_MODES)
     if args.models:

@@ -58,7 +58,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchlens._core.errors import EditSpecError
 from torchlens._core.holdings import Holding, arg_slots, get_arg, held_tensors, memory_key, set_arg, storage_ptr
-from torchlens._core.ops import REBUILT_OPS, REPOINT, SKIP, classify
+from torchlens._core.ops import INPLACE, REBUILT_OPS, REPOINT, SKIP, classify
 from torchlens._capture.values import (
     first_tensor,
     plain_tensors,
@@ -185,7 +185,12 @@ class Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self._quiet:
             return self._quiet_call(func, args, kwargs)
-        info = self._classify(func)
+        try:  # `_classify`, inlined: this runs once per op of the forward
+            info = self._kinds[func]
+        except KeyError:
+            info = self._kinds[func] = classify(func)
+        except TypeError:  # an unhashable callable
+            info = classify(func)
         kind = info[1]
         if kind == SKIP:
             return func(*args, **kwargs) if kwargs else func(*args)
@@ -193,10 +198,18 @@ class Recorder(TorchFunctionMode):
             out = func(*args, **kwargs) if kwargs else func(*args)
             self._repointed(args)
             return out
-        if kwargs is None:
+        if kwargs:
+            mutated = kind == INPLACE or kwargs.get("out") is not None or kwargs.get("inplace") is True
+            ins = tensor_args(args, kwargs)
+        else:  # most ops: positional arguments only (`_capture.values.writes_inputs` and `tensor_args`, inlined)
             kwargs = {}
-        mutated = writes_inputs(kind, kwargs)
-        ins = tensor_args(args, kwargs)
+            mutated = kind == INPLACE
+            ins = []
+            for a in args:
+                if isinstance(a, Tensor):
+                    ins.append(a)
+                elif isinstance(a, (list, tuple)):
+                    ins.extend([x for x in a if isinstance(x, Tensor)])
         refs = None
         if mutated:  # the input refs are taken before the op writes them (the write makes them stale)
             if self.nested:
@@ -299,12 +312,33 @@ class Recorder(TorchFunctionMode):
             return entry[0]
         return self.param_names.get(id(t))
 
-    def _record(self, name, outs, ins, mutated, args=(), kwargs=None, refs=None):
-        if refs is None:
+    def _refs(self, ins: list) -> tuple:
+        """`tuple(self._ref(t) for t in ins)`, with the common case inlined: no write seen yet
+        in this forward (so a stamp is `(version, 0)`) and each input as its producer left it."""
+        if self._writes:
             ref = self._ref
-            inputs = tuple([ref(t) for t in ins])
-        else:
-            inputs = refs
+            return tuple([ref(t) for t in ins])
+        producer, params, found = self.producer, self.param_names, []
+        for t in ins:
+            entry = producer.get(id(t))
+            if entry is None:
+                found.append(params.get(id(t)))
+                continue
+            if entry[1]() is t:
+                stamp = entry[2]
+                if stamp is not None and not stamp[1]:
+                    try:
+                        version = t._version
+                    except RuntimeError:  # an inference tensor
+                        version = None
+                    if version == stamp[0]:
+                        found.append(entry[0])
+                        continue
+            found.append(self._ref(t))  # stale (a `written_in_place` op first), or not its producer's
+        return tuple(found)
+
+    def _record(self, name, outs, ins, mutated, args=(), kwargs=None, refs=None):
+        inputs = self._refs(ins) if refs is None else refs
         idx = len(self.ops)  # after the inputs: a stale input appends a `written_in_place` op first
         stack = self.stack
         call = stack[-1] if stack else None
@@ -312,7 +346,13 @@ class Recorder(TorchFunctionMode):
         retain = self.retain_all or (call is not None and call.retained)
         if len(outs) == 1:  # most ops: one output
             o0 = outs[0]
-            stamp = self._stamp(o0)
+            if self._writes:
+                stamp = self._stamp(o0)
+            else:  # `_stamp`, inlined
+                try:
+                    stamp = (o0._version, 0)
+                except RuntimeError:  # an inference tensor
+                    stamp = (None, 0)
             if retain:
                 tensors = (o0.detach(),)
                 if stamp[0] is not None:  # a detached alias shares the counter: its version when saved
