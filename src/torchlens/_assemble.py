@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from torchlens._analysis.facets import derive
+from torchlens._analysis.role_rules import Roles
 from torchlens._analysis.selection import CapturePlan
 from torchlens._analysis.structure import find as find_structure
 from torchlens._capture.compiled import check_compiled
@@ -35,7 +36,7 @@ __all__ = ["assemble", "note_edited_refusals"]
 
 
 def assemble(rec: Recorder, model: nn.Module, names: dict[nn.Module, str], aliases: dict[str, str],
-             roles: dict[str, str], plan: CapturePlan, output: Any, overwritten: list[int]) -> Trace:
+             roles: Roles, plan: CapturePlan, output: Any, overwritten: list[int]) -> Trace:
     """The `Trace` of the forward `rec` recorded.
 
     Args:

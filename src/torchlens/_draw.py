@@ -181,13 +181,13 @@ def _place_marks(scene: Scene, names, several_generations: bool) -> None:
             scene.unplaced[label] = f"{r.status}: {r.reason}"
             continue
         rec = trace.modules[r.module_address]
-        call = rec.calls[r.call or 0] if rec.calls else None
-        if call is None:
+        if not rec.calls:
             scene.unplaced[label] = f"{r.module_address} did not run"
             continue
-        site = call.facets.sites.get(r.facet) if call.facets is not None else None
+        read = rec.calls[r.call or 0]
+        hit = read.facets.sites.get(r.facet) if read.facets is not None else None
         mark = Mark(label, r.status, name, r.generation, f"{r.module_address or '<root>'}:{r.facet}")
-        if not _put(scene, mark, call, site.op if site is not None else None):
+        if not _put(scene, mark, read, hit.op if hit is not None else None):
             where = f"{r.module_address or '<root>'}:{r.facet}"
             scene.unplaced[label] = (f"{r.status}: it reads {where}, outside this drawing "
                                      f"(focus={scene.focus_label!r}); draw without focus= or focus on "
@@ -226,7 +226,8 @@ def _focus(trace: Trace, focus: Any, generation: str | None):
         raise DrawSpecError(f"focus= takes a module address (e.g. {_example_address(trace)!r}) or a hook name "
                             f"(e.g. 'blocks.0.hook_resid_post'), not {type(focus).__name__} {focus!r}.")
     text = focus.strip()
-    address, facet = (text.rsplit(":", 1) + [None])[:2] if ":" in text else (text, None)
+    address, _, facet_text = text.rpartition(":") if ":" in text else (text, "", "")
+    facet = facet_text or None
     if address in trace.modules or address in ("<root>", ""):
         rec = trace.modules[address if address != "<root>" else ""]
         if not rec.calls:
@@ -313,6 +314,7 @@ def draw(trace: Trace, path: str | os.PathLike | None = None, *, rolled: bool = 
     for site in site_names:
         address, facet = site.rsplit(":", 1)
         call = trace.modules[address].calls[0]
+        assert call.facets is not None  # site_names come from calls with facets
         s = call.facets.sites[facet]
         _put(scene, Mark(site, _status_of_site(s), site, None, site), call, s.op)
     measure(scene)
@@ -331,10 +333,10 @@ def draw(trace: Trace, path: str | os.PathLike | None = None, *, rolled: bool = 
         counts[kind] = counts.get(kind, 0) + 1
     groups = [(g.stack, tuple(g.layers), g.reason) for g in scene.groups]
     drawing = Drawing(text, counts, scene.unplaced, groups, lay.seconds)
-    if fmt == "svg":
+    if path is not None and fmt == "svg":
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
-    elif fmt in ("png", "pdf"):
+    elif path is not None and fmt in ("png", "pdf"):
         with contextlib.redirect_stderr(io.StringIO()):
             dot_graph(scene, with_text=True).draw(os.fspath(path), format=fmt, prog="dot")
     return drawing

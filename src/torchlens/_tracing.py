@@ -114,7 +114,9 @@ def trace(
         plan = _locate(model, args, kwargs, edit, roles)
     wrapper = compiled_module_class()
     if wrapper is not None and isinstance(model, wrapper):  # torch.compile(model): trace the eager model
-        model = model._orig_mod
+        inner = model._orig_mod
+        assert isinstance(inner, nn.Module)
+        model = inner
     names: dict[nn.Module, str] = {}
     aliases: dict[str, str] = {}
     for addr, m in model.named_modules(remove_duplicate=False):

@@ -3,6 +3,7 @@ which call ran inside which, and the questions the structure and facet rules ask
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ class Graph:
         modules: address -> module, for the rules that read a module's weights or settings.
     """
 
-    def __init__(self, ops: list[OpRecord], calls: list[ModuleCall] = (), modules: dict[str, nn.Module] | None = None):
+    def __init__(self, ops: list[OpRecord], calls: Sequence[ModuleCall] = (), modules: dict[str, nn.Module] | None = None):
         self.ops = ops
         self.modules = modules if modules is not None else {}
         #: op index -> the indices of the ops that read one of its outputs

@@ -81,7 +81,7 @@ def _view(storage: torch.UntypedStorage, byte_offset: int, t: torch.Tensor, base
     return base.as_strided(t.size(), t.stride(), byte_offset // item + t.storage_offset())
 
 
-def _storages(found: list[Holding], skip: set[int] = frozenset()) -> dict:
+def _storages(found: list[Holding], skip: set[int] | frozenset[int] = frozenset()) -> dict:
     """(device, data_ptr) -> (storage, dtype) of each distinct storage in `found`, less those whose
     data_ptr is in `skip`."""
     storages: dict[tuple[str, int], tuple[torch.UntypedStorage, torch.dtype]] = {}
@@ -258,7 +258,7 @@ def _save_file(tensors: dict[str, torch.Tensor], file: str) -> None:
         f.write(text)
         for raw in parts:
             if raw.numel():
-                f.write(memoryview(raw.numpy()))
+                f.write(raw.numpy().data)
 
 
 def _mapped(file: str) -> tuple[torch.UntypedStorage, dict[str, int]]:
@@ -269,4 +269,5 @@ def _mapped(file: str) -> tuple[torch.UntypedStorage, dict[str, int]]:
     start = 8 + n
     offsets = {k: start + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
     storage = torch.UntypedStorage.from_file(file, shared=False, nbytes=os.path.getsize(file))
+    assert isinstance(storage, torch.UntypedStorage)
     return storage, offsets

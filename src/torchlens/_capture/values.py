@@ -30,7 +30,7 @@ def tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
 def writes_inputs(kind: int, kwargs: dict | None) -> bool:
     """Whether a call of this `classify` kind with these keyword arguments writes into a tensor
     it was given: an in-place function, or one called with `out=` or `inplace=True`."""
-    return kind == INPLACE or bool(kwargs) and (kwargs.get("out") is not None or kwargs.get("inplace") is True)
+    return kind == INPLACE or kwargs is not None and (kwargs.get("out") is not None or kwargs.get("inplace") is True)
 
 
 def plain_tensors(args: tuple, kwargs: dict) -> bool:
@@ -73,7 +73,8 @@ def replace_first(value: Any, fn: Any, _depth: int = 0) -> Any:
     if isinstance(value, Mapping):
         for k, v in value.items():
             if first_tensor(v) is not None:
-                value[k] = replace_first(v, fn, _depth + 1)
+                # set in place, as the model's own mapping (a read-only one raises, as it would for the model)
+                value[k] = replace_first(v, fn, _depth + 1)  # type: ignore[index]
                 break
         return value
     if isinstance(value, (tuple, list)):

@@ -38,7 +38,7 @@ def memory_key(t: torch.Tensor, _depth: int = 0) -> int | None:
     if ptr is not None or _depth > 4 or not hasattr(type(t), "__tensor_flatten__"):
         return ptr
     try:
-        names, _ = t.__tensor_flatten__()
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]  # only on wrapper subclasses
         inner = next((x for x in (getattr(t, n) for n in names) if isinstance(x, torch.Tensor)), None)
     except Exception:  # a subclass whose flattening fails here: nothing to key it by
         return None
@@ -48,10 +48,10 @@ def memory_key(t: torch.Tensor, _depth: int = 0) -> int | None:
 def extent(t: torch.Tensor) -> tuple[int, int]:
     """The bytes of its storage `t` can reach, as [start, end) (empty for an empty tensor)."""
     item = t.element_size()
-    start = t.storage_offset() * item
+    start = int(t.storage_offset()) * item
     if t.numel() == 0:
         return start, start
-    last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    last = sum((int(n) - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
     return start, start + (last + 1) * item
 
 

@@ -96,7 +96,7 @@ class Pending:
                     except Exception as exc:  # a check that cannot run refuses, it never raises
                         values, error = {}, None
                         refusal = f"it could not be computed: {type(exc).__name__}: {exc}"
-            self.fn = self.inputs = None
+            self.fn, self.inputs = None, []
             for s in self.sites:
                 s._pending = s._inputs = None
                 if error is not None:
@@ -136,7 +136,7 @@ class Pending:
             self.sites.remove(site)
         site._pending = site._inputs = None
         if not self.sites:
-            self.fn = self.inputs = None
+            self.fn, self.inputs = None, []
 
 
 def _placed(inputs: list) -> list:
@@ -226,15 +226,15 @@ def seal_checks(trace: Any) -> None:
               if isinstance(t, torch.Tensor) and not t.is_inference()}
     wanted.discard(None)  # a tensor without a storage of its own shares no counter with another dtype
     saved = [h.tensor for h in trace_holdings(trace)]
-    first: dict[tuple[Any, int], torch.dtype] = {}  # storage -> the dtype of the first tensor held there
-    multi: set[tuple[Any, int]] = set()  # the storages held in a second dtype
+    first: dict[tuple[Any, int | None], torch.dtype] = {}  # storage -> the dtype of the first tensor held there
+    multi: set[tuple[Any, int | None]] = set()  # the storages held in a second dtype
     for t in saved:
         ptr = storage_ptr(t)
         if ptr in wanted:
             key = (t.device, ptr)
             if first.setdefault(key, t.dtype) != t.dtype:
                 multi.add(key)
-    extents: dict[tuple[Any, int], dict[torch.dtype, list[tuple[int, int]]]] = {}
+    extents: dict[tuple[Any, int | None], dict[torch.dtype, list[tuple[int, int]]]] = {}
     if multi:
         for t in saved:
             key = (t.device, storage_ptr(t))

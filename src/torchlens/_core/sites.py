@@ -96,6 +96,12 @@ class FacetSite:
             self._check_guard()
         return self.__dict__.get("tensor")
 
+    @tensor.setter
+    def tensor(self, value: torch.Tensor | None) -> None:
+        self.__dict__["tensor"] = value
+        if value is None and self._pending is not None:
+            self._pending.discard(self)
+
     def _check_guard(self, copy: bool = True) -> None:
         """Resolve the guarded group of this site's tensor (`_capture.snapshot.Guarded`: copied if
         unwritten, else refused); with `copy` False, only refuse a written one."""
@@ -106,12 +112,6 @@ class FacetSite:
             group.check()
         if group.done:
             self._guard = None
-
-    @tensor.setter
-    def tensor(self, value: torch.Tensor | None) -> None:
-        self.__dict__["tensor"] = value
-        if value is None and self._pending is not None:
-            self._pending.discard(self)
 
     @property
     def checked(self) -> bool:

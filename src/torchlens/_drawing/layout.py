@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 
 from torchlens._drawing.errors import LayoutEngineMissing
-from torchlens._drawing.scene import Box, Mark, Scene
+from torchlens._drawing.scene import Box, Mark, Node, Scene
 from torchlens._drawing.style import BOX_FILLS, COLORS, CW, FS, FS_SMALL, LH, LH_SMALL, PAD_X, PAD_Y, STATUS_STYLE
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ def dot_graph(scene: Scene, with_text: bool):
     # focus) would be ranked at the top, and the module box it runs in with it, beside the boxes that
     # ran before it: an invisible edge from the node drawn for the op before it keeps run order.
     fed = {b for (a, b), kind in scene.edges.items() if kind in ("flow", "loop") and scene.nodes[a].kind != "stub"}
-    order = {}
+    order: dict[int, Node] = {}
     for node in scene.nodes.values():
         first = node.op if node.op is not None else node.attrs.get("data-first-op")
         if node.kind in ("op", "module", "input") and first is not None:

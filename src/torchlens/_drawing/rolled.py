@@ -38,7 +38,7 @@ def op_signature(trace: Trace, call: ModuleCall) -> tuple:
         mod = op.module
         rel = mod[len(prefix):] if mod.startswith(prefix) else ("." if mod == call.address else "@" + mod)
         cls = trace.modules[mod].class_name if mod in trace.modules else ""
-        ins = []
+        ins: list[tuple[object, ...]] = []
         for r in op.inputs:
             if type(r) is Ref:
                 if lo <= r.op < hi:

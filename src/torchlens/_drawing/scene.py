@@ -206,11 +206,11 @@ class Scene:
         if self.focus_calls:
             top = next((c for c in self.focus_calls if c.first_op <= i < c.end_op), self.focus_calls[0])
             parent = self._box(top, None, 0)
-        folded = depth is not None and len(chain) > depth
-        for level, call in enumerate(chain[: depth if folded else len(chain)], start=1):
+        folded_at = depth if depth is not None and len(chain) > depth else None
+        for level, call in enumerate(chain[: len(chain) if folded_at is None else folded_at], start=1):
             parent = self._box(call, parent, level)
-        if folded:
-            call = chain[depth]
+        if folded_at is not None:
+            call = chain[folded_at]
             nid = self._folded_id(call)
             node = self.nodes.get(nid)
             if node is None:

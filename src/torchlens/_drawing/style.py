@@ -46,18 +46,13 @@ BOX_FILLS = ("#fbfbfd", "#f3f5f9")
 
 def ranges(ints: list[int]) -> str:
     """`[0, 1, 2, 5, 7, 8]` -> `'0–2, 5, 7–8'`."""
-    parts, start, prev = [], None, None
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive integers
     for i in ints:
-        if start is None:
-            start = prev = i
-        elif i == prev + 1:
-            prev = i
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
         else:
-            parts.append(f"{start}–{prev}" if prev != start else f"{start}")
-            start = prev = i
-    if start is not None:
-        parts.append(f"{start}–{prev}" if prev != start else f"{start}")
-    return ", ".join(parts)
+            runs.append([i, i])
+    return ", ".join(f"{a}–{b}" if a != b else f"{a}" for a, b in runs)
 
 
 def fmt_shape(shape) -> str:

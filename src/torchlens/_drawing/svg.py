@@ -131,11 +131,11 @@ def render_svg(scene: Scene, lay: Layout, title: str, desc: str) -> str:
     svg.add(f'<rect x="0" y="0" width="{num(width)}" height="{num(height)}" fill="{COLORS["bg"]}"/>')
     # legend
     svg.add('<g class="legend">')
-    x, y = MARGIN, MARGIN
+    x, y = float(MARGIN), float(MARGIN)
     for kind, words in legend:
         w = 30 + text_w(words, FS_SMALL) + 18
         if x > MARGIN and x + w > width - MARGIN:
-            x, y = MARGIN, y + 22
+            x, y = float(MARGIN), y + 22
         if kind.startswith("status:"):
             strong, pale, _ = STATUS_STYLE[kind[len("status:"):]]
             svg.rect(x, y + 1, 24, 14, pale, strong, rx=3)
@@ -206,10 +206,10 @@ def render_svg(scene: Scene, lay: Layout, title: str, desc: str) -> str:
         attrs = "".join(f' {k}="{esc(v)}"' for k, v in node.attrs.items())
         svg.add(f'<g class="node {node.kind}" id="{node.id}"{attrs}>')
         svg.add(f"<title>{esc(node.title)}</title>")
-        fill, stroke, rx, dash, sw = node_style(node.kind, node.inplace)
+        fill, stroke, rx, dashed, sw = node_style(node.kind, node.inplace)
         if node.marks:
             stroke, sw = STATUS_STYLE[node.marks[0].status][0], 2.0
-        svg.rect(x, y, node.w, node.h, fill, stroke, rx=rx, dash=dash, width=sw)
+        svg.rect(x, y, node.w, node.h, fill, stroke, rx=rx, dash=dashed, width=sw)
         if node.kind == "module":
             svg.rect(x + 3, y + 3, node.w - 6, node.h - 6, "none", "module_line", rx=3, width=0.8)
         draw_lines(svg, x + PAD_X, y + PAD_Y, node.lines, node.marks, node.w - 2 * PAD_X)
@@ -217,7 +217,7 @@ def render_svg(scene: Scene, lay: Layout, title: str, desc: str) -> str:
     svg.add("</g>")
     if note_lines:
         svg.add('<g class="notes">')
-        y = top + lay.height + MARGIN + 4
+        y = float(top + lay.height + MARGIN + 4)
         svg.text(MARGIN, y + LH - 4, "Notes", size=FS, bold=True)
         y += LH
         for line in note_lines:
@@ -228,7 +228,7 @@ def render_svg(scene: Scene, lay: Layout, title: str, desc: str) -> str:
     return "\n".join(svg.parts) + "\n"
 
 
-def node_style(kind: str, inplace: bool):
+def node_style(kind: str, inplace: bool) -> tuple[str, str, int, bool, float]:
     """(fill, stroke, corner radius, dashed, stroke width) of a node kind."""
     fill, stroke, rx, dash, width = COLORS["op"], COLORS["line"], 3, False, 1.0
     if kind in ("input", "output"):

@@ -10,7 +10,7 @@ Both read them here, so they agree on which conversion is a layout and which one
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -74,11 +74,11 @@ def conversions(c_shape: tuple[int, ...], e_shape: tuple[int, ...], facet: str |
                                 (("tile", axis, rep),), grown))
         for klabel, kok, ksteps, kshape in kvs:
             repeated = klabel == "kv heads repeated"
-            batches = [("", True, (), kshape)]
+            batches: list[tuple[str, bool, tuple[tuple[Any, ...], ...], tuple[int, ...]]] = [("", True, (), kshape)]
             if kshape and kshape[0] == 1:
                 batches.append(("batch dropped", True, (("drop",),), kshape[1:]))
             for blabel, bok, bsteps, bshape in batches:
-                flats = [("", True, (), bshape)]
+                flats: list[tuple[str, bool, tuple[tuple[Any, ...], ...], tuple[int, ...]]] = [("", True, (), bshape)]
                 if len(bshape) >= 3:
                     flats.append(("heads flattened", facet in PER_HEAD, (("flat",),), bshape[:-2] + (bshape[-2] * bshape[-1],)))
                 for flabel, fok, fsteps, fshape in flats:

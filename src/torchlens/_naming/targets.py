@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from torchlens._analysis.graph import adds_own_input
-from torchlens._analysis.structure import Layer, from_model_input
+from torchlens._analysis.structure import Layer, Structure, from_model_input
 from torchlens._core.errors import TorchLensError
 from torchlens._core.facet_spec import absent_reason
 from torchlens._core.ops import ACTIVATION_OPS, ADD_OPS, CAST_OPS, FUSED_ATTENTION_OPS, PASS_THROUGH_OPS, SCALE_OPS, SOFTMAX_OPS
@@ -31,9 +31,16 @@ if TYPE_CHECKING:
 # Finders take (trace, layer) and return the ModuleCall the target names, or None.
 
 
+def _st(trace: Trace) -> Structure:
+    """The trace's structure (`trace()` always finds one; a finder never runs on a trace without it)."""
+    if trace.structure is None:
+        raise TorchLensError("this trace has no structure (its records are incomplete); trace the model again.")
+    return trace.structure
+
+
 def _layer(trace: Trace, layer):
     """The LM stack's layer `layer`, or `layer` itself when `find_call` already picked one of another stack."""
-    return layer if isinstance(layer, Layer) else trace.structure.layers[layer]
+    return layer if isinstance(layer, Layer) else _st(trace).layers[layer]
 
 
 def stack_of_kind(trace: Trace, kind: str):
@@ -43,7 +50,7 @@ def stack_of_kind(trace: Trace, kind: str):
 
 
 def _kids(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
-    return trace.structure.children.get(id(call), [])
+    return _st(trace).children.get(id(call), [])
 
 
 def _below(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
@@ -109,11 +116,11 @@ def _contribution(which: str) -> Callable[[Trace, int], ModuleCall | None]:
 
 
 def _token_embed(trace: Trace) -> ModuleCall | None:
-    return trace.structure.token_embed
+    return _st(trace).token_embed
 
 
 def _outside_layers(trace: Trace, role: str) -> list[ModuleCall]:
-    inside = {id(c) for s in trace.structure.stacks.values() for l in s.layers for c in [l.call] + _below(trace, l.call)}
+    inside = {id(c) for s in _st(trace).stacks.values() for l in s.layers for c in [l.call] + _below(trace, l.call)}
     return [c for rec in trace.modules.values() for c in rec.calls if c.role == role and id(c) not in inside]
 
 
@@ -155,7 +162,7 @@ _GATED_BY = "pre_linear"
 def _mlp_gated(trace: Trace, layer: int) -> ModuleCall | None:
     """The layer's MLP when it is gated (it has a linear branch), else None."""
     mlp = _sublayer(trace, layer, "mlp")
-    if mlp is None or _GATED_BY not in mlp.facets.sites:
+    if mlp is None or mlp.facets is None or _GATED_BY not in mlp.facets.sites:
         return None
     return mlp
 
@@ -251,10 +258,11 @@ def _scaled_embed_block(trace: Trace) -> ModuleCall | None:
     then that input is the embedding as it enters the residual stream. None where the module
     itself scales (its output is that tensor) or where anything else (a position embedding) is
     added on the way."""
-    token = trace.structure.token_embed if trace.structure is not None else None
-    if token is None or not trace.structure.layers or type(token.output_ref) is not Ref:
+    structure = trace.structure
+    token = structure.token_embed if structure is not None else None
+    if structure is None or token is None or not structure.layers or type(token.output_ref) is not Ref:
         return None
-    first = trace.structure.layers[0].call
+    first = structure.layers[0].call
     ref, scaled = first.input_ref, False
     while type(ref) is Ref and ref != token.output_ref:
         op = trace.ops[ref.op]

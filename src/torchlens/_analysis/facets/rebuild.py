@@ -213,7 +213,7 @@ def rebuild_mha(args: tuple, kwargs: dict, out: Tensor) -> tuple[dict[str, Tenso
     # pattern served is the one the op's output proves.
     empty = masked.all(-1, keepdim=True) | softmax.isnan().all(-1, keepdim=True)
     candidates = [softmax] + ([softmax.masked_fill(empty, 0)] if bool(empty.any()) else [])
-    best = None
+    best: tuple[float, Tensor, Tensor, Tensor] | None = None
     for pattern in candidates:
         z = torch.einsum("bhts,bshd->bhtd", pattern, v)
         result = torch.einsum("bhtd,ohd->btho", z, w_o.view(e, h, dh))
@@ -225,6 +225,7 @@ def rebuild_mha(args: tuple, kwargs: dict, out: Tensor) -> tuple[dict[str, Tenso
             best = (err, pattern, z, result)
         if err <= tol:
             break
+    assert best is not None  # candidates is never empty
     err, pattern, z, result = best
     facets = {"q": q, "k": k, "v": v, "scores": scores, "pattern": pattern, "z": z, "result": result}
     return facets, err, tol

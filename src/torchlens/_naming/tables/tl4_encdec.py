@@ -22,7 +22,7 @@ _ALIASES = (
 )
 
 
-def _moved(row: Row, name: str, stack: str, target: str | None = None) -> Row:
+def _moved(row: Row, name: str, stack: str | None, target: str | None = None) -> Row:
     facet = "output" if target in ("attn_residual", "cross_residual") else row.facet  # a wrapper's output
     return Row(name=name, target=target or row.target, facet=facet, meaning=row.meaning, note=row.note, in_report=row.in_report, stack=stack)
 
