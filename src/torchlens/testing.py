@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -250,7 +250,7 @@ def checkpoint(family: str, directory: str | Path | None = None, *, tokenizer_to
     """
     model = build(family, **settings)
     path = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix=f"torchlens-{family}-"))
-    model.save_pretrained(path)
+    cast(Any, model).save_pretrained(path)  # every family builds a transformers PreTrainedModel
     if tokenizer_too:
         tokenizer().save_pretrained(path)
     return model, path

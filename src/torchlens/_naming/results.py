@@ -119,7 +119,9 @@ class AliasResolution:
             raise AliasError(f"{self.query!r} was built without a trace; use resolve_alias(trace, name).tensor")
         rec = self.trace.modules[self.module_address]
         if self.call is not None:
-            return rec.calls[self.call].facets[self.facet]
+            facets = rec.calls[self.call].facets
+            assert facets is not None  # every call of an assembled trace has its map
+            return facets[self.facet]
         return rec.facets[self.facet]
 
     def __repr__(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -238,7 +238,8 @@ def compare(
     report = ComparisonReport()
     resolved = [(name, value, resolve_alias(trace, name, generation=generation))
                 for name, value in engine_values.items()]
-    tolerances = _auto_tolerances(trace, resolved, model, inputs) if tolerance == "auto" else {}
+    tolerances = (_auto_tolerances(trace, resolved, model, inputs)
+                  if tolerance == "auto" and isinstance(model, nn.Module) else {})
     for name, value, res in resolved:
         tol = tolerances.get(name, (atol, rtol, None, ""))
         if tol[0] is None:  # no float64 value at this site: the given atol/rtol, and the row says why
@@ -247,7 +248,7 @@ def compare(
     return report
 
 
-def _engine_tensor(value: Any) -> tuple[Tensor | None, tuple, str]:
+def _engine_tensor(value: Any) -> tuple[Tensor, tuple, str]:
     """(element 0 as a CPU tensor, the other elements, hint) for what the engine handed."""
     rest: tuple = ()
     hint = ""
@@ -295,7 +296,7 @@ def _auto_tolerances(trace: Trace, resolved, model: nn.Module, inputs: Any) -> d
             continue
         ref = res.tensor
         engine, _, _ = _engine_tensor(value)
-        if not ref.is_floating_point():
+        if ref is None or not ref.is_floating_point():
             continue
         wanted[name] = (res.module_address, res.facet, ref.dtype, _coarser(ref.dtype, engine.dtype))
     if not wanted:
@@ -305,7 +306,7 @@ def _auto_tolerances(trace: Trace, resolved, model: nn.Module, inputs: Any) -> d
     for _, _, ref_dtype, coarse in wanted.values():
         if coarse != ref_dtype and coarse not in runs:
             runs[coarse] = _rerun(model, inputs, coarse, sites)
-    out = {}
+    out: dict[str, tuple] = {}
     for name, (address, facet, ref_dtype, coarse) in wanted.items():
         try:
             exact = runs[torch.float64].modules[address].facets[facet].double()
@@ -331,7 +332,7 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
         hints.append(tuple_hint)
 
     def row(status, passed, hint, ref_shape=None, layout="as is", err=None):
-        explanation, candidates = "", ()
+        explanation, candidates = "", cast(tuple, ())
         if not passed and explain and engine.is_floating_point() and engine.numel() > 1:
             try:
                 explanation, candidates = diagnose(trace, engine, res.module_address if res.readable else None,
@@ -349,6 +350,7 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
         return row(res.status, False, "not compared: editable=True, and TorchLens only reconstructs this site "
                    "(read-only): an engine writing it "
                    "edits a tensor the eager model never materializes; trace with attn_implementation='eager'")
+    assert res.tensor is not None and res.facet is not None  # a readable resolution has both
     ref = res.tensor.detach().cpu()
     if engine.dtype != ref.dtype:
         hints.append(f"dtypes differ (engine {str(engine.dtype)[6:]}, TorchLens {str(ref.dtype)[6:]})")
@@ -356,11 +358,12 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
     if not options:
         return row(res.status, False, f"shapes do not line up under any layout conversion "
                    f"(engine {list(engine.shape)}, TorchLens {list(ref.shape)})", tuple(ref.shape))
-    best = None
+    best: tuple[str, float, Tensor, Tensor] | None = None
     for label, t in options:
         err, d = _diff(engine, t, res.facet)
         if best is None or err < best[1]:
             best = (label, err, t, d)
+    assert best is not None  # options is not empty
     label, err, t, d = best
     scale = t.float().abs().nan_to_num(posinf=0.0, neginf=0.0)
     passed = bool((d <= atol + rtol * scale).all())
