@@ -135,7 +135,7 @@ def _highlight_names(highlight: Any, generation: str | None) -> list[tuple[str |
 
 
 def _check_names(pairs):
-    for gen, n in pairs:
+    for _, n in pairs:
         if not isinstance(n, str):
             raise DrawSpecError(f"highlight= names must be strings (hook names such as 'blocks.0.hook_resid_post'), "
                                 f"not {type(n).__name__} {n!r}.")

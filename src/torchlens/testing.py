@@ -285,7 +285,7 @@ def tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
         [5, 9, 63]
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     words = {"<unk>": 0, "<bos>": 1, "<eos>": 2, "<pad>": 3, **{f"t{i}": i for i in range(4, vocab)}}
     backend = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))

@@ -195,7 +195,7 @@ def accelerate_hooks(names: dict[nn.Module, str], rec: Any) -> Iterator[_Dispatc
         rec.canonical_param = canonical
     try:
         for m, hook in wrapped:
-            setattr(m, "_hf_hook", _Quiet(hook, rec, names[m], dispatch.used))  # a plain attribute, as accelerate sets it
+            m._hf_hook = _Quiet(hook, rec, names[m], dispatch.used)  # type: ignore[assignment]  # a plain attribute
         yield dispatch
     finally:
         for m, hook in wrapped:

@@ -185,7 +185,7 @@ class Scene:
             else:
                 lines.append((f"layer {group.layers[0]} of {stack or '<root>'}", FS_SMALL, False))
             if group.reason:
-                for i, text in enumerate(wrap("drawn apart: " + group.reason, BOX_LABEL_CHARS)):
+                for text in wrap("drawn apart: " + group.reason, BOX_LABEL_CHARS):
                     lines.append((text, FS_SMALL, False))
         else:
             lines.append((f"{name} · {rec.class_name}", FS, True))

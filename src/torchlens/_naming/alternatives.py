@@ -4,7 +4,6 @@ other scores or queries and keys."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import math
 
@@ -15,11 +14,6 @@ from torchlens._core.ops import PASS_THROUGH_OPS, RESHAPE_OPS, SCALE_OPS
 from torchlens._core.records import Ref
 from torchlens._naming.layouts import apply, conversions
 from torchlens._naming.pool import NEAR, Entry, Found, Pool, label_of, op_path, rel, through, within
-
-if TYPE_CHECKING:
-    pass
-
-__all__ = ["Candidate", "diagnose"]
 
 # The layout sets (token-major, head-major, kv-head and per-head facets) come from the facet rows.
 

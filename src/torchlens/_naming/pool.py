@@ -20,8 +20,6 @@ from torchlens._naming.resolver import alias_report
 if TYPE_CHECKING:
     from torchlens._trace import Trace
 
-__all__ = ["Candidate", "diagnose"]
-
 # The layout sets (token-major, head-major, kv-head and per-head facets) come from the facet rows.
 
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)

@@ -120,7 +120,8 @@ def _token_embed(trace: Trace) -> ModuleCall | None:
 
 
 def _outside_layers(trace: Trace, role: str) -> list[ModuleCall]:
-    inside = {id(c) for s in _st(trace).stacks.values() for l in s.layers for c in [l.call] + _below(trace, l.call)}
+    inside = {id(c) for s in _st(trace).stacks.values() for layer in s.layers
+              for c in [layer.call] + _below(trace, layer.call)}
     return [c for rec in trace.modules.values() for c in rec.calls if c.role == role and id(c) not in inside]
 
 
