@@ -141,7 +141,7 @@ def trace(
     try:
         for m in names:
             handles.append(m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True))
-            handles.append(m.register_forward_hook(rec.post_hook, with_kwargs=True, always_call=True))
+            handles.append(m.register_forward_hook(rec.post_hook, always_call=True))
         with CompiledRunsEagerly(), accelerate_hooks(names, rec) as dispatch, rec:
             output = model(*args, **kwargs)
     except BaseException as exc:

@@ -60,8 +60,8 @@ from torchlens._core.errors import EditSpecError
 from torchlens._core.holdings import Holding, arg_slots, get_arg, held_tensors, memory_key, set_arg, storage_ptr
 from torchlens._core.ops import INPLACE, REBUILT_OPS, REPOINT, SKIP, classify
 from torchlens._capture.values import (
+    all_plain,
     first_tensor,
-    plain_tensors,
     refuse_script_modules,
     replace_first,
     replace_input,
@@ -479,8 +479,23 @@ class Recorder(TorchFunctionMode):
         A call the plan holds this side of (`save=["resid_post"]` holds each block's output)
         keeps the tensor as the output of the op that produced it, and nothing else of its ops.
         """
-        ref = self._ref(t)
-        setattr(call, "input_ref" if side == "_in" else "output_ref", ref)
+        entry = self.producer.get(id(t))
+        ref = None
+        if entry is not None and not self._writes and entry[1]() is t:  # `_ref`, inlined for the common case
+            stamp = entry[2]
+            if stamp is not None and not stamp[1]:
+                try:
+                    version = t._version
+                except RuntimeError:  # an inference tensor
+                    version = None
+                if version == stamp[0]:
+                    ref = entry[0]
+        if ref is None:
+            ref = self._ref(t)
+        if side == "_in":
+            call.input_ref = ref
+        else:
+            call.output_ref = ref
         if ref is None or isinstance(ref, str) or (call.retained and not self.retain_all):
             alias = t.detach()
             setattr(call, side, alias)
@@ -538,7 +553,7 @@ class Recorder(TorchFunctionMode):
             # this mode is active, and every `t._version` or `t.detach()` would pass through it.
             # A tensor subclass among the inputs keeps its own `__torch_function__` (its aliases
             # stay of its type), so then the mode passes the calls through as `_quiet`.
-            with torch._C.DisableTorchFunction() if plain_tensors(args, kwargs) else self.hidden():
+            with torch._C.DisableTorchFunction() if all_plain(args, kwargs) else self.hidden():
                 self._enter(module, args, kwargs)
         finally:
             self._quiet = False
@@ -549,8 +564,9 @@ class Recorder(TorchFunctionMode):
         n = self.call_counts.get(addr, 0)
         self.call_counts[addr] = n + 1
         parent = self.stack[-1] if self.stack else None
-        call = ModuleCall(addr, n, self.roles[addr], type(module).__name__, len(self.ops), parent=parent)
-        call.retained = self.retain_all or addr in self.retain_modules or bool(parent and parent.retained)
+        retained = self.retain_all or addr in self.retain_modules or (parent is not None and parent.retained)
+        call = ModuleCall(addr, n, self.roles[addr], type(module).__name__, len(self.ops), parent=parent,
+                          retained=retained)
         if parent is None:  # the root: its tensor inputs become `input` ops
             for t in tensor_args(args, kwargs):
                 if self._ref(t) is None:
@@ -576,7 +592,7 @@ class Recorder(TorchFunctionMode):
                 if edits and call.address == self.names[module]:
                     output = replace_first(output, lambda t: self._edit_hooked(edits, t))
                     changed = True
-            t = first_tensor(output)
+            t = output if type(output) is Tensor else first_tensor(output)
             with torch._C.DisableTorchFunction() if t is None or type(t) is Tensor else self.hidden():  # as in `pre_hook`
                 call = self._leave(module, output, t)
             if self.spill is not None and call is not None and call.role == "block" and not any(

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torchlens._core.errors import CaptureError
 from torchlens._core.ops import INPLACE
 
-__all__ = ["first_tensor", "plain_tensors", "refuse_script_modules", "replace_first", "replace_input",
+__all__ = ["all_plain", "first_tensor", "plain_tensors", "refuse_script_modules", "replace_first", "replace_input",
            "tensor_args", "writes_inputs"]
 
 
@@ -37,6 +37,28 @@ def plain_tensors(args: tuple, kwargs: dict) -> bool:
     """Whether every tensor among a module call's arguments (as `tensor_args` finds them) is a
     plain `torch.Tensor`, no subclass."""
     return all(type(t) is Tensor for t in tensor_args(args, kwargs))
+
+
+def all_plain(args: tuple, kwargs: dict) -> bool:
+    """`plain_tensors(args, kwargs)` without building the list (once per module call)."""
+    for a in args:
+        if isinstance(a, Tensor):
+            if type(a) is not Tensor:
+                return False
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, Tensor) and type(x) is not Tensor:
+                    return False
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, Tensor):
+                if type(a) is not Tensor:
+                    return False
+            elif isinstance(a, (list, tuple)):
+                for x in a:
+                    if isinstance(x, Tensor) and type(x) is not Tensor:
+                        return False
+    return True
 
 
 def first_tensor(value: Any, _depth: int = 0) -> Tensor | None:
