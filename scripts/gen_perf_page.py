@@ -240,6 +240,148 @@ def _targets(run: dict) -> list[str]:
     return rows
 
 
+#: Modes of the grad-mode tables, in order (those a run measured are shown).
+GRAD_MODES = ["plain", "all", "none", "resid_post", "modlist", "pattern", "qkvz", "tl_cache", "nnsight", "hooks",
+              "floor_pass", "plain_booted", "all_booted"]
+GRAD = "+grad"
+
+
+def _cell(r: dict | None, key: str = "ratio") -> str:
+    if not r or key not in r:
+        return "—"
+    cpu = {"ratio": "cpu_ratio", "ratio_to_booted_plain": "cpu_ratio_to_booted_plain",
+           "grad_over_no_grad": "cpu_grad_over_no_grad"}[key]
+    return f"{r[key]:.2f}x" + (f" (cpu {r[cpu]:.2f}x)" if cpu in r else "")
+
+
+def _issue28_targets(models: dict, table: list[str]) -> list[str]:
+    """Issue 28's targets, each checked in the run's rows of one thread count (both grad modes),
+    on CPU-time ratios where the run has them (the load disturbs wall time more: a hooks baseline
+    moved from 1.05x to 1.29x wall in one run), with the wall-clock figure beside."""
+    rows = []
+
+    def val(r: dict, key: str = "ratio") -> tuple[float, float]:
+        cpu = {"ratio": "cpu_ratio", "ratio_to_booted_plain": "cpu_ratio_to_booted_plain",
+               "grad_over_no_grad": "cpu_grad_over_no_grad"}[key]
+        return r.get(cpu, r[key]), r[key]
+
+    def row(text: str, value: tuple[float, float], limit: tuple[float, float], floor: str = "—") -> None:
+        rows.append(f"| {text} | {value[0]:.2f}x ({value[1]:.2f}x) | {limit[0]:.2f}x ({limit[1]:.2f}x) | {floor} "
+                    f"| {'met' if value[0] <= limit[0] else '**not met**'} |")
+
+    def over(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+        return a[0] / b[0], a[1] / b[1]
+
+    for name in table:
+        modes, title = models[name]["modes"], _title(name, models[name]["spec"])
+        for g, gname in (("", "no_grad"), (GRAD, "autograd on")):
+            def get(m: str, modes: dict = modes, g: str = g) -> dict:
+                return modes.get(m + g, {})
+
+            a, t, h = get("all"), get("tl_cache"), get("hooks")
+            if "ratio" in a and "ratio" in t:
+                row(f"`save='all'` at or below `run_with_cache`, {title}, {gname}", val(a), val(t),
+                    _cell(get("floor_keep")))
+            ab = get("all_booted")
+            if "ratio_to_booted_plain" in ab and "ratio_to_booted_plain" in t:
+                row(f"booted setup: `save='all'` at or below `run_with_cache`, {title}, {gname} (to the booted "
+                    "forward)", val(ab, "ratio_to_booted_plain"), val(t, "ratio_to_booted_plain"))
+            if "ratio" in h and name != "tiny":
+                for mode, limit in (("resid_post", 1.05), ("modlist", 1.05), ("pattern", 1.10), ("qkvz", 1.10)):
+                    r = get(mode)
+                    if "ratio" in r:
+                        row(f"`save={SAVE_LISTS[mode]}` over the hooks baseline, {title}, {gname}",
+                            over(val(r), val(h)), (limit, limit))
+            n = get("none")
+            if "ratio" in n and name == "L12-T128":
+                row(f"`save='none'` over a plain forward, {title}, {gname}", val(n), (1.05, 1.05),
+                    _cell(get("floor_pass")))
+        a, p = modes.get("all" + GRAD, {}), modes.get("plain" + GRAD, {})
+        if "grad_over_no_grad" in a and "grad_over_no_grad" in p:
+            row(f"autograd on costs only what autograd costs: `save='all'` with over without autograd, against a "
+                f"plain forward's, {title}", val(a, "grad_over_no_grad"), val(p, "grad_over_no_grad"))
+    return rows
+
+
+#: The `save=` lists of bench.py's list modes, as the targets table writes them.
+SAVE_LISTS = {"resid_post": "['resid_post']", "modlist": "['resid_pre','resid_post','logits']",
+              "pattern": "['pattern']", "qkvz": "['q','k','v','z']"}
+
+
+def grad_sections(run: dict) -> list[str]:
+    """Both grad modes, every thread count, both TransformerLens setups and issue 28's targets,
+    from a run that measured them (`bench.py` with `--grad both`); nothing for a run that did not."""
+    by_threads = run.get("by_threads") or {str(run["machine"]["torch_threads"]): run["models"]}
+    if not any(m.endswith(GRAD) for ms in by_threads.values() for n in ms.values() for m in n.get("modes", {})):
+        return []
+    lines = ["## Autograd on, thread counts and the TransformerLens setups", "",
+             "Every mode ran twice in the same rounds: under `torch.no_grad()` and with autograd on, as the",
+             "guides call `tl.trace`. Each ratio is to the plain forward *of the same grad mode*; *on/off* is",
+             "the median over the rounds of a mode's time with autograd over its time without; CPU-time",
+             "ratios (which the load disturbs less) are in brackets. The booted rows are the second",
+             "TransformerLens setup: `boot_transformers(..., hf_model=model)` replaces the model's modules",
+             "by bridge components and switches it to eager attention, so `model(ids)` afterwards is the",
+             "*plain forward of the booted model*; their last column is the ratio to that forward.", ""]
+    for threads, models in by_threads.items():
+        names = [n for n in run["table"] if n in models] or list(models)
+        for name in names:
+            modes, title = models[name]["modes"], _title(name, models[name]["spec"])
+            present = [m for m in GRAD_MODES if m in modes or m + GRAD in modes]
+            if not any(m + GRAD in modes for m in present):
+                continue
+            lines += [f"### {title}, {threads} torch thread(s), {models[name]['rounds']} rounds", "",
+                      "| mode | no_grad | autograd on | on/off | to the booted forward (no_grad / autograd) |",
+                      "|---|---:|---:|---:|---:|"]
+            for m in present:
+                booted = "—"
+                if m in ("tl_cache", "plain_booted", "all_booted"):
+                    booted = f"{_cell(modes.get(m), 'ratio_to_booted_plain')} / " \
+                             f"{_cell(modes.get(m + GRAD), 'ratio_to_booted_plain')}"
+                lines.append(f"| {_label(run['labels'].get(m, m))} | {_cell(modes.get(m))} | "
+                             f"{_cell(modes.get(m + GRAD))} | {_cell(modes.get(m + GRAD), 'grad_over_no_grad')} | "
+                             f"{booted} |")
+            lines.append("")
+    first = by_threads[next(iter(by_threads))]
+    names = [n for n in run["table"] if n in first]
+    lines += ["### When to wrap a trace in `torch.no_grad()`", "",
+              "A trace with autograd on keeps the graph the forward builds (as `model(ids)` does) and lets",
+              "you call `.backward()` through the served tensors; wrap it in `torch.no_grad()` when you only",
+              "read values. What that saved in this run (first thread count, median times):", ""]
+    for name in names:
+        modes = first[name]["modes"]
+        a, ag = modes.get("all", {}), modes.get("all" + GRAD, {})
+        pg = modes.get("plain" + GRAD, {})
+        if "grad_over_no_grad" in ag and "median_s" in a:
+            plain = f"; a plain forward: {_cell(pg, 'grad_over_no_grad')}" if "grad_over_no_grad" in pg else ""
+            mem = ""
+            if "held_bytes" in a and "held_bytes" in ag:
+                mem = (f", held memory {_mib(ag.get('held_trimmed_bytes', ag['held_bytes']))} MiB with autograd, "
+                       f"{_mib(a.get('held_trimmed_bytes', a['held_bytes']))} MiB without")
+            lines.append(f"- {_title(name, first[name]['spec'])}: `save='all'` with autograd on took "
+                         f"{_cell(ag, 'grad_over_no_grad')} its `no_grad` time (medians {_fmt_time(ag['median_s'])} "
+                         f"and {_fmt_time(a['median_s'])}{mem}){plain}.")
+    lines += ["", "A ratio below 1.00x is the load's noise: in these rounds the two cost the same, and",
+              "`torch.no_grad()` saves what it saves a plain forward, no more."]
+    mib = []
+    for name in names:
+        modes = first[name]["modes"]
+        a, t, h = modes.get("all", {}), modes.get("tl_cache", {}), modes.get("hooks", {})
+        if all("held_bytes" in r for r in (a, t, h)):
+            held = lambda r: r.get("held_trimmed_bytes", r["held_bytes"])  # noqa: E731
+            mib.append(f"- {_title(name, first[name]['spec'])}: `save='all'` holds {_mib(held(a) - held(t))} MiB "
+                       f"more than `run_with_cache` and {_mib(held(a) - held(h))} MiB more than cloning every "
+                       "module's output. That memory is every op output inside every module (the values the "
+                       "facets are found and checked from, and `trace.ops[i].tensor`), which neither peer keeps.")
+    if mib:
+        lines += ["", "### What each extra MiB buys", ""] + mib
+    lines += ["", "### Issue 28's targets", "",
+              "Checked in this run (first thread count), on CPU-time ratios (wall-clock in brackets). For the",
+              "`save=` lists the value is the list's ratio over the hooks baseline's in the same grad mode.", "",
+              "| target | this run | limit | floor | |", "|---|---:|---:|---:|---|"]
+    lines += _issue28_targets(first, names) + [""]
+    return lines
+
+
 def render(run: dict, profile: dict | None, charts: list[str]) -> str:
     m = run["machine"]
     loads = [run["models"][n].get("load_before") for n in run["models"]] + \
@@ -335,6 +477,9 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
               "through such a mode, as TorchLens's does, can cost less. A target below its floor cannot be",
               "met that way on this machine.", "",
               "| target | this run | floor | |", "|---|---:|---:|---|"] + _targets(run)
+    grad = grad_sections(run)
+    if grad:
+        lines += [""] + grad[:-1]
     lines += ["", "## Scaling", ""]
     for c in charts:
         if c.startswith("performance-") and c != "performance.svg":

@@ -121,3 +121,30 @@ def test_a_pypi_row_that_measured_another_torchlens_is_shown_as_failed(gen, data
     assert "measured torchlens '0.1.0', not the PyPI package 2.36.1" in page
     changed["models"][name]["modes"]["pypi"]["version"] = "2.36.1"
     assert "9.87x" in gen.outputs(changed, profile)[gen.PAGE]
+
+
+def test_a_run_with_both_grad_modes_gets_their_tables_and_issue_28s_targets(gen, data):
+    """A run that measured each mode with autograd on too (`bench.py --grad both`) renders, per
+    thread count, both grad modes side by side, the booted TransformerLens setup, the no_grad
+    advice and the targets table from those rows; changing one autograd figure changes the page."""
+    run, profile = data
+    assert "## Autograd on" not in gen.outputs(run, profile)[gen.PAGE]  # the committed run has no autograd rows
+    graded = copy.deepcopy(run)
+    name = next(n for n in graded["table"] if "tl_cache" in graded["models"][n]["modes"] and n != "tiny")
+    modes = graded["models"][name]["modes"]
+    for mode in ("plain", "all", "none", "resid_post", "tl_cache", "hooks"):
+        modes[mode + "+grad"] = dict(modes[mode], ratio=modes[mode]["ratio"] * 1.25, grad=True,
+                                     grad_over_no_grad=1.0 + len(mode) / 100)
+    graded["by_threads"] = {"1": graded["models"]}
+    page = gen.outputs(graded, profile)[gen.PAGE]
+    assert "## Autograd on, thread counts and the TransformerLens setups" in page
+    assert "### When to wrap a trace in `torch.no_grad()`" in page and "### Issue 28's targets" in page
+    all_grad = modes["all+grad"]
+    assert f"{all_grad['ratio']:.2f}x" in page and f"{all_grad['grad_over_no_grad']:.2f}x" in page
+    tl_grad = modes["tl_cache+grad"]
+    r, t = all_grad.get("cpu_ratio", all_grad["ratio"]), tl_grad.get("cpu_ratio", tl_grad["ratio"])
+    line = next(ln for ln in page.splitlines() if ln.startswith("| `save='all'` at or below `run_with_cache`")
+                and "autograd on" in ln and gen._title(name, graded["models"][name]["spec"]) in ln)
+    assert line.endswith("| met |" if r <= t else "| **not met** |")
+    modes["all+grad"]["grad_over_no_grad"] += 0.5
+    assert gen.outputs(graded, profile)[gen.PAGE] != page
