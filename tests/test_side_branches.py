@@ -1,0 +1,141 @@
+"""A module beside a block's MLP is never served as the MLP (issue 22, item 3).
+
+The rule under test: every name that reads "the MLP" (nnterp `mlps_input`/`mlps_output`,
+TransformerLens 4.x `blocks.L.mlp.hook_in`/`hook_out`, 2.x `blocks.L.mlp.hook_post`,
+interp-engine `mlp_in`/`mlp_out`/`mlp_act`) reads the module that is the block's MLP in the
+model's source, and the MLP's contribution (2.x `blocks.L.hook_mlp_out`) is what the block adds
+to the residual for it; or the name is honestly absent (`structurally_absent` / `ambiguous`).
+It never reads a side module: a low-rank side block, an adapter, a token mixer, an expert block.
+
+Designs (built in `tests/_edge_models.py`):
+
+- Gemma-3n: LAuReL (`laurel`, a low-rank side block on the attention's input) runs before the
+  attention; the MLP is `mlp`, its contribution `post_feedforward_layernorm`'s output.
+- Falcon-H1: a Mamba-2 mixer (`mamba`) runs in parallel with the attention; the MLP is
+  `feed_forward`, whose output is added to the residual.
+- Gemma-4 with its MoE block (no other test uses it): a dense `mlp` with an expert block
+  (`experts`) beside it; the block adds `post_feedforward_layernorm(norm1(mlp) + norm2(experts))`.
+- Three custom blocks: a low-rank side block run before the MLP on the MLP's own input; an
+  adapter with an activation (an MLP's shape) beside the attention; a token-mixing conv branch
+  beside the MLP. Each has its side module at `layers.N.side` and its MLP at `layers.N.mlp`.
+
+Ground truth: plain forward hooks (`torchlens.testing.hooked_outputs`,
+`_edge_models.hooked_inputs`) on the modules named in `TRUTH`, from the model's source. The
+hooks run the same kernels on the same bytes as the trace, so served values must be equal.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import _edge_models as em
+import torchlens as tl
+import torchlens.mechinterp as mi
+from torchlens import testing
+
+_CUSTOM = dict(block="layers.{L}", mlp="mlp", down="mlp.down_proj", contribution="mlp", side="side")
+#: design -> where its blocks are, and (relative to a block) its MLP, the MLP's down projection,
+#: the module whose output the block adds to the residual as the MLP's contribution, and the side module.
+TRUTH = {
+    "gemma3n": dict(block="model.layers.{L}", mlp="mlp", down="mlp.down_proj",
+                    contribution="post_feedforward_layernorm", side="laurel"),
+    "falcon_h1": dict(block="model.layers.{L}", mlp="feed_forward", down="feed_forward.down_proj",
+                      contribution="feed_forward", side="mamba"),
+    "gemma4": dict(block="model.layers.{L}", mlp="mlp", down="mlp.down_proj",
+                   contribution="post_feedforward_layernorm", side="experts"),
+    **{name: _CUSTOM for name in em.CUSTOM},
+}
+DESIGNS = list(TRUTH)
+
+#: (generation, name, what it reads on the MLP: "input", "output" or "post" = the down projection's input)
+MLP_NAMES = [
+    ("nnterp", "mlps_input[{L}]", "input"),
+    ("nnterp", "mlps_output[{L}]", "output"),
+    ("4.x", "blocks.{L}.mlp.hook_in", "input"),
+    ("4.x", "blocks.{L}.mlp.hook_out", "output"),
+    ("2.x", "blocks.{L}.mlp.hook_post", "post"),
+    ("interp-engine", "mlp_in.{L}", "input"),
+    ("interp-engine", "mlp_out.{L}", "output"),
+    ("interp-engine", "mlp_act.{L}", "post"),
+]
+SERVED = ("real", "reconstructed_read_only")
+ABSENT = ("structurally_absent", "ambiguous")
+LAYERS = 2
+
+
+@functools.lru_cache(maxsize=None)
+def traced(design: str):
+    """(model, args, kwargs, trace), cached: tests must not modify them."""
+    model = em.build(design)
+    args, kwargs = em.inputs(design)
+    return model, args, kwargs, tl.trace(model, *args, **kwargs, save="all")
+
+
+def _addr(design: str, layer: int, part: str) -> str:
+    return f"{TRUTH[design]['block'].format(L=layer)}.{TRUTH[design][part]}"
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_the_designs_are_what_the_docstring_says(design):
+    """The side module of the design runs, and differs from its MLP (else the tests below prove nothing)."""
+    model = em.build(design)
+    args, kwargs = em.inputs(design)
+    want = [_addr(design, 0, "mlp"), _addr(design, 0, "side")]
+    out = testing.hooked_outputs(model, want, *args, **kwargs)
+    assert set(out) == set(want), design
+    mlp, side = out[want[0]], out[want[1]]
+    assert mlp.shape != side.shape or not torch.allclose(mlp, side), design
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_mlp_names_read_the_mlp_or_are_absent(design):
+    """Each MLP name, at each layer, serves the MLP module's input / output / down-projection
+    input (equal to what plain hooks on that module saw), or is absent; never the side module."""
+    model, args, kwargs, trace = traced(design)
+    mlps = [_addr(design, i, "mlp") for i in range(LAYERS)]
+    downs = [_addr(design, i, "down") for i in range(LAYERS)]
+    outputs = testing.hooked_outputs(model, mlps, *args, **kwargs)
+    ins = em.hooked_inputs(model, mlps + downs, *args, **kwargs)
+    wrong = []
+    for layer in range(LAYERS):
+        truth = {"input": ins[mlps[layer]], "output": outputs[mlps[layer]], "post": ins[downs[layer]]}
+        side = _addr(design, layer, "side")
+        for generation, pattern, reads in MLP_NAMES:
+            name = pattern.format(L=layer)
+            r = mi.resolve_alias(trace, name, generation=generation)
+            if r.status in ABSENT:
+                continue
+            where = f"{generation} {name} -> {r.module_address}:{r.facet} [{r.status}]"
+            if r.module_address is not None and (r.module_address == side or r.module_address.startswith(side + ".")):
+                wrong.append(f"{where}: the side module")
+                continue
+            assert r.status in SERVED, where
+            got, want = r.tensor, truth[reads]
+            if got is None or got.shape != want.shape or not torch.equal(got, want):
+                err = (got.double() - want.double()).norm() / want.double().norm() if got is not None and \
+                    got.shape == want.shape else "shape " + str(None if got is None else tuple(got.shape))
+                wrong.append(f"{where}: not the MLP's {reads} (relative error {err})")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_mlp_contribution_is_what_the_block_adds(design):
+    """2.x `blocks.L.hook_mlp_out` ("MLP's contribution to the residual") serves the tensor the
+    block adds to the residual for its MLP (the output of `TRUTH[design]['contribution']`, by
+    plain hooks), or is absent."""
+    model, args, kwargs, trace = traced(design)
+    adds = [_addr(design, i, "contribution") for i in range(LAYERS)]
+    truth = testing.hooked_outputs(model, adds, *args, **kwargs)
+    wrong = []
+    for layer in range(LAYERS):
+        r = mi.resolve_alias(trace, f"blocks.{layer}.hook_mlp_out", generation="2.x")
+        if r.status in ABSENT:
+            continue
+        got, want = r.tensor, truth[adds[layer]]
+        if got is None or got.shape != want.shape or not torch.equal(got, want):
+            wrong.append(f"blocks.{layer}.hook_mlp_out -> {r.module_address}:{r.facet} [{r.status}] is not "
+                         f"{adds[layer]}'s output")
+    assert not wrong, "\n".join(wrong)
