@@ -93,6 +93,12 @@ CONFIGS: dict[str, tuple[Callable[[], Any], Callable[[], type]]] = {
                                      expert_layer_offset=1, num_experts=2, num_experts_per_tok=1, mamba_d_state=4,
                                      mamba_d_conv=2, mamba_expand=1, mamba_dt_rank=4),
               lambda: tf.JambaForCausalLM),
+    # five layers, two classes (three Mamba layers, two hybrid layers sharing one attention block)
+    "zamba": (lambda: tf.ZambaConfig(
+        num_hidden_layers=5, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, attention_hidden_size=64,
+        attention_head_dim=16, intermediate_size=48, vocab_size=V, max_position_embeddings=32, mamba_d_state=4,
+        mamba_d_conv=2, mamba_expand=2, mamba_dt_rank=4, n_mamba_heads=1, attn_layer_period=2, attn_layer_offset=0,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0), lambda: tf.ZambaForCausalLM),
     "qwen3_next": (lambda: tf.Qwen3NextConfig(
         **_LL, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
         linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=2,
@@ -302,9 +308,29 @@ CUSTOM: dict[str, type[nn.Module]] = {
 }
 
 
+class OneBlockLM(nn.Module):
+    """Token embedding, one `SideBeforeMLP` block held as a plain attribute, a final norm, a head:
+    nothing repeats, so the trace has no stack of layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(V, D)
+        self.block = SideBeforeMLP()
+        self.norm = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, V, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.norm(self.block(self.embed_tokens(ids))))
+
+
+def one_block_lm(dtype: torch.dtype = torch.float32) -> nn.Module:
+    """An `OneBlockLM`, seeded like the custom designs."""
+    return _custom(OneBlockLM, dtype)
+
+
 def _custom(block: type[nn.Module], dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
-    model = TinyLM(block)
+    model = block() if block is OneBlockLM else TinyLM(block)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
