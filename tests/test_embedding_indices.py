@@ -1,0 +1,69 @@
+"""An embedding's `indices` are the indices it looked up (issue 22, item 4).
+
+`indices` is served as the embedding module's first argument, noted "token ids". A learned
+position embedding that computes its positions itself takes something else first: MBart's
+encoder passes `inputs_embeds[..., -1]` (a float tensor, "just for the shape"), its decoder the
+token ids, BioGPT (no other test uses it) the attention mask; the positions looked up are
+`arange(T) + offset`. The rule: `indices`, where served, is an integer tensor and is the index
+tensor of the module's lookup, row for row.
+
+Models: MBart, PLBart and BioGPT (PLBart and BioGPT are used by no other test), tiny seeded
+configs of `tests/_edge_models.py`.
+
+Ground truth, from outside TorchLens: a lookup copies rows of the weight, so for every position
+of a plain forward hook's output the index is the one row of `weight` it equals (random init
+rows are distinct); for a token embedding that scales its rows, the model input ids.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import _edge_models as em
+import torchlens as tl
+from torchlens import testing
+
+#: arch -> (address, where its truth comes from: "rows" (match the weight), or the input keyword holding its ids)
+EMBEDDINGS = {
+    "mbart": (("model.encoder.embed_positions", "rows"), ("model.decoder.embed_positions", "rows"),
+              ("model.decoder.embed_tokens", "decoder_input_ids")),
+    "plbart": (("model.encoder.embed_positions", "rows"), ("model.decoder.embed_positions", "rows")),
+    "biogpt": (("biogpt.embed_positions", "rows"), ("biogpt.embed_tokens", "input_ids")),
+}
+CASES = [(a, addr, src) for a, rows in EMBEDDINGS.items() for addr, src in rows]
+
+
+@functools.lru_cache(maxsize=None)
+def traced(arch: str):
+    model = em.build(arch)
+    args, kwargs = em.inputs(arch)
+    return model, args, kwargs, tl.trace(model, *args, **kwargs, save="all")
+
+
+def _looked_up(model, address, args, kwargs) -> torch.Tensor:
+    """[batch, pos] indices of the weight rows the module returned (exact row matches)."""
+    out = testing.hooked_outputs(model, [address], *args, **kwargs)[address]
+    weight = model.get_submodule(address).weight.detach()
+    rows = out.reshape(-1, out.shape[-1])
+    match = (rows[:, None, :] == weight[None, :, :]).all(-1)
+    assert bool((match.sum(1) == 1).all()), f"{address}: each output row is one weight row"
+    return match.float().argmax(1).reshape(out.shape[:-1])
+
+
+@pytest.mark.parametrize("arch,address,source", CASES, ids=[f"{a}-{s}" for a, s, _ in CASES])
+def test_indices_are_the_indices_looked_up(arch, address, source):
+    model, args, kwargs, trace = traced(arch)
+    if source == "rows":
+        truth = _looked_up(model, address, args, kwargs)
+    else:
+        truth = kwargs[source] if source in kwargs else args[0]
+    site = trace.modules[address].calls[-1].facets.sites.get("indices")
+    if site is None or site.tensor is None:
+        return  # absent is honest; a served one must be right
+    got = site.tensor
+    assert not got.is_floating_point(), f"{address} serves a {got.dtype} tensor as indices"
+    assert got.shape == truth.shape and torch.equal(got.long(), truth.long()), \
+        f"{address} indices {got.tolist()} are not the rows looked up {truth.tolist()}"
