@@ -55,6 +55,13 @@ CONFIGS: dict[str, tuple[Callable[[], Any], Callable[[], type]]] = {
         layer_types=["sliding_attention", "full_attention"], sliding_window=4, max_position_embeddings=32,
         enable_moe_block=True, num_experts=2, top_k_experts=1, moe_intermediate_size=16, pad_token_id=0,
         bos_token_id=0, eos_token_id=0), lambda: tf.Gemma4ForCausalLM),
+    # an MoE block with a dense shared MLP beside it, their sum added to the residual
+    "granitemoeshared": (lambda: tf.GraniteMoeSharedConfig(**_LL, num_local_experts=2, num_experts_per_tok=1,
+                                                           shared_intermediate_size=24),
+                         lambda: tf.GraniteMoeSharedForCausalLM),
+    # the attention adds the residual inside its own module (BLOOM's dropout_add)
+    "bloom": (lambda: tf.BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=V, bos_token_id=0,
+                                     eos_token_id=0), lambda: tf.BloomForCausalLM),
     # sublayer outputs scaled before the residual add
     "granite": (lambda: tf.GraniteConfig(**_LL, residual_multiplier=0.22), lambda: tf.GraniteForCausalLM),
     "minicpm3": (lambda: tf.MiniCPM3Config(**{**_LL, "num_key_value_heads": 4}, q_lora_rank=16, kv_lora_rank=8,

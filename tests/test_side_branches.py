@@ -19,6 +19,13 @@ Designs (built in `tests/_edge_models.py`):
   adapter with an activation (an MLP's shape) beside the attention; a token-mixing conv branch
   beside the MLP. Each has its side module at `layers.N.side` and its MLP at `layers.N.mlp`.
 
+Further designs of the same kind (no other test uses them):
+
+- Granite-MoE-shared: an MoE block (`block_sparse_moe`) with a dense `shared_mlp` beside it on the
+  same normed input; the block adds their sum. Neither module alone is the MLP or its contribution.
+- BLOOM: the attention adds the residual inside its own module, so neither its output nor the norm
+  reading it is the attention's contribution (`self_attention.dense`'s output is).
+
 Ground truth: plain forward hooks (`torchlens.testing.hooked_outputs`,
 `_edge_models.hooked_inputs`) on the modules named in `TRUTH`, from the model's source. The
 hooks run the same kernels on the same bytes as the trace, so served values must be equal.
@@ -138,4 +145,45 @@ def test_mlp_contribution_is_what_the_block_adds(design):
         if got is None or got.shape != want.shape or not torch.equal(got, want):
             wrong.append(f"blocks.{layer}.hook_mlp_out -> {r.module_address}:{r.facet} [{r.status}] is not "
                          f"{adds[layer]}'s output")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_two_mlps_side_by_side_are_not_served_as_one():
+    """Granite-MoE-shared adds `block_sparse_moe(h) + shared_mlp(h)` to the residual (times
+    `residual_multiplier`, 1 here): an MLP output or contribution name serves that sum (by plain
+    hooks on both modules) or is absent, never one of the two."""
+    design = "granitemoeshared"
+    model, args, kwargs, trace = traced(design)
+    assert model.config.residual_multiplier == 1.0
+    parts = [f"model.layers.{i}.{m}" for i in range(LAYERS) for m in ("block_sparse_moe", "shared_mlp")]
+    out = testing.hooked_outputs(model, parts, *args, **kwargs)
+    wrong = []
+    for layer in range(LAYERS):
+        want = out[f"model.layers.{layer}.block_sparse_moe"] + out[f"model.layers.{layer}.shared_mlp"]
+        for generation, name in (("2.x", f"blocks.{layer}.hook_mlp_out"), ("nnterp", f"mlps_output[{layer}]"),
+                                 ("4.x", f"blocks.{layer}.mlp.hook_out"), ("interp-engine", f"mlp_out.{layer}")):
+            r = mi.resolve_alias(trace, name, generation=generation)
+            if r.status in ABSENT:
+                continue
+            if r.tensor is None or r.tensor.shape != want.shape or not torch.allclose(r.tensor, want, atol=1e-6):
+                wrong.append(f"{generation} {name} -> {r.module_address}:{r.facet} [{r.status}] is not what the "
+                             "block adds for its MLP")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_attention_contribution_excludes_the_residual_it_adds_itself():
+    """BLOOM's attention returns `residual + dense(z)`: 2.x `blocks.L.hook_attn_out` ("attention's
+    contribution to the residual") serves `self_attention.dense`'s output (plain hooks) or is absent."""
+    design = "bloom"
+    model, args, kwargs, trace = traced(design)
+    dense = [f"transformer.h.{i}.self_attention.dense" for i in range(LAYERS)]
+    out = testing.hooked_outputs(model, dense, *args, **kwargs)
+    wrong = []
+    for layer in range(LAYERS):
+        r = mi.resolve_alias(trace, f"blocks.{layer}.hook_attn_out", generation="2.x")
+        if r.status in ABSENT:
+            continue
+        want = out[dense[layer]]
+        if r.tensor is None or r.tensor.shape != want.shape or not torch.equal(r.tensor, want):
+            wrong.append(f"blocks.{layer}.hook_attn_out -> {r.module_address}:{r.facet} [{r.status}]")
     assert not wrong, "\n".join(wrong)

@@ -22,9 +22,15 @@ Roles are found in two passes:
      that ran the kernel, or, when that child adds its own input back (a residual inside it, as in
      T5's `T5LayerSelfAttention` or BERT's `BertAttention`), its child that ran the kernel. A second
      attention whose keys do not come from the layer's input is the **cross-attention**.
-   - The **MLP** is a child call of a layer that has attention: not a norm, no kernel, at least
-     two ops reading weights outside norms, found with the same descent through residual
-     wrappers (T5's `T5LayerFF` -> `DenseReluDense`).
+   - The **MLP** is a child call of a layer (found with the same descent through residual
+     wrappers, T5's `T5LayerFF` -> `DenseReluDense`): not a norm, no kernel, at least two ops
+     reading weights outside norms, and not a token mixer (no convolution over positions: a
+     Mamba mixer, a short conv); it applies a nonlinearity and keeps its input's width. Where
+     such a call reads what the layer's token mixer wrote, one beside the mixer (reading the
+     mixer's input) is not the MLP; routed experts give way to a dense MLP beside them. The one
+     call left is the MLP, whatever the layer's mixer (attention, SSM, conv, linear attention);
+     none when no call, or several, are left (`_the_mlp`). Being the first or the last call to
+     write into the residual makes no call the MLP.
    - The **token embedding** is the first `nn.Embedding` outside every layer whose input is a
      model input. The **unembedding** is the last linear layer outside every layer whose output
      width is the token embedding's vocabulary and whose output reaches the model output.
@@ -41,6 +47,7 @@ pattern; a named role wins over every rule above.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,16 +204,74 @@ def _fill_layer(flow: Graph, layer: Layer, roles: dict[str, str], modules: dict[
             layer.attention = a
     if named:
         mlps = [c for c in below if named.get(c.address) == "mlp"]
-    elif layer.attention is None:
-        mlps = []  # no attention (an SSM mixer, say): no MLP is looked for either
-    else:
-        mlps = _sublayer(flow, layer.call, lambda c: (
-            roles.get(c.address) not in ("norm", "embedding")
-            and not flow.kernels(c)
-            and bool(flow.kids.get(id(c)))
-            and _param_ops(flow, c, roles) >= 2
-        ))
-    layer.mlp = mlps[0] if mlps else None
+        layer.mlp = mlps[0] if mlps else None
+        return
+    weighted = _sublayer(flow, layer.call, lambda c: (
+        roles.get(c.address) not in ("norm", "embedding")
+        and not flow.kernels(c)
+        and bool(flow.kids.get(id(c)))
+        and _param_ops(flow, c, roles) >= 2
+    ))
+    layer.mlp = _the_mlp(flow, layer, weighted, roles)
+
+
+def _the_mlp(flow: Graph, layer: Layer, weighted: list[ModuleCall], roles: dict[str, str]) -> ModuleCall | None:
+    """The layer's MLP among its weighted sublayer calls (`weighted`, in run order), or None.
+
+    The **token mixers** of a layer are its attention calls and every weighted call that mixes
+    positions (an op of `_core.ops.TOKEN_MIXING_OPS`: a Mamba mixer's conv and scan, a short
+    conv). The MLP maps each position on its own, through a nonlinearity (`_nonlinear`), to as
+    many values of the input's width (`_keeps_width`): a low-rank linear side block is no MLP,
+    nor is a router. Where some such call reads what a token mixer wrote
+    (the residual after the attention), one that runs beside the mixer instead, reading the
+    mixer's input (Gemma-3n's LAuReL, an adapter in parallel with the attention), is not the MLP.
+    Routed experts reading a sibling router's choice give way to a dense MLP beside them.
+    The MLP is the one call left; with none or several, the layer has none (several: which one
+    is the MLP cannot be told from the data flow; `roles=` can name it).
+    """
+    mixers = [c for c in (layer.attention, layer.cross_attention) if c is not None]
+    mixers += [c for c in weighted if any(op.name in _ops.TOKEN_MIXING_OPS for op in flow.ops[c.first_op : c.end_op])]
+    mixing = {id(c) for c in mixers}
+    mlps = [c for c in weighted if id(c) not in mixing and _nonlinear(flow, c, roles) and _keeps_width(flow, c)]
+    after = [c for c in mlps if any(flow.reaches(m.output_ref, c.input_ref) for m in mixers)]
+    if after:
+        mlps = after
+    unrouted = [c for c in mlps if not _routed(flow, c, weighted)]
+    if unrouted:
+        mlps = unrouted
+    return mlps[0] if len(mlps) == 1 else None
+
+
+def _routed(flow: Graph, call: ModuleCall, siblings: list[ModuleCall]) -> bool:
+    """Whether the call reads what a sibling sublayer computed, besides its input: a routing
+    decision (Gemma-4's `experts` read `router`'s choice). Routed experts beside a dense MLP that
+    reads the stream alone are not that MLP."""
+    spans = [(c.first_op, c.end_op) for c in siblings if c is not call]
+    return any(
+        type(r) is Ref and r != call.input_ref and any(lo <= r.op < hi for lo, hi in spans)
+        for op in flow.ops[call.first_op : call.end_op] for r in op.inputs
+    )
+
+
+def _keeps_width(flow: Graph, call: ModuleCall) -> bool:
+    """Whether the call's output has its input's last dimension and number of values (Llama-4's
+    MoE returns its input flattened to `[tokens, width]`)."""
+    i, o = flow.shape(call.input_ref), flow.shape(call.output_ref)
+    return i is not None and o is not None and len(i) > 0 and len(o) > 0 and i[-1] == o[-1] and \
+        math.prod(i) == math.prod(o)
+
+
+def _nonlinear(flow: Graph, call: ModuleCall, roles: dict[str, str]) -> bool:
+    """Whether the call applies a nonlinearity outside its norms: an activation op, or a product
+    of two tensors both computed inside the call (a gate)."""
+    for op in flow.ops[call.first_op : call.end_op]:
+        if roles.get(op.module) == "norm":
+            continue
+        if op.name in _ops.ACTIVATION_OPS:
+            return True
+        if op.name in _ops.MUL_OPS and sum(1 for r in op.inputs if type(r) is Ref and r.op >= call.first_op) >= 2:
+            return True
+    return False
 
 
 def _keys_outside(flow: Graph, layer: ModuleCall, attn: ModuleCall) -> bool:

@@ -125,6 +125,10 @@ ACTIVATION_OPS = frozenset({
     "hardswish", "hardswish_", "hardsigmoid", "hardsigmoid_", "hardtanh", "hardtanh_", "relu6", "prelu",
     "rrelu", "rrelu_", "logsigmoid", "softsign", "threshold", "threshold_",
 })
+#: Ops that mix positions: a convolution slides over the sequence. A block's sublayer running one
+#: is a token mixer (a Mamba mixer, a gated delta net, a short conv), never its MLP, which maps
+#: each position on its own. (A cumulative sum is no sign: an MoE's routing counts tokens with one.)
+TOKEN_MIXING_OPS = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d"})
 #: Elementwise ops that map logits to logits (a final softcap, casts): the model's output is
 #: taken as `logits` only when nothing else runs between the unembedding and it (not a
 #: log_softmax, which gives log-probabilities).

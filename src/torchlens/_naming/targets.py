@@ -86,13 +86,19 @@ def _follows(n: ModuleCall, s: ModuleCall) -> bool:
     return type(s.output_ref) is Ref and n.input_ref == s.output_ref
 
 
-def _added_to_residual(trace: Trace, layer: int, sub: ModuleCall) -> bool:
-    """Whether the sublayer's output (through casts and dropout) is an operand of an add in the layer.
+def _added_to_residual(trace: Trace, layer: int, sub: ModuleCall, reads: ModuleCall | None = None) -> bool:
+    """Whether the call's output is a summand of what the layer adds to its residual stream.
 
-    That is what makes its output the sublayer's contribution to the residual stream; BERT's
-    self-attention returns the merged heads, and its output projection lies outside it.
+    Followed through casts, dropout and other sums (GPT-J adds attention and MLP outputs first),
+    the output must meet an add whose other operand is the stream the sublayer read (a tensor its
+    input, `reads`'s, by default `sub`'s own, is computed from), or a sum holding it. That is what makes the output the
+    sublayer's contribution to the residual stream; BERT's self-attention returns the merged
+    heads, and its output projection lies outside it. A sum that then goes through a norm is no
+    contribution (Gemma-4 normalizes its MLP's and its experts' normed outputs once more before
+    the add).
     """
     block = _layer(trace, layer).call
+    reads = reads or sub
     if type(sub.output_ref) is not Ref:
         return False
     refs = {sub.output_ref}
@@ -101,9 +107,40 @@ def _added_to_residual(trace: Trace, layer: int, sub: ModuleCall) -> bool:
         if not hit:
             continue
         if op.name in ADD_OPS:
-            return True
-        if op.name in PASS_THROUGH_OPS:
+            if any(_holds_stream(trace, r, reads.input_ref) for r in op.inputs if r not in refs):
+                return True
             refs.add(Ref(op.index, 0))
+        elif op.name in PASS_THROUGH_OPS and op.inputs[0] in refs:  # (`y.type_as(x)` passes y on, not x)
+            refs.add(Ref(op.index, 0))
+    return False
+
+
+def _holds_stream(trace: Trace, ref, read, depth: int = 4) -> bool:
+    """Whether `ref` is the residual stream the tensor `read` was computed from, or a sum (through
+    casts) one of whose terms is (a block adding a side branch and its MLP in one expression,
+    `x + side(h) + mlp(h)`)."""
+    if _computed_from(trace, ref, read):
+        return True
+    op = trace.ops[ref.op] if type(ref) is Ref else None
+    if depth == 0 or op is None or op.name not in ADD_OPS | PASS_THROUGH_OPS or not op.inputs:
+        return False
+    terms = op.inputs if op.name in ADD_OPS else op.inputs[:1]
+    return any(_holds_stream(trace, r, read, depth - 1) for r in terms if type(r) is Ref)
+
+
+def _computed_from(trace: Trace, src, dst) -> bool:
+    """Whether the tensor `dst` is computed from the tensor `src` (or is it)."""
+    if type(src) is not Ref or type(dst) is not Ref:
+        return False
+    seen, todo = set(), [dst]
+    while todo:
+        r = todo.pop()
+        if type(r) is not Ref or r.op < src.op or r.op in seen:
+            continue
+        if r.op == src.op:
+            return r.slot == src.slot
+        seen.add(r.op)
+        todo.extend(trace.ops[r.op].inputs)
     return False
 
 
@@ -169,8 +206,13 @@ def _mlp_gated(trace: Trace, layer: int) -> ModuleCall | None:
 
 
 def _or_raw(norm_target: str, which: str) -> Callable[[Trace, int], ModuleCall | None]:
+    """The norm applied to the sublayer's output when that norm's output is what the layer adds
+    to the residual stream (a sandwich norm), else the sublayer itself when its output is."""
     def find(trace: Trace, layer: int) -> ModuleCall | None:
-        return TARGETS[norm_target].find(trace, layer) or _contribution(which)(trace, layer)
+        norm = TARGETS[norm_target].find(trace, layer)
+        if norm is not None and _added_to_residual(trace, layer, norm, _sublayer(trace, layer, which)):
+            return norm
+        return _contribution(which)(trace, layer)
 
     return find
 
@@ -374,7 +416,8 @@ TARGETS: dict[str, Target] = check_targets((
     Target(name='cross_attention', find=lambda t, i: _sublayer(t, i, "cross_attention"), per_layer=True, roles=('attention',),
            absent="the block has no cross-attention sublayer"),
     Target(name='mlp', find=lambda t, i: _sublayer(t, i, "mlp"), per_layer=True, roles=('mlp',),
-           absent="the block has no MLP sublayer (no single module holds the MLP, or the block has no attention)"),
+           absent="the block has no MLP sublayer: no single module of it maps each position through a nonlinearity "
+                  "after its token mixer (none does, or several do, such as a dense and a shared MLP side by side)"),
     Target(name='ln1', find=lambda t, i: _norm_where(t, i, _feeds, "attention"), per_layer=True, roles=('norm',),
            absent="no norm feeds the attention input (the block normalizes after its sublayers)"),
     Target(name='ln2', find=lambda t, i: _norm_where(t, i, _feeds, "mlp") or _pre_ln_mlp(0)(t, i), per_layer=True, roles=('norm',),
