@@ -616,12 +616,15 @@ def render(results: list[ArchResult]) -> str:
         "## How the structure is found",
         "",
         "No family is special-cased. A *stack* is a group of repeated modules (the children of a "
-        "`ModuleList` or `Sequential` of one class, or same-class siblings) whose calls keep their input's "
+        "`ModuleList` or `Sequential`, of one class or several as in a hybrid stack such as Jamba's, or "
+        "same-class siblings) whose calls keep their input's "
         "shape and each read the previous call's output; its layers are those calls, one per call (ALBERT's "
         "single layer object run twice is two layers). In a layer, the attention is the child that ran the "
         "attention kernel (looking inside wrappers that add their own input, like T5's `T5LayerSelfAttention`), "
-        "a second attention whose keys come from outside the layer is the cross-attention, and the MLP is a "
-        "child with two or more weight-reading ops and no kernel. The unembedding is the linear layer as wide as "
+        "a second attention whose keys come from outside the layer is the cross-attention, and the MLP is the "
+        "one child with two or more weight-reading ops and no kernel that mixes no positions (no convolution), "
+        "applies a nonlinearity and keeps its input's width, read after the token mixer, whatever that mixer "
+        "is (attention, SSM, conv); a side module beside the mixer or the MLP is never taken for it. The unembedding is the linear layer as wide as "
         "the token embedding's vocabulary whose output reaches the model output; the language-model stack is "
         "the one feeding it; the final norm is the last norm after that stack's last layer, before the "
         "unembedding. `trace.structure` holds the result (`stacks`, `kind`, `lm_stack`, `final_norm`, `unembed`).",

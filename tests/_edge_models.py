@@ -112,11 +112,27 @@ CONFIGS: dict[str, tuple[Callable[[], Any], Callable[[], type]]] = {
         num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16,
         decoder_sparse_step=1, mlp_only_layers=[0, 1]), lambda: tf.Qwen3NextForCausalLM),
     "bamba": (lambda: tf.BambaConfig(**_LL, attn_layer_indices=[1], **_MAMBA), lambda: tf.BambaForCausalLM),
+    # two layer classes in one ModuleList: a gated-delta-net layer and an attention layer
+    "olmo_hybrid": (lambda: tf.OlmoHybridConfig(
+        **_LL, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=2), lambda: tf.OlmoHybridForCausalLM),
+    # one layer class whose token mixer is a recurrent block (conv + RG-LRU) or attention
+    "recurrent_gemma": (lambda: tf.RecurrentGemmaConfig(
+        num_hidden_layers=2, vocab_size=V, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=8, lru_width=32, attention_window_size=8, conv1d_width=2,
+        block_types=["recurrent", "attention"], pad_token_id=0, bos_token_id=0, eos_token_id=0),
+        lambda: tf.RecurrentGemmaForCausalLM),
+    # one layer class whose mixer is a Mamba-2 layer or attention, then a dense MLP (no experts)
+    "granitemoehybrid": (lambda: tf.GraniteMoeHybridConfig(
+        **_LL, layer_types=["mamba", "attention"], num_local_experts=0, shared_intermediate_size=48,
+        position_embedding_type="rope", **_MAMBA), lambda: tf.GraniteMoeHybridForCausalLM),
     "lfm2": (lambda: tf.Lfm2Config(**_LL, layer_types=["conv", "full_attention"], conv_L_cache=2, block_ff_dim=48,
                                    block_auto_adjust_ff_dim=False), lambda: tf.Lfm2ForCausalLM),
     # no language-model stack
     "swin": (lambda: tf.SwinConfig(image_size=16, patch_size=4, num_channels=3, embed_dim=16, depths=[1, 1],
                                    num_heads=[2, 2], window_size=2), lambda: tf.SwinModel),
+    "swinv2": (lambda: tf.Swinv2Config(image_size=16, patch_size=4, num_channels=3, embed_dim=16, depths=[1, 1],
+                                       num_heads=[2, 2], window_size=2), lambda: tf.Swinv2Model),
     "clip": (lambda: tf.CLIPConfig(
         text_config=dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=48,
                          vocab_size=V, max_position_embeddings=32, bos_token_id=0, eos_token_id=2, pad_token_id=1),
@@ -154,7 +170,7 @@ def inputs(name: str, dtype: torch.dtype = torch.float32) -> tuple[tuple, dict]:
     if name in _SEQ2SEQ_NAMES:
         return (), dict(input_ids=ids, decoder_input_ids=testing.token_ids(length=4, seed=1))
     gen = torch.Generator().manual_seed(3)
-    if name == "swin":
+    if name in ("swin", "swinv2"):
         return (torch.randn(1, 3, 16, 16, generator=gen).to(dtype),), {}
     if name in ("clip", "siglip"):
         return (), dict(input_ids=ids, pixel_values=torch.randn(1, 3, 16, 16, generator=gen).to(dtype))

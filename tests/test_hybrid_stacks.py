@@ -10,6 +10,10 @@ Models (tiny seeded configs in `tests/_edge_models.py`):
   mixes tokens with linear attention / a Mamba-2 mixer / a short conv instead of attention; every
   layer has an MLP (`mlp` / `feed_forward`).
 - A one-block `TinyLM` of `tests/_edge_models.py` (no repeated layers, so no stack).
+- Further designs no other test uses: OLMo-Hybrid (a `OlmoHybridLinearAttentionDecoderLayer` and
+  a `OlmoHybridAttentionDecoderLayer` in one `ModuleList`); RecurrentGemma (layer 0 mixes tokens
+  with a conv + RG-LRU recurrent block, `mlp_block` after it); Granite-MoE-hybrid without experts
+  (layer 0's mixer is a Mamba-2 layer, `shared_mlp` after it).
 
 Ground truth: plain forward hooks (`torchlens.testing.hooked_outputs`,
 `_edge_models.hooked_inputs`) on `model.layers.N`, on each layer's MLP module and on the final
@@ -33,12 +37,16 @@ from torchlens import testing
 HYBRID = {
     "jamba": ("model.layers.{L}", 2, "feed_forward", "model.final_layernorm"),
     "zamba": ("model.layers.{L}", 5, None, "model.final_layernorm"),
+    "olmo_hybrid": ("model.layers.{L}", 2, "mlp", "model.norm"),
 }
 MIXED = {
     "qwen3_next": ("model.layers.{L}", 2, "mlp", "model.norm"),
     "bamba": ("model.layers.{L}", 2, "feed_forward", "model.final_layernorm"),
     "lfm2": ("model.layers.{L}", 2, "feed_forward", "model.embedding_norm"),
     "jamba": HYBRID["jamba"],
+    "olmo_hybrid": HYBRID["olmo_hybrid"],
+    "recurrent_gemma": ("model.layers.{L}", 2, "mlp_block", "model.final_norm"),
+    "granitemoehybrid": ("model.layers.{L}", 2, "shared_mlp", "model.norm"),
 }
 
 

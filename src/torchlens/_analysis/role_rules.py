@@ -91,7 +91,9 @@ def _glob(pattern: str) -> re.Pattern:
 
 
 def groups(model: nn.Module, names: dict[nn.Module, str]) -> list[tuple[str, list[nn.Module]]]:
-    """Groups of repeated non-leaf modules, as (holder address, distinct modules in order)."""
+    """Groups of repeated non-leaf modules, as (holder address, distinct modules in order): the
+    children of an `nn.ModuleList` / `nn.Sequential` when all are non-leaf (of any classes), and
+    two or more children of one class of any other module."""
     out = []
     for holder in names:  # every module of `model`, once each, in `model.modules()` order
         kids = []
@@ -102,7 +104,9 @@ def groups(model: nn.Module, names: dict[nn.Module, str]) -> list[tuple[str, lis
         if not nonleaf:
             continue
         if isinstance(holder, (nn.ModuleList, nn.Sequential)):
-            if len({type(m) for m in kids}) == 1 and len(nonleaf) == len(kids):
+            # a list of layers, of one class or several (a hybrid stack: Jamba's Mamba and attention
+            # layers); `find` keeps it only where each call reads the previous one's output
+            if len(nonleaf) == len(kids):
                 out.append((names[holder], nonleaf))
             continue
         by_class: dict[type, list[nn.Module]] = {}

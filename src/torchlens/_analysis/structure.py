@@ -12,8 +12,10 @@ Roles are found in two passes:
 2. **After the forward** (`find`): from the module tree *and the recorded data flow*:
 
    - A **stack** is a group of repeated modules: the children of an `nn.ModuleList` /
-     `nn.Sequential` that are all of one class, or two or more children of one module that share
-     a class. Its **layers** are the calls of those modules in the order they ran, one layer per
+     `nn.Sequential` (of one class, or of several: a hybrid stack such as Jamba's Mamba and
+     attention layers, one stack with per-layer roles), or two or more children of one module that
+     share a class. A list of several classes inside another stack's layer is that layer's
+     sublayers (T5's `block.N.layer`), not a stack. Its **layers** are the calls of those modules in the order they ran, one layer per
      call (a block object run three times gives three layers). A group is a stack when every
      call returns a tensor of the shape it received and each call's input is computed from the
      previous call's output. Where a stack's layers contain another stack, the inner one is kept.
@@ -197,6 +199,16 @@ def _fill_layer(flow: Graph, layer: Layer, roles: dict[str, str], modules: dict[
     else:
         attns = _sublayer(flow, layer.call, lambda c: bool(flow.kernels(c)) or isinstance(
             modules.get(c.address), nn.MultiheadAttention))
+    # a picked call that holds an attention and an MLP after it is a block inside the block
+    # (Zamba's shared transformer): its attention is the attention, its MLP is looked for too
+    inner_blocks = []
+    if not named:
+        for i, a in enumerate(attns):
+            kernel_kids = [k for k in flow.kids.get(id(a), []) if flow.kernels(k)]
+            if len(kernel_kids) == 1 and any(k.first_op >= kernel_kids[0].end_op and _weighted(flow, k, roles)
+                                             for k in flow.kids.get(id(a), [])):
+                inner_blocks.append(a)
+                attns[i] = kernel_kids[0]
     for a in attns:
         if named.get(a.address) == "cross_attention" or (layer.attention is not None and _keys_outside(flow, layer.call, a)):
             layer.cross_attention = layer.cross_attention or a
@@ -206,13 +218,16 @@ def _fill_layer(flow: Graph, layer: Layer, roles: dict[str, str], modules: dict[
         mlps = [c for c in below if named.get(c.address) == "mlp"]
         layer.mlp = mlps[0] if mlps else None
         return
-    weighted = _sublayer(flow, layer.call, lambda c: (
-        roles.get(c.address) not in ("norm", "embedding")
-        and not flow.kernels(c)
-        and bool(flow.kids.get(id(c)))
-        and _param_ops(flow, c, roles) >= 2
-    ))
-    layer.mlp = _the_mlp(flow, layer, weighted, roles)
+    weighted = [c for holder in [layer.call] + inner_blocks
+                for c in _sublayer(flow, holder, lambda c: _weighted(flow, c, roles))]
+    layer.mlp = _the_mlp(flow, layer, sorted(weighted, key=lambda c: c.first_op), roles)
+
+
+def _weighted(flow: Graph, call: ModuleCall, roles: dict[str, str]) -> bool:
+    """A sublayer that could be an MLP: not a norm or embedding, no attention kernel, calls
+    inside it, at least two ops reading weights outside norms."""
+    return (roles.get(call.address) not in ("norm", "embedding") and not flow.kernels(call)
+            and bool(flow.kids.get(id(call))) and _param_ops(flow, call, roles) >= 2)
 
 
 def _the_mlp(flow: Graph, layer: Layer, weighted: list[ModuleCall], roles: dict[str, str]) -> ModuleCall | None:
@@ -324,6 +339,7 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
     else:
         groups = roles.groups if getattr(roles, "groups", None) is not None else groups(model, names)
     candidates: list[tuple[str, list[ModuleCall]]] = []
+    mixed: set[str] = set()  # candidates whose layers are of several classes
     repeated_unchained: list[str] = []
     for holder, members in groups:
         member_calls = sorted((c for m in members for c in calls_of.get(names[m], [])), key=lambda c: c.first_op)
@@ -342,6 +358,12 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
             continue
         for i, run in enumerate(runs):
             candidates.append((holder if i == 0 else f"{holder}#{i}", run))
+            if len({type(m) for m in members}) > 1:
+                mixed.add(candidates[-1][0])
+    # a list of several classes inside another stack's layer is that layer's sublayers (T5's
+    # `block.N.layer`: self-attention, cross-attention, feed-forward), not a stack of its own
+    inside = {id(d) for h, r in candidates if h not in mixed for c in r for d in flow.descendants(c)}
+    candidates = [(h, r) for h, r in candidates if h not in mixed or id(r[0]) not in inside]
     # keep the innermost: drop a candidate whose first layer contains another candidate's layers
     kept = []
     for holder, run in candidates:

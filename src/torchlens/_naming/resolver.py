@@ -112,6 +112,8 @@ def _matches(query: str, tables: list[Table], trace: Trace) -> list[tuple[Table,
                 found.append((table, row, layer))
             elif table.absent_once and row.facet is None and query == row.bare:
                 found.append((table, row, None))  # the report's own spelling of a refused point
+            elif row.per_layer and query == row.bare and not _n_layers(trace, row):
+                found.append((table, row, None))  # the report's one row for a per-layer name on a trace without layers
     return found
 
 

@@ -490,6 +490,9 @@ def find_call(trace: Trace, target: str, layer: int | None, stack: str | None = 
             layer = st.layers[layer]
         if target == "final_norm":  # the stack's own, by `_analysis.structure`'s one final-norm rule
             return st.final_norm, "no norm reads the last layer's output"
+    elif target == "final_norm" and (trace.structure is None or trace.structure.lm_stack is None):
+        return None, ("TorchLens found no language-model stack of layers in this trace, so no norm is the one "
+                      "between the last block and the unembedding")
     return finder(trace, layer), why
 
 
