@@ -5,8 +5,8 @@ blocks" while `trace.blocks` is `[]` and the model has no decoder. The rule: the
 describes the stacks the trace has, as they are: it claims no decoder block where none ran, and
 it names the stacks a layer index could count.
 
-Models: Swin (its stages' `blocks` lists), CLIP (a text and a vision tower) and SigLIP (the same
-kind; no other test uses it), tiny seeded configs of `tests/_edge_models.py`.
+Models: Swin (its stages' `blocks` lists), CLIP (a text and a vision tower), and SigLIP and
+Swin-v2 (of the same kinds; no other test uses them), tiny seeded configs of `tests/_edge_models.py`.
 
 Ground truth: the models' source: which `ModuleList`s hold their repeated layers (`STACKS`), and
 that none of them has a decoder (no module of the model is named or classed as one).
@@ -25,6 +25,7 @@ import torchlens.mechinterp as mi
 #: arch -> the module lists that hold its repeated layers, by the model's source
 STACKS = {
     "swin": ("encoder.layers.0.blocks", "encoder.layers.1.blocks"),
+    "swinv2": ("encoder.layers.0.blocks", "encoder.layers.1.blocks"),
     "clip": ("text_model.encoder.layers", "vision_model.encoder.layers"),
     "siglip": ("text_model.encoder.layers", "vision_model.encoder.layers"),
 }

@@ -69,12 +69,34 @@ def _layer_value(text: str, table: Table, query: str, trace: Trace, row: Row | N
             )
         value += n
     if not 0 <= value < n:
+        where = _layers_counted(trace, row)
         raise LayerOutOfRange(
-            f"{query!r}: layer {text} is out of range: this trace ran {n} decoder block"
-            f"{'s' if n != 1 else ''}, so layers are 0..{n - 1}" if n else
-            f"{query!r}: this trace ran no decoder block, so no per-layer name resolves"
+            f"{query!r}: layer {text} is out of range: {where}, so layers are 0..{n - 1}" if n else
+            f"{query!r}: {where}, so no per-layer name resolves"
         )
     return value
+
+
+def _layers_counted(trace: Trace, row: Row | None) -> str:
+    """What a layer index of `row` counts in `trace`, as it is: the stack it indexes and its
+    length, or every stack when none can be chosen, or that there is none."""
+    s = trace.structure
+    stacks = list(s.stacks.values()) if s is not None else []
+    listing = ", ".join(f"{st.name or '<root>'} ({len(st.layers)} layer{'s' if len(st.layers) != 1 else ''})"
+                        for st in stacks)
+    if row is not None and row.stack is not None:
+        stack = targets.stack_of_kind(trace, row.stack)
+        if stack is None:
+            return f"this trace has no single {row.stack} stack (its stacks: {listing or 'none'})"
+        return f"a layer index counts the layers of the {row.stack} stack {stack.name} ({len(stack.layers)})"
+    if s is not None and s.lm_stack is not None:
+        stack = s.stacks[s.lm_stack]
+        return (f"a layer index counts the layers of the language-model stack {stack.name or '<root>'}, which ran "
+                f"{len(stack.layers)} layer{'s' if len(stack.layers) != 1 else ''}")
+    if stacks:
+        return (f"this trace has {len(stacks)} stacks of layers and none feeds a language-model head: {listing}; "
+                f"a layer index counts up to the longest")
+    return "TorchLens found no stack of layers in this trace"
 
 
 def _for_trace(table: Table, trace: Trace) -> Table:
