@@ -9,7 +9,8 @@ saying which of the unembedding's calls it is.
 
 Designs: a Llama (`torchlens.testing.build("llama")`) under `generate(max_new_tokens=3)`; MBart
 (no other test uses it) under `generate` (its decoder runs once per step); and a greedy loop that
-calls the Llama three times on a growing prompt without `generate` (no cache).
+calls the Llama three times on a growing prompt without `generate` (no cache); and StarCoder2 (no
+other test uses it) under `generate`.
 
 Ground truth: plain forward hooks that keep every call's output (`_all_calls`), and the configs'
 `num_hidden_layers` / `decoder_layers`.
@@ -21,6 +22,7 @@ import functools
 
 import pytest
 import torch
+import transformers as tf
 from torch import nn
 
 import _edge_models as em
@@ -62,6 +64,11 @@ DESIGNS = {
     "mbart_generate": (lambda: Generates(em.build("mbart"), decoder_start_token_id=2),
                        "lm.model.decoder.layers.{L}", 2, "lm.lm_head"),
     "llama_loop": (lambda: GreedyLoop(testing.build("llama")), "lm.model.layers.{L}", 2, "lm.lm_head"),
+    "starcoder2_generate": (lambda: Generates(testing.from_config(
+        tf.Starcoder2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=48, vocab_size=64, max_position_embeddings=32, bos_token_id=0,
+                            eos_token_id=0, pad_token_id=0), tf.Starcoder2ForCausalLM, "eager", torch.float32)),
+        "lm.model.layers.{L}", 2, "lm.lm_head"),
 }
 
 

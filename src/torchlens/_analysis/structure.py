@@ -94,12 +94,18 @@ class Stack:
         kind: `"decoder"` or `"encoder"` (an encoder-decoder's stacks, or one read by
             cross-attention, or a stack under a class whose name says encoder).
         final_norm: the stack's final norm (see `final_norm`), or None.
+        passes: how many times the whole stack ran in the forward (a model calling `generate`
+            or a decoding loop inside its forward runs every layer once per step); 1 otherwise.
+        repeats: the layers of the passes after the first, in run order (`layers` holds the
+            first pass, which a layer index counts).
     """
 
     name: str
     layers: list[Layer] = field(default_factory=list)
     kind: str = "decoder"
     final_norm: ModuleCall | None = None
+    passes: int = 1
+    repeats: list[Layer] = field(default_factory=list)
 
     @property
     def addresses(self) -> list[str]:
@@ -158,6 +164,17 @@ def _chains(flow: Graph, calls: list[ModuleCall]) -> list[list[ModuleCall]]:
         else:
             runs.append([c])
     return [r for r in runs if r]
+
+
+def _passes(run: list[ModuleCall]) -> int:
+    """How many times a run of calls went through the same two or more modules in the same order
+    (`a b a b a b` -> 3): each time is one pass through the stack, as a decoding loop makes. A
+    single module called repeatedly (ALBERT's shared layer) is one layer per call: 1."""
+    order = list(dict.fromkeys(c.address for c in run))
+    n = len(order)
+    if n < 2 or len(run) % n or len(run) == n:
+        return 1
+    return len(run) // n if all(c.address == order[i % n] for i, c in enumerate(run)) else 1
 
 
 def _sublayer(flow: Graph, layer: ModuleCall, pick) -> list[ModuleCall]:
@@ -372,10 +389,22 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
             kept.append((holder, run))
     kept.sort(key=lambda hr: hr[1][0].first_op)
     for holder, run in kept:
-        stack = Stack(holder, [Layer(c) for c in run])
-        for layer in stack.layers:
+        passes = 1 if named_blocks else _passes(run)
+        per_pass = len(run) // passes
+        stack = Stack(holder, [Layer(c) for c in run[:per_pass]], passes=passes,
+                      repeats=[Layer(c) for c in run[per_pass:]])
+        for layer in stack.layers + stack.repeats:
             _fill_layer(flow, layer, roles, modules, overrides)
         struct.stacks[holder] = stack
+        if passes > 1:
+            note = (
+                f"torchlens: the stack {holder or '<root>'} ran {passes} times in this forward (each of its "
+                f"{per_pass} layers was called {passes} times: a model calling generate, or a loop); a layer "
+                "index counts the layers of one pass and per-layer names read the first pass (their call says "
+                "which); read trace.modules[address].calls[i] for the others"
+            )
+            struct.notes.append(note)
+            warnings.warn(note, stacklevel=4)
     if not struct.stacks and repeated_unchained:
         note = (
             f"torchlens: {', '.join(repeated_unchained)} hold repeated modules, but none was taken as a block "
@@ -387,7 +416,7 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
     # 2. settle roles: only confirmed blocks/attention/MLP keep those roles
     confirmed: dict[int, str] = {}
     for stack in struct.stacks.values():
-        for layer in stack.layers:
+        for layer in stack.layers + stack.repeats:
             confirmed[id(layer.call)] = "block"
             for sub, role in ((layer.attention, "attention"), (layer.cross_attention, "attention"), (layer.mlp, "mlp")):
                 if sub is not None:
@@ -403,7 +432,8 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
             c.role = confirmed[id(c)]
             roles[c.address] = c.role
     # 3. embeddings, unembedding, LM stack, final norm
-    in_layer = {id(d) for s in struct.stacks.values() for layer in s.layers for d in [layer.call] + flow.descendants(layer.call)}
+    in_layer = {id(d) for s in struct.stacks.values() for layer in s.layers + s.repeats
+                for d in [layer.call] + flow.descendants(layer.call)}
     outside = [c for c in calls if id(c) not in in_layer]
     root = calls[0] if calls else None
     struct.token_embed = next(
@@ -434,6 +464,17 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
         struct.lm_stack = feeding[-1].name
     elif len(struct.stacks) == 1:
         struct.lm_stack = next(iter(struct.stacks))
+    lm = struct.stacks[struct.lm_stack] if struct.lm_stack else None
+    if lm is not None and lm.passes > 1 and struct.unembed is not None:
+        # the stack ran once per decoding step: the unembedding is its call after the first pass,
+        # as the layers are the first pass's
+        last = lm.layers[-1].call
+        first = next((c for c in outside if c.address == struct.unembed.address and c.first_op >= last.end_op
+                      and flow.reaches(last.output_ref, c.input_ref)), None)
+        if first is not None and first is not struct.unembed:
+            struct.unembed.role = "other"
+            struct.unembed = first
+            first.role = "unembed"
     # kinds
     read_by_cross = set()
     for s in struct.stacks.values():

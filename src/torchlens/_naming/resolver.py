@@ -312,6 +312,13 @@ def _status_of_site(trace: Trace, table: Table, row: Row, layer: int | None, que
         return res("refused", address, row.facets[0], f"{row.facets[0]} is not served: {refused}.",
                    _refusal_remedy(refused, address))
     if facet is None:
+        rerun = _root_source_rerun(trace, address, row.facets[0])
+        if rerun is not None:
+            source, n = rerun
+            return res("ambiguous", address, row.facets[0],
+                       f"{row.facets[0]} is read from {source}, which ran {n} times in this forward (once per "
+                       f"decoding step), so the root's {row.facets[0]} would be one of {n} calls; none is served as it",
+                       f"read trace.modules[{source!r}].calls[i] for the call you mean")
         absent = absent_reason(row.facets[0])
         return res("structurally_absent", address, row.facets[0],
                    f"{address} ({rec.class_name}) has no {row.facets[0]!r} facet: {absent}.")
@@ -334,6 +341,20 @@ def _status_of_site(trace: Trace, table: Table, row: Row, layer: int | None, que
     return res("reconstructed_read_only", address, facet, f"{how}; no op produced this tensor.",
                "to edit it, trace a model with attn_implementation='eager' (real softmax op)"
                if site.kind == "reconstructed" else "edit the tensors it is computed from", site.shape, site.checked)
+
+
+#: The root's facets read from one module call (`_analysis.facets._root_facets`): facet -> the
+#: `Structure` attribute naming that call.
+_ROOT_SOURCES = {"logits": "unembed", "final_norm_input": "final_norm"}
+
+
+def _root_source_rerun(trace: Trace, address: str, facet: str) -> tuple[str, int] | None:
+    """(module, calls) where a root facet is absent because the module it is read from ran several times."""
+    source = getattr(trace.structure, _ROOT_SOURCES.get(facet, ""), None) if address == "" and trace.structure else None
+    if source is None or source.address not in trace.modules:
+        return None
+    n = len(trace.modules[source.address].calls)
+    return (source.address, n) if n > 1 else None
 
 
 def _refusal_remedy(reason: str, address: str) -> str:

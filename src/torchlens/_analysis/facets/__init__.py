@@ -112,11 +112,18 @@ def _root_facets(g: Graph, root: ModuleCall, calls: list[ModuleCall], structure:
     """`logits` (from the unembedding) and `final_norm_input` (from `_analysis.structure`'s one final-norm rule)."""
     sites = {}
     unembed = structure.unembed if structure is not None else next((c for c in calls if c.role == "unembed"), None)
+    norm = structure.final_norm if structure is not None else None
+    # a root facet read from a module that ran several times (once per decoding step) would be one
+    # of its calls without saying which: none is served (the module's calls are)
+    ran = {}
+    for c in calls:
+        ran[c.address] = ran.get(c.address, 0) + 1
+    unembed = unembed if unembed is not None and ran[unembed.address] == 1 else None
+    norm = norm if norm is not None and ran[norm.address] == 1 else None
     if unembed is not None:
         s = _logits_site(g, root, unembed)
         if s:
             sites["logits"] = s
-    norm = structure.final_norm if structure is not None else None
     if norm is not None:
         s = make_site(g, "final_norm_input", io_ref(g, norm, "in"), note="input of the final norm")
         if s:
