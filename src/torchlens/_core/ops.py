@@ -145,6 +145,10 @@ INDEX_OPS = frozenset({"__getitem__"})
 SLICE_OPS = SPLIT_OPS | RESHAPE_OPS | INDEX_OPS
 #: Integer casts: token ids on their way to an embedding.
 INT_CAST_OPS = frozenset({"long", "int"})
+#: How a KV cache joins a forward's new keys to the cached ones before the kernel reads them: a
+#: concatenation (a dynamic cache, a sliding window's) or a write into a preallocated buffer (a
+#: static cache's `index_copy_`, a slice assignment). `rot_q`/`rot_k` are read before it.
+CACHE_JOIN_OPS = frozenset({"cat", "concat", "concatenate", "index_copy_", "index_copy", "__setitem__"})
 
 
 def reconstruction_tolerance(dtype: torch.dtype) -> float:

@@ -216,7 +216,7 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
         sites[name] = site
         math = _path_math(g, start, ref) if name in ("q", "k") else []
         if math:
-            sites["rot_" + name] = _rot_site(g, "rot_" + name, ref, site.shape, math)
+            sites["rot_" + name] = _rot_site(g, "rot_" + name, _before_cache(g, start, ref), site.shape, math)
     sites = _head_guard(sites)
     sites.update(_result_site(g, call, kids, sites.get("z")))
     return {k: v for k, v in sites.items() if v is not None}
@@ -347,6 +347,28 @@ def _check_z(g: Graph, pattern: FacetSite | None, v_ref: Any, z: FacetSite | Non
 
     Pending(run, [held(pattern), v, held(z)], [z])
     return {}
+
+
+def _before_cache(g: Graph, start: int, ref: Ref) -> Ref:
+    """The tensor of this forward's positions on its way into a KV cache, where the path from the
+    projection (op `start`) to the kernel input `ref` joins cached keys to it (`_ops.CACHE_JOIN_OPS`:
+    a concatenation, a write into a static cache's buffer); `ref` itself where it joins none.
+
+    With a cache the kernel reads every cached position, but `rot_k`, like `k`, is a facet of the
+    positions the forward computed: the joining op's input computed from the projection.
+    """
+    up = g.ancestors(ref, start + 1)
+    for i in sorted(up):
+        op = g.ops[i]
+        if op.name not in _ops.CACHE_JOIN_OPS:
+            continue
+        flat = [r for r in op.inputs if type(r) is Ref]
+        ours = [r for r in flat if r.op == start or start in g.ancestors(r, start)]
+        if len(ours) == 1 and len(op.inputs) >= 2:
+            mine = g.meta(ours[0])
+            if mine is not None and len(mine[0]) == 4:
+                return ours[0]
+    return ref
 
 
 def _rot_site(g: Graph, name: str, kernel_ref: Ref, shape: tuple[int, ...], math: list[str]) -> FacetSite | None:
