@@ -204,8 +204,36 @@ def test_llama_rot_q_matches_an_attention_function_that_edits_the_kernel_input()
         model.config._attn_implementation = "torchlens_test_edit_rot_q"
         want = model(IDS).logits
     torch.testing.assert_close(t.output.logits, want, atol=ATOL, rtol=0)
-    with pytest.raises(NotEditable, match="rot_k.*repeated"):  # GQA: the kernel gets each kv head twice
-        tl.trace(testing.build("llama"), IDS, edit={("model.layers.0.self_attn", "rot_k"): lambda k: k})
+
+
+def test_llama_rot_k_is_edited_before_the_cache_and_the_kv_repeat():
+    """rot_k is the rotated key of the forward's positions as it enters the KV cache (before the
+    cache joins cached keys and before grouped-query attention repeats each kv head), so under
+    GQA one kv head is one tensor and can be edited: checked against an attention function that
+    zeroes that kv head of the key it receives (kv heads, before `repeat_kv`)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    def edited(module, query, key, value, attention_mask, **kw):
+        if module.layer_idx == 0:
+            key = key.clone()
+            key[:, 1] = 0  # kv head 1, head-major here
+        return eager_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    def zero_kv_head(k):  # [batch, pos, kv_heads, d_head], token-major in TorchLens
+        k[:, :, 1] = 0
+        return k
+
+    model = testing.build("llama")
+    with torch.no_grad():
+        t = tl.trace(model, IDS, edit={("model.layers.0.self_attn", "rot_k"): zero_kv_head})
+        AttentionInterface.register("torchlens_test_edit_rot_k", edited)
+        AttentionMaskInterface.register("torchlens_test_edit_rot_k", eager_mask)
+        model.config._attn_implementation = "torchlens_test_edit_rot_k"
+        want = model(IDS).logits
+    assert t.modules["model.layers.0.self_attn"].facets["rot_k"].shape[2] == 2  # the model's kv heads
+    torch.testing.assert_close(t.output.logits, want, atol=ATOL, rtol=0)
 
 
 def test_gpt2_resid_mid_matches_the_block_written_out_by_hand():

@@ -12,10 +12,11 @@ so that one `Recorder` runs per forward call:
   the model; a forward hook on the root, run after every other (`always_call`), closes it and
   assembles that step's `Trace` exactly as `trace` assembles one (structure, facets, `save=`
   trimming, snapshot, `store=`, sealed checks);
-- an encoder-decoder model's encoder runs once, before the first decoder forward, called by
-  `generate` directly: its call is captured by the same hooks as `GenerationTrace.encoder`, a
-  trace of its own; each decoder forward (`steps`) reads it through `encoder_outputs` and the
-  cross-attention cache.
+- an encoder-decoder model's encoder runs once, called by `generate` directly before the first
+  decoder forward: a pre-hook on the encoder opens step 0's capture there, the capture pauses
+  (its mode off) from the encoder's return to the decoder's first call and goes on through it, so
+  `steps[0]` holds the encoder stack and the decoder stack; each later step is a decoder forward
+  that reads the encoder through `encoder_outputs` and the cross-attention cache.
 
 Nothing is patched. Every hook is removed and every open capture closed before `trace_generate`
 returns or raises, also when `generate` raises in the middle of a step.
@@ -47,7 +48,7 @@ from torchlens._capture.compiled import CompiledRunsEagerly, compiled_module_cla
 from torchlens._capture.recorder import Recorder
 from torchlens._capture.snapshot import snapshot
 from torchlens._capture.stores import DirectoryStore, apply_store, parse_store
-from torchlens._core.errors import TorchLensError
+from torchlens._core.errors import GenerateSpecError, TorchLensError
 from torchlens._core.pending import seal_checks
 from torchlens._decode import DecodeReport, check_decode
 from torchlens._edits import plan_edits
@@ -56,12 +57,6 @@ from torchlens._tracing import _annotate as annotate
 from torchlens._tracing import trace
 
 __all__ = ["GenerateSpecError", "GenerationTrace", "StepInfo", "trace_generate"]
-
-
-class GenerateSpecError(TorchLensError, ValueError):
-    """An argument of [`trace_generate`][torchlens.trace_generate] is not accepted: a model
-    without `generate`, beam search, `max_new_tokens=0`, a `steps=` outside the generation, an
-    `edit=` key naming a step that never ran. The message names the argument and what it accepts."""
 
 
 @dataclass
@@ -114,8 +109,9 @@ class GenerationTrace:
         sequences: the generated sequences, prompt included: what `model.generate` returns for
             the same arguments and seed.
         prompt: the prompt `input_ids` as given.
-        encoder: for an encoder-decoder model, the trace of its encoder's one call (which every
-            decoder step reads through its cross-attention); None otherwise.
+        encoder_decoder: the model is an encoder-decoder (T5, BART): `steps[0]` holds the encoder's
+            one call (its stack) and the decoder's first forward; every later step is a decoder
+            forward, whose cross-attention reads the encoder's output from the cache.
         edits: the `edit=` as given, by step: step -> the keys applied there.
         model: the model that generated (held for `check_decode`).
     """
@@ -125,7 +121,7 @@ class GenerationTrace:
     output: Any
     sequences: Tensor
     prompt: Tensor | None
-    encoder: Trace | None = None
+    encoder_decoder: bool = False
     edits: dict[int, tuple] = field(default_factory=dict)
     model: nn.Module | None = field(default=None, repr=False)
     _call: dict = field(default_factory=dict, repr=False)
@@ -154,7 +150,7 @@ class GenerationTrace:
                 decode step that kept tensors). Step 0, the prefill, may be named too.
             tolerance: `"auto"` (default): each site's tolerance is set from its dtype as
                 `compare(tolerance="auto")` sets it, from a float64 rerun of a copy of the model:
-                `|decode - full| <= 4 max|full - full64| + eps |full|`. None: `atol`/`rtol`.
+                `|decode - full| <= 4 (max|full - full64| + eps |full|)`. None: `atol`/`rtol`.
             atol: absolute tolerance when `tolerance=None` (default 1e-5).
             rtol: relative tolerance when `tolerance=None` (default 1e-4).
             explain: for a step that differs, say where and why (the first site that differs and
@@ -292,22 +288,42 @@ class _Capture:
         self.stack = contextlib.ExitStack()
         self.dispatch = None
         self.depth = 0
-        self.top = None  # the module whose call opened the capture
+        self.top = None  # the module whose call closes the capture
+        self.active = False  # the recorder's mode is on
+        self.kind = "step"
 
     def enter(self) -> None:
         try:
             self.stack.enter_context(CompiledRunsEagerly())
             self.dispatch = self.stack.enter_context(accelerate_hooks(self.rec.names, self.rec))
-            self.stack.enter_context(self.rec)
+            self.resume()
         except BaseException:
             self.stack.close()
             raise
 
+    def pause(self) -> None:
+        """Take the recorder's mode off (between an encoder's call and the first decoder forward)."""
+        if self.active:
+            self.active = False
+            self.rec.__exit__(None, None, None)
+
+    def resume(self) -> None:
+        self.rec.__enter__()
+        self.active = True
+
     def exit(self, exc: BaseException | None = None) -> None:
-        if exc is None:
-            self.stack.close()
-        else:
-            self.stack.__exit__(type(exc), exc, exc.__traceback__)
+        try:
+            if self.active:
+                self.active = False
+                if exc is None:
+                    self.rec.__exit__(None, None, None)
+                else:
+                    self.rec.__exit__(type(exc), exc, exc.__traceback__)
+        finally:
+            if exc is None:
+                self.stack.close()
+            else:
+                self.stack.__exit__(type(exc), exc, exc.__traceback__)
 
 
 class _Session:
@@ -337,7 +353,6 @@ class _Session:
         self.locating = False
         self.steps: list[Trace] = []
         self.info: list[StepInfo] = []
-        self.encoder_trace: Trace | None = None
         self.applied: dict[int, tuple] = {}
         self.handles: list[Any] = []
 
@@ -370,7 +385,8 @@ class _Session:
     # -- the recorder's hooks, passed on ------------------------------------------------------
 
     def _ours(self) -> bool:
-        return self.capture is not None and not self.locating and threading.get_ident() == self.thread
+        return (self.capture is not None and self.capture.active and not self.locating
+                and threading.get_ident() == self.thread)
 
     def pre_hook(self, module, args, kwargs=None):
         if not self._ours():
@@ -384,36 +400,39 @@ class _Session:
 
     # -- opening and closing one capture ------------------------------------------------------
 
-    def _open(self, module, args, kwargs, step_kind: str) -> None:
+    def _open(self, module, args, kwargs, encoder: bool) -> None:
+        """Start the capture of the next step: at the root's call, or at an encoder-decoder
+        model's encoder call, which step 0 then covers together with the first decoder forward."""
         step = len(self.steps)
-        keep = self.keep_steps is None or step in self.keep_steps if step_kind != "encoder" else (
-            self.keep_steps is None or 0 in self.keep_steps)
-        edit_plan = None
-        wanted = self._edits_at(step) if step_kind != "encoder" else {}
-        if wanted:
-            edit_plan = self._locate(args, kwargs, wanted)
+        keep = self.keep_steps is None or step in self.keep_steps
+        wanted = self._edits_at(step)
+        edit_plan = self._locate(args, kwargs, wanted) if wanted else None
         store = self.store
         if isinstance(store, DirectoryStore):  # one directory per step
-            store = DirectoryStore(os.path.join(store.path, "encoder" if step_kind == "encoder" else f"step-{step:04d}"))
+            store = DirectoryStore(os.path.join(store.path, f"step-{step:04d}"))
         plan = self.plans[keep]
         rec = Recorder(self.names, _copy_roles(self.roles), plan, self.params, edit_plan,
                        store if isinstance(store, DirectoryStore) else None)
         capture = _Capture(rec, plan, store, edit_plan)
         capture.top = module
-        capture.kind = step_kind
+        capture.kind = "encoder" if encoder else "step"
         capture.keep = keep
         capture.enter()
         self.capture = capture
-        if step_kind != "encoder":
-            name, cache = _cache_of(kwargs)
-            ids = kwargs.get("decoder_input_ids", kwargs.get("input_ids", args[0] if args else None))
-            mask = kwargs.get("decoder_attention_mask") if "decoder_input_ids" in kwargs else kwargs.get("attention_mask")
-            past = int(cache.get_seq_length()) if cache is not None else 0
-            self.info.append(StepInfo(step, "prefill" if step == 0 else "decode", keep, _copy(ids), _copy(mask),
-                                      _copy(kwargs.get("decoder_position_ids", kwargs.get("position_ids"))),
-                                      _copy(kwargs.get("cache_position")), past,
-                                      type(cache).__name__ if cache is not None else None))
-            self.applied[step] = tuple(wanted)
+        self.applied[step] = tuple(wanted)
+        if not encoder:
+            self._note_step(args, kwargs, keep)
+
+    def _note_step(self, args, kwargs, keep: bool) -> None:
+        step = len(self.steps)
+        name, cache = _cache_of(kwargs)
+        ids = kwargs.get("decoder_input_ids", kwargs.get("input_ids", args[0] if args else None))
+        mask = kwargs.get("decoder_attention_mask") if "decoder_input_ids" in kwargs else kwargs.get("attention_mask")
+        past = int(cache.get_seq_length()) if cache is not None else 0
+        self.info.append(StepInfo(step, "prefill" if step == 0 else "decode", keep, _copy(ids), _copy(mask),
+                                  _copy(kwargs.get("decoder_position_ids", kwargs.get("position_ids"))),
+                                  _copy(kwargs.get("cache_position")), past,
+                                  type(cache).__name__ if cache is not None else None))
 
     def _edits_at(self, step: int) -> dict:
         return {key: value for key, steps, value in self.edits if steps is None or step in steps}
@@ -436,18 +455,27 @@ class _Session:
     def open_root(self, module, args, kwargs):
         if self.locating or threading.get_ident() != self.thread:
             return None
-        if self.capture is not None:  # a call inside a capture under way (the model calls itself)
-            self.capture.depth += 1
+        capture = self.capture
+        if capture is not None and not capture.active:  # after the encoder: step 0 goes on
+            capture.resume()
+            self._note_step(args, kwargs, capture.keep)
             return None
-        self._open(module, args, kwargs, "step")
+        if capture is not None:  # a call inside a capture under way (the model calls itself)
+            capture.depth += 1
+            return None
+        self._open(module, args, kwargs, encoder=False)
         return None
 
     def open_encoder(self, module, args, kwargs):
-        if self.locating or threading.get_ident() != self.thread or self.capture is not None or self.steps:
-            if self.capture is not None:
+        if self.locating or threading.get_ident() != self.thread:
+            return None
+        if self.capture is not None:
+            if self.capture.active:
                 self.capture.depth += 1
             return None
-        self._open(module, args, kwargs, "encoder")
+        if self.steps:  # generate runs the encoder once, before step 0; a later call is not traced
+            return None
+        self._open(module, args, kwargs, encoder=True)
         return None
 
     def close_root(self, module, args, kwargs, output):
@@ -458,26 +486,27 @@ class _Session:
 
     def _close(self, module, args, kwargs, output):
         capture = self.capture
-        if capture is None or self.locating or threading.get_ident() != self.thread:
+        if capture is None or not capture.active or self.locating or threading.get_ident() != self.thread:
             return None
         if capture.depth:
             capture.depth -= 1
             return None
         if module is not capture.top:
             return None
-        self.capture = None
-        exc = sys.exc_info()[1] if output is None else None
-        if output is None:
+        if output is None:  # the forward raised: close the capture, name where
+            self.capture = None
+            exc = sys.exc_info()[1]
             capture.exit(exc)
             if exc is not None:
                 annotate(exc, capture.rec)
             return None
+        if capture.kind == "encoder":  # the decoder's first forward completes step 0
+            capture.pause()
+            capture.kind, capture.top = "step", self.model
+            return None
+        self.capture = None
         capture.exit()
-        result = self._assemble(capture, module, args, kwargs, output)
-        if capture.kind == "encoder":
-            self.encoder_trace = result
-        else:
-            self.steps.append(result)
+        self.steps.append(self._assemble(capture, module, args, kwargs, output))
         return None
 
     def _assemble(self, capture: _Capture, module, args, kwargs, output) -> Trace:
@@ -520,7 +549,7 @@ def trace_generate(model: nn.Module, input_ids: Tensor | None = None, *, save: A
     `i`-th decode forward, whose positions are the one new token per row and whose attention
     reads the cached keys. Left-padded batches (`attention_mask=`), the Hugging Face cache
     classes (`cache_implementation="static"`, a sliding-window model's cache) and
-    encoder-decoder models (T5, BART: the encoder's call is `.encoder`) are traced as they run.
+    encoder-decoder models (T5, BART: `steps[0]` holds the encoder's call too) are traced as they run.
 
     Args:
         model: a module with a `generate` method (a Hugging Face `GenerationMixin` model).
@@ -593,6 +622,11 @@ def trace_generate(model: nn.Module, input_ids: Tensor | None = None, *, save: A
         encoder = model.get_encoder()
         if encoder not in names or encoder is model:
             encoder = None
+    if encoder is not None and edits:
+        raise GenerateSpecError(
+            f"edit=: trace_generate does not edit an encoder-decoder model's generation yet ({type(model).__name__}: "
+            f"step 0 spans the encoder's call and the decoder's first forward, which one locating pass cannot place "
+            f"an edit in). Trace it without edit=, or edit one forward with torchlens.trace(..., edit=...).")
     session = _Session(model, names, aliases, static, spec_keep, spec_none, keep_steps, store, edits, roles, encoder)
     session.install()
     try:
@@ -613,5 +647,5 @@ def trace_generate(model: nn.Module, input_ids: Tensor | None = None, *, save: A
                 f"edit= key for {key!r} at steps {sorted(wanted)}: none of them ran: generation stopped after {ran} "
                 f"forward calls (steps 0..{ran - 1}).")
     return GenerationTrace(session.steps, session.info, output, _sequences(output), input_ids,
-                           session.encoder_trace, {s: a for s, a in session.applied.items() if a}, model,
+                           encoder is not None, {s: a for s, a in session.applied.items() if a}, model,
                            {"input_ids": input_ids, "kwargs": dict(generate_kwargs), "save": save, "roles": roles})

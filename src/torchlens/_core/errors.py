@@ -22,6 +22,7 @@ __all__ = [
     "CaptureError",
     "EditSpecError",
     "NotEditable",
+    "GenerateSpecError",
     "close_matches",
 ]
 
@@ -84,6 +85,14 @@ class EditSpecError(TorchLensError, ValueError):
     """The `edit=` argument of [`trace`][torchlens.trace] is not accepted: not a dict, a key that
     names no site, a value that is neither a callable nor a tensor, or a replacement of the wrong
     shape or dtype."""
+
+
+class GenerateSpecError(TorchLensError, ValueError):
+    """An argument of [`trace_generate`][torchlens.trace_generate] or
+    [`GenerationTrace.check_decode`][torchlens.GenerationTrace.check_decode] is not accepted: a
+    model without `generate`, beam search, `max_new_tokens=0`, a `steps=` outside the generation,
+    an `edit=` key naming a step that never ran. The message names the argument and what it
+    accepts."""
 
 
 class NotEditable(TorchLensError):

@@ -239,8 +239,9 @@ SPECS: tuple[FacetSpec, ...] = (
               heads_axis=2,
               kv_heads=True,
               source="op",
-              prose="the keys as the attention kernel receives them, token-major, kv heads; only where something "
-              "transforms them between projection and kernel",
+              prose="the keys of the forward's own positions as the attention kernel receives them (after RoPE "
+              "and any QK-norm), token-major, kv heads, read before a KV cache joins them to the cached keys (which "
+              "are earlier forwards' rot_k); only where something transforms them between projection and kernel",
               absent=_ROPE.format(what="keys")),
     FacetSpec(name="scores",
               roles=("attention",),
