@@ -3,6 +3,9 @@
 The public surface is small:
 
 - [`trace`][torchlens.trace] runs a model once and returns a [`Trace`][torchlens.Trace].
+- [`trace_generate`][torchlens.trace_generate] runs a model's own `generate`, every forward call
+  traced, and returns a [`GenerationTrace`][torchlens.GenerationTrace] (its `check_decode` holds
+  each cached decode step against a full forward).
 - `trace.ops`, `trace.modules[address].facets[name]`, `trace.output` read what was captured.
 - [`torchlens.mechinterp`][torchlens.mechinterp] translates other libraries' hook names to
   TorchLens sites.
@@ -21,6 +24,7 @@ from torchlens._core.errors import (
     CaptureError,
     EditSpecError,
     FacetNotFound,
+    GenerateSpecError,
     FacetNotSaved,
     LookupFailed,
     ModuleNotFoundInTrace,
@@ -33,16 +37,24 @@ from torchlens._core.facet_spec import FACETS
 from torchlens._core.records import ModuleCall, ModuleMap, ModuleRecord, OpRecord, Ref
 from torchlens._core.sites import FacetMap, FacetSite
 from torchlens._core.version import __version__ as __version__
+from torchlens._decode import DecodeReport, DecodeRow, StepVerdict
 from torchlens._draw import Drawing
 from torchlens._edits import EditRecord
+from torchlens._generate import GenerationTrace, StepInfo, trace_generate
 from torchlens._persist import TraceFileError, load
 from torchlens._trace import Trace
 from torchlens._tracing import trace
 
 __all__ = [
     "trace",
+    "trace_generate",
     "load",
     "Trace",
+    "GenerationTrace",
+    "StepInfo",
+    "DecodeReport",
+    "DecodeRow",
+    "StepVerdict",
     "OpRecord",
     "Ref",
     "ModuleMap",
@@ -65,6 +77,7 @@ __all__ = [
     "CaptureError",
     "EditSpecError",
     "NotEditable",
+    "GenerateSpecError",
     "ModuleNotFoundInTrace",
     "FacetNotFound",
     "FacetNotSaved",

@@ -417,11 +417,11 @@ class _Session:
         capture.top = module
         capture.kind = "encoder" if encoder else "step"
         capture.keep = keep
+        self.applied[step] = tuple(wanted)
+        if not encoder:  # before the recorder's mode is on: this bookkeeping is no op of the step
+            self._note_step(args, kwargs, keep)
         capture.enter()
         self.capture = capture
-        self.applied[step] = tuple(wanted)
-        if not encoder:
-            self._note_step(args, kwargs, keep)
 
     def _note_step(self, args, kwargs, keep: bool) -> None:
         step = len(self.steps)
@@ -457,8 +457,8 @@ class _Session:
             return None
         capture = self.capture
         if capture is not None and not capture.active:  # after the encoder: step 0 goes on
-            capture.resume()
             self._note_step(args, kwargs, capture.keep)
+            capture.resume()
             return None
         if capture is not None:  # a call inside a capture under way (the model calls itself)
             capture.depth += 1

@@ -1,0 +1,399 @@
+"""`trace_generate` and `GenerationTrace.check_decode`.
+
+Ground truth comes from outside TorchLens: `model.generate` itself (its sequences, for the same
+arguments and seed; its `output_attentions`, `output_hidden_states` and `output_logits` per
+step), plain forward hooks registered inside `model.generate` (a module's output at each call,
+and edits made by returning a changed output), and, for the decode check, models with a cache bug
+planted in their decode path (`tests/cache_bugs.py`), which the check must find and name.
+
+Tests internals: `torchlens._decode.AUTO_FACTOR` against `torchlens.mechinterp._compare.AUTO_FACTOR`,
+`torchlens._capture.compiled.CompiledRunsEagerly` (its depth after a failed call).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+import cache_bugs
+import torchlens as tl
+from torchlens import GenerateSpecError, testing
+from torchlens._capture.compiled import CompiledRunsEagerly
+from torchlens._decode import AUTO_FACTOR
+from torchlens.mechinterp._compare import AUTO_FACTOR as COMPARE_FACTOR
+
+IDS = testing.token_ids(batch=3, length=6, seed=3, vocab=60) + 3
+MASK = torch.ones_like(IDS)
+MASK[0, :3] = 0  # three prompts of 3, 5 and 6 tokens, left-padded
+MASK[1, :1] = 0
+GREEDY = dict(attention_mask=MASK, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def _hooks(model):
+    """Every module hook on `model` (transformers installs output-capturing hooks of its own, on
+    first use of `output_attentions`, and keeps them)."""
+    return {(name, kind, hid) for name, m in model.named_modules()
+            for kind, hooks in (("post", m._forward_hooks), ("pre", m._forward_pre_hooks)) for hid in hooks}
+
+
+def _nothing_installed(model, before=frozenset()):
+    assert _hooks(model) <= set(before)
+    assert torch._C._len_torch_function_stack() == 0
+    assert CompiledRunsEagerly._depth == 0
+
+
+def _per_call(model, addresses, **kwargs):
+    """Each module's output at each of its calls inside a plain `model.generate`, by forward hooks."""
+    seen = {a: [] for a in addresses}
+    modules = dict(model.named_modules())
+    hooks = [modules[a].register_forward_hook(
+        lambda m, args, out, a=a: seen[a].append((out[0] if isinstance(out, tuple) else out).detach().clone()))
+        for a in addresses]
+    try:
+        out = model.generate(IDS, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, seen
+
+
+def t5():
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
+                                   num_heads=4, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return testing.from_config(config, transformers.T5ForConditionalGeneration)
+
+
+def bart():
+    config = transformers.BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
+                                     decoder_ffn_dim=48, max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
+                                     eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
+    return testing.from_config(config, transformers.BartForConditionalGeneration)
+
+
+# -- the generation itself -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
+def test_sequences_are_what_generate_returns_and_each_step_is_that_forward(family):
+    model = testing.build(family)
+    blocks = [f"{'transformer.h' if family == 'gpt2' else 'model.layers'}.{i}" for i in range(2)]
+    plain, seen = _per_call(model, blocks, **GREEDY)
+    gen = tl.trace_generate(model, IDS, **GREEDY)
+    _nothing_installed(model)
+    assert torch.equal(gen.sequences, plain)
+    assert len(gen.steps) == len(seen[blocks[0]]) == 6
+    assert [i.kind for i in gen.info] == ["prefill"] + ["decode"] * 5
+    assert [i.new_tokens for i in gen.info] == [6, 1, 1, 1, 1, 1]
+    assert [i.past_length for i in gen.info] == [0, 6, 7, 8, 9, 10]
+    for step, t in enumerate(gen.steps):
+        for b in blocks:
+            torch.testing.assert_close(t[f"{b}:resid_post"], seen[b][step], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("cache", [{}, {"cache_implementation": "static"}], ids=["dynamic", "static"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_each_steps_pattern_covers_the_cached_keys_as_output_attentions_does(family, cache):
+    """The pattern of a decode step is one query row per new token over every key the step read
+    (`[batch, heads, 1, keys]`), and equals what `generate(output_attentions=True)` returns."""
+    model = testing.build(family)
+    kwargs = dict(GREEDY, return_dict_in_generate=True, output_attentions=True, output_hidden_states=True, **cache)
+    plain = model.generate(IDS, **kwargs)
+    gen = tl.trace_generate(model, IDS, **kwargs)
+    assert torch.equal(gen.sequences, plain.sequences)
+    attn = [a for a in (gen.steps[0].by_role("attention"))]
+    for step, t in enumerate(gen.steps):
+        for layer, address in enumerate(attn):
+            pattern = t[f"{address}:pattern"]
+            want = plain.attentions[step][layer]
+            assert pattern.shape == want.shape
+            assert pattern.shape[2] == (6 if step == 0 else 1)
+            torch.testing.assert_close(pattern, want, atol=1e-6, rtol=0)
+        # hidden_states[step][-1] is after the final norm; [1] is block 0's output
+        torch.testing.assert_close(t[f"{t.blocks[0]}:resid_post"], plain.hidden_states[step][1], atol=0, rtol=0)
+    if not cache:
+        assert [gen.steps[s][f"{attn[0]}:pattern"].shape[-1] for s in range(1, 6)] == [7, 8, 9, 10, 11]
+
+
+def test_a_sliding_window_cache_keeps_the_window_and_the_pattern_says_so():
+    model = cache_bugs.mistral(window=3)  # the correct model: DynamicCache keeps sliding-window layers
+    kwargs = dict(GREEDY, return_dict_in_generate=True, output_attentions=True)
+    plain = model.generate(IDS, **kwargs)
+    gen = tl.trace_generate(model, IDS, **kwargs)
+    assert torch.equal(gen.sequences, plain.sequences)
+    for step in range(1, 6):
+        pattern = gen.steps[step]["model.layers.0.self_attn:pattern"]
+        assert pattern.shape == plain.attentions[step][0].shape == (3, 4, 1, 3)
+        torch.testing.assert_close(pattern, plain.attentions[step][0], atol=1e-6, rtol=0)
+    assert gen.check_decode().ok
+
+
+def test_sampling_with_a_seed_gives_the_sequences_generate_gives():
+    model = testing.build("llama")
+    kwargs = dict(GREEDY, do_sample=True, temperature=1.5, top_k=0)
+    torch.manual_seed(11)
+    plain = model.generate(IDS, **kwargs)
+    torch.manual_seed(11)
+    gen = tl.trace_generate(model, IDS, **kwargs)
+    assert torch.equal(gen.sequences, plain)
+    torch.manual_seed(12)
+    other = model.generate(IDS, **kwargs)
+    assert not torch.equal(other, plain)  # the seed matters, so the equality above says something
+
+
+@pytest.mark.parametrize("build", [t5, bart], ids=["t5", "bart"])
+def test_encoder_decoder_step_0_holds_both_stacks_and_later_steps_the_decoder(build):
+    model = build()
+    ids = testing.token_ids(batch=2, length=5, seed=1, vocab=60) + 3
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=None,
+                  return_dict_in_generate=True, output_attentions=True)
+    model.generate(ids, **kwargs)  # transformers installs its output-capturing hooks on first use
+    before = _hooks(model)
+    gen = tl.trace_generate(model, ids, **kwargs)
+    encoder = "encoder" if build is t5 else "model.encoder"
+    decoder = "decoder" if build is t5 else "model.decoder"
+    enc_block = f"{encoder}.block.1" if build is t5 else f"{encoder}.layers.1"
+    dec_block = f"{decoder}.block.1" if build is t5 else f"{decoder}.layers.1"
+    plain_hooks = [enc_block, dec_block]
+    plain, seen = None, {a: [] for a in plain_hooks}
+    modules = dict(model.named_modules())
+    hooks = [modules[a].register_forward_hook(lambda m, a_, o, a=a: seen[a].append(
+        (o[0] if isinstance(o, tuple) else o).detach().clone())) for a in plain_hooks]
+    try:
+        plain = model.generate(ids, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    _nothing_installed(model, before)
+    assert torch.equal(gen.sequences, plain.sequences)
+    assert gen.encoder_decoder and gen.steps[0].structure.kind == "encoder-decoder"
+    assert len(gen.steps[0].structure.stacks) == 2 and len(gen.steps[1].structure.stacks) == 1
+    assert len(seen[enc_block]) == 1  # generate runs the encoder once: in step 0
+    torch.testing.assert_close(gen.steps[0][f"{enc_block}:resid_post"], seen[enc_block][0], atol=0, rtol=0)
+    cross = f"{dec_block}.layer.1.EncDecAttention" if build is t5 else f"{dec_block}.encoder_attn"
+    for step, t in enumerate(gen.steps):
+        torch.testing.assert_close(t[f"{dec_block}:resid_post"], seen[dec_block][step], atol=0, rtol=0)
+        torch.testing.assert_close(t[f"{cross}:pattern"], plain.cross_attentions[step][1], atol=1e-6, rtol=0)
+    assert gen.check_decode().ok
+
+
+def test_steps_keeps_tensors_only_at_the_steps_named_and_save_applies_there():
+    model = testing.build("llama")
+    plain, seen = _per_call(model, ["model.layers.1"], **GREEDY)
+    gen = tl.trace_generate(model, IDS, save=["resid_post"], steps=[0, 3], **GREEDY)
+    assert [i.kept for i in gen.info] == [True, False, False, True, False, False]
+    for step, t in enumerate(gen.steps):
+        facets = t.modules["model.layers.1"].calls[0].facets
+        assert "resid_post" in facets.sites  # every step has the records
+        if gen.info[step].kept:
+            torch.testing.assert_close(facets["resid_post"], seen["model.layers.1"][step], atol=0, rtol=0)
+            assert "pattern" not in t.modules["model.layers.1.self_attn"].calls[0].facets
+        else:
+            assert "resid_post" not in facets and not any(o.tensors[0] is not None for o in t.ops)
+    assert torch.equal(gen.sequences, plain)
+
+
+def test_a_directory_store_gets_one_directory_per_step(tmp_path):
+    model = testing.build("gpt2")
+    plain, seen = _per_call(model, ["transformer.h.0"], **dict(GREEDY, max_new_tokens=3))
+    gen = tl.trace_generate(model, IDS, store=tmp_path, save=["resid_post"], **dict(GREEDY, max_new_tokens=3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000", "step-0001", "step-0002"]
+    for step, t in enumerate(gen.steps):
+        torch.testing.assert_close(t["transformer.h.0:resid_post"], seen["transformer.h.0"][step], atol=0, rtol=0)
+
+
+# -- edits -------------------------------------------------------------------------------------
+
+
+def test_an_edit_at_every_step_and_one_at_a_named_step_equal_forward_hooks_inside_generate():
+    model = testing.build("llama")
+    kwargs = dict(GREEDY, return_dict_in_generate=True, output_logits=True)
+    plain = model.generate(IDS, **kwargs)
+    calls = {"n": 0}
+
+    def halve(module, args, out):  # every step: block 0's output halved
+        return (out[0] * 0.5,) + tuple(out[1:]) if isinstance(out, tuple) else out * 0.5
+
+    def count(module, args, kw):
+        calls["n"] += 1
+
+    def zero_head(module, args, out):  # step 2 only (the third forward): head 0 of layer 1's q zeroed
+        if calls["n"] == 3:
+            out = out.clone()
+            out[..., :8] = 0
+        return out
+
+    hooks = [model.model.layers[0].register_forward_hook(halve),
+             model.register_forward_pre_hook(count, with_kwargs=True),
+             model.model.layers[1].self_attn.q_proj.register_forward_hook(zero_head)]
+    try:
+        want = model.generate(IDS, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+
+    def zero_head_q(q):  # [batch, pos, heads, d_head]
+        q[:, :, 0] = 0
+        return q
+
+    gen = tl.trace_generate(model, IDS, edit={
+        "model.layers.0:resid_post": lambda x: x * 0.5,
+        (2, ("model.layers.1.self_attn", "q")): zero_head_q,
+    }, **kwargs)
+    _nothing_installed(model)
+    assert torch.equal(gen.sequences, want.sequences) and not torch.equal(gen.sequences, plain.sequences)
+    for mine, theirs in zip(gen.output.logits, want.logits):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    assert [len(s.edits) for s in gen.steps] == [1, 1, 2, 1, 1, 1]
+    assert all(r.applied == 1 for s in gen.steps for r in s.edits)
+    assert gen.steps[2].edits[1].where.startswith("op #")
+    with pytest.raises(GenerateSpecError, match="edit="):
+        gen.check_decode()
+
+
+# -- the decode check --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family,cache", [("gpt2", {}), ("llama", {}), ("qwen3", {}), ("gemma2", {}),
+                                          ("llama", {"cache_implementation": "static"}),
+                                          ("gpt2", {"cache_implementation": "static"})])
+def test_a_correct_cached_decode_path_agrees_with_the_full_forward(family, cache):
+    gen = tl.trace_generate(testing.build(family), IDS, **GREEDY, **cache)
+    report = gen.check_decode()
+    assert report.ok, report
+    assert sorted(report.steps) == [1, 2, 3, 4, 5]
+    assert {r.step for r in report} == {1, 2, 3, 4, 5} and len(report) > 100 * 5
+
+
+def test_the_check_reruns_with_positions_from_the_mask_so_left_padding_matters():
+    """With the padding dropped from the full forward's mask the padded rows differ: the check
+    reads the step's mask, so a test passing above is not a check that cannot fail."""
+    gen = tl.trace_generate(testing.build("llama"), IDS, **GREEDY)
+    for info in gen.info:
+        info.attention_mask = torch.ones_like(info.attention_mask)
+    report = gen.check_decode(explain=False)
+    assert not report.ok and {s for s, _ in report.mismatched} == {1, 2, 3, 4, 5}
+
+
+def test_rope_rotated_one_position_too_far_at_decode_is_found_and_explained():
+    model = cache_bugs.llama(cache_bugs.RotaryOffByOne)
+    gen = tl.trace_generate(model, IDS, **GREEDY)
+    report = gen.check_decode()
+    assert report.failed_steps == [1, 2, 3, 4, 5]
+    verdict = report.steps[1]
+    assert verdict.first.site == "model.rotary_emb:output"
+    assert "position ids are off by +1" in verdict.explanation
+    assert verdict.candidates[0].matches and "+1" in verdict.candidates[0].relation
+
+
+def test_a_cache_read_before_its_update_is_found_and_explained():
+    model = cache_bugs.llama()
+    gen = tl.trace_generate(model, IDS, cache=cache_bugs.ReadBeforeWrite(), **GREEDY)
+    report = gen.check_decode()
+    assert report.failed_steps == [1, 2, 3, 4, 5]
+    assert report.steps[1].first.site == "model.layers.0.self_attn:scores"
+    assert "read the cache before writing this step's keys" in report.steps[1].explanation
+    assert "own key position(s) 6" in report.steps[1].explanation  # the prefix is 7 long at step 1
+
+
+def test_a_sliding_window_applied_on_the_prefill_only_is_found_and_explained():
+    model = cache_bugs.mistral(cache_bugs.WindowOnPrefillOnly, window=3)
+    gen = tl.trace_generate(model, IDS, cache=DynamicCache(), **GREEDY)
+    report = gen.check_decode()
+    assert report.failed_steps == [1, 2, 3, 4, 5]
+    assert "sliding window is not applied at decode" in report.steps[1].explanation
+    assert "older than the model's sliding window of 3" in report.steps[1].explanation
+
+
+def test_a_padded_rows_cache_not_masked_is_found_and_explained():
+    model = cache_bugs.llama(cache_bugs.PaddingUnmasked)
+    gen = tl.trace_generate(model, IDS, **GREEDY)
+    report = gen.check_decode()
+    assert report.failed_steps == [1, 2, 3, 4, 5]
+    text = report.steps[1].explanation
+    assert "a padded row's cache is not masked" in text and "row(s) 0, 1" in text
+    assert "key position(s) 0, 1, 2" in text
+
+
+def test_the_decode_tolerance_factor_is_compares():
+    assert AUTO_FACTOR == COMPARE_FACTOR
+
+
+def test_check_decode_refuses_steps_it_cannot_compare():
+    gen = tl.trace_generate(testing.build("gpt2"), IDS, steps=[0, 2], **GREEDY)
+    assert sorted(gen.check_decode().steps) == [2]
+    with pytest.raises(GenerateSpecError, match="step 1 kept no tensors"):
+        gen.check_decode(steps=1)
+    with pytest.raises(GenerateSpecError, match="step 9 is outside"):
+        gen.check_decode(steps=[9])
+    with pytest.raises(GenerateSpecError, match="tolerance="):
+        gen.check_decode(tolerance="loose")
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_beams=2), "num_beams=2"),
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(steps=[0, 9]), r"steps=\[0, 9\]: step 9 is outside the generation"),
+    (dict(steps=-1), "steps=-1: step -1 is negative"),
+    (dict(edit={(7, "model.layers.0:resid_post"): lambda x: x}), r"edit= key .*step 7 is outside"),
+    (dict(edit={}), "edit= takes a non-empty dict"),
+    (dict(prefill_chunk_size=2), "prefill_chunk_size=2"),
+])
+def test_bad_arguments_name_the_argument_and_leave_nothing_installed(kwargs, match):
+    model = testing.build("llama")
+    args = dict(GREEDY)
+    args.update({k: v for k, v in kwargs.items() if k in ("num_beams", "max_new_tokens", "prefill_chunk_size")})
+    rest = {k: v for k, v in kwargs.items() if k not in args}
+    with pytest.raises(GenerateSpecError, match=match):
+        tl.trace_generate(model, IDS, **args, **rest)
+    _nothing_installed(model)
+
+
+def test_a_model_without_generate_is_refused():
+    model = torch.nn.Linear(3, 3)
+    with pytest.raises(GenerateSpecError, match="model: Linear has no generate method"):
+        tl.trace_generate(model, torch.ones(1, 3))
+    _nothing_installed(model)
+
+
+def test_a_step_that_never_ran_is_refused_after_an_early_stop():
+    """An end-of-sequence token stops generation before max_new_tokens: a step named after it never ran."""
+    model = testing.build("llama")
+    plain = model.generate(IDS[:1], max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    eos = int(plain[0, IDS.shape[1] + 1])  # the second new token ends it: two forward calls
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    assert len(tl.trace_generate(model, IDS[:1], save="none", **kwargs).steps) == 2
+    with pytest.raises(GenerateSpecError, match=r"edit= key .*steps \[4\]: none of them ran: generation stopped after 2"):
+        tl.trace_generate(model, IDS[:1], edit={(4, "model.layers.0:resid_post"): lambda x: x}, **kwargs)
+    with pytest.raises(GenerateSpecError, match="steps=3: step 3 never ran"):
+        tl.trace_generate(model, IDS[:1], steps=3, **kwargs)
+    _nothing_installed(model)
+
+
+def test_generate_raising_in_a_step_propagates_with_a_note_and_leaves_nothing():
+    model = testing.build("llama")
+    calls = {"n": 0}
+
+    def fail_on_third(module, args, out):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("planted failure")
+        return None
+
+    h = model.model.layers[1].mlp.register_forward_hook(fail_on_third)
+    try:
+        with pytest.raises(RuntimeError, match="planted failure") as info:
+            tl.trace_generate(model, IDS, **GREEDY)
+    finally:
+        h.remove()
+    assert any(n.startswith("torchlens: raised") and "model.layers.1" in n for n in getattr(info.value, "__notes__", []))
+    _nothing_installed(model)
+    # and the model generates normally afterwards, with no capture open
+    assert torch.equal(tl.trace_generate(model, IDS, save="none", **GREEDY).sequences, model.generate(IDS, **GREEDY))
