@@ -351,7 +351,7 @@ def _check_z(g: Graph, pattern: FacetSite | None, v_ref: Any, z: FacetSite | Non
 
 def _before_cache(g: Graph, start: int, ref: Ref) -> Ref:
     """The tensor of this forward's positions on its way into a KV cache, where the path from the
-    projection (op `start`) to the kernel input `ref` joins cached keys to it (`_ops.CACHE_JOIN_OPS`:
+    projection (op `start`) to the kernel input `ref` joins cached keys to it (`_core.ops.CACHE_JOIN_OPS`:
     a concatenation, a write into a static cache's buffer); `ref` itself where it joins none.
 
     With a cache the kernel reads every cached position, but `rot_k`, like `k`, is a facet of the
