@@ -636,6 +636,70 @@ def run_model(name: str, modes: list[str], rounds: int, memory: bool, pypi_pytho
     return out
 
 
+# -- generation: trace_generate against model.generate ----------------------------------------
+
+#: The generation modes, in the order they run each round.
+GENERATION_MODES = ["generate", "gen_resid_post", "gen_all", "gen_none", "nnsight_generate"]
+GENERATION_LABELS = {
+    "generate": "model.generate (no_grad)",
+    "gen_resid_post": "TorchLens trace_generate save=['resid_post']",
+    "gen_all": "TorchLens trace_generate save='all'",
+    "gen_none": "TorchLens trace_generate save='none'",
+    "nnsight_generate": "nnsight generate, every block's output saved at every step",
+}
+
+
+def generation_modes(name: str, new_tokens: int) -> dict:
+    """Callables for the generation modes: greedy, `new_tokens` new tokens from the model's prompt
+    (nnsight wraps a copy of its own)."""
+    import torchlens as tl
+    from nnsight import LanguageModel
+    from torchlens import testing
+
+    model, ids = build(name)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  do_sample=False, pad_token_id=0)
+    engine = LanguageModel(build(name)[0], tokenizer=testing.tokenizer())
+    n_layer = model.config.n_layer
+
+    def nnsight_generate():
+        with engine.generate({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, **kwargs) as tracer:
+            saved = list().save()
+            for _ in tracer.iter[:new_tokens]:
+                saved.append([engine.transformer.h[i].output for i in range(n_layer)])
+        return saved
+
+    return {
+        "generate": lambda: model.generate(ids, **kwargs),
+        "gen_resid_post": lambda: tl.trace_generate(model, ids, save=["resid_post"], **kwargs),
+        "gen_all": lambda: tl.trace_generate(model, ids, save="all", **kwargs),
+        "gen_none": lambda: tl.trace_generate(model, ids, save="none", **kwargs),
+        "nnsight_generate": nnsight_generate,
+    }
+
+
+def generation_bench(name: str, new_tokens: int, rounds: int, modes: list[str] | None = None) -> dict:
+    """Time each generation mode in one process (interleaved rounds, median, paired ratio to
+    `model.generate`), then, for the TorchLens modes, the bytes each step's trace keeps: the
+    memory grows linearly in the steps (a decode step's pattern is one query row per new token)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", module="nnsight")
+    fns = generation_modes(name, new_tokens)
+    fns = {k: v for k, v in fns.items() if modes is None or k in modes or k == "generate"}
+    samples = time_modes(fns, rounds)
+    out = {"model": name, "new_tokens": new_tokens, "rounds": rounds, "modes": {}}
+    for mode, times in samples.items():
+        out["modes"][mode] = {"label": GENERATION_LABELS[mode], "median_s": statistics.median(times),
+                              "ratio": _paired_ratio(times, samples["generate"])}
+    for mode in ("gen_resid_post", "gen_all"):
+        if mode in fns:
+            with torch.no_grad():
+                gen = fns[mode]()
+            out["modes"][mode]["kept_bytes_per_step"] = [saved_bytes(t) for t in gen.steps]
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Benchmark TorchLens capture side by side.")
     parser.add_argument("--json", help="write the results here")
@@ -658,10 +722,23 @@ def main(argv=None) -> int:
     parser.add_argument("--settle", action="store_true",
                         help="collect garbage and malloc_trim before each timed call (a cold heap for every mode)")
     parser.add_argument("--modes", nargs="*", help="only these modes (a quick look; default: every mode of each model)")
+    parser.add_argument("--generation", metavar="MODEL",
+                        help="benchmark trace_generate on MODEL (e.g. L12-T128: GPT-2 small, a 128-token prompt) "
+                             "against model.generate and nnsight's generate, print the JSON and exit")
+    parser.add_argument("--new-tokens", type=int, default=32, help="new tokens per generation (default 32)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads[0])
     MMAP_THRESHOLD[0] = args.mmap_threshold
     SETTLE[0] = args.settle
+    if args.generation:
+        g = generation_bench(args.generation, args.new_tokens, args.rounds or 5,
+                             [m for m in args.modes] if args.modes else None)
+        g["machine"] = {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_at_start": _loadavg()}
+        print(json.dumps(g, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(g, f, indent=1)
+        return 0
     if args.profile:
         p = profile(args.profile, grad=args.profile_grad)
         print(format_profile(p))
