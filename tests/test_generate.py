@@ -255,6 +255,54 @@ def test_an_edit_at_every_step_and_one_at_a_named_step_equal_forward_hooks_insid
         gen.check_decode()
 
 
+def _full_prefix(model, gen, step, addresses):
+    """Ground truth for decode step `step`, outside TorchLens: one plain forward over the whole
+    prefix the step extends (prompt and tokens fed so far), no cache, with generate's mask and the
+    positions it implies; plain hooks on the blocks and `output_attentions` for the patterns."""
+    n = IDS.shape[1] + step
+    ids = gen.sequences[:, :n]
+    mask = torch.cat([MASK, torch.ones(MASK.shape[0], step, dtype=MASK.dtype)], dim=-1)
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    seen = testing.hooked_outputs(model, addresses, ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=pos, use_cache=False, output_attentions=True)
+    return seen, out.attentions
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
+def test_every_decode_steps_sites_equal_a_plain_full_forward_on_the_same_prefix(family):
+    """Each decode step's block outputs (its one new position) and attention pattern (its one row
+    over every key) equal a plain forward over the prefix without a cache, read by plain hooks and
+    `output_attentions`: the cached path is held against ground truth, not against TorchLens."""
+    model = testing.build(family)
+    gen = tl.trace_generate(model, IDS, save=["resid_post", "pattern"], **GREEDY)
+    blocks, attn = gen.steps[0].blocks, gen.steps[0].by_role("attention")
+    for step in range(1, len(gen.steps)):
+        seen, patterns = _full_prefix(model, gen, step, blocks)
+        for b in blocks:
+            torch.testing.assert_close(gen.steps[step][f"{b}:resid_post"], seen[b][:, -1:], atol=1e-5, rtol=1e-4)
+        for layer, a in enumerate(attn):
+            full = patterns[layer][:, :, -1:]  # the new token's row over the whole prefix
+            for row in range(IDS.shape[0]):  # a padded key gets no weight on either side
+                keep = torch.cat([MASK[row], torch.ones(step, dtype=MASK.dtype)]).bool()
+                mine = gen.steps[step][f"{a}:pattern"][row]
+                torch.testing.assert_close(mine[..., keep], full[row][..., keep], atol=1e-6, rtol=1e-5)
+                assert bool((mine[..., ~keep] == 0).all())
+    assert gen.check_decode().ok
+
+
+def test_a_planted_cache_bug_breaks_the_plain_full_forward_equality_too():
+    """The equality above can fail: with RoPE off by one at decode, the plain full forward on the
+    same prefix disagrees with the step, as the decode check says."""
+    model = cache_bugs.llama(cache_bugs.RotaryOffByOne)
+    gen = tl.trace_generate(model, IDS, save=["resid_post"], **GREEDY)
+    seen, _ = _full_prefix(model, gen, 1, ["model.layers.0"])
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):  # the tolerance the correct model passes
+        torch.testing.assert_close(gen.steps[1]["model.layers.0:resid_post"], seen["model.layers.0"][:, -1:],
+                                   atol=1e-5, rtol=1e-4)
+    assert 1 in gen.check_decode().failed_steps
+
+
 # -- the decode check --------------------------------------------------------------------------
 
 

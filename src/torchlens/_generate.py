@@ -42,18 +42,16 @@ from torch import Tensor, nn
 
 from torchlens._analysis.role_rules import Roles, parse_roles, static_roles
 from torchlens._analysis.selection import parse_save, plan_capture
-from torchlens._assemble import assemble, note_edited_refusals
 from torchlens._capture.accelerate import accelerate_hooks
 from torchlens._capture.compiled import CompiledRunsEagerly, compiled_module_class
 from torchlens._capture.recorder import Recorder
-from torchlens._capture.snapshot import snapshot
-from torchlens._capture.stores import DirectoryStore, apply_store, parse_store
+from torchlens._capture.stores import DirectoryStore, parse_store
 from torchlens._core.errors import GenerateSpecError, TorchLensError
-from torchlens._core.pending import seal_checks
 from torchlens._decode import DecodeReport, check_decode
 from torchlens._edits import plan_edits
 from torchlens._trace import Trace
 from torchlens._tracing import _annotate as annotate
+from torchlens._tracing import _finish as finish
 from torchlens._tracing import trace
 
 __all__ = ["GenerateSpecError", "GenerationTrace", "StepInfo", "trace_generate"]
@@ -510,23 +508,10 @@ class _Session:
         return None
 
     def _assemble(self, capture: _Capture, module, args, kwargs, output) -> Trace:
-        """The step's `Trace`, assembled as `torchlens.trace` assembles one."""
+        """The step's `Trace`, assembled as `torchlens.trace` assembles one (the same function)."""
         rec = capture.rec
-        if capture.edit_plan is not None:
-            capture.edit_plan.check_applied()
-        with rec.hidden(), capture.dispatch.weights():
-            if rec.spill is not None:
-                rec.write_spill()
-            overwritten = rec.check_versions()
-            roles = rec.roles
-            result = assemble(rec, self.model, self.names, self.aliases, roles, capture.plan, output, overwritten)
-            snapshot(rec, self.model, (args, kwargs, output))
-            if capture.edit_plan is not None:
-                result.edits = tuple(capture.edit_plan.records)
-                note_edited_refusals(result)
-            result = apply_store(result, capture.store)
-            seal_checks(result)
-        return result
+        return finish(rec, self.model, self.names, self.aliases, rec.roles, capture.plan, capture.edit_plan,
+                      capture.store, capture.dispatch, (args, kwargs, output))
 
 
 def _sequences(output: Any) -> Tensor:

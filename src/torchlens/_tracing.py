@@ -150,6 +150,27 @@ def trace(
     finally:
         for h in handles:
             h.remove()
+    return _finish(rec, model, names, aliases, roles, capture, plan, store_to, dispatch, (args, kwargs, output))
+
+
+def _finish(rec: Recorder, model: nn.Module, names: dict, aliases: dict, roles: Any, capture: Any, plan: Any,
+            store_to: Any, dispatch: Any, call: tuple) -> Trace:
+    """A recorded forward call's `Trace`: assembled, snapshotted, edits noted, stored, guarded and
+    sealed, in that order (`trace`, and each step of `trace_generate`).
+
+    Args:
+        rec: the recorder of the call, its mode exited.
+        model: the root module.
+        names: module -> address.
+        aliases: alias address -> address.
+        roles: the roles the recorder settled.
+        capture: the capture plan (`save=`).
+        plan: the edit plan, or None.
+        store_to: the parsed `store=`.
+        dispatch: what `accelerate_hooks` returned for the call.
+        call: `(args, kwargs, output)` of the call.
+    """
+    output = call[2]
     if plan is not None:
         plan.check_applied()
     # Inside an outer trace, deriving the facets is not part of the forward; an accelerate-dispatched
@@ -159,7 +180,7 @@ def trace(
             rec.write_spill()
         overwritten = rec.check_versions()
         result = assemble(rec, model, names, aliases, roles, capture, output, overwritten)
-        snapshot(rec, model, (args, kwargs, output))  # after assembly: only what the trace keeps is copied
+        snapshot(rec, model, call)  # after assembly: only what the trace keeps is copied
         if plan is not None:
             result.edits = tuple(plan.records)
             note_edited_refusals(result)
