@@ -382,12 +382,47 @@ def test_check_decode_refuses_steps_it_cannot_compare():
         gen.check_decode(tolerance="loose")
 
 
+def test_an_edit_that_raises_mid_generation_propagates_naming_the_step_and_leaves_nothing():
+    model = testing.build("llama")
+    def fail(x):
+        raise ZeroDivisionError("planted")
+
+    with pytest.raises(ZeroDivisionError, match="planted") as info:
+        tl.trace_generate(model, IDS, edit={(3, "model.layers.0:resid_post"): fail}, **GREEDY)
+    assert "step 3 (decode forward 3)" in info.value.__notes__[-1]
+    _nothing_installed(model)
+    with pytest.raises(tl.EditSpecError, match=r"shape \[3, 0, 32\], but the site is \[3, 1, 32\]") as info:
+        tl.trace_generate(model, IDS, edit={(4, "model.layers.0:resid_post"): lambda x: x[:, :0]}, **GREEDY)
+    assert "step 4 (decode forward 4)" in info.value.__notes__[-1]
+    _nothing_installed(model)
+
+
+def test_an_interrupt_inside_generate_leaves_nothing_installed():
+    """A `BaseException` (Ctrl-C) that module hooks do not see still closes the capture under way."""
+    model = testing.build("llama")
+
+    class Stop(transformers.StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            if input_ids.shape[-1] == IDS.shape[-1] + 2:
+                raise KeyboardInterrupt
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        tl.trace_generate(model, IDS, stopping_criteria=transformers.StoppingCriteriaList([Stop()]), **GREEDY)
+    assert "generate itself, between forward calls (2 steps done)" in info.value.__notes__[-1]
+    _nothing_installed(model)
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_beams=2), "num_beams=2"),
     (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(max_new_tokens=None, max_length=5), "max_length=5 leaves -1 new tokens after the 6-token prompt"),
+    (dict(steps="all"), r"steps='all': give a step number .* a range or a list"),
+    (dict(steps=[0, 1.5]), r"1.5 is not a step number"),
+    (dict(edit={"model.layers.0:resid_pots": lambda x: x}), r"no facet 'resid_pots'. Did you mean 'resid_post'"),
     (dict(steps=[0, 9]), r"steps=\[0, 9\]: step 9 is outside the generation"),
     (dict(steps=-1), "steps=-1: step -1 is negative"),
     (dict(edit={(7, "model.layers.0:resid_post"): lambda x: x}), r"edit= key .*step 7 is outside"),
@@ -397,10 +432,14 @@ def test_check_decode_refuses_steps_it_cannot_compare():
 def test_bad_arguments_name_the_argument_and_leave_nothing_installed(kwargs, match):
     model = testing.build("llama")
     args = dict(GREEDY)
-    args.update({k: v for k, v in kwargs.items() if k in ("num_beams", "max_new_tokens", "prefill_chunk_size")})
-    rest = {k: v for k, v in kwargs.items() if k not in args}
-    with pytest.raises(GenerateSpecError, match=match):
+    args.update({k: v for k, v in kwargs.items()
+                 if k in ("num_beams", "max_new_tokens", "max_length", "prefill_chunk_size")})
+    args = {k: v for k, v in args.items() if v is not None}
+    rest = {k: v for k, v in kwargs.items() if k not in args and k not in ("max_new_tokens", "max_length")}
+    with pytest.raises(tl.TorchLensError, match=match) as info:
         tl.trace_generate(model, IDS, **args, **rest)
+    if "edit" in rest and not isinstance(info.value, GenerateSpecError):  # raised in a step's locating pass
+        assert "torchlens: trace_generate raised in locating the edit= keys of step 0" in info.value.__notes__[-1]
     _nothing_installed(model)
 
 
@@ -441,7 +480,9 @@ def test_generate_raising_in_a_step_propagates_with_a_note_and_leaves_nothing():
             tl.trace_generate(model, IDS, **GREEDY)
     finally:
         h.remove()
-    assert any(n.startswith("torchlens: raised") and "model.layers.1" in n for n in getattr(info.value, "__notes__", []))
+    notes = getattr(info.value, "__notes__", [])
+    assert any(n.startswith("torchlens: raised") and "model.layers.1" in n for n in notes)
+    assert "torchlens: trace_generate raised in step 2 (decode forward 2)" in notes[-1]  # the third forward
     _nothing_installed(model)
     # and the model generates normally afterwards, with no capture open
     assert torch.equal(tl.trace_generate(model, IDS, save="none", **GREEDY).sequences, model.generate(IDS, **GREEDY))

@@ -207,8 +207,9 @@ def _check_settings(model: nn.Module, kwargs: dict, prompt_length: int | None) -
     if n is not None and n <= 0:
         which = "max_new_tokens" if _setting(model, kwargs, "max_new_tokens") is not None else "max_length"
         raise GenerateSpecError(
-            f"{which}={_setting(model, kwargs, which)!r} leaves {n} new tokens: trace_generate needs at least one "
-            f"forward call to trace. Give max_new_tokens=1 or more.")
+            f"{which}={_setting(model, kwargs, which)!r} leaves {n} new tokens"
+            + (f" after the {prompt_length}-token prompt" if which == "max_length" else "")
+            + ": trace_generate needs at least one forward call to trace. Give max_new_tokens=1 or more.")
     return n
 
 
@@ -353,6 +354,7 @@ class _Session:
         self.info: list[StepInfo] = []
         self.applied: dict[int, tuple] = {}
         self.handles: list[Any] = []
+        self.where: str | None = None  # the part of a step under way, for an error's note
 
     # -- installing --------------------------------------------------------------------------
 
@@ -404,7 +406,9 @@ class _Session:
         step = len(self.steps)
         keep = self.keep_steps is None or step in self.keep_steps
         wanted = self._edits_at(step)
+        self.where = f"locating the edit= keys of step {step}"
         edit_plan = self._locate(args, kwargs, wanted) if wanted else None
+        self.where = f"step {step} ({'the prefill' if step == 0 else f'decode forward {step}'})"
         store = self.store
         if isinstance(store, DirectoryStore):  # one directory per step
             store = DirectoryStore(os.path.join(store.path, f"step-{step:04d}"))
@@ -505,6 +509,7 @@ class _Session:
         self.capture = None
         capture.exit()
         self.steps.append(self._assemble(capture, module, args, kwargs, output))
+        self.where = None
         return None
 
     def _assemble(self, capture: _Capture, module, args, kwargs, output) -> Trace:
@@ -619,6 +624,9 @@ def trace_generate(model: nn.Module, input_ids: Tensor | None = None, *, save: A
         output = model.generate(*args, **generate_kwargs)
     except BaseException as exc:
         session.remove(exc)
+        if hasattr(exc, "add_note"):
+            where = session.where or f"generate itself, between forward calls ({len(session.steps)} steps done)"
+            exc.add_note(f"torchlens: trace_generate raised in {where}; every hook it installed is removed")
         raise
     session.remove()
     ran = len(session.steps)
