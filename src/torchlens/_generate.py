@@ -33,7 +33,7 @@ import copy
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,11 +133,11 @@ class GenerationTrace:
                 f"{len(self.steps)} steps (prefill + {len(self.steps) - 1} decode), {kept} keep tensors, "
                 f"sequences {list(self.sequences.shape)})")
 
-    def check_decode(self, steps: Any = None, *, tolerance: str | None = "auto", atol: float | None = None,
-                     rtol: float | None = None, explain: bool = True) -> DecodeReport:
+    def check_decode(self, steps: int | range | Sequence[int] | None = None, *, tolerance: str | None = "auto",
+                     atol: float | None = None, rtol: float | None = None, explain: bool = True) -> DecodeReport:
         """Rerun each decode step as a full forward without the cache and compare every saved site.
 
-        See `torchlens._decode.check_decode`: for decode step `i`, the model is run once more on
+        For decode step `i`, the model is run once more on
         every token fed so far (the prompt and the tokens fed at steps `1..i`), with the step's
         attention mask, the position ids that mask implies (`cumsum - 1`, as `generate` derives
         them) and `use_cache=False`; each site the step saved is compared with the rerun's site at
@@ -528,8 +528,17 @@ def _sequences(output: Any) -> Tensor:
     return seq
 
 
-def trace_generate(model: nn.Module, input_ids: Tensor | None = None, *, save: Any = "all", edit: Any = None,
-                   steps: Any = None, roles: Any = None, store: Any = None, **generate_kwargs: Any) -> GenerationTrace:
+def trace_generate(
+    model: nn.Module,
+    input_ids: Tensor | None = None,
+    *,
+    save: str | Sequence[str] | Callable[[str, str], bool] = "all",
+    edit: Mapping[str | tuple, Callable[[Tensor], Tensor] | Tensor] | None = None,
+    steps: int | range | Sequence[int] | None = None,
+    roles: Mapping[str, str] | None = None,
+    store: str | os.PathLike | None = None,
+    **generate_kwargs: Any,
+) -> GenerationTrace:
     """Run `model.generate(input_ids, **generate_kwargs)` once, every forward call it makes traced.
 
     The model's own `generate` runs, unchanged: greedy decoding, or sampling (`do_sample=True`)
