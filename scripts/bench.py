@@ -653,13 +653,13 @@ def generation_modes(name: str, new_tokens: int) -> dict:
     """Callables for the generation modes: greedy, `new_tokens` new tokens from the model's prompt
     (nnsight wraps a copy of its own)."""
     import torchlens as tl
-    from nnsight import LanguageModel
+    from nnsight import TransformersModel
     from torchlens import testing
 
     model, ids = build(name)
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                   do_sample=False, pad_token_id=0)
-    engine = LanguageModel(build(name)[0], tokenizer=testing.tokenizer())
+    engine = TransformersModel(build(name)[0], task="text-generation", tokenizer=testing.tokenizer())
     n_layer = model.config.n_layer
 
     def nnsight_generate():

@@ -28,6 +28,10 @@ PAGE = ROOT / "docs" / "performance.md"
 ASSETS = ROOT / "docs" / "assets"
 RUN = ASSETS / "performance-run.json"
 PROFILE = ASSETS / "performance-profile.json"
+#: A `bench.py --generation MODEL --json ...` run: trace_generate against model.generate and nnsight.
+GENERATION = ASSETS / "performance-generation.json"
+#: The issue's targets for trace_generate, as ratios to model.generate.
+GENERATION_TARGETS = {"gen_resid_post": 1.2, "gen_all": 1.5}
 
 #: Text after this line in docs/performance.md is written by hand and kept when the page is regenerated.
 APPENDED = "<!-- hand-written below: kept by gen_perf_page.py -->"
@@ -551,6 +555,54 @@ def _pypi_checked(model: dict) -> dict:
     return {**model, "modes": modes}
 
 
+def _size(b: float) -> str:
+    return f"{b / 1024:.1f} KiB" if b < MiB else f"{_mib(b)} MiB"
+
+
+def generation_section(gen: dict) -> str:
+    """The Generation section: each mode's median and ratio to `model.generate`, the targets, and
+    the bytes each step's trace keeps (prefill, first and last decode step, their growth per step)."""
+    m = gen["machine"]
+    lines = [
+        "## Generation",
+        "",
+        f"`tl.trace_generate` on {_title(gen['model'], _spec(gen['model']))}: greedy, {gen['new_tokens']} new tokens "
+        f"(one prefill and {gen['new_tokens'] - 1} decode forwards), {gen['rounds']} interleaved rounds in one process "
+        f"(`python scripts/bench.py --generation {gen['model']} --new-tokens {gen['new_tokens']}`), "
+        f"{m['cpus']} CPU cores, {m['torch_threads']} torch thread(s), load average {m['load_at_start'][0]:.2f} at "
+        "the start. Ratios are paired per round, to `model.generate` under `no_grad`.",
+        "",
+        "| Mode | Median | × generate | Target | Kept: prefill | Kept: step 1 | Kept: last step | Growth per step |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for mode, row in gen["modes"].items():
+        target = GENERATION_TARGETS.get(mode)
+        met = "" if target is None else f"≤ {target:g}× ({'met' if row['ratio'] <= target else 'not met'})"
+        kept = row.get("kept_bytes_per_step")
+        cells = ["", "", "", ""]
+        if kept:
+            growth = (kept[-1] - kept[1]) / (len(kept) - 2) if len(kept) > 2 else 0.0
+            cells = [_size(kept[0]), _size(kept[1]), _size(kept[-1]), f"{growth / 1024:.1f} KiB"]
+        lines.append(f"| {row['label']} | {_fmt_time(row['median_s'])} | {row['ratio']:.2f}× | {met} | "
+                     + " | ".join(cells) + " |")
+    nn = gen["modes"].get("nnsight_generate")
+    lines += [
+        "",
+        "A decode step keeps one position per row. What it keeps grows from one step to the next only by",
+        "the keys it read: the attention pattern's one row per new token and the joined keys and values,",
+        "one position longer each step (the growth column), so `n` kept steps hold `n` times step 1's",
+        "bytes plus that growth times about `n²/2`.",
+    ]
+    if nn is not None and nn["ratio"] < 1:
+        lines += [
+            "",
+            f"At this load the timings are noisy: nnsight's generate, which runs the same forwards with its own",
+            f"hooks added, measured {nn['ratio']:.2f}× `model.generate`.",
+        ]
+    lines.append("")
+    return "\n".join(lines)
+
+
 def outputs(run: dict, profile: dict | None) -> dict[Path, str]:
     run = dict(run)  # a run cut short lists models it never measured: leave those out, and say so
     planned = [n for key in ("table", "token_sweep", "layer_sweep") for n in run.get(key, [])]
@@ -561,6 +613,8 @@ def outputs(run: dict, profile: dict | None) -> dict[Path, str]:
     charts = {"performance.svg": bar_chart(run), **sweep_charts(run)}
     out = {ASSETS / name: text for name, text in charts.items()}
     page = render(run, profile, list(charts))
+    if GENERATION.exists():
+        page += "\n" + generation_section(json.loads(GENERATION.read_text()))
     if PAGE.exists():  # a hand-written section appended after the marker is kept as it is
         old = PAGE.read_text(encoding="utf-8")
         if APPENDED in old:
@@ -573,10 +627,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", help="a bench.py --json result to copy into the docs and render")
     parser.add_argument("--profile", help="a bench.py --profile --json result to copy and render")
+    parser.add_argument("--generation", help="a bench.py --generation --json result to copy and render")
     parser.add_argument("--check", action="store_true", help="report stale files instead of writing them")
     args = parser.parse_args(argv)
-    if args.check and (args.run or args.profile):
-        parser.error("--check renders the committed data; it takes no --run/--profile")
+    if args.check and (args.run or args.profile or args.generation):
+        parser.error("--check renders the committed data; it takes no --run/--profile/--generation")
+    if args.generation:
+        shutil.copyfile(args.generation, GENERATION)
     if args.run:
         shutil.copyfile(args.run, RUN)
     if args.profile:
