@@ -336,6 +336,8 @@ def test_rope_rotated_one_position_too_far_at_decode_is_found_and_explained():
     assert verdict.first.site == "model.rotary_emb:output"
     assert "position ids are off by +1" in verdict.explanation
     assert verdict.candidates[0].matches and "+1" in verdict.candidates[0].relation
+    held = verdict.candidates[0]
+    assert (held.factor, held.module_address, held.facet) == (None, "model.rotary_emb", "output")
 
 
 def test_a_cache_read_before_its_update_is_found_and_explained():
@@ -346,6 +348,8 @@ def test_a_cache_read_before_its_update_is_found_and_explained():
     assert report.steps[1].first.site == "model.layers.0.self_attn:scores"
     assert "read the cache before writing this step's keys" in report.steps[1].explanation
     assert "own key position(s) 6" in report.steps[1].explanation  # the prefix is 7 long at step 1
+    held = next(c for c in report.steps[1].candidates if c.matches)
+    assert (held.factor, held.module_address, held.facet) == (None, "model.layers.0.self_attn", "scores")
 
 
 def test_a_sliding_window_applied_on_the_prefill_only_is_found_and_explained():
@@ -365,6 +369,8 @@ def test_a_padded_rows_cache_not_masked_is_found_and_explained():
     text = report.steps[1].explanation
     assert "a padded row's cache is not masked" in text and "row(s) 0, 1" in text
     assert "key position(s) 0, 1, 2" in text
+    held = next(c for c in report.steps[1].candidates if c.matches)
+    assert (held.factor, held.module_address, held.facet) == (None, "model.layers.0.self_attn", "pattern")
 
 
 def test_the_decode_tolerance_factor_is_compares():

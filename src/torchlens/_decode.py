@@ -409,23 +409,23 @@ def _key_hypotheses(gen: GenerationTrace, step: int, step_trace: Trace, full: Tr
                         f"{mass:.3g}) to key position(s) {_positions(pad)}, which the attention mask marks as padding "
                         f"and the full forward masks: a padded row's cache is not masked at decode")
                 out.append(Candidate(site, "keys the full forward masks: padding of a row (the attention mask's 0s)",
-                                     mass, mass, True, r.module_address, "pattern"))
+                                     mass, mass, True, module_address=r.module_address, facet="pattern"))
                 return text, out
             if window and all(c < prefix - int(window) for c in cols if c < kr):
                 text = (f"the step attends to key position(s) {_positions(cols)}, older than the model's sliding window "
                         f"of {window} (the full forward gives them no weight; up to {mass:.3g} here): the sliding window "
                         f"is not applied at decode (a window applied on the prefill only)")
                 out.append(Candidate(site, f"keys outside the sliding window of {window}", mass, mass, True,
-                                     r.module_address, "pattern"))
+                                     module_address=r.module_address, facet="pattern"))
                 return text, out
             if kd > kr and all(c >= kr for c in cols):
                 text = (f"the step gives weight (up to {mass:.3g}) to slot(s) {_positions(cols)} of its cache buffer, past "
                         f"the {kr} positions of the prefix: the unused slots of a static cache are not masked")
-                out.append(Candidate(site, "unused slots of a static cache", mass, mass, True, r.module_address,
-                                     "pattern"))
+                out.append(Candidate(site, "unused slots of a static cache", mass, mass, True, module_address=r.module_address,
+                                     facet="pattern"))
                 return text, out
             out.append(Candidate(site, f"keys the full forward masks (positions {_positions(cols)})", mass, mass,
-                                 False, r.module_address, "pattern"))
+                                 False, module_address=r.module_address, facet="pattern"))
         own = set(range(prefix - new, prefix))
         if bool(missing.any()):
             cols = sorted({int(c) for c in missing.nonzero()[:, -1].tolist()})
@@ -434,10 +434,10 @@ def _key_hypotheses(gen: GenerationTrace, step: int, step_trace: Trace, full: Tr
                 text = (f"the step does not attend to its own key(s) (position(s) {_positions(cols)}; the full forward "
                         f"gives them weight up to {mass:.3g}): it read the cache before writing this step's keys into it")
                 out.append(Candidate(site, "the step's own keys missing from the keys it read", mass, mass, True,
-                                     r.module_address, "pattern"))
+                                     module_address=r.module_address, facet="pattern"))
                 return text, out
             out.append(Candidate(site, f"keys the step did not attend to (positions {_positions(cols)})", mass, mass,
-                                 False, r.module_address, "pattern"))
+                                 False, module_address=r.module_address, facet="pattern"))
         # scores that differ only in the step's own key columns: a stale slot read before the write
         try:
             sd = step_trace.modules[r.module_address].calls[r.call].facets["scores"].detach().cpu()
@@ -455,7 +455,7 @@ def _key_hypotheses(gen: GenerationTrace, step: int, step_trace: Trace, full: Tr
                         f"{err:.3g}; every cached key scores as in the full forward): the key it attended to there is not "
                         f"the one it computed: it read the cache before writing this step's keys into it (a stale slot)")
                 out.append(Candidate(f"{r.module_address}:scores", "only the step's own keys scored differently", err,
-                                     err, True, r.module_address, "scores"))
+                                     err, True, module_address=r.module_address, facet="scores"))
                 return text, out
         break  # the first attention call that differs decides
     return "", out
@@ -476,7 +476,8 @@ def _shift_hypotheses(gen: GenerationTrace, step: int, step_trace: Trace, wanted
         at_first = next((r for r in rows if r.site == first.site), None)
         err = at_first.max_abs_error if at_first is not None and at_first.max_abs_error is not None else float("inf")
         relation = f"a full forward with the positions computed at decode steps shifted by {shift:+d}"
-        out.append(Candidate(first.site, relation, err, err, not failed, first.module_address, first.facet))
+        out.append(Candidate(first.site, relation, err, err, not failed,
+                                  module_address=first.module_address, facet=first.facet))
         if not failed:
             what = "RoPE rotates" if any(f in ("rot_q", "rot_k") for _, f in wanted) else "the positions are"
             text = (f"every site of the step equals a full forward whose decode positions are shifted by {shift:+d}: the "

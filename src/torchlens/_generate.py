@@ -285,11 +285,12 @@ class _Capture:
         self.store = store
         self.edit_plan = edit_plan
         self.stack = contextlib.ExitStack()
-        self.dispatch = None
+        self.dispatch: Any = None  # what accelerate_hooks returned, once entered
         self.depth = 0
-        self.top = None  # the module whose call closes the capture
+        self.top: nn.Module | None = None  # the module whose call closes the capture
         self.active = False  # the recorder's mode is on
-        self.kind = "step"
+        self.kind = "step"  # "encoder" from an encoder's call to the decoder's first forward
+        self.keep = True  # the step keeps tensors (steps=)
 
     def enter(self) -> None:
         try:
