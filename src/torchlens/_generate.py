@@ -367,7 +367,7 @@ class _Session:
                                                                        prepend=True))
         for m in self.names:
             self.handles.append(m.register_forward_pre_hook(self.pre_hook, with_kwargs=True))
-            self.handles.append(m.register_forward_hook(self.post_hook, with_kwargs=True, always_call=True))
+            self.handles.append(m.register_forward_hook(self.post_hook, always_call=True))
         self.handles.append(model.register_forward_hook(self.close_root, with_kwargs=True, always_call=True))
         if self.encoder is not None:
             self.handles.append(self.encoder.register_forward_hook(self.close_encoder, with_kwargs=True,
