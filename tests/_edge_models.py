@@ -154,6 +154,7 @@ CONFIGS: dict[str, tuple[Callable[[], Any], Callable[[], type]]] = {
     "granitemoe": (lambda: tf.GraniteMoeConfig(**_LL, residual_multiplier=0.3, num_local_experts=2,
                                                num_experts_per_tok=1, experts_implementation="eager"),
                    lambda: tf.GraniteMoeForCausalLM),  # eager experts: grouped_mm has no float64
+    "helium": (lambda: tf.HeliumConfig(**_LL, head_dim=8), lambda: tf.HeliumForCausalLM),  # diagnosis: GQA + RoPE
     "mvp": (lambda: tf.MvpConfig(**_SEQ2SEQ), lambda: tf.MvpForConditionalGeneration),  # positions: arange + 2
     "olmo3": (lambda: tf.Olmo3Config(**_LL, layer_types=["full_attention"] * 2),  # its RMSNorm casts to float32
               lambda: tf.Olmo3ForCausalLM),
