@@ -149,9 +149,22 @@ CONFIGS: dict[str, tuple[Callable[[], Any], Callable[[], type]]] = {
     "mistral": (lambda: tf.MistralConfig(**_LL, sliding_window=None), lambda: tf.MistralForCausalLM),
     "exaone4": (lambda: tf.Exaone4Config(**_LL, head_dim=8, sliding_window=None, layer_types=["full_attention"] * 2),
                 lambda: tf.Exaone4ForCausalLM),
+    # further architectures of the kinds above, each used by one more parametrized case
+    "marian": (lambda: tf.MarianConfig(**_SEQ2SEQ), lambda: tf.MarianMTModel),  # decoder: self + cross attention
+    "granitemoe": (lambda: tf.GraniteMoeConfig(**_LL, residual_multiplier=0.3, num_local_experts=2,
+                                               num_experts_per_tok=1, experts_implementation="eager"),
+                   lambda: tf.GraniteMoeForCausalLM),  # eager experts: grouped_mm has no float64
+    "helium": (lambda: tf.HeliumConfig(**_LL, head_dim=8), lambda: tf.HeliumForCausalLM),  # diagnosis: GQA + RoPE
+    "deepseek_v2": (lambda: tf.DeepseekV2Config(  # multi-head latent attention, as DeepSeek-V3's
+        **{**_LL, "num_key_value_heads": 4}, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, n_shared_experts=1), lambda: tf.DeepseekV2ForCausalLM),
+    "mvp": (lambda: tf.MvpConfig(**_SEQ2SEQ), lambda: tf.MvpForConditionalGeneration),  # positions: arange + 2
+    "olmo3": (lambda: tf.Olmo3Config(**_LL, layer_types=["full_attention"] * 2),  # its RMSNorm casts to float32
+              lambda: tf.Olmo3ForCausalLM),
 }
 
-_SEQ2SEQ_NAMES = ("mbart", "pegasus", "m2m100", "blenderbot", "plbart")
+_SEQ2SEQ_NAMES = ("mbart", "pegasus", "m2m100", "blenderbot", "plbart", "marian", "mvp")
 
 
 @functools.lru_cache(maxsize=None)

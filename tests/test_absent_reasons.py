@@ -103,6 +103,8 @@ CASES = {
     "gpt_bigcode": ("3.x", "transformer.h.0.attn", _bigcode, None, ("q", "k", "v")),
     "modernbert": ("3.x", "model.layers.0.attn", _modernbert, "model.rotary_emb", ("q", "k", "v", "rot_q")),
     "deberta_v2": ("3.x", "deberta.encoder.layer.0.attention.self", _deberta, None, ("v", "z")),
+    # DeepSeek-V2 (no other test): the same multi-head latent attention as DeepSeek-V3
+    "deepseek_v2": ("3.x", "model.layers.0.self_attn", _mla, "model.rotary_emb", ("k", "v", "rot_k")),
 }
 PARAMS = [(arch, facet) for arch, case in CASES.items() for facet in case[4]]
 

@@ -33,7 +33,7 @@ import torchlens.mechinterp as mi
 from torchlens import testing
 
 IDS = testing.token_ids()
-FAMILIES = ("qwen3", "phi3", "mistral", "exaone4")
+FAMILIES = ("qwen3", "phi3", "mistral", "exaone4", "helium")  # Helium: used by no other test
 
 
 def _build(family: str) -> torch.nn.Module:

@@ -32,6 +32,8 @@ EMBEDDINGS = {
               ("model.decoder.embed_tokens", "decoder_input_ids")),
     "plbart": (("model.encoder.embed_positions", "rows"), ("model.decoder.embed_positions", "rows")),
     "biogpt": (("biogpt.embed_positions", "rows"), ("biogpt.embed_tokens", "input_ids")),
+    # MVP (no other test): its position embedding is given the token ids and looks up arange(T) + 2
+    "mvp": (("model.encoder.embed_positions", "rows"), ("model.decoder.embed_positions", "rows")),
 }
 CASES = [(a, addr, src) for a, rows in EMBEDDINGS.items() for addr, src in rows]
 

@@ -42,6 +42,10 @@ ARCHS = {
     "blenderbot": (("model.encoder.layers.{L}", "model.decoder.layers.{L}"), lambda cfg: 1.0),
     "granite": (("model.layers.{L}",), lambda cfg: cfg.residual_multiplier),
     "minicpm3": (("model.layers.{L}",), lambda cfg: cfg.scale_depth / math.sqrt(cfg.num_hidden_layers)),
+    # further cases of the same kinds, used by no other test: Marian (decoder with cross-attention),
+    # GraniteMoE (residual_multiplier on an MoE block)
+    "marian": (("model.encoder.layers.{L}", "model.decoder.layers.{L}"), lambda cfg: 1.0),
+    "granitemoe": (("model.layers.{L}",), lambda cfg: cfg.residual_multiplier),
 }
 HALF = (torch.bfloat16, torch.float16)
 ALL = (torch.float32,) + HALF
@@ -122,7 +126,8 @@ def test_a_served_resid_mid_is_a_residual_between_attention_and_mlp(arch, dtype)
 
 #: arch -> the address of one RMSNorm that casts its input to float32 before normalizing (a
 #: float64 model computes it in float32): Gemma-2 (in the families) and Gemma-3n (no other test).
-NORMS = {"gemma2": "model.layers.0.input_layernorm", "gemma3n": "model.layers.0.input_layernorm"}
+NORMS = {"gemma2": "model.layers.0.input_layernorm", "gemma3n": "model.layers.0.input_layernorm",
+         "olmo3": "model.layers.0.self_attn.q_norm"}  # OLMo-3 (no other test): every RMSNorm casts to float32
 NORM_FACETS = ("normalized", "scale", "inv_rms")
 
 
@@ -154,7 +159,8 @@ def test_norm_facets_verdict_does_not_depend_on_dtype(arch):
     model, args, kwargs, trace = _norm_trace(arch, torch.float64)
     norm = NORMS[arch]
     x = em.hooked_inputs(model, [norm], *args, **kwargs)[norm].double()
-    eps = model.get_submodule(norm).eps
+    module = model.get_submodule(norm)
+    eps = module.eps if hasattr(module, "eps") else module.variance_epsilon  # OLMo-3 names it variance_epsilon
     truth = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     got = trace.modules[norm].calls[0].facets.sites["normalized"].tensor.double()
     assert float((got - truth).abs().max()) <= 8 * torch.finfo(torch.float32).eps * float(truth.abs().max())

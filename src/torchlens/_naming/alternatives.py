@@ -38,12 +38,14 @@ def roundings(found, expected, e, norm_e, engine_dtype, pool, shape, vis):
             name = str(dt)[6:]
             eps = torch.finfo(dt).eps
             ee, rr = (e, r) if vis is None else (e[vis], r[vis])
-            if bool(((ee - rr).abs() <= eps * rr.abs() + 1e-30).all()):
+            # Finite values only: |x - inf| <= eps * inf holds for an infinite entry (a masked score).
+            if math.isfinite(err) and bool(torch.isfinite(rr).all()) and bool(
+                    ((ee - rr).abs() <= eps * rr.abs() + 1e-30).all()):
                 found.append(Found(f.entry, f.label, f.accepted, f.steps, err, mx, True,
                                     extra=f"rounded to {name}: the values agree at {name} precision "
                                     "(compare with tolerance='auto' or loosen atol/rtol)"))
                 return
-            if engine_dtype == dt and f.error < 4 * eps:
+            if engine_dtype == dt and f.error < 4 * eps and math.isfinite(f.max_abs):
                 found.append(Found(f.entry, f.label, f.accepted, f.steps, f.error, f.max_abs, True,
                                     extra=f"computed in {name}: differences at {name} precision "
                                     "(compare with tolerance='auto' or loosen atol/rtol)"))

@@ -193,7 +193,9 @@ def diagnose(
             f.relation = f.extra if f.relation in ("", SAME) else f"{f.relation}; {f.extra}"
         if "{site}" in f.relation:
             f.relation = f.relation.replace("{site}", label_of(pool, expected, generation))
-        f.rank = _rank(f, named)
+        if not (math.isfinite(f.error) and math.isfinite(f.max_abs)):
+            f.matches = False  # an infinite or NaN difference explains nothing
+        f.rank = _rank(f, named, expected, pool)
     # Matches by how much the relation says, then by error; the rest by error alone.
     found.sort(key=lambda f: (not f.matches, f.rank if f.matches else (0, 0), f.error, f.rank,
                               f.entry.order if f.entry else -1))
@@ -224,13 +226,21 @@ def _same_value(pool: Pool, a: Entry, b: Entry | None) -> bool:
     return through(pool.trace, a.op) == through(pool.trace, b.op)
 
 
-def _rank(f: Found, named: dict) -> tuple[int, int]:
-    """(how specific the relation is, how the site is named): lower is better."""
+def _rank(f: Found, named: dict, expected: Entry | None = None, pool: Pool | None = None) -> tuple[int, int]:
+    """(how specific the relation is, how the site is named): lower is better.
+
+    A match that only guesses a layout (axes swapped, heads flattened) of another tensor than
+    the site's own ranks last among matches: an exact match as is, above all on another named
+    site (v handed as `hook_k` equals `hook_v`), says more than an axis swap of some op does.
+    """
     r = f.relation
     if f.entry is None and f.matches:
         return -1, 0  # the engine's own tuple, or a derived pattern: says most
     if not f.matches:
         quality = 0
+    elif (not f.accepted and r == f.label and f.factor is None and not f.extra and f.other is None
+          and not (pool is not None and _same_value(pool, f.entry, expected))):
+        quality = 3
     elif not r or r == SAME:
         quality = 2
     elif " op" in r and ("before the site" in r or "after the site" in r):

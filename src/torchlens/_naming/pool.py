@@ -292,7 +292,10 @@ def relation(pool: Pool, expected: Entry | None, cand: Entry, label: str, accept
             words.append("the residual is included" if residual(pool, others) else "the site plus another tensor")
         elif c_src in add_operands(trace, ex_op):
             others = [o for o in add_operands(trace, ex_op) if o != c_src]
-            words.append("the residual is missing" if residual(pool, others) else "the site minus another tensor")
+            if expected.facet == "scores" and any(_is_mask(trace, o) for o in others):
+                words.append("before the attention mask: the scores without the mask added (the site adds it)")
+            else:
+                words.append("the residual is missing" if residual(pool, others) else "the site minus another tensor")
         else:  # one of the two is computed from the other: say which way, and through which ops
             for src, dst, side, softcap in (
                 (c_src, ex_src, "before", "before the softcap: the softcap (tanh) is dropped"),
@@ -301,12 +304,29 @@ def relation(pool: Pool, expected: Entry | None, cand: Entry, label: str, accept
                 path = op_path(trace, src, dst)
                 if path is not None:
                     names = [trace.ops[i].name for i in path]
+                    rope = (side == "before" and expected.facet in ("rot_q", "rot_k") and cand.module is not None
+                            and expected.module is not None and cand.module.startswith(expected.module)
+                            and not set(names) & _NORM_MATH)
                     words.append(softcap if "tanh" in names else
-                                 f"{len(path)} op{'s' if len(path) > 1 else ''} {side} the site ({' → '.join(names)})")
+                                 ("before RoPE: " if rope else "")
+                                 + f"{len(path)} op{'s' if len(path) > 1 else ''} {side} the site ({' → '.join(names)})")
                     break
     if layout:
         words.append(layout)
     return "; ".join(words)
+
+
+#: Ops that normalize (a norm written out): a path holding one is not RoPE alone.
+_NORM_MATH = frozenset({"rsqrt", "pow", "mean", "var", "layer_norm", "rms_norm", "group_norm", "norm", "sqrt"})
+
+
+def _is_mask(trace: Trace, index: int) -> bool:
+    """Whether op `index`'s saved output is an attention mask: it holds -inf or the dtype's most
+    negative values (what a masked position adds to the scores)."""
+    t = trace.ops[index].tensors[0] if trace.ops[index].tensors else None
+    if t is None or not t.is_floating_point() or not t.numel():
+        return False
+    return bool((t <= torch.finfo(t.dtype).min / 2).any())
 
 
 def residual(pool: Pool, ops: list[int]) -> bool:

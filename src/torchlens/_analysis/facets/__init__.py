@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from torchlens._analysis.graph import Graph
@@ -132,12 +133,38 @@ def _root_facets(g: Graph, root: ModuleCall, calls: list[ModuleCall], structure:
 
 
 def _embedding_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
-    """`indices` (the token ids the embedding read) and `lookup` (its embedding op's output)."""
-    indices = make_site(g, "indices", io_ref(g, call, "in"), note="token ids")
-    if indices is None:  # no tensor input (the call's `input` site is missing too)
-        return {}
-    sites = {"indices": indices}
+    """`indices` (the indices the embedding looked up) and `lookup` (its embedding op's output).
+
+    `indices` is the index tensor of the module's `embedding` op, not the module's first
+    argument: a learned position embedding that makes its positions itself (MBart's, BioGPT's:
+    `arange(T) + offset`) is called with something else first (the embeddings, "just for the
+    shape", or the attention mask). Where the lookup read a model input, that input is the
+    module's (the call's `input`), served when it is that tensor's shape. Only an integer tensor
+    is served; otherwise `indices` is refused, with what the module was given.
+    """
     lookup = next((op for op in g.ops[call.first_op : call.end_op] if op.name == "embedding"), None)
+    x_ref = io_ref(g, call, "in")
+    if lookup is None:
+        if g.meta(x_ref) is None:  # no tensor input (the call's `input` site is missing too)
+            return {}
+        ref, note = x_ref, "the module's input (it ran no embedding op)"
+    else:
+        ref, note = (lookup.inputs[0] if lookup.inputs else None), "the index tensor of the embedding op"
+        if ref is None:  # a tensor from outside the forward: the module's own input, if it is that tensor
+            xm = g.meta(x_ref)
+            ref = x_ref if xm is not None and tuple(xm[0]) == tuple(lookup.shape[:-1]) else None
+            note = "the index tensor of the embedding op (the module's input)"
+    sites: dict[str, FacetSite] = {}
+    m = g.meta(ref)
+    if m is not None and not m[1].is_floating_point and not m[1].is_complex and m[1] != torch.bool:
+        site = make_site(g, "indices", ref, note=note)
+        if site is not None:
+            sites["indices"] = site
+    elif g.meta(x_ref) is not None:
+        xm = g.meta(x_ref)
+        sites["indices"] = FacetSite("indices", "refused", xm[0], xm[1], note=(
+            f"the indices the lookup read were not found as an integer tensor (the module was given a "
+            f"{str(xm[1]).replace('torch.', '')} tensor first, which is not what it looked up)"))
     if lookup is not None:
         sites["lookup"] = make_site(g, "lookup", Ref(lookup.index, 0), note="the embedding lookup op")
     return sites

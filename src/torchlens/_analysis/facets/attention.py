@@ -135,7 +135,8 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
             z_op = next((c for c in nxt if g.ops[c].name in _ops.MATMUL_OPS), None)
             if z_op is not None:
                 break
-            frontier = [c for c in nxt if g.ops[c].name in _ops.PASS_THROUGH_OPS]
+            # through dropout, and a reshape merging batch and heads (DeBERTa's bmm over [b * h, q, k])
+            frontier = [c for c in nxt if g.ops[c].name in _ops.PASS_THROUGH_OPS | _ops.RESHAPE_OPS]
             for c in nxt:
                 sh = tuple(g.ops[c].shape)
                 if (key_slice is None and g.ops[c].name in _ops.INDEX_OPS and p_meta is not None
@@ -146,6 +147,11 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
             _sink_columns(g, call, sites, scores_ref, pattern_ref, key_slice)
         if z_op is not None:
             z_ref = Ref(z_op, 0)
+            zs = tuple(g.ops[z_op].shape)
+            if p_meta is not None and len(p_meta[0]) == 4 and len(zs) == 3 and zs[0] == p_meta[0][0] * p_meta[0][1]:
+                # pattern @ v ran on merged [batch * heads] rows: z is the view that splits them back
+                z_ref = next((Ref(c, 0) for c in g.consumers.get(z_op, []) if g.ops[c].name in _ops.RESHAPE_OPS
+                              and tuple(g.ops[c].shape) == tuple(p_meta[0][:3]) + (zs[2],)), z_ref)
             iv = _ops.MATMUL_OPERANDS.get(g.ops[z_op].name, (0, 1))[1]
             v_ref = next((r for r in g.ops[z_op].inputs[iv : iv + 1]), None)
         # q and k: the matmul upstream of the scores.
@@ -186,12 +192,11 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
         if type(ref) is not Ref:
             continue
         found = _head_split(g, ref, call.first_op, d_head)
-        if found is None:
+        site = None if found is None else make_site(g, name, found[0], note="projection viewed per head")
+        if site is None:
+            sites.update(_unsplit(g, call, name, ref))
             continue
         split_ref, offset = found
-        site = make_site(g, name, split_ref, note="projection viewed per head")
-        if site is None:
-            continue
         start = split_ref.op
         pre_norm = _pre_norm_source(g, split_ref, kids)
         if pre_norm is not None:  # QK-norm on the flat projection (OLMo-2): q is the norm's input
@@ -220,6 +225,29 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
     sites = _head_guard(sites)
     sites.update(_result_site(g, call, kids, sites.get("z")))
     return {k: v for k, v in sites.items() if v is not None}
+
+
+def _unsplit(g: Graph, call: ModuleCall, name: str, ref: Ref) -> dict[str, FacetSite]:
+    """Refusals, with the true reason, for a kernel input whose per-head projection was not found.
+
+    The model computes the tensor (the kernel reads it), so "the module does not compute it" would
+    be false: its projection is not one weight's output viewed per head (q, k and v cut from one
+    fused projection, or k concatenated from parts, as in multi-head latent attention), and the
+    cut is not proven here. For q and k, a transform on the way (RoPE) cannot be told from the
+    rest either, so `rot_q`/`rot_k` are refused too, never called absent for want of RoPE.
+    """
+    op = g.op(ref)
+    how = "" if op is None else f" (it reaches the kernel from op #{op.index} {op.name})"
+    reason = (f"the model computes {name}{how}, but not as one projection viewed per head: it is cut from a "
+              f"fused projection or put together from parts, and that split is not proven from the data flow, "
+              f"so {name} per head is not served")
+    out = refused((name,), reason)
+    if name in ("q", "k"):
+        math = _path_math(g, call.first_op - 1, ref)
+        out.update(refused(("rot_" + name,), (
+            f"{name} is not found per head (see {name}), so its transform before the kernel"
+            + (f" ({', '.join(math)})" if math else "") + " cannot be served as rot_" + name)))
+    return out
 
 
 def _sink_columns(g: Graph, call: ModuleCall, sites: dict[str, FacetSite | None], scores_ref: Any,

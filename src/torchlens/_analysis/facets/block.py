@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 
+from typing import Any
+
+import torch
 from torch import Tensor
 
 from torchlens._analysis.graph import Graph
@@ -43,7 +46,7 @@ def block_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str
     ]
     if adds:
         sites["resid_mid"] = make_site(g, "resid_mid", Ref(_pick_resid_mid(g, attn, adds), 0), note="residual add after attention")
-        sites.update(_check_resid_mid(g, sites, kids, attn, mlp))
+        sites.update(_check_resid_mid(g, call, sites, kids, attn, mlp))
     return sites
 
 
@@ -67,13 +70,80 @@ def _pick_resid_mid(g: Graph, attn: ModuleCall, adds: list[int]) -> int:
     return max(adds)
 
 
+def _contribution(g: Graph, ref: Any, outs: dict[Ref, ModuleCall]) -> tuple[Ref, bool] | None:
+    """The sublayer output that add operand `ref` carries, and whether a constant scales it.
+
+    Walks back over what the model may do to a sublayer's output before the residual add without
+    changing which values it adds: dropout and casts, a reshape (Llama-4's `.view(residual.shape)`)
+    and a product with a Python number (Granite's `* residual_multiplier`, MiniCPM3's
+    `* scale_depth / sqrt(n_layers)`: a scale op whose only tensor argument is that output).
+    None when `ref` does not lead to the output of one of `outs` that way.
+    """
+    scaled = False
+    for _ in range(6):
+        if type(ref) is not Ref:
+            return None
+        if ref in outs:
+            return ref, scaled
+        op = g.op(ref)
+        if op is None or not op.inputs or type(op.inputs[0]) is not Ref:
+            return None
+        if op.name in _ops.SCALE_OPS and len(op.inputs) == 1:
+            scaled = True
+        elif op.name not in _ops.PASS_THROUGH_OPS | _ops.RESHAPE_OPS or len(op.inputs) != 1:
+            return None
+        ref = op.inputs[0]
+    return None
+
+
+def _add_chain(g: Graph, call: ModuleCall, end: Any, start: Any, kids: list[ModuleCall]) -> list | None:
+    """The residual adds from `start` to `end` in this block call, as `(add operand, sublayer
+    output, scaled)` per add: `end = start + Σ operand`, each operand a sublayer output of `kids`
+    (see `_contribution`). None where `end` is not reached from `start` by such adds alone."""
+    outs = {io_ref(g, k, "out"): k for k in kids if type(io_ref(g, k, "out")) is Ref}
+    terms, ref = [], end
+    for _ in range(8):
+        if ref == start:
+            return terms if terms else None
+        op = g.op(ref)
+        if (op is None or op.name not in _ops.ADD_OPS or op.module != call.address or op.call != call.index
+                or len(op.inputs) != 2 or any(type(r) is not Ref for r in op.inputs)):
+            return None
+        for res, con in (op.inputs, op.inputs[::-1]):
+            # A cast to the dtype a tensor already has returns the tensor itself, recorded as an op
+            # (inside the next norm): the residual operand is then that op's output.
+            res = g.source(res, _ops.CAST_OPS)
+            found = _contribution(g, con, outs)
+            if found is not None and (res == start or (g.op(res) is not None and g.op(res).name in _ops.ADD_OPS)):
+                terms.append((con, *found))
+                ref = res
+                break
+        else:
+            return None
+    return None
+
+
 def _check_resid_mid(
-    g: Graph, sites: dict[str, FacetSite], kids: list[ModuleCall], attn: ModuleCall, mlp: ModuleCall
+    g: Graph, call: ModuleCall, sites: dict[str, FacetSite], kids: list[ModuleCall], attn: ModuleCall,
+    mlp: ModuleCall,
 ) -> dict[str, FacetSite]:
     """Refuse `resid_mid` unless resid_pre + the attention branch = resid_mid and resid_mid + the
-    MLP branch = resid_post. A branch's output is its sublayer's output or that of a later
-    sibling (a post-sublayer norm, a dropout), so Gemma-2's post-norms pass. The check is
-    deferred to the first read (see `FacetSite`); only whether it can run is settled here."""
+    MLP branch = resid_post. The check is deferred to the first read (see `FacetSite`); only
+    whether it can run is settled here.
+
+    Where the data flow shows each side as a chain of residual adds (`_add_chain`), the relation
+    is that chain: resid_mid = resid_pre + the sum of what it adds (a decoder block adds its
+    self-attention's and its cross-attention's outputs), each added operand a sublayer output,
+    or one times a constant (Granite, MiniCPM3: the constant is fitted and the operand checked
+    to be that multiple). Otherwise a branch's output is its sublayer's output or that of a later
+    sibling (a post-sublayer norm, a dropout), so Gemma-2's post-norms pass.
+
+    The tolerance is the model's own roundings, element by element: one rounding of the result
+    per add (and per scaling), at most the dtype's epsilon times the magnitudes added. It is
+    not taken from the output's scale, so a relation off by more than the roundings is refused
+    in every dtype alike (a bfloat16 tolerance of 2e-2 times the output's scale passed relations
+    that float64 refuses).
+    """
     mid, pre, post = (sites.get(n) for n in ("resid_mid", "resid_pre", "resid_post"))
     if mid is None or held(mid) is None:
         return {}
@@ -82,33 +152,100 @@ def _check_resid_mid(
         return {}
     attn_branch = [k for k in kids if attn.first_op <= k.first_op < mlp.first_op]
     mlp_branch = [k for k in kids if k.first_op >= mlp.first_op]
-    branch_outs = [[g.value(io_ref(g, k, "out")) for k in branch] for branch in (attn_branch, mlp_branch)]
-    inputs = [held(pre), held(mid), held(post), *branch_outs[0], *branch_outs[1]]
-    n_attn, dtype = len(branch_outs[0]), mid.dtype
+    mid_ref = Ref(mid.op, 0) if mid.op is not None else None
+    sides = []  # per side: ("chain", [(operand, output, scaled)]) or ("any", [branch outputs])
+    for start, end, branch in ((io_ref(g, call, "in"), mid_ref, attn_branch), (mid_ref, io_ref(g, call, "out"), mlp_branch)):
+        chain = None if type(end) is not Ref or type(start) is not Ref else _add_chain(g, call, end, start, branch)
+        if chain is not None:
+            terms = [(g.value(c), g.value(v), scaled) for c, v, scaled in chain]
+            if all(v is not None and (c is not None or not scaled) for c, v, _ in terms):
+                sides.append(("chain", terms))
+                continue
+        sides.append(("any", [g.value(io_ref(g, k, "out")) for k in branch]))
+    inputs = [held(pre), held(mid), held(post)]
+    layout = []
+    for kind, items in sides:
+        flat = [t for item in items for t in (item[:2] if kind == "chain" else (item,))]
+        layout.append((kind, len(inputs), len(flat), [item[2] for item in items] if kind == "chain" else None))
+        inputs.extend(flat)
 
     def run(inputs: list) -> tuple:
         pre_t, mid_t, post_t = inputs[:3]
-        m = wide(mid_t)
-        tol = _ops.reconstruction_tolerance(dtype) * max(1.0, float(post_t.abs().max()))
-
-        def best(base: Tensor, target: Tensor, outs: list) -> float:
-            errors = [float("inf")]
-            for v in outs:
-                if v is not None and tokens_flattened(v.shape, target.shape):
-                    v = v.reshape(target.shape)  # a branch run on flattened tokens (OPT's MLP)
-                if v is not None and v.shape == target.shape:
-                    errors.append(float((base + wide(v)).sub_(target).abs_().max()))
-                    if errors[-1] <= tol:
-                        break
-            return min(errors)
-
-        err = max(best(wide(pre_t), m, inputs[3 : 3 + n_attn]), best(m, wide(post_t), inputs[3 + n_attn :]))
-        if not err <= tol:
-            return {}, err, (f"resid_pre + attention branch = resid_mid = resid_post - MLP branch does not hold "
-                             f"(off by {err:.3g} > {tol:.3g})")
-        return {}, err, None
+        worst, why = 0.0, None
+        for (kind, at, n, scaled), base, target, label in zip(
+                layout, (pre_t, mid_t), (mid_t, post_t), ("resid_pre + attention branch = resid_mid",
+                                                          "resid_mid + MLP branch = resid_post")):
+            part = inputs[at : at + n]
+            err, bad = (_chain_error(base, target, part, scaled) if kind == "chain"
+                        else _branch_error(base, target, part))
+            worst = max(worst, err)
+            if bad is not None and why is None:
+                why = f"{label} does not hold: {bad}"
+        return {}, worst, why
 
     Pending(run, inputs, [mid])
     return {}
 
 
+def _rounding(dtype, *terms: Tensor) -> Tensor:
+    """Per element, how far a sum of `terms` rounded in `dtype` can be from the exact sum: one
+    rounding per add (each at most epsilon times the magnitudes added), twice over, plus the
+    dtype's smallest normal number (a subnormal result)."""
+    info = torch.finfo(dtype if dtype.is_floating_point else torch.float32)
+    mag = sum(wide(t).abs() for t in terms)
+    return mag.mul_(2 * info.eps * max(1, len(terms) - 1)).add_(info.tiny)
+
+
+def _excess(diff: Tensor, tol: Tensor) -> tuple[float, float]:
+    """The largest |diff| and the largest |diff| - tol (positive: the relation fails there)."""
+    diff = diff.abs()
+    m = float(diff.max()) if diff.numel() else 0.0
+    over = float((diff - tol).max()) if diff.numel() else -1.0
+    return (float("inf") if m != m else m), (float("inf") if over != over else over)
+
+
+def _chain_error(base: Tensor, target: Tensor, part: list, scaled: list) -> tuple[float, str | None]:
+    """`target = base + Σ operands` to the roundings, and each operand its sublayer output (times
+    the fitted constant where a constant scales it)."""
+    operands = []
+    for j, is_scaled in enumerate(scaled):
+        c, v = part[2 * j], part[2 * j + 1]
+        if c is None:  # not kept: unscaled, so the operand is the output itself
+            c = v
+        if c.numel() != v.numel():
+            return float("inf"), f"an added operand has {c.numel()} values and its sublayer output {v.numel()}"
+        v = v.reshape(c.shape)
+        if is_scaled:
+            v64, c64 = v.double(), c.double()
+            s = float((c64 * v64).sum() / (v64 * v64).sum().clamp_min(torch.finfo(torch.float64).tiny))
+            err, over = _excess(c64 - s * v64, _rounding(c.dtype, c) + torch.finfo(torch.float64).eps * (s * v64).abs())
+            if over > 0:
+                return err, f"an added operand is not {s:.4g} times its sublayer's output (off by {err:.3g})"
+        else:
+            err, over = _excess(wide(c) - wide(v).to(wide(c).dtype), _rounding(c.dtype, c))
+            if over > 0:
+                return err, f"an added operand is not its sublayer's output (off by {err:.3g})"
+        operands.append(c)
+    total = wide(base).clone()
+    for c in operands:
+        total = total + wide(c)
+    if total.shape != target.shape:
+        return float("inf"), f"the sum has shape {tuple(total.shape)}, not {tuple(target.shape)}"
+    err, over = _excess(total - wide(target), _rounding(target.dtype, base, *operands))
+    if over > 0:
+        return err, f"off by {err:.3g}, more than the {len(operands)} add(s) can round"
+    return err, None
+
+
+def _branch_error(base: Tensor, target: Tensor, outs: list) -> tuple[float, str | None]:
+    """`target = base + one branch output` (a sublayer's, or a later sibling's) to the roundings."""
+    errors = [float("inf")]
+    for v in outs:
+        if v is not None and tokens_flattened(v.shape, target.shape):
+            v = v.reshape(target.shape)  # a branch run on flattened tokens (OPT's MLP)
+        if v is not None and v.shape == target.shape:
+            err, over = _excess(wide(base) + wide(v) - wide(target), _rounding(target.dtype, base, v))
+            errors.append(err)
+            if over <= 0:
+                return err, None
+    return min(errors), f"no branch output makes it hold (off by {min(errors):.3g}, more than one add can round)"

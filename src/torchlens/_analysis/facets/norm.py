@@ -136,6 +136,12 @@ def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
     w, b = getattr(module, "weight", None), getattr(module, "bias", None)
     w = w.detach() if isinstance(w, Tensor) else None
     b = b.detach() if isinstance(b, Tensor) else None
+    # The precision the norm computed in: the least precise floating dtype among its input, its
+    # ops' outputs and its output. A norm that casts to float32 (Gemma's RMSNorm) computes in
+    # float32 in a float64 model, and a tolerance taken from the float64 output refuses it there
+    # while the same norm passes in float32.
+    floats = [d for d in (xm[1], om[1], *(d for op in ops for d in op.dtypes)) if d.is_floating_point]
+    precision = max(floats, key=lambda d: torch.finfo(d).eps) if floats else om[1]
     inputs = [x if compute else None, out, w, b,
               None if compute or kind == "group" else held(sites[inv_name]),
               None if compute else held(sites["normalized"])]
@@ -150,7 +156,7 @@ def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
                 values[inv_name] = inv
         if kind != "group":
             values["scale"] = torch.reciprocal(inv)
-        tol = _ops.reconstruction_tolerance(out.dtype) * max(1.0, float(out.abs().max()))
+        tol = _ops.reconstruction_tolerance(precision) * max(1.0, float(out.abs().max()))
         err = _affine_error(normalized, out, w, b, kind, tol)
         if not err <= tol:
             return {}, err, f"normalized * gain + bias differs from the norm's output by {err:.3g} (> {tol:.3g})"
