@@ -33,7 +33,16 @@ ARCHS = {
     "minicpm3": ({"attn": "self_attn", "mlp": "mlp"}, lambda cfg: cfg.scale_depth / math.sqrt(cfg.num_hidden_layers)),
     "llama4": ({"attn": "self_attn", "mlp": "feed_forward"}, lambda cfg: 1.0),
 }
-CASES = [(a, s) for a in ARCHS for s in ("attn", "mlp")]
+#: Not served yet (issue 22, item 4, open): the block adds `scale * out` or `out.view(...)`, a tensor
+#: no module returns, so serving it needs a block facet for the added operand (the resid_mid check's
+#: add chain already finds and checks it). Until then these names are absent, which is honest, and
+#: each case is a strict xfail: it fails the suite the day the facet lands without this list shrinking.
+NOT_YET = {("granite", "attn"), ("granite", "mlp"), ("minicpm3", "attn"), ("minicpm3", "mlp"), ("llama4", "mlp")}
+CASES = [
+    pytest.param(a, s, marks=pytest.mark.xfail(strict=True, reason="the added operand is not a served facet yet"))
+    if (a, s) in NOT_YET else (a, s)
+    for a in ARCHS for s in ("attn", "mlp")
+]
 LAYERS = 2
 
 
@@ -44,7 +53,7 @@ def traced(arch: str):
     return model, args, kwargs, tl.trace(model, *args, **kwargs, save="all")
 
 
-@pytest.mark.parametrize("arch,sub", CASES, ids=[f"{a}-{s}" for a, s in CASES])
+@pytest.mark.parametrize("arch,sub", CASES, ids=[f"{a}-{s}" for a in ARCHS for s in ("attn", "mlp")])
 def test_contribution_is_served_where_the_block_adds_it(arch, sub):
     model, args, kwargs, trace = traced(arch)
     modules, scale_of = ARCHS[arch]
@@ -66,3 +75,14 @@ def test_contribution_is_served_where_the_block_adds_it(arch, sub):
         if got.shape != truth.shape or not bool(((got - truth).abs() <= tol).all()):
             wrong.append(f"{name} -> {r.module_address}:{r.facet} is not {scale:.3g} x {address}'s output")
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("arch,sub", sorted(NOT_YET), ids=[f"{a}-{s}" for a, s in sorted(NOT_YET)])
+def test_a_contribution_not_served_yet_is_absent_not_wrong(arch, sub):
+    """Until the added operand is a facet, the name must not be served at all (never the unscaled
+    output as `real`)."""
+    _, _, _, trace = traced(arch)
+    for i in range(LAYERS):
+        r = mi.resolve_alias(trace, f"blocks.{i}.hook_{sub}_out", generation="2.x")
+        assert r.status not in ("real", "reconstructed_read_only"), (r.status, r.module_address, r.facet)
+        assert r.reason, "an absent name says why"
