@@ -158,7 +158,7 @@ def _check_resid_mid(
         chain = None if type(end) is not Ref or type(start) is not Ref else _add_chain(g, call, end, start, branch)
         if chain is not None:
             terms = [(g.value(c), g.value(v), scaled) for c, v, scaled in chain]
-            if all(v is not None and (c is not None or not scaled) for c, v, _ in terms):
+            if all(v is not None and (c is not None or not scaled) for c, v, scaled in terms):
                 sides.append(("chain", terms))
                 continue
         sides.append(("any", [g.value(io_ref(g, k, "out")) for k in branch]))
