@@ -26,7 +26,8 @@ class Edges:
     """The gradient edges one recorder kept.
 
     Attributes:
-        ops: `(op index, output slot)` -> the edge of that op output.
+        ops: `(op index, output slot)` -> (the edge of that op output, the tensor kept for it:
+            the op record may drop it later, when `save=` keeps only a facet on it).
         aliases: `id(alias)` -> `(alias, edge)` for each module input/output alias a hook kept
             (the alias is held here so its id stays its own; a clone made before a write takes
             the edge over, `moved`).
@@ -37,7 +38,7 @@ class Edges:
     __slots__ = ("ops", "aliases", "args")
 
     def __init__(self) -> None:
-        self.ops: dict[tuple[int, int], GradientEdge] = {}
+        self.ops: dict[tuple[int, int], tuple[GradientEdge, Tensor]] = {}
         self.aliases: dict[int, tuple[Tensor, GradientEdge]] = {}
         self.args: dict[tuple[int, int], GradientEdge] = {}
 
@@ -54,6 +55,12 @@ class Edges:
         entry = self.aliases.get(id(old))
         if entry is not None and entry[0] is old:
             self.aliases[id(new)] = (new, entry[1])
+
+    def moved_op(self, op: int, slot: int, new: Tensor) -> None:
+        """An op output the trace keeps was replaced by a copy (before a write): the copy is kept."""
+        entry = self.ops.get((op, slot))
+        if entry is not None:
+            self.ops[op, slot] = (entry[0], new)
 
     def moved_arg(self, op: int, old: Tensor, new: Tensor) -> None:
         """A rebuilt op's kept argument was replaced by a copy: the copy has its edge."""

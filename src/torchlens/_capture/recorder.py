@@ -363,7 +363,7 @@ class Recorder(TorchFunctionMode):
                 if stamp[0] is not None:  # a detached alias shares the counter: its version when saved
                     self.versions[idx, 0] = stamp[0]
                 if self.edges is not None and o0.requires_grad:
-                    self.edges.ops[idx, 0] = self.edges.of(o0)
+                    self.edges.ops[idx, 0] = (self.edges.of(o0), tensors[0])
             else:
                 tensors = (None,)
             first = _new_ref(Ref, (idx, 0))
@@ -379,7 +379,7 @@ class Recorder(TorchFunctionMode):
                 if self.edges is not None:
                     for slot, o in enumerate(outs):
                         if o.requires_grad:
-                            self.edges.ops[idx, slot] = self.edges.of(o)
+                            self.edges.ops[idx, slot] = (self.edges.of(o), tensors[slot])
             else:
                 tensors = (None,) * len(outs)
             for slot, (o, stamp) in enumerate(zip(outs, stamps)):
@@ -475,6 +475,8 @@ class Recorder(TorchFunctionMode):
                 tensors = list(ops[i].tensors)
                 tensors[slot] = tensors[slot].clone()
                 ops[i].tensors = tuple(tensors)
+                if self.edges is not None:
+                    self.edges.moved_op(i, slot, tensors[slot])
                 if tensors[slot].is_inference():  # a clone made under inference_mode
                     self.versions.pop((i, slot), None)
                 else:
@@ -538,7 +540,7 @@ class Recorder(TorchFunctionMode):
             return
         kept = t.detach()
         if self.edges is not None and t.requires_grad:
-            self.edges.ops[ref.op, ref.slot] = self.edges.of(t)
+            self.edges.ops[ref.op, ref.slot] = (self.edges.of(t), kept)
         tensors = list(op.tensors)
         tensors[ref.slot] = kept
         op.tensors = tuple(tensors)

@@ -42,6 +42,8 @@ class GradMap(FacetMap):
     """
 
     loss: str = ""
+    #: the `FacetMap` of the same call: a gradient is served only while its value is
+    _values: FacetMap | None = None
 
     def _not_found(self, name: Any) -> GradNotFound:
         if not isinstance(name, str):
@@ -56,6 +58,13 @@ class GradMap(FacetMap):
         site = self._sites.get(name) if isinstance(name, str) else None
         if site is None:
             raise self._not_found(name)
+        values = self._values
+        if values is not None and name in values._sites:
+            values.check(name)  # the value's pending check: a refused value has no gradient served
+            if name in values.refused:
+                self._sites.pop(name, None)
+                self.refused[name] = f"its value is not served ({values.refused[name]})"
+                raise self._not_found(name)
         t = site.tensor  # runs a pending check
         if site._refusal is not None:
             raise self._not_found(name)
