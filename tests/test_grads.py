@@ -386,3 +386,38 @@ def test_graph_not_kept_alive_under_no_grad():
     del t
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_sdpa_pattern_and_scores_grads_derived_and_checked(family):
+    """Under SDPA the pattern and scores are rebuilt (not in the autograd graph): their gradients
+    are derived (dZ·Vᵀ per head, then the softmax's VJP) and served with the check; ground truth is
+    the eager model's softmax output and input, hooked by the test's own function mode."""
+    ids = testing.token_ids(1, 7)
+    want_p = _op_truth(family, "eager", ids)
+    model = build("bert" if family == "bert" else family, "eager")
+    scores: list = []
+
+    def on(name, n, out):
+        return out
+
+    # scores: the softmax input of the eager run, through a hook on the softmax's argument
+    class _In(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "softmax":
+                x = args[0]
+                slot = [None]
+                scores.append(slot)
+                x.register_hook(lambda g: slot.__setitem__(0, g.clone()))
+            return func(*args, **(kwargs or {}))
+
+    with torch.enable_grad(), _In():
+        out = model(ids)
+    loss_fn(out).backward()
+    t = tl.trace(build(family, "sdpa").requires_grad_(False), ids, grads=loss_fn)
+    attns = [a for a, r in t.modules.items() if r.role == "attention"]
+    for a, wp, ws in zip(attns, want_p, scores):
+        g = t.modules[a].grads
+        assert g.site("pattern").kind == "computed" and "checked" in g.site("pattern").note
+        assert torch.allclose(g["pattern"], wp, rtol=1e-4, atol=1e-5 * float(wp.abs().max()))
+        assert torch.allclose(g["scores"], ws[0], rtol=1e-4, atol=1e-5 * float(ws[0].abs().max()))

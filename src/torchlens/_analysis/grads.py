@@ -20,10 +20,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import math
+
 import torch
 from torch import Tensor
 
+from torchlens._analysis.facets.rebuild import sdpa_bound
 from torchlens._capture.edges import Edges
+from torchlens._core import ops as _ops
 from torchlens._core.errors import GradientError
 from torchlens._core.grad_sites import GradMap
 from torchlens._core.records import ModuleCall, OpRecord
@@ -79,11 +83,16 @@ def backward(loss: Tensor, edges: Edges, ops: list[OpRecord], calls: list[Module
     by_storage: dict[int, list[tuple[Any, Tensor]]] = {}  # the kept aliases, by the memory they are on
     for a, e in edges.aliases.values():
         by_storage.setdefault(_storage(a), []).append((e, a))
+    kernels: dict[int, dict[str, FacetSite]] = {}  # fused attention op -> its rebuilt scores / pattern sites
     for call in calls:
         if call.facets is None:
             continue
         for site in call.facets._sites.values():
             t = site.__dict__.get("tensor")
+            if (site.kind == "reconstructed" and site.name in ("scores", "pattern") and site.op is not None
+                    and ops[site.op].name in _ops.FUSED_ATTENTION_OPS and site.saved):
+                kernels.setdefault(site.op, {})[site.name] = site
+                continue
             if site.kind != "real":
                 found[id(site)] = _DERIVED.format(kind=site.kind)
                 continue
@@ -96,6 +105,16 @@ def backward(loss: Tensor, edges: Edges, ops: list[OpRecord], calls: list[Module
             edge, h = base
             wanted.setdefault(id(h), (edge, h))
             plans.append((site, id(h), h, t))
+    kernel_plans = []
+    for i, sites in kernels.items():
+        plan = _kernel_plan(i, ops[i], edges)
+        if isinstance(plan, str):
+            for site in sites.values():
+                found[id(site)] = plan
+            continue
+        for edge, h in plan[1:4]:
+            wanted.setdefault(id(h), (edge, h))
+        kernel_plans.append((sites, plan))
     if not wanted:
         return found
     keys = list(wanted)
@@ -117,7 +136,72 @@ def backward(loss: Tensor, edges: Edges, ops: list[OpRecord], calls: list[Module
             found[id(site)] = "its tensor is not laid out as a view of the tensor the model used, so which element's gradient is which cannot be told"
             continue
         found[id(site)] = (mapped, unused)
+    for sites, plan in kernel_plans:
+        bound, (_, z), (_, q), (_, v) = plan
+        got = [grads[id(x)] for x in (z, q, v)]
+        dz, dq, dv = [torch.zeros_like(x) if g is None else g for g, x in zip(got, (z, q, v))]
+        derived = _kernel_grads(sites, bound, dz, dq, dv)
+        for name, site in sites.items():
+            found[id(site)] = derived if isinstance(derived, str) else derived[name]
     return found
+
+
+def _kernel_plan(i: int, op: OpRecord, edges: Edges) -> Any:
+    """For a fused attention op: (its bound arguments, then (edge, tensor) of its output, its
+    query and its value as the kernel read them), or why its scores and pattern get no gradient."""
+    out = edges.ops.get((i, 0))
+    if op.extra is None or out is None:
+        return "the fused kernel's output or arguments were not kept with their gradient edges"
+    bound = sdpa_bound(op.extra["args"], op.extra["kwargs"])
+    q, v = bound.get("query"), bound.get("value")
+    eq, ev = edges.arg(i, q), edges.arg(i, v)
+    if eq is None or ev is None:
+        return "the kernel's query or value does not require grad, so the relation that checks the derived gradient cannot be formed"
+    return bound, out, (eq, q), (ev, v)
+
+
+def _kernel_grads(sites: dict[str, FacetSite], bound: dict, dz: Tensor, dq: Tensor, dv: Tensor) -> Any:
+    """d loss / d the rebuilt pattern and scores of one fused kernel: dP = dZ Vᵀ per head (z = P V)
+    and dS = P ⊙ (dP - rowsum(dP ⊙ P)) (P = softmax(S)), served when autograd's own gradients at
+    the kernel's value and query agree: Pᵀ dZ (summed over a GQA group) = d loss / d v and
+    scale · dS K = d loss / d q. Returns name -> (gradient, False) with the check error set, or why not."""
+    if "pattern" not in sites:
+        return "the derivation needs the pattern, which save= did not keep beside the scores"
+    p = sites["pattern"].tensor  # runs the value's rebuild and its check
+    if p is None or sites["pattern"]._refusal is not None:
+        return "the pattern, which the derivation needs, is not served"
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    if p.shape[:-2] != q.shape[:-2] or p.shape[-2] != q.shape[-2] or p.shape[-1] != k.shape[-2]:
+        return "the kernel ran in a packed layout (GQA decode), for which the derivation is not served"
+    w = torch.float64 if dz.dtype == torch.float64 else torch.float32
+    heads, kv = q.shape[-3], v.shape[-3]
+    if heads % kv:
+        return f"{heads} query heads do not group over {kv} value heads"
+    rep = heads // kv
+    P, dZ = p.to(w), dz.to(w)
+    V, K = v.to(w).repeat_interleave(rep, dim=-3), k.to(w).repeat_interleave(rep, dim=-3)
+    dP = dZ @ V.transpose(-1, -2)
+    dS = P * (dP - (dP * P).sum(-1, keepdim=True))
+    dV_pred = (P.transpose(-1, -2) @ dZ)
+    dV_pred = dV_pred.unflatten(-3, (kv, rep)).sum(-3)
+    scale = bound.get("scale")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    dQ_pred = scale * (dS @ K)
+    tol_rel = _ops.reconstruction_tolerance(dz.dtype)
+    errs = []
+    for name, pred, real in (("value", dV_pred, dv), ("query", dQ_pred, dq)):
+        real = real.to(w)
+        err = float((pred - real).abs().max()) if real.numel() else 0.0
+        tol = tol_rel * max(float(real.abs().max()) if real.numel() else 0.0, 1e-30)
+        if not err <= tol:
+            return (f"derived as dZ·Vᵀ per head, but autograd's gradient at the kernel's {name} differs from the one "
+                    f"the derivation implies by {err:.3g} (> {tol:.3g}), so it is not served")
+        errs.append(err)
+    out = {}
+    for name, g in (("pattern", dP), ("scores", dS)):
+        if name in sites:
+            out[name] = (g.to(sites[name].dtype).reshape(sites[name].shape), False, max(errs))
+    return out
 
 
 def _base_of(site: FacetSite, t: Tensor, edges: Edges, ops: list[OpRecord],
@@ -214,6 +298,11 @@ def grad_maps(calls: list[ModuleCall], found: dict[int, Any], loss: str) -> None
                 sites[name] = FacetSite(name, "refused", s.shape, s.dtype, note=got)
             elif got is None:  # not kept
                 sites[name] = FacetSite(name, "real", s.shape, s.dtype, None, s.op, None, "not kept")
+            elif len(got) == 3:  # derived through the rebuild, checked
+                g, _, err = got
+                note = ("derived: dZ·Vᵀ per head" if name == "pattern" else "derived: the softmax's VJP of dZ·Vᵀ") + (
+                    "; checked: autograd's gradients at the kernel's value (Pᵀ·dZ) and query (scale·dS·K) agree")
+                sites[name] = FacetSite(name, "computed", s.shape, s.dtype, g, s.op, err, note)
             else:
                 g, unused = got
                 note = ("zeros: the loss does not depend on this tensor (not on any path to it)" if unused
