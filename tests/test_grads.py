@@ -421,3 +421,54 @@ def test_sdpa_pattern_and_scores_grads_derived_and_checked(family):
         assert g.site("pattern").kind == "computed" and "checked" in g.site("pattern").note
         assert torch.allclose(g["pattern"], wp, rtol=1e-4, atol=1e-5 * float(wp.abs().max()))
         assert torch.allclose(g["scores"], ws[0], rtol=1e-4, atol=1e-5 * float(ws[0].abs().max()))
+
+
+@pytest.mark.parametrize("store", ["cpu", "dir"])
+def test_store_and_save_load_carry_grads(store, tmp_path):
+    ids = testing.token_ids(1, 7)
+    ref = tl.trace(build("llama", "sdpa"), ids, grads=loss_fn)
+    t = tl.trace(build("llama", "sdpa"), ids, grads=loss_fn, store="cpu" if store == "cpu" else tmp_path / "st")
+    t.save(tmp_path / "t.tl")
+    u = tl.load(tmp_path / "t.tl")
+    n = 0
+    for addr, rec in ref.modules.items():
+        for i, call in enumerate(rec.calls):
+            for facet in call.grads.sites:
+                want = call.grads[facet]
+                for other in (t, u):
+                    got = other.modules[addr].calls[i].grads[facet]
+                    assert torch.equal(got, want), (addr, facet)
+                n += 1
+            assert set(call.grads.refused) == set(u.modules[addr].calls[i].grads.refused)
+    assert n > 50
+    assert u.modules["model.layers.0.self_attn"].grads.site("pattern").kind == "computed"
+
+
+def test_edit_gives_the_gradient_of_the_edited_forward():
+    """edit= with grads=: the gradients are those of the edited forward (ground truth: a forward
+    hook replacing the block output, with a tensor hook on the replacement and on the next block's
+    input)."""
+    ids = testing.token_ids(1, 7)
+    model = build("gpt2", "eager")
+    seen = {}
+
+    def replace(m, a, o):
+        t = o[0] if isinstance(o, tuple) else o
+        new = t * 0.5
+        new.register_hook(lambda g: seen.__setitem__("resid_post", g.clone()))
+        return (new,) + tuple(o[1:]) if isinstance(o, tuple) else new
+
+    def pre(m, a):
+        a[0].register_hook(lambda g: seen.__setitem__("next", g.clone()))
+
+    h1 = model.transformer.h[0].register_forward_hook(replace)
+    h2 = model.transformer.h[1].register_forward_pre_hook(pre)
+    try:
+        loss_fn(model(ids)).backward()
+    finally:
+        h1.remove()
+        h2.remove()
+    t = tl.trace(build("gpt2", "eager").requires_grad_(False), ids, grads=loss_fn,
+                 edit={"transformer.h.0:resid_post": lambda x: x * 0.5})
+    assert torch.allclose(t.modules["transformer.h.0"].grads["resid_post"], seen["resid_post"], rtol=1e-5, atol=1e-7)
+    assert torch.allclose(t.modules["transformer.h.1"].grads["resid_pre"], seen["next"], rtol=1e-5, atol=1e-7)

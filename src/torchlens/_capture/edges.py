@@ -54,6 +54,7 @@ class Edges:
         """A kept alias was replaced by a copy (before a write): the copy has its edge."""
         entry = self.aliases.get(id(old))
         if entry is not None and entry[0] is old:
+            del self.aliases[id(old)]  # the old alias is not held on (a store frees its memory)
             self.aliases[id(new)] = (new, entry[1])
 
     def moved_op(self, op: int, slot: int, new: Tensor) -> None:

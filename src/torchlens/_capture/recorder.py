@@ -680,6 +680,14 @@ class Recorder(TorchFunctionMode):
         self.spill.write([h for h, _, _ in found])
         for _, versions, key in found:
             versions.pop(key, None)
+        if self.edges is not None:  # the gradient edges follow their tensors to the memory-mapped views
+            for h, _, _ in found:
+                if isinstance(h.holder, OpRecord):
+                    self.edges.moved_op(h.holder.index, h.key, h.holder.tensors[h.key])
+                elif isinstance(h.holder, dict):
+                    self.edges.moved_arg(extra_op[id(h.holder)], h.tensor, get_arg(h.holder, h.key))
+                else:
+                    self.edges.moved(h.tensor, getattr(h.holder, h.key))
         # The views share no storage with the model: nothing held so far needs a clone on a write,
         # unless a tensor that could not be written stays in memory: then the next write looks at
         # every kept tensor again (the views it meets share no memory with what a model writes).
