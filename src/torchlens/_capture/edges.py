@@ -4,7 +4,7 @@ With `trace(..., grads=loss_fn)` the recorder keeps, next to every tensor it kee
 a module input or output a hook kept, a rebuilt op's kept argument), that tensor's gradient edge
 (`torch.autograd.graph.get_gradient_edge`): the autograd node that produced it and which of its
 outputs it is, taken at the moment the model produced or used it. The one backward that follows
-(`torchlens._backward`) asks autograd for the gradient at those edges, so a tensor the model
+(`_analysis.grads.backward`) asks autograd for the gradient at those edges, so a tensor the model
 later wrote in place still gets d loss / d the value the model used there (the write gives the
 tensor a new node; the edge kept still names the old one).
 
