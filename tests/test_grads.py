@@ -321,7 +321,7 @@ def test_alias_grad_reads_the_same_site():
 def test_no_grads_trace_says_how():
     t = tl.trace(build("gpt2", "eager"), testing.token_ids(1, 7))
     with pytest.raises(tl.NoGradients, match="grads=loss_fn"):
-        t.modules["transformer.h.0"].grads
+        _ = t.modules["transformer.h.0"].grads
 
 
 def test_frozen_params_restored_and_no_param_grad_written():

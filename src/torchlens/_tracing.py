@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torchlens._analysis.selection import parse_save, plan_capture
 from torchlens._analysis.grads import backward, grad_maps, loss_of
 from torchlens._analysis.role_rules import parse_roles, static_roles
+from torchlens._analysis.selection import parse_save, plan_capture
 from torchlens._assemble import assemble, note_edited_refusals
 from torchlens._capture.accelerate import accelerate_hooks
 from torchlens._capture.compiled import CompiledRunsEagerly, compiled_module_class

@@ -17,10 +17,9 @@ stand on, and `grad_maps` gives every call a `GradMap` beside its `FacetMap`:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
-
-import math
 
 import torch
 from torch import Tensor
@@ -133,7 +132,8 @@ def backward(loss: Tensor, edges: Edges, ops: list[OpRecord], calls: list[Module
             g = torch.zeros_like(h)
         mapped = _view_like(g, h, t)
         if mapped is None:
-            found[id(site)] = "its tensor is not laid out as a view of the tensor the model used, so which element's gradient is which cannot be told"
+            found[id(site)] = ("its tensor is not laid out as a view of the tensor the model used, so which "
+                               "element's gradient is which cannot be told")
             continue
         found[id(site)] = (mapped, unused)
     for sites, plan in kernel_plans:
@@ -156,7 +156,8 @@ def _kernel_plan(i: int, op: OpRecord, edges: Edges) -> Any:
     q, v = bound.get("query"), bound.get("value")
     eq, ev = edges.arg(i, q), edges.arg(i, v)
     if eq is None or ev is None:
-        return "the kernel's query or value does not require grad, so the relation that checks the derived gradient cannot be formed"
+        return ("the kernel's query or value does not require grad, so the relation that checks the derived "
+                "gradient cannot be formed")
     return bound, out, (eq, q), (ev, v)
 
 
