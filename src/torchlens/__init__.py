@@ -26,14 +26,19 @@ from torchlens._core.errors import (
     FacetNotFound,
     GenerateSpecError,
     FacetNotSaved,
+    GradientError,
+    GradNotFound,
+    GradNotSaved,
     LookupFailed,
     ModuleNotFoundInTrace,
+    NoGradients,
     NotEditable,
     RoleSpecError,
     SaveSpecError,
     TorchLensError,
 )
 from torchlens._core.facet_spec import FACETS
+from torchlens._core.grad_sites import GradMap
 from torchlens._core.records import ModuleCall, ModuleMap, ModuleRecord, OpRecord, Ref
 from torchlens._core.sites import FacetMap, FacetSite
 from torchlens._core.version import __version__ as __version__
@@ -62,6 +67,7 @@ __all__ = [
     "ModuleCall",
     "FacetMap",
     "FacetSite",
+    "GradMap",
     "Structure",
     "Stack",
     "Layer",
@@ -82,4 +88,8 @@ __all__ = [
     "FacetNotFound",
     "FacetNotSaved",
     "AmbiguousModuleCall",
+    "GradientError",
+    "NoGradients",
+    "GradNotFound",
+    "GradNotSaved",
 ]

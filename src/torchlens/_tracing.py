@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -9,15 +10,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torchlens._analysis.selection import parse_save, plan_capture
+from torchlens._analysis.grads import backward, grad_maps, loss_of
 from torchlens._analysis.role_rules import parse_roles, static_roles
+from torchlens._analysis.selection import parse_save, plan_capture
 from torchlens._assemble import assemble, note_edited_refusals
 from torchlens._capture.accelerate import accelerate_hooks
 from torchlens._capture.compiled import CompiledRunsEagerly, compiled_module_class
 from torchlens._capture.recorder import Recorder
 from torchlens._capture.snapshot import arm_guards, snapshot
 from torchlens._capture.stores import DirectoryStore, apply_store, parse_store
-from torchlens._core.errors import TorchLensError
+from torchlens._core.errors import GradientError, TorchLensError
 from torchlens._core.pending import seal_checks
 from torchlens._edits import check_inputs, plan_edits
 from torchlens._trace import Trace
@@ -32,6 +34,7 @@ def trace(
     roles: Mapping[str, str] | None = None,
     store: str | os.PathLike | None = None,
     edit: Mapping[str | tuple, Callable[[Tensor], Tensor] | Tensor] | None = None,
+    grads: Callable[[Any], Tensor] | None = None,
     **kwargs: Any,
 ) -> Trace:
     """Run `model(*args, **kwargs)` once in eager mode and record everything it does.
@@ -68,6 +71,13 @@ def trace(
             unless the key names one. The returned trace records the edited forward and lists the
             edits in `trace.edits`. An edited trace first runs one locating pass (`save="none"`)
             to find each site's hook or op; see [Interventions](../guides/interventions.md).
+        grads: a loss function `loss_fn(output) -> scalar tensor` of the model's return value.
+            The forward then runs with autograd on (also when the caller is under
+            `torch.no_grad()`, and with frozen parameters: they require grad during the forward
+            only), and one backward of the loss gives, for every kept facet, d loss / d the
+            tensor the model used there: `trace.modules[address].grads[facet]`, with the same
+            keys, call rules and refusals as `facets`. No parameter's `.grad` is written. See
+            [Gradients](../guides/gradients.md).
         **kwargs: keyword inputs of the forward.
 
     Returns:
@@ -84,6 +94,9 @@ def trace(
         StoreSpecError: `store=` is not None, "device", "cpu" or a directory path.
         RoleSpecError: `roles=` is not a dict, names an unknown role, or a key matches no module.
         TorchLensError: `model` is not a module.
+        GradientError: `grads=` is not callable, its loss is not a differentiable scalar, it
+            raised, or the call runs under `torch.inference_mode()` (which records no autograd
+            graph, so no gradient can be taken).
         CaptureError: a `torch.compile`d module ran code the capture could not see. TorchLens runs
             compiled modules and functions eagerly while it traces (`torch.compiler.set_stance(
             "force_eager")`, torch 2.6+), so this only happens where torch cannot do that; a
@@ -109,6 +122,7 @@ def trace(
     """
     if not isinstance(model, nn.Module):
         raise TorchLensError(f"trace() needs a torch.nn.Module as its first argument, got {type(model).__name__}.")
+    loss_name = _check_grads(grads)
     plan = None
     if edit is not None:
         plan = _locate(model, args, kwargs, edit, roles)
@@ -136,13 +150,19 @@ def trace(
             if p is not None:
                 params.setdefault(id(p), f"{addr}.{n}" if addr else n)
     # A directory store writes as capture goes; "cpu" moves the tensors once the trace is assembled.
-    rec = Recorder(names, roles, capture, params, plan, store_to if isinstance(store_to, DirectoryStore) else None)
+    rec = Recorder(names, roles, capture, params, plan, store_to if isinstance(store_to, DirectoryStore) else None,
+                   grads=grads is not None)
     handles = []
+    caller_grad = torch.is_grad_enabled()
+    frozen: list[nn.Parameter] = []
     try:
+        if grads is not None:  # the trace's own forward records the autograd graph, frozen weights included
+            frozen = _unfreeze(names)
         for m in names:
             handles.append(m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True))
             handles.append(m.register_forward_hook(rec.post_hook, always_call=True))
-        with CompiledRunsEagerly(), accelerate_hooks(names, rec) as dispatch, rec:
+        with CompiledRunsEagerly(), accelerate_hooks(names, rec) as dispatch, rec, \
+                torch.enable_grad() if grads is not None else contextlib.nullcontext():
             output = model(*args, **kwargs)
     except BaseException as exc:
         _annotate(exc, rec)
@@ -150,13 +170,22 @@ def trace(
     finally:
         for h in handles:
             h.remove()
-    return _finish(rec, model, names, aliases, roles, capture, plan, store_to, dispatch, (args, kwargs, output))
+        for p in frozen:
+            p.requires_grad_(False)
+    loss = None
+    if grads is not None:
+        with torch.enable_grad():
+            loss = loss_of(grads, output, loss_name)
+        if not caller_grad:  # the caller asked for no graph: the output it gets holds none
+            output = _detached(output)
+    return _finish(rec, model, names, aliases, roles, capture, plan, store_to, dispatch, (args, kwargs, output),
+                   loss, loss_name)
 
 
 def _finish(rec: Recorder, model: nn.Module, names: dict, aliases: dict, roles: Any, capture: Any, plan: Any,
-            store_to: Any, dispatch: Any, call: tuple) -> Trace:
-    """A recorded forward call's `Trace`: assembled, snapshotted, edits noted, stored, guarded and
-    sealed, in that order (`trace`, and each step of `trace_generate`).
+            store_to: Any, dispatch: Any, call: tuple, loss: Tensor | None = None, loss_name: str = "") -> Trace:
+    """A recorded forward call's `Trace`: assembled, gradients taken (`grads=`), snapshotted, edits
+    noted, stored, guarded and sealed, in that order (`trace`, and each step of `trace_generate`).
 
     Args:
         rec: the recorder of the call, its mode exited.
@@ -169,6 +198,8 @@ def _finish(rec: Recorder, model: nn.Module, names: dict, aliases: dict, roles: 
         store_to: the parsed `store=`.
         dispatch: what `accelerate_hooks` returned for the call.
         call: `(args, kwargs, output)` of the call.
+        loss: with `grads=`, the checked loss of the call's output (`_analysis.grads.loss_of`).
+        loss_name: the loss function's name, for the gradients' messages.
     """
     output = call[2]
     if plan is not None:
@@ -180,6 +211,11 @@ def _finish(rec: Recorder, model: nn.Module, names: dict, aliases: dict, roles: 
             rec.write_spill()
         overwritten = rec.check_versions()
         result = assemble(rec, model, names, aliases, roles, capture, output, overwritten)
+        if loss is not None:
+            assert rec.edges is not None
+            found = backward(loss, rec.edges, rec.ops, rec.calls)
+            grad_maps(rec.calls, found, loss_name)
+            rec.edges = loss = None  # the graph is held no longer than the caller's output holds it
         snapshot(rec, model, call)  # after assembly: only what the trace keeps is copied
         if plan is not None:
             result.edits = tuple(plan.records)
@@ -188,6 +224,54 @@ def _finish(rec: Recorder, model: nn.Module, names: dict, aliases: dict, roles: 
         arm_guards(rec, result)  # the versions of what only the autograd graph shares, where the store left it
         seal_checks(result)  # last: each pending check records what its inputs hold as returned
         return result
+
+
+def _check_grads(grads: Any) -> str:
+    """The loss function's name, for messages; refuse what cannot give gradients before the forward."""
+    if grads is None:
+        return ""
+    if not callable(grads):
+        raise GradientError(
+            f"grads= takes a function of the model's output returning a scalar tensor (grads=lambda out: "
+            f"out.logits[0, -1].max()), got a {type(grads).__name__}.")
+    if torch.is_inference_mode_enabled():
+        raise GradientError(
+            "grads= cannot run under torch.inference_mode(): tensors made there record no autograd graph and "
+            "cannot be made to (unlike torch.no_grad(), which the trace overrides for its own forward). Call "
+            "trace outside the inference_mode block, or under torch.no_grad() instead.")
+    return getattr(grads, "__name__", None) or type(grads).__name__
+
+
+def _unfreeze(names: dict[nn.Module, str]) -> list[nn.Parameter]:
+    """Make every floating-point parameter that does not require grad require it, for the traced
+    forward only (restored by the caller); the one backward asks for the sites' gradients only,
+    so no parameter gradient is computed or written to `.grad`."""
+    frozen: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for m in names:
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen and not p.requires_grad and p.is_floating_point():
+                seen.add(id(p))
+                if p.is_inference():
+                    continue  # made under inference_mode: it cannot require grad
+                p.requires_grad_(True)
+                frozen.append(p)
+    return frozen
+
+
+def _detached(output: Any) -> Any:
+    """`output` with every tensor in it detached (tuples, lists, dicts and model-output classes)."""
+    if isinstance(output, Tensor):
+        return output.detach()
+    if isinstance(output, dict):  # transformers' ModelOutput is a dict (an OrderedDict) and a dataclass
+        for k, v in list(output.items()):
+            output[k] = _detached(v)
+        return output
+    if isinstance(output, tuple) and hasattr(output, "_fields"):
+        return type(output)(*[_detached(v) for v in output])
+    if isinstance(output, (list, tuple)):
+        return type(output)(_detached(v) for v in output)
+    return output
 
 
 def _locate(model: nn.Module, args: tuple, kwargs: dict, edit: Any, roles: Any):

@@ -69,6 +69,7 @@ from torchlens._capture.values import (
     writes_inputs,
 )
 from torchlens._core.records import Dropped, ModuleCall, OpRecord, Ref
+from torchlens._capture.edges import Edges
 
 __all__ = ["Recorder"]
 
@@ -93,9 +94,11 @@ class Recorder(TorchFunctionMode):
             them (module inputs/outputs in the hooks, op outputs in the mode), or None.
         spill: a `torchlens._capture.stores.DirectoryStore` to write held tensors to as capture goes
             (each time a top-level block call ends), or None to keep them in memory.
+        grads: keep the gradient edge of every tensor the trace keeps, as the model produced or
+            used it (`torchlens._capture.edges.Edges`), for `trace(..., grads=loss_fn)`.
     """
 
-    def __init__(self, names, roles, plan, param_names, edits=None, spill=None):
+    def __init__(self, names, roles, plan, param_names, edits=None, spill=None, grads=False):
         super().__init__()
         refuse_script_modules(names)
         self.names = names
@@ -143,6 +146,8 @@ class Recorder(TorchFunctionMode):
         #: `edited` ops recorded so far: an op's position in the forward (as the locating pass
         #: numbered it) is its index minus these.
         self._n_edited = 0
+        #: the gradient edges of what the trace keeps (`grads=`), or None
+        self.edges: Edges | None = Edges() if grads else None
 
     def __enter__(self):
         self.nested = torch._C._len_torch_function_stack() > 0
@@ -357,6 +362,8 @@ class Recorder(TorchFunctionMode):
                 tensors = (o0.detach(),)
                 if stamp[0] is not None:  # a detached alias shares the counter: its version when saved
                     self.versions[idx, 0] = stamp[0]
+                if self.edges is not None and o0.requires_grad:
+                    self.edges.ops[idx, 0] = (self.edges.of(o0), tensors[0])
             else:
                 tensors = (None,)
             first = _new_ref(Ref, (idx, 0))
@@ -369,6 +376,10 @@ class Recorder(TorchFunctionMode):
                 for slot, stamp in enumerate(stamps):
                     if stamp[0] is not None:  # as above
                         self.versions[idx, slot] = stamp[0]
+                if self.edges is not None:
+                    for slot, o in enumerate(outs):
+                        if o.requires_grad:
+                            self.edges.ops[idx, slot] = (self.edges.of(o), tensors[slot])
             else:
                 tensors = (None,) * len(outs)
             for slot, (o, stamp) in enumerate(zip(outs, stamps)):
@@ -399,6 +410,8 @@ class Recorder(TorchFunctionMode):
             kept = seen.get(id(a))
             if kept is None:
                 kept = seen[id(a)] = a.detach()
+                if self.edges is not None and a.requires_grad:
+                    self.edges.args[idx, id(kept)] = self.edges.of(a)
             return kept
 
         extra = {"args": tuple([keep(a) for a in args]), "kwargs": {k: keep(v) for k, v in kwargs.items()}}
@@ -441,6 +454,8 @@ class Recorder(TorchFunctionMode):
             for i, slot in cow.pop(ptr, ()):
                 if isinstance(i, ModuleCall):  # a module input/output alias kept by a hook
                     copy = getattr(i, slot).clone()
+                    if self.edges is not None:
+                        self.edges.moved(getattr(i, slot), copy)
                     setattr(i, slot, copy)
                     self._note_hook_version(i, slot, copy)
                     continue
@@ -449,6 +464,8 @@ class Recorder(TorchFunctionMode):
                     new = clones.get(id(old))
                     if new is None:
                         new = clones[id(old)] = old.clone()
+                        if self.edges is not None:
+                            self.edges.moved_arg(i, old, new)
                     set_arg(ops[i].extra, slot, new)
                     if new.is_inference():
                         self.arg_versions.pop((i, slot), None)
@@ -458,6 +475,8 @@ class Recorder(TorchFunctionMode):
                 tensors = list(ops[i].tensors)
                 tensors[slot] = tensors[slot].clone()
                 ops[i].tensors = tuple(tensors)
+                if self.edges is not None:
+                    self.edges.moved_op(i, slot, tensors[slot])
                 if tensors[slot].is_inference():  # a clone made under inference_mode
                     self.versions.pop((i, slot), None)
                 else:
@@ -500,6 +519,8 @@ class Recorder(TorchFunctionMode):
             alias = t.detach()
             setattr(call, side, alias)
             self._hook_aliases.append((call, side))
+            if self.edges is not None and t.requires_grad:
+                self.edges.keep_alias(alias, self.edges.of(t))
             self._note_hook_version(call, side, alias)
         elif not self.retain_all and call.address in self._hold[side]:
             self._hold_output(ref, t)
@@ -518,6 +539,8 @@ class Recorder(TorchFunctionMode):
         if op.tensors[ref.slot] is not None:
             return
         kept = t.detach()
+        if self.edges is not None and t.requires_grad:
+            self.edges.ops[ref.op, ref.slot] = (self.edges.of(t), kept)
         tensors = list(op.tensors)
         tensors[ref.slot] = kept
         op.tensors = tuple(tensors)
@@ -657,6 +680,14 @@ class Recorder(TorchFunctionMode):
         self.spill.write([h for h, _, _ in found])
         for _, versions, key in found:
             versions.pop(key, None)
+        if self.edges is not None:  # the gradient edges follow their tensors to the memory-mapped views
+            for h, _, _ in found:
+                if isinstance(h.holder, OpRecord):
+                    self.edges.moved_op(h.holder.index, h.key, h.holder.tensors[h.key])
+                elif isinstance(h.holder, dict):
+                    self.edges.moved_arg(extra_op[id(h.holder)], h.tensor, get_arg(h.holder, h.key))
+                else:
+                    self.edges.moved(h.tensor, getattr(h.holder, h.key))
         # The views share no storage with the model: nothing held so far needs a clone on a write,
         # unless a tensor that could not be written stays in memory: then the next write looks at
         # every kept tensor again (the views it meets share no memory with what a model writes).

@@ -18,6 +18,10 @@ __all__ = [
     "ModuleNotFoundInTrace",
     "FacetNotFound",
     "FacetNotSaved",
+    "GradNotFound",
+    "GradNotSaved",
+    "NoGradients",
+    "GradientError",
     "AmbiguousModuleCall",
     "CaptureError",
     "EditSpecError",
@@ -146,13 +150,59 @@ class FacetNotSaved(LookupFailed):
         super().__init__(msg)
 
 
+class GradientError(TorchLensError, ValueError):
+    """`grads=` (or `param_grads=`) of [`trace`][torchlens.trace] cannot be served: not a
+    callable, a loss that is not a differentiable scalar, a loss function that raised, no kept
+    site on a differentiable path to the loss, or `torch.inference_mode()` around the call. The
+    message says what to do; nothing the trace changed (hooks, modes, `requires_grad`) is left."""
+
+
+class NoGradients(LookupFailed):
+    """A gradient was asked of a trace taken without `grads=`."""
+
+    def __init__(self, what: str):
+        super().__init__(
+            f"{what}: this trace has no gradients; trace again with grads=loss_fn (a function of the model's "
+            f"output returning a scalar, e.g. grads=lambda out: out.logits[0, -1].max()) to keep d loss / d "
+            f"each saved site.")
+
+
+class GradNotFound(FacetNotFound):
+    """A facet has no gradient to serve: the facet does not exist, its value is not served, or its
+    gradient is refused (not differentiable, not in the autograd graph, a derivation whose check
+    failed); the message gives the reason."""
+
+    def __init__(self, address: str, facet: str, known: Iterable[str], role: str | None = None, reason: str = ""):
+        known = list(known)
+        self.address, self.facet = address, facet
+        what = f"the {role} module" if role and role != "other" else "the module"
+        if reason:
+            msg = f"no gradient for facet {facet!r} of {what} {address!r}: {reason}."
+        else:
+            msg = (f"{what} {address!r} has no facet {facet!r}, so no gradient of it.{_suggest(facet, known)}"
+                   f" Its gradients are: {', '.join(known) or '(none)'}.")
+        LookupFailed.__init__(self, msg)
+
+
+class GradNotSaved(FacetNotSaved):
+    """The facet exists, but this trace's `save=` did not keep it, so its gradient was not kept either."""
+
+    def __init__(self, address: str, facet: str, reason: str = ""):
+        self.address, self.facet = address, facet
+        LookupFailed.__init__(self, (
+            f"the gradient of facet {facet!r} of {address!r} was not kept: save= selects gradients as it selects "
+            f"values, and this trace's did not keep {facet!r} there. {reason + ' ' if reason else ''}Trace again "
+            f"with save='all', save=[{address!r}] or save=[{facet!r}] (and grads=) to keep it."))
+
+
 class AmbiguousModuleCall(LookupFailed):
     """A module ran more than once, so `.facets` must name the call."""
 
-    def __init__(self, address: str, n_calls: int):
+    def __init__(self, address: str, n_calls: int, attr: str = "facets"):
         self.address = address
+        what = "facets" if attr == "facets" else "gradients"
         msg = (
-            f"module {address!r} ran {n_calls} times in this forward pass, so its facets are "
-            f"per call: use trace.modules[{address!r}].calls[i].facets with i in 0..{n_calls - 1}."
+            f"module {address!r} ran {n_calls} times in this forward pass, so its {what} are "
+            f"per call: use trace.modules[{address!r}].calls[i].{attr} with i in 0..{n_calls - 1}."
         )
         super().__init__(msg)

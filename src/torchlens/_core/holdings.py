@@ -2,7 +2,8 @@
 
 `held_tensors` is the one walk over every tensor a trace (or a recorder, during capture) holds:
 op outputs, the arguments kept for rebuilding a fused kernel (`OpRecord.extra`), module
-inputs/outputs the hooks kept, facets' stored tensors, and what pending checks compute from.
+inputs/outputs the hooks kept, facets' stored tensors (and their gradients' on a trace taken
+with `grads=`), and what pending checks compute from.
 Each is a `Holding`, whose `put` replaces the tensor in its holder: the snapshot copies, the
 stores move, the sealing of pending checks reads, and loading checks them all through it.
 """
@@ -141,16 +142,25 @@ def held_tensors(ops: Iterable[Any], calls: Iterable[Any] = (), hooks: Iterable[
             found.append(Holding(call, side, t))
     lists: set[int] = set()
     for call in calls:
-        if call.facets is None:
-            continue
-        for site in call.facets._sites.values():
-            t = site.__dict__.get("tensor")
-            if isinstance(t, torch.Tensor):
-                found.append(Holding(site, "tensor", t))
-            inputs = site._inputs
-            if inputs is not None and id(inputs) not in lists:
-                lists.add(id(inputs))
-                found += [Holding(inputs, i, x) for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+        # a call's facets, and the gradients of a trace taken with `grads=` (`ModuleCall.grads`)
+        for sites in (call.facets, getattr(call, "grads", None)):
+            if sites is not None:
+                found += _site_holdings(sites, lists)
+    return found
+
+
+def _site_holdings(facets: Any, lists: set[int]) -> list[Holding]:
+    """The stored tensors of a facet map's sites and the inputs of their pending checks (each
+    list once: `lists` holds the ids of the lists seen)."""
+    found: list[Holding] = []
+    for site in facets._sites.values():
+        t = site.__dict__.get("tensor")
+        if isinstance(t, torch.Tensor):
+            found.append(Holding(site, "tensor", t))
+        inputs = site._inputs
+        if inputs is not None and id(inputs) not in lists:
+            lists.add(id(inputs))
+            found += [Holding(inputs, i, x) for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
     return found
 
 

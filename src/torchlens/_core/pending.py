@@ -211,12 +211,13 @@ def seal_checks(trace: Any) -> None:
     """
     pendings: dict[int, Pending] = {}
     for call in trace_calls(trace):
-        if call.facets is None:
-            continue
-        for site in call.facets._sites.values():
-            pending = site._pending
-            if pending is not None and pending.fn is not None:
-                pendings.setdefault(id(pending), pending)
+        for facets in (call.facets, getattr(call, "grads", None)):  # values, and gradients (`grads=`)
+            if facets is None:
+                continue
+            for site in facets._sites.values():
+                pending = site._pending
+                if pending is not None and pending.fn is not None:
+                    pendings.setdefault(id(pending), pending)
     if not pendings:
         return
     # storage -> dtype -> the tensors the trace holds there in that dtype, for the storages the

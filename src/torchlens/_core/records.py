@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torchlens._core.errors import AmbiguousModuleCall, ModuleNotFoundInTrace
+from torchlens._core.errors import AmbiguousModuleCall, ModuleNotFoundInTrace, NoGradients
 from torchlens._core.persisted import persisted
 from torchlens._core.sites import FacetMap
 
@@ -159,6 +159,8 @@ class ModuleCall:
             produced it, a parameter's name (a `str`), or None for a tensor from outside the
             forward (a model input) or a call without a tensor input.
         output_ref: the same for the call's output (its first tensor, depth first).
+        grads: the gradients of this call's facets (a `GradMap`), for a trace taken with
+            `grads=`; None otherwise.
     """
 
     address: str
@@ -176,6 +178,7 @@ class ModuleCall:
     # output is not; dropped when the trace is finished.
     _in: Any = field(default=None, repr=False)
     _out: Any = field(default=None, repr=False)
+    grads: FacetMap | None = field(default=None, repr=False)
 
 
 @persisted
@@ -213,6 +216,24 @@ class ModuleRecord:
         if not self.calls:
             return FacetMap(self.address, self.role, {}, ran=False)
         raise AmbiguousModuleCall(self.address, len(self.calls))
+
+    @property
+    def grads(self) -> FacetMap:
+        """The gradients of the facets of the module's only call (a `GradMap`: same keys and
+        call rules as `facets`), for a trace taken with `grads=`.
+
+        Raises:
+            AmbiguousModuleCall: the module ran several times; read `calls[i].grads`.
+            NoGradients: the trace was taken without `grads=`.
+        """
+        if len(self.calls) == 1:
+            g = self.calls[0].grads
+            if g is None:
+                raise NoGradients(f"trace.modules[{self.address!r}].grads")
+            return g
+        if not self.calls:
+            return FacetMap(self.address, self.role, {}, ran=False)
+        raise AmbiguousModuleCall(self.address, len(self.calls), "grads")
 
     def __repr__(self) -> str:
         return f"ModuleRecord({self.address!r}, {self.class_name}, role={self.role}, calls={len(self.calls)})"

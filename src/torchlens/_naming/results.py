@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torchlens._core import html
-from torchlens._core.errors import LookupFailed
+from torchlens._core.errors import LookupFailed, NoGradients
 
 if TYPE_CHECKING:
     from torchlens._trace import Trace
@@ -123,6 +123,29 @@ class AliasResolution:
             assert facets is not None  # every call of an assembled trace has its map
             return facets[self.facet]
         return rec.facets[self.facet]
+
+    @property
+    def grad(self):
+        """d loss / d the tensor this name reads, in a trace taken with `grads=`: the gradient
+        counterpart of `tensor`, from `trace.modules[address].grads` (same site, same layout).
+
+        Raises:
+            AliasError: the name has no site in the trace.
+            NoGradients: the trace was taken without `grads=`.
+            GradNotFound: the site's gradient is not served (its reason says why).
+            GradNotSaved: `save=` did not keep the site, so its gradient was not kept either.
+        """
+        if self.module_address is None or self.facet is None:
+            raise AliasError(f"{self.query!r} has no site in this trace: {self.reason}")
+        if self.trace is None:
+            raise AliasError(f"{self.query!r} was built without a trace; use resolve_alias(trace, name).grad")
+        rec = self.trace.modules[self.module_address]
+        if self.call is not None:
+            grads = rec.calls[self.call].grads
+            if grads is None:
+                raise NoGradients(f"resolve_alias(trace, {self.query!r}).grad")
+            return grads[self.facet]
+        return rec.grads[self.facet]
 
     def __repr__(self) -> str:
         status = self.status if self.checked else f"{self.status}, not checked yet"

@@ -1,0 +1,315 @@
+"""Gradients of the kept sites: one backward of the loss, mapped onto every call's facets.
+
+`trace(..., grads=loss_fn)` records, next to each tensor it keeps, that tensor's gradient edge
+(`torchlens._capture.edges.Edges`). Once the facets are found and `save=` has trimmed them,
+`backward` runs ONE `torch.autograd.grad` of the loss with respect to the edges the kept facets
+stand on, and `grad_maps` gives every call a `GradMap` beside its `FacetMap`:
+
+- a real facet whose tensor is an op output, a module input or output the hook kept, or a view
+  of one (a projection viewed per head, a slice of a fused projection, a transposed kernel
+  input) gets autograd's gradient at that tensor, viewed the same way: each element of the
+  facet is an element of the tensor the model used, and its gradient is that element's;
+- a facet on no path to the loss gets zeros (the loss does not depend on it), said in its note;
+- a facet whose value is refused or not kept has its gradient refused or not kept alike;
+- a derived facet (computed or reconstructed: no op of the model produced it) is refused with
+  the reason, as is a tensor that does not require grad (token ids, a mask).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchlens._analysis.facets.rebuild import sdpa_bound
+from torchlens._capture.edges import Edges
+from torchlens._core import ops as _ops
+from torchlens._core.errors import GradientError
+from torchlens._core.grad_sites import GradMap
+from torchlens._core.records import ModuleCall, OpRecord
+from torchlens._core.sites import FacetSite
+
+__all__ = ["loss_of", "backward", "grad_maps"]
+
+#: why a derived facet has no gradient (yet)
+_DERIVED = ("it is {kind} (no op of the model produced it: TorchLens derived it), so autograd has no gradient "
+            "at it in the model's forward; the gradient of a derived facet is not served")
+
+
+def loss_of(loss_fn: Callable[[Any], Any], output: Any, name: str) -> Tensor:
+    """`loss_fn(output)`, checked: a floating-point scalar tensor on the autograd graph.
+
+    Raises:
+        GradientError: the loss function raised, or returned something else.
+    """
+    try:
+        loss = loss_fn(output)
+    except Exception as exc:
+        raise GradientError(
+            f"grads={name} raised {type(exc).__name__}: {exc}. grads= takes a function of the model's output (what "
+            f"model(...) returns) giving a scalar tensor, e.g. grads=lambda out: out.logits[0, -1].max()."
+        ) from exc
+    if not isinstance(loss, Tensor):
+        raise GradientError(
+            f"grads={name} returned a {type(loss).__name__}, not a tensor: it must return a scalar tensor computed "
+            "from the model's output (e.g. out.logits[0, -1, token] or a loss's .sum())."
+        )
+    if loss.numel() != 1:
+        raise GradientError(
+            f"grads={name} returned a tensor of shape {list(loss.shape)}; the gradient is of a scalar: reduce it "
+            "(.sum() keeps each element's gradient as it is, .mean() divides them by the count)."
+        )
+    if not loss.dtype.is_floating_point and not loss.dtype.is_complex:
+        raise GradientError(f"grads={name} returned a {loss.dtype} tensor, which has no gradient: return a float.")
+    if not loss.requires_grad:
+        raise GradientError(
+            f"grads={name} returned a loss that does not depend on anything differentiable in the forward: no "
+            "parameter of the model and no input requires grad along a path to it (integer outputs, or a loss "
+            "computed from a detached tensor)."
+        )
+    return loss.reshape(())
+
+
+def backward(loss: Tensor, edges: Edges, ops: list[OpRecord], calls: list[ModuleCall]) -> dict[int, Any]:
+    """d loss / d each kept facet's tensor: `id(site)` -> the gradient (a tensor), or a str
+    saying why there is none. One `torch.autograd.grad` over the edges the sites stand on."""
+    found: dict[int, Any] = {}
+    wanted: dict[int, tuple[Any, Tensor]] = {}  # id(edge source) -> (edge, the tensor it is the edge of)
+    plans: list[tuple[FacetSite, int, Tensor, Tensor]] = []
+    by_storage: dict[int, list[tuple[Any, Tensor]]] = {}  # the kept aliases, by the memory they are on
+    for a, e in edges.aliases.values():
+        by_storage.setdefault(_storage(a), []).append((e, a))
+    kernels: dict[int, dict[str, FacetSite]] = {}  # fused attention op -> its rebuilt scores / pattern sites
+    for call in calls:
+        if call.facets is None:
+            continue
+        for site in call.facets._sites.values():
+            t = site.__dict__.get("tensor")
+            if (site.kind == "reconstructed" and site.name in ("scores", "pattern") and site.op is not None
+                    and ops[site.op].name in _ops.FUSED_ATTENTION_OPS and site.saved):
+                kernels.setdefault(site.op, {})[site.name] = site
+                continue
+            if site.kind != "real":
+                found[id(site)] = _DERIVED.format(kind=site.kind)
+                continue
+            if not isinstance(t, Tensor):
+                continue  # not kept: its gradient is not kept either
+            base = _base_of(site, t, edges, ops, by_storage)
+            if isinstance(base, str):
+                found[id(site)] = base
+                continue
+            edge, h = base
+            wanted.setdefault(id(h), (edge, h))
+            plans.append((site, id(h), h, t))
+    kernel_plans = []
+    for i, sites in kernels.items():
+        plan = _kernel_plan(i, ops[i], edges)
+        if isinstance(plan, str):
+            for site in sites.values():
+                found[id(site)] = plan
+            continue
+        for edge, h in plan[1:4]:
+            wanted.setdefault(id(h), (edge, h))
+        kernel_plans.append((sites, plan))
+    if not wanted:
+        return found
+    keys = list(wanted)
+    try:
+        gs = torch.autograd.grad(loss, [wanted[k][0] for k in keys], retain_graph=True, allow_unused=True)
+    except RuntimeError as exc:
+        raise GradientError(
+            f"the backward of the loss failed: {exc}. TorchLens runs one torch.autograd.grad of the loss with "
+            "respect to the kept sites; the same error would come from loss.backward() on this forward."
+        ) from exc
+    grads = dict(zip(keys, gs))
+    for site, key, h, t in plans:
+        g = grads[key]
+        unused = g is None
+        if unused:
+            g = torch.zeros_like(h)
+        mapped = _view_like(g, h, t)
+        if mapped is None:
+            found[id(site)] = ("its tensor is not laid out as a view of the tensor the model used, so which "
+                               "element's gradient is which cannot be told")
+            continue
+        found[id(site)] = (mapped, unused)
+    for sites, plan in kernel_plans:
+        bound, (_, z), (_, q), (_, v) = plan
+        got = [grads[id(x)] for x in (z, q, v)]
+        dz, dq, dv = [torch.zeros_like(x) if g is None else g for g, x in zip(got, (z, q, v))]
+        derived = _kernel_grads(sites, bound, dz, dq, dv)
+        for name, site in sites.items():
+            found[id(site)] = derived if isinstance(derived, str) else derived[name]
+    return found
+
+
+def _kernel_plan(i: int, op: OpRecord, edges: Edges) -> Any:
+    """For a fused attention op: (its bound arguments, then (edge, tensor) of its output, its
+    query and its value as the kernel read them), or why its scores and pattern get no gradient."""
+    out = edges.ops.get((i, 0))
+    if op.extra is None or out is None:
+        return "the fused kernel's output or arguments were not kept with their gradient edges"
+    bound = sdpa_bound(op.extra["args"], op.extra["kwargs"])
+    q, v = bound.get("query"), bound.get("value")
+    eq, ev = edges.arg(i, q), edges.arg(i, v)
+    if eq is None or ev is None:
+        return ("the kernel's query or value does not require grad, so the relation that checks the derived "
+                "gradient cannot be formed")
+    return bound, out, (eq, q), (ev, v)
+
+
+def _kernel_grads(sites: dict[str, FacetSite], bound: dict, dz: Tensor, dq: Tensor, dv: Tensor) -> Any:
+    """d loss / d the rebuilt pattern and scores of one fused kernel: dP = dZ Vᵀ per head (z = P V)
+    and dS = P ⊙ (dP - rowsum(dP ⊙ P)) (P = softmax(S)), served when autograd's own gradients at
+    the kernel's value and query agree: Pᵀ dZ (summed over a GQA group) = d loss / d v and
+    scale · dS K = d loss / d q. Returns name -> (gradient, False) with the check error set, or why not."""
+    if "pattern" not in sites:
+        return "the derivation needs the pattern, which save= did not keep beside the scores"
+    p = sites["pattern"].tensor  # runs the value's rebuild and its check
+    if p is None or sites["pattern"]._refusal is not None:
+        return "the pattern, which the derivation needs, is not served"
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    if p.shape[:-2] != q.shape[:-2] or p.shape[-2] != q.shape[-2] or p.shape[-1] != k.shape[-2]:
+        return "the kernel ran in a packed layout (GQA decode), for which the derivation is not served"
+    w = torch.float64 if dz.dtype == torch.float64 else torch.float32
+    heads, kv = q.shape[-3], v.shape[-3]
+    if heads % kv:
+        return f"{heads} query heads do not group over {kv} value heads"
+    rep = heads // kv
+    P, dZ = p.to(w), dz.to(w)
+    V, K = v.to(w).repeat_interleave(rep, dim=-3), k.to(w).repeat_interleave(rep, dim=-3)
+    dP = dZ @ V.transpose(-1, -2)
+    dS = P * (dP - (dP * P).sum(-1, keepdim=True))
+    dV_pred = (P.transpose(-1, -2) @ dZ)
+    dV_pred = dV_pred.unflatten(-3, (kv, rep)).sum(-3)
+    scale = bound.get("scale")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    dQ_pred = scale * (dS @ K)
+    tol_rel = _ops.reconstruction_tolerance(dz.dtype)
+    errs = []
+    for name, pred, real in (("value", dV_pred, dv), ("query", dQ_pred, dq)):
+        real = real.to(w)
+        err = float((pred - real).abs().max()) if real.numel() else 0.0
+        tol = tol_rel * max(float(real.abs().max()) if real.numel() else 0.0, 1e-30)
+        if not err <= tol:
+            return (f"derived as dZ·Vᵀ per head, but autograd's gradient at the kernel's {name} differs from the one "
+                    f"the derivation implies by {err:.3g} (> {tol:.3g}), so it is not served")
+        errs.append(err)
+    out = {}
+    for name, g in (("pattern", dP), ("scores", dS)):
+        if name in sites:
+            out[name] = (g.to(sites[name].dtype).reshape(sites[name].shape), False, max(errs))
+    return out
+
+
+def _base_of(site: FacetSite, t: Tensor, edges: Edges, ops: list[OpRecord],
+             by_storage: dict[int, list[tuple[Any, Tensor]]]) -> Any:
+    """The (edge, tensor) the site's tensor `t` is, or is a view of, or why there is none."""
+    candidates: list[tuple[Any, Tensor]] = []
+    if site.op is not None:
+        for slot in range(len(ops[site.op].shapes)):
+            entry = edges.ops.get((site.op, slot))
+            if entry is not None:
+                candidates.append(entry)
+    edge = edges.alias(t)
+    if edge is not None:
+        candidates.insert(0, (edge, t))
+    key = _storage(t)
+    candidates += by_storage.get(key, [])
+    for edge, h in candidates:
+        if h is t:
+            return edge, h
+    for edge, h in candidates:
+        if h.dtype == t.dtype and _storage(h) == key and _within(h, t):
+            return edge, h
+    if not t.dtype.is_floating_point and not t.dtype.is_complex:
+        return f"its tensor is {t.dtype}, which has no gradient"
+    if not candidates:
+        return ("its tensor does not require grad: nothing it is computed from requires grad (no parameter and "
+                "no input that requires grad on its path)")
+    return ("its tensor is not the tensor the model used there nor a view of it (a copy rearranged from it), so "
+            "which element's gradient is which cannot be told")
+
+
+def _storage(t: Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return -1
+
+
+def _within(h: Tensor, t: Tensor) -> bool:
+    """Whether every element of `t` is an element of `h` (same storage assumed)."""
+    return _index_map(h, t) is not None
+
+
+def _index_map(h: Tensor, t: Tensor) -> Tensor | None:
+    """For each element of `t` (a view into `h`'s memory), the flat index of that element in `h`;
+    None when an element of `t` is not one of `h`'s, or `h` overlaps itself."""
+    if t.numel() == 0:
+        return torch.zeros(t.shape, dtype=torch.long)
+    lo = h.storage_offset()
+    rel = t.storage_offset() - lo
+    h_end = sum((n - 1) * s for n, s in zip(h.shape, h.stride())) + 1 if h.numel() else 0
+    t_end = rel + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+    if rel < 0 or t_end > h_end or any(s < 0 for s in t.stride()):
+        return None
+    where = torch.full((h_end,), -1, dtype=torch.long)
+    where.as_strided(h.shape, h.stride(), 0).copy_(torch.arange(h.numel()).view(h.shape))
+    if h.numel() and int((where >= 0).sum()) != h.numel():
+        return None  # h overlaps itself (an expanded tensor): an element is several of h's
+    idx = where.as_strided(t.shape, t.stride(), rel)
+    if bool((idx < 0).any()):
+        return None
+    return idx
+
+
+def _view_like(g: Tensor, h: Tensor, t: Tensor) -> Tensor | None:
+    """The gradient of `t` from the gradient `g` of `h`, where `t`'s elements are elements of `h`."""
+    if t is h or (t.shape == h.shape and t.stride() == h.stride() and t.storage_offset() == h.storage_offset()):
+        return g
+    if h.is_contiguous():
+        rel = t.storage_offset() - h.storage_offset()
+        flat = g.contiguous().view(-1)
+        t_end = rel + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+        if rel >= 0 and t_end <= flat.numel() and all(s >= 0 for s in t.stride()):
+            return flat.as_strided(t.shape, t.stride(), flat.storage_offset() + rel)
+        return None
+    idx = _index_map(h, t)
+    if idx is None:
+        return None
+    return g.reshape(-1)[idx.to(g.device).reshape(-1)].reshape(t.shape)
+
+
+def grad_maps(calls: list[ModuleCall], found: dict[int, Any], loss: str) -> None:
+    """Give each call its `GradMap`: the same keys as its facets, refusals and unsaved alike."""
+    for call in calls:
+        facets = call.facets
+        if facets is None:
+            continue
+        sites: dict[str, FacetSite] = {}
+        for name, reason in facets.refused.items():
+            sites[name] = FacetSite(name, "refused", (), torch.float32, note=f"its value is not served ({reason})")
+        for name, s in facets._sites.items():
+            got = found.get(id(s))
+            if isinstance(got, str):
+                sites[name] = FacetSite(name, "refused", s.shape, s.dtype, note=got)
+            elif got is None:  # not kept
+                sites[name] = FacetSite(name, "real", s.shape, s.dtype, None, s.op, None, "not kept")
+            elif len(got) == 3:  # derived through the rebuild, checked
+                g, _, err = got
+                note = ("derived: dZ·Vᵀ per head" if name == "pattern" else "derived: the softmax's VJP of dZ·Vᵀ") + (
+                    "; checked: autograd's gradients at the kernel's value (Pᵀ·dZ) and query (scale·dS·K) agree")
+                sites[name] = FacetSite(name, "computed", s.shape, s.dtype, g, s.op, err, note)
+            else:
+                g, unused = got
+                note = ("zeros: the loss does not depend on this tensor (not on any path to it)" if unused
+                        else "autograd's gradient at the tensor the model used")
+                sites[name] = FacetSite(name, "real", s.shape, s.dtype, g, s.op, None, note)
+        gm = GradMap(call.address, call.role, sites, ran=facets.ran)
+        gm.loss = loss
+        gm._values = facets
+        call.grads = gm

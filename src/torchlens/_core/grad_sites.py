@@ -1,0 +1,83 @@
+"""Gradients of facets: `GradMap`, the gradients of one call's facets, a `FacetMap` whose sites
+hold d loss / d the facet's tensor instead of the tensor.
+
+A trace taken with `grads=loss_fn` gives every module call a `grads` map next to its `facets`:
+the same keys, the same call rules (`ModuleRecord.grads` of a module that ran once, else
+`calls[i].grads`), the same statuses and refusals. Its sites are `FacetSite`s: `kind` says how
+the gradient was obtained (`"real"`: autograd's gradient at the tensor the model used there;
+`"computed"` / `"reconstructed"`: the vector-Jacobian product through the same rebuild that
+gives the facet's value, checked against the model's own gradients, on first read like the
+value's check), `check_error` the largest difference in that check, `note` how.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchlens._core.errors import GradNotFound, GradNotSaved
+from torchlens._core.persisted import persisted
+from torchlens._core.sites import FacetMap, FacetSite
+
+__all__ = ["GradMap"]
+
+
+@persisted
+class GradMap(FacetMap):
+    """The gradients of one module call's facets: facet name -> d loss / d that facet's tensor.
+
+    Read it as `trace.modules[address].grads[facet]` (or `calls[i].grads[facet]`). A facet whose
+    value `save=` did not keep has no gradient kept either (`GradNotSaved`); a facet whose value is
+    refused, or whose gradient cannot be obtained (an integer tensor; a tensor outside the autograd
+    graph; a derived gradient whose check fails), raises `GradNotFound` with the reason. Both are
+    `FacetNotSaved` / `FacetNotFound` subclasses.
+
+    Attributes:
+        address: the module's address.
+        role: the module's role.
+        refused: facet name -> why its gradient is not served.
+        ran: False for the empty map of a module that did not run in the forward.
+        loss: what the gradients are of, in words (the loss function's name).
+    """
+
+    loss: str = ""
+    #: the `FacetMap` of the same call: a gradient is served only while its value is
+    _values: FacetMap | None = None
+
+    def _not_found(self, name: Any) -> GradNotFound:
+        if not isinstance(name, str):
+            return GradNotFound(self.address, repr(name), self._sites, self.role,
+                                f"gradients are looked up by facet name (a str), not by {type(name).__name__}")
+        if name in self.refused:
+            return GradNotFound(self.address, name, self._sites, self.role, f"it is not served: {self.refused[name]}")
+        reason = "" if self.ran else "it did not run in this forward pass, so it has no facets"
+        return GradNotFound(self.address, name, self._sites, self.role, reason)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        site = self._sites.get(name) if isinstance(name, str) else None
+        if site is None:
+            raise self._not_found(name)
+        values = self._values
+        if values is not None and name in values._sites:
+            values.check(name)  # the value's pending check: a refused value has no gradient served
+            if name in values.refused:
+                self._sites.pop(name, None)
+                self.refused[name] = f"its value is not served ({values.refused[name]})"
+                raise self._not_found(name)
+        t = site.tensor  # runs a pending check
+        if site._refusal is not None:
+            raise self._not_found(name)
+        if t is None:
+            raise GradNotSaved(self.address, name)
+        return t
+
+    _PERSISTED = ("address", "role", "refused", "sites", "ran", "loss")
+
+    def __repr__(self) -> str:
+        return "Grad" + super().__repr__()
+
+
+def refused_grad(site: FacetSite, reason: str) -> FacetSite:
+    """A gradient site that is not served, with `reason`, in place of the value site `site`."""
+    return FacetSite(site.name, "refused", site.shape, site.dtype, note=reason)
