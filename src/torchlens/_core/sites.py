@@ -140,7 +140,7 @@ class FacetSite:
         return {k: v for k, v in self.__dict__.items() if k not in ("_pending", "_inputs", "_guard")}
 
     #: The fields a saved trace stores (`Trace.save` runs the pending check first).
-    _PERSISTED = ("name", "kind", "shape", "dtype", "tensor", "op", "check_error", "note")
+    _PERSISTED: tuple[str, ...] = ("name", "kind", "shape", "dtype", "tensor", "op", "check_error", "note")
 
     def _persist_fields(self) -> list[tuple[str, Any]]:
         return [(f, getattr(self, f)) for f in self._PERSISTED]
@@ -311,7 +311,7 @@ class FacetMap(Mapping):
         return site
 
     #: The fields a saved trace stores; `sites` (under its public name) is loaded into `_sites`.
-    _PERSISTED = ("address", "role", "refused", "sites", "ran")
+    _PERSISTED: tuple[str, ...] = ("address", "role", "refused", "sites", "ran")
     _persist_renames = {"sites": "_sites"}
 
     def _persist_fields(self) -> list[tuple[str, Any]]:
