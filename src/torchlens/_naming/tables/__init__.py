@@ -118,6 +118,9 @@ class Table:
         by_kind: (model kind, table) pairs: on a trace of that kind (`trace.structure.kind`) the
             resolver reads that table instead (TransformerLens 2.x names BERT's sites with
             `HookedEncoder`'s rows).
+        heading: how the site names the generation: its alias page's title, its entry in the
+            nav of `mkdocs.yml` and its column in the block diagrams (empty on a `by_kind` table).
+        slug: its alias page, `docs/aliases/SLUG.md` (empty on a `by_kind` table).
     """
 
     generation: str
@@ -128,6 +131,8 @@ class Table:
     negative_layers: bool = False
     decoder_only: bool = False
     by_kind: tuple[tuple[str, Table], ...] = ()
+    heading: str = ""
+    slug: str = ""
 
     def __post_init__(self) -> None:
         check_table(self)
