@@ -2,7 +2,7 @@
 
 Ground truth is taken with plain PyTorch forward hooks on the Hugging Face modules (a separate
 forward pass, no TorchLens installed), or recomputed from those hooked tensors and the model's
-weights. The models are tiny random-init decoders from `tests/_models.py`.
+weights. The models are the tiny random-init decoders of `torchlens.testing.SUITE`.
 
 Layout of the file:
 
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 import torchlens
 from torchlens import SaveSpecError
 
-import _models
+from torchlens import testing
 
 # ----------------------------------------------------------------------------------------------
 # Family data (what the ground truth needs to know about each architecture)
@@ -101,7 +101,7 @@ FAMILY: dict[str, dict[str, Any]] = {
 FAMILY["gpt2_upcast"] = FAMILY["gpt2"]
 FAMILY["gpt_neox_sequential"] = dict(FAMILY["gpt_neox"], resid_mid=("post_attention_layernorm", "in"))
 
-FAMILY_IMPLS = [(f, impl) for f, (_, impls) in _models.FAMILIES.items() for impl in impls]
+FAMILY_IMPLS = [(f, impl) for f in testing.SUITE for impl in testing.FAMILIES[f].attn_implementations]
 N_LAYERS = 2
 SEQ = 7
 #: Left padding of the second row of the padded batch: its first two positions are padding.
@@ -273,8 +273,8 @@ def assert_same(actual: Tensor, expected: Tensor, what: str = ""):
 
 def _inputs(padded: bool) -> tuple[Tensor, Tensor | None]:
     if not padded:
-        return _models.token_ids(1, SEQ), None
-    ids = _models.token_ids(2, SEQ, seed=1)
+        return testing.token_ids(1, SEQ), None
+    ids = testing.token_ids(2, SEQ, seed=1)
     mask = torch.ones(2, SEQ, dtype=torch.long)
     mask[1, :PAD] = 0
     return ids, mask
@@ -282,14 +282,14 @@ def _inputs(padded: bool) -> tuple[Tensor, Tensor | None]:
 
 @functools.cache
 def get_case(family: str, impl: str, dtype: torch.dtype = torch.float32, padded: bool = False) -> Case:
-    model = _models.build(family, impl, dtype)
+    model = testing.build(family, impl, dtype)
     ids, mask = _inputs(padded)
     kw = {} if mask is None else {"attention_mask": mask}
     out, gt = hooked_forward(model, ids, **kw)
     if impl == "eager":
         eager = model
     else:
-        eager = _models.build(family, "eager", dtype)
+        eager = testing.build(family, "eager", dtype)
         eager.load_state_dict(model.state_dict())
     with torch.no_grad():
         eager_out = eager(ids, output_attentions=True, **kw)
