@@ -409,11 +409,7 @@ class Layout:
     def _heading(self, g: str) -> tuple[str, str]:
         if g == "3.x" and self.d.three_x_adds_to_four_x:
             return mi.GENERATIONS[g].heading, "legacy names; + every 4.x name"
-        if g == "interp-engine":
-            return mi.GENERATIONS[g].heading, "point addresses"
-        if g == "nnterp":
-            return mi.GENERATIONS[g].heading, "accessors"
-        return mi.GENERATIONS[g].heading, {"2.x": "HookedTransformer", "4.x": "canonical names"}.get(g, "")
+        return mi.GENERATIONS[g].heading, mi.GENERATIONS[g].names
 
     def _diagram_width(self) -> int:
         widest = 0
