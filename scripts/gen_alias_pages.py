@@ -32,7 +32,7 @@ from _outputs import write_or_check  # noqa: E402  (a sibling of this script)
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ROOT / "docs" / "aliases"
-BEGIN = "<!-- BEGIN GENERATED: scripts/gen_alias_pages.py; edit the tables in src/torchlens/mechinterp/_tables -->"
+BEGIN = "<!-- BEGIN GENERATED: scripts/gen_alias_pages.py; edit the tables in src/torchlens/_naming/tables -->"
 END = "<!-- END GENERATED -->"
 #: generation -> the slug of its page, as its table gives it
 SLUGS = {generation: table.slug for generation, table in mi.GENERATIONS.items()}
