@@ -178,7 +178,8 @@ def test_every_generation_is_published_once():
 
 #: Family spellings (keys, titles, slugs) and engine spellings (names, titles, `tool=` aliases).
 FAMILY_NAMES = frozenset(F) | {f.title for f in F.values()} | {f.slug for f in F.values()}
-ENGINE_NAMES = frozenset(ENGINES) | {e.title for e in ENGINES.values()} | {a for e in ENGINES.values() for a in e.aliases}
+ENGINE_NAMES = frozenset(ENGINES) | {e.title for e in ENGINES.values()} | {a for e in ENGINES.values()
+                                                                          for a in e.aliases}
 #: A literal naming this many families (or engines) is a list of them, not a test's choice of a few.
 FAMILY_LIST, ENGINE_LIST = 4, 3
 #: The registries themselves.
