@@ -120,7 +120,7 @@ class Table:
             `HookedEncoder`'s rows).
         heading: how the site names the generation: its alias page's title, its entry in the
             nav of `mkdocs.yml` and its column in the block diagrams.
-        slug: its alias page, `docs/aliases/SLUG.md`.
+        slug: the file name of its alias page under `docs/aliases/` (`tl-2x` is `tl-2x.md`).
         library: the distribution whose names these are, as pip installs it (`"transformer-lens"`).
         checked: the release of `library` the rows were checked against (`"2.18"`); a generation
             named `"N.x"` is checked against an N release.
