@@ -20,6 +20,7 @@ import pytest
 import torch
 from docs_harness import ci_is_on
 from fixtures import engine_runs as er
+from fixtures.engines import Engine
 
 import torchlens.mechinterp as mi
 
@@ -231,7 +232,8 @@ def test_vllm_recipe_matches_every_site(family):
 
 
 def test_a_missing_engine_skips_locally_and_fails_under_ci(monkeypatch):
-    monkeypatch.setitem(er.ENGINES, "absent-engine", ("absent-engine", "torchlens_no_such_engine_module"))
+    absent = Engine("absent-engine", "Absent", "absent-engine", "torchlens_no_such_engine_module")
+    monkeypatch.setitem(er.ENGINES, "absent-engine", absent)
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="CI=true"):
         require("absent-engine")
