@@ -14,7 +14,8 @@ Every `Table` is checked when it is built, so a mistyped table fails at import i
 quietly reporting its names `structurally_absent`: each row's facets exist
 (`torchlens._core.facet_spec.ALL_FACETS`) and fit its target's role, each target exists
 (`targets.TARGETS`), no name appears twice, and no row's pattern matches another row's
-names. A violation raises `TableError` naming the table and the row.
+names; and its generation's metadata (heading, slug, library, release) is given whole and well
+formed. A violation raises `TableError` naming the table and the row.
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ def check_table(table: Table) -> None:
         TableError: naming the table and the first row that breaks a rule: an unknown facet or
             target, a facet of another role than the target's, a site half given (a target
             without a facet or the reverse), an unknown stack, a name given twice (or also
-            listed as unmapped), or a pattern that matches another row's names.
+            listed as unmapped), or a pattern that matches another row's names; or metadata given
+            in part, malformed, of another series than the generation's, or on a `by_kind` table.
     """
     _check_metadata(table)
     seen: dict[str, Row] = {}
