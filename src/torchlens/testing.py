@@ -498,8 +498,8 @@ def _row_problems(f: Family) -> list[str]:
     s = f.structure
     if s is not None:
         problems += _structure_problems(s)
-    text_decoder = s is not None and s.kind == "decoder-only" and s.inputs == "text"
-    if (f.diagram or f.engines) and not (text_decoder and s.embed and s.unembed):
+    language_model = s is not None and s.kind == "decoder-only" and s.inputs == "text" and bool(s.embed and s.unembed)
+    if (f.diagram or f.engines) and not language_model:
         problems.append("diagram and engines need a structure: a decoder-only language model of token ids")
     if f.op_graph is not None and (s is None or s.inputs not in ("text", "seq2seq")
                                    or not any(f.op_graph.block.startswith(f"{stack}.") for stack in s.stacks)):
