@@ -246,7 +246,7 @@ def _served(trace):
             for n, s in c.facets.sites.items()}
 
 
-_EVERY_VARIANT = [(f, impl) for f, spec in testing.FAMILIES.items() for impl in spec.attn_implementations]
+_EVERY_VARIANT = [(f, impl) for f in testing.SUITE for impl in testing.FAMILIES[f].attn_implementations]
 
 
 @pytest.mark.parametrize("family, impl", _EVERY_VARIANT, ids=[f"{f}-{i}" for f, i in _EVERY_VARIANT])
