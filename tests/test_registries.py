@@ -190,6 +190,9 @@ ALLOWED = {
                                                 "facets are rebuilt from: ground truth only this test reads",
     ("tests/test_diagnosis.py", "PATHS"): "norm and projection addresses of the softcap/residual diagnosis "
                                           "models, most of them variants the registry does not hold",
+    ("tests/_edge_models.py", "CONFIGS"): "the edge architectures of issue 22, with five registry families in "
+                                          "variant configs (special tokens, 32 positions); to be folded into "
+                                          "the registry as rows or build(name, **settings)",
     ("tests/fixtures/engine_runs.py", "RUNNERS"): "code, one runner per engine; its keys are checked against "
                                                   "the rows when the module is imported",
 }
