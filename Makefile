@@ -21,7 +21,7 @@ STAMP := $(VENV)/.torchlens-installed
 
 # Peer engines whose pins conflict with the main environment get one virtual environment
 # each: envs/NAME.txt pins it, envs/build.sh builds it into $(ENGINE_DIR)/NAME, and the docs
-# harness runs a block with tool=NAME in that interpreter (the rule: scripts/engine_envs.py). An
+# harness runs a block with tool=NAME in that interpreter (the rows: tests/fixtures/engines.py). An
 # environment is rebuilt when its file changes. They build one after another, after .venv:
 # build.sh hard-links the files they share (torch above all) to finished trees, which keeps
 # four environments near 4 GB on disk instead of 7.

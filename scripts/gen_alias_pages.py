@@ -3,7 +3,8 @@
 Each page has a hand-written part (kept as is) and a generated part between two marker
 comments. The generated part lists every row of one naming generation, with the site and
 status it resolves to on a 2-layer GPT-2 and a 2-layer Llama built from small configs with
-random weights, under the default (sdpa) attention.
+random weights (`torchlens.testing.build`), under sdpa attention (the default). A generation's
+page is `docs/aliases/SLUG.md`, titled with its heading: both are fields of its table.
 
 Usage:
     python scripts/gen_alias_pages.py          # rewrite the pages
@@ -21,37 +22,28 @@ import sys
 from pathlib import Path
 
 import torch
-import transformers
 
 import torchlens as tl
 import torchlens.mechinterp as mi
+from torchlens import testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _outputs import write_or_check  # noqa: E402  (a sibling of this script)
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ROOT / "docs" / "aliases"
-BEGIN = "<!-- BEGIN GENERATED: scripts/gen_alias_pages.py; edit the tables in src/torchlens/mechinterp/_tables -->"
+BEGIN = "<!-- BEGIN GENERATED: scripts/gen_alias_pages.py; edit the tables in src/torchlens/_naming/tables -->"
 END = "<!-- END GENERATED -->"
-SLUGS = {"2.x": "tl-2x", "3.x": "tl-3x", "4.x": "tl-4x", "nnterp": "nnterp", "interp-engine": "interp-engine"}
+#: generation -> the slug of its page, as its table gives it
+SLUGS = {generation: table.slug for generation, table in mi.GENERATIONS.items()}
+#: The families every page is generated against.
+REFERENCE_FAMILIES = ("gpt2", "llama")
 
 
 def reference_traces() -> dict[str, tl.Trace]:
-    """The two models every page is generated against (fixed seed, offline)."""
-    torch.manual_seed(0)
-    gpt2 = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(
-            n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
-        )
-    ).eval()
-    llama = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=48, vocab_size=64, max_position_embeddings=16,
-        )
-    ).eval()
+    """The two models every page is generated against (fixed seed, offline), by title."""
     ids = torch.tensor([[1, 2, 3, 4]])
-    return {"GPT-2": tl.trace(gpt2, ids), "Llama": tl.trace(llama, ids)}
+    return {testing.FAMILIES[name].title: tl.trace(testing.build(name, "sdpa"), ids) for name in REFERENCE_FAMILIES}
 
 
 def _site(trace: tl.Trace, row: mi.Row, generation: str) -> tuple[str, str]:
@@ -131,7 +123,7 @@ def generated_section(generation: str, traces: dict[str, tl.Trace]) -> str:
 
 
 def render(page: Path, generation: str, traces: dict[str, tl.Trace]) -> str:
-    text = page.read_text() if page.exists() else f"# {mi.GENERATIONS[generation].title}\n\n{BEGIN}\n{END}\n"
+    text = page.read_text() if page.exists() else f"# {mi.GENERATIONS[generation].heading}\n\n{BEGIN}\n{END}\n"
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{page}: missing the generated-section markers")
     head, rest = text.split(BEGIN, 1)

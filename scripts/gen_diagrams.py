@@ -1,7 +1,7 @@
 """Generate the block diagrams of the site: docs/assets/diagrams/<family>.svg and their page.
 
-For each model family this script builds a small random-init model
-([`torchlens.testing.build`][torchlens.testing.build], eager attention), traces it once with
+For each model family marked `diagram` in `torchlens.testing.FAMILIES` this script builds a
+small random-init model ([`torchlens.testing.build`][torchlens.testing.build], eager attention), traces it once with
 `save="all"`, and draws what the trace says about it:
 
 * the embeddings, decoder block 0 and what follows the last block, from the traced module
@@ -52,21 +52,10 @@ PAGE = ROOT / "docs" / "guides" / "diagrams.md"
 BEGIN = "<!-- BEGIN GENERATED: scripts/gen_diagrams.py; do not edit by hand -->"
 END = "<!-- END GENERATED -->"
 
-#: file slug -> (title, key of torchlens.testing.FAMILIES)
-FAMILIES: dict[str, tuple[str, str]] = {
-    "gpt2": ("GPT-2", "gpt2"),
-    "llama": ("Llama", "llama"),
-    "gpt-neox": ("GPT-NeoX", "gpt_neox"),
-    "gemma-2": ("Gemma-2", "gemma2"),
-    "qwen3": ("Qwen3", "qwen3"),
-    "phi-3": ("Phi-3", "phi3"),
-    "olmo-2": ("OLMo-2", "olmo2"),
-    "mistral": ("Mistral", "mistral"),
-}
+#: file slug -> (title, key of torchlens.testing.FAMILIES), for the families marked `diagram`
+FAMILIES: dict[str, tuple[str, str]] = {f.slug: (f.title, name) for name, f in testing.FAMILIES.items() if f.diagram}
 
 GENERATIONS: tuple[str, ...] = tuple(mi.GENERATIONS)
-HEADINGS = {"2.x": "TransformerLens 2.x", "3.x": "TransformerLens 3.x", "4.x": "TransformerLens 4.x",
-            "nnterp": "nnterp", "interp-engine": "interp-engine"}
 N_TOKENS = 4
 READABLE = ("real", "reconstructed_read_only")
 
@@ -419,12 +408,8 @@ class Layout:
 
     def _heading(self, g: str) -> tuple[str, str]:
         if g == "3.x" and self.d.three_x_adds_to_four_x:
-            return HEADINGS[g], "legacy names; + every 4.x name"
-        if g == "interp-engine":
-            return HEADINGS[g], "point addresses"
-        if g == "nnterp":
-            return HEADINGS[g], "accessors"
-        return HEADINGS[g], {"2.x": "HookedTransformer", "4.x": "canonical names"}.get(g, "")
+            return mi.GENERATIONS[g].heading, "legacy names; + every 4.x name"
+        return mi.GENERATIONS[g].heading, mi.GENERATIONS[g].names
 
     def _diagram_width(self) -> int:
         widest = 0

@@ -1,8 +1,9 @@
 """Generate the op-graph drawings of the site: docs/assets/op-graphs/<slug>.svg and their page.
 
-For GPT-2, Llama and T5 (an encoder-decoder) this script builds a small random-init model
-(`torchlens.testing.build`, or `testing.from_config` for T5), traces it once with `save="all"`
-and calls [`Trace.draw`][torchlens.Trace.draw] three ways:
+For each family of `torchlens.testing.FAMILIES` with an `op_graph` (GPT-2, Llama and T5, an
+encoder-decoder) this script builds a small random-init model (`torchlens.testing.build`, with
+the row's `op_graph.settings`), traces it once with `save="all"` and calls
+[`Trace.draw`][torchlens.Trace.draw] three ways:
 
 * **rolled**: the whole model, each stack's layers with one recorded op sequence drawn once
   (`×N`), modules two levels down folded into one node each;
@@ -15,7 +16,7 @@ The output is deterministic (fixed seeds, Graphviz's deterministic layout, no ti
 
 The page docs/guides/op-graph.md has a hand-written part (kept as is) and a generated part
 between two marker comments: one section per family with the three drawings, the call that
-made each and what each shows.
+made each and what each shows, then block 0 of every other `diagram` family.
 
 Usage:
     python scripts/gen_op_graphs.py          # write the SVGs and the page's generated part
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torchlens as tl
@@ -36,7 +36,6 @@ from torchlens import testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this script's siblings, also when a test loads it by path
 from _outputs import write_or_check  # noqa: E402
-from gen_diagrams import FAMILIES as DIAGRAM_FAMILIES  # noqa: E402  (slug -> (title, testing family))
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "assets" / "op-graphs"
@@ -74,45 +73,18 @@ SEQ2SEQ_NAMES = {
 }
 
 
-@dataclass(frozen=True)
-class Family:
-    title: str
-    what: str  # one line on the model
-    block: str  # the layer the "block" drawing unrolls
-
-    def model_and_inputs(self):
-        raise NotImplementedError
+#: file slug -> the family drawn in full (its `op_graph`)
+FAMILIES: dict[str, testing.Family] = {f.slug: f for f in testing.FAMILIES.values() if f.op_graph is not None}
 
 
-@dataclass(frozen=True)
-class Built(Family):
-    key: str = ""
-
-    def model_and_inputs(self):
-        return testing.build(self.key, "eager"), (testing.token_ids(length=N_TOKENS),), {}
-
-
-@dataclass(frozen=True)
-class T5(Family):
-    def model_and_inputs(self):
-        import transformers
-
-        config = transformers.T5Config(num_layers=3, d_model=32, d_ff=48, num_heads=4, d_kv=8,
-                                       vocab_size=testing.VOCAB, decoder_start_token_id=0)
-        model = testing.from_config(config, transformers.T5ForConditionalGeneration)
-        ids = testing.token_ids(length=N_TOKENS)
+def model_and_inputs(family: testing.Family) -> tuple:
+    """The model an op-graph section draws, and its positional and keyword inputs."""
+    model = testing.build(family.name, "eager", **family.op_graph.settings)
+    ids = testing.token_ids(length=N_TOKENS)
+    if family.structure.inputs == "seq2seq":
         return model, (), {"input_ids": ids, "decoder_input_ids": ids[:, :3]}
+    return model, (ids,), {}
 
-
-#: file slug -> the family drawn
-FAMILIES: dict[str, Family] = {
-    "gpt2": Built("GPT-2", "`testing.build('gpt2')`: two GPT-2 blocks, d_model 32", "transformer.h.0", "gpt2"),
-    "llama": Built("Llama", "`testing.build('llama')`: two Llama layers, d_model 32, grouped-query attention",
-                   "model.layers.0", "llama"),
-    # The encoder's second layer: the first also computes T5's position bias (see the rolled drawing).
-    "t5": T5("T5", "`transformers.T5Config(num_layers=3, d_model=32, ...)`: an encoder-decoder, three layers "
-                   "each, random weights", "encoder.block.1"),
-}
 
 #: drawing kind -> (what it shows, the options of Trace.draw, given the trace)
 KINDS = {
@@ -122,17 +94,17 @@ KINDS = {
 }
 
 
-def options(kind: str, trace: tl.Trace, family: Family) -> dict:
+def options(kind: str, trace: tl.Trace, family: testing.Family) -> dict:
     """The keyword arguments of `trace.draw` for one kind of drawing."""
     if kind == "rolled":
         return {"rolled": True, "depth": 2}
     if kind == "block":
-        return {"focus": family.block}
+        return {"focus": family.op_graph.block}
     seq2seq = trace.structure.kind == "encoder-decoder"
     return {"focus": trace.blocks[1], "depth": 1, "highlight": SEQ2SEQ_NAMES if seq2seq else DECODER_NAMES}
 
 
-def call_text(kind: str, trace: tl.Trace, family: Family) -> str:
+def call_text(kind: str, trace: tl.Trace, family: testing.Family) -> str:
     """`trace.draw(...)` as the page shows it."""
     opts = options(kind, trace, family)
     if kind == "names":
@@ -142,21 +114,21 @@ def call_text(kind: str, trace: tl.Trace, family: Family) -> str:
 
 
 def trace_of(slug: str) -> tl.Trace:
-    model, args, kwargs = FAMILIES[slug].model_and_inputs()
+    model, args, kwargs = model_and_inputs(FAMILIES[slug])
     return tl.trace(model, *args, save="all", **kwargs)
 
 
-def others() -> dict[str, tuple[str, str]]:
-    """The block-diagram families this page has no section for: slug -> (title, testing family).
-    Each gets its block 0 unrolled, so every block diagram links to an op graph."""
-    return {slug: v for slug, v in DIAGRAM_FAMILIES.items() if slug not in FAMILIES}
+def others() -> dict[str, testing.Family]:
+    """The block-diagram families this page has no section for, by slug. Each gets its block 0
+    unrolled, so every block diagram links to an op graph."""
+    return {f.slug: f for f in testing.FAMILIES.values() if f.diagram and f.slug not in FAMILIES}
 
 
 def page_section(made: dict[str, tuple[tl.Trace, dict]], more: dict[str, tuple]) -> str:
     lines = [BEGIN, ""]
     for slug, (trace, ds) in made.items():
         family = FAMILIES[slug]
-        lines += [f"## {family.title}", "", f"{family.what}; traced with `save=\"all\"` on {N_TOKENS} tokens "
+        lines += [f"## {family.title}", "", f"{family.op_graph.what}; traced with `save=\"all\"` on {N_TOKENS} tokens "
                   f"({len(trace.ops)} ops; {trace.structure.describe()}).", ""]
         for kind, d in ds.items():
             counts = d.counts
@@ -196,7 +168,7 @@ def page_section(made: dict[str, tuple[tl.Trace, dict]], more: dict[str, tuple])
                   "`testing.build(family, 'eager')` and drawn with `trace.draw(focus=trace.blocks[0])`, or with "
                   "`depth=` where every op would not fit the page's column.", ""]
         for slug, (trace, d, depth) in more.items():
-            title = others()[slug][0]
+            title = others()[slug].title
             call = f"focus={trace.blocks[0]!r}" + (f", depth={depth}" if depth is not None else "")
             lines += [
                 f"### {title}: block {{#{slug}-block}}",
@@ -241,8 +213,8 @@ def outputs() -> dict[Path, str]:
             out[OUT / f"{slug}-{kind}.svg"] = str(d)
         made[slug] = (trace, ds)
     more = {}
-    for slug, (_, key) in others().items():
-        trace = tl.trace(testing.build(key, "eager"), testing.token_ids(length=N_TOKENS), save="all")
+    for slug, family in others().items():
+        trace = tl.trace(testing.build(family.name, "eager"), testing.token_ids(length=N_TOKENS), save="all")
         for depth in (None, 2, 1):  # every op, or as many levels of module boxes as fit the column
             d = trace.draw(focus=trace.blocks[0], depth=depth)
             if float(d.split('width="', 1)[1].split('"', 1)[0]) <= MAX_WIDTH:

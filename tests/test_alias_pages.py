@@ -1,7 +1,7 @@
 """The generated alias-table pages (docs/aliases/*.md) must match the tables the resolver reads.
 
 `scripts/gen_alias_pages.py --check` renders every page from the tables in
-`src/torchlens/mechinterp/_tables` and reports the committed pages that differ. The first test
+`src/torchlens/_naming/tables` and reports the committed pages that differ. The first test
 runs that check on the working tree; the others edit a table in memory and make sure the check
 notices, so the first test can actually fail.
 

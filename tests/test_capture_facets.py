@@ -2,13 +2,13 @@
 
 Ground truth is taken with plain PyTorch forward hooks on the Hugging Face modules (a separate
 forward pass, no TorchLens installed), or recomputed from those hooked tensors and the model's
-weights. The models are tiny random-init decoders from `tests/_models.py`.
+weights. The models are the tiny random-init decoders of `torchlens.testing.SUITE`.
 
 Layout of the file:
 
-- `FAMILY`: per-family *data* for the tests (module names, how q/k/v come out of the
-  projections, which module's input is `resid_mid`, the MLP's hook points). Every lookup of a
-  ground-truth tensor goes through this table.
+- `FAMILY`: per-family *data* for the tests (module names from the family's `structure` in
+  `torchlens.testing.FAMILIES`; how q/k/v come out of the projections, which module's input is
+  `resid_mid`, the MLP's hook points). Every lookup of a ground-truth tensor goes through it.
 - `Case`: one (family, attention implementation, dtype, padding) configuration, built once and
   shared: the model, the hooked ground truth, the eager model's attention patterns and the trace.
 - the tests, one group per facet family, then `save=`, copy semantics, and cleanup.
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 import torchlens
 from torchlens import SaveSpecError
 
-import _models
+from torchlens import testing
 
 # ----------------------------------------------------------------------------------------------
 # Family data (what the ground truth needs to know about each architecture)
@@ -45,63 +45,70 @@ _GATED = dict(
 #: qkv: "separate" (q_proj/k_proj/v_proj), "thirds" (GPT-2 c_attn split in three along d_model),
 #: "neox" (per-head interleaved [B,T,H,3*dh]), "slices" (Phi-3 qkv_proj: q | k | v columns).
 #: qk_norm: None, "per_head" (norm applied to [B,T,H,dh], Qwen3), "flat" (norm applied to the
-#: projection output [B,T,H*dh] before the head view, OLMo-2).
-FAMILY: dict[str, dict[str, Any]] = {
+#: projection output [B,T,H*dh] before the head view, OLMo-2). Where the layers, attention, MLP,
+#: embedding and final norm are is the family's `structure` (`_where`), written once.
+_FACTS: dict[str, dict[str, Any]] = {
     "gpt2": dict(
-        layers="transformer.h", attn="attn", mlp="mlp", qkv=("thirds", "c_attn"), o_proj="c_proj",
-        rope=None, qk_norm=None, resid_mid=("ln_2", "in"),
+        qkv=("thirds", "c_attn"), o_proj="c_proj", rope=None,
+        qk_norm=None, resid_mid=("ln_2", "in"),
         mlp_map=dict(pre=("c_fc", "out"), act=("act", "out"), post=("c_proj", "in"), down_out=("c_proj", "out")),
-        embed="transformer.wte", final_norm="transformer.ln_f",
     ),
     "llama": dict(
-        layers="model.layers", attn="self_attn", mlp="mlp", qkv=("separate", None), o_proj="o_proj",
-        rope="model.rotary_emb", qk_norm=None, resid_mid=("post_attention_layernorm", "in"),
-        mlp_map=_GATED, embed="model.embed_tokens", final_norm="model.norm",
+        qkv=("separate", None), o_proj="o_proj", rope="model.rotary_emb",
+        qk_norm=None, resid_mid=("post_attention_layernorm", "in"),
+        mlp_map=_GATED,
     ),
     "gpt_neox": dict(
-        layers="gpt_neox.layers", attn="attention", mlp="mlp", qkv=("neox", "query_key_value"), o_proj="dense",
-        rope="gpt_neox.rotary_emb", qk_norm=None, resid_mid=None,
+        qkv=("neox", "query_key_value"), o_proj="dense", rope="gpt_neox.rotary_emb",
+        qk_norm=None, resid_mid=None,
         mlp_map=dict(
             pre=("dense_h_to_4h", "out"), act=("act", "out"), post=("dense_4h_to_h", "in"),
             down_out=("dense_4h_to_h", "out"),
         ),
-        embed="gpt_neox.embed_in", final_norm="gpt_neox.final_layer_norm",
     ),
     "gemma2": dict(
-        layers="model.layers", attn="self_attn", mlp="mlp", qkv=("separate", None), o_proj="o_proj",
-        rope="model.rotary_emb", qk_norm=None, resid_mid=("pre_feedforward_layernorm", "in"),
-        mlp_map=_GATED, embed="model.embed_tokens", final_norm="model.norm",
+        qkv=("separate", None), o_proj="o_proj", rope="model.rotary_emb",
+        qk_norm=None, resid_mid=("pre_feedforward_layernorm", "in"),
+        mlp_map=_GATED,
     ),
     "qwen3": dict(
-        layers="model.layers", attn="self_attn", mlp="mlp", qkv=("separate", None), o_proj="o_proj",
-        rope="model.rotary_emb", qk_norm="per_head", resid_mid=("post_attention_layernorm", "in"),
-        mlp_map=_GATED, embed="model.embed_tokens", final_norm="model.norm",
+        qkv=("separate", None), o_proj="o_proj", rope="model.rotary_emb",
+        qk_norm="per_head", resid_mid=("post_attention_layernorm", "in"),
+        mlp_map=_GATED,
     ),
     "phi3": dict(
-        layers="model.layers", attn="self_attn", mlp="mlp", qkv=("slices", "qkv_proj"), o_proj="o_proj",
-        rope="model.rotary_emb", qk_norm=None, resid_mid=("post_attention_layernorm", "in"),
+        qkv=("slices", "qkv_proj"), o_proj="o_proj", rope="model.rotary_emb",
+        qk_norm=None, resid_mid=("post_attention_layernorm", "in"),
         mlp_map=dict(
             pre=("gate_up_proj", "out", 0), pre_linear=("gate_up_proj", "out", 1), act=("activation_fn", "out"),
             gated_out=("down_proj", "in"), post=("down_proj", "in"), down_out=("down_proj", "out"),
         ),
-        embed="model.embed_tokens", final_norm="model.norm",
     ),
     "olmo2": dict(
-        layers="model.layers", attn="self_attn", mlp="mlp", qkv=("separate", None), o_proj="o_proj",
-        rope="model.rotary_emb", qk_norm="flat", resid_mid=("mlp", "in"),
-        mlp_map=_GATED, embed="model.embed_tokens", final_norm="model.norm",
+        qkv=("separate", None), o_proj="o_proj", rope="model.rotary_emb",
+        qk_norm="flat", resid_mid=("mlp", "in"),
+        mlp_map=_GATED,
     ),
     "mistral": dict(
-        layers="model.layers", attn="self_attn", mlp="mlp", qkv=("separate", None), o_proj="o_proj",
-        rope="model.rotary_emb", qk_norm=None, resid_mid=("post_attention_layernorm", "in"),
-        mlp_map=_GATED, embed="model.embed_tokens", final_norm="model.norm",
+        qkv=("separate", None), o_proj="o_proj", rope="model.rotary_emb",
+        qk_norm=None, resid_mid=("post_attention_layernorm", "in"),
+        mlp_map=_GATED,
     ),
 }
 
+
+def _where(family: str) -> dict[str, Any]:
+    """Where the family's modules are: its `structure` in `torchlens.testing.FAMILIES`."""
+    s = testing.FAMILIES[family].structure
+    stack = s.stacks[s.lm_stack]
+    return dict(layers=s.lm_stack, attn=stack.attention, mlp=stack.mlp, embed=s.embed, final_norm=s.final_norm)
+
+
+FAMILY: dict[str, dict[str, Any]] = {name: dict(_where(name), **facts) for name, facts in _FACTS.items()}
 FAMILY["gpt2_upcast"] = FAMILY["gpt2"]
 FAMILY["gpt_neox_sequential"] = dict(FAMILY["gpt_neox"], resid_mid=("post_attention_layernorm", "in"))
 
-FAMILY_IMPLS = [(f, impl) for f, (_, impls) in _models.FAMILIES.items() for impl in impls]
+FAMILY_IMPLS = [(f, impl) for f in testing.SUITE for impl in testing.FAMILIES[f].attn_implementations]
 N_LAYERS = 2
 SEQ = 7
 #: Left padding of the second row of the padded batch: its first two positions are padding.
@@ -273,8 +280,8 @@ def assert_same(actual: Tensor, expected: Tensor, what: str = ""):
 
 def _inputs(padded: bool) -> tuple[Tensor, Tensor | None]:
     if not padded:
-        return _models.token_ids(1, SEQ), None
-    ids = _models.token_ids(2, SEQ, seed=1)
+        return testing.token_ids(1, SEQ), None
+    ids = testing.token_ids(2, SEQ, seed=1)
     mask = torch.ones(2, SEQ, dtype=torch.long)
     mask[1, :PAD] = 0
     return ids, mask
@@ -282,14 +289,14 @@ def _inputs(padded: bool) -> tuple[Tensor, Tensor | None]:
 
 @functools.cache
 def get_case(family: str, impl: str, dtype: torch.dtype = torch.float32, padded: bool = False) -> Case:
-    model = _models.build(family, impl, dtype)
+    model = testing.build(family, impl, dtype)
     ids, mask = _inputs(padded)
     kw = {} if mask is None else {"attention_mask": mask}
     out, gt = hooked_forward(model, ids, **kw)
     if impl == "eager":
         eager = model
     else:
-        eager = _models.build(family, "eager", dtype)
+        eager = testing.build(family, "eager", dtype)
         eager.load_state_dict(model.state_dict())
     with torch.no_grad():
         eager_out = eager(ids, output_attentions=True, **kw)

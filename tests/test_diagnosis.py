@@ -19,12 +19,12 @@ import pytest
 import torch
 import transformers as tf
 
-import _models
+from torchlens import testing
 import torchlens as tl
 import torchlens.mechinterp as mi
 from torchlens.mechinterp import ToleranceError
 
-IDS = _models.token_ids()
+IDS = testing.token_ids()
 T = IDS.shape[1]
 
 #: Per family: where the blocks are and what each block's submodules are called (None: absent).
@@ -50,19 +50,19 @@ _SOFTCAPPED = dict(head_dim=8, sliding_window=4, pad_token_id=0, bos_token_id=0,
 
 def _build(family: str, attn: str = "eager") -> torch.nn.Module:
     if family == "granite":
-        return _models._build(tf.GraniteConfig, tf.GraniteForCausalLM, attn, torch.float32,
-                              residual_multiplier=0.22, pad_token_id=0, bos_token_id=0, eos_token_id=0,
-                              **_models._LLAMA_LIKE)
+        config = tf.GraniteConfig(residual_multiplier=0.22, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                                  **testing.LLAMA_LIKE)
+        return testing.from_config(config, tf.GraniteForCausalLM, attn, torch.float32)
     if family == "gemma3":  # Gemma-3 caps the final logits (its attention has no softcap)
-        return _models._build(tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, attn, torch.float32,
-                              final_logit_softcapping=0.5, **_SOFTCAPPED, **_models._LLAMA_LIKE)
+        config = tf.Gemma3TextConfig(final_logit_softcapping=0.5, **_SOFTCAPPED, **testing.LLAMA_LIKE)
+        return testing.from_config(config, tf.Gemma3ForCausalLM, attn, torch.float32)
     if family == "vaultgemma":
-        return _models._build(tf.VaultGemmaConfig, tf.VaultGemmaForCausalLM, attn, torch.float32,
-                              **_SOFTCAPPED, **_models._LLAMA_LIKE)
+        config = tf.VaultGemmaConfig(**_SOFTCAPPED, **testing.LLAMA_LIKE)
+        return testing.from_config(config, tf.VaultGemmaForCausalLM, attn, torch.float32)
     if family == "gemma2":
-        return _models._build(tf.Gemma2Config, tf.Gemma2ForCausalLM, attn, torch.float32,
-                              **_SOFTCAPPED, **_models._LLAMA_LIKE)
-    return _models.build(family, attn)
+        config = tf.Gemma2Config(**_SOFTCAPPED, **testing.LLAMA_LIKE)
+        return testing.from_config(config, tf.Gemma2ForCausalLM, attn, torch.float32)
+    return testing.build(family, attn)
 
 
 def _sharpen(model: torch.nn.Module) -> None:

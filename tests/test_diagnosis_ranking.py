@@ -37,7 +37,7 @@ FAMILIES = ("qwen3", "phi3", "mistral", "exaone4", "helium")  # Helium: used by 
 
 
 def _build(family: str) -> torch.nn.Module:
-    return testing.build(family) if family in testing.FAMILIES else em.build(family)
+    return testing.build(family) if family in testing.SUITE else em.build(family)
 
 
 @functools.lru_cache(maxsize=None)

@@ -525,7 +525,7 @@ def test_nnsight_intervention_parity():
 
 
 def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_caught():
-    from script_modules import engine_runs
+    from fixtures import engine_runs
 
     from torchlens import mechinterp as mi
 
@@ -566,7 +566,7 @@ def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_c
 def test_transformer_lens_bridge_op_level_edits_parity(family):
     """z (head 1 zeroed; the bridge's z is token-major) and pattern, edited by run_with_hooks and by
     TorchLens: same downstream residual and logits."""
-    from script_modules import engine_runs
+    from fixtures import engine_runs
 
     from torchlens import mechinterp as mi
 

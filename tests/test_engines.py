@@ -3,9 +3,9 @@
 Each test takes one engine on one configuration (GPT-2 or Llama, eager or sdpa attention),
 reads every site the engine offers under the names TorchLens's tables know, and checks with
 `torchlens.mechinterp.compare` that each tensor equals the one TorchLens resolves the name to.
-The engine runs live in `scripts/engine_runs.py` (imported here through `tests/script_modules.py`),
-which `scripts/gen_verified.py` uses as well, so the "Verified against" page counts exactly these
-comparisons.
+The engine runs live in `tests/fixtures/engine_runs.py` (the engines are the rows of
+`tests/fixtures/engines.py`), which `scripts/gen_verified.py` uses as well, so the "Verified
+against" page counts exactly these comparisons.
 
 An engine that is not installed skips its tests, except under `CI=true`, where it fails them
 (the policy of the docs harness). The engines are imported only when a test needs one.
@@ -19,7 +19,8 @@ import re
 import pytest
 import torch
 from docs_harness import ci_is_on
-from script_modules import engine_runs as er
+from fixtures import engine_runs as er
+from fixtures.engines import Engine
 
 import torchlens.mechinterp as mi
 
@@ -35,7 +36,7 @@ def require(engine: str) -> None:
                 pytest.fail(f"{message}; CI=true: every engine environment must be built")
             pytest.skip(message)
         return
-    module = er.ENGINES[engine][1]
+    module = er.ENGINES[engine].module
     if ci_is_on():
         try:
             importlib.import_module(module)
@@ -231,7 +232,8 @@ def test_vllm_recipe_matches_every_site(family):
 
 
 def test_a_missing_engine_skips_locally_and_fails_under_ci(monkeypatch):
-    monkeypatch.setitem(er.ENGINES, "absent-engine", ("absent-engine", "torchlens_no_such_engine_module"))
+    absent = Engine("absent-engine", "Absent", "absent-engine", "torchlens_no_such_engine_module")
+    monkeypatch.setitem(er.ENGINES, "absent-engine", absent)
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="CI=true"):
         require("absent-engine")

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-import _models
+from torchlens import testing
 import torchlens
 from torchlens import TorchLensError
 
-IDS = _models.token_ids(2, 6)
+IDS = testing.token_ids(2, 6)
 
 #: family -> (blocks ModuleList attribute path, the block's first norm attribute)
 _LAYOUT = {
@@ -97,7 +97,7 @@ _HOOKS = {"hook": _ablate, "hook_data": _ablate_data, "hook_data_mul": _halve_da
 @pytest.mark.parametrize("family", list(_LAYOUT))
 @pytest.mark.parametrize("how", [*_HOOKS, "setitem", "view", "out"])
 def test_in_place_edits_after_return_are_what_the_caller_received(family, how):
-    model = _models.build(family)
+    model = testing.build(family)
     stack, norm = _LAYOUT[family]
     b0, b1 = f"{stack}.0", f"{stack}.1"
     if how in _HOOKS:
@@ -189,7 +189,7 @@ def _facet_values(tr):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_trace_unchanged_by_later_writes_to_inputs_weights_and_outputs(family):
-    model = _models.build(family)
+    model = testing.build(family)
     ids = IDS.clone()
     stack = _LAYOUT[family][0]
     blocks = [f"{stack}.{i}" for i in range(2)]
@@ -242,7 +242,7 @@ def test_snapshot_copies_only_what_the_caller_can_reach():
         copied.append(n)
         return n
 
-    model = _models.gpt2()
+    model = testing.build("gpt2")
     _tracing.snapshot = spy
     try:
         with torch.no_grad():
@@ -283,7 +283,7 @@ def test_autograd_on_the_snapshot_copies_what_it_copies_under_no_grad():
     nothing but the graph holds most of them, so they are not copied (the write guard stands in
     for the copy, see the next test): the bytes copied stay those of no_grad (it was 2.8 times
     as many on GPT-2 small's width at 128 tokens before)."""
-    model = _models.build("gpt2")
+    model = testing.build("gpt2")
     off, on = _copied_bytes(model, IDS, False), _copied_bytes(model, IDS, True)
     assert off > 0
     assert on <= 1.1 * off, (on, off)
@@ -312,7 +312,7 @@ def test_a_write_into_the_autograd_graph_after_the_trace_is_never_served(family)
     output and facet is then either the value it had (module outputs and inputs against plain
     hooks, outside TorchLens) or not served, with the reason; never the written value. A facet
     read before the write keeps its value (its first read made it the trace's own copy)."""
-    model = _models.build(family)
+    model = testing.build(family)
     stack = _LAYOUT[family][0]
     blocks = [f"{stack}.{i}" for i in range(2)]
     ground = Ground(model, blocks)
@@ -371,7 +371,7 @@ def test_a_write_into_the_autograd_graph_after_the_trace_is_never_served(family)
     "save", [["model.layers"], ["model.layers", "model.layers.0"], ["model.layers.1", "model.layers"], "model.layers"]
 )
 def test_save_a_container_keeps_all_its_children(save):
-    model = _models.llama()
+    model = testing.build("llama")
     addresses = ["model.layers.0", "model.layers.1", "model.layers.0.self_attn", "model.layers.1.mlp"]
     ground = Ground(model, addresses)
     with torch.no_grad():
@@ -390,7 +390,7 @@ def test_save_a_container_keeps_all_its_children(save):
 @pytest.mark.parametrize("save", ["", [""], ["model.layers.0", ""]])
 def test_save_empty_string_is_refused_with_what_to_pass(save):
     with pytest.raises(torchlens.SaveSpecError) as info:
-        torchlens.trace(_models.llama(), IDS, save=save)
+        torchlens.trace(testing.build("llama"), IDS, save=save)
     msg = str(info.value)
     assert "save='all'" in msg and "'model.layers'" in msg
     assert isinstance(info.value, TorchLensError)
@@ -450,7 +450,7 @@ def test_t5_rms_norm_gets_inv_rms():
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.T5Config(vocab_size=_models.VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4,
+    cfg = tf.T5Config(vocab_size=testing.VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4,
                       decoder_start_token_id=0)
     model = tf.T5ForConditionalGeneration(cfg).eval()
     address = "encoder.final_layer_norm"
@@ -479,10 +479,10 @@ class _TinyLM(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.embed = nn.Embedding(_models.VOCAB, 8)
+        self.embed = nn.Embedding(testing.VOCAB, 8)
         self.layers = nn.ModuleList([_MHABlock() for _ in range(2)])
         self.ln_f = nn.LayerNorm(8)
-        self.lm_head = nn.Linear(8, _models.VOCAB)
+        self.lm_head = nn.Linear(8, testing.VOCAB)
 
     def forward(self, ids):
         h = self.embed(ids)
@@ -520,7 +520,7 @@ def test_log_softmax_of_lm_head_is_not_served_as_logits():
 
 
 def test_facets_looked_up_by_a_non_name_teach():
-    tr = torchlens.trace(_models.gpt2(), IDS)
+    tr = torchlens.trace(testing.build("gpt2"), IDS)
     facets = tr.modules["transformer.h.0"].facets
     for bad in (0, None, 1.5):
         with pytest.raises(torchlens.FacetNotFound) as info:
@@ -645,7 +645,7 @@ def test_planted_norm_derivation_is_refused(monkeypatch):
 def test_planted_result_derivation_is_refused(monkeypatch, dtype):
     """A wrong W_O layout is refused in bfloat16 too, where outputs much smaller than 1 once let
     it pass a tolerance floored at 1."""
-    model = _models.gpt2("eager", dtype)
+    model = testing.build("gpt2", "eager", dtype)
     assert "result" in torchlens.trace(model, IDS).modules["transformer.h.0.attn"].facets
     real = _attention._roles.weight_layout
     monkeypatch.setattr(_attention._roles, "weight_layout", lambda m: {"out_in": "in_out", "in_out": "out_in"}.get(real(m)))
@@ -658,7 +658,7 @@ def test_result_with_heads_and_head_width_swapped_is_refused_in_bfloat16(monkeyp
     """W_O read with the head and head-width axes swapped. With W_O scaled by 1/4, on a tiny
     bfloat16 model the error is below the tolerance floored at 1 (0.02), so only the float32
     check against the output's own scale can refuse it; the right layout passes both."""
-    model = _models.build(family, "eager", torch.bfloat16)
+    model = testing.build(family, "eager", torch.bfloat16)
     attn = "transformer.h.0.attn" if family == "gpt2" else "model.layers.0.self_attn"
     proj = model.get_submodule(attn + (".c_proj" if family == "gpt2" else ".o_proj"))
     with torch.no_grad():
@@ -675,7 +675,7 @@ def test_result_with_heads_and_head_width_swapped_is_refused_in_bfloat16(monkeyp
 
 
 def test_planted_sdpa_rebuild_is_refused(monkeypatch):
-    model = _models.llama("sdpa")
+    model = testing.build("llama", "sdpa")
     attn = "model.layers.0.self_attn"
     assert "pattern" in torchlens.trace(model, IDS).modules[attn].facets
     real = _rebuild.rebuild_attention
@@ -700,7 +700,7 @@ def test_planted_mha_rebuild_is_refused(monkeypatch):
 
 
 def test_planted_resid_mid_is_refused(monkeypatch):
-    model = _models.llama()
+    model = testing.build("llama")
     assert "resid_mid" in torchlens.trace(model, IDS).modules["model.layers.0"].facets
     monkeypatch.setattr(_block, "_pick_resid_mid", lambda g, attn, adds: attn.output_ref.op)
     tr = torchlens.trace(model, IDS)
@@ -711,7 +711,7 @@ def test_z_is_refused_where_dropout_ran_between_pattern_and_v():
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=_models.VOCAB, n_positions=16,
+    cfg = tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=testing.VOCAB, n_positions=16,
                         attn_pdrop=0.5, resid_pdrop=0.0, embd_pdrop=0.0)
     cfg._attn_implementation = "eager"
     model = tf.GPT2LMHeadModel(cfg)
@@ -877,7 +877,7 @@ def test_in_place_edit_after_return_under_inference_mode():
 @pytest.mark.parametrize("family,impl", [("gpt2", "eager"), ("llama", "sdpa")])
 def test_float64_traces_pass_their_checks(family, impl):
     """The checks compute in float64 for a float64 model, so its tight tolerance holds."""
-    model = _models.build(family, impl, torch.float64)
+    model = testing.build(family, impl, torch.float64)
     with torch.no_grad():
         tr = torchlens.trace(model, IDS)
     assert tr.pending  # the checks are deferred ...

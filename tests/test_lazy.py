@@ -17,14 +17,14 @@ import pytest
 import torch
 from torch import nn
 
-import _models
+from torchlens import testing
 import torchlens as tl
 import torchlens.mechinterp as mi
 from torchlens._analysis.facets import attention as _attention  # internals: the functions whose calls are counted
 from torchlens._analysis.facets import norm as _norm
 from torchlens._analysis.facets import rebuild as _rebuild
 
-IDS = _models.token_ids(2, 6)
+IDS = testing.token_ids(2, 6)
 COUNTED = ((_rebuild, "rebuild_attention"), (_rebuild, "rebuild_mha"), (_norm, "_normalize"), (_norm, "_affine_error"),
            (_attention, "_per_head_weight"))
 
@@ -49,7 +49,7 @@ def _attn(i: int) -> str:
 
 
 def test_nothing_is_computed_until_read(calls):
-    model = _models.gpt2("sdpa")
+    model = testing.build("gpt2", "sdpa")
     with torch.no_grad():
         t = tl.trace(model, IDS)
     assert sum(calls.values()) == 0, calls
@@ -84,7 +84,7 @@ def test_nothing_is_computed_until_read(calls):
 def test_a_read_pattern_equals_the_eager_models_and_is_computed_once():
     """The lazily rebuilt pattern against an eager-attention copy's own softmax output
     (`output_attentions`), and the same tensor object on a second read."""
-    sdpa, eager = _models.gpt2("sdpa"), _models.gpt2("eager")
+    sdpa, eager = testing.build("gpt2", "sdpa"), testing.build("gpt2", "eager")
     eager.load_state_dict(sdpa.state_dict())
     with torch.no_grad():
         t = tl.trace(sdpa, IDS)
@@ -96,7 +96,7 @@ def test_a_read_pattern_equals_the_eager_models_and_is_computed_once():
 
 
 def test_statuses_say_when_a_check_has_not_run_and_resolve_alias_runs_it():
-    model = _models.gpt2("sdpa")
+    model = testing.build("gpt2", "sdpa")
     with torch.no_grad():
         t = tl.trace(model, IDS)
     report = mi.alias_report(t, generation="2.x")
@@ -126,7 +126,7 @@ def _plant_bad_rebuild(monkeypatch):
 
 
 def test_a_check_that_fails_on_first_read_refuses_the_facet(monkeypatch):
-    model = _models.gpt2("sdpa")
+    model = testing.build("gpt2", "sdpa")
     _plant_bad_rebuild(monkeypatch)
     with torch.no_grad():
         t = tl.trace(model, IDS)
@@ -148,7 +148,7 @@ def test_a_check_that_fails_on_first_read_refuses_the_facet(monkeypatch):
 
 
 def test_trace_check_runs_every_pending_check(monkeypatch):
-    model = _models.gpt2("sdpa")
+    model = testing.build("gpt2", "sdpa")
     with torch.no_grad():
         good = tl.trace(model, IDS)
     assert good.pending > 0
@@ -169,7 +169,7 @@ def test_trace_check_runs_every_pending_check(monkeypatch):
 
 
 def test_an_explained_refusal_keeps_its_words_when_the_check_fails_later(monkeypatch):
-    model = _models.gpt2("sdpa")
+    model = testing.build("gpt2", "sdpa")
     _plant_bad_rebuild(monkeypatch)
     with torch.no_grad():
         t = tl.trace(model, IDS)
@@ -190,7 +190,7 @@ def test_a_pending_facet_shows_the_traced_forward_after_an_optimizer_step():
     """`result` and a LayerNorm's `normalized`, first read after an SGD step changed every weight,
     against values computed outside TorchLens: a pre-hook on the output projection (z with its
     heads merged) and on the norm (its input), and W_O copied before the step."""
-    model = _models.gpt2("eager")
+    model = testing.build("gpt2", "eager")
     attn, norm = model.transformer.h[0].attn, model.transformer.h[0].ln_1
     seen = {}
     hooks = [attn.c_proj.register_forward_pre_hook(lambda m, a: seen.setdefault("z", a[0].detach().clone())),
@@ -218,7 +218,7 @@ def test_a_pending_facet_shows_the_traced_forward_after_an_optimizer_step():
 
 
 def test_reading_a_pending_facet_inside_another_trace_records_nothing_there():
-    model = _models.gpt2("sdpa")
+    model = testing.build("gpt2", "sdpa")
     with torch.no_grad():
         clean = tl.trace(model, IDS)
     read = {}
@@ -234,7 +234,7 @@ def test_reading_a_pending_facet_inside_another_trace_records_nothing_there():
 
 
 def test_a_saved_trace_has_no_pending_check(tmp_path):
-    model = _models.gpt2("sdpa")
+    model = testing.build("gpt2", "sdpa")
     with torch.no_grad():
         t = tl.trace(model, IDS)
     assert t.pending > 0
@@ -250,7 +250,7 @@ def test_a_saved_trace_has_no_pending_check(tmp_path):
 
 
 def test_a_facet_save_did_not_keep_is_never_computed(calls):
-    model = _models.gpt2("sdpa")
+    model = testing.build("gpt2", "sdpa")
     with torch.no_grad():
         t = tl.trace(model, IDS, save=["resid_post"])
     assert t.pending == 0 and sum(calls.values()) == 0
@@ -281,7 +281,7 @@ def test_in_place_ops_are_flagged_mutated():
 def test_a_pickled_trace_runs_its_pending_checks_first():
     import pickle
 
-    model = _models.gpt2("sdpa")
+    model = testing.build("gpt2", "sdpa")
     with torch.no_grad():
         t = tl.trace(model, IDS, use_cache=False)
     assert t.pending > 0
@@ -295,7 +295,7 @@ def test_a_pending_pattern_is_rebuilt_from_the_keys_the_kernel_saw_after_the_cac
     """The kernel's keys and values are the KV cache's own tensors, which the caller holds in the
     output: zeroing them after the trace (a static-cache update writes in place) must not change
     a pattern first read afterwards. Ground truth: an eager-attention copy's softmax output."""
-    sdpa, eager = _models.gpt2("sdpa"), _models.gpt2("eager")
+    sdpa, eager = testing.build("gpt2", "sdpa"), testing.build("gpt2", "eager")
     eager.load_state_dict(sdpa.state_dict())
     with torch.no_grad():
         t = tl.trace(sdpa, IDS, use_cache=True)

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import _models
+from torchlens import testing
 import torchlens as tl
 import torchlens.mechinterp as mi
 from torchlens import TorchLensError
@@ -469,7 +469,7 @@ def test_known_clash_is_ambiguous_only_where_the_tensors_differ():
     scales outside the module (2.x reads the scaled first-block input, 3.x the module output)."""
     _, gpt2 = traced("gpt2", 2, "sdpa")
     assert mi.resolve_alias(gpt2, "hook_embed").status == "real"
-    gemma = tl.trace(_models.build("gemma2", "eager"), torch.tensor([[1, 2, 3, 4]]))
+    gemma = tl.trace(testing.build("gemma2", "eager"), torch.tensor([[1, 2, 3, 4]]))
     output = gemma.modules["model.embed_tokens"].facets["output"]
     assert mi.resolve_alias(gemma, "hook_embed").status == "real"
     assert mi.resolve_alias(gemma, "hook_embed", generation="2.x").tensor is output
@@ -1295,7 +1295,7 @@ def test_opt_mlp_names_read_its_fc_layers_and_match_plain_hooks(generation):
     """OPT's layer holds fc1, its activation and fc2 itself and flattens [batch, pos] around them;
     the MLP names read those layers (each row's `or_else`), against plain hooks on them."""
     model = _opt()
-    ids = _models.token_ids(2, 5)
+    ids = testing.token_ids(2, 5)
     seen, handles = {}, []
 
     def keep(key, from_args=False):
@@ -1337,14 +1337,14 @@ def test_opt_mlp_names_read_its_fc_layers_and_match_plain_hooks(generation):
     assert row.explanation in ("equals model.decoder.layers.0.fc1:input", "equals blocks.0.mlp.hook_in"), \
         row.explanation  # fc1's input is the norm's output (4.x names it mlp.hook_in)
     # A model with an MLP module keeps reading it: no second site on GPT-2.
-    gpt2 = tl.trace(_models.build("gpt2", "sdpa"), ids)
+    gpt2 = tl.trace(testing.build("gpt2", "sdpa"), ids)
     assert mi.resolve_alias(gpt2, "blocks.0.mlp.hook_pre", generation="2.x").module_address == "transformer.h.0.mlp"
 
 
 def test_a_position_embedding_shared_by_the_batch_compares_against_a_broadcast_one():
     """GPT-2's wpe output is [1, pos, d] for a batch of 2; TransformerLens broadcasts it to [2, pos, d]."""
-    model = _models.build("gpt2", "sdpa")
-    ids = _models.token_ids(2, 5)
+    model = testing.build("gpt2", "sdpa")
+    ids = testing.token_ids(2, 5)
     seen = {}
     handle = model.transformer.wpe.register_forward_hook(lambda m, a, o: seen.__setitem__("pos", o.detach().clone()))
     try:
@@ -1363,7 +1363,7 @@ def test_a_position_embedding_shared_by_the_batch_compares_against_a_broadcast_o
 def test_transformer_lens_qk_norm_hooks_are_rows_without_a_site():
     """TransformerLens 2.x caches q_norm/k_norm hooks on QK-norm models (Qwen3): compare lists
     them as structurally absent with the reason instead of raising UnknownAlias on the cache."""
-    trace = tl.trace(_models.build("qwen3", "sdpa"), _models.token_ids())
+    trace = tl.trace(testing.build("qwen3", "sdpa"), testing.token_ids())
     names = [f"blocks.0.attn.{w}_norm.hook_{h}" for w in "qk" for h in ("scale", "normalized")]
     report = mi.compare(trace, {n: torch.zeros(3) for n in names}, generation="2.x", explain=False)
     assert [c.name for c in report] == names
@@ -1372,7 +1372,7 @@ def test_transformer_lens_qk_norm_hooks_are_rows_without_a_site():
 
 def test_a_norm_copied_per_head_compares_against_the_one_norm():
     """With use_split_qkv_input TransformerLens caches ln1.hook_scale/normalized per head."""
-    trace = tl.trace(_models.build("llama", "sdpa"), _models.token_ids())
+    trace = tl.trace(testing.build("llama", "sdpa"), testing.token_ids())
     norm = trace.modules["model.layers.0.input_layernorm"].facets
     per_head = {f"blocks.0.ln1.hook_{n}": norm[n].unsqueeze(2).expand(-1, -1, 4, -1) for n in ("scale", "normalized")}
     report = mi.compare(trace, per_head, generation="2.x", atol=0, rtol=0)

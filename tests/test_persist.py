@@ -16,15 +16,15 @@ import pickle
 import pytest
 import torch
 
-import _models
+from torchlens import testing
 import torchlens as tl
 import torchlens.mechinterp as mi
 
-IDS = _models.token_ids(length=6)
+IDS = testing.token_ids(length=6)
 
 
 def _saved_and_loaded(tmp_path, family, save="all", attn="sdpa"):
-    model = _models.build(family, attn)
+    model = testing.build(family, attn)
     trace = tl.trace(model, IDS, save=save)
     with pytest.warns(UserWarning, match="KV|cache|Cache") if _has_cache(trace) else _nothing():
         trace.save(tmp_path / "t", model=model)
@@ -51,12 +51,12 @@ def test_loaded_values_equal_forward_hooks_and_eager_attentions(tmp_path, family
     attn = loaded.by_role("attention")
     mlps = loaded.by_role("mlp")
     assert len(blocks) == 2 and len(attn) == 2 and len(mlps) == 2
-    seen = _models.hooked_outputs(model, blocks + attn + mlps, IDS)
+    seen = testing.hooked_outputs(model, blocks + attn + mlps, IDS)
     for a in blocks:
         torch.testing.assert_close(loaded.modules[a].facets["resid_post"], seen[a], rtol=0, atol=0)
     for a in attn + mlps:
         torch.testing.assert_close(loaded.modules[a].facets["output"], seen[a], rtol=0, atol=0)
-    eager_model = _models.build(family, "eager")
+    eager_model = testing.build(family, "eager")
     with torch.no_grad():
         eager = eager_model(IDS, output_attentions=True).attentions
     for i, a in enumerate(attn):
@@ -71,7 +71,7 @@ def test_loaded_values_equal_forward_hooks_and_eager_attentions(tmp_path, family
             assert (x is None) == (y is None)
             if x is not None:
                 assert torch.equal(x, y) and y.device.type == "cpu"
-    assert loaded.model_info["config"]["vocab_size"] == _models.VOCAB
+    assert loaded.model_info["config"]["vocab_size"] == testing.VOCAB
     assert loaded.saved_with["torchlens"] == tl.__version__
 
 
@@ -84,8 +84,8 @@ def test_alias_resolution_and_compare_agree_without_the_model(tmp_path, family):
         after = [(r.query, r.status, r.module_address, r.facet, r.layer, r.reason) for r in mi.alias_report(loaded, generation)]
         assert before == after and before, generation
     # compare against hook values (outside TorchLens), one planted wrong value.
-    fresh = _models.build(family, "sdpa")
-    seen = _models.hooked_outputs(fresh, loaded.blocks, IDS)
+    fresh = testing.build(family, "sdpa")
+    seen = testing.hooked_outputs(fresh, loaded.blocks, IDS)
     values = {f"blocks.{i}.hook_resid_post": seen[a] for i, a in enumerate(loaded.blocks)}
     values["blocks.1.hook_resid_post"] = values["blocks.1.hook_resid_post"] + 1.0
     ra, rb = mi.compare(trace, values, generation="2.x"), mi.compare(loaded, values, generation="2.x")
@@ -105,7 +105,7 @@ def test_metadata_only_trace_round_trips(tmp_path):
 
 def test_an_edited_trace_keeps_its_edits(tmp_path):
     """A loaded reference that was edited must still say so: its `edits` records come back."""
-    model = _models.build("gpt2", "sdpa")
+    model = testing.build("gpt2", "sdpa")
     block = "transformer.h.0"
     seen = {}
     handle = model.get_submodule("transformer.h.1").register_forward_pre_hook(
@@ -129,7 +129,7 @@ def test_an_edited_trace_keeps_its_edits(tmp_path):
 
 @pytest.fixture
 def saved(tmp_path):
-    model = _models.build("gpt2", "sdpa")
+    model = testing.build("gpt2", "sdpa")
     trace = tl.trace(model, IDS, save=["resid_post"])
     with pytest.warns(UserWarning):
         trace.save(tmp_path / "t")

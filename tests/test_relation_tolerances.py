@@ -133,8 +133,8 @@ NORM_FACETS = ("normalized", "scale", "inv_rms")
 
 @functools.lru_cache(maxsize=None)
 def _norm_trace(arch: str, dtype: torch.dtype):
-    model = testing.build(arch, dtype=dtype) if arch in testing.FAMILIES else em.build(arch, dtype)
-    args, kwargs = ((testing.token_ids(length=5),), {}) if arch in testing.FAMILIES else em.inputs(arch, dtype)
+    model = testing.build(arch, dtype=dtype) if arch in testing.SUITE else em.build(arch, dtype)
+    args, kwargs = ((testing.token_ids(length=5),), {}) if arch in testing.SUITE else em.inputs(arch, dtype)
     trace = tl.trace(model, *args, **kwargs, save="all")
     trace.check()
     return model, args, kwargs, trace

@@ -1,14 +1,14 @@
 """`save=` end to end: what capture holds for a selection, "kept nothing" before the forward,
 aliases of shared modules, and values against ground truth from outside TorchLens.
 
-Ground truth is `output_hidden_states` and plain forward hooks (`_models.hooked_outputs`). Some
+Ground truth is `output_hidden_states` and plain forward hooks (`testing.hooked_outputs`). Some
 tests read what capture held before the trace was assembled: that is an internal of TorchLens
 (`torchlens._tracing.assemble` receives the recorder), and those tests say so.
 """
 
 from __future__ import annotations
 
-import _models
+from torchlens import testing
 import pytest
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from torch import nn
 import torchlens as tl
 from torchlens import SaveSpecError
 
-IDS = _models.token_ids(length=6)
+IDS = testing.token_ids(length=6)
 
 
 def _held_during_capture(monkeypatch, model, *args, **kwargs):
@@ -44,7 +44,7 @@ def test_resid_post_holds_only_the_block_outputs(monkeypatch):
     """save=["resid_post"] holds one tensor per block during capture (the block output, as the
     output of the op that produced it), not the ops inside the blocks; the values are the
     model's own hidden states."""
-    model = _models.gpt2()
+    model = testing.build("gpt2")
     with torch.no_grad():
         hidden = model(IDS, output_hidden_states=True).hidden_states
     tr, held, _ = _held_during_capture(monkeypatch, model, IDS, save=["resid_post"])
@@ -53,7 +53,7 @@ def test_resid_post_holds_only_the_block_outputs(monkeypatch):
     assert set(held) == producers, held
     # GPT-2 applies ln_f to the last hidden state it returns; the others are the block outputs.
     torch.testing.assert_close(tr.modules[tr.blocks[0]].facets["resid_post"], hidden[1], rtol=0, atol=0)
-    seen = _models.hooked_outputs(model, tr.blocks, IDS)
+    seen = testing.hooked_outputs(model, tr.blocks, IDS)
     for b in tr.blocks:
         torch.testing.assert_close(tr.modules[b].facets["resid_post"], seen[b], rtol=0, atol=0)
     assert all(t is None for op in tr.ops for t in op.tensors)  # nothing kept but the facets
@@ -62,7 +62,7 @@ def test_resid_post_holds_only_the_block_outputs(monkeypatch):
 def test_logits_holds_only_the_unembedding_output(monkeypatch):
     """save=["logits"] used to retain the whole forward (the root holds every op); it holds the
     unembedding's output only."""
-    model = _models.gpt2()
+    model = testing.build("gpt2")
     with torch.no_grad():
         logits = model(IDS).logits
     tr, held, aliases = _held_during_capture(monkeypatch, model, IDS, save=["logits"])
@@ -74,18 +74,18 @@ def test_logits_holds_only_the_unembedding_output(monkeypatch):
 
 def test_logits_after_a_softcap_is_the_model_output(monkeypatch):
     """Gemma-2 softcaps after lm_head: `logits` is the root's output, held through the root hook."""
-    model = _models.gemma2()
+    model = testing.build("gemma2")
     with torch.no_grad():
         logits = model(IDS).logits
     tr, held, _ = _held_during_capture(monkeypatch, model, IDS, save=["logits"])
     assert len(held) == 2, held  # lm_head's output and the softcapped model output
     torch.testing.assert_close(tr.modules[""].facets["logits"], logits, rtol=0, atol=0)
-    assert not torch.equal(tr.modules[""].facets["logits"], _models.hooked_outputs(model, ["lm_head"], IDS)["lm_head"])
+    assert not torch.equal(tr.modules[""].facets["logits"], testing.hooked_outputs(model, ["lm_head"], IDS)["lm_head"])
 
 
 def test_a_block_address_still_holds_its_ops(monkeypatch):
     """A module address keeps the ops inside it, as before: every op of the block holds."""
-    model = _models.gpt2()
+    model = testing.build("gpt2")
     tr, held, _ = _held_during_capture(monkeypatch, model, IDS, save=["transformer.h.1"])
     call = tr.modules["transformer.h.1"].calls[0]
     inside = {op.index for op in tr.ops[call.first_op : call.end_op]}
@@ -125,7 +125,7 @@ def test_kept_nothing_is_raised_before_the_forward(save):
 def test_kept_nothing_after_the_forward_where_only_it_can_tell():
     """GPT-2 has attention, but no RoPE: rot_q can only be found missing by running it."""
     with pytest.raises(SaveSpecError, match="kept nothing in this forward") as info:
-        tl.trace(_models.gpt2(), IDS, save=["rot_q"])
+        tl.trace(testing.build("gpt2"), IDS, save=["rot_q"])
     assert "pattern" in str(info.value)  # lists what exists
 
 

@@ -13,12 +13,11 @@ import pathlib
 import pytest
 import torch
 
-import _models
 from torchlens import testing
 import torchlens as tl
 import torchlens.mechinterp as mi
 
-IDS = _models.token_ids(length=6)
+IDS = testing.token_ids(length=6)
 
 
 def _mapped_file(ptr: int) -> str | None:
@@ -56,13 +55,13 @@ def _facet_values(trace):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_directory_store_serves_hook_values_from_memory_mapped_files(tmp_path, family):
-    model = _models.build(family, "sdpa")
+    model = testing.build(family, "sdpa")
     reference = tl.trace(model, IDS, save="all")
     stored = tl.trace(model, IDS, save="all", store=tmp_path / "store")
     files = sorted(os.listdir(tmp_path / "store"))
     assert files and all(f.startswith("tensors-") and f.endswith(".safetensors") for f in files)
     addresses = stored.blocks + stored.by_role("attention") + stored.by_role("mlp")
-    seen = _models.hooked_outputs(model, addresses, IDS)
+    seen = testing.hooked_outputs(model, addresses, IDS)
     for a in addresses:
         facet = "resid_post" if a in stored.blocks else "output"
         torch.testing.assert_close(stored.modules[a].facets[facet], seen[a], rtol=0, atol=0)
@@ -96,11 +95,11 @@ def test_cpu_store_keeps_values_and_devices(tmp_path, monkeypatch):
     """`store="cpu"` moves tensors in memory: no file is written anywhere (not even a directory
     named "cpu" in the working directory) and no kept tensor is file-backed."""
     monkeypatch.chdir(tmp_path)
-    model = _models.build("gpt2", "sdpa")
+    model = testing.build("gpt2", "sdpa")
     stored = tl.trace(model, IDS, save="all", store="cpu")
     assert list(tmp_path.iterdir()) == []
     assert not [f for t in _held(stored) if (f := _mapped_file(t.untyped_storage().data_ptr())) and f.startswith("/")]
-    seen = _models.hooked_outputs(model, stored.blocks, IDS)
+    seen = testing.hooked_outputs(model, stored.blocks, IDS)
     for a in stored.blocks:
         t = stored.modules[a].facets["resid_post"]
         assert t.device.type == "cpu"
@@ -110,26 +109,26 @@ def test_cpu_store_keeps_values_and_devices(tmp_path, monkeypatch):
 def test_a_second_trace_into_the_same_directory_leaves_the_first_unchanged(tmp_path):
     """Each trace's files replace the names, not the contents, of the files a trace stored there
     before: the first trace keeps serving its own forward's values."""
-    model = _models.build("gpt2", "sdpa")
-    other = _models.token_ids(length=6, seed=1)
+    model = testing.build("gpt2", "sdpa")
+    other = testing.token_ids(length=6, seed=1)
     assert not torch.equal(other, IDS)
     first = tl.trace(model, IDS, save="all", store=tmp_path)
-    seen = _models.hooked_outputs(model, first.blocks, IDS)
+    seen = testing.hooked_outputs(model, first.blocks, IDS)
     second = tl.trace(model, other, save="all", store=tmp_path)
     for a in first.blocks:
         torch.testing.assert_close(first.modules[a].facets["resid_post"], seen[a], rtol=0, atol=0)
-    seen2 = _models.hooked_outputs(model, second.blocks, other)
+    seen2 = testing.hooked_outputs(model, second.blocks, other)
     for a in second.blocks:
         torch.testing.assert_close(second.modules[a].facets["resid_post"], seen2[a], rtol=0, atol=0)
 
 
 def test_a_directory_stored_trace_saves_and_loads(tmp_path):
-    model = _models.build("gpt2", "sdpa")
+    model = testing.build("gpt2", "sdpa")
     stored = tl.trace(model, IDS, save="all", store=tmp_path / "store")
     with pytest.warns(UserWarning):
         stored.save(tmp_path / "saved")
     loaded = tl.load(tmp_path / "saved")
-    seen = _models.hooked_outputs(model, loaded.blocks, IDS)
+    seen = testing.hooked_outputs(model, loaded.blocks, IDS)
     for a in loaded.blocks:
         torch.testing.assert_close(loaded.modules[a].facets["resid_post"], seen[a], rtol=0, atol=0)
 
@@ -140,7 +139,7 @@ def test_a_directory_stored_trace_saves_and_loads(tmp_path):
     ("", "is not accepted"),
 ])
 def test_bad_store_values_are_refused_before_the_forward(bad, words):
-    model = _models.build("gpt2", "sdpa")
+    model = testing.build("gpt2", "sdpa")
     ran = []
     handle = model.register_forward_pre_hook(lambda m, a: ran.append(1))
     try:
@@ -155,7 +154,7 @@ def test_an_existing_file_is_not_a_directory_store(tmp_path):
     file = tmp_path / "file.bin"
     file.write_bytes(b"x")
     with pytest.raises(tl.StoreSpecError, match="existing file"):
-        tl.trace(_models.build("gpt2", "sdpa"), IDS, store=pathlib.Path(file))
+        tl.trace(testing.build("gpt2", "sdpa"), IDS, store=pathlib.Path(file))
 
 
 def test_a_directory_store_writes_as_capture_goes(tmp_path, monkeypatch):
@@ -164,7 +163,7 @@ def test_a_directory_store_writes_as_capture_goes(tmp_path, monkeypatch):
     every op output capture held is a view of a file, not of the model's memory."""
     import torchlens._tracing as tracing
 
-    model = _models.build("gpt2", "sdpa")
+    model = testing.build("gpt2", "sdpa")
     store = tmp_path / "store"
     files_at_ln_f = []
     handle = model.transformer.ln_f.register_forward_pre_hook(
@@ -184,7 +183,7 @@ def test_a_directory_store_writes_as_capture_goes(tmp_path, monkeypatch):
         handle.remove()
     assert len(files_at_ln_f[0]) == len(stored.blocks) == 2, files_at_ln_f
     assert not in_memory, in_memory
-    seen = _models.hooked_outputs(model, stored.blocks, IDS)
+    seen = testing.hooked_outputs(model, stored.blocks, IDS)
     for a in stored.blocks:
         torch.testing.assert_close(stored.modules[a].facets["resid_post"], seen[a], rtol=0, atol=0)
 
@@ -247,7 +246,7 @@ def _served(trace):
             for n, s in c.facets.sites.items()}
 
 
-_EVERY_VARIANT = [(f, impl) for f, spec in testing.FAMILIES.items() for impl in spec.attn_implementations]
+_EVERY_VARIANT = [(f, impl) for f in testing.SUITE for impl in testing.FAMILIES[f].attn_implementations]
 
 
 @pytest.mark.parametrize("family, impl", _EVERY_VARIANT, ids=[f"{f}-{i}" for f, i in _EVERY_VARIANT])

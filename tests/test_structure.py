@@ -499,7 +499,7 @@ def test_a_model_wrapped_by_the_transformer_lens_bridge_keeps_its_layers(family)
     q/k/v/o become same-class non-leaf siblings of equal width. Linked through the attention kernel,
     they must not be taken for a stack of layers (they were: blocks.0 read attn.v). Ground truth: a
     plain forward hook on each decoder layer of the wrapped model."""
-    from script_modules import engine_runs
+    from fixtures import engine_runs
 
     bridge, hf_model = engine_runs._bridge(family, "eager")
     layers = hf_model.transformer.h if family == "gpt2" else hf_model.model.layers

@@ -1,7 +1,7 @@
 """docs/guides/verified.md must be what a fresh run of the engine comparisons renders.
 
 The page's numbers come from `scripts/gen_verified.py`, which counts the runs in
-`scripts/engine_runs.py`, the same runs `tests/test_engines.py` asserts on (they are cached, so a
+`tests/fixtures/engine_runs.py`, the same runs `tests/test_engines.py` asserts on (they are cached, so a
 full test session runs each engine once). A table edit, an engine upgrade or a changed
 comparison that moves a count makes this test fail until the page is regenerated.
 """
@@ -15,7 +15,7 @@ import pathlib
 import pytest
 import script_modules
 from docs_harness import ci_is_on
-from script_modules import engine_runs as er
+from fixtures import engine_runs as er
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def _varied_record(gen) -> dict:
 
 _RENDER_IN_A_FRESH_PROCESS = """
 import importlib.util, json, sys
-sys.modules["engine_runs"] = type(sys)("engine_runs")  # render() needs no engine run
+sys.modules["fixtures.engine_runs"] = type(sys)("fixtures.engine_runs")  # render() needs no engine run
 spec = importlib.util.spec_from_file_location("gen_verified", sys.argv[1])
 gen = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gen)

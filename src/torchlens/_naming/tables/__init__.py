@@ -14,7 +14,8 @@ Every `Table` is checked when it is built, so a mistyped table fails at import i
 quietly reporting its names `structurally_absent`: each row's facets exist
 (`torchlens._core.facet_spec.ALL_FACETS`) and fit its target's role, each target exists
 (`targets.TARGETS`), no name appears twice, and no row's pattern matches another row's
-names. A violation raises `TableError` naming the table and the row.
+names; and its generation's metadata (heading, slug, library, release) is given whole and well
+formed. A violation raises `TableError` naming the table and the row.
 """
 
 from __future__ import annotations
@@ -118,6 +119,18 @@ class Table:
         by_kind: (model kind, table) pairs: on a trace of that kind (`trace.structure.kind`) the
             resolver reads that table instead (TransformerLens 2.x names BERT's sites with
             `HookedEncoder`'s rows).
+        heading: how the site names the generation: its alias page's title, its entry in the
+            nav of `mkdocs.yml` and its column in the block diagrams.
+        slug: the file name of its alias page under `docs/aliases/` (`tl-2x` is `tl-2x.md`).
+        library: the distribution whose names these are, as pip installs it (`"transformer-lens"`).
+        checked: the release of `library` the rows were checked against (`"2.18"`); a generation
+            named `"N.x"` is checked against an N release.
+        names: what the library calls these names, in two or three words (the block diagrams
+            print it under the heading; may be empty).
+
+    `heading`, `slug`, `library` and `checked` are given on every table of `GENERATIONS` and on
+    no table of a `by_kind` (that one is read in place of its parent, under the parent's
+    metadata, and has the parent's `generation`).
     """
 
     generation: str
@@ -128,6 +141,11 @@ class Table:
     negative_layers: bool = False
     decoder_only: bool = False
     by_kind: tuple[tuple[str, Table], ...] = ()
+    heading: str = ""
+    slug: str = ""
+    library: str = ""
+    checked: str = ""
+    names: str = ""
 
     def __post_init__(self) -> None:
         check_table(self)
@@ -144,8 +162,10 @@ def check_table(table: Table) -> None:
         TableError: naming the table and the first row that breaks a rule: an unknown facet or
             target, a facet of another role than the target's, a site half given (a target
             without a facet or the reverse), an unknown stack, a name given twice (or also
-            listed as unmapped), or a pattern that matches another row's names.
+            listed as unmapped), or a pattern that matches another row's names; or metadata given
+            in part, malformed, of another series than the generation's, or on a `by_kind` table.
     """
+    _check_metadata(table)
     seen: dict[str, Row] = {}
     for row in table.rows:
         if row.name in seen:
@@ -175,6 +195,40 @@ def check_table(table: Table) -> None:
             if hit is not None:
                 raise _row_error(table, row, f"its pattern also matches {hit!r}, a name of row {other.name!r}; "
                                  f"a name must read one row.")
+
+
+#: A page slug and a distribution name: lowercase words joined by `-`.
+_SLUG = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
+#: A release: dotted numbers.
+_RELEASE = re.compile(r"\d+(?:\.\d+)*")
+_METADATA = ("heading", "slug", "library", "checked")
+
+
+def _check_metadata(table: Table) -> None:
+    """The generation's metadata: all of `_METADATA` or none, well formed, and its release in
+    its series; a `by_kind` table has the parent's generation and no metadata of its own."""
+    where = f"naming table {table.title!r} ({table.generation})"
+    given = [name for name in _METADATA if getattr(table, name)]
+    if given and len(given) < len(_METADATA):
+        missing = [name for name in _METADATA if name not in given]
+        raise TableError(f"{where}: gives {', '.join(given)} but not {', '.join(missing)}; a table of "
+                         f"GENERATIONS gives all of {', '.join(_METADATA)}, a by_kind table none.")
+    if not given and table.names:
+        raise TableError(f"{where}: names={table.names!r} without a heading; a by_kind table has no metadata.")
+    if given:
+        for name, pattern in (("slug", _SLUG), ("library", _SLUG), ("checked", _RELEASE)):
+            if not pattern.fullmatch(getattr(table, name)):
+                raise TableError(f"{where}: {name}={getattr(table, name)!r} is not of the form {pattern.pattern}.")
+        series = re.fullmatch(r"(\d+)\.x", table.generation)
+        if series and table.checked.split(".")[0] != series.group(1):
+            raise TableError(f"{where}: checked={table.checked!r} is not a {table.generation} release.")
+    for kind, sub in table.by_kind:
+        if sub.generation != table.generation:
+            raise TableError(f"{where}: its {kind} table {sub.title!r} is of generation {sub.generation!r}; a "
+                             f"by_kind table is read under its parent's generation.")
+        if any(getattr(sub, name) for name in (*_METADATA, "names")):
+            raise TableError(f"{where}: its {kind} table {sub.title!r} has metadata of its own; it is read under "
+                             f"the parent's (leave heading, slug, library, checked and names empty).")
 
 
 def _check_site(table: Table, row: Row, target: str, facets: tuple[str, ...]) -> None:

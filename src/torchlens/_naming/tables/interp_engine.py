@@ -57,4 +57,6 @@ ROWS = (
 #: Points that may carry a `.stream-K` coordinate.
 STREAM_POINTS = frozenset({"resid_pre", "resid_mid", "resid_post"})
 
-TABLE = Table("interp-engine", "interp-engine 1.14.3 point addresses", ROWS, absent_once=True, decoder_only=True)
+TABLE = Table("interp-engine", "interp-engine 1.14.3 point addresses", ROWS, absent_once=True, decoder_only=True,
+              heading="interp-engine", slug="interp-engine", library="interp-engine", checked="1.14.3",
+              names="point addresses")

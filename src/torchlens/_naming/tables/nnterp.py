@@ -45,5 +45,5 @@ UNMAPPED = {
 
 TABLE = Table(
     "nnterp", "nnterp 1.3 StandardizedTransformer accessors", ROWS, unmapped=UNMAPPED, negative_layers=True,
-    decoder_only=True,
+    decoder_only=True, heading="nnterp", slug="nnterp", library="nnterp", checked="1.3.0", names="accessors",
 )

@@ -67,4 +67,6 @@ ROWS = (
 )
 
 TABLE = Table("2.x", "TransformerLens 2.x HookedTransformer hook names", ROWS,
-              by_kind=(("encoder-only", tl2_encoder.TABLE), ("encoder-decoder", tl2_encdec.TABLE)))
+              by_kind=(("encoder-only", tl2_encoder.TABLE), ("encoder-decoder", tl2_encdec.TABLE)),
+              heading="TransformerLens 2.x", slug="tl-2x", library="transformer-lens", checked="2.18",
+              names="HookedTransformer")

@@ -29,4 +29,5 @@ ROWS = (
     )
 )
 
-TABLE = Table("3.x", "TransformerLens 3.x TransformerBridge cache names (canonical and legacy)", ROWS)
+TABLE = Table("3.x", "TransformerLens 3.x TransformerBridge cache names (canonical and legacy)", ROWS,
+              heading="TransformerLens 3.x", slug="tl-3x", library="transformer-lens", checked="3.9")

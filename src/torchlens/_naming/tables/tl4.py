@@ -71,4 +71,5 @@ ENCODER_DECODER = Table("4.x", "TransformerLens 4.x TransformerBridge names on a
                         encoder_decoder_rows(ROWS))
 
 TABLE = Table("4.x", "TransformerLens 4.x TransformerBridge canonical hook names", ROWS,
-              by_kind=(("encoder-decoder", ENCODER_DECODER),))
+              by_kind=(("encoder-decoder", ENCODER_DECODER),), heading="TransformerLens 4.x", slug="tl-4x",
+              library="transformer-lens", checked="4.3", names="canonical names")

@@ -1,0 +1,233 @@
+"""The checks a lazily computed facet waits on: each test takes its ground truth from outside
+TorchLens (eager `output_attentions`, forward hooks that clone, recomputation by hand).
+
+- A tensor written after the trace (e.g. in place into a served facet) is never what a lazily
+  computed facet is computed from: the facet is refused with the reason.
+- A pending check runs with autocast off, whatever the reader's context; a fused kernel run
+  under autocast is rebuilt in the dtype it computed in.
+- A check that raises refuses its facet; `check` and `save` do not raise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from fixtures.seeded import IDS, hooked, seeded_gpt2
+
+import torchlens as tl
+
+# -- writes after the trace ----------------------------------------------------------------------
+
+
+def test_write_into_served_resid_pre_refuses_norm_stats_not_serves_halved_ones():
+    model = seeded_gpt2(initializer_range=0.5)
+    x, _ = hooked(model, "transformer.h.0.ln_1", IDS)
+    true_inv = torch.rsqrt(x.double().var(-1, unbiased=False, keepdim=True) + model.config.layer_norm_epsilon)
+    t = tl.trace(model, IDS)
+    fm = t.modules["transformer.h.0.ln_1"].facets
+    t["transformer.h.0:resid_pre"].mul_(2.0)  # the caller writes into a tensor it was served
+    with pytest.raises(tl.FacetNotFound, match="written after the trace returned.*trace.check"):
+        fm["inv_std"]
+    assert "inv_std" in fm.refused and "scale" in fm.refused
+    # The same read before the write serves the traced value.
+    t2 = tl.trace(model, IDS)
+    fm2 = t2.modules["transformer.h.0.ln_1"].facets
+    inv = fm2["inv_std"]
+    t2["transformer.h.0:resid_pre"].mul_(2.0)
+    assert torch.allclose(inv.double(), true_inv, atol=1e-5)
+
+
+def test_constant_shift_of_served_k_refuses_scores_instead_of_serving_shifted_ones():
+    model = seeded_gpt2(use_cache=False)
+    t = tl.trace(model, IDS, use_cache=False)
+    attn = "transformer.h.0.attn"
+    q, k = t[attn + ":q"].clone(), t[attn + ":k"].clone()
+    by_hand = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    t[attn + ":k"].add_(torch.randn(k.shape[-1]))  # shifts each score row by a constant: the pattern is unchanged
+    fm = t.modules[attn].facets
+    with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
+        fm["scores"]
+    assert "pattern" in fm.refused
+    t2 = tl.trace(model, IDS, use_cache=False)
+    assert torch.allclose(t2[attn + ":scores"].tril(), by_hand.tril(), atol=1e-5)
+
+
+def test_zeroing_a_head_of_served_z_refuses_result_with_the_write_as_reason():
+    model = seeded_gpt2()
+    t = tl.trace(model, IDS)
+    attn = "transformer.h.0.attn"
+    t[attn + ":z"][:, 1].zero_()
+    fm = t.modules[attn].facets
+    assert "written after the trace returned" in t.check()[(attn, 0, "result")]
+    assert "dropout" not in fm.refused["result"]
+
+
+def test_write_into_an_inference_tensor_is_caught_too():
+    model = seeded_gpt2(initializer_range=0.5)
+    with torch.inference_mode():
+        t = tl.trace(model, IDS)
+        r = t["transformer.h.0:resid_pre"]
+        assert r.is_inference()  # no version counter to read
+        r.mul_(2.0)
+    with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
+        t["transformer.h.0.ln_1:inv_std"]
+
+
+class _SplitHead(torch.nn.Module):
+    """A linear layer whose output the model returns and whose first half a LayerNorm reads: the
+    norm's input is a view of a tensor the caller holds (`trace.output[0]`), so the trace keeps
+    copies, and the linear layer's served output is another view of the same copied storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 16)
+        self.ln = torch.nn.LayerNorm(8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        a, b = h.split(8, dim=-1)
+        return h, self.ln(a) + b
+
+
+def _split_head() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The model, an input, and the norm's inv_std recomputed from a hook's clone of its input."""
+    torch.manual_seed(0)
+    model = _SplitHead().eval()
+    with torch.no_grad():
+        model.lin.bias.add_(3.0)
+    x = torch.randn(3, 8)
+    got = {}
+    h = model.ln.register_forward_hook(lambda mod, i, o: got.setdefault("in", i[0].detach().clone()))
+    with torch.no_grad():
+        model(x)
+    h.remove()
+    a = got["in"].double()
+    return model, x, torch.rsqrt(a.var(-1, unbiased=False, keepdim=True) + model.ln.eps)
+
+
+@pytest.mark.parametrize("store", [None, "cpu", "dir"])
+def test_a_write_into_a_served_view_of_a_copied_storage_is_caught(store, tmp_path):
+    """The norm's input shares storage with `trace.output[0]`, so the trace holds copies (the
+    snapshot's, then the store's); a write into another view of that copy (the linear layer's
+    served output) must refuse the norm's facets, while a write into the caller's own output
+    must not touch what they are computed from. Fails if the copies are made with `set_` (each
+    view with a version counter of its own)."""
+    model, x, true_inv = _split_head()
+    where = tmp_path / "store" if store == "dir" else store
+    t = tl.trace(model, x, store=where)
+    served = t.modules["lin"].facets["output"]
+    assert served.untyped_storage().data_ptr() != t.output[0].untyped_storage().data_ptr()  # a copy
+    t.output[0].mul_(-5.0)  # the caller's own tensor: not what the trace keeps
+    t2 = tl.trace(model, x, store=tmp_path / "store2" if store == "dir" else store)
+    t2.output[0].zero_()
+    assert torch.allclose(t2.modules["ln"].facets["inv_std"].double(), true_inv, atol=1e-5)
+    served[:, :8].mul_(2.0)  # the caller writes into a tensor it was served
+    fm = t.modules["ln"].facets
+    with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
+        fm["inv_std"]
+    assert "normalized" in fm.refused
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="store='cpu' moves only accelerator tensors")
+def test_a_write_into_a_cpu_stored_view_is_caught_on_an_accelerator():
+    """`store="cpu"` copies accelerator storages to host memory: the views placed on one host
+    copy share one version counter, so a write through one of them refuses what reads another."""
+    model, x, true_inv = _split_head()
+    model, x = model.cuda(), x.cuda()
+    t = tl.trace(model, x, store="cpu")
+    assert torch.allclose(t.modules["ln"].facets["inv_std"].double().cpu(), true_inv, atol=1e-5)
+    t = tl.trace(model, x, store="cpu")
+    served = t.modules["lin"].facets["output"]
+    assert served.device.type == "cpu"
+    served[:, :8].mul_(2.0)
+    with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
+        t.modules["ln"].facets["inv_std"]
+
+
+def test_a_write_through_another_dtype_of_a_copied_storage_is_caught():
+    """Tensors of one storage held in two dtypes get a version counter each once copied: the
+    check falls back to a fingerprint of its input's values, so a write through the other dtype
+    is still caught."""
+
+    class Bits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(8)
+
+        def forward(self, x):
+            return x.view(torch.int32), self.ln(x)  # the caller holds x's storage as int32 too
+
+    torch.manual_seed(0)
+    model, x = Bits().eval(), torch.randn(3, 8)
+    t = tl.trace(model, x)
+    fm = t.modules["ln"].facets
+    ints = [op.tensor for op in t.ops if op.tensor is not None and op.tensor.dtype == torch.int32]
+    assert ints, "the trace keeps the int32 view"
+    ints[0][0, 0].add_(1 << 20)  # changes the float bits the norm's input holds
+    with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
+        fm["inv_std"]
+
+
+def test_check_before_the_write_keeps_every_facet():
+    model = seeded_gpt2()
+    t = tl.trace(model, IDS)
+    assert t.check() == {}
+    t["transformer.h.0:resid_pre"].mul_(2.0)
+    t["transformer.h.0.attn:q"].zero_()
+    assert t.check() == {}
+    assert t.modules["transformer.h.0.ln_1"].facets["normalized"] is not None
+
+
+# -- autocast ------------------------------------------------------------------------------------
+
+
+def test_read_under_autocast_serves_what_a_read_outside_serves():
+    model = seeded_gpt2(initializer_range=0.5)
+    attn = "transformer.h.0.attn"
+    ref = tl.trace(model, IDS)
+    want = {f: ref[f"{attn}:{f}"] for f in ("pattern", "result")}
+    want["normalized"] = ref["transformer.h.0.ln_1:normalized"]
+    t = tl.trace(model, IDS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = {f: t[f"{attn}:{f}"] for f in ("pattern", "result")}
+        got["normalized"] = t["transformer.h.0.ln_1:normalized"]
+    assert t.check() == {}
+    for f, w in want.items():
+        assert got[f].dtype == torch.float32
+        assert torch.equal(got[f], w), f
+
+
+def test_a_check_that_raises_refuses_and_check_and_save_do_not_raise(monkeypatch, tmp_path):
+    from torchlens._analysis.facets import attention as _attention
+
+    def broken(*a, **kw):
+        raise RuntimeError("shape '[32, 2, 8]' is invalid for input of size 1024")
+
+    monkeypatch.setattr(_attention, "_per_head_weight", broken)
+    t = tl.trace(seeded_gpt2(), IDS)
+    refused = t.check()
+    assert "could not be computed: RuntimeError: shape" in refused[("transformer.h.0.attn", 0, "result")]
+    with pytest.warns(UserWarning, match=r"could not store 1 value.*DynamicCache"):  # the KV cache is no tensor
+        t.save(tmp_path / "t")
+    assert "result" not in tl.load(tmp_path / "t").modules["transformer.h.0.attn"].facets
+
+
+def test_a_fused_kernel_run_under_autocast_is_rebuilt_in_the_dtype_it_computed_in():
+    # Llama's RoPE returns a float32 query and key next to a bfloat16 value; autocast casts all
+    # three to bfloat16 for the kernel. The rebuild must do the same, not refuse (or upcast).
+    from torchlens import testing
+
+    sdpa, eager = testing.build("llama", "sdpa"), testing.build("llama", "eager")
+    ids = testing.token_ids(batch=2)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        t = tl.trace(sdpa, ids)
+        ref = eager(ids, output_attentions=True).attentions
+    kernel = next(op for op in t.ops if op.name == "scaled_dot_product_attention")
+    assert {a.dtype for a in kernel.extra["args"][:3]} == {torch.float32, torch.bfloat16}  # the case at hand
+    for i, a in enumerate(t.by_role("attention")):
+        facets = t.modules[a].facets
+        assert "pattern" in facets and not facets.refused, facets.refused
+        assert facets.sites["pattern"].dtype == facets["pattern"].dtype == torch.bfloat16
+        torch.testing.assert_close(facets["pattern"].float(), ref[i].float(), rtol=0, atol=1e-2)
