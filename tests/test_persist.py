@@ -142,6 +142,19 @@ def _edit(path, fn):
     (path / "trace.json").write_text(json.dumps(doc))
 
 
+def _tensor_path(path):
+    """The tensor file trace.json names."""
+    (entry,) = json.loads((path / "trace.json").read_text())["tensor_files"]
+    return path / (entry if isinstance(entry, str) else entry["name"])
+
+
+def _reseal(path):
+    """Record the tensor file's present size in trace.json, as a forger would, so that what is
+    checked next is the file's content."""
+    size = _tensor_path(path).stat().st_size
+    _edit(path, lambda doc: doc["tensor_files"][0].update(bytes=size))
+
+
 class _Boom:
     def __reduce__(self):
         return (os.mkdir, ("PWNED",))
@@ -149,11 +162,14 @@ class _Boom:
 
 def test_a_pickle_in_place_of_the_tensors_is_never_unpickled(saved, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (saved / "tensors.safetensors").write_bytes(pickle.dumps(_Boom()))
+    _tensor_path(saved).write_bytes(pickle.dumps(_Boom()))
     torch.save({"x": _Boom()}, tmp_path / "model.pt")
+    with pytest.raises(tl.TraceFileError, match="not from one save"):
+        tl.load(saved)
+    _reseal(saved)  # the size and digest now match: the file itself is refused
     with pytest.raises(tl.TraceFileError, match="not a readable safetensors file"):
         tl.load(saved)
-    _edit(saved, lambda d: d.update(tensor_files=["model.pt"]))
+    _edit(saved, lambda d: d["tensor_files"][0].update(name="model.pt"))
     with pytest.raises(tl.TraceFileError, match="only a plain \\*.safetensors"):
         tl.load(saved)
     with pytest.raises(tl.TraceFileError, match="a file"):
@@ -163,13 +179,13 @@ def test_a_pickle_in_place_of_the_tensors_is_never_unpickled(saved, tmp_path, mo
 
 def test_tensor_files_outside_the_directory_are_refused(saved, tmp_path):
     outside = tmp_path / "outside.safetensors"
-    outside.write_bytes((saved / "tensors.safetensors").read_bytes())
+    outside.write_bytes(_tensor_path(saved).read_bytes())
     for bad in ["../outside.safetensors", str(outside)]:
-        _edit(saved, lambda d, bad=bad: d.update(tensor_files=[bad]))
+        _edit(saved, lambda d, bad=bad: d["tensor_files"][0].update(name=bad))
         with pytest.raises(tl.TraceFileError, match="only a plain"):
             tl.load(saved)
     os.symlink(outside, saved / "link.safetensors")
-    _edit(saved, lambda d: d.update(tensor_files=["link.safetensors"]))
+    _edit(saved, lambda d: d["tensor_files"][0].update(name="link.safetensors"))
     with pytest.raises(tl.TraceFileError, match="links outside"):
         tl.load(saved)
 
@@ -183,11 +199,16 @@ def test_classes_outside_torchlens_records_are_refused(saved):
 
 
 def test_truncated_and_malformed_files_raise_a_clear_error(saved):
-    data = (saved / "tensors.safetensors").read_bytes()
-    (saved / "tensors.safetensors").write_bytes(data[: len(data) // 2])
+    tensors = _tensor_path(saved)
+    data = tensors.read_bytes()
+    tensors.write_bytes(data[: len(data) // 2])
+    with pytest.raises(tl.TraceFileError, match="it is truncated"):
+        tl.load(saved)
+    _reseal(saved)
     with pytest.raises(tl.TraceFileError, match="malformed or truncated"):
         tl.load(saved)
-    (saved / "tensors.safetensors").write_bytes(data)
+    tensors.write_bytes(data)
+    _reseal(saved)
     text = (saved / "trace.json").read_text()
     (saved / "trace.json").write_text(text[: len(text) // 2])
     with pytest.raises(tl.TraceFileError, match="not valid JSON"):

@@ -24,6 +24,7 @@ is assembled. The `"cpu"` store moves the tensors when the trace is assembled, a
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import struct
@@ -41,7 +42,9 @@ SHARD_BYTES = 1 << 30
 
 
 class StoreSpecError(TorchLensError, ValueError):
-    """The `store=` argument of [`trace`][torchlens.trace] is not one TorchLens accepts."""
+    """The `store=` argument of [`trace`][torchlens.trace] is not one TorchLens accepts, or its
+    directory cannot hold the tensors: it lies under a file, it is read-only, or a write there
+    failed (a full disk). The OS error, if any, is its `__cause__`."""
 
 
 def parse_store(store: Any) -> Any:
@@ -59,8 +62,25 @@ def parse_store(store: Any) -> Any:
         if os.path.exists(path) and not os.path.isdir(path):
             raise StoreSpecError(f"store={store!r} is an existing file; a directory store needs a directory "
                                  f"(it is created if missing). {accepted}.")
+        _check_writable(path, store)
         return DirectoryStore(path)
     raise StoreSpecError(f"store={store!r} is not accepted; {accepted}.")
+
+
+def _check_writable(path: str, store: Any) -> None:
+    """Refuse, before the forward, a directory store that cannot be made or written: one under a
+    file, or in a directory this process may not write (a read-only file system, no permission)."""
+    above = os.path.abspath(path)
+    while not os.path.exists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise StoreSpecError(f"store={store!r}: {above!r} is a file, so no directory can be made at {path!r}; a "
+                             f"directory store needs a directory (it is created if missing). Pass another path.")
+    if not os.access(above, os.W_OK | os.X_OK):
+        what = "the directory" if above == os.path.abspath(path) else f"{above!r}, the directory it would be made in,"
+        raise StoreSpecError(f"store={store!r}: {what} is not writable by this process (a read-only file system, "
+                             f"or no permission), so the trace's tensors cannot be written there. Pass a writable "
+                             f"directory, or store='cpu'.")
 
 
 def _view(storage: torch.UntypedStorage, byte_offset: int, t: torch.Tensor, bases: dict) -> torch.Tensor:
@@ -149,6 +169,8 @@ class DirectoryStore:
         #: the base tensors `_view` makes views of, kept across writes: a later view of a storage
         #: written earlier shares the version counter of the views made then.
         self._bases: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        #: the files this store wrote, removed if a later write fails (the trace then fails)
+        self._paths: list[str] = []
 
     def write(self, found: list[Holding]) -> None:
         """Write the storages of the tensors in `found` and put each tensor's view on its file
@@ -184,6 +206,21 @@ class DirectoryStore:
         _replace(found, placed, self._bases)
 
     def _write(self, storages: dict) -> dict:
+        try:
+            return self._write_files(storages)
+        except OSError as exc:
+            # The trace being captured fails with this error: the files it wrote are of no use.
+            for name in self._paths:
+                with contextlib.suppress(OSError):
+                    os.remove(name)
+            self._paths.clear()
+            raise StoreSpecError(
+                f"store={self.path!r}: writing the trace's tensors there failed: {exc.strerror or exc} "
+                f"({errno.errorcode.get(exc.errno or 0, exc.errno)}" + (f", at {exc.filename!r}" if exc.filename else "")
+                + "). The trace was not made, and the files it had written there were removed. Free space there, or pass a writable "
+                "directory with room, or store='cpu'.") from exc
+
+    def _write_files(self, storages: dict) -> dict:
         os.makedirs(self.path, exist_ok=True)
         shards: list[dict[str, torch.Tensor]] = [{}]
         names: dict[tuple[str, int], tuple[int, str]] = {}
@@ -215,6 +252,7 @@ class DirectoryStore:
                 with contextlib.suppress(OSError):
                     os.remove(part)
                 raise
+            self._paths.append(name)
             files.append(name)
         del shards
         maps = [_mapped(f) for f in files]
