@@ -236,6 +236,44 @@ def test_a_read_only_directory_is_refused_for_save_and_store(tmp_path, traces):
         os.chmod(tmp_path / "t", 0o700)
 
 
+@pytest.mark.parametrize("code", [30, 13], ids=["EROFS", "EACCES"])
+def test_a_refused_write_is_refused_for_save_and_store_also_as_root(tmp_path, traces, monkeypatch, code):
+    """The kernel's refusal, simulated where root would ignore a mode: every file `os.open`
+    would create in the directory fails with EROFS or EACCES, and `os.access` says it is not
+    writable. Save raises `TraceFileError` (cause: the OSError) leaving the old trace loadable
+    and the directory as it was; a store there is refused before the forward."""
+    a, b = traces
+    d = tmp_path / "t"
+    _save(a, d)
+    before = sorted(os.listdir(d))
+    real_open, real_access = os.open, os.access
+
+    def refusing_open(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT and os.path.dirname(os.path.abspath(os.fspath(path))) == str(d):
+            raise OSError(code, os.strerror(code), os.fspath(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: False if os.fspath(p) == str(d) else real_access(p, mode, *a, **k))
+    words = "read-only" if code == 30 else "may not write"
+    with pytest.raises(tl.TraceFileError, match=words) as info:
+        _save(b, d)
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == code
+    model = _models.build("gpt2", "sdpa")
+    ran = []
+    handle = model.register_forward_pre_hook(lambda m, args: ran.append(1))
+    try:
+        with pytest.raises(tl.StoreSpecError, match="not writable"):
+            tl.trace(model, IDS, store=d)
+    finally:
+        handle.remove()
+    assert not ran  # refused before the forward
+    monkeypatch.setattr(os, "open", real_open)
+    monkeypatch.setattr(os, "access", real_access)
+    assert sorted(os.listdir(d)) == before
+    assert _equal(tl.load(d), a)
+
+
 def test_a_disk_full_at_any_write_leaves_the_old_trace(tmp_path, traces, monkeypatch):
     """`os.write` fails with ENOSPC at the first, a middle, or the last write of a save (the
     tensor file's header, tensor bytes, trace.json): `TraceFileError` whose cause is the
