@@ -27,7 +27,7 @@ import threading
 import pytest
 import torch
 
-import _models
+from torchlens import testing as _models
 import torchlens as tl
 from torchlens import _persist
 

@@ -182,9 +182,12 @@ _FIELDS: dict[str, dict[str, _Kind]] = {
                      "aliases": _tuple(_STR)},
     "ModuleCall": {"address": _STR, "index": _COUNT, "role": _STR, "class_name": _STR, "first_op": _COUNT,
                    "end_op": _INT, "facets": _opt(_rec("FacetMap")), "parent": _CALL, "retained": _BOOL,
-                   "input_ref": _SOURCE, "output_ref": _SOURCE, "_in": _NONE, "_out": _NONE},
+                   "input_ref": _SOURCE, "output_ref": _SOURCE, "_in": _NONE, "_out": _NONE,
+                   "grads": _opt(_rec("GradMap"))},
     "FacetMap": {"address": _STR, "role": _STR, "refused": _dict(_STR, _STR),
                  "sites": _dict(_STR, _rec("FacetSite")), "ran": _BOOL},
+    "GradMap": {"address": _STR, "role": _STR, "refused": _dict(_STR, _STR),
+                "sites": _dict(_STR, _rec("FacetSite")), "ran": _BOOL, "loss": _STR},
     "FacetSite": {"name": _STR, "kind": _STR, "shape": _SHAPE, "dtype": _DTYPE, "tensor": _opt(_TENSOR),
                   "op": _opt(_COUNT), "check_error": _opt(_NUMBER), "note": _STR},
     "OpRecord": {"index": _COUNT, "name": _STR, "module": _STR, "call": _COUNT, "inputs": _tuple(_SOURCE),
@@ -865,13 +868,12 @@ def _check_held(trace: Any, keys: dict[int, str]) -> None:
             for ref in (call.input_ref, call.output_ref):
                 if type(ref).__name__ == "Ref":
                     in_range(ref.op, whose, len(ops))
-            if call.facets is None:
-                continue
-            for name, site in call.facets._sites.items():
-                in_range(site.op, f"facet {name!r} of {whose}", len(ops))
-                t = site.__dict__.get("tensor")
-                if t is not None:
-                    held(t, site.shape, site.dtype, f"facet {name!r} of {whose}")
+            for what, fmap in (("facet", call.facets), ("gradient of facet", getattr(call, "grads", None))):
+                for name, site in (fmap._sites.items() if fmap is not None else ()):
+                    in_range(site.op, f"{what} {name!r} of {whose}", len(ops))
+                    t = site.__dict__.get("tensor")
+                    if t is not None:
+                        held(t, site.shape, site.dtype, f"{what} {name!r} of {whose}")
 
 
 def _read_doc(doc_path: str) -> dict:
