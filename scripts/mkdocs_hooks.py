@@ -298,3 +298,16 @@ def on_page_markdown(markdown, page, config, files):
     if note is None:
         return markdown
     return _insert_after_title(markdown, note)
+
+
+def on_post_build(config):
+    """Write ``search/search_index.js`` (``var __index = <the index>``) beside the JSON index: a page
+    opened from disk (file://) cannot fetch the JSON, so Material's search reads this script there
+    (``docs/javascripts/file-protocol.js`` runs its worker)."""
+    path = os.path.join(config.site_dir, "search", "search_index.json")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as handle:
+        index = handle.read()
+    with open(os.path.join(config.site_dir, "search", "search_index.js"), "w", encoding="utf-8") as handle:
+        handle.write(f"var __index = {index}\n")
