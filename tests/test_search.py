@@ -11,7 +11,8 @@ For each naming generation a dozen of its names, written with a layer (`blocks.3
 and as the tables write them (`blocks.{L}.hook_mlp_out`), must be found on the translation page or
 on the generation's alias page; the layer number itself is not required, since the pages write
 `{L}`. A last test shows that Material's default separator (whitespace and hyphens) does not find
-them, so the checks can fail. tests/test_browser.py types names into the real search box.
+them, so the checks can fail. tests/test_browser.py types names into the real search box. The
+same build's sitemap must list every page (it is empty without `site_url`).
 """
 
 from __future__ import annotations
@@ -35,12 +36,26 @@ DEFAULT_SEPARATOR = r"[\s\-]+"  # Material's, for English
 
 
 @pytest.fixture(scope="module")
-def index(tmp_path_factory) -> dict:
+def site(tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("site")
+    env = {key: value for key, value in os.environ.items() if key != "SITE_URL"}
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "--site-dir", str(out)], cwd=REPO,
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True, timeout=300)
+                          env={**env, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"mkdocs build failed:\n{done.stdout}\n{done.stderr}"
-    return json.loads((out / "search" / "search_index.json").read_text(encoding="utf-8"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def index(site) -> dict:
+    return json.loads((site / "search" / "search_index.json").read_text(encoding="utf-8"))
+
+
+def test_the_sitemap_lists_every_page(site):
+    locations = re.findall(r"<loc>([^<]+)</loc>", (site / "sitemap.xml").read_text(encoding="utf-8"))
+    pages = sorted(p.parent.relative_to(site).as_posix() for p in site.rglob("index.html")
+                   if p.parent.relative_to(site).parts[:1] not in (("search",), ("assets",)))
+    assert len(pages) >= 20
+    assert sorted(loc.removeprefix("http://127.0.0.1:8000/").rstrip("/") or "." for loc in locations) == pages
 
 
 @functools.lru_cache(maxsize=None)
