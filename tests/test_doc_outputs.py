@@ -257,3 +257,26 @@ def test_the_recording_is_kept_for_a_skip_and_unchanged_by_a_run_that_changes_no
     monkeypatch.setitem(docs_harness.TOOL_IMPORTS, "absent-engine", "absent_engine")  # now missing: skipped
     pytester.runpytest("-q", "page.md").assert_outcomes(skipped=1)
     assert (pytester.path / "tests" / "doc_outputs.json").read_text() == recorded
+
+
+def test_every_block_of_the_site_runs_as_a_script():
+    """A reader copies a block into a file: it must compile as a module (no top-level `await`, which the
+    harness would run but `python script.py` rejects with a SyntaxError)."""
+    bad = {}
+    for path in _pages():
+        text = path.read_text(encoding="utf-8-sig")
+        for name, block in page_blocks(text, path):
+            try:
+                compile(block_body(block), f"{path.name}:{block.start_line}", "exec")
+            except SyntaxError as error:
+                bad[f"{path.relative_to(REPO).as_posix()}:{block.start_line}"] = error.msg
+    assert not bad, bad
+
+
+def test_the_cross_engine_checks_compare_with_compare_not_by_hand():
+    """The cross-engine guide teaches `mi.compare`, which converts layouts and explains a mismatch; a block
+    that compares tensors with a hand-written `allclose` teaches the check without either."""
+    path = REPO / "docs" / "guides" / "cross-engine.md"
+    by_hand = [block.start_line for _, block in page_blocks(path.read_text(encoding="utf-8"), path)
+               if re.search(r"\ballclose\(|\bisclose\(", block_body(block))]
+    assert not by_hand, f"docs/guides/cross-engine.md: blocks at lines {by_hand} compare by hand"
