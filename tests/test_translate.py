@@ -17,7 +17,8 @@ import pytest
 import torchlens as tl
 import torchlens.mechinterp as mi
 from torchlens import testing
-from torchlens.mechinterp import _targets, _translate
+from torchlens._naming import targets as _targets
+from torchlens.mechinterp import _translate
 
 GENERATIONS = list(mi.GENERATIONS)
 PAIRS = [(a, b) for a, b in itertools.permutations(GENERATIONS, 2)]
@@ -147,8 +148,8 @@ def test_the_shared_modules_are_exactly_the_target_pairs_some_family_finds_on_on
     for family in testing.FAMILIES:
         trace = family_trace(family)
         calls: dict[tuple, set[str]] = {}
-        for target, (_, per_layer, _) in _targets.TARGETS.items():
-            for layer in (range(len(trace.blocks)) if per_layer else [None]):
+        for target, row in _targets.TARGETS.items():
+            for layer in (range(len(trace.blocks)) if row.per_layer else [None]):
                 call, _ = _targets.find_call(trace, target, layer)
                 if call is not None:
                     calls.setdefault((call.address, call.index), set()).add(target)
