@@ -1,7 +1,9 @@
-# Two entry points for a fresh machine (see README.md):
+# Entry points for a fresh machine (see README.md):
 #   make docs   install into .venv, then serve the site with `mkdocs serve`
 #   make test   install into .venv, build the engine environments, then run the whole
 #               test suite with `pytest`
+#   make wheel  build dist/torchlens-<version>-py3-none-any.whl, the wheel Getting started installs
+#               (`pip install dist/torchlens-*.whl`); older wheels in dist/ are removed first
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -30,7 +32,7 @@ ENGINE_DIR ?= .venv-engines
 ENGINE_STAMPS := $(foreach e,$(ENGINE_ENVS),$(ENGINE_DIR)/$(e)/.built)
 export TORCHLENS_ENGINE_ENVS := $(abspath $(ENGINE_DIR))
 
-.PHONY: docs test install engines
+.PHONY: docs test install engines wheel
 
 install: $(STAMP)
 
@@ -46,6 +48,10 @@ engines: $(STAMP)
 $(ENGINE_DIR)/%/.built: envs/%.txt envs/build.sh
 	bash envs/build.sh $*
 	touch $@
+
+wheel:
+	rm -f dist/torchlens-*.whl
+	$(PYTHON) -m pip wheel --no-deps --wheel-dir dist .
 
 docs: $(STAMP)
 	$(BIN)/mkdocs serve --dev-addr $(DOCS_ADDR)

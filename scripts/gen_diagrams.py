@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from markdown.extensions.toc import slugify
 
 import torchlens as tl
 import torchlens.mechinterp as mi
@@ -691,7 +692,12 @@ def _flow(d: Diagram) -> str:
 
 def page_section(diagrams: list[Diagram]) -> str:
     """The generated part of docs/guides/diagrams.md: one section per family."""
-    lines = [BEGIN, ""]
+    lines = [BEGIN, "",
+             f"Jump to a diagram ({len(diagrams)} of the {len(testing.FAMILIES)} families of "
+             "`torchlens.testing.FAMILIES`; the [coverage page](coverage.md) lists every model the test "
+             "suite traces): "
+             + " · ".join(f"[{d.title}](#{slugify(d.title, '-')})" for d in diagrams) + ".",
+             ""]
     for d in diagrams:
         block = d.trace.modules[d.block.address]
         counts = {g: 0 for g in GENERATIONS}

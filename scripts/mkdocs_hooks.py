@@ -2,7 +2,8 @@
 
 ``on_page_markdown`` puts a note under the title of every page whose Python examples
 were run by a ``pytest`` run, from the outcomes recorded per block in
-``build/doc-outputs.json`` (written by the pytest plugin ``tests/doc_outputs.py``):
+``tests/doc_outputs.json`` (written by the pytest plugin ``tests/doc_outputs.py`` and committed, so a
+fresh clone's build shows them too):
 
 * "N/N examples verified" when every example on the page passed,
 * a failure note when some failed, were skipped or did not run (an example whose code
@@ -10,8 +11,7 @@ were run by a ``pytest`` run, from the outcomes recorded per block in
 * "stale: page changed since the last test run" when the page's SHA-256 no longer
   matches the one recorded.
 
-The file may be missing (a fresh clone, ``mkdocs serve`` before any test run) or
-unreadable; then pages are left as they are.
+The file may be missing or unreadable; then pages are left as they are.
 
 It also changes how Python examples are shown (the page source, which is the test, is
 left as it is):
@@ -20,7 +20,7 @@ left as it is):
   compact "tested" badge above the block, with the asserted value, instead of as the
   block's first code line (except on the pages in ``HEADERS_SHOWN``, which explain it).
 * What a block printed in the last test run is shown under it, from
-  ``build/doc-outputs.json`` (written by the pytest plugin ``tests/doc_outputs.py``). An
+  ``tests/doc_outputs.json`` (written by the pytest plugin ``tests/doc_outputs.py``). An
   output is only shown under a block whose code still hashes to the recorded hash, so an
   edited block shows nothing until the next test run.
 """
@@ -35,7 +35,7 @@ import re
 
 log = logging.getLogger("mkdocs.hooks.torchlens")
 
-OUTPUTS_FILE = os.path.join("build", "doc-outputs.json")
+OUTPUTS_FILE = os.path.join("tests", "doc_outputs.json")
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 #: Pages that teach the header syntax keep it visible in their blocks.
 HEADERS_SHOWN = frozenset({"docs/contributing/executable-docs.md"})
@@ -69,7 +69,7 @@ def _note(entry: dict, current_sha: str) -> str | None:
         return None
     when = entry.get("timestamp", "an unknown time")
     version = entry.get("torchlens_version", "unknown")
-    ran = f"the last test run ({when}, torchlens {version})"
+    ran = f"the test run recorded on {when} (torchlens {version})"
     if entry.get("sha256") != current_sha:
         return (
             '!!! warning "stale: page changed since the last test run"\n\n'
@@ -77,7 +77,7 @@ def _note(entry: dict, current_sha: str) -> str | None:
             "since. Run `make test` to check it again.\n"
         )
     if passed == examples and failed == 0:
-        return f'!!! success "{passed}/{examples} examples verified"\n\n    Every example on this page ran in {ran}.\n'
+        return f'!!! success "{passed}/{examples} examples verified"\n\n    Every example on this page passed in {ran}.\n'
     parts = [f"{failed} failed"] if failed else []
     if skipped:
         parts.append(f"{skipped} skipped")
@@ -298,3 +298,16 @@ def on_page_markdown(markdown, page, config, files):
     if note is None:
         return markdown
     return _insert_after_title(markdown, note)
+
+
+def on_post_build(config):
+    """Write ``search/search_index.js`` (``var __index = <the index>``) beside the JSON index: a page
+    opened from disk (file://) cannot fetch the JSON, so Material's search reads this script there
+    (``docs/javascripts/file-protocol.js`` runs its worker)."""
+    path = os.path.join(config.site_dir, "search", "search_index.json")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as handle:
+        index = handle.read()
+    with open(os.path.join(config.site_dir, "search", "search_index.js"), "w", encoding="utf-8") as handle:
+        handle.write(f"var __index = {index}\n")

@@ -3,15 +3,24 @@
 A pytest plugin next to ``docs_harness.py`` (loaded by ``-p doc_outputs`` in pyproject.toml). For
 every docs block that ran, it keeps the outcome and the stdout pytest captured (cut to
 :data:`OUTPUT_LIMIT`: an engine's log can run to thousands of lines), with a hash of the block's
-code, and at the end of the session merges them, per page, into ``build/doc-outputs.json``:
+code, and at the end of the session merges them, per page, into :data:`OUTPUTS_FILE`,
+``tests/doc_outputs.json``, which is committed, so that every build of the site (a fresh clone's
+``make docs`` too) shows the outputs and the "N/N examples verified" notes:
 
     {"pages": {"docs/page.md": {"sha256": ..., "timestamp": ..., "torchlens_version": ..., "blocks": [
         {"line": 42, "code_sha256": ..., "outcome": "passed", "stdout": "..."}]}}}
 
 A page problem (a ``# migration-test:`` header that was not collected) is an entry with
-``"code_sha256": null``. ``scripts/mkdocs_hooks.py`` reads the file: each output goes under the
-block whose code has the same hash (an edited block gets none until the next run), and the
-outcomes of the blocks still on the page make its "N/N examples verified" note.
+``"code_sha256": null``. A block that ran replaces its old entry, except that a skip (its tool or
+engine environment is missing here) keeps an entry recorded for the same code elsewhere; entries of
+code no longer on the page are dropped. A page's timestamp changes only when its entry does, so a
+run that changes nothing leaves the file as it was.
+
+``scripts/mkdocs_hooks.py`` reads the file: each output goes under the block whose code has the same
+hash (an edited block gets none until the next run), and the outcomes of the blocks still on the page
+make its "N/N examples verified" note. ``tests/test_doc_outputs.py::test_the_recorded_outputs_are_current``
+fails while a page's recording is stale (the page changed, a block has no passing record); it runs at the
+end of a session and counts the blocks that session ran.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import sys
 
 import pytest
 
-OUTPUTS_FILE = pathlib.Path("build") / "doc-outputs.json"
+OUTPUTS_FILE = pathlib.Path("tests") / "doc_outputs.json"
 OUTPUT_LIMIT = 3000  #: characters of a block's output kept for the site (its start and its end)
 _KEY = pytest.StashKey[dict]()
 
@@ -54,6 +63,8 @@ def cut(text: str, limit: int = OUTPUT_LIMIT) -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_KEY] = {}
+    config.addinivalue_line("markers", "after_docs: runs after every docs block of the session "
+                            "(it reads their recorded outcomes)")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -86,18 +97,13 @@ def _torchlens_version() -> str:
         return "unknown"
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Merge this run into the file: a block that ran replaces its old entry; entries of code no
-    longer on the page, and old page problems of a page that ran, are dropped."""
+def merged(config: pytest.Config) -> dict:
+    """What the outputs file holds once this session's records are merged into it (nothing is written)."""
     from docs_harness import block_body, page_blocks
 
-    config = session.config
     pages = config.stash.get(_KEY, {})
-    if hasattr(config, "workerinput") or not pages:
-        return
-    path = config.rootpath / OUTPUTS_FILE
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads((config.rootpath / OUTPUTS_FILE).read_text(encoding="utf-8"))
         if not isinstance(data.get("pages"), dict):
             raise ValueError
     except (OSError, ValueError, AttributeError):
@@ -110,16 +116,43 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         except OSError:
             continue
         current = {code_sha256(block_body(block)) for _, block in page_blocks(text, page_path)}
-        ran_hashes = {b["code_sha256"] for b in ran}
-        old = data["pages"].get(page, {}).get("blocks", [])
-        kept = [b for b in old if b.get("code_sha256") in current and b.get("code_sha256") not in ran_hashes]
-        data["pages"][page] = {
+        before = data["pages"].get(page, {})
+        old = {b.get("code_sha256"): b for b in before.get("blocks", []) if b.get("code_sha256") in current}
+        new = {}
+        for block in (b for b in ran if b["code_sha256"] is not None):
+            kept = old.get(block["code_sha256"])
+            # a skip says nothing about the code: keep what a run with its tool recorded
+            new[block["code_sha256"]] = ({**kept, "line": block["line"]} if block["outcome"] == "skipped"
+                                         and kept is not None else block)
+        problems = [b for b in ran if b["code_sha256"] is None]  # page problems: this run's own only
+        blocks = [b for code, b in old.items() if code not in new] + list(new.values()) + problems
+        entry = {
             "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-            "timestamp": now,
             "torchlens_version": _torchlens_version(),
-            "blocks": sorted(kept + ran, key=lambda b: b["line"]),
+            "blocks": sorted(blocks, key=lambda b: (b["line"], b["code_sha256"] or "")),
         }
+        same = {k: v for k, v in before.items() if k != "timestamp"} == entry
+        data["pages"][page] = {**entry, "timestamp": before.get("timestamp", now) if same else now}
+    return data
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Merge this run into the file (see :func:`merged`)."""
+    config = session.config
+    if hasattr(config, "workerinput") or not config.stash.get(_KEY, {}):
+        return
+    data = merged(config)
+    path = config.rootpath / OUTPUTS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(data, indent=1, sort_keys=True) + "\n"
+    if path.exists() and path.read_text(encoding="utf-8") == text:
+        return
     temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    temporary.write_text(text, encoding="utf-8")
     os.replace(temporary, path)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    """Run the tests marked ``after_docs`` last, after the docs blocks they read the outcomes of."""
+    items.sort(key=lambda item: item.get_closest_marker("after_docs") is not None)

@@ -274,6 +274,7 @@ class DocItem(MarkdownInlinePythonItem):
             raise pytest.skip.Exception(missing, _use_item_location=True)  # reported at the page line
         if self.engine:
             return self._check(self._run_in_engine())
+        _forget_warnings_given_once()
         namespace = types.ModuleType("docs_example").__dict__
         for extra in self.config.hook.pytest_markdown_docs_globals():
             namespace.update(extra)
@@ -384,6 +385,33 @@ def pytest_collect_file(file_path: pathlib.Path, parent: pytest.Collector):
     if parent.config.option.markdowndocs and file_path.suffix == ".md":
         kept.append(DocPage.from_parent(parent, path=file_path))
     return kept
+
+
+def _forget_warnings_given_once() -> None:
+    """Let transformers give its once-per-process warnings again: each block runs as a script of its own."""
+    import logging
+
+    forget = getattr(getattr(logging.Logger, "warning_once", None), "cache_clear", None)
+    if forget is not None and "transformers" in sys.modules:
+        forget()
+
+
+#: What transformers logs when a config it validates holds a value the model cannot use (a token id
+#: outside the vocabulary): an example that triggers it teaches a broken config, so its block fails.
+CONFIG_WARNING = re.compile(r"^\[transformers\] Model config: .*$", re.M)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Fail a block that passed but made transformers warn about its model config (:data:`CONFIG_WARNING`)."""
+    report = yield
+    if isinstance(item, DocItem) and call.when == "call" and report.passed:
+        stderr = "".join(text for name, text in report.sections if name == "Captured stderr call")
+        if warned := CONFIG_WARNING.findall(stderr):
+            report.outcome = "failed"
+            report.longrepr = (f"{item.where}: transformers warned about the example's model config (set the ids "
+                               f"the config names inside its vocabulary):\n  " + "\n  ".join(dict.fromkeys(warned)))
+    return report
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:

@@ -4,15 +4,15 @@ The test builds the site with `mkdocs build` into a temporary folder, serves it 
 with `http.server` in a thread, and drives headless Chromium over the DevTools protocol (a
 websocket, through `websocket-client`). For each page it checks that no script threw, nothing
 called `console.error`, no file of the site itself failed to load, and the page shows what it
-is for. It then types `resolve_alias` into Material's search box and expects the cross-engine
-guide among the results.
+is for. It then types names into Material's search box (`resolve_alias`, hook names as readers paste
+them), also on the site opened from disk (file://), and checks what it finds.
 
 Screenshots of every page land in `build/screenshots/*.png` (look at them after a change to the
 theme, the CSS or the diagrams).
 
 Without Chromium the test is skipped, except under `CI=true`, where `.ci/run` installs it and a
-missing browser is a failure. Set `CHROMIUM=/path/to/chrome` to use another binary. Requests
-to other hosts (Material's web fonts) may fail offline; they are not counted as errors.
+missing browser is a failure. Set `CHROMIUM=/path/to/chrome` to use another binary. No page may
+request anything from another host: the site works offline.
 """
 
 from __future__ import annotations
@@ -178,7 +178,12 @@ class Page:
     def wait_until(self, expression: str, timeout: float = 15.0):
         deadline = time.monotonic() + timeout
         while True:
-            value = self.evaluate(expression)
+            try:
+                value = self.evaluate(expression)
+            except RuntimeError as error:  # the page is navigating: ask the next one
+                if "navigated" not in str(error) and "context" not in str(error).lower():
+                    raise
+                value = None
             if value or time.monotonic() > deadline:
                 return value
             self.tools.pump(0.2)
@@ -386,28 +391,67 @@ def test_page_loads_without_errors(page, origin, name):
                       ".scrollIntoView()")
         page.tools.pump(0.3)
     shot = page.screenshot(name)
-    errors, _ = page.problems()
+    errors, external = page.problems()
     assert not errors, f"{path or '/'}: " + "; ".join(errors)
+    assert not external, f"{path or '/'} requests files from other hosts (it must work offline): {external}"
     assert shown, f"{path or '/'} does not show what it should ({shows}); see {shot}"
 
 
-def test_search_finds_the_cross_engine_guide(page, origin):
-    page.open(origin)
+def search(page, url: str, query: str) -> list[str]:
+    """Type `query` into Material's search box on `url`; the links of the results it lists, best first."""
+    page.open(url)
     page.evaluate("document.querySelector('input.md-search__input').focus()")
-    page.call("Input.insertText", text="resolve_alias")
+    page.call("Input.insertText", text=query)
     page.evaluate(
         "document.querySelector('input.md-search__input')"
         ".dispatchEvent(new KeyboardEvent('keyup', {key: 's', bubbles: true}))"
     )
     links = page.wait_until(
-        "Array.from(document.querySelectorAll('.md-search-result__item a')).map(a => a.href)", timeout=20
+        "Array.from(document.querySelectorAll('.md-search-result__item > a')).map(a => a.href)", timeout=20
     )
     page.tools.pump(0.5)  # let the search overlay finish its transition before the screenshot
+    meta = page.evaluate("document.querySelector('.md-search-result__meta').textContent.trim()")
+    assert links, f"no search result for {query!r} on {url} (the search box says {meta!r})"
+    return links
+
+
+def test_search_finds_resolve_alias_in_the_api_reference(page, origin):
+    links = search(page, origin, "resolve_alias")
     page.screenshot("search-resolve_alias")
     errors, _ = page.problems()
     assert not errors, "; ".join(errors)
-    assert links, "Material's search returned no result for 'resolve_alias'"
-    assert any("/guides/cross-engine/" in link for link in links), links
+    assert any("/api/mechinterp/" in link and link.endswith("#torchlens.mechinterp.resolve_alias")
+               for link in links), links
+
+
+#: Names as readers paste them: with a layer, as the tables write them, and a part of one.
+HOOK_NAMES = ("blocks.3.hook_mlp_out", "blocks.{L}.hook_mlp_out", "hook_mlp_out", "layers_output[1]",
+              "resid_post.5", "blocks.0.attn.hook_pattern", "mlps_output[-1]")
+
+
+@pytest.mark.parametrize("query", HOOK_NAMES)
+def test_search_puts_the_alias_and_translation_tables_first_for_a_hook_name(page, origin, query):
+    links = search(page, origin, query)
+    pages = list(dict.fromkeys(link.split("?")[0].split("#")[0] for link in links))
+    assert any("/aliases/" in p for p in pages[:3]), (query, pages[:6])
+
+
+def test_search_and_links_work_on_the_site_opened_from_disk(page, site):
+    """From file:// Chromium starts no Web Worker, so Material's search stayed at "Initializing search",
+    and a link to a directory showed its file listing (docs/javascripts/file-protocol.js)."""
+    home = (site / "index.html").as_uri()
+    links = search(page, home, "hook_mlp_out")
+    assert any("/aliases/" in link for link in links[:3]), links[:5]
+    page.tools.events.clear()
+    page.evaluate("document.querySelector('.md-search-result__item > a').click()")
+    page.wait_until("document.readyState === 'complete' && location.pathname.endsWith('/index.html')", timeout=10)
+    assert "/aliases/" in page.evaluate("location.pathname")
+    page.evaluate("Array.from(document.querySelectorAll('a.md-nav__link'))"
+                  ".find(a => a.textContent.trim() === 'Facets').click()")
+    title = page.wait_until("location.pathname.endsWith('/guides/facets/index.html') && document.title", timeout=10)
+    assert title and title.startswith("Facets"), title
+    errors, _ = page.problems()
+    assert not errors, "; ".join(errors)
 
 
 def test_the_error_checks_can_fail(page, origin):

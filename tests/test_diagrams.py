@@ -176,6 +176,23 @@ def test_page_embeds_every_diagram(gen):
         assert f"(../assets/diagrams/{slug}.svg)" in text
 
 
+def test_page_keeps_the_navigation_and_jumps_to_every_diagram(gen):
+    """Issue 27, item 9: the page hid the nav and the table of contents across eight tall
+    diagrams, had no jump list, and claimed to draw every family the test suite covers."""
+    from markdown.extensions.toc import slugify
+    from torchlens import testing
+
+    text = gen.PAGE.read_text(encoding="utf-8")
+    assert not text.startswith("---"), "the page has front matter (it hid navigation and toc)"
+    head, generated = text.split(gen.BEGIN, 1)
+    assert "each model family the test suite covers" not in head
+    first = generated.strip().split("\n", 1)[0]
+    assert first.startswith("Jump to a diagram")
+    assert f"{len(gen.FAMILIES)} of the {len(testing.FAMILIES)} families" in first
+    for title, _ in gen.FAMILIES.values():
+        assert f"[{title}](#{slugify(title, '-')})" in first
+
+
 @pytest.mark.parametrize("slug", ["gpt2", "gemma-2", "olmo-2"])
 def test_module_lookup_through_the_tables_is_the_target_finder(gen, slug):
     """The script finds a target's module through the public resolver (`module_of`); that is the

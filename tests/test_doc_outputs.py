@@ -2,18 +2,20 @@
 and the page side (scripts/mkdocs_hooks.py) must agree on which block an entry belongs to.
 
 The recorder is loaded for every session by ``-p doc_outputs`` in pyproject.toml's addopts, so a
-run of one page (``pytest docs/page.md``) updates ``build/doc-outputs.json`` too.
+run of one page (``pytest docs/page.md``) updates ``tests/doc_outputs.json`` too. That file is committed,
+and the last test here fails when it is stale for a page of the site.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import pathlib
 import re
 
 import pytest
-from docs_harness import block_body, page_blocks
+from docs_harness import block_body, page_blocks, scan_python_headers
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -82,7 +84,7 @@ def test_the_recorder_writes_what_a_block_printed(pytester, monkeypatch):
     )
     result = pytester.runpytest("-q", "page.md")
     result.assert_outcomes(passed=2)
-    data = json.loads((pytester.path / "build" / "doc-outputs.json").read_text())
+    data = json.loads((pytester.path / "tests" / "doc_outputs.json").read_text())
     blocks = data["pages"]["page.md"]["blocks"]
     assert [(b["line"], b["stdout"], b["outcome"]) for b in blocks] == [(3, "first line\n4\n", "passed"),
                                                                          (8, "", "passed")]
@@ -136,7 +138,7 @@ def _run_page(pytester, monkeypatch, hooks, text):
 def test_the_note_counts_the_outcomes_of_the_blocks_on_the_page(pytester, monkeypatch, hooks):
     """Passed, failed, skipped, and a page problem (an uncollected header) counted as a failure."""
     path, out = _run_page(pytester, monkeypatch, hooks, PAGE)
-    data = json.loads((pytester.path / "build" / "doc-outputs.json").read_text())
+    data = json.loads((pytester.path / "tests" / "doc_outputs.json").read_text())
     entry = data["pages"]["page.md"]
     assert [(b["line"], b["outcome"]) for b in entry["blocks"]] == [(3, "passed"), (7, "failed"), (11, "skipped"),
                                                                      (17, "failed")]
@@ -159,8 +161,8 @@ def test_hook_puts_the_note_under_the_title_and_tolerates_a_missing_file(tmp_pat
     markdown = "```python\n# not a title\n```\n# Title\n\nText"
     assert hooks._insert_after_title(markdown, "NOTE").split("\n")[3:6] == ["# Title", "", "NOTE"]
     assert hooks._load_status(_Config(tmp_path)) == {}
-    (tmp_path / "build").mkdir()
-    (tmp_path / "build" / "doc-outputs.json").write_text("{not json")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "doc_outputs.json").write_text("{not json")
     assert hooks._load_status(_Config(tmp_path)) == {}
     assert hooks._note({"examples": 0, "sha256": "a"}, "a") is None
 
@@ -168,7 +170,7 @@ def test_hook_puts_the_note_under_the_title_and_tolerates_a_missing_file(tmp_pat
 def test_a_long_output_is_cut_to_its_start_and_end_for_the_site(pytester, monkeypatch, hooks):
     """An engine's log can run to thousands of lines; the site keeps its start and its end."""
     _run_page(pytester, monkeypatch, hooks, "# P\n\n```python\nprint('first' + 'x' * 9000 + 'last')\n```\n")
-    stdout = json.loads((pytester.path / "build" / "doc-outputs.json").read_text())["pages"]["page.md"]["blocks"][0]["stdout"]
+    stdout = json.loads((pytester.path / "tests" / "doc_outputs.json").read_text())["pages"]["page.md"]["blocks"][0]["stdout"]
     assert stdout.startswith("firstx") and stdout.endswith("xlast\n") and "[... 6010 characters cut ...]" in stdout
     assert len(stdout) < 3100
 
@@ -202,3 +204,79 @@ def test_no_page_has_a_python_fence_the_site_would_show_as_text():
     found = {path.relative_to(REPO).as_posix(): bad for path in _pages()
              if (bad := unrenderable_python_fences(path.read_text(encoding="utf-8-sig")))}
     assert not found, f"write these fences in the brace form, e.g. ```{{.python notest}}: {found}"
+
+
+@pytest.mark.after_docs
+def test_the_recorded_outputs_are_current(request):
+    """tests/doc_outputs.json is committed so that every build shows the outputs and the notes; it must hold,
+    for every page with examples, the page as it is and a passing record of each of its blocks. Runs after
+    this session's docs blocks (marker `after_docs`) and counts what they recorded."""
+    import doc_outputs
+
+    pages = doc_outputs.merged(request.config)["pages"]
+    stale = {}
+    for path in _pages():
+        display = path.relative_to(REPO).as_posix()
+        text = path.read_text(encoding="utf-8-sig")
+        hashes = [(block.start_line, _recorder().code_sha256(block_body(block))) for _, block in page_blocks(text, path)]
+        if not hashes and not scan_python_headers(text):
+            continue
+        entry = pages.get(display)
+        if entry is None:
+            stale[display] = "never recorded"
+            continue
+        problems = []
+        if entry.get("sha256") != hashlib.sha256(text.encode("utf-8")).hexdigest():
+            problems.append("the page changed since its blocks were recorded")
+        outcomes = {b.get("code_sha256"): b.get("outcome") for b in entry.get("blocks", [])}
+        problems += [f"line {line}: {outcomes.get(code, 'not run')}" for line, code in hashes
+                     if outcomes.get(code) != "passed"]
+        problems += [f"line {b['line']}: a header that was not collected" for b in entry.get("blocks", [])
+                     if b.get("code_sha256") is None]
+        if problems:
+            stale[display] = problems
+    listing = "\n".join(f"  {page}: {why}" for page, why in stale.items())
+    assert not stale, (f"{doc_outputs.OUTPUTS_FILE} is stale; run these pages (pytest docs/PAGE.md, with "
+                       f"TORCHLENS_ENGINE_ENVS set for engine blocks) and commit the file:\n{listing}")
+
+
+def test_the_recording_is_kept_for_a_skip_and_unchanged_by_a_run_that_changes_nothing(pytester, monkeypatch):
+    import docs_harness
+
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.delenv("CI", raising=False)
+    pytester.makeini(INNER_INI)
+    page = "# P\n\n```python\n# migration-test: tool=absent-engine expected=1\nprint('seen')\nRESULT = 1\n```\n"
+    pytester.makefile(".md", page=page)
+    monkeypatch.setitem(docs_harness.TOOL_IMPORTS, "absent-engine", "json")  # "installed": the block runs
+    pytester.runpytest("-q", "page.md").assert_outcomes(passed=1)
+    recorded = (pytester.path / "tests" / "doc_outputs.json").read_text()
+    assert '"outcome": "passed"' in recorded and "seen" in recorded
+    pytester.runpytest("-q", "page.md").assert_outcomes(passed=1)
+    assert (pytester.path / "tests" / "doc_outputs.json").read_text() == recorded  # timestamp kept too
+    monkeypatch.setitem(docs_harness.TOOL_IMPORTS, "absent-engine", "absent_engine")  # now missing: skipped
+    pytester.runpytest("-q", "page.md").assert_outcomes(skipped=1)
+    assert (pytester.path / "tests" / "doc_outputs.json").read_text() == recorded
+
+
+def test_every_block_of_the_site_runs_as_a_script():
+    """A reader copies a block into a file: it must compile as a module (no top-level `await`, which the
+    harness would run but `python script.py` rejects with a SyntaxError)."""
+    bad = {}
+    for path in _pages():
+        text = path.read_text(encoding="utf-8-sig")
+        for name, block in page_blocks(text, path):
+            try:
+                compile(block_body(block), f"{path.name}:{block.start_line}", "exec")
+            except SyntaxError as error:
+                bad[f"{path.relative_to(REPO).as_posix()}:{block.start_line}"] = error.msg
+    assert not bad, bad
+
+
+def test_the_cross_engine_checks_compare_with_compare_not_by_hand():
+    """The cross-engine guide teaches `mi.compare`, which converts layouts and explains a mismatch; a block
+    that compares tensors with a hand-written `allclose` teaches the check without either."""
+    path = REPO / "docs" / "guides" / "cross-engine.md"
+    by_hand = [block.start_line for _, block in page_blocks(path.read_text(encoding="utf-8"), path)
+               if re.search(r"\ballclose\(|\bisclose\(", block_body(block))]
+    assert not by_hand, f"docs/guides/cross-engine.md: blocks at lines {by_hand} compare by hand"

@@ -794,3 +794,33 @@ def test_engine_interpreters_end_after_the_last_block_of_their_page(docs, pytest
         '''
         """, name="rest.md")
     pytester.runpytest("docs/page.md", "docs/rest.md").assert_outcomes(passed=2)
+
+
+def test_a_block_that_makes_transformers_warn_about_its_config_fails(docs, pytester):
+    """GPT-2's default bos/eos ids (50256) lie outside a 64-token vocabulary: transformers warns, and the block,
+    which would teach that config, fails with the warning. The same model with ids inside the vocabulary passes."""
+    path = docs("""
+        # Page
+
+        '''python
+        import transformers
+
+        transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=64)
+        '''
+
+        '''python
+        import transformers
+
+        transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)
+        '''
+
+        '''python
+        import transformers
+
+        transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=64)  # warned once already: again
+        '''
+        """)
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=2)
+    expect_lines(result, [f"docs/page.md:{line_of(path, 'python')}: transformers warned about the example's model "
+                          "config*", "  [transformers] Model config: bos_token_id must be*"])

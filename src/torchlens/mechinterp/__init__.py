@@ -29,11 +29,16 @@ from torchlens._naming.results import (
 )
 from torchlens._naming.tables import Row, Table, TableError
 from torchlens.mechinterp._compare import Comparison, ComparisonReport, ToleranceError, compare
+from torchlens.mechinterp._translate import TRANSLATION_STATUSES, Translation, UnknownFamily, translate
 
 __all__ = [
     "resolve_alias",
     "alias_report",
     "table",
+    "translate",
+    "Translation",
+    "TRANSLATION_STATUSES",
+    "UnknownFamily",
     "compare",
     "Comparison",
     "ComparisonReport",

@@ -1,0 +1,204 @@
+"""Generate the translation page (docs/aliases/translation.md) from the naming tables.
+
+For every family of `torchlens.testing.FAMILIES` the script builds the family's small model
+(`torchlens.testing.build`: two layers, seeded weights, eager attention), traces it with
+`save="all"` and runs its checks, then resolves every name of every naming generation on the
+trace (`torchlens.mechinterp._translate.names_by_site`, through the one resolver, as
+`mi.translate(..., family=...)` does). One row per site the names reach: its module and facet,
+its status, and each generation's names for it, so a row is a translation. For GPT-2, Llama
+and Qwen3 a last column gives the vLLM hook that reads the site, from the table of
+docs/guides/serving-engines.md (the recipe that page runs), matched by its "3.x" names.
+
+The page has a hand-written part (kept as is) and a generated part between two marker comments.
+
+Usage:
+    python scripts/gen_translation_page.py          # rewrite the page
+    python scripts/gen_translation_page.py --check  # exit 1 if the committed page is stale
+
+`tests/test_translation_page.py` runs the check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from markdown.extensions.toc import slugify
+
+import torchlens as tl
+import torchlens.mechinterp as mi
+from torchlens import testing
+from torchlens._core.facet_spec import SPECS
+from torchlens.mechinterp._translate import names_by_site
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _outputs import write_or_check  # noqa: E402  (a sibling of this script)
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "aliases" / "translation.md"
+SERVING = ROOT / "docs" / "guides" / "serving-engines.md"
+BEGIN = ("<!-- BEGIN GENERATED: scripts/gen_translation_page.py; edit the tables in "
+         "src/torchlens/_naming/tables -->")
+END = "<!-- END GENERATED -->"
+GENERATIONS = tuple(mi.GENERATIONS)
+#: family -> the word of the serving page's column header for its vLLM model.
+VLLM_FAMILIES = {"gpt2": "GPT-2", "llama": "Llama", "qwen3": "Qwen3"}
+#: The families' titles, as the other pages write them.
+TITLES = {"gpt2": "GPT-2", "gpt2_upcast": "GPT-2, reorder_and_upcast_attn", "llama": "Llama", "gpt_neox": "GPT-NeoX",
+          "gpt_neox_sequential": "GPT-NeoX, sequential residual", "gemma2": "Gemma-2", "qwen3": "Qwen3",
+          "phi3": "Phi-3", "olmo2": "OLMo-2", "mistral": "Mistral"}
+
+
+@dataclass
+class Site:
+    address: str  # with `{L}` for block 0's part of the address, `<root>` for the root module
+    facet: str
+    order: tuple
+    status: set
+    names: dict  # generation -> list of names (patterns with {L})
+
+
+def serving_hooks(text: str) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """From the serving page's site table: {column word: {3.x name with {L}: what the hook reads}}, and the names.
+
+    The table is the one whose first header cell says `TorchLens name ("3.x")`; each of its rows starts with the
+    3.x names (in backticks) the hook in the other cells reads.
+    """
+    lines = text.split("\n")
+    start = next((i for i, line in enumerate(lines) if line.startswith("| TorchLens name")), None)
+    if start is None:
+        raise SystemExit(f"{SERVING}: no table whose first header cell is 'TorchLens name'")
+    header = [cell.strip() for cell in lines[start].strip("|").split("|")]
+    out: dict[str, dict[str, str]] = {cell: {} for cell in header[1:]}
+    names = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for name in re.findall(r"`([^`]+)`", cells[0].split("(")[0]):
+            name = name.replace("{i}", "{L}")
+            names.append(name)
+            for column, cell in zip(header[1:], cells[1:]):
+                out[column][name] = cell.replace("{i}", "{L}")
+    return out, names
+
+
+def _template(address: str, block0: str | None) -> str:
+    if block0 is not None and (address == block0 or address.startswith(block0 + ".")):
+        return block0[: -len("0")] + "{L}" + address[len(block0):]
+    return address or "<root>"
+
+
+#: Facets in the order of the facet specification, a module's input first and its output last.
+_ORDER = ["input"] + [spec.name for spec in SPECS if spec.name not in ("input", "output")] + ["output"]
+
+
+def _rank(facet: str) -> int:
+    return _ORDER.index(facet) if facet in _ORDER else len(_ORDER)
+
+
+def family_sites(family: str) -> tuple[tl.Trace, list[Site], dict[str, list[str]]]:
+    """The family's sites at layer 0 and the global ones, with every generation's names; and the names with no site."""
+    trace = tl.trace(testing.build(family), testing.token_ids(length=5), save="all")
+    trace.check()
+    block0 = trace.blocks[0] if trace.blocks else None
+    sites: dict[tuple, Site] = {}
+    placed: dict[str, set[str]] = {g: set() for g in GENERATIONS}
+    for generation in GENERATIONS:
+        for (address, call, facet), resolutions in names_by_site(trace, generation).items():
+            for r in resolutions:
+                if r.layer not in (None, 0):
+                    placed[generation].add(r.pattern)
+                    continue
+                key = (_template(address, block0), facet)
+                if key not in sites:
+                    record = trace.modules[address].calls[call or 0]
+                    site = record.facets.sites[facet]
+                    # forward order: an op's output where it was made; a derived facet with its module's output
+                    where = site.op if site.kind == "real" and site.op is not None else record.end_op - 1
+                    sites[key] = Site(key[0], facet, (where, record.first_op, _rank(facet)), set(),
+                                      {g: [] for g in GENERATIONS})
+                    sites[key].status.add(mi.resolve_alias(trace, r.query, generation=generation).status)
+                name = r.pattern if r.layer is not None else r.query
+                if name not in sites[key].names[generation]:
+                    sites[key].names[generation].append(name)
+                placed[generation].add(r.pattern)
+    table_kind = trace.structure.kind
+    unplaced = {}
+    for generation in GENERATIONS:
+        table = dict(mi.GENERATIONS[generation].by_kind).get(table_kind, mi.GENERATIONS[generation])
+        unplaced[generation] = [row.name for row in table.rows if row.name not in placed[generation]]
+    return trace, sorted(sites.values(), key=lambda s: (s.order, s.facet)), unplaced
+
+
+def _code(names: list[str]) -> str:
+    return "<br>".join(f"`{n}`" for n in names) if names else "—"
+
+
+def _status(words: set) -> str:
+    return " ".join(f'<span class="tl-status tl-status--{w}">{w}</span>' for w in sorted(words))
+
+
+def family_section(family: str, vllm: dict[str, dict[str, str]]) -> list[str]:
+    trace, sites, unplaced = family_sites(family)
+    spec = testing.FAMILIES[family]
+    title = TITLES.get(family, family)
+    legacy_only = all(set(s.names["4.x"]) <= set(s.names["3.x"]) for s in sites)
+    column = next((c for c in vllm if VLLM_FAMILIES.get(family, "\0") in c), None)
+    headers = ["site", "status", "2.x", "3.x, besides the 4.x names" if legacy_only else "3.x", "4.x", "nnterp",
+               "interp-engine"] + (["vLLM hook"] if column else [])
+    block = trace.blocks[0][:-1] + "{L}" if trace.blocks else "(none)"
+    lines = [f"## {title}", "",
+             f'`testing.build("{family}")`: `{spec.model}`, {len(trace.blocks)} layers; block `{{L}}` is '
+             f"`{block}`. {len(sites)} sites have a name in some generation."
+             + (f" The vLLM column is the hook of the [serving-engines recipe](../guides/serving-engines.md) "
+                f"for vLLM's {VLLM_FAMILIES[family]} model (module names inside `{block}` are relative to it)."
+                if column else ""), "",
+             "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for s in sites:
+        legacy = [n for n in s.names["3.x"] if n not in s.names["4.x"]] if legacy_only else s.names["3.x"]
+        cells = [f"`{s.address}`<br>`{s.facet}`", _status(s.status), _code(s.names["2.x"]), _code(legacy),
+                 _code(s.names["4.x"]), _code(s.names["nnterp"]), _code(s.names["interp-engine"])]
+        if column:
+            hooks = list(dict.fromkeys(vllm[column][n] for n in s.names["3.x"] if n in vllm[column]))
+            cells.append("<br>".join(hooks) if hooks else "—")
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines += ["", f"Names with no site on {title} (the [alias tables](index.md) give each one's reason):", ""]
+    for generation in GENERATIONS:
+        names = unplaced[generation]
+        lines.append(f"- {generation}: " + (", ".join(f"`{n}`" for n in names) if names else "none"))
+    return lines + [""]
+
+
+def generated_section(families=None) -> str:
+    vllm, _ = serving_hooks(SERVING.read_text(encoding="utf-8"))
+    families = list(families or testing.FAMILIES)
+    lines = [BEGIN, "", "Families: " + ", ".join(
+        f"[{TITLES.get(f, f)}](#{slugify(TITLES.get(f, f), '-')})"
+        for f in families) + ".", ""]
+    for family in families:
+        lines += family_section(family, vllm)
+    return "\n".join(lines + [END])
+
+
+def render(families=None) -> str:
+    text = PAGE.read_text(encoding="utf-8")
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{PAGE}: missing the generated-section markers")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return head + generated_section(families) + tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="report a stale page instead of writing it")
+    args = parser.parse_args(argv)
+    return write_or_check({PAGE: render()}, args.check, ROOT, "python scripts/gen_translation_page.py")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The site's search finds hook names the way readers paste them.
+
+The site is built with `mkdocs build`, and its search index (`search/search_index.json`) is read
+the way Material's search reads it: each section's text is split into tokens by the index's own
+`separator` (mkdocs.yml), outside HTML tags, lower-cased; a query is split on whitespace and by the
+same separator, English stop words dropped (the list of the lunr.js Material ships, read from its
+worker's source map), and each part matches a token it begins (Material appends `*` to every
+term). A name is found when one section holds every part of it.
+
+For each naming generation a dozen of its names, written with a layer (`blocks.3.hook_mlp_out`)
+and as the tables write them (`blocks.{L}.hook_mlp_out`), must be found on the translation page or
+on the generation's alias page; the layer number itself is not required, since the pages write
+`{L}`. A last test shows that Material's default separator (whitespace and hyphens) does not find
+them, so the checks can fail. tests/test_browser.py types names into the real search box. The
+same build's sitemap must list every page (it is empty without `site_url`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import torchlens.mechinterp as mi
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PAGE_OF = {"2.x": "aliases/tl-2x/", "3.x": "aliases/tl-3x/", "4.x": "aliases/tl-4x/", "nnterp": "aliases/nnterp/",
+           "interp-engine": "aliases/interp-engine/"}
+DEFAULT_SEPARATOR = r"[\s\-]+"  # Material's, for English
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("site")
+    env = {key: value for key, value in os.environ.items() if key != "SITE_URL"}
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "--site-dir", str(out)], cwd=REPO,
+                          env={**env, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"mkdocs build failed:\n{done.stdout}\n{done.stderr}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def index(site) -> dict:
+    return json.loads((site / "search" / "search_index.json").read_text(encoding="utf-8"))
+
+
+def test_the_sitemap_lists_every_page(site):
+    locations = re.findall(r"<loc>([^<]+)</loc>", (site / "sitemap.xml").read_text(encoding="utf-8"))
+    pages = sorted(p.parent.relative_to(site).as_posix() for p in site.rglob("index.html")
+                   if p.parent.relative_to(site).parts[:1] not in (("search",), ("assets",)))
+    assert len(pages) >= 20
+    assert sorted(loc.removeprefix("http://127.0.0.1:8000/").rstrip("/") or "." for loc in locations) == pages
+
+
+@functools.lru_cache(maxsize=None)
+def stop_words() -> frozenset[str]:
+    """lunr's English stop words, from the search worker Material ships (its source map holds lunr.js)."""
+    import material
+
+    workers = pathlib.Path(material.__file__).parent / "templates" / "assets" / "javascripts" / "workers"
+    source_map = json.loads(next(workers.glob("search.*.min.js.map")).read_text(encoding="utf-8"))
+    lunr = next(text for name, text in zip(source_map["sources"], source_map["sourcesContent"])
+                if name.endswith("lunr/lunr.js"))
+    listed = re.search(r"lunr\.stopWordFilter = lunr\.generateStopWordFilter\(\[(.*?)\]\)", lunr, re.S)
+    return frozenset(re.findall(r"'([^']+)'", listed[1]))
+
+
+def tokens(text: str, separator: str) -> set[str]:
+    """A section's tokens: its text outside tags, split by the separator, lower-cased."""
+    out = set()
+    for part in re.split(r"<[^>]*>", text):
+        out |= {t.lower() for t in re.split(separator, part) if t}
+    return out
+
+
+def query_parts(query: str, separator: str) -> list[str]:
+    parts = [p.lower() for term in query.split() for p in re.split(separator, term) if p]
+    return [p for p in parts if p not in stop_words()]
+
+
+def found_in(index: dict, query: str, separator: str) -> list[str]:
+    """The locations of the sections that hold every part of `query` (a layer number aside)."""
+    parts = [p for p in query_parts(query, separator) if not p.isdigit()]
+    assert parts, query
+    hits = []
+    for doc in index["docs"]:
+        have = tokens(doc["text"], separator) | tokens(doc["title"], separator)
+        if all(any(t.startswith(p) for t in have) for p in parts):
+            hits.append(doc["location"])
+    return hits
+
+
+def dozen(generation: str) -> list[str]:
+    """Twelve names of the generation spread over its table, rows with a site first."""
+    rows = [r for r in mi.GENERATIONS[generation].rows if r.facet is not None]
+    rows = rows[:: max(1, len(rows) // 12)][:12]
+    return [r.name for r in rows]
+
+
+def test_the_index_splits_names_into_their_parts(index):
+    separator = index["config"]["separator"]
+    for name, parts in {"blocks.3.hook_mlp_out": ["blocks", "3", "hook", "mlp", "out"],
+                        "blocks.{L}.hook_mlp_out": ["blocks", "l", "hook", "mlp", "out"],
+                        "layers_output[1]": ["layers", "output", "1"], "resid_post.5": ["resid", "post", "5"],
+                        "`transformer.h.{L}.attn`:`pattern`": ["transformer", "h", "l", "attn", "pattern"],
+                        "&lt;root&gt;": ["root"]}.items():
+        assert [p.lower() for p in re.split(separator, name) if p] == parts, name
+
+
+@pytest.mark.parametrize("generation", list(mi.GENERATIONS))
+def test_a_dozen_names_of_each_generation_are_found_where_they_are_translated(index, generation):
+    separator = index["config"]["separator"]
+    names = dozen(generation)
+    assert len(names) == 12
+    missing = {}
+    for pattern in names:
+        for query in {pattern.replace("{L}", "3"), pattern, pattern.split(".")[-1]}:
+            where = found_in(index, query, separator)
+            if not any(w.startswith(("aliases/translation/", PAGE_OF[generation])) for w in where):
+                missing[query] = where[:5]
+    assert not missing, f"not found on the translation or {generation} alias page: {missing}"
+
+
+def test_every_name_of_every_table_is_in_the_index(index):
+    separator = index["config"]["separator"]
+    pages = {}
+    for doc in index["docs"]:
+        page = doc["location"].split("#")[0]
+        pages.setdefault(page, set()).update(tokens(doc["text"], separator))
+    for generation, table in mi.GENERATIONS.items():
+        have = pages[PAGE_OF[generation]] | pages["aliases/translation/"]
+        for row in table.rows:
+            assert set(query_parts(row.name, separator)) <= have, (generation, row.name)
+
+
+def test_the_default_separator_finds_none_of_them(index):
+    """Material's default splits only at spaces and hyphens: `blocks.{l}.hook_mlp_out` is one token, which
+    `blocks.2.hook_mlp_out` does not begin."""
+    for query in ("blocks.2.hook_mlp_out", "blocks.2.attn.hook_pattern", "layers_output[2]", "resid_post.2"):
+        where = found_in(index, query, DEFAULT_SEPARATOR)
+        assert not any(w.startswith("aliases/") for w in where), (query, where[:5])
