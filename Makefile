@@ -1,7 +1,7 @@
 # Entry points for a fresh machine (see README.md):
 #   make docs   install into .venv, then serve the site with `mkdocs serve`
-#   make test   install into .venv, build the engine environments, then run the whole
-#               test suite with `pytest`
+#   make test   install into .venv, build the engine environments, check format, lint and
+#               types (ruff, mypy), then run the whole test suite with `pytest`
 #   make wheel  build dist/torchlens-<version>-py3-none-any.whl, the wheel Getting started installs
 #               (`pip install dist/torchlens-*.whl`); older wheels in dist/ are removed first
 
@@ -56,8 +56,17 @@ wheel:
 docs: $(STAMP)
 	$(BIN)/mkdocs serve --dev-addr $(DOCS_ADDR)
 
-# pytest exits 5 when it collected no tests; that is a failure here, like any other.
+# The source is checked first: `ruff format --check` and `ruff check` over the Python of the
+# repository, `mypy` over src/torchlens (settings in pyproject.toml, versions in constraints.txt).
+# pytest runs whatever they found, and make test fails if any of the four failed. pytest exits 5
+# when it collected no tests; that is a failure here, like any other.
+LINT_PATHS := src scripts tests
 test: $(STAMP) engines
-	@status=0; $(BIN)/pytest $(PYTEST_ARGS) || status=$$?; \
-	if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
+	@status=0; \
+	$(BIN)/ruff format --check $(LINT_PATHS) || status=1; \
+	$(BIN)/ruff check $(LINT_PATHS) || status=1; \
+	$(BIN)/mypy || status=1; \
+	pstatus=0; $(BIN)/pytest $(PYTEST_ARGS) || pstatus=$$?; \
+	if [ $$pstatus -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
+	if [ $$pstatus -ne 0 ]; then status=$$pstatus; fi; \
 	exit $$status

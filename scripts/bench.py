@@ -121,9 +121,15 @@ LABELS = {
 GRAD = "+grad"
 GRAD_LABEL = " (autograd on)"
 #: The `save=` argument of each TorchLens mode.
-SAVES = {"all": "all", "none": "none", "resid_post": ["resid_post"],
-         "modlist": ["resid_pre", "resid_post", "logits"], "output": ["output"],
-         "pattern": ["pattern"], "qkvz": ["q", "k", "v", "z"]}
+SAVES = {
+    "all": "all",
+    "none": "none",
+    "resid_post": ["resid_post"],
+    "modlist": ["resid_pre", "resid_post", "logits"],
+    "output": ["output"],
+    "pattern": ["pattern"],
+    "qkvz": ["q", "k", "v", "z"],
+}
 #: Modes whose `ratio_to_booted_plain` is also reported (to `plain_booted`, same grad mode).
 BOOTED_REF = ("tl_cache", "all_booted", "plain_booted")
 #: `--mmap-threshold`: glibc's MALLOC_MMAP_THRESHOLD_ for the memory children (None: glibc's default).
@@ -131,8 +137,24 @@ MMAP_THRESHOLD: list[int | None] = [None]
 #: Where the directory-store mode writes (removed after each memory run).
 STORE_ROOT = os.path.join(ROOT, "build", "bench-store")
 SETTLE = [False]  # --settle: a cold heap before every timed call (see `time_modes`)
-IN_PROCESS = ["plain", "all", "none", "resid_post", "modlist", "output", "pattern", "qkvz", "tl_cache", "nnsight",
-              "hooks", "floor_pass", "floor_keep", "floor_copy", "plain_booted", "all_booted"]
+IN_PROCESS = [
+    "plain",
+    "all",
+    "none",
+    "resid_post",
+    "modlist",
+    "output",
+    "pattern",
+    "qkvz",
+    "tl_cache",
+    "nnsight",
+    "hooks",
+    "floor_pass",
+    "floor_keep",
+    "floor_copy",
+    "plain_booted",
+    "all_booted",
+]
 
 #: The side-by-side table: every mode.
 TABLE_MODELS = ["tiny", "L12-T128", "L12-T1024", "L12-T2048"]
@@ -154,9 +176,18 @@ def spec(name: str) -> dict:
         return dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, tokens=4)
     m = re.fullmatch(r"L(\d+)-T(\d+)", name)
     if not m:
-        raise SystemExit(f"unknown model {name!r}: use 'tiny' or L<layers>-T<tokens>, e.g. L12-T1024")
+        raise SystemExit(
+            f"unknown model {name!r}: use 'tiny' or L<layers>-T<tokens>, e.g. L12-T1024"
+        )
     layers, tokens = int(m[1]), int(m[2])
-    return dict(n_layer=layers, n_embd=768, n_head=12, vocab_size=50257, n_positions=max(1024, tokens), tokens=tokens)
+    return dict(
+        n_layer=layers,
+        n_embd=768,
+        n_head=12,
+        vocab_size=50257,
+        n_positions=max(1024, tokens),
+        tokens=tokens,
+    )
 
 
 def build(name: str):
@@ -192,6 +223,7 @@ def hooks_forward(model, ids):
             t = out[0] if isinstance(out, tuple) else getattr(out, "logits", out)
             if isinstance(t, torch.Tensor):
                 kept[name] = t.detach().clone()
+
         return hook
 
     for name, mod in model.named_modules():
@@ -236,8 +268,12 @@ def floor_forward(model, ids, keep: bool, copy: bool = False):
     if copy and mode.kept is not None:
         held = {t.untyped_storage().data_ptr() for t in _tensors_in(out)}
         with torch.no_grad():
-            mode.kept = [o.clone() if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in held else o
-                         for o in mode.kept]
+            mode.kept = [
+                o.clone()
+                if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in held
+                else o
+                for o in mode.kept
+            ]
     return mode.kept
 
 
@@ -250,7 +286,11 @@ def _tensors_in(value, depth: int = 0) -> list:
     if isinstance(value, dict):
         value = list(value.values())
     elif hasattr(value, "layers") and not isinstance(value, (list, tuple)):  # a transformers Cache
-        value = [x for layer in value.layers for x in (getattr(layer, "keys", None), getattr(layer, "values", None))]
+        value = [
+            x
+            for layer in value.layers
+            for x in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        ]
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors_in(v, depth + 1)]
     return []
@@ -290,8 +330,13 @@ def _tl_cache(name: str):
     vocab = {"<unk>": 0, "<bos>": 1, "<eos>": 2, "<pad>": 3, **{f"t{i}": i for i in range(4, 64)}}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<bos>",
-                                               eos_token="<eos>", pad_token="<pad>")
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+    )
     with tempfile.TemporaryDirectory() as tokdir, contextlib.redirect_stdout(sys.stderr):
         tok.save_pretrained(tokdir)  # boot reloads the tokenizer from its name_or_path
         bridge = TransformerBridge.boot_transformers(tokdir, hf_model=model, device="cpu")
@@ -319,10 +364,13 @@ def make_modes(name: str, wanted: list[str], with_plain: bool = False) -> dict:
     import torchlens as tl
 
     model, ids = build(name)
-    plain = lambda: model(ids)  # noqa: E731
+    plain = lambda: model(ids)
     fns = {
         "plain": plain,
-        **{mode: (lambda s: lambda: tl.trace(model, ids, save=s))(save) for mode, save in SAVES.items()},
+        **{
+            mode: (lambda s: lambda: tl.trace(model, ids, save=s))(save)
+            for mode, save in SAVES.items()
+        },
         "hooks": lambda: hooks_forward(model, ids),
         "all_dir": lambda: tl.trace(model, ids, save="all", store=_store_dir()),
         "floor_pass": lambda: floor_forward(model, ids, keep=False),
@@ -331,7 +379,9 @@ def make_modes(name: str, wanted: list[str], with_plain: bool = False) -> dict:
     }
     booted = None
     if any(m.endswith("_booted") or m == "tl_cache" for m in wanted):
-        run, bridge_plain, booted = _tl_cache(name)  # one bridge: run_with_cache and its booted model
+        run, bridge_plain, booted = _tl_cache(
+            name
+        )  # one bridge: run_with_cache and its booted model
         fns["tl_cache"] = run
         fns["plain_booted"] = lambda: booted(ids)
         fns["all_booted"] = lambda: tl.trace(booted, ids, save="all")
@@ -359,7 +409,9 @@ def base_of(mode: str) -> str:
     return mode[: -len(GRAD)] if mode.endswith(GRAD) else mode
 
 
-def time_modes(fns: dict, rounds: int, settle: bool = False, cpu: dict | None = None) -> dict[str, list[float]]:
+def time_modes(
+    fns: dict, rounds: int, settle: bool = False, cpu: dict | None = None
+) -> dict[str, list[float]]:
     """Per-mode wall times of `rounds` interleaved rounds, after one warm-up round.
 
     A mode named `X+grad` runs `fns[X]` with autograd on; every other mode runs under
@@ -400,8 +452,13 @@ def saved_bytes(trace) -> int:
     """Bytes of distinct tensor storage a TorchLens trace keeps alive (op outputs and facets)."""
     seen, total = set(), 0
     tensors = [t for op in trace.ops for t in op.tensors if t is not None]
-    tensors += [s.tensor for r in trace.modules.values() for c in r.calls for s in c.facets.sites.values()
-                if s.tensor is not None]
+    tensors += [
+        s.tensor
+        for r in trace.modules.values()
+        for c in r.calls
+        for s in c.facets.sites.values()
+        if s.tensor is not None
+    ]
     for t in tensors:
         st = t.untyped_storage()
         if st.data_ptr() not in seen:
@@ -455,8 +512,7 @@ def memory_child(name: str, mode: str) -> dict:
 
         model, ids = build(name)
         with torch.no_grad():
-            return _measure_memory(lambda: pypi_torchlens.trace(model, ids),
-                                   lambda: model(ids))
+            return _measure_memory(lambda: pypi_torchlens.trace(model, ids), lambda: model(ids))
     import torchlens as tl
 
     fn, warm = make_modes(name, [base_of(mode)], with_plain=True)[base_of(mode)]
@@ -481,8 +537,7 @@ def pypi_child(name: str, rounds: int, settle: bool = False) -> dict:
     pypi_torchlens = _pypi_torchlens()
 
     model, ids = build(name)
-    fns = {"plain": lambda: model(ids),
-           "pypi": lambda: pypi_torchlens.trace(model, ids)}
+    fns = {"plain": lambda: model(ids), "pypi": lambda: pypi_torchlens.trace(model, ids)}
     samples = time_modes(fns, rounds, settle)  # both under no_grad
     from importlib.metadata import version
 
@@ -492,13 +547,19 @@ def pypi_child(name: str, rounds: int, settle: bool = False) -> dict:
 def _child(python: str, call: str, timeout: float = 3600) -> dict:
     code = f"import sys; sys.path.insert(0, {HERE!r}); import bench, json; print('BENCH' + json.dumps(bench.{call}))"
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
-    if os.path.abspath(python) != os.path.abspath(sys.executable):  # not realpath: venvs link one base
+    if os.path.abspath(python) != os.path.abspath(
+        sys.executable
+    ):  # not realpath: venvs link one base
         # Another interpreter (the PyPI torchlens venv) must import its own packages: a PYTHONPATH
         # set for this run (`build/bench-src/src`) would put this project's torchlens first.
         env.pop("PYTHONPATH", None)
-    if MMAP_THRESHOLD[0] is not None:  # a fixed threshold: glibc's adaptive one makes peaks vary by ~100 MiB
+    if (
+        MMAP_THRESHOLD[0] is not None
+    ):  # a fixed threshold: glibc's adaptive one makes peaks vary by ~100 MiB
         env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD[0])
-    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(
+        [python, "-c", code], capture_output=True, text=True, timeout=timeout, env=env
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH")]
     if proc.returncode or not lines:
         return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
@@ -524,20 +585,35 @@ def profile(name: str, top: int = 25, grad: bool = False) -> dict:
         total = time.perf_counter() - t0
     stats = pstats.Stats(prof)
     rows = []
-    for (file, line, func), (cc, nc, tt, ct, callers) in stats.stats.items():
+    for (file, line, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():
         if "torchlens" in file and "site-packages" not in file:
             rows.append((ct, tt, nc, f"{os.path.basename(file)}:{line} {func}"))
     rows.sort(reverse=True)
-    return {"model": name, "profiled_s": total, "plain_s": plain, "torch_threads": torch.get_num_threads(), "grad": grad,
-            "torchlens_commit": os.environ.get("BENCH_COMMIT"), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "rows": [{"cumulative_s": ct, "own_s": tt, "calls": nc, "function": fn} for ct, tt, nc, fn in rows[:top]]}
+    return {
+        "model": name,
+        "profiled_s": total,
+        "plain_s": plain,
+        "torch_threads": torch.get_num_threads(),
+        "grad": grad,
+        "torchlens_commit": os.environ.get("BENCH_COMMIT"),
+        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "rows": [
+            {"cumulative_s": ct, "own_s": tt, "calls": nc, "function": fn}
+            for ct, tt, nc, fn in rows[:top]
+        ],
+    }
 
 
 def format_profile(p: dict) -> str:
-    lines = [f"profile of trace(save='all') on {p['model']}: {p['profiled_s']:.2f} s under cProfile "
-             f"(plain forward {p['plain_s']:.2f} s without it)",
-             f"{'cumulative s':>12} {'own s':>8} {'calls':>8}  function"]
-    lines += [f"{r['cumulative_s']:12.3f} {r['own_s']:8.3f} {r['calls']:8d}  {r['function']}" for r in p["rows"]]
+    lines = [
+        f"profile of trace(save='all') on {p['model']}: {p['profiled_s']:.2f} s under cProfile "
+        f"(plain forward {p['plain_s']:.2f} s without it)",
+        f"{'cumulative s':>12} {'own s':>8} {'calls':>8}  function",
+    ]
+    lines += [
+        f"{r['cumulative_s']:12.3f} {r['own_s']:8.3f} {r['calls']:8d}  {r['function']}"
+        for r in p["rows"]
+    ]
     return "\n".join(lines)
 
 
@@ -561,10 +637,17 @@ def _rows(samples: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[
     for m, v in samples.items():
         grad = grad_of(m)
         plain = "plain" + (GRAD if grad else "")
-        row = {"median_s": statistics.median(v), "ratio": _paired_ratio(v, samples[plain]), "samples": v}
+        row = {
+            "median_s": statistics.median(v),
+            "ratio": _paired_ratio(v, samples[plain]),
+            "samples": v,
+        }
         if m in cpu and plain in cpu:
-            row.update(cpu_samples=cpu[m], cpu_median_s=statistics.median(cpu[m]),
-                       cpu_ratio=_paired_ratio(cpu[m], cpu[plain]))
+            row.update(
+                cpu_samples=cpu[m],
+                cpu_median_s=statistics.median(cpu[m]),
+                cpu_ratio=_paired_ratio(cpu[m], cpu[plain]),
+            )
         if grad:
             row["grad"] = True
             if "plain" in samples:
@@ -587,13 +670,24 @@ def label(mode: str) -> str:
     return LABELS[base_of(mode)] + (GRAD_LABEL if grad_of(mode) else "")
 
 
-def run_model(name: str, modes: list[str], rounds: int, memory: bool, pypi_python: str | None,
-              grads: tuple[bool, ...] = (False, True)) -> dict:
+def run_model(
+    name: str,
+    modes: list[str],
+    rounds: int,
+    memory: bool,
+    pypi_python: str | None,
+    grads: tuple[bool, ...] = (False, True),
+) -> dict:
     timed = [m + (GRAD if g else "") for g in grads for m in modes if m in IN_PROCESS]
     if "plain" in modes and False not in grads:
-        timed.insert(0, "plain")  # with autograd only, still measured once without it (the on/off ratios)
-    print(f"{name}: {', '.join(timed)}; {rounds} rounds, {torch.get_num_threads()} torch thread(s)",
-          file=sys.stderr, flush=True)
+        timed.insert(
+            0, "plain"
+        )  # with autograd only, still measured once without it (the on/off ratios)
+    print(
+        f"{name}: {', '.join(timed)}; {rounds} rounds, {torch.get_num_threads()} torch thread(s)",
+        file=sys.stderr,
+        flush=True,
+    )
     load_before = _loadavg()
     t0 = time.perf_counter()
     made = make_modes(name, list(dict.fromkeys(base_of(m) for m in timed)))
@@ -606,9 +700,17 @@ def run_model(name: str, modes: list[str], rounds: int, memory: bool, pypi_pytho
         if "error" in res:
             rows["pypi"] = {"error": res["error"]}
         else:
-            p, q = statistics.median(res["samples"]["plain"]), statistics.median(res["samples"]["pypi"])
-            rows["pypi"] = {"median_s": q, "ratio": _paired_ratio(res["samples"]["pypi"], res["samples"]["plain"]),
-                            "samples": res["samples"]["pypi"], "own_plain_s": p, "version": res["version"]}
+            p, q = (
+                statistics.median(res["samples"]["plain"]),
+                statistics.median(res["samples"]["pypi"]),
+            )
+            rows["pypi"] = {
+                "median_s": q,
+                "ratio": _paired_ratio(res["samples"]["pypi"], res["samples"]["plain"]),
+                "samples": res["samples"]["pypi"],
+                "own_plain_s": p,
+                "version": res["version"],
+            }
     if memory and "all" in rows:
         rows["all_dir"] = {"memory_only": True}
     if memory:
@@ -617,15 +719,28 @@ def run_model(name: str, modes: list[str], rounds: int, memory: bool, pypi_pytho
                 continue
             python = pypi_python if m == "pypi" else sys.executable
             rows[m].update(_child(python, f"memory_child({name!r}, {m!r})"))
-    out = {"spec": spec(name), "rounds": rounds, "modes": rows, "seconds": time.perf_counter() - t0,
-           "load_before": load_before, "load_after": _loadavg(), "torch_threads": torch.get_num_threads()}
+    out = {
+        "spec": spec(name),
+        "rounds": rounds,
+        "modes": rows,
+        "seconds": time.perf_counter() - t0,
+        "load_before": load_before,
+        "load_after": _loadavg(),
+        "torch_threads": torch.get_num_threads(),
+    }
     for m, r in rows.items():
         if "error" in r:
             print(f"  {label(m):58s} error: {r['error']}", file=sys.stderr)
             continue
-        mem = f"  peak +{r['peak_growth_bytes'] / 2**20:8.1f} MiB" if "peak_growth_bytes" in r else ""
+        mem = (
+            f"  peak +{r['peak_growth_bytes'] / 2**20:8.1f} MiB" if "peak_growth_bytes" in r else ""
+        )
         mem += f"  held +{r['held_bytes'] / 2**20:8.1f} MiB" if "held_bytes" in r else ""
-        timing = f"{r['median_s'] * 1e3:10.2f} ms  {r['ratio']:6.2f}x" if "median_s" in r else f"{'(memory only)':>21s}"
+        timing = (
+            f"{r['median_s'] * 1e3:10.2f} ms  {r['ratio']:6.2f}x"
+            if "median_s" in r
+            else f"{'(memory only)':>21s}"
+        )
         if "cpu_ratio" in r:
             timing += f"  cpu {r['cpu_ratio']:6.2f}x"
         if "ratio_to_booted_plain" in r:
@@ -652,18 +767,28 @@ GENERATION_LABELS = {
 def generation_modes(name: str, new_tokens: int) -> dict:
     """Callables for the generation modes: greedy, `new_tokens` new tokens from the model's prompt
     (nnsight wraps a copy of its own)."""
-    import torchlens as tl
     from nnsight import TransformersModel
+
+    import torchlens as tl
     from torchlens import testing
 
     model, ids = build(name)
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                  do_sample=False, pad_token_id=0)
-    engine = TransformersModel(build(name)[0], task="text-generation", tokenizer=testing.tokenizer())
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    engine = TransformersModel(
+        build(name)[0], task="text-generation", tokenizer=testing.tokenizer()
+    )
     n_layer = model.config.n_layer
 
     def nnsight_generate():
-        with engine.generate({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, **kwargs) as tracer:
+        with engine.generate(
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, **kwargs
+        ) as tracer:
             saved = list().save()
             for _ in tracer.iter[:new_tokens]:
                 saved.append([engine.transformer.h[i].output for i in range(n_layer)])
@@ -678,7 +803,9 @@ def generation_modes(name: str, new_tokens: int) -> dict:
     }
 
 
-def generation_bench(name: str, new_tokens: int, rounds: int, modes: list[str] | None = None) -> dict:
+def generation_bench(
+    name: str, new_tokens: int, rounds: int, modes: list[str] | None = None
+) -> dict:
     """Time each generation mode in one process (interleaved rounds, median, paired ratio to
     `model.generate`), then, for the TorchLens modes, the bytes each step's trace keeps: the
     memory grows linearly in the steps (a decode step's pattern is one query row per new token)."""
@@ -690,8 +817,11 @@ def generation_bench(name: str, new_tokens: int, rounds: int, modes: list[str] |
     samples = time_modes(fns, rounds)
     out = {"model": name, "new_tokens": new_tokens, "rounds": rounds, "modes": {}}
     for mode, times in samples.items():
-        out["modes"][mode] = {"label": GENERATION_LABELS[mode], "median_s": statistics.median(times),
-                              "ratio": _paired_ratio(times, samples["generate"])}
+        out["modes"][mode] = {
+            "label": GENERATION_LABELS[mode],
+            "median_s": statistics.median(times),
+            "ratio": _paired_ratio(times, samples["generate"]),
+        }
     for mode in ("gen_resid_post", "gen_all"):
         if mode in fns:
             with torch.no_grad():
@@ -703,37 +833,90 @@ def generation_bench(name: str, new_tokens: int, rounds: int, modes: list[str] |
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Benchmark TorchLens capture side by side.")
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--models", nargs="*", help="only these models (default: the table and both sweeps)")
-    parser.add_argument("--rounds", type=int, default=0, help="rounds per model (default: 21 tiny, 7 up to GPT-2 small at 128 tokens, 5 above)")
+    parser.add_argument(
+        "--models", nargs="*", help="only these models (default: the table and both sweeps)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="rounds per model (default: 21 tiny, 7 up to GPT-2 small at 128 tokens, 5 above)",
+    )
     parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
-                        help="torch thread counts, each a whole run (default: 1, then 2)")
-    parser.add_argument("--grad", choices=["both", "off", "on"], default="both",
-                        help="run each mode under no_grad (off), with autograd (on), or both in the same rounds")
-    parser.add_argument("--no-pypi-above", type=int, default=1024,
-                        help="run PyPI torchlens only up to this many tokens (it is slow)")
-    parser.add_argument("--pypi-python", default=DEFAULT_PYPI_PYTHON,
-                        help="python of a venv with PyPI torchlens 2.36.1 (skipped when missing)")
-    parser.add_argument("--profile", metavar="MODEL", help="print a cProfile of trace(save='all') and exit")
-    parser.add_argument("--profile-grad", action="store_true", help="profile with autograd on (as the docs call trace)")
-    parser.add_argument("--mmap-threshold", type=int, metavar="BYTES",
-                        help="run the memory children with MALLOC_MMAP_THRESHOLD_=BYTES (e.g. 65536): large "
-                             "tensors are then mapped and unmapped, so peaks do not depend on heap reuse")
-    parser.add_argument("--settle", action="store_true",
-                        help="collect garbage and malloc_trim before each timed call (a cold heap for every mode)")
-    parser.add_argument("--modes", nargs="*", help="only these modes (a quick look; default: every mode of each model)")
-    parser.add_argument("--generation", metavar="MODEL",
-                        help="benchmark trace_generate on MODEL (e.g. L12-T128: GPT-2 small, a 128-token prompt) "
-                             "against model.generate and nnsight's generate, print the JSON and exit")
-    parser.add_argument("--new-tokens", type=int, default=32, help="new tokens per generation (default 32)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="torch thread counts, each a whole run (default: 1, then 2)",
+    )
+    parser.add_argument(
+        "--grad",
+        choices=["both", "off", "on"],
+        default="both",
+        help="run each mode under no_grad (off), with autograd (on), or both in the same rounds",
+    )
+    parser.add_argument(
+        "--no-pypi-above",
+        type=int,
+        default=1024,
+        help="run PyPI torchlens only up to this many tokens (it is slow)",
+    )
+    parser.add_argument(
+        "--pypi-python",
+        default=DEFAULT_PYPI_PYTHON,
+        help="python of a venv with PyPI torchlens 2.36.1 (skipped when missing)",
+    )
+    parser.add_argument(
+        "--profile", metavar="MODEL", help="print a cProfile of trace(save='all') and exit"
+    )
+    parser.add_argument(
+        "--profile-grad",
+        action="store_true",
+        help="profile with autograd on (as the docs call trace)",
+    )
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        metavar="BYTES",
+        help="run the memory children with MALLOC_MMAP_THRESHOLD_=BYTES (e.g. 65536): large "
+        "tensors are then mapped and unmapped, so peaks do not depend on heap reuse",
+    )
+    parser.add_argument(
+        "--settle",
+        action="store_true",
+        help="collect garbage and malloc_trim before each timed call (a cold heap for every mode)",
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="*",
+        help="only these modes (a quick look; default: every mode of each model)",
+    )
+    parser.add_argument(
+        "--generation",
+        metavar="MODEL",
+        help="benchmark trace_generate on MODEL (e.g. L12-T128: GPT-2 small, a 128-token prompt) "
+        "against model.generate and nnsight's generate, print the JSON and exit",
+    )
+    parser.add_argument(
+        "--new-tokens", type=int, default=32, help="new tokens per generation (default 32)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads[0])
     MMAP_THRESHOLD[0] = args.mmap_threshold
     SETTLE[0] = args.settle
     if args.generation:
-        g = generation_bench(args.generation, args.new_tokens, args.rounds or 5,
-                             [m for m in args.modes] if args.modes else None)
-        g["machine"] = {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_at_start": _loadavg()}
+        g = generation_bench(
+            args.generation,
+            args.new_tokens,
+            args.rounds or 5,
+            [m for m in args.modes] if args.modes else None,
+        )
+        g["machine"] = {
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "load_at_start": _loadavg(),
+        }
         print(json.dumps(g, indent=1))
         if args.json:
             with open(args.json, "w") as f:
@@ -752,7 +935,11 @@ def main(argv=None) -> int:
     pypi = args.pypi_python if os.path.exists(args.pypi_python) else None
     plan: dict[str, list[str]] = {}
     for name in TABLE_MODELS:
-        modes = IN_PROCESS if spec(name)["tokens"] <= 1024 else [m for m in IN_PROCESS if m not in BIG_SKIP]
+        modes = (
+            IN_PROCESS
+            if spec(name)["tokens"] <= 1024
+            else [m for m in IN_PROCESS if m not in BIG_SKIP]
+        )
         plan[name] = modes + (["pypi"] if spec(name)["tokens"] <= args.no_pypi_above else [])
     for name in TOKEN_SWEEP + LAYER_SWEEP:
         plan.setdefault(name, SWEEP_MODES)
@@ -762,19 +949,32 @@ def main(argv=None) -> int:
         unknown = sorted(set(args.modes) - set(LABELS))
         if unknown:
             raise SystemExit(f"unknown mode(s) {unknown}: use {', '.join(LABELS)}")
-        plan = {n: ["plain"] + [m for m in modes if m in args.modes and m != "plain"] for n, modes in plan.items()}
+        plan = {
+            n: ["plain"] + [m for m in modes if m in args.modes and m != "plain"]
+            for n, modes in plan.items()
+        }
     for n, modes in plan.items():  # the booted modes are read against the booted model's forward
-        if any(m.endswith("_booted") or m == "tl_cache" for m in modes) and "plain_booted" not in modes:
+        if (
+            any(m.endswith("_booted") or m == "tl_cache" for m in modes)
+            and "plain_booted" not in modes
+        ):
             plan[n] = modes + ["plain_booted"]
     labels = dict(LABELS)
     labels.update({m + GRAD: label(m + GRAD) for m in IN_PROCESS})
     results = {
-        "machine": {"cpus": os.cpu_count(), "torch_threads": args.threads[0],
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "torchlens": tl.__version__,
-                    "torchlens_commit": os.environ.get("BENCH_COMMIT"),
-                    "platform": platform.platform(), "device": "cpu",
-                    "load_at_start": _loadavg(), "settle": SETTLE[0]},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch_threads": args.threads[0],
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "torchlens": tl.__version__,
+            "torchlens_commit": os.environ.get("BENCH_COMMIT"),
+            "platform": platform.platform(),
+            "device": "cpu",
+            "load_at_start": _loadavg(),
+            "settle": SETTLE[0],
+        },
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "table": [n for n in TABLE_MODELS if n in plan],
         "token_sweep": [n for n in TOKEN_SWEEP if n in plan],
@@ -794,13 +994,18 @@ def main(argv=None) -> int:
         models = results["by_threads"].setdefault(str(threads), {})
         if k == 0:
             results["models"] = models  # the first count's results, where every reader looks
-        for name in sorted(plan, key=cost):  # cheapest first: a run cut short keeps the small models
+        for name in sorted(
+            plan, key=cost
+        ):  # cheapest first: a run cut short keeps the small models
             modes = plan[name]
             rounds = args.rounds or (21 if name == "tiny" else 7 if cost(name) <= 12 * 128 else 5)
             # memory does not depend on the thread count: measured with the first count only
-            models[name] = run_model(name, modes, rounds, not args.no_memory and k == 0,
-                                     pypi if k == 0 else None, grads)
-            if args.json:  # written after every model, so a long run that dies keeps what it measured
+            models[name] = run_model(
+                name, modes, rounds, not args.no_memory and k == 0, pypi if k == 0 else None, grads
+            )
+            if (
+                args.json
+            ):  # written after every model, so a long run that dies keeps what it measured
                 os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
                 with open(args.json, "w") as f:
                     json.dump(results, f, indent=1)

@@ -43,7 +43,9 @@ import torchlens.mechinterp as mi
 
 def build(tokens: int):
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
+    cfg = transformers.GPT2Config(
+        n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024
+    )
     model = transformers.GPT2LMHeadModel(cfg).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     return model, ids
@@ -60,16 +62,24 @@ def values(trace, n_sites: int = 150, n_wrong: int = 20) -> dict:
         b = f"transformer.h.{layer}"
         wrong += [
             (f"blocks.{layer}.hook_attn_out", m[b].facets["resid_mid"]),  # residual included
-            (f"blocks.{layer}.hook_resid_post", m[f"transformer.h.{(layer + 1) % 12}"].facets["resid_post"]),
+            (
+                f"blocks.{layer}.hook_resid_post",
+                m[f"transformer.h.{(layer + 1) % 12}"].facets["resid_post"],
+            ),
             (f"blocks.{layer}.hook_resid_pre", m[b + ".ln_1"].facets["output"]),  # after the norm
             (f"blocks.{layer}.hook_mlp_out", 0.5 * m[b + ".mlp"].facets["output"]),  # scale factor
-            (f"blocks.{layer}.attn.hook_q", m[b + ".attn"].facets["q"].transpose(1, 2)),  # head-major
+            (
+                f"blocks.{layer}.attn.hook_q",
+                m[b + ".attn"].facets["q"].transpose(1, 2),
+            ),  # head-major
         ]
     wrong = [(n, v) for n, v in wrong if n in out][: n_wrong - 2]
     for n, v in wrong:
         out[n] = v
     taken = {n for n, _ in wrong}
-    for n in [n for n, v in out.items() if n not in taken and v.is_floating_point() and v.dim() == 3][:2]:
+    for n in [
+        n for n, v in out.items() if n not in taken and v.is_floating_point() and v.dim() == 3
+    ][:2]:
         out[n] = torch.randn(out[n].shape, generator=gen)  # noise: no match
     return out
 
@@ -91,7 +101,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", help="also write the figures here")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch threads (default: torch's choice)"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,7 +114,11 @@ def main() -> None:
 
     attn_mid = trace.modules["transformer.h.3"].facets["resid_mid"]
     one = {"blocks.3.hook_attn_out": attn_mid}
-    noise = {"blocks.3.hook_attn_out": torch.randn(attn_mid.shape, generator=torch.Generator().manual_seed(2))}
+    noise = {
+        "blocks.3.hook_attn_out": torch.randn(
+            attn_mid.shape, generator=torch.Generator().manual_seed(2)
+        )
+    }
     cold_s = median_s(lambda: mi.compare(trace, one, generation="2.x"), 1)  # builds the pool
     first = mi.compare(trace, one, generation="2.x")
     warm_s = median_s(lambda: mi.compare(trace, one, generation="2.x"), args.rounds)
@@ -113,16 +129,28 @@ def main() -> None:
         ("pool (once per trace: first call minus a later one)", pool_s),
         ("one mismatch (first call, pool included)", cold_s),
         ("one mismatch", warm_s),
-        ("one mismatch, no match", median_s(lambda: mi.compare(trace, noise, generation="2.x"), args.rounds)),
-        (f"{len(report)} sites, {len(report.mismatched)} mismatches",
-         median_s(lambda: mi.compare(trace, report_values, generation="2.x"), args.rounds)),
-        (f"{len(report)} sites, {len(report.mismatched)} mismatches, explain=False",
-         median_s(lambda: mi.compare(trace, report_values, generation="2.x", explain=False), args.rounds)),
+        (
+            "one mismatch, no match",
+            median_s(lambda: mi.compare(trace, noise, generation="2.x"), args.rounds),
+        ),
+        (
+            f"{len(report)} sites, {len(report.mismatched)} mismatches",
+            median_s(lambda: mi.compare(trace, report_values, generation="2.x"), args.rounds),
+        ),
+        (
+            f"{len(report)} sites, {len(report.mismatched)} mismatches, explain=False",
+            median_s(
+                lambda: mi.compare(trace, report_values, generation="2.x", explain=False),
+                args.rounds,
+            ),
+        ),
     ]
-    print(f"GPT-2-small shape, {args.tokens} tokens, random init, float32, CPU; {len(trace.ops)} ops; "
-          f"trace(save='all') took {trace_s:.2f} s; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(
+        f"GPT-2-small shape, {args.tokens} tokens, random init, float32, CPU; {len(trace.ops)} ops; "
+        f"trace(save='all') took {trace_s:.2f} s; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
     print(f"example explanation: {first[0].explanation}")
     explained = sum(bool(c.explanation) for c in report if not c.passed)
     print(f"report: {explained}/{len(report.mismatched)} mismatches explained; first three:")
@@ -135,8 +163,16 @@ def main() -> None:
         print(f"| {what} | {wall * 1000:.0f} ms | {cpu * 1000:.0f} ms |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tokens": args.tokens, "rounds": args.rounds, "ops": len(trace.ops),
-                       "rows": {w: {"wall_s": a, "cpu_s": b} for w, (a, b) in rows}}, f, indent=1)
+            json.dump(
+                {
+                    "tokens": args.tokens,
+                    "rounds": args.rounds,
+                    "ops": len(trace.ops),
+                    "rows": {w: {"wall_s": a, "cpu_s": b} for w, (a, b) in rows},
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

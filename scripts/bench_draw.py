@@ -42,20 +42,28 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--layers", type=int, nargs="*", default=[], help="also time unrolled GPT-2s this deep")
+    parser.add_argument(
+        "--layers", type=int, nargs="*", default=[], help="also time unrolled GPT-2s this deep"
+    )
     args = parser.parse_args(argv)
     ids = torch.arange(8).unsqueeze(0)
     trace = tl.trace(gpt2(12, 768, 12), ids, save="none")
     print(f"GPT-2 small shape: {len(trace.ops)} ops, {len(trace.modules)} modules")
-    for label, kw in (("rolled", {}), ("rolled, highlight='facets'", {"highlight": "facets"}),
-                      ("unrolled", {"rolled": False}), ("unrolled, depth=2", {"rolled": False, "depth": 2})):
+    for label, kw in (
+        ("rolled", {}),
+        ("rolled, highlight='facets'", {"highlight": "facets"}),
+        ("unrolled", {"rolled": False}),
+        ("unrolled, depth=2", {"rolled": False, "depth": 2}),
+    ):
         seconds, d = best(lambda kw=kw: trace.draw(**kw), args.repeat)
         print(f"  {label:28} {seconds:6.2f} s  (Graphviz {d.layout_seconds:5.2f} s)  {d!r}")
     for n in args.layers:
         t = tl.trace(gpt2(n, 64, 4), ids, save="none")
         seconds, d = best(lambda t=t: t.draw(rolled=False, max_nodes=None), 1)
-        print(f"  {n} layers, d 64, unrolled: {len(t.ops)} ops, {seconds:6.2f} s  (Graphviz {d.layout_seconds:5.2f} s)  "
-              f"{d!r}")
+        print(
+            f"  {n} layers, d 64, unrolled: {len(t.ops)} ops, {seconds:6.2f} s  (Graphviz {d.layout_seconds:5.2f} s)  "
+            f"{d!r}"
+        )
     return 0
 
 

@@ -28,7 +28,7 @@ import torchlens.mechinterp as mi
 from torchlens import testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _outputs import write_or_check  # noqa: E402  (a sibling of this script)
+from _outputs import write_or_check
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ROOT / "docs" / "aliases"
@@ -43,7 +43,10 @@ REFERENCE_FAMILIES = ("gpt2", "llama")
 def reference_traces() -> dict[str, tl.Trace]:
     """The two models every page is generated against (fixed seed, offline), by title."""
     ids = torch.tensor([[1, 2, 3, 4]])
-    return {testing.FAMILIES[name].title: tl.trace(testing.build(name, "sdpa"), ids) for name in REFERENCE_FAMILIES}
+    return {
+        testing.FAMILIES[name].title: tl.trace(testing.build(name, "sdpa"), ids)
+        for name in REFERENCE_FAMILIES
+    }
 
 
 def _site(trace: tl.Trace, row: mi.Row, generation: str) -> tuple[str, str]:
@@ -57,7 +60,7 @@ def _site(trace: tl.Trace, row: mi.Row, generation: str) -> tuple[str, str]:
         return "—", r.status
     addr = r.module_address
     if row.per_layer and block0 and (addr == block0 or addr.startswith(block0 + ".")):
-        addr = block0[: -len("0")] + "{L}" + addr[len(block0):]
+        addr = block0[: -len("0")] + "{L}" + addr[len(block0) :]
     return f"`{addr or '<root>'}` : `{r.facet}`", r.status
 
 
@@ -88,7 +91,9 @@ def _table(generation: str, trace: tl.Trace, family: str) -> list[str]:
         if row.or_else is not None:  # the second site, read where the first is structurally absent
             target += f"; where absent, `{row.or_else[0]}` : `{row.or_else[1]}`"
         note = row.note + (" (not in the report)" if not row.in_report else "")
-        reads = _prose(row.meaning) + (f'<br><span class="tl-note">{_prose(note)}</span>' if note else "")
+        reads = _prose(row.meaning) + (
+            f'<br><span class="tl-note">{_prose(note)}</span>' if note else ""
+        )
         lines.append(
             f'| `{_escape(row.name)}` | <span class="tl-site">{site}</span><br>'
             f'<span class="tl-status tl-status--{status}">{status}</span>'
@@ -104,9 +109,9 @@ def generated_section(generation: str, traces: dict[str, tl.Trace]) -> str:
         "",
         f"{len(table.rows)} names. `{{L}}` is the layer: the decoder block's position in the order the blocks ran. "
         "Each tab resolves every name on one family: a 2-layer model with random weights and the default `sdpa` "
-        "attention (under `attn_implementation=\"eager\"` the `scores` and `pattern` rows are `real`). "
+        'attention (under `attn_implementation="eager"` the `scores` and `pattern` rows are `real`). '
         "Under each site: its status, and the target (the module role the name is defined on, found in any family) "
-        "and the facet read there; \"where absent\" gives the site read instead on a model that lays the tensor "
+        'and the facet read there; "where absent" gives the site read instead on a model that lays the tensor '
         "out another way (OPT's MLP, held by no module of its own).",
         "",
     ]
@@ -115,7 +120,10 @@ def generated_section(generation: str, traces: dict[str, tl.Trace]) -> str:
         lines += ["    " + line for line in _table(generation, trace, family)]
         lines.append("")
     if table.unmapped:
-        lines += ["Names this library defines that have no row (resolving one raises with this text):", ""]
+        lines += [
+            "Names this library defines that have no row (resolving one raises with this text):",
+            "",
+        ]
         lines += [f"- `{name}`: {_prose(text)}" for name, text in table.unmapped.items()]
         lines.append("")
     lines += [END]
@@ -123,7 +131,11 @@ def generated_section(generation: str, traces: dict[str, tl.Trace]) -> str:
 
 
 def render(page: Path, generation: str, traces: dict[str, tl.Trace]) -> str:
-    text = page.read_text() if page.exists() else f"# {mi.GENERATIONS[generation].heading}\n\n{BEGIN}\n{END}\n"
+    text = (
+        page.read_text()
+        if page.exists()
+        else f"# {mi.GENERATIONS[generation].heading}\n\n{BEGIN}\n{END}\n"
+    )
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{page}: missing the generated-section markers")
     head, rest = text.split(BEGIN, 1)
@@ -133,11 +145,15 @@ def render(page: Path, generation: str, traces: dict[str, tl.Trace]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="report stale pages instead of writing them")
+    parser.add_argument(
+        "--check", action="store_true", help="report stale pages instead of writing them"
+    )
     args = parser.parse_args(argv)
     traces = reference_traces()
-    outputs = {PAGES / f"{slug}.md": render(PAGES / f"{slug}.md", generation, traces)
-               for generation, slug in SLUGS.items()}
+    outputs = {
+        PAGES / f"{slug}.md": render(PAGES / f"{slug}.md", generation, traces)
+        for generation, slug in SLUGS.items()
+    }
     return write_or_check(outputs, args.check, ROOT, "python scripts/gen_alias_pages.py")
 
 

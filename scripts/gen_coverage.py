@@ -20,7 +20,10 @@ from pathlib import Path
 import transformers as tf
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "tests")]  # _outputs; the zoo (fixtures)
+sys.path[:0] = [
+    str(Path(__file__).resolve().parent),
+    str(ROOT / "tests"),
+]  # _outputs; the zoo (fixtures)
 from _outputs import write_or_check  # noqa: E402
 from fixtures import zoo  # noqa: E402
 
@@ -65,7 +68,8 @@ def render(results: list[zoo.FamilyResult]) -> str:
         "a second attention whose keys come from outside the layer is the cross-attention, and the MLP is the "
         "one child with two or more weight-reading ops and no kernel that mixes no positions (no convolution), "
         "applies a nonlinearity and keeps its input's width, read after the token mixer, whatever that mixer "
-        "is (attention, SSM, conv); a side module beside the mixer or the MLP is never taken for it. The unembedding is the linear layer as wide as "
+        "is (attention, SSM, conv); a side module beside the mixer or the MLP is never taken for it. "
+        "The unembedding is the linear layer as wide as "
         "the token embedding's vocabulary whose output reaches the model output; the language-model stack is "
         "the one feeding it; the final norm is the last norm after that stack's last layer, before the "
         "unembedding. `trace.structure` holds the result (`stacks`, `kind`, `lm_stack`, `final_norm`, `unembed`).",
@@ -75,8 +79,8 @@ def render(results: list[zoo.FamilyResult]) -> str:
         "2.x names follow `HookedEncoder` (post-LN blocks), and on T5 TransformerLens 2.x names follow "
         "`HookedEncoderDecoder` (`encoder.{L}`, `decoder.{L}`) and 4.x names the bridge's `encoder_blocks` / "
         "`decoder_blocks`, each stack numbered from 0; nnterp and interp-engine serve decoder-only models and say "
-        "so on any other kind. Where the rules cannot tell, `tl.trace(model, ..., roles={\"body.*\": \"block\", "
-        "\"body.*.mix\": \"attention\"})` names blocks, attention, cross-attention, MLP, norms and the "
+        'so on any other kind. Where the rules cannot tell, `tl.trace(model, ..., roles={"body.*": "block", '
+        '"body.*.mix": "attention"})` names blocks, attention, cross-attention, MLP, norms and the '
         "unembedding (`*` is one address part); a model with repeated modules and no block found gets a warning "
         "saying so.",
         "",
@@ -88,11 +92,20 @@ def render(results: list[zoo.FamilyResult]) -> str:
     for r in results:
         checks = ", ".join(f"{c} {r.counts[c]}" for c in zoo.CHECKS if c in r.counts)
         variants = sorted({v.split(" ")[0] for v in r.variants})
-        extra = "; ".join(([r.note] if r.note else []) + [f"not run: {u}" for u in r.unsupported]).replace("|", "/")
+        extra = "; ".join(
+            ([r.note] if r.note else []) + [f"not run: {u}" for u in r.unsupported]
+        ).replace("|", "/")
         status = "" if not r.failures else f" **{len(r.failures)} failed**"
-        lines.append(f"| {r.name} | {r.kind} | {r.stacks} | {', '.join(variants)} | {checks}{status} | {extra} |")
-    lines += ["", "## Facets per architecture", "",
-              "The facets found on layer 0 of each stack (and on the root).", ""]
+        lines.append(
+            f"| {r.name} | {r.kind} | {r.stacks} | {', '.join(variants)} | {checks}{status} | {extra} |"
+        )
+    lines += [
+        "",
+        "## Facets per architecture",
+        "",
+        "The facets found on layer 0 of each stack (and on the root).",
+        "",
+    ]
     for r in results:
         lines += [f"### {r.name}", ""]
         for where, names in r.facets.items():
@@ -103,13 +116,17 @@ def render(results: list[zoo.FamilyResult]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/guides/coverage.md is stale")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if docs/guides/coverage.md is stale"
+    )
     args = parser.parse_args(argv)
     results = zoo.run_zoo()
     failed = [f for r in results for f in r.failures]
     for f in failed:
         print(f, file=sys.stderr)
-    status = write_or_check({PAGE: render(results)}, args.check, ROOT, "python scripts/gen_coverage.py")
+    status = write_or_check(
+        {PAGE: render(results)}, args.check, ROOT, "python scripts/gen_coverage.py"
+    )
     return 1 if failed else status
 
 

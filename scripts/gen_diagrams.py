@@ -43,8 +43,10 @@ import torchlens as tl
 import torchlens.mechinterp as mi
 from torchlens import FACETS, testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # this script's siblings, also when a test loads it by path
-from _outputs import write_or_check  # noqa: E402
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent)
+)  # this script's siblings, also when a test loads it by path
+from _outputs import write_or_check
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,7 +56,9 @@ BEGIN = "<!-- BEGIN GENERATED: scripts/gen_diagrams.py; do not edit by hand -->"
 END = "<!-- END GENERATED -->"
 
 #: file slug -> (title, key of torchlens.testing.FAMILIES), for the families marked `diagram`
-FAMILIES: dict[str, tuple[str, str]] = {f.slug: (f.title, name) for name, f in testing.FAMILIES.items() if f.diagram}
+FAMILIES: dict[str, tuple[str, str]] = {
+    f.slug: (f.title, name) for name, f in testing.FAMILIES.items() if f.diagram
+}
 
 GENERATIONS: tuple[str, ...] = tuple(mi.GENERATIONS)
 N_TOKENS = 4
@@ -119,9 +123,15 @@ class Diagram:
 
 def _same_tensor(a, b) -> bool:
     return (
-        a.kind == "real" and b.kind == "real" and a.op is not None and a.op == b.op
-        and tuple(a.shape) == tuple(b.shape) and a.tensor is not None and b.tensor is not None
-        and a.tensor.dtype == b.tensor.dtype and torch.equal(a.tensor, b.tensor)
+        a.kind == "real"
+        and b.kind == "real"
+        and a.op is not None
+        and a.op == b.op
+        and tuple(a.shape) == tuple(b.shape)
+        and a.tensor is not None
+        and b.tensor is not None
+        and a.tensor.dtype == b.tensor.dtype
+        and torch.equal(a.tensor, b.tensor)
     )
 
 
@@ -172,7 +182,8 @@ def _inner_modules(trace: tl.Trace, address: str, also: set[str]) -> list[str]:
     """Modules inside `address` worth drawing: norms (QK-norm) and modules a name reads."""
     prefix = address + "."
     return [
-        a for a, r in trace.modules.items()
+        a
+        for a, r in trace.modules.items()
         if a.startswith(prefix) and r.calls and (r.role == "norm" or a in also)
     ]
 
@@ -192,7 +203,9 @@ def _names_by_site(trace: tl.Trace) -> tuple[dict, dict, bool]:
             if r.status not in READABLE:
                 absent[generation] = absent.get(generation, 0) + 1
                 continue
-            by_site.setdefault((r.module_address, r.facet), {}).setdefault(generation, []).append(r.query)
+            by_site.setdefault((r.module_address, r.facet), {}).setdefault(generation, []).append(
+                r.query
+            )
     three_x_adds = pairs["4.x"] <= pairs["3.x"]
     return by_site, absent, three_x_adds
 
@@ -210,7 +223,9 @@ def module_of(trace: tl.Trace, target: str, layer: int = 0) -> str | None:
         for row in mi.table(generation):
             if row.target != target or row.stack is not None or row.or_else is not None:
                 continue
-            res = mi.resolve_alias(trace, row.name.replace("{L}", str(layer)), generation=generation)
+            res = mi.resolve_alias(
+                trace, row.name.replace("{L}", str(layer)), generation=generation
+            )
             return res.module_address
     raise LookupError(f"no naming table has a row with target {target!r}")
 
@@ -254,8 +269,21 @@ def build(slug: str) -> Diagram:
     after += [_box(trace, a) for a in (final_norm, unembed) if a]
     root = _box(trace, "")
 
-    diagram = Diagram(slug, title, trace, embeddings, block, attn_branch, mlp_branch, parallel, after,
-                      root, stream_rows, three_x_adds, absent)
+    diagram = Diagram(
+        slug,
+        title,
+        trace,
+        embeddings,
+        block,
+        attn_branch,
+        mlp_branch,
+        parallel,
+        after,
+        root,
+        stream_rows,
+        three_x_adds,
+        absent,
+    )
 
     # Every drawn row gets its names; every name with a site on this trace must be drawn.
     drawn = {}
@@ -265,18 +293,25 @@ def build(slug: str) -> Diagram:
                 drawn[(row.address, f)] = row
     for site, names in by_site.items():
         if site not in drawn:
-            raise SystemExit(f"{slug}: names {names} resolve to {site}, which the diagram does not draw")
+            raise SystemExit(
+                f"{slug}: names {names} resolve to {site}, which the diagram does not draw"
+            )
         row = drawn[site]
         for generation, ns in names.items():
-            row.names.setdefault(generation, []).extend(n for n in ns if n not in row.names.get(generation, []))
+            row.names.setdefault(generation, []).extend(
+                n for n in ns if n not in row.names.get(generation, [])
+            )
     if three_x_adds:
         for row in drawn.values():
             four = set(row.names.get("4.x", []))
             row.names["3.x"] = [n for n in row.names.get("3.x", []) if n not in four]
     # Modules of block 0 that play a role must all be placed.
     placed = {b.address for box in _all_boxes(diagram) for b in _walk(box)}
-    missing = [a for a, r in trace.modules.items()
-               if a.startswith(block_addr + ".") and r.calls and r.role != "other" and a not in placed]
+    missing = [
+        a
+        for a, r in trace.modules.items()
+        if a.startswith(block_addr + ".") and r.calls and r.role != "other" and a not in placed
+    ]
     if missing:
         raise SystemExit(f"{slug}: block 0 modules the diagram does not place: {missing}")
     return diagram
@@ -313,10 +348,26 @@ INDENT = 12
 COL_PAD = 18
 
 COLORS = {
-    "ink": "#1f2328", "muted": "#57606a", "faint": "#d0d7de", "band": "#eef1f8", "zebra": "#f6f8fa",
-    "stream": "#3949ab", "box": "#ffffff", "box_line": "#8c959f", "attention": "#e3f2fd", "mlp": "#e8f5e9",
-    "norm": "#fff8e1", "embedding": "#f3e5f5", "unembed": "#f3e5f5", "root": "#f6f8fa", "block": "#fafbff",
-    "other": "#ffffff", "real": "#dbe4ff", "real_line": "#3949ab", "derived": "#fff4d6", "derived_line": "#b7791f",
+    "ink": "#1f2328",
+    "muted": "#57606a",
+    "faint": "#d0d7de",
+    "band": "#eef1f8",
+    "zebra": "#f6f8fa",
+    "stream": "#3949ab",
+    "box": "#ffffff",
+    "box_line": "#8c959f",
+    "attention": "#e3f2fd",
+    "mlp": "#e8f5e9",
+    "norm": "#fff8e1",
+    "embedding": "#f3e5f5",
+    "unembed": "#f3e5f5",
+    "root": "#f6f8fa",
+    "block": "#fafbff",
+    "other": "#ffffff",
+    "real": "#dbe4ff",
+    "real_line": "#3949ab",
+    "derived": "#fff4d6",
+    "derived_line": "#b7791f",
 }
 
 
@@ -347,7 +398,7 @@ def _relative(address: str, parent: str) -> str:
     if address == "":
         return "<root>"
     if parent and address.startswith(parent + "."):
-        return "." + address[len(parent) + 1:]
+        return "." + address[len(parent) + 1 :]
     return address
 
 
@@ -397,8 +448,10 @@ class Layout:
         self.col_x: dict[str, int] = {}
         x = self.diag_w + 24
         for g in self.cols:
-            widest = max([_tw(self._heading(g)[0], CW), _tw(self._heading(g)[1], CW_SMALL)]
-                         + [_tw(n) for r in rows for n in r.names.get(g, [])])
+            widest = max(
+                [_tw(self._heading(g)[0], CW), _tw(self._heading(g)[1], CW_SMALL)]
+                + [_tw(n) for r in rows for n in r.names.get(g, [])]
+            )
             self.col_x[g] = x
             x += widest + COL_PAD
         self.width = x + 6
@@ -424,7 +477,9 @@ class Layout:
                 if isinstance(e, Box):
                     visit(e, depth + 1, box.address)
                 else:
-                    widest = max(widest, x + 12 + _tw(e.label) + 14 + 8 + _tw(_shape(e.shape), CW_SMALL) + 24)
+                    widest = max(
+                        widest, x + 12 + _tw(e.label) + 14 + 8 + _tw(_shape(e.shape), CW_SMALL) + 24
+                    )
 
         d = self.d
         for b in d.embeddings + d.after + [d.root]:
@@ -439,7 +494,9 @@ class Layout:
         """A section heading across the whole width, with the column headings."""
         c = self.c
         x = STREAM_X + 16
-        lines = _wrap(subtitle, int((self.col_x[self.cols[0]] - x - 12) / CW_SMALL)) if subtitle else []
+        lines = (
+            _wrap(subtitle, int((self.col_x[self.cols[0]] - x - 12) / CW_SMALL)) if subtitle else []
+        )
         h = 26 + 13 * max(1, len(lines)) + 1
         c.rect(0, self.y, self.width, h, "band", layer="back")
         c.text(x, self.y + 17, title, size=13, weight="bold")
@@ -465,8 +522,17 @@ class Layout:
         derived = row.kind != "real"
         chip_w = _tw(label) + 14
         chip_x = x + 12 if not stream else STREAM_X + 16
-        c.rect(chip_x, mid - 9, chip_w, 18, "derived" if derived else "real",
-               "derived_line" if derived else "real_line", rx=9, dash=derived, layer="front")
+        c.rect(
+            chip_x,
+            mid - 9,
+            chip_w,
+            18,
+            "derived" if derived else "real",
+            "derived_line" if derived else "real_line",
+            rx=9,
+            dash=derived,
+            layer="front",
+        )
         c.text(chip_x + 7, mid + 4, label)
         sx = chip_x + chip_w + 8
         c.text(sx, mid + 4, _shape(row.shape), size=FS_SMALL, color="muted")
@@ -490,8 +556,13 @@ class Layout:
         top = self.y
         self.y += HEAD
         c.text(x + 8, top + 15, _relative(box.address, parent), weight="bold")
-        c.text(x + 8 + _tw(_relative(box.address, parent)) + 10, top + 15, box.class_name, size=FS_SMALL,
-               color="muted")
+        c.text(
+            x + 8 + _tw(_relative(box.address, parent)) + 10,
+            top + 15,
+            box.class_name,
+            size=FS_SMALL,
+            color="muted",
+        )
         for e in box.entries:
             if isinstance(e, Box):
                 self.y += 2
@@ -501,14 +572,28 @@ class Layout:
                 self.facet_row(e, x)
         self.y += 6
         fill = box.role if box.role in COLORS else "other"
-        c.rect(x, top, right - x, self.y - top, fill, "box_line", rx=6, layer="back" if depth == 0 else "mid")
+        c.rect(
+            x,
+            top,
+            right - x,
+            self.y - top,
+            fill,
+            "box_line",
+            rx=6,
+            layer="back" if depth == 0 else "mid",
+        )
         self.box_y[id(box)] = (top, self.y)
 
     def arrow_down(self, a: Box, b: Box):
         """From the bottom of box a to the top of box b."""
         x = BOX_X + 40
-        self.c.line([(x, self.box_y[id(a)][1]), (x, self.box_y[id(b)][0] - 1)], color="box_line", width=2,
-                    arrow=True, layer="front")
+        self.c.line(
+            [(x, self.box_y[id(a)][1]), (x, self.box_y[id(b)][0] - 1)],
+            color="box_line",
+            width=2,
+            arrow=True,
+            layer="front",
+        )
 
     def stream_node(self, row: FacetRow, add: bool):
         """A residual-stream facet of the block, drawn on the stream; `add` draws the ⊕."""
@@ -536,9 +621,14 @@ class Layout:
         if rail:  # parallel blocks: down the right-hand rail, then into the ⊕ from the right
             rx = self.diag_w - 4
             right = self.diag_w - 14
-            self.c.line([(right, y), (rx, y), (rx, to_y + 4), (STREAM_X + 10, to_y + 4)], arrow=True)
+            self.c.line(
+                [(right, y), (rx, y), (rx, to_y + 4), (STREAM_X + 10, to_y + 4)], arrow=True
+            )
         else:
-            self.c.line([(BOX_X, y), (STREAM_X + 18, y), (STREAM_X + 18, to_y), (STREAM_X + 10, to_y)], arrow=True)
+            self.c.line(
+                [(BOX_X, y), (STREAM_X + 18, y), (STREAM_X + 18, to_y), (STREAM_X + 10, to_y)],
+                arrow=True,
+            )
 
     # -- the whole picture
 
@@ -550,9 +640,14 @@ class Layout:
         self.y = 0
         title = f"{d.title}: decoder block 0 and the names that read each facet"
         c.text(10, 22, title, size=16, weight="bold")
-        c.text(10, 42, f"{t.model_class}, {n_layers} layers, random weights, eager attention, "
-                       f"{N_TOKENS} tokens; names from alias_report on this trace (layer 0 and global names)",
-               size=FS_SMALL, color="muted")
+        c.text(
+            10,
+            42,
+            f"{t.model_class}, {n_layers} layers, random weights, eager attention, "
+            f"{N_TOKENS} tokens; names from alias_report on this trace (layer 0 and global names)",
+            size=FS_SMALL,
+            color="muted",
+        )
         self.legend(54)
         self.y = 80
 
@@ -570,13 +665,23 @@ class Layout:
             c.line([(BOX_X, y), (STREAM_X + (10 if i else 0), y)], arrow=bool(i))
         if len(emb_mid) > 1:
             c.circle(STREAM_X, emb_mid[-1], 8, "#ffffff", "stream")
-            c.line([(STREAM_X - 5, emb_mid[-1]), (STREAM_X + 5, emb_mid[-1])], width=2, layer="front")
-            c.line([(STREAM_X, emb_mid[-1] - 5), (STREAM_X, emb_mid[-1] + 5)], width=2, layer="front")
+            c.line(
+                [(STREAM_X - 5, emb_mid[-1]), (STREAM_X + 5, emb_mid[-1])], width=2, layer="front"
+            )
+            c.line(
+                [(STREAM_X, emb_mid[-1] - 5), (STREAM_X, emb_mid[-1] + 5)], width=2, layer="front"
+            )
 
         # block 0
-        kind = ("parallel attention and MLP: both read resid_pre, one add writes both" if d.parallel
-                else "attention, then MLP")
-        self.band(f"Block 0: {d.block.address}  {block_rec.class_name}", f"one of {n_layers} blocks; {kind}")
+        kind = (
+            "parallel attention and MLP: both read resid_pre, one add writes both"
+            if d.parallel
+            else "attention, then MLP"
+        )
+        self.band(
+            f"Block 0: {d.block.address}  {block_rec.class_name}",
+            f"one of {n_layers} blocks; {kind}",
+        )
         block_top = self.y - 4
         self.stream_node(d.stream_rows["resid_pre"], add=False)
         self.y += 8
@@ -610,15 +715,29 @@ class Layout:
         for row in leftover:
             self.facet_row(row, BOX_X)
         self.y += 6
-        c.rect(4, block_top, self.diag_w - 2, self.y - block_top, "none", "stream", rx=8, dash=True, layer="back",
-               width=1)
+        c.rect(
+            4,
+            block_top,
+            self.diag_w - 2,
+            self.y - block_top,
+            "none",
+            "stream",
+            rx=8,
+            dash=True,
+            layer="back",
+            width=1,
+        )
         block_bottom = self.y
 
         # after the last block
         rest = f"blocks 1 to {n_layers - 1}" if n_layers > 2 else "block 1" if n_layers == 2 else ""
         self.y += 8
-        self.band("After the last block", f"{rest}, then the final norm and the unembedding"
-                  if rest else "the final norm and the unembedding")
+        self.band(
+            "After the last block",
+            f"{rest}, then the final norm and the unembedding"
+            if rest
+            else "the final norm and the unembedding",
+        )
         after_mid = []
         for i, box in enumerate(d.after):
             if i:
@@ -640,8 +759,14 @@ class Layout:
 
         # footer: names with no site here
         absent = ", ".join(f"{g} {d.absent.get(g, 0)}" for g in GENERATIONS)
-        c.text(10, self.y + 14, f"Names of layer 0 and global names with no site on this model (not drawn): {absent}. "
-               "The alias-table pages list them with the reason.", size=FS_SMALL, color="muted")
+        c.text(
+            10,
+            self.y + 14,
+            f"Names of layer 0 and global names with no site on this model (not drawn): {absent}. "
+            "The alias-table pages list them with the reason.",
+            size=FS_SMALL,
+            color="muted",
+        )
         self.y += 26
         return self.svg()
 
@@ -664,8 +789,10 @@ class Layout:
     def svg(self) -> str:
         w, h = self.width, self.y
         d = self.d
-        desc = (f"Decoder block 0 of a small random-init {d.title} model as traced by TorchLens, with every facet "
-                "and the names that resolve to it in TransformerLens 2.x, 3.x, 4.x, nnterp and interp-engine.")
+        desc = (
+            f"Decoder block 0 of a small random-init {d.title} model as traced by TorchLens, with every facet "
+            "and the names that resolve to it in TransformerLens 2.x, 3.x, 4.x, nnterp and interp-engine."
+        )
         head = [
             f'<svg xmlns="http://www.w3.org/2000/svg" width="{round(w * SCALE)}" height="{round(h * SCALE)}" '
             f'viewBox="0 0 {w} {h}" '
@@ -682,6 +809,7 @@ class Layout:
 
 def _flow(d: Diagram) -> str:
     """Block 0's data flow in one line, from the diagram's own boxes."""
+
     def names(branch: list[Box]) -> str:
         return " → ".join(f"`{_relative(b.address, d.block.address)[1:]}`" for b in branch)
 
@@ -692,12 +820,16 @@ def _flow(d: Diagram) -> str:
 
 def page_section(diagrams: list[Diagram]) -> str:
     """The generated part of docs/guides/diagrams.md: one section per family."""
-    lines = [BEGIN, "",
-             f"Jump to a diagram ({len(diagrams)} of the {len(testing.FAMILIES)} families of "
-             "`torchlens.testing.FAMILIES`; the [coverage page](coverage.md) lists every model the test "
-             "suite traces): "
-             + " · ".join(f"[{d.title}](#{slugify(d.title, '-')})" for d in diagrams) + ".",
-             ""]
+    lines = [
+        BEGIN,
+        "",
+        f"Jump to a diagram ({len(diagrams)} of the {len(testing.FAMILIES)} families of "
+        "`torchlens.testing.FAMILIES`; the [coverage page](coverage.md) lists every model the test "
+        "suite traces): "
+        + " · ".join(f"[{d.title}](#{slugify(d.title, '-')})" for d in diagrams)
+        + ".",
+        "",
+    ]
     for d in diagrams:
         block = d.trace.modules[d.block.address]
         counts = {g: 0 for g in GENERATIONS}
@@ -729,7 +861,11 @@ def page_section(diagrams: list[Diagram]) -> str:
 
 
 def render_page(diagrams: list[Diagram]) -> str:
-    text = PAGE.read_text(encoding="utf-8") if PAGE.exists() else f"# Block diagrams\n\n{BEGIN}\n{END}\n"
+    text = (
+        PAGE.read_text(encoding="utf-8")
+        if PAGE.exists()
+        else f"# Block diagrams\n\n{BEGIN}\n{END}\n"
+    )
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{PAGE}: missing the generated-section markers")
     head, rest = text.split(BEGIN, 1)
@@ -753,14 +889,21 @@ def outputs(slugs: list[str] | None = None) -> dict[Path, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="report stale files instead of writing them")
-    parser.add_argument("families", nargs="*", help=f"slugs to draw (default: all of {', '.join(FAMILIES)}, "
-                        "and the page)")
+    parser.add_argument(
+        "--check", action="store_true", help="report stale files instead of writing them"
+    )
+    parser.add_argument(
+        "families",
+        nargs="*",
+        help=f"slugs to draw (default: all of {', '.join(FAMILIES)}, and the page)",
+    )
     args = parser.parse_args(argv)
     unknown = [s for s in args.families if s not in FAMILIES]
     if unknown:
         parser.error(f"unknown family {unknown}; known: {', '.join(FAMILIES)}")
-    return write_or_check(outputs(args.families or None), args.check, ROOT, "python scripts/gen_diagrams.py")
+    return write_or_check(
+        outputs(args.families or None), args.check, ROOT, "python scripts/gen_diagrams.py"
+    )
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 from torchlens._core import facet_spec as spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _outputs import write_or_check  # noqa: E402  (a sibling of this script)
+from _outputs import write_or_check
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "guides" / "facets.md"
@@ -84,13 +84,20 @@ def edit_cell(f: spec.FacetSpec) -> str:
 
 
 def role_table(role: str) -> list[str]:
-    lines = [f"### {TITLES[role]}", "", "| facet | layout | what it is | found as | `edit=` |", "|---|---|---|---|---|"]
+    lines = [
+        f"### {TITLES[role]}",
+        "",
+        "| facet | layout | what it is | found as | `edit=` |",
+        "|---|---|---|---|---|",
+    ]
     for f in spec.SPECS:
         if role not in f.roles:
             continue
         what = f.prose + (f". Absent when {f.absent}" if f.absent else "")
         layout = f"`{f.layout}`" if f.axes else "the module's own"
-        lines.append(f"| `{f.name}` | {layout} | {_cell(what)} | {_cell(found_as(f))} | {_cell(edit_cell(f))} |")
+        lines.append(
+            f"| `{f.name}` | {layout} | {_cell(what)} | {_cell(found_as(f))} | {_cell(edit_cell(f))} |"
+        )
     return lines + [""]
 
 
@@ -98,7 +105,9 @@ def generated_section() -> str:
     roles = list(dict.fromkeys(r for f in spec.SPECS for r in f.roles))
     missing = [r for r in roles if r not in TITLES]
     if missing:
-        raise SystemExit(f"scripts/gen_facet_page.py: no heading for roles {missing}; add them to TITLES")
+        raise SystemExit(
+            f"scripts/gen_facet_page.py: no heading for roles {missing}; add them to TITLES"
+        )
     lines = [BEGIN, ""]
     for role in roles:
         lines += role_table(role)
@@ -116,10 +125,16 @@ def render(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="report a stale page instead of writing it")
+    parser.add_argument(
+        "--check", action="store_true", help="report a stale page instead of writing it"
+    )
     args = parser.parse_args(argv)
-    return write_or_check({PAGE: render(PAGE.read_text(encoding="utf-8"))}, args.check, ROOT,
-                          "python scripts/gen_facet_page.py")
+    return write_or_check(
+        {PAGE: render(PAGE.read_text(encoding="utf-8"))},
+        args.check,
+        ROOT,
+        "python scripts/gen_facet_page.py",
+    )
 
 
 if __name__ == "__main__":

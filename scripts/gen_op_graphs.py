@@ -34,8 +34,10 @@ from pathlib import Path
 import torchlens as tl
 from torchlens import testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # this script's siblings, also when a test loads it by path
-from _outputs import write_or_check  # noqa: E402
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent)
+)  # this script's siblings, also when a test loads it by path
+from _outputs import write_or_check
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "assets" / "op-graphs"
@@ -51,30 +53,81 @@ MAX_WIDTH = 1200
 #: The names the "names" drawings highlight in layer 1 of a decoder-only model: where each
 #: library reads (TransformerLens 2.x and 4.x, nnterp).
 DECODER_NAMES = {
-    "2.x": [f"blocks.1.{n}" for n in (
-        "hook_resid_pre", "attn.hook_pattern", "attn.hook_z", "hook_attn_out", "hook_resid_mid", "hook_mlp_in",
-        "mlp.hook_post", "hook_mlp_out", "hook_resid_post")],
-    "4.x": [f"blocks.1.{n}" for n in (
-        "hook_in", "attn.hook_pattern", "attn.hook_out", "ln2.hook_in", "mlp.hook_in", "mlp.hook_out", "hook_out")],
-    "nnterp": [f"{n}[1]" for n in (
-        "layers_input", "attention_probabilities", "attentions_output", "mlps_input", "mlps_output",
-        "layers_output")],
+    "2.x": [
+        f"blocks.1.{n}"
+        for n in (
+            "hook_resid_pre",
+            "attn.hook_pattern",
+            "attn.hook_z",
+            "hook_attn_out",
+            "hook_resid_mid",
+            "hook_mlp_in",
+            "mlp.hook_post",
+            "hook_mlp_out",
+            "hook_resid_post",
+        )
+    ],
+    "4.x": [
+        f"blocks.1.{n}"
+        for n in (
+            "hook_in",
+            "attn.hook_pattern",
+            "attn.hook_out",
+            "ln2.hook_in",
+            "mlp.hook_in",
+            "mlp.hook_out",
+            "hook_out",
+        )
+    ],
+    "nnterp": [
+        f"{n}[1]"
+        for n in (
+            "layers_input",
+            "attention_probabilities",
+            "attentions_output",
+            "mlps_input",
+            "mlps_output",
+            "layers_output",
+        )
+    ],
 }
 #: The same for layer 1 of an encoder-decoder's decoder: the generations spell the stack and the
 #: two attentions their own way; nnterp names decoder-only models (listed under the drawing).
 SEQ2SEQ_NAMES = {
-    "2.x": [f"decoder.1.{n}" for n in (
-        "hook_resid_pre", "attn.hook_pattern", "hook_attn_out", "hook_resid_mid", "cross_attn.hook_pattern",
-        "hook_cross_attn_out", "hook_mlp_in", "mlp.hook_post", "hook_resid_post")],
-    "4.x": [f"decoder_blocks.1.{n}" for n in (
-        "hook_in", "self_attn.hook_pattern", "self_attn.hook_out", "cross_attn.hook_pattern", "cross_attn.hook_out",
-        "mlp.hook_in", "hook_out")],
+    "2.x": [
+        f"decoder.1.{n}"
+        for n in (
+            "hook_resid_pre",
+            "attn.hook_pattern",
+            "hook_attn_out",
+            "hook_resid_mid",
+            "cross_attn.hook_pattern",
+            "hook_cross_attn_out",
+            "hook_mlp_in",
+            "mlp.hook_post",
+            "hook_resid_post",
+        )
+    ],
+    "4.x": [
+        f"decoder_blocks.1.{n}"
+        for n in (
+            "hook_in",
+            "self_attn.hook_pattern",
+            "self_attn.hook_out",
+            "cross_attn.hook_pattern",
+            "cross_attn.hook_out",
+            "mlp.hook_in",
+            "hook_out",
+        )
+    ],
     "nnterp": ["layers_input[1]", "layers_output[1]"],
 }
 
 
 #: file slug -> the family drawn in full (its `op_graph`)
-FAMILIES: dict[str, testing.Family] = {f.slug: f for f in testing.FAMILIES.values() if f.op_graph is not None}
+FAMILIES: dict[str, testing.Family] = {
+    f.slug: f for f in testing.FAMILIES.values() if f.op_graph is not None
+}
 
 
 def model_and_inputs(family: testing.Family) -> tuple:
@@ -101,15 +154,21 @@ def options(kind: str, trace: tl.Trace, family: testing.Family) -> dict:
     if kind == "block":
         return {"focus": family.op_graph.block}
     seq2seq = trace.structure.kind == "encoder-decoder"
-    return {"focus": trace.blocks[1], "depth": 1, "highlight": SEQ2SEQ_NAMES if seq2seq else DECODER_NAMES}
+    return {
+        "focus": trace.blocks[1],
+        "depth": 1,
+        "highlight": SEQ2SEQ_NAMES if seq2seq else DECODER_NAMES,
+    }
 
 
 def call_text(kind: str, trace: tl.Trace, family: testing.Family) -> str:
     """`trace.draw(...)` as the page shows it."""
     opts = options(kind, trace, family)
     if kind == "names":
-        return (f"trace.draw(focus={opts['focus']!r}, depth=1, highlight=names)` with `names = "
-                f"{'SEQ2SEQ_NAMES' if opts['highlight'] is SEQ2SEQ_NAMES else 'DECODER_NAMES'}")
+        return (
+            f"trace.draw(focus={opts['focus']!r}, depth=1, highlight=names)` with `names = "
+            f"{'SEQ2SEQ_NAMES' if opts['highlight'] is SEQ2SEQ_NAMES else 'DECODER_NAMES'}"
+        )
     return "trace.draw(" + ", ".join(f"{k}={v!r}" for k, v in opts.items()) + ")"
 
 
@@ -128,8 +187,13 @@ def page_section(made: dict[str, tuple[tl.Trace, dict]], more: dict[str, tuple])
     lines = [BEGIN, ""]
     for slug, (trace, ds) in made.items():
         family = FAMILIES[slug]
-        lines += [f"## {family.title}", "", f"{family.op_graph.what}; traced with `save=\"all\"` on {N_TOKENS} tokens "
-                  f"({len(trace.ops)} ops; {trace.structure.describe()}).", ""]
+        lines += [
+            f"## {family.title}",
+            "",
+            f'{family.op_graph.what}; traced with `save="all"` on {N_TOKENS} tokens '
+            f"({len(trace.ops)} ops; {trace.structure.describe()}).",
+            "",
+        ]
         for kind, d in ds.items():
             counts = d.counts
             facts = [f"{counts.get('op', 0)} ops drawn"]
@@ -140,15 +204,21 @@ def page_section(made: dict[str, tuple[tl.Trace, dict]], more: dict[str, tuple])
             apart = [g for g in d.groups if g[2]]
             rolled = [g for g in d.groups if len(g[1]) > 1]
             if rolled:
-                facts.append("rolled: " + "; ".join(f"`{g[0]}` layers {', '.join(map(str, g[1]))} drawn once"
-                                                    for g in rolled))
+                facts.append(
+                    "rolled: "
+                    + "; ".join(
+                        f"`{g[0]}` layers {', '.join(map(str, g[1]))} drawn once" for g in rolled
+                    )
+                )
             for g in apart:
                 facts.append(f"`{g[0]}` layer {', '.join(map(str, g[1]))} drawn apart: {g[2]}")
             marks = d.count('class="mark"')
             if marks:
                 facts.append(f"{marks} names marked")
             if d.unplaced:
-                facts.append(f"{len(d.unplaced)} listed under the drawing with the reason they have no mark")
+                facts.append(
+                    f"{len(d.unplaced)} listed under the drawing with the reason they have no mark"
+                )
             title = f"{family.title}, {kind}: {KINDS[kind]}"
             lines += [
                 f"### {family.title}: {kind} {{#{slug}-{kind}}}",
@@ -163,10 +233,14 @@ def page_section(made: dict[str, tuple[tl.Trace, dict]], more: dict[str, tuple])
                 "",
             ]
     if more:
-        lines += ["## Block 0 of the other families", "",
-                  "The other families of the [block diagrams](diagrams.md), each built with "
-                  "`testing.build(family, 'eager')` and drawn with `trace.draw(focus=trace.blocks[0])`, or with "
-                  "`depth=` where every op would not fit the page's column.", ""]
+        lines += [
+            "## Block 0 of the other families",
+            "",
+            "The other families of the [block diagrams](diagrams.md), each built with "
+            "`testing.build(family, 'eager')` and drawn with `trace.draw(focus=trace.blocks[0])`, or with "
+            "`depth=` where every op would not fit the page's column.",
+            "",
+        ]
         for slug, (trace, d, depth) in more.items():
             title = others()[slug].title
             call = f"focus={trace.blocks[0]!r}" + (f", depth={depth}" if depth is not None else "")
@@ -174,8 +248,12 @@ def page_section(made: dict[str, tuple[tl.Trace, dict]], more: dict[str, tuple])
                 f"### {title}: block {{#{slug}-block}}",
                 "",
                 f"`{trace.model_class}`, `trace.draw({call})`: {d.counts.get('op', 0)} ops drawn"
-                + (f"; {d.counts['module']} modules folded (every op would be wider than the column)"
-                   if d.counts.get("module") else "") + f"; {d.counts.get('param', 0)} parameters.",
+                + (
+                    f"; {d.counts['module']} modules folded (every op would be wider than the column)"
+                    if d.counts.get("module")
+                    else ""
+                )
+                + f"; {d.counts.get('param', 0)} parameters.",
                 "",
                 '<div class="tl-opgraph" markdown>',
                 "",
@@ -189,7 +267,9 @@ def page_section(made: dict[str, tuple[tl.Trace, dict]], more: dict[str, tuple])
 
 
 def render_page(section: str) -> str:
-    text = PAGE.read_text(encoding="utf-8") if PAGE.exists() else f"# The op graph\n\n{BEGIN}\n{END}\n"
+    text = (
+        PAGE.read_text(encoding="utf-8") if PAGE.exists() else f"# The op graph\n\n{BEGIN}\n{END}\n"
+    )
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{PAGE}: missing the generated-section markers")
     head, rest = text.split(BEGIN, 1)
@@ -208,19 +288,25 @@ def outputs() -> dict[Path, str]:
             d = trace.draw(**options(kind, trace, FAMILIES[slug]))
             width = float(d.split('width="', 1)[1].split('"', 1)[0])
             if width > MAX_WIDTH:
-                raise SystemExit(f"{slug}-{kind}: the drawing is {width:g} px wide, over {MAX_WIDTH} px")
+                raise SystemExit(
+                    f"{slug}-{kind}: the drawing is {width:g} px wide, over {MAX_WIDTH} px"
+                )
             ds[kind] = d
             out[OUT / f"{slug}-{kind}.svg"] = str(d)
         made[slug] = (trace, ds)
     more = {}
     for slug, family in others().items():
-        trace = tl.trace(testing.build(family.name, "eager"), testing.token_ids(length=N_TOKENS), save="all")
+        trace = tl.trace(
+            testing.build(family.name, "eager"), testing.token_ids(length=N_TOKENS), save="all"
+        )
         for depth in (None, 2, 1):  # every op, or as many levels of module boxes as fit the column
             d = trace.draw(focus=trace.blocks[0], depth=depth)
             if float(d.split('width="', 1)[1].split('"', 1)[0]) <= MAX_WIDTH:
                 break
         else:
-            raise SystemExit(f"{slug}-block: the drawing is wider than {MAX_WIDTH} px even at depth=1")
+            raise SystemExit(
+                f"{slug}-block: the drawing is wider than {MAX_WIDTH} px even at depth=1"
+            )
         out[OUT / f"{slug}-block.svg"] = str(d)
         more[slug] = (trace, d, depth)
     out[PAGE] = render_page(page_section(made, more))
@@ -229,7 +315,9 @@ def outputs() -> dict[Path, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="report stale files instead of writing them")
+    parser.add_argument(
+        "--check", action="store_true", help="report stale files instead of writing them"
+    )
     args = parser.parse_args(argv)
     return write_or_check(outputs(), args.check, ROOT, "python scripts/gen_op_graphs.py")
 

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _outputs import write_or_check  # noqa: E402
+from _outputs import write_or_check
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "performance.md"
@@ -38,11 +38,32 @@ APPENDED = "<!-- hand-written below: kept by gen_perf_page.py -->"
 
 MiB = 2**20
 #: Mode order and colours in tables and charts.
-MODES = ["plain", "all", "none", "resid_post", "all_dir", "tl_cache", "nnsight", "hooks", "pypi",
-         "floor_pass", "floor_keep"]
-COLORS = {"plain": "#000000", "all": "#3f51b5", "none": "#03a9f4", "resid_post": "#009688", "all_dir": "#8bc34a",
-          "tl_cache": "#e91e63", "nnsight": "#ff9800", "hooks": "#795548", "pypi": "#9e9e9e",
-          "floor_pass": "#b0bec5", "floor_keep": "#607d8b"}
+MODES = [
+    "plain",
+    "all",
+    "none",
+    "resid_post",
+    "all_dir",
+    "tl_cache",
+    "nnsight",
+    "hooks",
+    "pypi",
+    "floor_pass",
+    "floor_keep",
+]
+COLORS = {
+    "plain": "#000000",
+    "all": "#3f51b5",
+    "none": "#03a9f4",
+    "resid_post": "#009688",
+    "all_dir": "#8bc34a",
+    "tl_cache": "#e91e63",
+    "nnsight": "#ff9800",
+    "hooks": "#795548",
+    "pypi": "#9e9e9e",
+    "floor_pass": "#b0bec5",
+    "floor_keep": "#607d8b",
+}
 #: The floor each target's mode is measured against (`scripts/bench.py`: no capture that sees every
 #: op through a torch function mode costs less).
 FLOOR_OF = {"all": "floor_keep", "none": "floor_pass"}
@@ -89,8 +110,15 @@ def _nice_max(v: float) -> float:
     return 10 * mag
 
 
-def line_chart(title: str, xlabel: str, ylabel: str, xs: list[float], series: dict[str, list[float | None]],
-               labels: dict[str, str], log2_x: bool = False) -> str:
+def line_chart(
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    xs: list[float],
+    series: dict[str, list[float | None]],
+    labels: dict[str, str],
+    log2_x: bool = False,
+) -> str:
     """A small SVG line chart: one polyline per series, a legend on the right."""
     w, h, left, top, right, bottom = 860, 330, 70, 34, 320, 46
     pw, ph = w - left - right, h - top - bottom
@@ -104,31 +132,44 @@ def line_chart(title: str, xlabel: str, ylabel: str, xs: list[float], series: di
     def py(y):
         return top + ph - ph * y / ymax
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
-           f'font-family="sans-serif" font-size="12">',
-           f'<rect width="{w}" height="{h}" fill="#ffffff"/>',
-           f'<text x="{left}" y="20" font-weight="bold">{_esc(title)}</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+        f'font-family="sans-serif" font-size="12">',
+        f'<rect width="{w}" height="{h}" fill="#ffffff"/>',
+        f'<text x="{left}" y="20" font-weight="bold">{_esc(title)}</text>',
+    ]
     for i in range(6):
         y = ymax * i / 5
-        out.append(f'<line x1="{left}" y1="{py(y):.1f}" x2="{left + pw}" y2="{py(y):.1f}" stroke="#e0e0e0"/>')
+        out.append(
+            f'<line x1="{left}" y1="{py(y):.1f}" x2="{left + pw}" y2="{py(y):.1f}" stroke="#e0e0e0"/>'
+        )
         out.append(f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:g}</text>')
     for x in xs:
         out.append(f'<text x="{px(x):.1f}" y="{top + ph + 16}" text-anchor="middle">{x:g}</text>')
-    out.append(f'<line x1="{left}" y1="{top + ph}" x2="{left + pw}" y2="{top + ph}" stroke="#000"/>')
+    out.append(
+        f'<line x1="{left}" y1="{top + ph}" x2="{left + pw}" y2="{top + ph}" stroke="#000"/>'
+    )
     out.append(f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}" stroke="#000"/>')
     out.append(f'<text x="{left + pw / 2}" y="{h - 8}" text-anchor="middle">{_esc(xlabel)}</text>')
-    out.append(f'<text x="16" y="{top + ph / 2}" text-anchor="middle" transform="rotate(-90 16 {top + ph / 2})">'
-               f'{_esc(ylabel)}</text>')
+    out.append(
+        f'<text x="16" y="{top + ph / 2}" text-anchor="middle" transform="rotate(-90 16 {top + ph / 2})">'
+        f"{_esc(ylabel)}</text>"
+    )
     ly = top + 6
     for key, ys in series.items():
         pts = [(px(x), py(y)) for x, y in zip(xs, ys) if y is not None]
         color = COLORS.get(key, "#607d8b")
         if len(pts) > 1:
-            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="'
-                       + " ".join(f"{a:.1f},{b:.1f}" for a, b in pts) + '"/>')
+            out.append(
+                f'<polyline fill="none" stroke="{color}" stroke-width="2" points="'
+                + " ".join(f"{a:.1f},{b:.1f}" for a, b in pts)
+                + '"/>'
+            )
         for a, b in pts:
             out.append(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3" fill="{color}"/>')
-        out.append(f'<line x1="{left + pw + 16}" y1="{ly}" x2="{left + pw + 36}" y2="{ly}" stroke="{color}" stroke-width="3"/>')
+        out.append(
+            f'<line x1="{left + pw + 16}" y1="{ly}" x2="{left + pw + 36}" y2="{ly}" stroke="{color}" stroke-width="3"/>'
+        )
         out.append(f'<text x="{left + pw + 42}" y="{ly + 4}">{_esc(labels.get(key, key))}</text>')
         ly += 18
     out.append("</svg>")
@@ -139,33 +180,48 @@ def bar_chart(run: dict) -> str:
     """Time relative to a plain forward, one group of bars per table model, each on its own scale."""
     groups = []
     for name in run["table"]:
-        rows = [(mode, r["ratio"]) for mode in MODES if mode != "plain"
-                for r in [run["models"][name]["modes"].get(mode)] if r and "ratio" in r]
+        rows = [
+            (mode, r["ratio"])
+            for mode in MODES
+            if mode != "plain"
+            for r in [run["models"][name]["modes"].get(mode)]
+            if r and "ratio" in r
+        ]
         if rows:
             groups.append((name, rows))
     bar_h, gap, left, width = 16, 5, 300, 380
     top = 34
     height = top + sum(len(rows) * (bar_h + gap) + 26 for _, rows in groups) + 10
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 70}" height="{height}" '
-           f'viewBox="0 0 {left + width + 70} {height}" font-family="sans-serif" font-size="12">',
-           f'<rect width="{left + width + 70}" height="{height}" fill="#ffffff"/>',
-           '<text x="4" y="18" font-weight="bold">time relative to a plain forward in the same run '
-           '(lower is better; dashed: 1x; each model on its own scale)</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 70}" height="{height}" '
+        f'viewBox="0 0 {left + width + 70} {height}" font-family="sans-serif" font-size="12">',
+        f'<rect width="{left + width + 70}" height="{height}" fill="#ffffff"/>',
+        '<text x="4" y="18" font-weight="bold">time relative to a plain forward in the same run '
+        "(lower is better; dashed: 1x; each model on its own scale)</text>",
+    ]
     y = top
     for name, rows in groups:
-        out.append(f'<text x="4" y="{y + 12}" font-weight="bold">'
-                   f'{_esc(_title(name, run["models"][name]["spec"]))}</text>')
+        out.append(
+            f'<text x="4" y="{y + 12}" font-weight="bold">'
+            f"{_esc(_title(name, run['models'][name]['spec']))}</text>"
+        )
         y += 18
         vmax = max(max(r for _, r in rows), 1.0) * 1.12
         y0 = y
         for mode, ratio in rows:
             bw = width * ratio / vmax
-            out.append(f'<text x="{left - 6}" y="{y + 12}" text-anchor="end">{_esc(run["labels"][mode])}</text>')
-            out.append(f'<rect x="{left}" y="{y}" width="{bw:.1f}" height="{bar_h}" fill="{COLORS[mode]}"/>')
+            out.append(
+                f'<text x="{left - 6}" y="{y + 12}" text-anchor="end">{_esc(run["labels"][mode])}</text>'
+            )
+            out.append(
+                f'<rect x="{left}" y="{y}" width="{bw:.1f}" height="{bar_h}" fill="{COLORS[mode]}"/>'
+            )
             out.append(f'<text x="{left + bw + 4:.1f}" y="{y + 12}">{ratio:.2f}x</text>')
             y += bar_h + gap
         x1 = left + width / vmax
-        out.append(f'<line x1="{x1:.1f}" y1="{y0 - 2}" x2="{x1:.1f}" y2="{y}" stroke="#c62828" stroke-dasharray="4 3"/>')
+        out.append(
+            f'<line x1="{x1:.1f}" y1="{y0 - 2}" x2="{x1:.1f}" y2="{y}" stroke="#c62828" stroke-dasharray="4 3"/>'
+        )
         y += 8
     out.append("</svg>")
     return "\n".join(out) + "\n"
@@ -173,24 +229,41 @@ def bar_chart(run: dict) -> str:
 
 def sweep_charts(run: dict) -> dict[str, str]:
     charts = {}
-    for sweep, key, xlabel, log2 in (("token_sweep", "tokens", "tokens (12 layers)", True),
-                                      ("layer_sweep", "n_layer", "layers (128 tokens)", False)):
+    for sweep, key, xlabel, log2 in (
+        ("token_sweep", "tokens", "tokens (12 layers)", True),
+        ("layer_sweep", "n_layer", "layers (128 tokens)", False),
+    ):
         names = run.get(sweep) or []
         if len(names) < 2:
             continue
         xs = [run["models"][n]["spec"][key] for n in names]
         modes = [m for m in MODES if any(m in run["models"][n]["modes"] for n in names)]
-        time = {m: [run["models"][n]["modes"].get(m, {}).get("median_s") for n in names] for m in modes}
-        mem = {m: [(run["models"][n]["modes"].get(m, {}).get("peak_growth_bytes") or 0) / MiB
-                   if "peak_growth_bytes" in run["models"][n]["modes"].get(m, {}) else None for n in names]
-               for m in modes}
+        time = {
+            m: [run["models"][n]["modes"].get(m, {}).get("median_s") for n in names] for m in modes
+        }
+        mem = {
+            m: [
+                (run["models"][n]["modes"].get(m, {}).get("peak_growth_bytes") or 0) / MiB
+                if "peak_growth_bytes" in run["models"][n]["modes"].get(m, {})
+                else None
+                for n in names
+            ]
+            for m in modes
+        }
         time = {m: v for m, v in time.items() if any(x is not None for x in v)}
         mem = {m: v for m, v in mem.items() if any(x is not None for x in v)}
         charts[f"performance-{key.replace('n_layer', 'layers')}-time.svg"] = line_chart(
-            f"median time per forward vs {xlabel}", xlabel, "seconds", xs, time, run["labels"], log2)
+            f"median time per forward vs {xlabel}", xlabel, "seconds", xs, time, run["labels"], log2
+        )
         charts[f"performance-{key.replace('n_layer', 'layers')}-memory.svg"] = line_chart(
-            f"peak memory growth over a plain forward's steady state vs {xlabel}", xlabel, "MiB", xs, mem,
-            run["labels"], log2)
+            f"peak memory growth over a plain forward's steady state vs {xlabel}",
+            xlabel,
+            "MiB",
+            xs,
+            mem,
+            run["labels"],
+            log2,
+        )
     return charts
 
 
@@ -208,53 +281,106 @@ def _fmt_time(s: float) -> str:
 
 def _targets(run: dict) -> list[str]:
     """Issue 15's targets, each met or not in this run."""
+
     def ratio(name, mode):
         r = run["models"].get(name, {}).get("modes", {}).get(mode, {})
         return r.get("ratio")
 
     checks = []  # (target, value, met, floor ratio or None)
-    for name, limit in (("tiny", 2.0), ("L12-T128", 1.10), ("L12-T1024", 1.25), ("L12-T2048", 1.25)):
+    for name, limit in (
+        ("tiny", 2.0),
+        ("L12-T128", 1.10),
+        ("L12-T1024", 1.25),
+        ("L12-T2048", 1.25),
+    ):
         r, floor = ratio(name, "all"), ratio(name, FLOOR_OF["all"])
         if r is not None:
-            checks.append((f"`save='all'` at most {limit:.2f}x on {_title(name, run['models'][name]['spec'])}",
-                           r, r <= limit, floor))
+            checks.append(
+                (
+                    f"`save='all'` at most {limit:.2f}x on {_title(name, run['models'][name]['spec'])}",
+                    r,
+                    r <= limit,
+                    floor,
+                )
+            )
         t = ratio(name, "tl_cache")
         if r is not None and t is not None:
-            checks.append((f"`save='all'` at or below TransformerLens `run_with_cache` on "
-                           f"{_title(name, run['models'][name]['spec'])} ({t:.2f}x)", r, r <= t, floor))
+            checks.append(
+                (
+                    f"`save='all'` at or below TransformerLens `run_with_cache` on "
+                    f"{_title(name, run['models'][name]['spec'])} ({t:.2f}x)",
+                    r,
+                    r <= t,
+                    floor,
+                )
+            )
     for name in run["table"]:
         r = ratio(name, "none")
         if r is not None:
-            checks.append((f"`save='none'` at most 1.05x on {_title(name, run['models'][name]['spec'])}", r, r <= 1.05,
-                           ratio(name, FLOOR_OF["none"])))
-    rows = [f"| {text} | {value:.2f}x | {'—' if floor is None else f'{floor:.2f}x'} | {'met' if ok else '**not met**'} |"
-            for text, value, ok, floor in checks]
-    for name in run["table"]:  # a selection: no slower than save='none', peak within plain + kept + 10%
+            checks.append(
+                (
+                    f"`save='none'` at most 1.05x on {_title(name, run['models'][name]['spec'])}",
+                    r,
+                    r <= 1.05,
+                    ratio(name, FLOOR_OF["none"]),
+                )
+            )
+    rows = [
+        f"| {text} | {value:.2f}x | {'—' if floor is None else f'{floor:.2f}x'} | {'met' if ok else '**not met**'} |"
+        for text, value, ok, floor in checks
+    ]
+    for name in run[
+        "table"
+    ]:  # a selection: no slower than save='none', peak within plain + kept + 10%
         modes = run["models"][name].get("modes", {})
-        sel, none, plain = modes.get("resid_post", {}), modes.get("none", {}), modes.get("plain", {})
+        sel, none, plain = (
+            modes.get("resid_post", {}),
+            modes.get("none", {}),
+            modes.get("plain", {}),
+        )
         title = _title(name, run["models"][name]["spec"])
         if "ratio" in sel and "ratio" in none:
-            rows.append(f"| `save=['resid_post']` no slower than `save='none'` on {title} ({none['ratio']:.2f}x) "
-                        f"| {sel['ratio']:.2f}x | — | {'met' if sel['ratio'] <= none['ratio'] else '**not met**'} |")
+            rows.append(
+                f"| `save=['resid_post']` no slower than `save='none'` on {title} ({none['ratio']:.2f}x) "
+                f"| {sel['ratio']:.2f}x | — | {'met' if sel['ratio'] <= none['ratio'] else '**not met**'} |"
+            )
         if "peak_growth_bytes" in sel and "peak_growth_bytes" in plain and "kept_bytes" in sel:
             limit = 1.10 * (plain["peak_growth_bytes"] + sel["kept_bytes"])
-            rows.append(f"| `save=['resid_post']` peak at most 1.1 x (plain peak + kept) on {title} "
-                        f"({limit / 2**20:.1f} MiB) | {sel['peak_growth_bytes'] / 2**20:.1f} MiB | — "
-                        f"| {'met' if sel['peak_growth_bytes'] <= limit else '**not met**'} |")
+            rows.append(
+                f"| `save=['resid_post']` peak at most 1.1 x (plain peak + kept) on {title} "
+                f"({limit / 2**20:.1f} MiB) | {sel['peak_growth_bytes'] / 2**20:.1f} MiB | — "
+                f"| {'met' if sel['peak_growth_bytes'] <= limit else '**not met**'} |"
+            )
     return rows
 
 
 #: Modes of the grad-mode tables, in order (those a run measured are shown).
-GRAD_MODES = ["plain", "all", "none", "resid_post", "modlist", "pattern", "qkvz", "tl_cache", "nnsight", "hooks",
-              "floor_pass", "plain_booted", "all_booted"]
+GRAD_MODES = [
+    "plain",
+    "all",
+    "none",
+    "resid_post",
+    "modlist",
+    "pattern",
+    "qkvz",
+    "tl_cache",
+    "nnsight",
+    "hooks",
+    "floor_pass",
+    "plain_booted",
+    "all_booted",
+]
 GRAD = "+grad"
 
 
 def _cell(r: dict | None, key: str = "ratio") -> str:
     if not r or key not in r:
         return "—"
-    cpu = {"ratio": "cpu_ratio", "ratio_to_booted_plain": "cpu_ratio_to_booted_plain",
-           "grad_over_no_grad": "cpu_grad_over_no_grad"}[key]
+    cpu = {
+        "ratio": "cpu_ratio",
+        "ratio_to_booted_plain": "cpu_ratio_to_booted_plain",
+        "grad_over_no_grad": "cpu_grad_over_no_grad",
+    }[key]
     return f"{r[key]:.2f}x" + (f" (cpu {r[cpu]:.2f}x)" if cpu in r else "")
 
 
@@ -265,13 +391,20 @@ def _issue28_targets(models: dict, table: list[str]) -> list[str]:
     rows = []
 
     def val(r: dict, key: str = "ratio") -> tuple[float, float]:
-        cpu = {"ratio": "cpu_ratio", "ratio_to_booted_plain": "cpu_ratio_to_booted_plain",
-               "grad_over_no_grad": "cpu_grad_over_no_grad"}[key]
+        cpu = {
+            "ratio": "cpu_ratio",
+            "ratio_to_booted_plain": "cpu_ratio_to_booted_plain",
+            "grad_over_no_grad": "cpu_grad_over_no_grad",
+        }[key]
         return r.get(cpu, r[key]), r[key]
 
-    def row(text: str, value: tuple[float, float], limit: tuple[float, float], floor: str = "—") -> None:
-        rows.append(f"| {text} | {value[0]:.2f}x ({value[1]:.2f}x) | {limit[0]:.2f}x ({limit[1]:.2f}x) | {floor} "
-                    f"| {'met' if value[0] <= limit[0] else '**not met**'} |")
+    def row(
+        text: str, value: tuple[float, float], limit: tuple[float, float], floor: str = "—"
+    ) -> None:
+        rows.append(
+            f"| {text} | {value[0]:.2f}x ({value[1]:.2f}x) | {limit[0]:.2f}x ({limit[1]:.2f}x) | {floor} "
+            f"| {'met' if value[0] <= limit[0] else '**not met**'} |"
+        )
 
     def over(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
         return a[0] / b[0], a[1] / b[1]
@@ -279,53 +412,91 @@ def _issue28_targets(models: dict, table: list[str]) -> list[str]:
     for name in table:
         modes, title = models[name]["modes"], _title(name, models[name]["spec"])
         for g, gname in (("", "no_grad"), (GRAD, "autograd on")):
+
             def get(m: str, modes: dict = modes, g: str = g) -> dict:
                 return modes.get(m + g, {})
 
             a, t, h = get("all"), get("tl_cache"), get("hooks")
             if "ratio" in a and "ratio" in t:
-                row(f"`save='all'` at or below `run_with_cache`, {title}, {gname}", val(a), val(t),
-                    _cell(get("floor_keep")))
+                row(
+                    f"`save='all'` at or below `run_with_cache`, {title}, {gname}",
+                    val(a),
+                    val(t),
+                    _cell(get("floor_keep")),
+                )
             ab = get("all_booted")
             if "ratio_to_booted_plain" in ab and "ratio_to_booted_plain" in t:
-                row(f"booted setup: `save='all'` at or below `run_with_cache`, {title}, {gname} (to the booted "
-                    "forward)", val(ab, "ratio_to_booted_plain"), val(t, "ratio_to_booted_plain"))
+                row(
+                    f"booted setup: `save='all'` at or below `run_with_cache`, {title}, {gname} (to the booted "
+                    "forward)",
+                    val(ab, "ratio_to_booted_plain"),
+                    val(t, "ratio_to_booted_plain"),
+                )
             if "ratio" in h and name != "tiny":
-                for mode, limit in (("resid_post", 1.05), ("modlist", 1.05), ("pattern", 1.10), ("qkvz", 1.10)):
+                for mode, limit in (
+                    ("resid_post", 1.05),
+                    ("modlist", 1.05),
+                    ("pattern", 1.10),
+                    ("qkvz", 1.10),
+                ):
                     r = get(mode)
                     if "ratio" in r:
-                        row(f"`save={SAVE_LISTS[mode]}` over the hooks baseline, {title}, {gname}",
-                            over(val(r), val(h)), (limit, limit))
+                        row(
+                            f"`save={SAVE_LISTS[mode]}` over the hooks baseline, {title}, {gname}",
+                            over(val(r), val(h)),
+                            (limit, limit),
+                        )
             n = get("none")
             if "ratio" in n and name == "L12-T128":
-                row(f"`save='none'` over a plain forward, {title}, {gname}", val(n), (1.05, 1.05),
-                    _cell(get("floor_pass")))
+                row(
+                    f"`save='none'` over a plain forward, {title}, {gname}",
+                    val(n),
+                    (1.05, 1.05),
+                    _cell(get("floor_pass")),
+                )
         a, p = modes.get("all" + GRAD, {}), modes.get("plain" + GRAD, {})
         if "grad_over_no_grad" in a and "grad_over_no_grad" in p:
-            row(f"autograd on costs only what autograd costs: `save='all'` with over without autograd, against a "
-                f"plain forward's, {title}", val(a, "grad_over_no_grad"), val(p, "grad_over_no_grad"))
+            row(
+                f"autograd on costs only what autograd costs: `save='all'` with over without autograd, against a "
+                f"plain forward's, {title}",
+                val(a, "grad_over_no_grad"),
+                val(p, "grad_over_no_grad"),
+            )
     return rows
 
 
 #: The `save=` lists of bench.py's list modes, as the targets table writes them.
-SAVE_LISTS = {"resid_post": "['resid_post']", "modlist": "['resid_pre','resid_post','logits']",
-              "pattern": "['pattern']", "qkvz": "['q','k','v','z']"}
+SAVE_LISTS = {
+    "resid_post": "['resid_post']",
+    "modlist": "['resid_pre','resid_post','logits']",
+    "pattern": "['pattern']",
+    "qkvz": "['q','k','v','z']",
+}
 
 
 def grad_sections(run: dict) -> list[str]:
     """Both grad modes, every thread count, both TransformerLens setups and issue 28's targets,
     from a run that measured them (`bench.py` with `--grad both`); nothing for a run that did not."""
     by_threads = run.get("by_threads") or {str(run["machine"]["torch_threads"]): run["models"]}
-    if not any(m.endswith(GRAD) for ms in by_threads.values() for n in ms.values() for m in n.get("modes", {})):
+    if not any(
+        m.endswith(GRAD)
+        for ms in by_threads.values()
+        for n in ms.values()
+        for m in n.get("modes", {})
+    ):
         return []
-    lines = ["## Autograd on, thread counts and the TransformerLens setups", "",
-             "Every mode ran twice in the same rounds: under `torch.no_grad()` and with autograd on, as the",
-             "guides call `tl.trace`. Each ratio is to the plain forward *of the same grad mode*; *on/off* is",
-             "the median over the rounds of a mode's time with autograd over its time without; CPU-time",
-             "ratios (which the load disturbs less) are in brackets. The booted rows are the second",
-             "TransformerLens setup: `boot_transformers(..., hf_model=model)` replaces the model's modules",
-             "by bridge components and switches it to eager attention, so `model(ids)` afterwards is the",
-             "*plain forward of the booted model*; their last column is the ratio to that forward.", ""]
+    lines = [
+        "## Autograd on, thread counts and the TransformerLens setups",
+        "",
+        "Every mode ran twice in the same rounds: under `torch.no_grad()` and with autograd on, as the",
+        "guides call `tl.trace`. Each ratio is to the plain forward *of the same grad mode*; *on/off* is",
+        "the median over the rounds of a mode's time with autograd over its time without; CPU-time",
+        "ratios (which the load disturbs less) are in brackets. The booted rows are the second",
+        "TransformerLens setup: `boot_transformers(..., hf_model=model)` replaces the model's modules",
+        "by bridge components and switches it to eager attention, so `model(ids)` afterwards is the",
+        "*plain forward of the booted model*; their last column is the ratio to that forward.",
+        "",
+    ]
     for threads, models in by_threads.items():
         names = [n for n in run["table"] if n in models] or list(models)
         for name in names:
@@ -333,63 +504,94 @@ def grad_sections(run: dict) -> list[str]:
             present = [m for m in GRAD_MODES if m in modes or m + GRAD in modes]
             if not any(m + GRAD in modes for m in present):
                 continue
-            lines += [f"### {title}, {threads} torch thread(s), {models[name]['rounds']} rounds", "",
-                      "| mode | no_grad | autograd on | on/off | to the booted forward (no_grad / autograd) |",
-                      "|---|---:|---:|---:|---:|"]
+            lines += [
+                f"### {title}, {threads} torch thread(s), {models[name]['rounds']} rounds",
+                "",
+                "| mode | no_grad | autograd on | on/off | to the booted forward (no_grad / autograd) |",
+                "|---|---:|---:|---:|---:|",
+            ]
             for m in present:
                 booted = "—"
                 if m in ("tl_cache", "plain_booted", "all_booted"):
-                    booted = f"{_cell(modes.get(m), 'ratio_to_booted_plain')} / " \
-                             f"{_cell(modes.get(m + GRAD), 'ratio_to_booted_plain')}"
-                lines.append(f"| {_label(run['labels'].get(m, m))} | {_cell(modes.get(m))} | "
-                             f"{_cell(modes.get(m + GRAD))} | {_cell(modes.get(m + GRAD), 'grad_over_no_grad')} | "
-                             f"{booted} |")
+                    booted = (
+                        f"{_cell(modes.get(m), 'ratio_to_booted_plain')} / "
+                        f"{_cell(modes.get(m + GRAD), 'ratio_to_booted_plain')}"
+                    )
+                lines.append(
+                    f"| {_label(run['labels'].get(m, m))} | {_cell(modes.get(m))} | "
+                    f"{_cell(modes.get(m + GRAD))} | {_cell(modes.get(m + GRAD), 'grad_over_no_grad')} | "
+                    f"{booted} |"
+                )
             lines.append("")
     first = by_threads[next(iter(by_threads))]
     names = [n for n in run["table"] if n in first]
-    lines += ["### When to wrap a trace in `torch.no_grad()`", "",
-              "A trace with autograd on keeps the graph the forward builds (as `model(ids)` does) and lets",
-              "you call `.backward()` through the served tensors; wrap it in `torch.no_grad()` when you only",
-              "read values. What that saved in this run (first thread count, median times):", ""]
+    lines += [
+        "### When to wrap a trace in `torch.no_grad()`",
+        "",
+        "A trace with autograd on keeps the graph the forward builds (as `model(ids)` does) and lets",
+        "you call `.backward()` through the served tensors; wrap it in `torch.no_grad()` when you only",
+        "read values. What that saved in this run (first thread count, median times):",
+        "",
+    ]
     for name in names:
         modes = first[name]["modes"]
         a, ag = modes.get("all", {}), modes.get("all" + GRAD, {})
         pg = modes.get("plain" + GRAD, {})
         if "grad_over_no_grad" in ag and "median_s" in a:
-            plain = f"; a plain forward: {_cell(pg, 'grad_over_no_grad')}" if "grad_over_no_grad" in pg else ""
+            plain = (
+                f"; a plain forward: {_cell(pg, 'grad_over_no_grad')}"
+                if "grad_over_no_grad" in pg
+                else ""
+            )
             mem = ""
             if "held_bytes" in a and "held_bytes" in ag:
-                mem = (f", held memory {_mib(ag.get('held_trimmed_bytes', ag['held_bytes']))} MiB with autograd, "
-                       f"{_mib(a.get('held_trimmed_bytes', a['held_bytes']))} MiB without")
-            lines.append(f"- {_title(name, first[name]['spec'])}: `save='all'` with autograd on took "
-                         f"{_cell(ag, 'grad_over_no_grad')} its `no_grad` time (medians {_fmt_time(ag['median_s'])} "
-                         f"and {_fmt_time(a['median_s'])}{mem}){plain}.")
-    lines += ["", "A ratio below 1.00x is the load's noise: in these rounds the two cost the same, and",
-              "`torch.no_grad()` saves what it saves a plain forward, no more."]
+                mem = (
+                    f", held memory {_mib(ag.get('held_trimmed_bytes', ag['held_bytes']))} MiB with autograd, "
+                    f"{_mib(a.get('held_trimmed_bytes', a['held_bytes']))} MiB without"
+                )
+            lines.append(
+                f"- {_title(name, first[name]['spec'])}: `save='all'` with autograd on took "
+                f"{_cell(ag, 'grad_over_no_grad')} its `no_grad` time (medians {_fmt_time(ag['median_s'])} "
+                f"and {_fmt_time(a['median_s'])}{mem}){plain}."
+            )
+    lines += [
+        "",
+        "A ratio below 1.00x is the load's noise: in these rounds the two cost the same, and",
+        "`torch.no_grad()` saves what it saves a plain forward, no more.",
+    ]
     mib = []
     for name in names:
         modes = first[name]["modes"]
         a, t, h = modes.get("all", {}), modes.get("tl_cache", {}), modes.get("hooks", {})
         if all("held_bytes" in r for r in (a, t, h)):
-            held = lambda r: r.get("held_trimmed_bytes", r["held_bytes"])  # noqa: E731
-            mib.append(f"- {_title(name, first[name]['spec'])}: `save='all'` holds {_mib(held(a) - held(t))} MiB "
-                       f"more than `run_with_cache` and {_mib(held(a) - held(h))} MiB more than cloning every "
-                       "module's output. That memory is every op output inside every module (the values the "
-                       "facets are found and checked from, and `trace.ops[i].tensor`), which neither peer keeps.")
+            held = lambda r: r.get("held_trimmed_bytes", r["held_bytes"])
+            mib.append(
+                f"- {_title(name, first[name]['spec'])}: `save='all'` holds {_mib(held(a) - held(t))} MiB "
+                f"more than `run_with_cache` and {_mib(held(a) - held(h))} MiB more than cloning every "
+                "module's output. That memory is every op output inside every module (the values the "
+                "facets are found and checked from, and `trace.ops[i].tensor`), which neither peer keeps."
+            )
     if mib:
         lines += ["", "### What each extra MiB buys", ""] + mib
-    lines += ["", "### Issue 28's targets", "",
-              "Checked in this run (first thread count), on CPU-time ratios (wall-clock in brackets). For the",
-              "`save=` lists the value is the list's ratio over the hooks baseline's in the same grad mode.", "",
-              "| target | this run | limit | floor | |", "|---|---:|---:|---:|---|"]
+    lines += [
+        "",
+        "### Issue 28's targets",
+        "",
+        "Checked in this run (first thread count), on CPU-time ratios (wall-clock in brackets). For the",
+        "`save=` lists the value is the list's ratio over the hooks baseline's in the same grad mode.",
+        "",
+        "| target | this run | limit | floor | |",
+        "|---|---:|---:|---:|---|",
+    ]
     lines += _issue28_targets(first, names) + [""]
     return lines
 
 
 def render(run: dict, profile: dict | None, charts: list[str]) -> str:
     m = run["machine"]
-    loads = [run["models"][n].get("load_before") for n in run["models"]] + \
-            [run["models"][n].get("load_after") for n in run["models"]]
+    loads = [run["models"][n].get("load_before") for n in run["models"]] + [
+        run["models"][n].get("load_after") for n in run["models"]
+    ]
     loads = [x[0] for x in loads if x]
     lines = [
         "# Performance",
@@ -403,7 +605,8 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
         f"- Run started {run.get('started', '?')} on {m['cpus']} CPU cores, no GPU (`{m['device']}`), "
         f"{m['torch_threads']} torch thread(s); Python {m['python']}, torch {m['torch']}, transformers "
         f"{m['transformers']}, TorchLens {m['torchlens']}"
-        + (f" at commit `{m['torchlens_commit']}`" if m.get("torchlens_commit") else "") + ".",
+        + (f" at commit `{m['torchlens_commit']}`" if m.get("torchlens_commit") else "")
+        + ".",
         "- Models: random-weight GPT-2s built from a config with a fixed seed, float32; `tiny` is 2 layers,",
         "  d_model 32, 4 tokens; the others have GPT-2 small's width (d_model 768, 12 heads, vocabulary",
         "  50257) with the layers and tokens named. GPT-2 runs its default `sdpa` attention; the",
@@ -419,11 +622,16 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
         "  *kept* the bytes of tensor storage a TorchLens trace references.",
         f"- **Load caveat**: the machine was shared with other jobs during the run (1-minute load average "
         f"{min(loads):.1f} to {max(loads):.1f} on {m['cpus']} cores"
-        + ("; one torch thread was used because two threads under that load made a forward up to 100x "
-           "slower" if m["torch_threads"] == 1 else "") +
-        "). Ratios from few rounds under load move by tens of percent between runs; read them as"
+        + (
+            "; one torch thread was used because two threads under that load made a forward up to 100x "
+            "slower"
+            if m["torch_threads"] == 1
+            else ""
+        )
+        + "). Ratios from few rounds under load move by tens of percent between runs; read them as"
         " orders of magnitude and compare columns, not decimals."
-        if loads else "",
+        if loads
+        else "",
         "",
         "![Time relative to a plain forward](assets/performance.svg)",
         "",
@@ -451,12 +659,26 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
         if any_cell:
             lines.append(f"| {_label(run['labels'][mode])} | " + " | ".join(cells) + " |")
     if run.get("missing"):
-        lines += ["", "Planned but not measured (the run was stopped before them, for time): "
-                  + ", ".join(f"{n} ({_title(n, _spec(n))})" for n in run["missing"]) + "."]
-    rounds = ", ".join(f"{_title(n, run['models'][n]['spec'])}: {run['models'][n]['rounds']}" for n in table)
-    lines += ["", f"Rounds: {rounds}.", "", "## Memory", "",
-              "Peak / held / kept, in MiB (see above for what each means).", "", head,
-              "|---|" + "---:|" * len(table)]
+        lines += [
+            "",
+            "Planned but not measured (the run was stopped before them, for time): "
+            + ", ".join(f"{n} ({_title(n, _spec(n))})" for n in run["missing"])
+            + ".",
+        ]
+    rounds = ", ".join(
+        f"{_title(n, run['models'][n]['spec'])}: {run['models'][n]['rounds']}" for n in table
+    )
+    lines += [
+        "",
+        f"Rounds: {rounds}.",
+        "",
+        "## Memory",
+        "",
+        "Peak / held / kept, in MiB (see above for what each means).",
+        "",
+        head,
+        "|---|" + "---:|" * len(table),
+    ]
     for mode in MODES:
         cells, any_cell = [], False
         for n in table:
@@ -470,17 +692,31 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
             cells.append(f"{_mib(r['peak_growth_bytes'])} / {_mib(held)}{kept}")
         if any_cell:
             lines.append(f"| {_label(run['labels'][mode])} | " + " | ".join(cells) + " |")
-    errors = [(n, mode, r["error"]) for n in table for mode, r in run["models"][n]["modes"].items() if "error" in r]
+    errors = [
+        (n, mode, r["error"])
+        for n in table
+        for mode, r in run["models"][n]["modes"].items()
+        if "error" in r
+    ]
     if errors:
         lines += ["", "Failed in this run:", ""]
-        lines += [f"- {_esc(run['labels'][mode])} on {_title(n, run['models'][n]['spec'])}: `{_esc(e)}`" for n, mode, e in errors]
-    lines += ["", "## Targets", "",
-              "The targets of issue 15, checked against this run. *Floor* is the same run's cost of a",
-              "torch function mode alone on that model: passing every op through (for `save='none'`), or",
-              "also keeping a reference to every op output (for `save='all'`); no capture that sees each op",
-              "through such a mode, as TorchLens's does, can cost less. A target below its floor cannot be",
-              "met that way on this machine.", "",
-              "| target | this run | floor | |", "|---|---:|---:|---|"] + _targets(run)
+        lines += [
+            f"- {_esc(run['labels'][mode])} on {_title(n, run['models'][n]['spec'])}: `{_esc(e)}`"
+            for n, mode, e in errors
+        ]
+    lines += [
+        "",
+        "## Targets",
+        "",
+        "The targets of issue 15, checked against this run. *Floor* is the same run's cost of a",
+        "torch function mode alone on that model: passing every op through (for `save='none'`), or",
+        "also keeping a reference to every op output (for `save='all'`); no capture that sees each op",
+        "through such a mode, as TorchLens's does, can cost less. A target below its floor cannot be",
+        "met that way on this machine.",
+        "",
+        "| target | this run | floor | |",
+        "|---|---:|---:|---|",
+    ] + _targets(run)
     grad = grad_sections(run)
     if grad:
         lines += [""] + grad[:-1]
@@ -490,21 +726,44 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
             lines += [f"![{c[12:-4].replace('-', ' ')}](assets/{c})", ""]
     if profile:
         rows = profile["rows"]
-        lines += ["## Where the time goes", "",
-                  f"One `trace(save='all')` on {profile['model']} under cProfile ({profile['profiled_s']:.1f} s "
-                  f"profiled; plain forward {profile['plain_s']:.1f} s unprofiled"
-                  + (f", commit `{profile['torchlens_commit']}`" if profile.get("torchlens_commit") else "")
-                  + "), TorchLens functions by cumulative time:", "",
-                  "| cumulative | own | calls | function |", "|---:|---:|---:|---|"]
-        lines += [f"| {r['cumulative_s']:.2f} s | {r['own_s']:.2f} s | {r['calls']} | `{_esc(r['function'])}` |"
-                  for r in rows]
+        lines += [
+            "## Where the time goes",
+            "",
+            f"One `trace(save='all')` on {profile['model']} under cProfile ({profile['profiled_s']:.1f} s "
+            f"profiled; plain forward {profile['plain_s']:.1f} s unprofiled"
+            + (
+                f", commit `{profile['torchlens_commit']}`"
+                if profile.get("torchlens_commit")
+                else ""
+            )
+            + "), TorchLens functions by cumulative time:",
+            "",
+            "| cumulative | own | calls | function |",
+            "|---:|---:|---:|---|",
+        ]
+        lines += [
+            f"| {r['cumulative_s']:.2f} s | {r['own_s']:.2f} s | {r['calls']} | `{_esc(r['function'])}` |"
+            for r in rows
+        ]
         by_name = {r["function"].split(" ")[-1]: r["cumulative_s"] for r in rows}
         total = by_name.get("trace")
         if total and "derive" in by_name:
-            parts = [f"`{n}` {by_name[n] / by_name['derive']:.0%}" for n in
-                     ("attention_facets", "rebuild_attention", "_result_site", "norm_facets", "block_facets") if n in by_name]
-            lines += ["", f"Deriving the facets after the forward (`derive`) takes {by_name['derive'] / total:.0%} of the "
-                      f"profiled trace; of that: {', '.join(parts)}."]
+            parts = [
+                f"`{n}` {by_name[n] / by_name['derive']:.0%}"
+                for n in (
+                    "attention_facets",
+                    "rebuild_attention",
+                    "_result_site",
+                    "norm_facets",
+                    "block_facets",
+                )
+                if n in by_name
+            ]
+            lines += [
+                "",
+                f"Deriving the facets after the forward (`derive`) takes {by_name['derive'] / total:.0%} of the "
+                f"profiled trace; of that: {', '.join(parts)}.",
+            ]
         lines.append("")
     lines += [
         "## Reading the numbers",
@@ -551,7 +810,9 @@ def _pypi_checked(model: dict) -> dict:
     if row is None or "error" in row or row.get("version") == PYPI_VERSION:
         return model
     modes = dict(model["modes"])
-    modes["pypi"] = {"error": f"measured torchlens {row.get('version')!r}, not the PyPI package {PYPI_VERSION}"}
+    modes["pypi"] = {
+        "error": f"measured torchlens {row.get('version')!r}, not the PyPI package {PYPI_VERSION}"
+    }
     return {**model, "modes": modes}
 
 
@@ -577,14 +838,21 @@ def generation_section(gen: dict) -> str:
     ]
     for mode, row in gen["modes"].items():
         target = GENERATION_TARGETS.get(mode)
-        met = "" if target is None else f"≤ {target:g}× ({'met' if row['ratio'] <= target else 'not met'})"
+        met = (
+            ""
+            if target is None
+            else f"≤ {target:g}× ({'met' if row['ratio'] <= target else 'not met'})"
+        )
         kept = row.get("kept_bytes_per_step")
         cells = ["", "", "", ""]
         if kept:
             growth = (kept[-1] - kept[1]) / (len(kept) - 2) if len(kept) > 2 else 0.0
             cells = [_size(kept[0]), _size(kept[1]), _size(kept[-1]), f"{growth / 1024:.1f} KiB"]
-        lines.append(f"| {row['label']} | {_fmt_time(row['median_s'])} | {row['ratio']:.2f}× | {met} | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| {row['label']} | {_fmt_time(row['median_s'])} | {row['ratio']:.2f}× | {met} | "
+            + " | ".join(cells)
+            + " |"
+        )
     nn = gen["modes"].get("nnsight_generate")
     lines += [
         "",
@@ -596,7 +864,7 @@ def generation_section(gen: dict) -> str:
     if nn is not None and nn["ratio"] < 1:
         lines += [
             "",
-            f"At this load the timings are noisy: nnsight's generate, which runs the same forwards with its own",
+            "At this load the timings are noisy: nnsight's generate, which runs the same forwards with its own",
             f"hooks added, measured {nn['ratio']:.2f}× `model.generate`.",
         ]
     lines.append("")
@@ -618,7 +886,7 @@ def outputs(run: dict, profile: dict | None) -> dict[Path, str]:
     if PAGE.exists():  # a hand-written section appended after the marker is kept as it is
         old = PAGE.read_text(encoding="utf-8")
         if APPENDED in old:
-            page += "\n" + old[old.index(APPENDED):]
+            page += "\n" + old[old.index(APPENDED) :]
     out[PAGE] = page
     return out
 
@@ -627,8 +895,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", help="a bench.py --json result to copy into the docs and render")
     parser.add_argument("--profile", help="a bench.py --profile --json result to copy and render")
-    parser.add_argument("--generation", help="a bench.py --generation --json result to copy and render")
-    parser.add_argument("--check", action="store_true", help="report stale files instead of writing them")
+    parser.add_argument(
+        "--generation", help="a bench.py --generation --json result to copy and render"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="report stale files instead of writing them"
+    )
     args = parser.parse_args(argv)
     if args.check and (args.run or args.profile or args.generation):
         parser.error("--check renders the committed data; it takes no --run/--profile/--generation")
@@ -640,7 +912,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copyfile(args.profile, PROFILE)
     run = json.loads(RUN.read_text())
     profile = json.loads(PROFILE.read_text()) if PROFILE.exists() else None
-    return write_or_check(outputs(run, profile), args.check, ROOT, "python scripts/gen_perf_page.py")
+    return write_or_check(
+        outputs(run, profile), args.check, ROOT, "python scripts/gen_perf_page.py"
+    )
 
 
 if __name__ == "__main__":

@@ -35,21 +35,32 @@ from torchlens._core.facet_spec import SPECS
 from torchlens.mechinterp._translate import names_by_site
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _outputs import write_or_check  # noqa: E402  (a sibling of this script)
+from _outputs import write_or_check
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "aliases" / "translation.md"
 SERVING = ROOT / "docs" / "guides" / "serving-engines.md"
-BEGIN = ("<!-- BEGIN GENERATED: scripts/gen_translation_page.py; edit the tables in "
-         "src/torchlens/_naming/tables -->")
+BEGIN = (
+    "<!-- BEGIN GENERATED: scripts/gen_translation_page.py; edit the tables in "
+    "src/torchlens/_naming/tables -->"
+)
 END = "<!-- END GENERATED -->"
 GENERATIONS = tuple(mi.GENERATIONS)
 #: family -> the word of the serving page's column header for its vLLM model.
 VLLM_FAMILIES = {"gpt2": "GPT-2", "llama": "Llama", "qwen3": "Qwen3"}
 #: The families' titles, as the other pages write them.
-TITLES = {"gpt2": "GPT-2", "gpt2_upcast": "GPT-2, reorder_and_upcast_attn", "llama": "Llama", "gpt_neox": "GPT-NeoX",
-          "gpt_neox_sequential": "GPT-NeoX, sequential residual", "gemma2": "Gemma-2", "qwen3": "Qwen3",
-          "phi3": "Phi-3", "olmo2": "OLMo-2", "mistral": "Mistral"}
+TITLES = {
+    "gpt2": "GPT-2",
+    "gpt2_upcast": "GPT-2, reorder_and_upcast_attn",
+    "llama": "Llama",
+    "gpt_neox": "GPT-NeoX",
+    "gpt_neox_sequential": "GPT-NeoX, sequential residual",
+    "gemma2": "Gemma-2",
+    "qwen3": "Qwen3",
+    "phi3": "Phi-3",
+    "olmo2": "OLMo-2",
+    "mistral": "Mistral",
+}
 
 
 @dataclass
@@ -74,7 +85,7 @@ def serving_hooks(text: str) -> tuple[dict[str, dict[str, str]], list[str]]:
     header = [cell.strip() for cell in lines[start].strip("|").split("|")]
     out: dict[str, dict[str, str]] = {cell: {} for cell in header[1:]}
     names = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -88,12 +99,14 @@ def serving_hooks(text: str) -> tuple[dict[str, dict[str, str]], list[str]]:
 
 def _template(address: str, block0: str | None) -> str:
     if block0 is not None and (address == block0 or address.startswith(block0 + ".")):
-        return block0[: -len("0")] + "{L}" + address[len(block0):]
+        return block0[: -len("0")] + "{L}" + address[len(block0) :]
     return address or "<root>"
 
 
 #: Facets in the order of the facet specification, a module's input first and its output last.
-_ORDER = ["input"] + [spec.name for spec in SPECS if spec.name not in ("input", "output")] + ["output"]
+_ORDER = (
+    ["input"] + [spec.name for spec in SPECS if spec.name not in ("input", "output")] + ["output"]
+)
 
 
 def _rank(facet: str) -> int:
@@ -118,10 +131,21 @@ def family_sites(family: str) -> tuple[tl.Trace, list[Site], dict[str, list[str]
                     record = trace.modules[address].calls[call or 0]
                     site = record.facets.sites[facet]
                     # forward order: an op's output where it was made; a derived facet with its module's output
-                    where = site.op if site.kind == "real" and site.op is not None else record.end_op - 1
-                    sites[key] = Site(key[0], facet, (where, record.first_op, _rank(facet)), set(),
-                                      {g: [] for g in GENERATIONS})
-                    sites[key].status.add(mi.resolve_alias(trace, r.query, generation=generation).status)
+                    where = (
+                        site.op
+                        if site.kind == "real" and site.op is not None
+                        else record.end_op - 1
+                    )
+                    sites[key] = Site(
+                        key[0],
+                        facet,
+                        (where, record.first_op, _rank(facet)),
+                        set(),
+                        {g: [] for g in GENERATIONS},
+                    )
+                    sites[key].status.add(
+                        mi.resolve_alias(trace, r.query, generation=generation).status
+                    )
                 name = r.pattern if r.layer is not None else r.query
                 if name not in sites[key].names[generation]:
                     sites[key].names[generation].append(name)
@@ -130,7 +154,9 @@ def family_sites(family: str) -> tuple[tl.Trace, list[Site], dict[str, list[str]
     unplaced = {}
     for generation in GENERATIONS:
         table = dict(mi.GENERATIONS[generation].by_kind).get(table_kind, mi.GENERATIONS[generation])
-        unplaced[generation] = [row.name for row in table.rows if row.name not in placed[generation]]
+        unplaced[generation] = [
+            row.name for row in table.rows if row.name not in placed[generation]
+        ]
     return trace, sorted(sites.values(), key=lambda s: (s.order, s.facet)), unplaced
 
 
@@ -148,37 +174,76 @@ def family_section(family: str, vllm: dict[str, dict[str, str]]) -> list[str]:
     title = TITLES.get(family, family)
     legacy_only = all(set(s.names["4.x"]) <= set(s.names["3.x"]) for s in sites)
     column = next((c for c in vllm if VLLM_FAMILIES.get(family, "\0") in c), None)
-    headers = ["site", "status", "2.x", "3.x, besides the 4.x names" if legacy_only else "3.x", "4.x", "nnterp",
-               "interp-engine"] + (["vLLM hook"] if column else [])
+    headers = [
+        "site",
+        "status",
+        "2.x",
+        "3.x, besides the 4.x names" if legacy_only else "3.x",
+        "4.x",
+        "nnterp",
+        "interp-engine",
+    ] + (["vLLM hook"] if column else [])
     block = trace.blocks[0][:-1] + "{L}" if trace.blocks else "(none)"
-    lines = [f"## {title}", "",
-             f'`testing.build("{family}")`: `{spec.model}`, {len(trace.blocks)} layers; block `{{L}}` is '
-             f"`{block}`. {len(sites)} sites have a name in some generation."
-             + (f" The vLLM column is the hook of the [serving-engines recipe](../guides/serving-engines.md) "
-                f"for vLLM's {VLLM_FAMILIES[family]} model (module names inside `{block}` are relative to it)."
-                if column else ""), "",
-             "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines = [
+        f"## {title}",
+        "",
+        f'`testing.build("{family}")`: `{spec.model}`, {len(trace.blocks)} layers; block `{{L}}` is '
+        f"`{block}`. {len(sites)} sites have a name in some generation."
+        + (
+            f" The vLLM column is the hook of the [serving-engines recipe](../guides/serving-engines.md) "
+            f"for vLLM's {VLLM_FAMILIES[family]} model (module names inside `{block}` are relative to it)."
+            if column
+            else ""
+        ),
+        "",
+        "| " + " | ".join(headers) + " |",
+        "|" + "---|" * len(headers),
+    ]
     for s in sites:
-        legacy = [n for n in s.names["3.x"] if n not in s.names["4.x"]] if legacy_only else s.names["3.x"]
-        cells = [f"`{s.address}`<br>`{s.facet}`", _status(s.status), _code(s.names["2.x"]), _code(legacy),
-                 _code(s.names["4.x"]), _code(s.names["nnterp"]), _code(s.names["interp-engine"])]
+        legacy = (
+            [n for n in s.names["3.x"] if n not in s.names["4.x"]]
+            if legacy_only
+            else s.names["3.x"]
+        )
+        cells = [
+            f"`{s.address}`<br>`{s.facet}`",
+            _status(s.status),
+            _code(s.names["2.x"]),
+            _code(legacy),
+            _code(s.names["4.x"]),
+            _code(s.names["nnterp"]),
+            _code(s.names["interp-engine"]),
+        ]
         if column:
-            hooks = list(dict.fromkeys(vllm[column][n] for n in s.names["3.x"] if n in vllm[column]))
+            hooks = list(
+                dict.fromkeys(vllm[column][n] for n in s.names["3.x"] if n in vllm[column])
+            )
             cells.append("<br>".join(hooks) if hooks else "—")
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    lines += ["", f"Names with no site on {title} (the [alias tables](index.md) give each one's reason):", ""]
+    lines += [
+        "",
+        f"Names with no site on {title} (the [alias tables](index.md) give each one's reason):",
+        "",
+    ]
     for generation in GENERATIONS:
         names = unplaced[generation]
-        lines.append(f"- {generation}: " + (", ".join(f"`{n}`" for n in names) if names else "none"))
+        lines.append(
+            f"- {generation}: " + (", ".join(f"`{n}`" for n in names) if names else "none")
+        )
     return lines + [""]
 
 
 def generated_section(families=None) -> str:
     vllm, _ = serving_hooks(SERVING.read_text(encoding="utf-8"))
     families = list(families or testing.FAMILIES)
-    lines = [BEGIN, "", "Families: " + ", ".join(
-        f"[{TITLES.get(f, f)}](#{slugify(TITLES.get(f, f), '-')})"
-        for f in families) + ".", ""]
+    lines = [
+        BEGIN,
+        "",
+        "Families: "
+        + ", ".join(f"[{TITLES.get(f, f)}](#{slugify(TITLES.get(f, f), '-')})" for f in families)
+        + ".",
+        "",
+    ]
     for family in families:
         lines += family_section(family, vllm)
     return "\n".join(lines + [END])
@@ -195,9 +260,13 @@ def render(families=None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="report a stale page instead of writing it")
+    parser.add_argument(
+        "--check", action="store_true", help="report a stale page instead of writing it"
+    )
     args = parser.parse_args(argv)
-    return write_or_check({PAGE: render()}, args.check, ROOT, "python scripts/gen_translation_page.py")
+    return write_or_check(
+        {PAGE: render()}, args.check, ROOT, "python scripts/gen_translation_page.py"
+    )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the engine runs (fixtures), also when a test loads this by path
+sys.path.insert(
+    0, str(ROOT / "tests")
+)  # the engine runs (fixtures), also when a test loads this by path
 from fixtures import engine_runs as er  # noqa: E402
 from fixtures.engines import ENGINES  # noqa: E402
 
@@ -41,7 +43,9 @@ CONSTRAINTS = ROOT / "constraints.txt"
 
 _BASE = ("torch", "transformers")
 #: What the main environment's constraints.txt pins and the page states.
-PINNED = _BASE + tuple(dict.fromkeys(d for e in ENGINES.values() if not e.environment for d in e.pinned))
+PINNED = _BASE + tuple(
+    dict.fromkeys(d for e in ENGINES.values() if not e.environment for d in e.pinned)
+)
 #: What each engine environment's envs/NAME.txt pins and the page states.
 ENV_PINNED = {name: _BASE + e.pinned for name, e in ENGINES.items() if e.environment}
 
@@ -112,8 +116,11 @@ def collect(runs: list[er.Run] | None = None) -> dict:
         "installed": {k: v for k, v in er.versions().items() if k in PINNED},
         "env_pinned": env_pins(),
         "env_installed": {
-            env: {k: v for k, v in er.env_result(engine)["versions"].items() if k in ENV_PINNED[env]}
-            for engine, env in er.ENV_ENGINES.items() if any(r.engine == engine for r in runs)
+            env: {
+                k: v for k, v in er.env_result(engine)["versions"].items() if k in ENV_PINNED[env]
+            }
+            for engine, env in er.ENV_ENGINES.items()
+            if any(r.engine == engine for r in runs)
         },
         "tolerance": {"atol": er.ATOL, "rtol": er.RTOL},
         "inputs": {"ids": er.IDS.tolist(), "families": list(er.FAMILIES), "impls": list(er.IMPLS)},
@@ -122,19 +129,23 @@ def collect(runs: list[er.Run] | None = None) -> dict:
     for run in runs:
         record["runs"].append({k: v for k, v in run.record().items() if k != "rows"})
     record["interventions"] = [
-        r for engine in er.INTERVENTION_ENGINES if any(run.engine == engine for run in runs)
+        r
+        for engine in er.INTERVENTION_ENGINES
+        if any(run.engine == engine for run in runs)
         for r in er.env_interventions(engine)
     ]
     if any(r.engine == "transformer-lens" for r in runs):
         record["transformer_lens"] = {
             f"{f}/{i}": {
-                "cache_keys": len(res.keys), "attn_after_boot": res.attn_after_boot,
+                "cache_keys": len(res.keys),
+                "attn_after_boot": res.attn_after_boot,
                 "flag_keys": {k: list(v) for k, v in res.flag_keys.items()},
                 "flag_dropped": {k: list(v) for k, v in res.flag_dropped.items()},
                 "flag_changed": {k: list(v) for k, v in res.flag_changed.items()},
                 "not_in_cache": {k: list(v) for k, v in res.not_in_cache.items()},
             }
-            for f in er.FAMILIES for i in er.IMPLS
+            for f in er.FAMILIES
+            for i in er.IMPLS
             for res in [er.transformer_lens_result(f, i)]
         }
     return record
@@ -188,16 +199,29 @@ offered that TorchLens's tables have no site for (listed below, not compared).
 def render(record: dict) -> str:
     """The page, from the deterministic part of the record."""
     tol = record["tolerance"]
-    out = [INTRO.format(atol=tol["atol"], rtol=tol["rtol"]).rstrip(), "", "## Versions", "",
-           "The versions pinned in `constraints.txt` (the main environment) and in `envs/NAME.txt` "
-           "(the engine environments), the ones CI installs:", "",
-           "| environment | package | version |", "|---|---|---|"]
+    out = [
+        INTRO.format(atol=tol["atol"], rtol=tol["rtol"]).rstrip(),
+        "",
+        "## Versions",
+        "",
+        "The versions pinned in `constraints.txt` (the main environment) and in `envs/NAME.txt` "
+        "(the engine environments), the ones CI installs:",
+        "",
+        "| environment | package | version |",
+        "|---|---|---|",
+    ]
     out += [f"| main | {name} | {version} |" for name, version in record["pinned"].items()]
     for env, pinned in record.get("env_pinned", {}).items():
         out += [f"| `{env}` | {name} | {version} |" for name, version in pinned.items()]
-    out += ["", "## Comparisons", "", COLUMNS.strip(), "",
-            "| engine | model | attention | names | what the engine read | compared | matched | eager copy | no site |",
-            "|---|---|---|---|---|---:|---:|---:|---:|"]
+    out += [
+        "",
+        "## Comparisons",
+        "",
+        COLUMNS.strip(),
+        "",
+        "| engine | model | attention | names | what the engine read | compared | matched | eager copy | no site |",
+        "|---|---|---|---|---|---:|---:|---:|---:|",
+    ]
     for r in record["runs"]:
         out.append(
             f"| {_engine(r['engine'])} | {_family(r['family'])} | {r['impl']} | `{r['generation']}` "
@@ -205,11 +229,19 @@ def render(record: dict) -> str:
         )
     compared = sum(r["compared"] for r in record["runs"])
     matched = sum(r["matched"] for r in record["runs"])
-    out += ["", f"In all: {compared} comparisons in {len(record['runs'])} runs, {matched} within tolerance.", ""]
+    out += [
+        "",
+        f"In all: {compared} comparisons in {len(record['runs'])} runs, {matched} within tolerance.",
+        "",
+    ]
 
-    out += ["## Names without a TorchLens site", "",
-            "Names an engine offered in these runs that the tables map to no TorchLens site, with the "
-            "tables' reason. Per-layer names are shown once, with `{L}` for the layer.", ""]
+    out += [
+        "## Names without a TorchLens site",
+        "",
+        "Names an engine offered in these runs that the tables map to no TorchLens site, with the "
+        "tables' reason. Per-layer names are shown once, with `{L}` for the layer.",
+        "",
+    ]
     seen: dict[tuple[str, str], tuple[set[str], str]] = {}
     for r in record["runs"]:
         for name, reason in r["no_site"].items():
@@ -308,39 +340,60 @@ every downstream value the misplaced edit gave.
 
 def _interventions_section(rows: list[dict]) -> list[str]:
     # two narrow tables rather than one wide one, so the page reads at 1280 px without scrolling
-    out = [INTERVENTIONS.strip(), "",
-           "| engine | model | edit | at | downstream sites: matched / compared | logits agree |",
-           "|---|---|---|---|---:|---|"]
+    out = [
+        INTERVENTIONS.strip(),
+        "",
+        "| engine | model | edit | at | downstream sites: matched / compared | logits agree |",
+        "|---|---|---|---|---:|---|",
+    ]
     for r in rows:
-        out.append(f"| {_engine(r['engine'])} | {r['model']} | {r['edit']} | `{r['site']}` "
-                   f"| {r['matched']} / {r['compared']} | {'yes' if r['logits'] else 'no'} |")
+        out.append(
+            f"| {_engine(r['engine'])} | {r['model']} | {r['edit']} | `{r['site']}` "
+            f"| {r['matched']} / {r['compared']} | {'yes' if r['logits'] else 'no'} |"
+        )
     compared = sum(r["compared"] for r in rows)
     matched = sum(r["matched"] for r in rows)
-    out += ["", f"In all: {compared} downstream comparisons in {len(rows)} edits, {matched} within tolerance.", ""]
+    out += [
+        "",
+        f"In all: {compared} downstream comparisons in {len(rows)} edits, {matched} within tolerance.",
+        "",
+    ]
     wrong = [r for r in rows if r.get("misplaced") not in (None, "", "-")]
     if wrong:
-        out += ["The misplaced edits:", "",
-                "| engine | model | misplaced at | caught | diagnosis | landed at |",
-                "|---|---|---|---|---|---|"]
+        out += [
+            "The misplaced edits:",
+            "",
+            "| engine | model | misplaced at | caught | diagnosis | landed at |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in wrong:
-            misplaced = f"`{r['misplaced']}`" if str(r["misplaced"]).startswith("blocks.") else r["misplaced"]
+            misplaced = (
+                f"`{r['misplaced']}`"
+                if str(r["misplaced"]).startswith("blocks.")
+                else r["misplaced"]
+            )
             out.append(
                 f"| {_engine(r['engine'])} | {r['model']} | {misplaced} "
                 f"| {'-' if 'caught' not in r else ('yes' if r['caught'] else 'no')} | {r.get('diagnosis', '-')} "
-                f"| {'`' + r['landed'] + '`' if r.get('landed') else '-'} |")
+                f"| {'`' + r['landed'] + '`' if r.get('landed') else '-'} |"
+            )
         out.append("")
     return out
 
 
 def _tl_section(tl: dict) -> list[str]:
     first = next(iter(tl.values()))
-    out = ["### TransformerLens flag-gated hooks", "",
-           "The last TransformerLens row per configuration covers the keys that appear only after the bridge's "
-           "flag setters are called (two bridges: `set_use_attn_in` cannot be combined with "
-           "`set_use_split_qkv_input`). `hook_result` excludes the output bias, as TorchLens's `result` does. "
-           "The per-head input copies (`hook_q_input`, `hook_k_input`, `hook_v_input`, `hook_attn_in`) "
-           "equal the block's input repeated over heads; TorchLens keeps that tensor once "
-           "(`blocks.{L}.hook_resid_pre`). The flags also remove keys from the cache:", ""]
+    out = [
+        "### TransformerLens flag-gated hooks",
+        "",
+        "The last TransformerLens row per configuration covers the keys that appear only after the bridge's "
+        "flag setters are called (two bridges: `set_use_attn_in` cannot be combined with "
+        "`set_use_split_qkv_input`). `hook_result` excludes the output bias, as TorchLens's `result` does. "
+        "The per-head input copies (`hook_q_input`, `hook_k_input`, `hook_v_input`, `hook_attn_in`) "
+        "equal the block's input repeated over heads; TorchLens keeps that tensor once "
+        "(`blocks.{L}.hook_resid_pre`). The flags also remove keys from the cache:",
+        "",
+    ]
     for group, dropped in first["flag_dropped"].items():
         names = sorted({_pattern(k) for k in dropped})
         out.append(f"- `{group}`: no more {', '.join(f'`{n}`' for n in names)}")
@@ -350,36 +403,57 @@ def _tl_section(tl: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the committed page is stale")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if the committed page is stale"
+    )
     args = parser.parse_args(argv)
     missing = [e for e in er.ENGINES if not er.available(e)]
     if missing:
-        print(f"gen_verified: not installed: {', '.join(missing)} (make install engines)",
-              file=sys.stderr)
+        print(
+            f"gen_verified: not installed: {', '.join(missing)} (make install engines)",
+            file=sys.stderr,
+        )
         return 2
     record = collect()
     drifted = drift(record)
     JSON_OUT.parent.mkdir(parents=True, exist_ok=True)
-    JSON_OUT.write_text(json.dumps({**record, "date": datetime.date.today().isoformat()}, indent=1) + "\n")
-    bad = [f"{r['engine']}/{r['family']}/{r['impl']}/{r['generation']}: {r['mismatched']}"
-           for r in record["runs"] if r["mismatched"] or r["compared"] != len(r["expected"])]
-    bad += [f"intervention {r['engine']}/{r['model']} at {r['site']}: {r}" for r in record["interventions"]
-            if r["matched"] != r["compared"] or not r["logits"] or r.get("caught") is False]
+    JSON_OUT.write_text(
+        json.dumps({**record, "date": datetime.date.today().isoformat()}, indent=1) + "\n"
+    )
+    bad = [
+        f"{r['engine']}/{r['family']}/{r['impl']}/{r['generation']}: {r['mismatched']}"
+        for r in record["runs"]
+        if r["mismatched"] or r["compared"] != len(r["expected"])
+    ]
+    bad += [
+        f"intervention {r['engine']}/{r['model']} at {r['site']}: {r}"
+        for r in record["interventions"]
+        if r["matched"] != r["compared"] or not r["logits"] or r.get("caught") is False
+    ]
     if bad:
         print("gen_verified: comparisons failed:\n  " + "\n  ".join(bad), file=sys.stderr)
         return 1
     page = render(record)
     if args.check:
         if drifted:
-            print(f"gen_verified: installed versions differ from constraints.txt: {drifted}", file=sys.stderr)
+            print(
+                f"gen_verified: installed versions differ from constraints.txt: {drifted}",
+                file=sys.stderr,
+            )
         if PAGE.exists() and PAGE.read_text(encoding="utf-8") == page:
             print(f"{PAGE.relative_to(ROOT)} is up to date")
             return 0
-        print(f"{PAGE.relative_to(ROOT)} is stale: run python scripts/gen_verified.py", file=sys.stderr)
+        print(
+            f"{PAGE.relative_to(ROOT)} is stale: run python scripts/gen_verified.py",
+            file=sys.stderr,
+        )
         return 1
     if drifted:
-        print("gen_verified: the page states the pinned versions, but these differ here "
-              f"(installed, pinned): {drifted}; not writing it", file=sys.stderr)
+        print(
+            "gen_verified: the page states the pinned versions, but these differ here "
+            f"(installed, pinned): {drifted}; not writing it",
+            file=sys.stderr,
+        )
         return 1
     PAGE.write_text(page, encoding="utf-8")
     print(f"wrote {PAGE.relative_to(ROOT)} and {JSON_OUT.relative_to(ROOT)}")

@@ -62,7 +62,9 @@ def _note(entry: dict, current_sha: str) -> str | None:
     """Build the admonition for one page, or None when it has no examples."""
     try:
         examples = int(entry["examples"])
-        passed, failed, skipped = (int(entry.get(key, 0)) for key in ("passed", "failed", "skipped"))
+        passed, failed, skipped = (
+            int(entry.get(key, 0)) for key in ("passed", "failed", "skipped")
+        )
     except (KeyError, TypeError, ValueError):
         return None
     if examples <= 0:
@@ -92,14 +94,20 @@ def _note(entry: dict, current_sha: str) -> str | None:
 
 def _status(entry: dict, markdown: str) -> dict:
     """The counts :func:`_note` reads, from a page's recorded blocks and its current examples."""
-    blocks = [b for b in entry.get("blocks", []) if isinstance(b, dict)] if isinstance(entry.get("blocks"), list) else []
+    blocks = (
+        [b for b in entry.get("blocks", []) if isinstance(b, dict)]
+        if isinstance(entry.get("blocks"), list)
+        else []
+    )
     outcomes = {b.get("code_sha256"): b.get("outcome") for b in blocks}
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     hashes = _block_hashes(markdown)
     for outcome in (outcomes.get(code) for code in hashes):
         if outcome in counts:
             counts[outcome] += 1
-    counts["failed"] += sum(1 for b in blocks if b.get("code_sha256") is None and b.get("outcome") == "failed")
+    counts["failed"] += sum(
+        1 for b in blocks if b.get("code_sha256") is None and b.get("outcome") == "failed"
+    )
     return {**entry, **counts, "examples": len(hashes)}
 
 
@@ -173,7 +181,7 @@ def python_blocks(markdown: str) -> list[tuple[int, int, str]]:
 
 
 def _dedent(line: str, indent: str) -> str:
-    return line[len(indent):] if line.startswith(indent) else line.lstrip(" ")
+    return line[len(indent) :] if line.startswith(indent) else line.lstrip(" ")
 
 
 def _badge(header: str, indent: str) -> list[str]:
@@ -183,7 +191,11 @@ def _badge(header: str, indent: str) -> list[str]:
     expected = _TIMEOUT.sub("", expected).strip()
     ticks = "`" * (max((len(run) for run in re.findall(r"`+", expected)), default=0) + 1)
     pad = " " if expected.startswith("`") or expected.endswith("`") else ""
-    with_tool = "" if not tool or tool[1] == "torchlens" else f' <span class="tl-tested__tool">with {tool[1]}</span>'
+    with_tool = (
+        ""
+        if not tool or tool[1] == "torchlens"
+        else f' <span class="tl-tested__tool">with {tool[1]}</span>'
+    )
     title = "The test suite runs this block and checks that RESULT equals this value"
     return [
         f'{indent}<span class="tl-tested__label" title="{title}">tested</span>{with_tool} '
@@ -197,22 +209,32 @@ def _output_block(stdout: str, indent: str, outcome: str) -> list[str]:
     text = stdout.rstrip("\n")
     fence = "`" * max(3, max((len(r) for r in re.findall(r"`{3,}", text)), default=0) + 1)
     classes = ".text .tl-output" + ("" if outcome == "passed" else " .tl-output--failed")
-    return ["", f"{indent}{fence}{{{classes}}}", *(indent + line if line else "" for line in text.split("\n")),
-            f"{indent}{fence}"]
+    return [
+        "",
+        f"{indent}{fence}{{{classes}}}",
+        *(indent + line if line else "" for line in text.split("\n")),
+        f"{indent}{fence}",
+    ]
 
 
 def _block_hashes(markdown: str) -> list[str]:
     """The :func:`code_sha256` of each runnable Python block of a page, in order."""
     lines = markdown.split("\n")
-    return [code_sha256("\n".join(_dedent(line, indent) for line in lines[opening + 1 : closing]))
-            for opening, closing, indent in python_blocks(markdown)]
+    return [
+        code_sha256("\n".join(_dedent(line, indent) for line in lines[opening + 1 : closing]))
+        for opening, closing, indent in python_blocks(markdown)
+    ]
 
 
 def render_examples(markdown: str, outputs: list[dict], show_headers: bool = False) -> str:
     """Replace each header by a badge and add each block's recorded output under it."""
     by_hash: dict[str, dict] = {}
     for entry in outputs:
-        if isinstance(entry, dict) and isinstance(entry.get("stdout"), str) and entry.get("code_sha256"):
+        if (
+            isinstance(entry, dict)
+            and isinstance(entry.get("stdout"), str)
+            and entry.get("code_sha256")
+        ):
             by_hash.setdefault(entry["code_sha256"], entry)
     lines = markdown.split("\n")
     out: list[str] = []
@@ -242,8 +264,10 @@ def render_examples(markdown: str, outputs: list[dict], show_headers: bool = Fal
 
 #: A dotted name with a placeholder such as `{L}` or `{i}` ("blocks.{L}.hook_in"). Browsers may
 #: break a line between "." and "{", so in prose such a name is set as code, which never breaks.
-_PLACEHOLDER_NAME = re.compile(r"(?<![\w`{}.\[\]*/])([A-Za-z_][\w*]*(?:\[\{[A-Za-z]\}\]|\.\{[A-Za-z]\}|\.[\w*]+)*"
-                               r"(?:\.\{[A-Za-z]\}|\[\{[A-Za-z]\}\])[\w.*\[\]{}]*?)(?=[,;:)]?(?:\s|$)|\.(?:\s|$))")
+_PLACEHOLDER_NAME = re.compile(
+    r"(?<![\w`{}.\[\]*/])([A-Za-z_][\w*]*(?:\[\{[A-Za-z]\}\]|\.\{[A-Za-z]\}|\.[\w*]+)*"
+    r"(?:\.\{[A-Za-z]\}|\[\{[A-Za-z]\}\])[\w.*\[\]{}]*?)(?=[,;:)]?(?:\s|$)|\.(?:\s|$))"
+)
 _CODE_OR_TAG = re.compile(r"(`+)[^`]*?\1|<[^>]*>|\]\([^)]*\)")
 
 
@@ -265,7 +289,7 @@ def code_placeholder_names(markdown: str) -> str:
             continue
         out, done = [], 0
         for code in _CODE_OR_TAG.finditer(line):
-            out.append(_PLACEHOLDER_NAME.sub(r"`\1`", line[done:code.start()]))
+            out.append(_PLACEHOLDER_NAME.sub(r"`\1`", line[done : code.start()]))
             out.append(code.group(0))
             done = code.end()
         out.append(_PLACEHOLDER_NAME.sub(r"`\1`", line[done:]))
@@ -291,7 +315,9 @@ def on_page_markdown(markdown, page, config, files):
         return code_placeholder_names(render_examples(markdown, [], key in HEADERS_SHOWN))
     blocks = entry.get("blocks", [])
     status = _status(entry, markdown)
-    markdown = render_examples(markdown, blocks if isinstance(blocks, list) else [], key in HEADERS_SHOWN)
+    markdown = render_examples(
+        markdown, blocks if isinstance(blocks, list) else [], key in HEADERS_SHOWN
+    )
     markdown = code_placeholder_names(markdown)
     source = page.file.content_string
     note = _note(status, hashlib.sha256(source.encode("utf-8")).hexdigest())
@@ -309,5 +335,7 @@ def on_post_build(config):
         return
     with open(path, encoding="utf-8") as handle:
         index = handle.read()
-    with open(os.path.join(config.site_dir, "search", "search_index.js"), "w", encoding="utf-8") as handle:
+    with open(
+        os.path.join(config.site_dir, "search", "search_index.js"), "w", encoding="utf-8"
+    ) as handle:
         handle.write(f"var __index = {index}\n")

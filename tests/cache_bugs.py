@@ -37,7 +37,9 @@ class RotaryOffByOne(transformers.LlamaForCausalLM):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
         if _decoding(kwargs) and position_ids is not None:
             position_ids = position_ids + 1
-        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        return super().forward(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        )
 
 
 class ReadBeforeWrite(DynamicCache):
@@ -61,12 +63,20 @@ class WindowOnPrefillOnly(transformers.MistralForCausalLM):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
         if not _decoding(kwargs):
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   **kwargs)
+            return super().forward(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                **kwargs,
+            )
         window, self.config.sliding_window = self.config.sliding_window, None
         try:
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   **kwargs)
+            return super().forward(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                **kwargs,
+            )
         finally:
             self.config.sliding_window = window
 
@@ -77,16 +87,33 @@ class PaddingUnmasked(transformers.LlamaForCausalLM):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
         if _decoding(kwargs) and attention_mask is not None:
             attention_mask = torch.ones_like(attention_mask)
-        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        return super().forward(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        )
 
 
 def llama(cls=transformers.LlamaForCausalLM, **settings):
-    config = transformers.LlamaConfig(**{**testing.LLAMA_LIKE, "max_position_embeddings": 64, "bos_token_id": 0,
-                                         "eos_token_id": 0, **settings})
+    config = transformers.LlamaConfig(
+        **{
+            **testing.LLAMA_LIKE,
+            "max_position_embeddings": 64,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+            **settings,
+        }
+    )
     return testing.from_config(config, cls)
 
 
 def mistral(cls=transformers.MistralForCausalLM, window=3, **settings):
-    config = transformers.MistralConfig(**{**testing.LLAMA_LIKE, "max_position_embeddings": 64, "bos_token_id": 0,
-                                           "eos_token_id": 0, "sliding_window": window, **settings})
+    config = transformers.MistralConfig(
+        **{
+            **testing.LLAMA_LIKE,
+            "max_position_embeddings": 64,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+            "sliding_window": window,
+            **settings,
+        }
+    )
     return testing.from_config(config, cls)

@@ -58,13 +58,15 @@ def cut(text: str, limit: int = OUTPUT_LIMIT) -> str:
     """
     if len(text) <= limit:
         return text
-    return f"{text[: limit // 2]}\n[... {len(text) - limit} characters cut ...]\n{text[len(text) - (limit - limit // 2):]}"
+    return f"{text[: limit // 2]}\n[... {len(text) - limit} characters cut ...]\n{text[len(text) - (limit - limit // 2) :]}"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_KEY] = {}
-    config.addinivalue_line("markers", "after_docs: runs after every docs block of the session "
-                            "(it reads their recorded outcomes)")
+    config.addinivalue_line(
+        "markers",
+        "after_docs: runs after every docs block of the session (it reads their recorded outcomes)",
+    )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -77,13 +79,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if pages is None or not isinstance(item, (DocItem, PageProblem)):
         return report
     if call.when == "call" or (call.when == "setup" and not report.passed):
-        stdout = "".join(text for name, text in report.sections if name == f"Captured stdout {call.when}")
-        pages.setdefault(item.parent.display, []).append({
-            "line": item.line,
-            "code_sha256": code_sha256(item.body) if isinstance(item, DocItem) else None,
-            "outcome": report.outcome,
-            "stdout": cut(stdout),
-        })
+        stdout = "".join(
+            text for name, text in report.sections if name == f"Captured stdout {call.when}"
+        )
+        pages.setdefault(item.parent.display, []).append(
+            {
+                "line": item.line,
+                "code_sha256": code_sha256(item.body) if isinstance(item, DocItem) else None,
+                "outcome": report.outcome,
+                "stdout": cut(stdout),
+            }
+        )
     return report
 
 
@@ -117,14 +123,23 @@ def merged(config: pytest.Config) -> dict:
             continue
         current = {code_sha256(block_body(block)) for _, block in page_blocks(text, page_path)}
         before = data["pages"].get(page, {})
-        old = {b.get("code_sha256"): b for b in before.get("blocks", []) if b.get("code_sha256") in current}
+        old = {
+            b.get("code_sha256"): b
+            for b in before.get("blocks", [])
+            if b.get("code_sha256") in current
+        }
         new = {}
         for block in (b for b in ran if b["code_sha256"] is not None):
             kept = old.get(block["code_sha256"])
             # a skip says nothing about the code: keep what a run with its tool recorded
-            new[block["code_sha256"]] = ({**kept, "line": block["line"]} if block["outcome"] == "skipped"
-                                         and kept is not None else block)
-        problems = [b for b in ran if b["code_sha256"] is None]  # page problems: this run's own only
+            new[block["code_sha256"]] = (
+                {**kept, "line": block["line"]}
+                if block["outcome"] == "skipped" and kept is not None
+                else block
+            )
+        problems = [
+            b for b in ran if b["code_sha256"] is None
+        ]  # page problems: this run's own only
         blocks = [b for code, b in old.items() if code not in new] + list(new.values()) + problems
         entry = {
             "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
@@ -153,6 +168,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list
+) -> None:
     """Run the tests marked ``after_docs`` last, after the docs blocks they read the outcomes of."""
     items.sort(key=lambda item: item.get_closest_marker("after_docs") is not None)

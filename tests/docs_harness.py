@@ -30,19 +30,26 @@ import traceback
 import types
 
 import pytest
+from fixtures.engines import ENGINES
+from fixtures.engines import python as _engine_env_python
 from markdown.extensions.toc import slugify
 from markdown_it import MarkdownIt
 from pytest_markdown_docs.definitions import FenceTestDefinition
-from pytest_markdown_docs.plugin import (FenceSyntax, MarkdownDocstringCodeModule, MarkdownInlinePythonItem,
-                                         MarkdownTextFile, extract_fence_tests, parse_superfences_block_info)
-
-from fixtures.engines import ENGINES
-from fixtures.engines import python as _engine_env_python
+from pytest_markdown_docs.plugin import (
+    FenceSyntax,
+    MarkdownDocstringCodeModule,
+    MarkdownInlinePythonItem,
+    MarkdownTextFile,
+    extract_fence_tests,
+    parse_superfences_block_info,
+)
 
 #: ``tool=`` name -> the module that must be importable (marker ``tool_<module>``): TorchLens and
 #: every engine row of ``tests/fixtures/engines.py`` (with its other spellings).
-TOOL_IMPORTS = {"torchlens": "torchlens",
-                **{tool: e.module for e in ENGINES.values() for tool in (e.name, *e.aliases)}}
+TOOL_IMPORTS = {
+    "torchlens": "torchlens",
+    **{tool: e.module for e in ENGINES.values() for tool in (e.name, *e.aliases)},
+}
 #: Tools whose pins conflict with the main environment's, by engine environment: the engine rows
 #: with an ``environment`` (one per ``envs/NAME.txt``), each tool named as its environment.
 ENGINE_ENVIRONMENTS = {name: name for name, e in ENGINES.items() if e.environment}
@@ -64,7 +71,9 @@ def engine_python(root: pathlib.Path, environment: str) -> pathlib.Path:
 _HEADER = re.compile(r"^\s*#\s*migration[-_ ]?test\b(?P<colon>\s*:)?(?P<body>.*)$", re.I)
 _EXPECTED = re.compile(r"(?:^|\s)expected=")
 _TRAILING_TIMEOUT = re.compile(r"\s(timeout=[0-9.]+)\s*$")
-Header = collections.namedtuple("Header", "line tool expected_source expected timeout")  # line: 1-based, in the page
+Header = collections.namedtuple(
+    "Header", "line tool expected_source expected timeout"
+)  # line: 1-based, in the page
 
 
 def parse_header(text: str, line: int) -> Header:
@@ -82,14 +91,24 @@ def parse_header(text: str, line: int) -> Header:
     if trailing := _TRAILING_TIMEOUT.search(source):  # `expected=LITERAL timeout=N` is accepted too
         fields, source = fields + " " + trailing[1], source[: trailing.start()].strip()
     options = dict(word.partition("=")[::2] for word in fields.split())
-    if len(options) < len(fields.split()) or set(options) - {"tool", "timeout"} or not all(options.values()):
-        raise ValueError(f"the fields before expected= must be tool=NAME and timeout=SECONDS, each at most once, "
-                         f"not `{fields.strip()}`")
+    if (
+        len(options) < len(fields.split())
+        or set(options) - {"tool", "timeout"}
+        or not all(options.values())
+    ):
+        raise ValueError(
+            f"the fields before expected= must be tool=NAME and timeout=SECONDS, each at most once, "
+            f"not `{fields.strip()}`"
+        )
     if (tool := options.get("tool")) not in TOOL_IMPORTS:
         close = difflib.get_close_matches(tool or "", TOOL_IMPORTS, n=2)
-        raise ValueError("the header has no `tool=NAME`" if tool is None else f"unknown tool `{tool}`"
-                         f"{f' (did you mean {close}?)' if close else ''}; known: {', '.join(sorted(TOOL_IMPORTS))}; "
-                         "a new one is a row of tests/fixtures/engines.py")
+        raise ValueError(
+            "the header has no `tool=NAME`"
+            if tool is None
+            else f"unknown tool `{tool}`"
+            f"{f' (did you mean {close}?)' if close else ''}; known: {', '.join(sorted(TOOL_IMPORTS))}; "
+            "a new one is a row of tests/fixtures/engines.py"
+        )
     timeout = options.get("timeout")
     if timeout is not None and (not re.fullmatch(r"\d*\.?\d+", timeout) or float(timeout) <= 0):
         raise ValueError(f"timeout=`{timeout}` is not a positive number of seconds")
@@ -97,16 +116,22 @@ def parse_header(text: str, line: int) -> Header:
         return Header(line, tool, source, ast.literal_eval(source), timeout and float(timeout))
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as error:
         node = re.search(r"<ast\.(\w+) object", str(error))
-        raise ValueError(f"expected= is not a Python literal: {source!r} ("
-                         f"{f'it contains an ast.{node[1]}' if node else f'{type(error).__name__}: {error}'}); use "
-                         "numbers, strings, bytes, True/False/None, tuples, lists, dicts or sets") from None
+        raise ValueError(
+            f"expected= is not a Python literal: {source!r} ("
+            f"{f'it contains an ast.{node[1]}' if node else f'{type(error).__name__}: {error}'}); use "
+            "numbers, strings, bytes, True/False/None, tuples, lists, dicts or sets"
+        ) from None
 
 
 def literal_repr(value: object) -> str | None:
     """``repr(value)`` if it reads back through :func:`ast.literal_eval` as an equal value of the same type."""
     try:
         again, source = ast.literal_eval(repr(value)), repr(value)
-        return source if "\n" not in source and type(again) is type(value) and bool(again == value) else None
+        return (
+            source
+            if "\n" not in source and type(again) is type(value) and bool(again == value)
+            else None
+        )
     except Exception:
         return None
 
@@ -114,11 +139,21 @@ def literal_repr(value: object) -> str | None:
 def rewrite_expected(path: pathlib.Path, header: Header, new: str) -> bool:
     """Put ``new`` in place of the header's ``expected=`` literal in the page; False if that line changed."""
     lines = path.read_bytes().decode("utf-8").splitlines(keepends=True)
-    old = lines[header.line - 1] if header.line <= len(lines) and _HEADER.match(lines[header.line - 1]) else ""
-    line = re.sub(r"(?:^|\s)expected=\s*" + re.escape(header.expected_source), lambda m: m[0][: -len(
-        header.expected_source)].rstrip() + new, old, count=1)
+    old = (
+        lines[header.line - 1]
+        if header.line <= len(lines) and _HEADER.match(lines[header.line - 1])
+        else ""
+    )
+    line = re.sub(
+        r"(?:^|\s)expected=\s*" + re.escape(header.expected_source),
+        lambda m: m[0][: -len(header.expected_source)].rstrip() + new,
+        old,
+        count=1,
+    )
     if line != old:
-        path.write_bytes("".join(lines[: header.line - 1] + [line] + lines[header.line :]).encode("utf-8"))
+        path.write_bytes(
+            "".join(lines[: header.line - 1] + [line] + lines[header.line :]).encode("utf-8")
+        )
     return line != old
 
 
@@ -167,7 +202,10 @@ def scan_python_headers(text: str) -> list[int]:
     found, fence, language = [], None, ""
     for number, line in enumerate(text.split("\n"), start=1):
         if fence is None and (match := _fence_opens(line)):
-            fence, language = match["fence"], (parse_superfences_block_info(match["info"]) or [""])[0].lower()
+            fence, language = (
+                match["fence"],
+                (parse_superfences_block_info(match["info"]) or [""])[0].lower(),
+            )
         elif fence is not None and _fence_closes(line, fence):
             fence = None
         elif fence is not None and language in ("py", "python", "python3") and _HEADER.match(line):
@@ -180,9 +218,14 @@ def block_body(definition: FenceTestDefinition) -> str:
     return "\n".join(definition.source.split("\n")[definition.start_line :])
 
 
-def page_blocks(text: str, path: pathlib.Path, syntax=FenceSyntax.superfences, parser: MarkdownIt | None = None):
+def page_blocks(
+    text: str, path: pathlib.Path, syntax=FenceSyntax.superfences, parser: MarkdownIt | None = None
+):
     """``(SECTION[N], block)`` per block: SECTION is MkDocs' toc id of the heading above, N the block's number there."""
-    text, parser = flatten_containers(text), parser or MarkdownIt("commonmark")  # same lines, containers gone
+    text, parser = (
+        flatten_containers(text),
+        parser or MarkdownIt("commonmark"),
+    )  # same lines, containers gone
     headings, slugs, tokens = [], collections.Counter(), parser.parse(text)
     for token, inline in zip(tokens, tokens[1:]):
         if token.type == "heading_open" and token.map:
@@ -191,30 +234,49 @@ def page_blocks(text: str, path: pathlib.Path, syntax=FenceSyntax.superfences, p
             slugs[slug] += 1
     blocks, counts = [], collections.Counter()
     for definition in extract_fence_tests(parser, text, 0, path, fence_syntax=syntax):
-        section = next((slug for line, slug in reversed(headings) if line < definition.start_line), "top")
+        section = next(
+            (slug for line, slug in reversed(headings) if line < definition.start_line), "top"
+        )
         counts[section] += 1
         blocks.append((f"{section}[{counts[section]}]", definition))
     return blocks
 
 
-fail = functools.partial(pytest.fail, pytrace=False)  # the test fails with the message alone, no traceback
+fail = functools.partial(
+    pytest.fail, pytrace=False
+)  # the test fails with the message alone, no traceback
 
 
 class DocPage(MarkdownTextFile):
     """A Markdown page whose Python blocks are tests."""
 
     def collect(self):
-        self.display = pathlib.Path(os.path.relpath(self.path, self.config.rootpath)).as_posix()  # docs/page.md
+        self.display = pathlib.Path(
+            os.path.relpath(self.path, self.config.rootpath)
+        ).as_posix()  # docs/page.md
         text = self.path.read_text(encoding="utf-8-sig")
-        blocks = page_blocks(text, self.path, FenceSyntax(self.config.option.markdowndocs_syntax),
-                             self.config.hook.pytest_markdown_docs_markdown_it())  # its parser (CommonMark)
-        items = [DocItem.from_parent(self, name=name, test_definition=block, previous=blocks[i - 1][1] if i else None)
-                 for i, (name, block) in enumerate(blocks)]
+        blocks = page_blocks(
+            text,
+            self.path,
+            FenceSyntax(self.config.option.markdowndocs_syntax),
+            self.config.hook.pytest_markdown_docs_markdown_it(),
+        )  # its parser (CommonMark)
+        items = [
+            DocItem.from_parent(
+                self, name=name, test_definition=block, previous=blocks[i - 1][1] if i else None
+            )
+            for i, (name, block) in enumerate(blocks)
+        ]
         yield from items
         for line in sorted(set(scan_python_headers(text)) - {item.header_line for item in items}):
             problem = PageProblem.from_parent(self, name=f"uncollected-header[line-{line}]")
-            problem.line, problem.message = line, (f"{self.display}:{line}: a `# migration-test:` header was not "
-                "collected: it must open a Python block (not follow code, not in a `notest` fence or unknown container)")
+            problem.line, problem.message = (
+                line,
+                (
+                    f"{self.display}:{line}: a `# migration-test:` header was not "
+                    "collected: it must open a Python block (not follow code, not in a `notest` fence or unknown container)"
+                ),
+            )
             problem.add_marker("migration_test")
             yield problem
 
@@ -229,24 +291,47 @@ class PageProblem(pytest.Item):
 class DocItem(MarkdownInlinePythonItem):
     """One Python block of a page; ``previous`` is the block before it on the page."""
 
-    def __init__(self, name: str, parent: DocPage, test_definition: FenceTestDefinition, previous=None):
+    def __init__(
+        self, name: str, parent: DocPage, test_definition: FenceTestDefinition, previous=None
+    ):
         super().__init__(name, parent, test_definition)
         self.user_properties.clear()  # pytest-markdown-docs puts the whole padded source here
-        self.previous, self.line, self.body = previous, test_definition.start_line, block_body(test_definition)
-        self.continues = test_definition.source[: self.line] != "\n" * self.line  # a `continuation` block
-        self.where, self.header, self.header_error, self.header_line = f"{parent.display}:{self.line}", None, None, None
-        first = next(((i, line) for i, line in enumerate(self.body.split("\n")) if line.strip()), None)
+        self.previous, self.line, self.body = (
+            previous,
+            test_definition.start_line,
+            block_body(test_definition),
+        )
+        self.continues = (
+            test_definition.source[: self.line] != "\n" * self.line
+        )  # a `continuation` block
+        self.where, self.header, self.header_error, self.header_line = (
+            f"{parent.display}:{self.line}",
+            None,
+            None,
+            None,
+        )
+        first = next(
+            ((i, line) for i, line in enumerate(self.body.split("\n")) if line.strip()), None
+        )
         if first and _HEADER.match(first[1]):
             self.header_line = self.line + 1 + first[0]
             try:
                 self.header = parse_header(first[1], self.header_line)
             except ValueError as error:
-                self.header_error = (f"{self.where}: malformed `# migration-test:` header (line {self.header_line}): "
-                                     f"{error}\n    {first[1].strip()}")
+                self.header_error = (
+                    f"{self.where}: malformed `# migration-test:` header (line {self.header_line}): "
+                    f"{error}\n    {first[1].strip()}"
+                )
         self.engine = ENGINE_ENVIRONMENTS.get(self.header.tool) if self.header else None
-        self.timeout = (self.header and self.header.timeout) or float(self.config.getini("doc_example_timeout"))
+        self.timeout = (self.header and self.header.timeout) or float(
+            self.config.getini("doc_example_timeout")
+        )
         # An engine's interpreter dumps its stacks at the limit, a little before this process stops waiting.
-        self.add_marker(pytest.mark.timeout(self.timeout + min(30, max(1, self.timeout / 10)) * bool(self.engine)))
+        self.add_marker(
+            pytest.mark.timeout(
+                self.timeout + min(30, max(1, self.timeout / 10)) * bool(self.engine)
+            )
+        )
         if self.header_line:  # a malformed header too: `-m migration_test` shows it failing
             self.add_marker("migration_test")
         if self.header:
@@ -259,9 +344,15 @@ class DocItem(MarkdownInlinePythonItem):
         """Why the block's tool or engine environment is not there, or None."""
         tool, python = self.header.tool, engine_python(self.config.rootpath, self.engine or "")
         if self.engine and not python.exists():
-            return (f"tool={tool} runs in the engine environment {python.parents[1]}, which is not built "
-                    f"(`make engines` builds it from envs/{self.engine}.txt)")
-        if not self.engine and tool not in ALWAYS_PRESENT_TOOLS and importlib.util.find_spec(TOOL_IMPORTS[tool]) is None:
+            return (
+                f"tool={tool} runs in the engine environment {python.parents[1]}, which is not built "
+                f"(`make engines` builds it from envs/{self.engine}.txt)"
+            )
+        if (
+            not self.engine
+            and tool not in ALWAYS_PRESENT_TOOLS
+            and importlib.util.find_spec(TOOL_IMPORTS[tool]) is None
+        ):
             return f"tool={tool} needs `import {TOOL_IMPORTS[tool]}`, which is not installed"
         return None
 
@@ -270,20 +361,28 @@ class DocItem(MarkdownInlinePythonItem):
             fail(self.header_error)
         if self.header and (missing := self._missing()):
             if ci_is_on():
-                fail(f"{self.where}: {missing} (CI=true: every tool and engine environment must be there)")
-            raise pytest.skip.Exception(missing, _use_item_location=True)  # reported at the page line
+                fail(
+                    f"{self.where}: {missing} (CI=true: every tool and engine environment must be there)"
+                )
+            raise pytest.skip.Exception(
+                missing, _use_item_location=True
+            )  # reported at the page line
         if self.engine:
             return self._check(self._run_in_engine())
         _forget_warnings_given_once()
         namespace = types.ModuleType("docs_example").__dict__
         for extra in self.config.hook.pytest_markdown_docs_globals():
             namespace.update(extra)
-        namespace.update(self.funcargs)  # `fixture:NAME` fence options, filled by pytest-markdown-docs' setup
+        namespace.update(
+            self.funcargs
+        )  # `fixture:NAME` fence options, filled by pytest-markdown-docs' setup
         # Tracebacks, inspect.getsource and tools that read their caller's source (nnsight) get the
         # block's code at its page lines, not the page's Markdown.
         source, filename = self.test_definition.source, str(self.path)
         linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-        self.runner.runtest(self.test_definition, namespace, asyncio_runner=asyncio)  # asyncio.run: top-level await
+        self.runner.runtest(
+            self.test_definition, namespace, asyncio_runner=asyncio
+        )  # asyncio.run: top-level await
         if self.header:
             self._check(namespace)
 
@@ -295,20 +394,52 @@ class DocItem(MarkdownInlinePythonItem):
             if bool(actual == header.expected):
                 return
         except Exception:
-            fail(f"{self.where}: RESULT is a {type(actual).__name__}, whose `==` gives no True or False; "
-                 "bind RESULT to plain values (tuples, lists, dicts, numbers, strings)")
-        want, got = (pprint.pformat(value, width=88).splitlines() for value in (header.expected, actual))
+            fail(
+                f"{self.where}: RESULT is a {type(actual).__name__}, whose `==` gives no True or False; "
+                "bind RESULT to plain values (tuples, lists, dicts, numbers, strings)"
+            )
+        want, got = (
+            pprint.pformat(value, width=88).splitlines() for value in (header.expected, actual)
+        )
         short = len(want) == len(got) == 1 and len(want[0] + got[0]) <= 140
-        text = f"{self.where}: RESULT != expected (tool={header.tool}, header on line {header.line})\n" + (
-            f"  expected: {want[0]}\n  RESULT:   {got[0]}" if short else "\n".join(["  diff (- expected, + RESULT):", *(
-                "    " + line for line in difflib.unified_diff(want, got, "expected", "RESULT", lineterm="", n=2))]))
+        text = (
+            f"{self.where}: RESULT != expected (tool={header.tool}, header on line {header.line})\n"
+            + (
+                f"  expected: {want[0]}\n  RESULT:   {got[0]}"
+                if short
+                else "\n".join(
+                    [
+                        "  diff (- expected, + RESULT):",
+                        *(
+                            "    " + line
+                            for line in difflib.unified_diff(
+                                want, got, "expected", "RESULT", lineterm="", n=2
+                            )
+                        ),
+                    ]
+                )
+            )
+        )
         if not self.config.getoption("update_expected"):
-            fail(f"{text}\n  if the change is intended: pytest {self.parent.display} --update-expected")
+            fail(
+                f"{text}\n  if the change is intended: pytest {self.parent.display} --update-expected"
+            )
         if (new := literal_repr(actual)) is None:
-            fail(f"{text}\n  not updated: repr(RESULT) does not read back through ast.literal_eval as an equal value")
+            fail(
+                f"{text}\n  not updated: repr(RESULT) does not read back through ast.literal_eval as an equal value"
+            )
         done = rewrite_expected(self.path, header, new)
-        self.config.stash[_EDITS].append((done, f"{self.parent.display}:{header.line}: " + (
-            f"expected={header.expected_source}  ->  expected={new}" if done else "skipped, the line changed")))
+        self.config.stash[_EDITS].append(
+            (
+                done,
+                f"{self.parent.display}:{header.line}: "
+                + (
+                    f"expected={header.expected_source}  ->  expected={new}"
+                    if done
+                    else "skipped, the line changed"
+                ),
+            )
+        )
 
     def _run_in_engine(self) -> dict:
         """Run the block in its engine's interpreter (its stderr is ours, so in pytest's capture); return its RESULT."""
@@ -317,23 +448,42 @@ class DocItem(MarkdownInlinePythonItem):
             source = "\n" * self.line + self.body  # the blocks it continues ran there
         else:  # run afresh, a continuation block brings the blocks it continues
             close_engine(self.config)
-            engine = self.config.stash[_ENGINE] = subprocess.Popen(  # the runner imports src/ first, from cwd
-                [engine_python(self.config.rootpath, self.engine), ENGINE_BLOCK_RUNNER], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, cwd=self.config.rootpath, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                text=True, encoding="utf-8")
+            engine = self.config.stash[_ENGINE] = (
+                subprocess.Popen(  # the runner imports src/ first, from cwd
+                    [engine_python(self.config.rootpath, self.engine), ENGINE_BLOCK_RUNNER],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    cwd=self.config.rootpath,
+                    env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                    text=True,
+                    encoding="utf-8",
+                )
+            )
             engine.last_passed, source = None, self.test_definition.source
         try:
-            engine.stdin.write(json.dumps({"source": source, "filename": filename, "timeout": self.timeout}) + "\n")
+            engine.stdin.write(
+                json.dumps({"source": source, "filename": filename, "timeout": self.timeout}) + "\n"
+            )
             engine.stdin.flush()
             reply, timed_out = json.loads(engine.stdout.readline() or "null"), False
-        except (OSError, pytest.fail.Exception) as error:  # it ended, or pytest-timeout's alarm (after its stack dump)
+        except (
+            OSError,
+            pytest.fail.Exception,
+        ) as error:  # it ended, or pytest-timeout's alarm (after its stack dump)
             reply, timed_out = None, isinstance(error, pytest.fail.Exception)
         if reply is None:
             close_engine(self.config)
-            fail(f"{self.where}: " + (f"the example did not finish within {self.timeout:g} s in {self.engine}"
-                                      if timed_out else f"the {self.engine} interpreter ended (exit status "
-                                      f"{engine.returncode}) without an answer") + "; its stack dump and output are "
-                 "under 'Captured stderr call'")
+            fail(
+                f"{self.where}: "
+                + (
+                    f"the example did not finish within {self.timeout:g} s in {self.engine}"
+                    if timed_out
+                    else f"the {self.engine} interpreter ended (exit status "
+                    f"{engine.returncode}) without an answer"
+                )
+                + "; its stack dump and output are "
+                "under 'Captured stderr call'"
+            )
         sys.stdout.write(reply["stdout"])  # into pytest's capture, as for other blocks
         sys.stderr.write(reply["stderr"])
         if not reply["ok"]:  # the interpreter's report, with page lines
@@ -345,13 +495,21 @@ class DocItem(MarkdownInlinePythonItem):
         """``docs/page.md:LINE: Error (raised at line N)``, then pytest-markdown-docs' listing and traceback."""
         if isinstance(excinfo.value, pytest.fail.Exception) and not excinfo.value.pytrace:
             return str(excinfo.value)
-        lines = [frame.lineno for frame in traceback.extract_tb(excinfo.tb) if frame.filename == str(self.path)]
+        lines = [
+            frame.lineno
+            for frame in traceback.extract_tb(excinfo.tb)
+            if frame.filename == str(self.path)
+        ]
         headline = traceback.format_exception_only(excinfo.type, excinfo.value)[-1].strip()
-        return f"{self.where}: {headline}{f' (raised at line {lines[-1]})' if lines else ''}\n" + super().repr_failure(
-            excinfo, style)
+        return (
+            f"{self.where}: {headline}{f' (raised at line {lines[-1]})' if lines else ''}\n"
+            + super().repr_failure(excinfo, style)
+        )
 
 
-_ENGINE = pytest.StashKey[subprocess.Popen]()  # at most one runs: a vLLM engine holds memory for its cache
+_ENGINE = pytest.StashKey[
+    subprocess.Popen
+]()  # at most one runs: a vLLM engine holds memory for its cache
 _EDITS = pytest.StashKey[list]()
 
 
@@ -364,15 +522,24 @@ def close_engine(config: pytest.Config) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--update-expected", action="store_true",
-                     help="rewrite stale `expected=` literals of `# migration-test:` docs blocks in place")
-    parser.addini("doc_example_timeout", "seconds one docs block may run (default 300)", default="300")
+    parser.addoption(
+        "--update-expected",
+        action="store_true",
+        help="rewrite stale `expected=` literals of `# migration-test:` docs blocks in place",
+    )
+    parser.addini(
+        "doc_example_timeout", "seconds one docs block may run (default 300)", default="300"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "migration_test: a docs block with a `# migration-test:` header")
+    config.addinivalue_line(
+        "markers", "migration_test: a docs block with a `# migration-test:` header"
+    )
     for module in sorted(set(TOOL_IMPORTS.values())):
-        config.addinivalue_line("markers", f"tool_{module}: docs blocks whose tool= needs `import {module}`")
+        config.addinivalue_line(
+            "markers", f"tool_{module}: docs blocks whose tool= needs `import {module}`"
+        )
     config.stash[_EDITS] = []
     config.add_cleanup(lambda: close_engine(config))
 
@@ -381,7 +548,11 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collect_file(file_path: pathlib.Path, parent: pytest.Collector):
     """Collect ``.md`` pages as :class:`DocPage`, instead of pytest-markdown-docs' own collectors."""
     collected = yield
-    kept = [node for node in collected if not isinstance(node, (MarkdownDocstringCodeModule, MarkdownTextFile))]
+    kept = [
+        node
+        for node in collected
+        if not isinstance(node, (MarkdownDocstringCodeModule, MarkdownTextFile))
+    ]
     if parent.config.option.markdowndocs and file_path.suffix == ".md":
         kept.append(DocPage.from_parent(parent, path=file_path))
     return kept
@@ -409,8 +580,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         stderr = "".join(text for name, text in report.sections if name == "Captured stderr call")
         if warned := CONFIG_WARNING.findall(stderr):
             report.outcome = "failed"
-            report.longrepr = (f"{item.where}: transformers warned about the example's model config (set the ids "
-                               f"the config names inside its vocabulary):\n  " + "\n  ".join(dict.fromkeys(warned)))
+            report.longrepr = (
+                f"{item.where}: transformers warned about the example's model config (set the ids "
+                f"the config names inside its vocabulary):\n  " + "\n  ".join(dict.fromkeys(warned))
+            )
     return report
 
 
@@ -424,6 +597,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if config.getoption("update_expected"):
         edits = config.stash[_EDITS]
         terminalreporter.section("docs harness: --update-expected")
-        terminalreporter.write_line("\n  ".join([f"rewrote {sum(done for done, _ in edits)} expected= literal(s):",
-                                                 *(line for _, line in edits)]) if edits
-                                    else "no expected= literal needed rewriting")
+        terminalreporter.write_line(
+            "\n  ".join(
+                [
+                    f"rewrote {sum(done for done, _ in edits)} expected= literal(s):",
+                    *(line for _, line in edits),
+                ]
+            )
+            if edits
+            else "no expected= literal needed rewriting"
+        )

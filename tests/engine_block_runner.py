@@ -63,30 +63,48 @@ def _run(request: dict, namespace: dict) -> dict:
     faulthandler.dump_traceback_later(float(request["timeout"]), exit=False, file=sys.__stderr__)
     try:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            code = compile(source, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+            code = compile(
+                source, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True
+            )
             if code.co_flags & inspect.CO_COROUTINE:
                 asyncio.run(eval(code, namespace))
             else:
                 exec(code, namespace)
-    except BaseException as error:  # noqa: BLE001 - everything goes back to the harness
+    except BaseException as error:
         faulthandler.cancel_dump_traceback_later()
         frames = traceback.extract_tb(error.__traceback__)[1:]  # drop this function's frame
         in_page = [i for i, frame in enumerate(frames) if frame.filename == filename]
         exception = "".join(traceback.format_exception_only(type(error), error)).strip()
         at = f" (raised at line {frames[in_page[-1]].lineno})" if in_page else ""
-        summary = (f"{exception.splitlines()[-1]}{at}\nTraceback (most recent call last):\n"
-                   + "".join(traceback.format_list(frames[in_page[0] if in_page else 0 :])) + exception)
-        return {"ok": False, "summary": summary, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+        summary = (
+            f"{exception.splitlines()[-1]}{at}\nTraceback (most recent call last):\n"
+            + "".join(traceback.format_list(frames[in_page[0] if in_page else 0 :]))
+            + exception
+        )
+        return {
+            "ok": False,
+            "summary": summary,
+            "stdout": stdout.getvalue(),
+            "stderr": stderr.getvalue(),
+        }
     faulthandler.cancel_dump_traceback_later()
-    reply = {"ok": True, "result": None, "has_result": "RESULT" in namespace,
-             "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+    reply = {
+        "ok": True,
+        "result": None,
+        "has_result": "RESULT" in namespace,
+        "stdout": stdout.getvalue(),
+        "stderr": stderr.getvalue(),
+    }
     if "RESULT" in namespace:
         literal = _literal(namespace["RESULT"])
         if literal is None:
             text = repr(namespace["RESULT"])
-            return {**reply, "ok": False,
-                    "summary": f"RESULT is a {type(namespace['RESULT']).__name__} whose repr does not read back "
-                               f"through ast.literal_eval as an equal value: {text[:300]}"}
+            return {
+                **reply,
+                "ok": False,
+                "summary": f"RESULT is a {type(namespace['RESULT']).__name__} whose repr does not read back "
+                f"through ast.literal_eval as an equal value: {text[:300]}",
+            }
         reply["result"] = literal
     return reply
 
@@ -94,7 +112,9 @@ def _run(request: dict, namespace: dict) -> dict:
 def main() -> int:
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")  # the replies
     os.dup2(2, 1)  # everything else the process writes to fd 1 joins its stderr
-    sys.path.insert(0, os.path.join(os.getcwd(), "src"))  # the harness starts it in the repository root
+    sys.path.insert(
+        0, os.path.join(os.getcwd(), "src")
+    )  # the harness starts it in the repository root
     namespace = types.ModuleType("docs_example").__dict__
     for line in sys.stdin:
         if not line.strip():

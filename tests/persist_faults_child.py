@@ -34,8 +34,19 @@ import time
 import warnings
 
 #: the os functions a save may call on the file system, wrapped to count or to kill at a call
-_STEPS = ("open", "write", "fsync", "close", "replace", "rename", "remove", "unlink", "makedirs", "mkdir",
-          "listdir")
+_STEPS = (
+    "open",
+    "write",
+    "fsync",
+    "close",
+    "replace",
+    "rename",
+    "remove",
+    "unlink",
+    "makedirs",
+    "mkdir",
+    "listdir",
+)
 
 
 def _build(new_save="all"):
@@ -47,14 +58,17 @@ def _build(new_save="all"):
     torch.set_num_threads(1)  # forked children then need no thread pool of torch's
     model = testing.build("gpt2", "sdpa")
     ids = {"old": testing.token_ids(length=6, seed=0), "new": testing.token_ids(length=6, seed=1)}
-    traces = {"old": tl.trace(model, ids["old"], use_cache=False),
-              "new": tl.trace(model, ids["new"], use_cache=False, save=new_save)}
+    traces = {
+        "old": tl.trace(model, ids["old"], use_cache=False),
+        "new": tl.trace(model, ids["new"], use_cache=False, save=new_save),
+    }
     truth = True
     for name, trace in traces.items():
         trace.check()
         seen = testing.hooked_outputs(model, trace.blocks, ids[name], use_cache=False)
-        truth &= len(seen) == 2 and all(torch.equal(trace.modules[a].facets["resid_post"], seen[a])
-                                        for a in trace.blocks)
+        truth &= len(seen) == 2 and all(
+            torch.equal(trace.modules[a].facets["resid_post"], seen[a]) for a in trace.blocks
+        )
     return model, ids, traces, truth
 
 
@@ -69,8 +83,11 @@ def _same(a, b) -> bool:
     every facet site, and the output."""
     import torch
 
-    if [(o.name, o.module, o.call, o.inputs, tuple(map(tuple, o.shapes)), o.dtypes) for o in a.ops] != \
-            [(o.name, o.module, o.call, o.inputs, tuple(map(tuple, o.shapes)), o.dtypes) for o in b.ops]:
+    if [
+        (o.name, o.module, o.call, o.inputs, tuple(map(tuple, o.shapes)), o.dtypes) for o in a.ops
+    ] != [
+        (o.name, o.module, o.call, o.inputs, tuple(map(tuple, o.shapes)), o.dtypes) for o in b.ops
+    ]:
         return False
     for x, y in zip(a.ops, b.ops):
         for s, t in zip(x.tensors, y.tensors):
@@ -97,7 +114,7 @@ def _which(d, traces) -> str:
         loaded = tl.load(d)
     except tl.TraceFileError as exc:
         return f"refused: {exc}"
-    except Exception as exc:  # noqa: BLE001 - reported, the test fails on it
+    except Exception as exc:
         return f"raw {type(exc).__name__}: {exc}"
     hits = [name for name, t in traces.items() if _same(loaded, t)]
     return hits[0] if len(hits) == 1 else "mix"
@@ -121,6 +138,7 @@ class _Calls:
                 os.kill(os.getpid(), signal.SIGKILL)
             self.names.append(name)
             return fn(*args, **kwargs)
+
         return call
 
 
@@ -155,16 +173,31 @@ def kill(d, rounds, seed):
     with open(log) as f:
         names = json.load(f)
     writes = [i for i, n in enumerate(names) if n == "os.write"]
-    points = sorted({i for i, n in enumerate(names) if n != "os.write"} | set(writes[::10]) | set(writes[-2:]))
+    points = sorted(
+        {i for i, n in enumerate(names) if n != "os.write"} | set(writes[::10]) | set(writes[-2:])
+    )
     steps = []
     for k in points:
         _save(old, d)
         status = _fork(lambda k=k: (_Calls(k).install(), _save(new, d)))
-        steps.append({"step": k, "call": names[k], "killed": os.WIFSIGNALED(status), "loaded": _which(d, traces)})
+        steps.append(
+            {
+                "step": k,
+                "call": names[k],
+                "killed": os.WIFSIGNALED(status),
+                "loaded": _which(d, traces),
+            }
+        )
     _save(old, d)  # the save runs to its end: new
     _fork(lambda: _save(new, d))
-    steps.append({"step": len(names), "call": "(none: the save finished)", "killed": False,
-                  "loaded": _which(d, traces)})
+    steps.append(
+        {
+            "step": len(names),
+            "call": "(none: the save finished)",
+            "killed": False,
+            "loaded": _which(d, traces),
+        }
+    )
 
     rng = random.Random(seed)
     t0 = time.perf_counter()
@@ -191,18 +224,29 @@ def kill(d, rounds, seed):
         os.waitpid(pid, 0)
         randoms.append({"delay": delay, "loaded": _which(d, traces)})
     _save(old, d)  # a save that finishes removes what the killed ones left
-    return {"ground_truth": truth, "calls": len(names), "steps": steps, "random": randoms, "one_save_s": one,
-            "files_after_a_finished_save": _files(d), "loaded_then": _which(d, traces)}
+    return {
+        "ground_truth": truth,
+        "calls": len(names),
+        "steps": steps,
+        "random": randoms,
+        "one_save_s": one,
+        "files_after_a_finished_save": _files(d),
+        "loaded_then": _which(d, traces),
+    }
 
 
 def _attempt(fn):
     """(error class name, message, errno of its cause) of what `fn()` raised, or None."""
     try:
         fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the test
+    except Exception as exc:
         cause = exc.__cause__
-        return {"error": type(exc).__name__, "message": str(exc), "torchlens": type(exc).__module__.startswith("torchlens"),
-                "errno": getattr(cause, "errno", None)}
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "torchlens": type(exc).__module__.startswith("torchlens"),
+            "errno": getattr(cause, "errno", None),
+        }
     return None
 
 
@@ -223,14 +267,21 @@ def _store_clean(model, ids, d, attempt):
     seen = testing.hooked_outputs(model, trace.blocks, ids, use_cache=False)
     ok = all(torch.equal(trace.modules[a].facets["resid_post"], seen[a]) for a in trace.blocks)
     files = _files(d) if os.path.isdir(d) else []
-    return {"attempt": attempt, "files_after": files, "hooks_left": hooks,
-            "modes_left": torch._C._len_torch_function_stack(), "plain_trace_ok": ok}
+    return {
+        "attempt": attempt,
+        "files_after": files,
+        "hooks_left": hooks,
+        "modes_left": torch._C._len_torch_function_stack(),
+        "plain_trace_ok": ok,
+    }
 
 
 def fsize(d):
     import torchlens as tl
 
-    model, ids, traces, truth = _build(new_save=["resid_post"])  # new: small tensor file, full trace.json
+    model, ids, traces, truth = _build(
+        new_save=["resid_post"]
+    )  # new: small tensor file, full trace.json
     full_new = tl.trace(model, ids["new"], use_cache=False)
     full_new.check()
     traces_full = {"old": traces["old"], "new": full_new}
@@ -241,8 +292,10 @@ def fsize(d):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     report = {"ground_truth": truth, "sizes": sizes, "cases": {}}
-    for case, new, limit in (("tensor file", full_new, 20_000),
-                             ("trace.json", traces["new"], (sizes["tensors"] + sizes["trace"]) // 2)):
+    for case, new, limit in (
+        ("tensor file", full_new, 20_000),
+        ("trace.json", traces["new"], (sizes["tensors"] + sizes["trace"]) // 2),
+    ):
         where = os.path.join(d, case.replace(" ", "-"))
         _save(traces["old"], where)
         before = _files(where)
@@ -251,8 +304,13 @@ def fsize(d):
             attempt = _attempt(lambda: _save(new, where))
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        report["cases"][case] = {"limit": limit, "attempt": attempt, "files_before": before,
-                                 "files_after": _files(where), "loaded": _which(where, traces_full)}
+        report["cases"][case] = {
+            "limit": limit,
+            "attempt": attempt,
+            "files_before": before,
+            "files_after": _files(where),
+            "loaded": _which(where, traces_full),
+        }
     store = os.path.join(d, "store")
     resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))
     try:
@@ -277,20 +335,28 @@ def ns(d):
     sizes = {}
     for name, trace in traces.items():
         _save(trace, os.path.join(probe, name))
-        sizes[name] = {f.split(".")[0]: -(-os.path.getsize(os.path.join(probe, name, f)) // 4096) * 4
-                       for f in os.listdir(os.path.join(probe, name))}  # KiB, in whole pages
+        sizes[name] = {
+            f.split(".")[0]: -(-os.path.getsize(os.path.join(probe, name, f)) // 4096) * 4
+            for f in os.listdir(os.path.join(probe, name))
+        }  # KiB, in whole pages
     shutil.rmtree(probe)
     old_kib = sum(sizes["old"].values())
     report = {"ground_truth": truth, "sizes_kib": sizes, "cases": {}}
-    for case, room in (("tensor file", sizes["new"]["tensors"] // 2),
-                       ("trace.json", sizes["new"]["tensors"] + sizes["new"]["trace"] // 2)):
+    for case, room in (
+        ("tensor file", sizes["new"]["tensors"] // 2),
+        ("trace.json", sizes["new"]["tensors"] + sizes["new"]["trace"] // 2),
+    ):
         where = os.path.join(d, case.replace(" ", "-"))
         _mount(where, old_kib + room)
         _save(traces["old"], where)
         before = _files(where)
         attempt = _attempt(lambda: _save(traces["new"], where))
-        report["cases"][case] = {"attempt": attempt, "files_before": before, "files_after": _files(where),
-                                 "loaded": _which(where, traces)}
+        report["cases"][case] = {
+            "attempt": attempt,
+            "files_before": before,
+            "files_after": _files(where),
+            "loaded": _which(where, traces),
+        }
     ro = os.path.join(d, "read-only")
     _mount(ro, 4 * old_kib)
     _save(traces["old"], ro)
@@ -301,14 +367,20 @@ def ns(d):
         "save": _attempt(lambda: _save(traces["new"], ro)),
         "loaded": _which(ro, traces),
         "store": _attempt(lambda: tl.trace(model, ids["old"], use_cache=False, store=ro)),
-        "store_below": _attempt(lambda: tl.trace(model, ids["old"], use_cache=False, store=os.path.join(ro, "sub"))),
+        "store_below": _attempt(
+            lambda: tl.trace(model, ids["old"], use_cache=False, store=os.path.join(ro, "sub"))
+        ),
     }
     handle.remove()
     report["read-only"]["forwards_run"] = len(ran)
     full = os.path.join(d, "store-full")
     _mount(full, 64)
-    report["store-full"] = _store_clean(model, ids["old"], full, _attempt(
-        lambda: tl.trace(model, ids["old"], use_cache=False, store=full)))
+    report["store-full"] = _store_clean(
+        model,
+        ids["old"],
+        full,
+        _attempt(lambda: tl.trace(model, ids["old"], use_cache=False, store=full)),
+    )
     return report
 
 

@@ -37,15 +37,29 @@ def load(name: str) -> types.ModuleType:
     return module
 
 
-def json_per_hash_seed(code: str, args: list[str], seeds: tuple[str, ...], *, env: dict | None = None,
-                       timeout: float = 300) -> list:
+def json_per_hash_seed(
+    code: str,
+    args: list[str],
+    seeds: tuple[str, ...],
+    *,
+    env: dict | None = None,
+    timeout: float = 300,
+) -> list:
     """What `python -c code *args` prints as JSON, once per seed, each run in a fresh interpreter
     started with that `PYTHONHASHSEED` (in parallel, from the repository root). A run that fails
     fails the test with the end of its stderr."""
     base = {**os.environ, **(env or {})}
-    procs = [subprocess.Popen([sys.executable, "-c", code, *args], cwd=SCRIPTS.parent,
-                              env={**base, "PYTHONHASHSEED": seed}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for seed in seeds]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            cwd=SCRIPTS.parent,
+            env={**base, "PYTHONHASHSEED": seed},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in seeds
+    ]
     out = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=timeout)

@@ -25,22 +25,25 @@ from __future__ import annotations
 
 import functools
 
+import _edge_models as em
 import pytest
 import torch
 
-import _edge_models as em
 import torchlens as tl
 import torchlens.mechinterp as mi
 from torchlens import testing
 
 FALSE_REASONS = {
-    "q": ("does not compute it",), "k": ("does not compute it",), "v": ("does not compute it",),
-    "z": ("does not compute it",), "rot_q": ("no RoPE", "does not compute it"),
+    "q": ("does not compute it",),
+    "k": ("does not compute it",),
+    "v": ("does not compute it",),
+    "z": ("does not compute it",),
+    "rot_q": ("no RoPE", "does not compute it"),
     "rot_k": ("no RoPE", "does not compute it"),
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced(arch: str):
     model = em.build(arch)
     args, kwargs = em.inputs(arch)
@@ -61,8 +64,12 @@ def _mla(arch: str) -> dict[str, torch.Tensor]:
     b, t, _ = compressed.shape
     kv = _out(arch, f"{a}.kv_b_proj").view(b, t, -1, cfg.qk_nope_head_dim + cfg.v_head_dim)
     heads = kv.shape[2]
-    k_nope, v = kv[..., : cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim:]
-    k_rope = compressed[..., cfg.kv_lora_rank:].view(b, t, 1, cfg.qk_rope_head_dim).expand(b, t, heads, -1)
+    k_nope, v = kv[..., : cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim :]
+    k_rope = (
+        compressed[..., cfg.kv_lora_rank :]
+        .view(b, t, 1, cfg.qk_rope_head_dim)
+        .expand(b, t, heads, -1)
+    )
     return {"k": torch.cat([k_nope, k_rope], -1), "v": v, "k_nope": k_nope, "k_rope": k_rope}
 
 
@@ -72,8 +79,11 @@ def _bigcode(arch: str) -> dict[str, torch.Tensor]:
     out = _out(arch, "transformer.h.0.attn.c_attn")
     b, t, _ = out.shape
     d, dh = model.config.n_embd, model.config.n_embd // model.config.n_head
-    return {"q": out[..., :d].view(b, t, -1, dh), "k": out[..., d:d + dh].view(b, t, 1, dh),
-            "v": out[..., d + dh:].view(b, t, 1, dh)}
+    return {
+        "q": out[..., :d].view(b, t, -1, dh),
+        "k": out[..., d : d + dh].view(b, t, 1, dh),
+        "v": out[..., d + dh :].view(b, t, 1, dh),
+    }
 
 
 def _modernbert(arch: str) -> dict[str, torch.Tensor]:
@@ -98,13 +108,31 @@ def _deberta(arch: str) -> dict[str, torch.Tensor]:
 
 #: arch -> (generation, attention address, ground truth, rotary module (None: no RoPE), facets)
 CASES = {
-    "deepseek_v3": ("3.x", "model.layers.0.self_attn", _mla, "model.rotary_emb", ("k", "v", "rot_k")),
+    "deepseek_v3": (
+        "3.x",
+        "model.layers.0.self_attn",
+        _mla,
+        "model.rotary_emb",
+        ("k", "v", "rot_k"),
+    ),
     "minicpm3": ("3.x", "model.layers.0.self_attn", _mla, "model.rotary_emb", ("k", "v", "rot_k")),
     "gpt_bigcode": ("3.x", "transformer.h.0.attn", _bigcode, None, ("q", "k", "v")),
-    "modernbert": ("3.x", "model.layers.0.attn", _modernbert, "model.rotary_emb", ("q", "k", "v", "rot_q")),
+    "modernbert": (
+        "3.x",
+        "model.layers.0.attn",
+        _modernbert,
+        "model.rotary_emb",
+        ("q", "k", "v", "rot_q"),
+    ),
     "deberta_v2": ("3.x", "deberta.encoder.layer.0.attention.self", _deberta, None, ("v", "z")),
     # DeepSeek-V2 (no other test): the same multi-head latent attention as DeepSeek-V3
-    "deepseek_v2": ("3.x", "model.layers.0.self_attn", _mla, "model.rotary_emb", ("k", "v", "rot_k")),
+    "deepseek_v2": (
+        "3.x",
+        "model.layers.0.self_attn",
+        _mla,
+        "model.rotary_emb",
+        ("k", "v", "rot_k"),
+    ),
 }
 PARAMS = [(arch, facet) for arch, case in CASES.items() for facet in case[4]]
 
@@ -135,16 +163,22 @@ def test_facet_is_served_right_or_absent_for_a_true_reason(arch, facet):
         assert r.module_address == attn, r
         got = r.tensor
         if facet in truth:
-            assert _close(got, truth[facet]), f"{facet} served as {r.status} is not the model's {facet}"
+            assert _close(got, truth[facet]), (
+                f"{facet} served as {r.status} is not the model's {facet}"
+            )
         else:  # rot_q / rot_k: RoPE of the unrotated tensor (identity at position 0, norm kept)
             base = truth[facet[4:]] if facet[4:] in truth else truth["k"]
             got = _token_major(got, base)
             assert got.shape == base.shape, (got.shape, base.shape)
             assert _close(got[:, :1], base[:, :1]), f"{facet} at position 0 is not {facet[4:]}"
-            assert _close(got.norm(dim=-1), base.norm(dim=-1)), f"{facet} does not keep the head norms of {facet[4:]}"
+            assert _close(got.norm(dim=-1), base.norm(dim=-1)), (
+                f"{facet} does not keep the head norms of {facet[4:]}"
+            )
             assert not _close(got, base), f"{facet} is served unrotated"
         return
     assert r.status in ("structurally_absent", "refused", "ambiguous"), r
     lies = [p for p in FALSE_REASONS[facet] if p in r.reason]
-    assert not lies, f"{arch} {facet} [{r.status}]: the reason says {lies}, which the model contradicts: {r.reason}"
+    assert not lies, (
+        f"{arch} {facet} [{r.status}]: the reason says {lies}, which the model contradicts: {r.reason}"
+    )
     assert r.reason.strip(), "an absent facet must say why"

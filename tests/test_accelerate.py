@@ -15,8 +15,8 @@ import torch
 from accelerate import cpu_offload, disk_offload, dispatch_model
 from accelerate.hooks import ModelHook, add_hook_to_module
 
-from torchlens import testing
 import torchlens as tl
+from torchlens import testing
 
 IDS = testing.token_ids(length=6)
 
@@ -28,15 +28,29 @@ def _dispatch(model, how, tmp_path):
     if how == "disk_offload":
         return disk_offload(model, str(tmp_path / "offload"), execution_device=cpu)
     # device_map: the embeddings and the first block in memory, the rest offloaded to disk.
-    return dispatch_model(model, device_map=DEVICE_MAPS[type(model).__name__], offload_dir=str(tmp_path / "offload"))
+    return dispatch_model(
+        model, device_map=DEVICE_MAPS[type(model).__name__], offload_dir=str(tmp_path / "offload")
+    )
 
 
 DEVICE_MAPS = {
-    "GPT2LMHeadModel": {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.drop": "cpu",
-                        "transformer.h.0": "cpu", "transformer.h.1": "disk", "transformer.ln_f": "disk",
-                        "lm_head": "cpu"},  # tied to wte: on the same device
-    "LlamaForCausalLM": {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
-                         "model.layers.1": "disk", "model.norm": "disk", "lm_head": "disk"},
+    "GPT2LMHeadModel": {
+        "transformer.wte": "cpu",
+        "transformer.wpe": "cpu",
+        "transformer.drop": "cpu",
+        "transformer.h.0": "cpu",
+        "transformer.h.1": "disk",
+        "transformer.ln_f": "disk",
+        "lm_head": "cpu",
+    },  # tied to wte: on the same device
+    "LlamaForCausalLM": {
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "disk",
+        "lm_head": "disk",
+    },
 }
 
 
@@ -50,8 +64,9 @@ def test_dispatched_model_traces_like_the_undispatched_one(tmp_path, family, how
     hooks_before = {a: m._hf_hook for a, m in model.named_modules() if hasattr(m, "_hf_hook")}
     t = tl.trace(model, IDS)
     # Same ops, same data flow: weights appear as parameter names, not as the hooks' moves.
-    assert [(o.name, o.module, o.inputs, o.shapes) for o in t.ops] == \
-           [(o.name, o.module, o.inputs, o.shapes) for o in reference.ops]
+    assert [(o.name, o.module, o.inputs, o.shapes) for o in t.ops] == [
+        (o.name, o.module, o.inputs, o.shapes) for o in reference.ops
+    ]
     # Values: forward hooks on the undispatched model, then every facet of the undispatched trace.
     addresses = t.blocks + t.by_role("attention") + t.by_role("mlp")
     seen = testing.hooked_outputs(plain, addresses, IDS)
@@ -63,12 +78,17 @@ def test_dispatched_model_traces_like_the_undispatched_one(tmp_path, family, how
             assert set(call.facets.sites) == set(other.facets.sites), address
             for name, site in call.facets.sites.items():
                 got = other.facets.sites[name]
-                assert (got.kind, tuple(got.shape)) == (site.kind, tuple(site.shape)), (address, name)
+                assert (got.kind, tuple(got.shape)) == (site.kind, tuple(site.shape)), (
+                    address,
+                    name,
+                )
                 if site.tensor is not None:
                     assert got.tensor is not None and not got.tensor.is_meta, (address, name)
                     torch.testing.assert_close(got.tensor, site.tensor, rtol=1e-6, atol=1e-6)
     # The model is left as accelerate set it up.
-    assert {a: m._hf_hook for a, m in model.named_modules() if hasattr(m, "_hf_hook")} == hooks_before
+    assert {
+        a: m._hf_hook for a, m in model.named_modules() if hasattr(m, "_hf_hook")
+    } == hooks_before
     assert any(p.is_meta for p in model.parameters())
     torch.testing.assert_close(model(IDS).logits, plain(IDS).logits, rtol=0, atol=0)
 
@@ -78,7 +98,9 @@ def test_hooks_are_restored_when_a_dispatched_forward_raises(tmp_path):
     hooks_before = {a: m._hf_hook for a, m in model.named_modules() if hasattr(m, "_hf_hook")}
     with pytest.raises(IndexError):
         tl.trace(model, IDS + testing.VOCAB)  # token ids outside the embedding
-    assert {a: m._hf_hook for a, m in model.named_modules() if hasattr(m, "_hf_hook")} == hooks_before
+    assert {
+        a: m._hf_hook for a, m in model.named_modules() if hasattr(m, "_hf_hook")
+    } == hooks_before
     t = tl.trace(model, IDS)
     assert len(t.blocks) == 2
 
@@ -115,8 +137,9 @@ def test_tensors_a_hook_moves_between_modules_keep_their_data_flow_and_values(fa
         add_hook_to_module(model.get_submodule(address), _CopyingHook())
     t = tl.trace(model, IDS)
     # The moves are not ops, and the op reading a moved tensor is linked to the original's producer.
-    assert [(o.name, o.module, o.inputs, o.shapes) for o in t.ops] == \
-           [(o.name, o.module, o.inputs, o.shapes) for o in reference.ops]
+    assert [(o.name, o.module, o.inputs, o.shapes) for o in t.ops] == [
+        (o.name, o.module, o.inputs, o.shapes) for o in reference.ops
+    ]
     seen = testing.hooked_outputs(plain, t.blocks, IDS)
     for a in t.blocks:
         torch.testing.assert_close(t.modules[a].facets["resid_post"], seen[a], rtol=0, atol=0)
@@ -125,7 +148,9 @@ def test_tensors_a_hook_moves_between_modules_keep_their_data_flow_and_values(fa
             assert set(call.facets.sites) == set(other.facets.sites), address
             for name, site in call.facets.sites.items():
                 if site.tensor is not None:
-                    torch.testing.assert_close(other.facets.sites[name].tensor, site.tensor, rtol=0, atol=0)
+                    torch.testing.assert_close(
+                        other.facets.sites[name].tensor, site.tensor, rtol=0, atol=0
+                    )
 
 
 def _gpu_maps(family: str) -> dict[str, dict]:
@@ -133,13 +158,21 @@ def _gpu_maps(family: str) -> dict[str, dict]:
     norm are kept in CPU memory and streamed in (accelerate runs them on the GPU); on two GPUs the
     second half runs on the second one. The tied unembedding stays with the embeddings."""
     if family == "gpt2":
-        head = {"transformer.wte": 0, "transformer.wpe": 0, "transformer.drop": 0, "transformer.h.0": 0, "lm_head": 0}
+        head = {
+            "transformer.wte": 0,
+            "transformer.wpe": 0,
+            "transformer.drop": 0,
+            "transformer.h.0": 0,
+            "lm_head": 0,
+        }
         tail = ("transformer.h.1", "transformer.ln_f")
     else:
         head = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "lm_head": 0}
         tail = ("model.layers.1", "model.norm")
-    return {"one_gpu_cpu_offload": {**head, **dict.fromkeys(tail, "cpu")},
-            "two_gpus": {**head, **dict.fromkeys(tail, 1)}}
+    return {
+        "one_gpu_cpu_offload": {**head, **dict.fromkeys(tail, "cpu")},
+        "two_gpus": {**head, **dict.fromkeys(tail, 1)},
+    }
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -151,11 +184,14 @@ def test_a_model_spread_over_devices_traces_like_the_undispatched_one(family, la
     reference = tl.trace(plain, IDS)
     model = dispatch_model(testing.build(family, "sdpa"), device_map=_gpu_maps(family)[layout])
     t = tl.trace(model, IDS.to("cuda:0"))
-    assert [(o.name, o.module, o.inputs, o.shapes) for o in t.ops] == \
-           [(o.name, o.module, o.inputs, o.shapes) for o in reference.ops]
+    assert [(o.name, o.module, o.inputs, o.shapes) for o in t.ops] == [
+        (o.name, o.module, o.inputs, o.shapes) for o in reference.ops
+    ]
     seen = testing.hooked_outputs(plain, t.blocks, IDS)
     for a in t.blocks:  # float32 on the GPU against the CPU: kernels differ, values agree closely
-        torch.testing.assert_close(t.modules[a].facets["resid_post"].cpu(), seen[a], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            t.modules[a].facets["resid_post"].cpu(), seen[a], rtol=1e-4, atol=1e-4
+        )
     for address, rec in reference.modules.items():
         for call, other in zip(rec.calls, t.modules[address].calls, strict=True):
             for name, site in call.facets.sites.items():
@@ -196,15 +232,23 @@ class _Halve(ModelHook):
         return self._halve(output)
 
 
-@pytest.mark.parametrize("outer", [None, "device"])  # "device": inside `with torch.device("cpu")`, a mode below
+@pytest.mark.parametrize(
+    "outer", [None, "device"]
+)  # "device": inside `with torch.device("cpu")`, a mode below
 @pytest.mark.parametrize("how", ["new", "data_inplace", "data_assign"])
 @pytest.mark.parametrize("side", ["in", "out"])
-@pytest.mark.parametrize("where", ["transformer.h.0", "transformer.h.0.attn", "transformer.h.0.mlp.c_fc"])
-def test_an_accelerate_hook_that_changes_values_is_recorded_as_computing_them(side, where, how, outer):
+@pytest.mark.parametrize(
+    "where", ["transformer.h.0", "transformer.h.0.attn", "transformer.h.0.mlp.c_fc"]
+)
+def test_an_accelerate_hook_that_changes_values_is_recorded_as_computing_them(
+    side, where, how, outer
+):
     model = testing.build("gpt2", "sdpa")
     hook = _Halve(side, how)
     add_hook_to_module(model.get_submodule(where), hook)
-    addresses = [a for a, _ in model.named_modules() if a.startswith("transformer.h.") or a == "lm_head"]
+    addresses = [
+        a for a, _ in model.named_modules() if a.startswith("transformer.h.") or a == "lm_head"
+    ]
     # Ground truth: what every module received and returned, seen by plain hooks outside accelerate's.
     seen_in, handles = {}, []
 
@@ -212,6 +256,7 @@ def test_an_accelerate_hook_that_changes_values_is_recorded_as_computing_them(si
         def pre_hook(module, args):  # returns None: the module gets its own arguments
             if args:
                 seen_in.setdefault(address, args[0].detach().clone())
+
         return pre_hook
 
     for a in addresses:
@@ -224,14 +269,20 @@ def test_an_accelerate_hook_that_changes_values_is_recorded_as_computing_them(si
     for a in addresses:
         facets = t.modules[a].facets
         if a in seen_out and "output" in facets:
-            torch.testing.assert_close(facets["output"], seen_out[a], rtol=0, atol=0, msg=f"{a} output")
+            torch.testing.assert_close(
+                facets["output"], seen_out[a], rtol=0, atol=0, msg=f"{a} output"
+            )
         if a in seen_in and "input" in facets and facets.sites["input"].dtype.is_floating_point:
-            torch.testing.assert_close(facets["input"], seen_in[a], rtol=0, atol=0, msg=f"{a} input")
+            torch.testing.assert_close(
+                facets["input"], seen_in[a], rtol=0, atol=0, msg=f"{a} input"
+            )
     for a in t.blocks:
         torch.testing.assert_close(t.modules[a].facets["resid_post"], seen_out[a], rtol=0, atol=0)
     # The hook's change is an op of its own, whose input is the op that produced what the hook got,
     # and that op keeps what it returned, not what the hook then wrote into its memory.
     changed = [op for op in t.ops if op.name in ("accelerate_hook", "written_in_place")]
-    assert [op.name for op in changed] == ["accelerate_hook" if how == "new" else "written_in_place"]
+    assert [op.name for op in changed] == [
+        "accelerate_hook" if how == "new" else "written_in_place"
+    ]
     before = t.ops[changed[0].inputs[0].op]
     assert torch.equal(before.tensor, hook.received)

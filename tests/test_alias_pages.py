@@ -63,7 +63,9 @@ def test_committed_pages_are_current(gen, capsys):
     before = _snapshot(gen)
     rc = gen.main(["--check"])
     out = capsys.readouterr().out
-    assert rc == 0, f"stale alias pages; run `python scripts/gen_alias_pages.py` and commit them:\n{out}"
+    assert rc == 0, (
+        f"stale alias pages; run `python scripts/gen_alias_pages.py` and commit them:\n{out}"
+    )
     assert _snapshot(gen) == before, "--check must not write the pages"
 
 
@@ -97,7 +99,9 @@ def test_check_reports_an_edited_site(gen, monkeypatch, capsys, fresh_parser_cac
     rows = list(table.rows)
     i = next(i for i, r in enumerate(rows) if r.name == "resid_mid.{L}")
     rows[i] = dataclasses.replace(rows[i], facet="resid_post")
-    monkeypatch.setitem(mi.GENERATIONS, "interp-engine", dataclasses.replace(table, rows=tuple(rows)))
+    monkeypatch.setitem(
+        mi.GENERATIONS, "interp-engine", dataclasses.replace(table, rows=tuple(rows))
+    )
     rc = gen.main(["--check"])
     out = capsys.readouterr().out
     assert rc == 1
@@ -128,8 +132,14 @@ for generation, slug in gen.SLUGS.items():
 
 def _render_in_subprocess(hash_seed: str) -> str:
     env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-    done = subprocess.run([sys.executable, "-c", _RENDER_ALL, str(SCRIPT)], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _RENDER_ALL, str(SCRIPT)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -149,7 +159,10 @@ def test_the_index_explains_every_status_the_resolver_gives():
 
     text = (REPO / "docs" / "aliases" / "index.md").read_text()
     section = text.split("## Statuses", 1)[1].split("\n## ", 1)[0]
-    listed = [line.split("|")[1].strip().strip("`") for line in section.splitlines()
-              if line.startswith("| `")]
+    listed = [
+        line.split("|")[1].strip().strip("`")
+        for line in section.splitlines()
+        if line.startswith("| `")
+    ]
     assert listed == list(mi.STATUSES), listed
     assert set(_STATUS_COLORS) == set(mi.STATUSES)

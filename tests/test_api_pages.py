@@ -26,8 +26,12 @@ PAGES = ("api/torchlens/index.html", "api/mechinterp/index.html")
 @pytest.fixture(scope="module")
 def api(tmp_path_factory) -> dict[str, str]:
     out = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "--site-dir", str(out)], cwd=ROOT,
-                   check=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--quiet", "--site-dir", str(out)],
+        cwd=ROOT,
+        check=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     return {page: (out / page).read_text(encoding="utf-8") for page in PAGES}
 
 
@@ -36,14 +40,18 @@ def _text(page: str) -> str:
 
 
 def duplicate_anchors(page: str) -> list[str]:
-    ids = collections.Counter(i for i in re.findall(r'id="([^"]+)"', page) if i.startswith("torchlens"))
+    ids = collections.Counter(
+        i for i in re.findall(r'id="([^"]+)"', page) if i.startswith("torchlens")
+    )
     return sorted(i for i, n in ids.items() if n > 1)
 
 
 def broken_returns(page: str) -> list[str]:
     """The Returns sections rendered as more than one row (a value cut into several)."""
     found = []
-    for m in re.finditer(r'doc-section-title">Returns:</span></p>\s*<table>(.*?)</table>', page, re.S):
+    for m in re.finditer(
+        r'doc-section-title">Returns:</span></p>\s*<table>(.*?)</table>', page, re.S
+    ):
         rows = re.findall(r'<tr class="doc-section-item">', m.group(1))
         if len(rows) > 1:
             found.append(" ".join(_text(m.group(1)).split())[:120])
@@ -69,8 +77,11 @@ def any_parameters(page: str) -> list[str]:
     found = []
     for m in re.finditer(r'<div class="doc-signature highlight">(.*?)</div>', page, re.S):
         sig = " ".join(_text(m.group(1)).split())
-        found += [f"{sig.split('(')[0]}: {p}" for p in re.findall(r"(?<![*\w])(\w+): Any\b", sig)
-                  if not p.startswith("_")]
+        found += [
+            f"{sig.split('(')[0]}: {p}"
+            for p in re.findall(r"(?<![*\w])(\w+): Any\b", sig)
+            if not p.startswith("_")
+        ]
     return found
 
 
@@ -92,21 +103,42 @@ def test_no_page_sends_the_reader_to_a_private_module(api):
 
 def test_entry_points_come_first_then_results_then_errors(api):
     page = api["api/torchlens/index.html"]
-    order = [page.index(f'id="{anchor}"') for anchor in
-             ("torchlens.trace", "torchlens.load", "torchlens.Trace", "torchlens.OpRecord", "torchlens.TorchLensError",
-              "torchlens.testing")]
+    order = [
+        page.index(f'id="{anchor}"')
+        for anchor in (
+            "torchlens.trace",
+            "torchlens.load",
+            "torchlens.Trace",
+            "torchlens.OpRecord",
+            "torchlens.TorchLensError",
+            "torchlens.testing",
+        )
+    ]
     assert order == sorted(order)
     page = api["api/mechinterp/index.html"]
-    order = [page.index(f'id="{anchor}"') for anchor in
-             ("torchlens.mechinterp.resolve_alias", "torchlens.mechinterp.compare",
-              "torchlens.mechinterp.AliasResolution", "torchlens.mechinterp.AliasError")]
+    order = [
+        page.index(f'id="{anchor}"')
+        for anchor in (
+            "torchlens.mechinterp.resolve_alias",
+            "torchlens.mechinterp.compare",
+            "torchlens.mechinterp.AliasResolution",
+            "torchlens.mechinterp.AliasError",
+        )
+    ]
     assert order == sorted(order)
-    assert "mechinterp.GENERATIONS = {" not in _text(page) and "for " not in _text(page).split("GENERATIONS", 2)[-1][:80]
+    assert (
+        "mechinterp.GENERATIONS = {" not in _text(page)
+        and "for " not in _text(page).split("GENERATIONS", 2)[-1][:80]
+    )
 
 
 def test_entry_points_type_their_parameters(api):
-    found = [p for page in api.values() for p in any_parameters(page)
-             if not p.split(":")[0].endswith(("ModuleCall", "Family", "build", "checkpoint", "Trace"))]
+    found = [
+        p
+        for page in api.values()
+        for p in any_parameters(page)
+        if not p.split(":")[0].endswith(("ModuleCall", "Family", "build", "checkpoint", "Trace"))
+    ]
     assert not found, found
 
 
@@ -116,11 +148,13 @@ def test_the_api_index_lists_compare():
 
 
 def test_the_checks_catch_what_they_look_for():
-    page = ('<h2 id="torchlens.Ref">Ref</h2><h2 id="torchlens.Ref">Ref</h2>'
-            '<p><span class="doc-section-title">Returns:</span></p><table><tbody>'
-            '<tr class="doc-section-item"><td>a</td></tr><tr class="doc-section-item"><td>b</td></tr></tbody></table>'
-            '<p>see <code>torchlens._core.records</code></p><h3 id="torchlens.FacetSite.__getstate__">x</h3>'
-            '<div class="doc-signature highlight">trace(model: Module, save: Any = "all", *args: Any)</div>')
+    page = (
+        '<h2 id="torchlens.Ref">Ref</h2><h2 id="torchlens.Ref">Ref</h2>'
+        '<p><span class="doc-section-title">Returns:</span></p><table><tbody>'
+        '<tr class="doc-section-item"><td>a</td></tr><tr class="doc-section-item"><td>b</td></tr></tbody></table>'
+        '<p>see <code>torchlens._core.records</code></p><h3 id="torchlens.FacetSite.__getstate__">x</h3>'
+        '<div class="doc-signature highlight">trace(model: Module, save: Any = "all", *args: Any)</div>'
+    )
     assert duplicate_anchors(page) == ["torchlens.Ref"]
     assert len(broken_returns(page)) == 1
     assert private_references(page) == ["torchlens._core"]

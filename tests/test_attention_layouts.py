@@ -26,8 +26,15 @@ import torchlens as tl
 
 
 def _llama(impl: str = "sdpa") -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
     return seeded(transformers.LlamaForCausalLM, cfg, impl, "norm")
 
 
@@ -49,8 +56,11 @@ def test_gqa_packed_decode_serves_spec_layout_equal_to_eager_attentions(cache):
         return transformers.StaticCache(config=model.config, max_cache_len=12)
 
     pre = dict(attention_mask=am) if cache == "dynamic" else {}
-    kw = (dict(attention_mask=torch.cat([am, torch.ones(2, 1, dtype=am.dtype)], 1)) if cache == "dynamic"
-          else dict(cache_position=torch.tensor([6])))
+    kw = (
+        dict(attention_mask=torch.cat([am, torch.ones(2, 1, dtype=am.dtype)], 1))
+        if cache == "dynamic"
+        else dict(cache_position=torch.tensor([6]))
+    )
     ce, c, ch = new_cache(), new_cache(), new_cache()
     with torch.no_grad():
         eager(ids, cache=ce, use_cache=True, **pre)
@@ -67,7 +77,9 @@ def test_gqa_packed_decode_serves_spec_layout_equal_to_eager_attentions(cache):
     assert torch.allclose(fm["pattern"], truth, atol=1e-5)
     z = fm["z"]
     assert z.shape == (b, n_heads, 1, d) and fm.site("z").kind == "real"
-    assert torch.equal(z.transpose(1, 2).reshape(b, 1, n_heads * d), z_in)  # o_proj's input, by hook
+    assert torch.equal(
+        z.transpose(1, 2).reshape(b, 1, n_heads * d), z_in
+    )  # o_proj's input, by hook
     w = model.model.layers[0].self_attn.o_proj.weight.detach()
     by_hand = torch.einsum("bthd,ohd->btho", z_in.view(b, 1, n_heads, d), w.view(-1, n_heads, d))
     assert torch.allclose(fm["result"], by_hand, atol=1e-6)
@@ -92,15 +104,23 @@ class _RegroupedQuery(torch.nn.Module):
         q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)  # [b, h, 1, d]
         k = self.k_proj(x).view(b, t, 1, self.d).transpose(1, 2)
         v = self.v_proj(x).view(b, t, 1, self.d).transpose(1, 2)
-        z = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v)  # [b, 1, h, d]
+        z = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v
+        )  # [b, 1, h, d]
         return self.o_proj(z.reshape(b, t, self.h * self.d))
 
 
 class _Block(torch.nn.Module):
     def __init__(self, attn: torch.nn.Module, d_model: int = 16):
         super().__init__()
-        self.ln1, self.attn, self.ln2 = torch.nn.LayerNorm(d_model), attn, torch.nn.LayerNorm(d_model)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(d_model, 32), torch.nn.GELU(), torch.nn.Linear(32, d_model))
+        self.ln1, self.attn, self.ln2 = (
+            torch.nn.LayerNorm(d_model),
+            attn,
+            torch.nn.LayerNorm(d_model),
+        )
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(d_model, 32), torch.nn.GELU(), torch.nn.Linear(32, d_model)
+        )
 
     def forward(self, x, **kw):
         x = x + self.attn(self.ln1(x), **kw)
@@ -127,7 +147,9 @@ def test_head_axis_that_is_not_the_querys_heads_is_refused_not_served():
     # The kernel's heads disagree with the query projection's split: one of them is misread
     # (here the kernel's regrouping; on CodeGen it was the split), so neither side is served.
     for name in ("scores", "pattern", "z", "q", "k", "v"):
-        with pytest.raises(tl.FacetNotFound, match="are not the 4 heads x 1 positions found for the query"):
+        with pytest.raises(
+            tl.FacetNotFound, match="are not the 4 heads x 1 positions found for the query"
+        ):
             fm[name]
     assert "result" in fm.refused and "cannot tell which" in fm.refused["q"]
 
@@ -150,7 +172,9 @@ def test_result_under_dropout_is_checked_on_its_own_and_equals_the_projection_by
     by_hand = torch.einsum("bthd,hdo->btho", z_in.view(b, n, h, d), w.view(h, d, -1))
     result = t[attn + ":result"]
     assert torch.allclose(result, by_hand, atol=1e-6)
-    assert torch.allclose(by_hand.sum(2) + model.transformer.h[0].attn.c_proj.bias.detach(), proj_out, atol=1e-5)
+    assert torch.allclose(
+        by_hand.sum(2) + model.transformer.h[0].attn.c_proj.bias.detach(), proj_out, atol=1e-5
+    )
     if save != ["result"]:
         assert "dropout" in refused[(attn, 0, "z")]  # z's own check: pattern @ v is not z
 
@@ -191,7 +215,9 @@ def test_fully_masked_query_row_is_served_as_the_zero_weights_the_kernel_used(ki
     x, mask = torch.randn(2, 5, 16), _fully_masked(kind)
     att = net.blocks[0].attn
     xin, _ = hooked(net, "blocks.0.attn", x, mask=mask)
-    with torch.no_grad():  # by hand: softmax over the visible keys, no weights where none is visible
+    with (
+        torch.no_grad()
+    ):  # by hand: softmax over the visible keys, no weights where none is visible
         q, k, v = (y.view(2, 5, 2, 8).transpose(1, 2) for y in att.qkv(xin).split(16, -1))
         s = q @ k.transpose(-1, -2) / math.sqrt(8)
         s = s.masked_fill(~mask, float("-inf")) if kind == "bool" else s + mask
@@ -234,11 +260,20 @@ def test_mha_fully_masked_row_serves_what_its_output_proves(kind):
     mask[1] = True if kind == "bool" else float("-inf")  # query 1 sees no key
     mha = net.layers[0].self_attn
     got = {}
-    h = mha.register_forward_hook(lambda m, a, o: got.update(x=a[0].detach().clone(), out=o[0].detach().clone()))
+    h = mha.register_forward_hook(
+        lambda m, a, o: got.update(x=a[0].detach().clone(), out=o[0].detach().clone())
+    )
     with torch.no_grad():
         net(x, mask=mask)
         h.remove()
-        _, w_true = mha(got["x"], got["x"], got["x"], attn_mask=mask, need_weights=True, average_attn_weights=False)
+        _, w_true = mha(
+            got["x"],
+            got["x"],
+            got["x"],
+            attn_mask=mask,
+            need_weights=True,
+            average_attn_weights=False,
+        )
     t = tl.trace(net, x, mask=mask)
     assert t.check() == {}
     p = t.modules["layers.0.self_attn"].facets["pattern"]
@@ -256,10 +291,20 @@ def test_mha_fully_masked_row_serves_what_its_output_proves(kind):
 
 def test_attention_sinks_serve_the_key_columns_equal_to_eager_attentions():
     torch.manual_seed(0)
-    cfg = transformers.GptOssConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=32, num_attention_heads=4,
-                                    num_key_value_heads=2, head_dim=8, vocab_size=64, max_position_embeddings=32,
-                                    num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
-                                    layer_types=["sliding_attention", "full_attention"])
+    cfg = transformers.GptOssConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=64,
+        max_position_embeddings=32,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     cfg._attn_implementation = "eager"
     model = transformers.GptOssForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -285,8 +330,11 @@ def test_attention_sinks_serve_the_key_columns_equal_to_eager_attentions():
     assert float(diff[..., visible].abs().max()) < 1e-4
     assert torch.equal(fm["z"].transpose(1, 2).reshape(1, 6, 32), z_in)
     w = model.model.layers[1].self_attn.o_proj.weight.detach()
-    assert torch.allclose(fm["result"], torch.einsum("bthd,ohd->btho", z_in.view(1, 6, 4, 8), w.view(32, 4, 8)),
-                          atol=1e-6)
+    assert torch.allclose(
+        fm["result"],
+        torch.einsum("bthd,ohd->btho", z_in.view(1, 6, 4, 8), w.view(32, 4, 8)),
+        atol=1e-6,
+    )
 
 
 class _PaddedSoftmax(torch.nn.Module):

@@ -31,7 +31,6 @@ import threading
 import time
 
 import pytest
-
 from docs_harness import ci_is_on
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -141,7 +140,9 @@ class DevTools:
 
     def wait_for(self, method: str, session: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        seen = lambda: any(e["method"] == method and e.get("sessionId") == session for e in self.events)  # noqa: E731
+        seen = lambda: any(
+            e["method"] == method and e.get("sessionId") == session for e in self.events
+        )
         while not seen():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no {method} within {timeout} s")
@@ -155,10 +156,14 @@ class Page:
         self.tools = tools
         self.origin = origin
         target = tools.call("Target.createTarget", url="about:blank")["targetId"]
-        self.session = tools.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        self.session = tools.call("Target.attachToTarget", targetId=target, flatten=True)[
+            "sessionId"
+        ]
         for domain in ("Page", "Runtime", "Log"):
             self.call(f"{domain}.enable")
-        self.call("Emulation.setDeviceMetricsOverride", deviceScaleFactor=1, mobile=False, **VIEWPORT)
+        self.call(
+            "Emulation.setDeviceMetricsOverride", deviceScaleFactor=1, mobile=False, **VIEWPORT
+        )
 
     def call(self, method: str, **params) -> dict:
         return self.tools.call(method, self.session, **params)
@@ -170,7 +175,9 @@ class Page:
         self.tools.pump(0.6)  # scripts that run after load (search index, instant navigation)
 
     def evaluate(self, expression: str):
-        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        result = self.call(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
         if "exceptionDetails" in result:
             raise RuntimeError(f"{expression!r} threw: {result['exceptionDetails']}")
         return result["result"].get("value")
@@ -189,14 +196,23 @@ class Page:
             self.tools.pump(0.2)
 
     def resize(self, width: int, height: int = VIEWPORT["height"]) -> None:
-        self.call("Emulation.setDeviceMetricsOverride", deviceScaleFactor=1, mobile=False, width=width, height=height)
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            deviceScaleFactor=1,
+            mobile=False,
+            width=width,
+            height=height,
+        )
 
     def screenshot(self, name: str, full_page: bool = False) -> pathlib.Path:
         params = {"format": "png"}
         if full_page:  # the whole page, up to 12000 px tall
             height = min(12000, int(self.evaluate("document.documentElement.scrollHeight")))
             width = int(self.evaluate("document.documentElement.clientWidth"))
-            params.update(captureBeyondViewport=True, clip={"x": 0, "y": 0, "width": width, "height": height, "scale": 1})
+            params.update(
+                captureBeyondViewport=True,
+                clip={"x": 0, "y": 0, "width": width, "height": height, "scale": 1},
+            )
         data = self.call("Page.captureScreenshot", **params)["data"]
         SHOTS.mkdir(parents=True, exist_ok=True)
         path = SHOTS / f"{name}.png"
@@ -215,7 +231,9 @@ class Page:
                 text = details.get("exception", {}).get("description") or details.get("text", "")
                 errors.append(f"uncaught exception: {text}")
             elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
-                args = " ".join(str(a.get("value", a.get("description", ""))) for a in params.get("args", []))
+                args = " ".join(
+                    str(a.get("value", a.get("description", ""))) for a in params.get("args", [])
+                )
                 errors.append(f"console.{params['type']}: {args}")
             elif method == "Log.entryAdded" and params["entry"].get("level") == "error":
                 entry = params["entry"]
@@ -223,7 +241,9 @@ class Page:
                 if url and not url.startswith(self.origin):
                     external.append(f"{url}: {entry.get('text', '')}")
                 else:
-                    errors.append(f"{entry.get('source', 'log')}: {entry.get('text', '')} {url}".strip())
+                    errors.append(
+                        f"{entry.get('source', 'log')}: {entry.get('text', '')} {url}".strip()
+                    )
         return errors, external
 
 
@@ -307,7 +327,9 @@ def chromium() -> str:
     if path is None:
         if ci_is_on():
             pytest.fail("CI is on but Chromium is not installed: .ci/run installs it with apt-get")
-        pytest.skip("Chromium is not installed (apt-get install -y chromium, or set CHROMIUM=/path/to/chrome)")
+        pytest.skip(
+            "Chromium is not installed (apt-get install -y chromium, or set CHROMIUM=/path/to/chrome)"
+        )
     return path
 
 
@@ -317,7 +339,11 @@ def site(tmp_path_factory) -> pathlib.Path:
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--quiet", "--site-dir", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert done.returncode == 0, f"mkdocs build failed:\n{done.stdout}\n{done.stderr}"
     assert (out / "index.html").exists() and (out / "search" / "search_index.json").exists()
@@ -330,7 +356,9 @@ def origin(site):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Quiet, directory=str(site))
+    )
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -345,11 +373,21 @@ def browser(chromium, tmp_path_factory):
     profile = tmp_path_factory.mktemp("chromium-profile")
     process = subprocess.Popen(
         [
-            chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
-            f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank",
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            "--hide-scrollbars",
+            f"--user-data-dir={profile}",
+            "--remote-debugging-port=0",
+            "about:blank",
         ],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     port_file = profile / "DevToolsActivePort"
     deadline = time.monotonic() + 30
@@ -387,13 +425,17 @@ def test_page_loads_without_errors(page, origin, name):
     page.open(origin + path)
     shown = page.wait_until(shows, timeout=10)
     if name in ("diagrams", "op-graph"):  # show a drawing rather than the page's introduction
-        page.evaluate(f"document.querySelector('{'.tl-diagram' if name == 'diagrams' else '.tl-opgraph'}')"
-                      ".scrollIntoView()")
+        page.evaluate(
+            f"document.querySelector('{'.tl-diagram' if name == 'diagrams' else '.tl-opgraph'}')"
+            ".scrollIntoView()"
+        )
         page.tools.pump(0.3)
     shot = page.screenshot(name)
     errors, external = page.problems()
     assert not errors, f"{path or '/'}: " + "; ".join(errors)
-    assert not external, f"{path or '/'} requests files from other hosts (it must work offline): {external}"
+    assert not external, (
+        f"{path or '/'} requests files from other hosts (it must work offline): {external}"
+    )
     assert shown, f"{path or '/'} does not show what it should ({shows}); see {shot}"
 
 
@@ -407,7 +449,8 @@ def search(page, url: str, query: str) -> list[str]:
         ".dispatchEvent(new KeyboardEvent('keyup', {key: 's', bubbles: true}))"
     )
     links = page.wait_until(
-        "Array.from(document.querySelectorAll('.md-search-result__item > a')).map(a => a.href)", timeout=20
+        "Array.from(document.querySelectorAll('.md-search-result__item > a')).map(a => a.href)",
+        timeout=20,
     )
     page.tools.pump(0.5)  # let the search overlay finish its transition before the screenshot
     meta = page.evaluate("document.querySelector('.md-search-result__meta').textContent.trim()")
@@ -420,13 +463,22 @@ def test_search_finds_resolve_alias_in_the_api_reference(page, origin):
     page.screenshot("search-resolve_alias")
     errors, _ = page.problems()
     assert not errors, "; ".join(errors)
-    assert any("/api/mechinterp/" in link and link.endswith("#torchlens.mechinterp.resolve_alias")
-               for link in links), links
+    assert any(
+        "/api/mechinterp/" in link and link.endswith("#torchlens.mechinterp.resolve_alias")
+        for link in links
+    ), links
 
 
 #: Names as readers paste them: with a layer, as the tables write them, and a part of one.
-HOOK_NAMES = ("blocks.3.hook_mlp_out", "blocks.{L}.hook_mlp_out", "hook_mlp_out", "layers_output[1]",
-              "resid_post.5", "blocks.0.attn.hook_pattern", "mlps_output[-1]")
+HOOK_NAMES = (
+    "blocks.3.hook_mlp_out",
+    "blocks.{L}.hook_mlp_out",
+    "hook_mlp_out",
+    "layers_output[1]",
+    "resid_post.5",
+    "blocks.0.attn.hook_pattern",
+    "mlps_output[-1]",
+)
 
 
 @pytest.mark.parametrize("query", HOOK_NAMES)
@@ -444,11 +496,18 @@ def test_search_and_links_work_on_the_site_opened_from_disk(page, site):
     assert any("/aliases/" in link for link in links[:3]), links[:5]
     page.tools.events.clear()
     page.evaluate("document.querySelector('.md-search-result__item > a').click()")
-    page.wait_until("document.readyState === 'complete' && location.pathname.endsWith('/index.html')", timeout=10)
+    page.wait_until(
+        "document.readyState === 'complete' && location.pathname.endsWith('/index.html')",
+        timeout=10,
+    )
     assert "/aliases/" in page.evaluate("location.pathname")
-    page.evaluate("Array.from(document.querySelectorAll('a.md-nav__link'))"
-                  ".find(a => a.textContent.trim() === 'Facets').click()")
-    title = page.wait_until("location.pathname.endsWith('/guides/facets/index.html') && document.title", timeout=10)
+    page.evaluate(
+        "Array.from(document.querySelectorAll('a.md-nav__link'))"
+        ".find(a => a.textContent.trim() === 'Facets').click()"
+    )
+    title = page.wait_until(
+        "location.pathname.endsWith('/guides/facets/index.html') && document.title", timeout=10
+    )
     assert title and title.startswith("Facets"), title
     errors, _ = page.problems()
     assert not errors, "; ".join(errors)
@@ -493,7 +552,9 @@ def test_no_clipped_or_broken_text(page, site, origin, width):
                 found[path or "/"] = problems
     finally:
         page.resize(VIEWPORT["width"])
-    listing = "\n".join(f"{p}: {len(v)} problems\n    " + "\n    ".join(v[:8]) for p, v in found.items())
+    listing = "\n".join(
+        f"{p}: {len(v)} problems\n    " + "\n    ".join(v[:8]) for p, v in found.items()
+    )
     assert not found, f"at {width} px:\n{listing}"
 
 
@@ -605,5 +666,7 @@ def test_the_layout_check_can_fail(page, origin):
     )
     problems = page.evaluate(LAYOUT_PROBLEMS_JS)
     assert any(p.startswith("clipped: <pre") for p in problems), problems
-    assert any(p.startswith("broken:") and "hook_resid_post" in p.replace(" / ", "") for p in problems), problems
+    assert any(
+        p.startswith("broken:") and "hook_resid_post" in p.replace(" / ", "") for p in problems
+    ), problems
     assert any(p.startswith("clipped: <code>") and "sticks out" in p for p in problems), problems

@@ -25,9 +25,7 @@ import torch
 from torch import Tensor, nn
 
 import torchlens
-from torchlens import SaveSpecError
-
-from torchlens import testing
+from torchlens import SaveSpecError, testing
 
 # ----------------------------------------------------------------------------------------------
 # Family data (what the ground truth needs to know about each architecture)
@@ -49,49 +47,84 @@ _GATED = dict(
 #: embedding and final norm are is the family's `structure` (`_where`), written once.
 _FACTS: dict[str, dict[str, Any]] = {
     "gpt2": dict(
-        qkv=("thirds", "c_attn"), o_proj="c_proj", rope=None,
-        qk_norm=None, resid_mid=("ln_2", "in"),
-        mlp_map=dict(pre=("c_fc", "out"), act=("act", "out"), post=("c_proj", "in"), down_out=("c_proj", "out")),
+        qkv=("thirds", "c_attn"),
+        o_proj="c_proj",
+        rope=None,
+        qk_norm=None,
+        resid_mid=("ln_2", "in"),
+        mlp_map=dict(
+            pre=("c_fc", "out"),
+            act=("act", "out"),
+            post=("c_proj", "in"),
+            down_out=("c_proj", "out"),
+        ),
     ),
     "llama": dict(
-        qkv=("separate", None), o_proj="o_proj", rope="model.rotary_emb",
-        qk_norm=None, resid_mid=("post_attention_layernorm", "in"),
+        qkv=("separate", None),
+        o_proj="o_proj",
+        rope="model.rotary_emb",
+        qk_norm=None,
+        resid_mid=("post_attention_layernorm", "in"),
         mlp_map=_GATED,
     ),
     "gpt_neox": dict(
-        qkv=("neox", "query_key_value"), o_proj="dense", rope="gpt_neox.rotary_emb",
-        qk_norm=None, resid_mid=None,
+        qkv=("neox", "query_key_value"),
+        o_proj="dense",
+        rope="gpt_neox.rotary_emb",
+        qk_norm=None,
+        resid_mid=None,
         mlp_map=dict(
-            pre=("dense_h_to_4h", "out"), act=("act", "out"), post=("dense_4h_to_h", "in"),
+            pre=("dense_h_to_4h", "out"),
+            act=("act", "out"),
+            post=("dense_4h_to_h", "in"),
             down_out=("dense_4h_to_h", "out"),
         ),
     ),
     "gemma2": dict(
-        qkv=("separate", None), o_proj="o_proj", rope="model.rotary_emb",
-        qk_norm=None, resid_mid=("pre_feedforward_layernorm", "in"),
+        qkv=("separate", None),
+        o_proj="o_proj",
+        rope="model.rotary_emb",
+        qk_norm=None,
+        resid_mid=("pre_feedforward_layernorm", "in"),
         mlp_map=_GATED,
     ),
     "qwen3": dict(
-        qkv=("separate", None), o_proj="o_proj", rope="model.rotary_emb",
-        qk_norm="per_head", resid_mid=("post_attention_layernorm", "in"),
+        qkv=("separate", None),
+        o_proj="o_proj",
+        rope="model.rotary_emb",
+        qk_norm="per_head",
+        resid_mid=("post_attention_layernorm", "in"),
         mlp_map=_GATED,
     ),
     "phi3": dict(
-        qkv=("slices", "qkv_proj"), o_proj="o_proj", rope="model.rotary_emb",
-        qk_norm=None, resid_mid=("post_attention_layernorm", "in"),
+        qkv=("slices", "qkv_proj"),
+        o_proj="o_proj",
+        rope="model.rotary_emb",
+        qk_norm=None,
+        resid_mid=("post_attention_layernorm", "in"),
         mlp_map=dict(
-            pre=("gate_up_proj", "out", 0), pre_linear=("gate_up_proj", "out", 1), act=("activation_fn", "out"),
-            gated_out=("down_proj", "in"), post=("down_proj", "in"), down_out=("down_proj", "out"),
+            pre=("gate_up_proj", "out", 0),
+            pre_linear=("gate_up_proj", "out", 1),
+            act=("activation_fn", "out"),
+            gated_out=("down_proj", "in"),
+            post=("down_proj", "in"),
+            down_out=("down_proj", "out"),
         ),
     ),
     "olmo2": dict(
-        qkv=("separate", None), o_proj="o_proj", rope="model.rotary_emb",
-        qk_norm="flat", resid_mid=("mlp", "in"),
+        qkv=("separate", None),
+        o_proj="o_proj",
+        rope="model.rotary_emb",
+        qk_norm="flat",
+        resid_mid=("mlp", "in"),
         mlp_map=_GATED,
     ),
     "mistral": dict(
-        qkv=("separate", None), o_proj="o_proj", rope="model.rotary_emb",
-        qk_norm=None, resid_mid=("post_attention_layernorm", "in"),
+        qkv=("separate", None),
+        o_proj="o_proj",
+        rope="model.rotary_emb",
+        qk_norm=None,
+        resid_mid=("post_attention_layernorm", "in"),
         mlp_map=_GATED,
     ),
 }
@@ -101,14 +134,26 @@ def _where(family: str) -> dict[str, Any]:
     """Where the family's modules are: its `structure` in `torchlens.testing.FAMILIES`."""
     s = testing.FAMILIES[family].structure
     stack = s.stacks[s.lm_stack]
-    return dict(layers=s.lm_stack, attn=stack.attention, mlp=stack.mlp, embed=s.embed, final_norm=s.final_norm)
+    return dict(
+        layers=s.lm_stack,
+        attn=stack.attention,
+        mlp=stack.mlp,
+        embed=s.embed,
+        final_norm=s.final_norm,
+    )
 
 
-FAMILY: dict[str, dict[str, Any]] = {name: dict(_where(name), **facts) for name, facts in _FACTS.items()}
+FAMILY: dict[str, dict[str, Any]] = {
+    name: dict(_where(name), **facts) for name, facts in _FACTS.items()
+}
 FAMILY["gpt2_upcast"] = FAMILY["gpt2"]
-FAMILY["gpt_neox_sequential"] = dict(FAMILY["gpt_neox"], resid_mid=("post_attention_layernorm", "in"))
+FAMILY["gpt_neox_sequential"] = dict(
+    FAMILY["gpt_neox"], resid_mid=("post_attention_layernorm", "in")
+)
 
-FAMILY_IMPLS = [(f, impl) for f in testing.SUITE for impl in testing.FAMILIES[f].attn_implementations]
+FAMILY_IMPLS = [
+    (f, impl) for f in testing.SUITE for impl in testing.FAMILIES[f].attn_implementations
+]
 N_LAYERS = 2
 SEQ = 7
 #: Left padding of the second row of the padded batch: its first two positions are padding.
@@ -259,10 +304,14 @@ def _tol(dtype: torch.dtype) -> float:
     return {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
 
 
-def assert_close(actual: Tensor, expected: Tensor, dtype: torch.dtype, what: str = "", scale: float | None = None):
+def assert_close(
+    actual: Tensor, expected: Tensor, dtype: torch.dtype, what: str = "", scale: float | None = None
+):
     """Compare in float64 with a tolerance relative to the magnitude of `expected`."""
     assert actual is not None, f"{what}: not saved"
-    assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert tuple(actual.shape) == tuple(expected.shape), (
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
     a, e = actual.double(), expected.double()
     ref = float(e.abs().max()) if scale is None else scale
     tol = _tol(dtype) * max(1.0, ref)
@@ -273,9 +322,13 @@ def assert_close(actual: Tensor, expected: Tensor, dtype: torch.dtype, what: str
 def assert_same(actual: Tensor, expected: Tensor, what: str = ""):
     """Bit-for-bit: the facet is the very tensor the model computed (same op, same inputs)."""
     assert actual is not None, f"{what}: not saved"
-    assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert tuple(actual.shape) == tuple(expected.shape), (
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    assert torch.equal(actual, expected), f"{what}: max abs diff {float((actual.double() - expected.double()).abs().max()):.3g}"
+    assert torch.equal(actual, expected), (
+        f"{what}: max abs diff {float((actual.double() - expected.double()).abs().max()):.3g}"
+    )
 
 
 def _inputs(padded: bool) -> tuple[Tensor, Tensor | None]:
@@ -288,7 +341,9 @@ def _inputs(padded: bool) -> tuple[Tensor, Tensor | None]:
 
 
 @functools.cache
-def get_case(family: str, impl: str, dtype: torch.dtype = torch.float32, padded: bool = False) -> Case:
+def get_case(
+    family: str, impl: str, dtype: torch.dtype = torch.float32, padded: bool = False
+) -> Case:
     model = testing.build(family, impl, dtype)
     ids, mask = _inputs(padded)
     kw = {} if mask is None else {"attention_mask": mask}
@@ -302,7 +357,20 @@ def get_case(family: str, impl: str, dtype: torch.dtype = torch.float32, padded:
         eager_out = eager(ids, output_attentions=True, **kw)
     assert torch.equal(eager_out.logits, out.logits) or impl != "eager"
     trace = torchlens.trace(model, ids, **kw)
-    return Case(family, impl, dtype, padded, model, ids, mask, out, gt, tuple(eager_out.attentions), trace, FAMILY[family])
+    return Case(
+        family,
+        impl,
+        dtype,
+        padded,
+        model,
+        ids,
+        mask,
+        out,
+        gt,
+        tuple(eager_out.attentions),
+        trace,
+        FAMILY[family],
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -316,7 +384,9 @@ def _one_thread():
 
 
 CASES_F32 = [pytest.param(f, i, torch.float32, id=f"{f}-{i}-f32") for f, i in FAMILY_IMPLS]
-CASES_ALL = CASES_F32 + [pytest.param(f, i, torch.bfloat16, id=f"{f}-{i}-bf16") for f, i in FAMILY_IMPLS]
+CASES_ALL = CASES_F32 + [
+    pytest.param(f, i, torch.bfloat16, id=f"{f}-{i}-bf16") for f, i in FAMILY_IMPLS
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -449,7 +519,9 @@ def rows_with_keys(c: Case, layer: int) -> Tensor:
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["1row", "padded"])
-@pytest.mark.parametrize("family,impl", [pytest.param(f, i, id=f"{f}-{i}") for f, i in FAMILY_IMPLS])
+@pytest.mark.parametrize(
+    "family,impl", [pytest.param(f, i, id=f"{f}-{i}") for f, i in FAMILY_IMPLS]
+)
 def test_ground_truth_is_consistent(family, impl, padded):
     c = get_case(family, impl, torch.float32, padded)
     # The trace ran the same computation.
@@ -460,12 +532,15 @@ def test_ground_truth_is_consistent(family, impl, padded):
         vis = c.visible(layer)[:, None]
         p = torch.softmax(s.masked_fill(~vis, float("-inf")), dim=-1)
         rows = rows_with_keys(c, layer)[:, None, :, None].expand(p.shape)
-        torch.testing.assert_close(p[rows].float(), c.eager_attn[layer][rows].float(), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            p[rows].float(), c.eager_attn[layer][rows].float(), atol=1e-5, rtol=1e-4
+        )
         # Per-head results recomputed from weights sum (plus bias) to the output projection.
         proj = c.model.get_submodule(f"{c.attn(layer)}.{c.spec['o_proj']}")
         bias = 0 if proj.bias is None else proj.bias.detach().double()
         torch.testing.assert_close(
-            gt_result(c, layer).sum(2) + bias, c.gt.outputs[f"{c.attn(layer)}.{c.spec['o_proj']}"].double()
+            gt_result(c, layer).sum(2) + bias,
+            c.gt.outputs[f"{c.attn(layer)}.{c.spec['o_proj']}"].double(),
         )
 
 
@@ -482,7 +557,9 @@ def expected_sites(c: Case, addr: str) -> set[str] | None:
     if addr == "":
         return base | {"logits", "final_norm_input"}
     if addr in layers:
-        return base | {"resid_pre", "resid_post"} | ({"resid_mid"} if c.spec["resid_mid"] else set())
+        return (
+            base | {"resid_pre", "resid_post"} | ({"resid_mid"} if c.spec["resid_mid"] else set())
+        )
     if addr in [c.attn(i) for i in range(N_LAYERS)]:
         rot = {"rot_q", "rot_k"} if c.spec["rope"] or c.spec["qk_norm"] else set()
         return base | {"q", "k", "v", "scores", "pattern", "z", "result"} | rot
@@ -554,7 +631,9 @@ def test_every_module_input_output(family, impl, dtype):
         f = c.facets(addr)
         for facet, truth in (("input", c.gt.inputs[addr]), ("output", c.gt.outputs[addr])):
             if truth is None:
-                assert facet not in f.sites, f"{addr}.{facet} exists but the module had no such tensor"
+                assert facet not in f.sites, (
+                    f"{addr}.{facet} exists but the module had no such tensor"
+                )
                 continue
             assert_same(f[facet], truth, f"{addr or '<root>'}.{facet}")
             checked += 1
@@ -588,7 +667,9 @@ def test_module_called_several_times_and_keyword_only_root():
     def post(name):
         return lambda m, a, out: per_call[name][-1].append(out.detach().clone())
 
-    handles = [getattr(model, n).register_forward_pre_hook(pre(n), with_kwargs=True) for n in per_call]
+    handles = [
+        getattr(model, n).register_forward_pre_hook(pre(n), with_kwargs=True) for n in per_call
+    ]
     handles += [getattr(model, n).register_forward_hook(post(n)) for n in per_call]
     with torch.no_grad():
         out = model(x=x, scale=scale)
@@ -673,7 +754,9 @@ def _check_scores(c: Case, layer: int, scores: Tensor, what: str):
         # upcasts them, e.g. GPT-2's reorder_and_upcast_attn)
         fills = {torch.finfo(scores.dtype).min, float(torch.finfo(c.dtype).min)}
         got = set(scores[masked].double().unique().tolist())
-        assert got <= fills and len(got) == 1, f"{what}: masked entries {sorted(got)[:4]} not in {fills}"
+        assert got <= fills and len(got) == 1, (
+            f"{what}: masked entries {sorted(got)[:4]} not in {fills}"
+        )
 
 
 @pytest.mark.parametrize("family,impl,dtype", CASES_ALL)
@@ -724,11 +807,15 @@ def test_attention_result(family, impl, dtype):
         assert_close(result, gt_result(c, i), dtype, f"{a}.result")
         # sum over heads + bias == the output projection's output
         bias = 0 if proj.bias is None else proj.bias.detach().double()
-        assert_close(result.double().sum(2) + bias, c.gt.outputs[proj_addr], dtype, f"{a}.result summed")
+        assert_close(
+            result.double().sum(2) + bias, c.gt.outputs[proj_addr], dtype, f"{a}.result summed"
+        )
         site = c.facets(a).sites["result"]
-        assert site.check_error is not None and site.check_error <= _tol(dtype) * max(
-            1.0, float(c.gt.outputs[proj_addr].abs().max())
-        ) * 4
+        assert (
+            site.check_error is not None
+            and site.check_error
+            <= _tol(dtype) * max(1.0, float(c.gt.outputs[proj_addr].abs().max())) * 4
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -744,7 +831,12 @@ def test_mlp_facets(family, impl, dtype):
         for facet in c.spec["mlp_map"]:
             assert_same(f[facet], gt_mlp(c, i, facet), f"{c.mlp(i)}.{facet}")
         if "gated_out" in c.spec["mlp_map"]:
-            assert_close(f["gated_out"], f["act"].double() * f["pre_linear"].double(), dtype, "gated_out = act * lin")
+            assert_close(
+                f["gated_out"],
+                f["act"].double() * f["pre_linear"].double(),
+                dtype,
+                "gated_out = act * lin",
+            )
         else:
             assert "pre_linear" not in f.sites and "gated_out" not in f.sites
 
@@ -767,7 +859,12 @@ def test_norm_facets(family, impl, dtype):
         assert f[inv_name].shape == inv.shape
         assert_close(f[inv_name], inv, dtype, f"{addr}.{inv_name}")
         assert_close(f["scale"], 1.0 / inv, dtype, f"{addr}.scale")
-        assert_close(f["scale"].double() * f[inv_name].double(), torch.ones_like(inv), torch.float32, "scale*inv")
+        assert_close(
+            f["scale"].double() * f[inv_name].double(),
+            torch.ones_like(inv),
+            torch.float32,
+            "scale*inv",
+        )
         # pre-gain: the gains were perturbed away from 1, so a post-gain tensor would fail here
         assert f["normalized"].dtype in (torch.float32, dtype)
         assert_close(f["normalized"], normalized, dtype, f"{addr}.normalized")
@@ -816,7 +913,10 @@ def test_left_padding_attention(family, impl, dtype):
 # save=
 # ----------------------------------------------------------------------------------------------
 
-SAVE_FAMILIES = [pytest.param("gpt2", "eager", id="gpt2-eager"), pytest.param("llama", "sdpa", id="llama-sdpa")]
+SAVE_FAMILIES = [
+    pytest.param("gpt2", "eager", id="gpt2-eager"),
+    pytest.param("llama", "sdpa", id="llama-sdpa"),
+]
 
 
 def _all_sites(tr):
@@ -886,7 +986,19 @@ def test_save_pattern_only(family, impl):
 
 @pytest.mark.parametrize("family,impl", SAVE_FAMILIES)
 @pytest.mark.parametrize(
-    "facet", ["q", "rot_k", "scores", "z", "result", "resid_mid", "normalized", "pre", "indices", "final_norm_input"]
+    "facet",
+    [
+        "q",
+        "rot_k",
+        "scores",
+        "z",
+        "result",
+        "resid_mid",
+        "normalized",
+        "pre",
+        "indices",
+        "final_norm_input",
+    ],
 )
 def test_save_one_facet_name(family, impl, facet):
     """save=[facet] keeps exactly that facet, on every module that has it, with its full value."""
@@ -1095,8 +1207,14 @@ def test_inplace_on_model_input_and_hf_model_unchanged():
 
 def _hook_state(model: nn.Module):
     return [
-        (addr, len(m._forward_hooks), len(m._forward_pre_hooks), len(getattr(m, "_forward_hooks_with_kwargs", {})),
-         len(getattr(m, "_forward_pre_hooks_with_kwargs", {})), len(getattr(m, "_forward_hooks_always_called", {})))
+        (
+            addr,
+            len(m._forward_hooks),
+            len(m._forward_pre_hooks),
+            len(getattr(m, "_forward_hooks_with_kwargs", {})),
+            len(getattr(m, "_forward_pre_hooks_with_kwargs", {})),
+            len(getattr(m, "_forward_hooks_always_called", {})),
+        )
         for addr, m in model.named_modules()
     ]
 
@@ -1137,7 +1255,10 @@ class _Fail(nn.Module):
         raise self.exc
 
 
-@pytest.mark.parametrize("family,impl", [pytest.param("gpt2", "eager", id="gpt2"), pytest.param("llama", "sdpa", id="llama")])
+@pytest.mark.parametrize(
+    "family,impl",
+    [pytest.param("gpt2", "eager", id="gpt2"), pytest.param("llama", "sdpa", id="llama")],
+)
 def test_nothing_left_after_trace(family, impl):
     c = get_case(family, impl)
     model = c.model
@@ -1151,7 +1272,11 @@ def test_nothing_left_after_trace(family, impl):
         assert torch.equal(model(c.ids).logits, c.out.logits)
 
 
-@pytest.mark.parametrize("exc", [_Boom("boom"), ValueError("bad value"), KeyboardInterrupt()], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize(
+    "exc",
+    [_Boom("boom"), ValueError("bad value"), KeyboardInterrupt()],
+    ids=lambda e: type(e).__name__,
+)
 def test_nothing_left_after_forward_raises(exc):
     model = _Raiser(exc)
     with pytest.raises(type(exc)) as info:
@@ -1172,7 +1297,10 @@ def test_nothing_left_after_hf_forward_raises():
     before = _hook_state(c.model)
     with pytest.raises(IndexError) as info:
         torchlens.trace(c.model, bad_ids)
-    assert any("(embedding) in module <root> > model > model.embed_tokens" in n for n in info.value.__notes__)
+    assert any(
+        "(embedding) in module <root> > model > model.embed_tokens" in n
+        for n in info.value.__notes__
+    )
     _assert_clean(c.model, before)
     with torch.no_grad():
         assert torch.equal(c.model(c.ids).logits, c.out.logits)

@@ -52,7 +52,11 @@ def tables(text: str) -> list[tuple[list[str], list[tuple[int, dict[str, str]]]]
     found, lines = [], text.split("\n")
     i = 0
     while i < len(lines):
-        if lines[i].startswith("|") and i + 1 < len(lines) and re.fullmatch(r"\|[\s|:-]+\|", lines[i + 1].strip()):
+        if (
+            lines[i].startswith("|")
+            and i + 1 < len(lines)
+            and re.fullmatch(r"\|[\s|:-]+\|", lines[i + 1].strip())
+        ):
             header, rows, i = _cells(lines[i]), [], i + 2
             while i < len(lines) and lines[i].startswith("|"):
                 rows.append((i + 1, dict(zip(header, _cells(lines[i])))))
@@ -76,7 +80,9 @@ def page_paths(text: str) -> list[str]:
 
 def missing_paths(root: pathlib.Path, text: str) -> list[str]:
     """The paths the page names that do not exist under ``root``."""
-    return [p for p in page_paths(text) if not (any(root.glob(p)) if "*" in p else (root / p).exists())]
+    return [
+        p for p in page_paths(text) if not (any(root.glob(p)) if "*" in p else (root / p).exists())
+    ]
 
 
 def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -112,8 +118,12 @@ def _bound(body: list[ast.stmt]) -> dict[str, ast.AST]:
                     if isinstance(leaf, ast.Name):
                         names[leaf.id] = node
         elif isinstance(node, (ast.If, ast.Try)):
-            for block in (node.body, node.orelse, getattr(node, "finalbody", []),
-                          *(h.body for h in getattr(node, "handlers", []))):
+            for block in (
+                node.body,
+                node.orelse,
+                getattr(node, "finalbody", []),
+                *(h.body for h in getattr(node, "handlers", [])),
+            ):
                 names.update(_bound(block))
     return names
 
@@ -123,16 +133,24 @@ def defined(path: pathlib.Path) -> dict[str, ast.AST]:
 
 
 def imported(path: pathlib.Path) -> set[str]:
-    return {alias.asname or alias.name.split(".")[0] for node in _tree(path).body
-            if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    return {
+        alias.asname or alias.name.split(".")[0]
+        for node in _tree(path).body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
 
 
 def class_attributes(node: ast.ClassDef) -> set[str]:
     """What a class defines: its body's names, and the ``self.X`` its methods assign."""
     names = set(_bound(node.body))
     for leaf in ast.walk(node):
-        if (isinstance(leaf, ast.Attribute) and isinstance(leaf.ctx, ast.Store) and isinstance(leaf.value, ast.Name)
-                and leaf.value.id == "self"):
+        if (
+            isinstance(leaf, ast.Attribute)
+            and isinstance(leaf.ctx, ast.Store)
+            and isinstance(leaf.value, ast.Name)
+            and leaf.value.id == "self"
+        ):
             names.add(leaf.attr)
     return names
 
@@ -143,7 +161,9 @@ def has_name(path: pathlib.Path, name: str, *, imports: bool = False) -> bool:
     node = defined(path).get(first)
     if node is None:
         return imports and not rest and first in imported(path)
-    return not rest or (isinstance(node, ast.ClassDef) and "." not in rest and rest in class_attributes(node))
+    return not rest or (
+        isinstance(node, ast.ClassDef) and "." not in rest and rest in class_attributes(node)
+    )
 
 
 def file_rows(text: str):
@@ -165,17 +185,24 @@ def row_problems(root: pathlib.Path, text: str) -> list[str]:
         paths = sorted(root.glob(files[0])) if "*" in files[0] else [root / files[0]]
         for name in _TICKED.findall(names_cell):
             for path in (p for p in paths if p.is_file()):
-                there = (has_name(path, name) if path.suffix == ".py"
-                         else name in path.read_text(encoding="utf-8"))
+                there = (
+                    has_name(path, name)
+                    if path.suffix == ".py"
+                    else name in path.read_text(encoding="utf-8")
+                )
                 if not there:
-                    problems.append(f"{PAGE}:{line}: `{name}` is not defined in {path.relative_to(root)}")
+                    problems.append(
+                        f"{PAGE}:{line}: `{name}` is not defined in {path.relative_to(root)}"
+                    )
     return problems
 
 
 def symbol_problems(root: pathlib.Path, text: str) -> list[str]:
     """A ``module.NAME`` the page names that its module lacks, or a module reference to no module."""
     known, problems = modules(root), []
-    for token in sorted({t for t in _TICKED.findall(text) if _DOTTED.fullmatch(t) and not is_path(t)}):
+    for token in sorted(
+        {t for t in _TICKED.findall(text) if _DOTTED.fullmatch(t) and not is_path(t)}
+    ):
         parts = token.split(".")
         prefix = next((n for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in known), 0)
         if not prefix:
@@ -190,8 +217,11 @@ def symbol_problems(root: pathlib.Path, text: str) -> list[str]:
 
 def modules_without_a_row(root: pathlib.Path, text: str) -> list[str]:
     files = {t for _, cell, _ in file_rows(text) for t in _TICKED.findall(cell)}
-    return [path.relative_to(root).as_posix() for path in sorted((root / "src" / "torchlens").rglob("*.py"))
-            if path.relative_to(root).as_posix() not in files]
+    return [
+        path.relative_to(root).as_posix()
+        for path in sorted((root / "src" / "torchlens").rglob("*.py"))
+        if path.relative_to(root).as_posix() not in files
+    ]
 
 
 def _page() -> str:
@@ -225,26 +255,48 @@ def test_the_checks_catch_a_stale_row_a_stale_path_and_a_module_without_a_row(tm
     package = tmp_path / "src" / "torchlens"
     (package / "sub").mkdir(parents=True)
     (package / "__init__.py").write_text("from ._a import f\n\n__all__ = ['f']\n")
-    (package / "_a.py").write_text("class C:\n    x = 1\n    def __init__(self):\n        self.y = 2\n\ndef f():\n    pass\n")
+    (package / "_a.py").write_text(
+        "class C:\n    x = 1\n    def __init__(self):\n        self.y = 2\n\ndef f():\n    pass\n"
+    )
     (package / "sub" / "__init__.py").write_text("")
     (package / "sub" / "_b.py").write_text("B = 1\n")
     (tmp_path / "tests").mkdir()
-    page = ("| Knowledge | File | Names | Read by |\n| --- | --- | --- | --- |\n"
-            "| surface | `src/torchlens/__init__.py` | `__all__` | `torchlens.f`, `_a.C.y` |\n"
-            "| a | `src/torchlens/_a.py` | `f`, `C.x`, `C.y` | `sub._b.B` |\n"
-            "| sub | `src/torchlens/sub/__init__.py` | | |\n")
-    assert not (row_problems(tmp_path, page) or symbol_problems(tmp_path, page) or missing_paths(tmp_path, page))
-    assert modules_without_a_row(tmp_path, page) == ["src/torchlens/sub/_b.py"]  # a module without a row
+    page = (
+        "| Knowledge | File | Names | Read by |\n| --- | --- | --- | --- |\n"
+        "| surface | `src/torchlens/__init__.py` | `__all__` | `torchlens.f`, `_a.C.y` |\n"
+        "| a | `src/torchlens/_a.py` | `f`, `C.x`, `C.y` | `sub._b.B` |\n"
+        "| sub | `src/torchlens/sub/__init__.py` | | |\n"
+    )
+    assert not (
+        row_problems(tmp_path, page)
+        or symbol_problems(tmp_path, page)
+        or missing_paths(tmp_path, page)
+    )
+    assert modules_without_a_row(tmp_path, page) == [
+        "src/torchlens/sub/_b.py"
+    ]  # a module without a row
 
-    stale = page + "| old | `src/torchlens/_a.py` | `g`, `C.z` | `_a.h`, `_gone.X`, `torchlens.nope` |\n"
-    assert row_problems(tmp_path, stale) == [f"{PAGE}:6: `g` is not defined in src/torchlens/_a.py",
-                                             f"{PAGE}:6: `C.z` is not defined in src/torchlens/_a.py"]
+    stale = (
+        page
+        + "| old | `src/torchlens/_a.py` | `g`, `C.z` | `_a.h`, `_gone.X`, `torchlens.nope` |\n"
+    )
+    assert row_problems(tmp_path, stale) == [
+        f"{PAGE}:6: `g` is not defined in src/torchlens/_a.py",
+        f"{PAGE}:6: `C.z` is not defined in src/torchlens/_a.py",
+    ]
     assert symbol_problems(tmp_path, stale) == [
         f"{PAGE}: `_a.h`: src/torchlens/_a.py has no `h`",
         f"{PAGE}: `_gone.X` names a module that does not exist",
-        f"{PAGE}: `torchlens.nope`: src/torchlens/__init__.py has no `nope`"]
+        f"{PAGE}: `torchlens.nope`: src/torchlens/__init__.py has no `nope`",
+    ]
     moved = page + "| moved | `src/torchlens/_moved.py` | `f` | `scripts/gen_*.py` |\n"
     assert missing_paths(tmp_path, moved) == ["scripts/gen_*.py", "src/torchlens/_moved.py"]
-    reexport = page + "| surface | `src/torchlens/__init__.py` | `f` | |\n"  # imported there, defined in _a.py
-    assert row_problems(tmp_path, reexport) == [f"{PAGE}:6: `f` is not defined in src/torchlens/__init__.py"]
-    assert row_problems(tmp_path, page + "| two | `src/torchlens/_a.py`, `src/torchlens/__init__.py` | | |\n")
+    reexport = (
+        page + "| surface | `src/torchlens/__init__.py` | `f` | |\n"
+    )  # imported there, defined in _a.py
+    assert row_problems(tmp_path, reexport) == [
+        f"{PAGE}:6: `f` is not defined in src/torchlens/__init__.py"
+    ]
+    assert row_problems(
+        tmp_path, page + "| two | `src/torchlens/_a.py`, `src/torchlens/__init__.py` | | |\n"
+    )

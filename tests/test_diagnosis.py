@@ -19,22 +19,39 @@ import pytest
 import torch
 import transformers as tf
 
-from torchlens import testing
 import torchlens as tl
 import torchlens.mechinterp as mi
+from torchlens import testing
 from torchlens.mechinterp import ToleranceError
 
 IDS = testing.token_ids()
 T = IDS.shape[1]
 
 #: Per family: where the blocks are and what each block's submodules are called (None: absent).
-_LLAMA = dict(layers="model.layers", attn="self_attn", mlp="mlp", ln1="input_layernorm",
-              ln2="post_attention_layernorm", attn_post=None, q="self_attn.q_proj", k="self_attn.k_proj",
-              embed="model.embed_tokens")
+_LLAMA = dict(
+    layers="model.layers",
+    attn="self_attn",
+    mlp="mlp",
+    ln1="input_layernorm",
+    ln2="post_attention_layernorm",
+    attn_post=None,
+    q="self_attn.q_proj",
+    k="self_attn.k_proj",
+    embed="model.embed_tokens",
+)
 _GEMMA = dict(_LLAMA, ln2="pre_feedforward_layernorm", attn_post="post_attention_layernorm")
 PATHS = {
-    "gpt2": dict(layers="transformer.h", attn="attn", mlp="mlp", ln1="ln_1", ln2="ln_2", attn_post=None,
-                 q=None, k=None, embed="transformer.wte"),
+    "gpt2": dict(
+        layers="transformer.h",
+        attn="attn",
+        mlp="mlp",
+        ln1="ln_1",
+        ln2="ln_2",
+        attn_post=None,
+        q=None,
+        k=None,
+        embed="transformer.wte",
+    ),
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "granite": _LLAMA,
@@ -44,17 +61,30 @@ PATHS = {
     "olmo2": dict(_LLAMA, ln1=None, ln2=None, attn_post="post_attention_layernorm"),
 }
 HEADS, KV, D_HEAD = 4, 2, 8
-_SOFTCAPPED = dict(head_dim=8, sliding_window=4, pad_token_id=0, bos_token_id=0, eos_token_id=0,
-                   attn_logit_softcapping=0.5)
+_SOFTCAPPED = dict(
+    head_dim=8,
+    sliding_window=4,
+    pad_token_id=0,
+    bos_token_id=0,
+    eos_token_id=0,
+    attn_logit_softcapping=0.5,
+)
 
 
 def _build(family: str, attn: str = "eager") -> torch.nn.Module:
     if family == "granite":
-        config = tf.GraniteConfig(residual_multiplier=0.22, pad_token_id=0, bos_token_id=0, eos_token_id=0,
-                                  **testing.LLAMA_LIKE)
+        config = tf.GraniteConfig(
+            residual_multiplier=0.22,
+            pad_token_id=0,
+            bos_token_id=0,
+            eos_token_id=0,
+            **testing.LLAMA_LIKE,
+        )
         return testing.from_config(config, tf.GraniteForCausalLM, attn, torch.float32)
     if family == "gemma3":  # Gemma-3 caps the final logits (its attention has no softcap)
-        config = tf.Gemma3TextConfig(final_logit_softcapping=0.5, **_SOFTCAPPED, **testing.LLAMA_LIKE)
+        config = tf.Gemma3TextConfig(
+            final_logit_softcapping=0.5, **_SOFTCAPPED, **testing.LLAMA_LIKE
+        )
         return testing.from_config(config, tf.Gemma3ForCausalLM, attn, torch.float32)
     if family == "vaultgemma":
         config = tf.VaultGemmaConfig(**_SOFTCAPPED, **testing.LLAMA_LIKE)
@@ -73,7 +103,7 @@ def _sharpen(model: torch.nn.Module) -> None:
                 p.mul_(30.0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced(family: str, attn: str = "eager", sharp: bool = False):
     """(model, trace), cached: tests must not modify either."""
     model = _build(family, attn)
@@ -95,11 +125,21 @@ def run_engine(model, hooks) -> dict:
     try:
         for module, kind, fn in hooks:
             if kind == "pre":
-                handles.append(module.register_forward_pre_hook(
-                    lambda m, args, kwargs, fn=fn: [fn(saved, args[0] if args else kwargs["hidden_states"]), None][1],
-                    with_kwargs=True))
+                handles.append(
+                    module.register_forward_pre_hook(
+                        lambda m, args, kwargs, fn=fn: [
+                            fn(saved, args[0] if args else kwargs["hidden_states"]),
+                            None,
+                        ][1],
+                        with_kwargs=True,
+                    )
+                )
             else:
-                handles.append(module.register_forward_hook(lambda m, args, out, fn=fn: [fn(saved, out), None][1]))
+                handles.append(
+                    module.register_forward_hook(
+                        lambda m, args, out, fn=fn: [fn(saved, out), None][1]
+                    )
+                )
         with torch.no_grad():
             model(IDS)
     finally:
@@ -125,32 +165,50 @@ def engine_residual_included(model, family):
     """The attention 'output' read where the residual has been added (BLOOM's sublayers)."""
     p = PATHS[family]
     after = sub(model, family, 0, "ln2") if p["ln2"] else sub(model, family, 0, "mlp")
-    return {"blocks.0.hook_attn_out": run_engine(model, [(after, "pre", lambda s, x: s.setdefault("v", x.clone()))])["v"]}
+    return {
+        "blocks.0.hook_attn_out": run_engine(
+            model, [(after, "pre", lambda s, x: s.setdefault("v", x.clone()))]
+        )["v"]
+    }
 
 
 def engine_after_norm(model, family):
     """hook_resid_pre read at the attention input, after the norm (TransformerLens #1317)."""
     attn = sub(model, family, 0, "attn")
-    return {"blocks.0.hook_resid_pre": run_engine(model, [(attn, "pre", lambda s, x: s.setdefault("v", x.clone()))])["v"]}
+    return {
+        "blocks.0.hook_resid_pre": run_engine(
+            model, [(attn, "pre", lambda s, x: s.setdefault("v", x.clone()))]
+        )["v"]
+    }
 
 
 def engine_raw_sublayer(model, family):
     """hook_attn_out read as the attention module's raw output on a post-norm family (TransformerLens #1648)."""
     attn = sub(model, family, 0, "attn")
-    return {"blocks.0.hook_attn_out": run_engine(model, [(attn, "post", lambda s, o: s.setdefault("v", first(o).clone()))])["v"]}
+    return {
+        "blocks.0.hook_attn_out": run_engine(
+            model, [(attn, "post", lambda s, o: s.setdefault("v", first(o).clone()))]
+        )["v"]
+    }
 
 
 def engine_wrong_tuple(model, family):
     """The attention module's whole (output, weights) tuple handed for the pattern."""
     attn = sub(model, family, 0, "attn")
-    out = run_engine(model, [(attn, "post", lambda s, o: s.setdefault("v", tuple(t.clone() for t in o)))])["v"]
+    out = run_engine(
+        model, [(attn, "post", lambda s, o: s.setdefault("v", tuple(t.clone() for t in o)))]
+    )["v"]
     return {"blocks.0.attn.hook_pattern": out}
 
 
 def engine_neighbour(model, family):
     """Layer 0's output read from layer 1 (an off-by-one layer index)."""
     block = sub(model, family, 1)
-    return {"blocks.0.hook_resid_post": run_engine(model, [(block, "post", lambda s, o: s.setdefault("v", first(o).clone()))])["v"]}
+    return {
+        "blocks.0.hook_resid_post": run_engine(
+            model, [(block, "post", lambda s, o: s.setdefault("v", first(o).clone()))]
+        )["v"]
+    }
 
 
 def _q_heads(model, family) -> torch.Tensor:
@@ -161,7 +219,9 @@ def _q_heads(model, family) -> torch.Tensor:
         d = out.shape[-1] // 3
         return out[..., :d].view(1, T, -1, d // model.config.n_head)
     q = model.get_submodule(f"{PATHS[family]['layers']}.0.{PATHS[family]['q']}")
-    return run_engine(model, [(q, "post", lambda s, o: s.setdefault("v", o.clone()))])["v"].view(1, T, HEADS, D_HEAD)
+    return run_engine(model, [(q, "post", lambda s, o: s.setdefault("v", o.clone()))])["v"].view(
+        1, T, HEADS, D_HEAD
+    )
 
 
 def engine_head_major(model, family):
@@ -171,7 +231,9 @@ def engine_head_major(model, family):
 
 def _k_heads(model, family) -> torch.Tensor:
     k = model.get_submodule(f"{PATHS[family]['layers']}.0.{PATHS[family]['k']}")
-    return run_engine(model, [(k, "post", lambda s, o: s.setdefault("v", o.clone()))])["v"].view(1, T, KV, D_HEAD)
+    return run_engine(model, [(k, "post", lambda s, o: s.setdefault("v", o.clone()))])["v"].view(
+        1, T, KV, D_HEAD
+    )
 
 
 def engine_kv_tiled(model, family):
@@ -188,9 +250,13 @@ def engine_scale(model, family):
     """Granite: the attention's contribution as the residual receives it (x residual_multiplier);
     Gemma: the raw embedding lookup, before the sqrt(d_model) normalizer, handed as hook_embed
     (TransformerLens 2.x folds the normalizer into W_E, so its hook_embed is the scaled one)."""
-    if family == "granite":  # TorchLens has no hook_attn_out here (the output is scaled before the add)
-        hooks = [(sub(model, family, 0), "pre", lambda s, x: s.setdefault("in", x.clone())),
-                 (sub(model, family, 0, "ln2"), "pre", lambda s, x: s.setdefault("mid", x.clone()))]
+    if (
+        family == "granite"
+    ):  # TorchLens has no hook_attn_out here (the output is scaled before the add)
+        hooks = [
+            (sub(model, family, 0), "pre", lambda s, x: s.setdefault("in", x.clone())),
+            (sub(model, family, 0, "ln2"), "pre", lambda s, x: s.setdefault("mid", x.clone())),
+        ]
         saved = run_engine(model, hooks)
         return {"blocks.0.attn.hook_out": saved["mid"] - saved["in"]}
     embed = model.get_submodule(PATHS[family]["embed"])
@@ -208,7 +274,9 @@ def engine_fused_norm(model, family):
     def fused(s, o):
         s["v"].copy_(o)  # the norm writes its result into its input buffer
 
-    saved = run_engine(model, [(source, "post", keep), (sub(model, family, 0, "ln2"), "post", fused)])
+    saved = run_engine(
+        model, [(source, "post", keep), (sub(model, family, 0, "ln2"), "post", fused)]
+    )
     return {"blocks.0.hook_attn_out": saved["v"]}
 
 
@@ -217,7 +285,11 @@ def engine_softcap_dropped(model, family):
     the final logits read before their softcap."""
     if family == "gemma3":
         head = model.get_submodule("lm_head")
-        return {"logits": run_engine(model, [(head, "post", lambda s, o: s.setdefault("v", o.clone()))])["v"]}
+        return {
+            "logits": run_engine(
+                model, [(head, "post", lambda s, o: s.setdefault("v", o.clone()))]
+            )["v"]
+        }
     twin = copy.deepcopy(model)
     for m in twin.modules():
         if hasattr(m, "attn_logit_softcapping"):
@@ -237,7 +309,9 @@ def engine_eager_copy(model, family):
     def capture(m, args, kwargs):
         kw = {k: v for k, v in kwargs.items() if k in ("position_embeddings",)}
         hidden = args[0] if args else kwargs["hidden_states"]
-        out = eager_attn(hidden, attention_mask=None, **kw)  # the mask is built by the model, not the module
+        out = eager_attn(
+            hidden, attention_mask=None, **kw
+        )  # the mask is built by the model, not the module
         got["v"] = out[1].detach().clone()
 
     h = sub(model, family, 0, "attn").register_forward_pre_hook(capture, with_kwargs=True)
@@ -258,20 +332,91 @@ def engine_bf16(model, family):
 
 #: class -> (engine, families, phrase the explanation must contain, attention implementation, sharpen q/k)
 CLASSES = {
-    "residual included": (engine_residual_included, ("gpt2", "llama", "olmo2"), "the residual is included", "eager", False),
-    "after the norm": (engine_after_norm, ("gpt2", "llama", "gemma2"), "after the norm", "eager", False),
-    "raw sublayer output": (engine_raw_sublayer, ("gemma2", "olmo2", "gemma3"), "the norm not applied", "eager", False),
-    "wrong tuple element": (engine_wrong_tuple, ("gpt2", "llama", "olmo2"), "the wrong tuple element", "eager", False),
-    "neighbouring layer": (engine_neighbour, ("gpt2", "llama", "gemma2"), "the neighbouring layer (1 instead of 0)",
-                           "eager", False),
-    "head-major": (engine_head_major, ("gpt2", "llama", "gemma2"), "head-major instead of token-major", "eager", False),
-    "kv heads tiled": (engine_kv_tiled, ("llama", "gemma2", "mistral"), "kv heads tiled", "eager", False),
-    "RoPE not applied": (engine_rope_missing, ("llama", "gemma2", "mistral"), "before RoPE instead of after", "eager", False),
+    "residual included": (
+        engine_residual_included,
+        ("gpt2", "llama", "olmo2"),
+        "the residual is included",
+        "eager",
+        False,
+    ),
+    "after the norm": (
+        engine_after_norm,
+        ("gpt2", "llama", "gemma2"),
+        "after the norm",
+        "eager",
+        False,
+    ),
+    "raw sublayer output": (
+        engine_raw_sublayer,
+        ("gemma2", "olmo2", "gemma3"),
+        "the norm not applied",
+        "eager",
+        False,
+    ),
+    "wrong tuple element": (
+        engine_wrong_tuple,
+        ("gpt2", "llama", "olmo2"),
+        "the wrong tuple element",
+        "eager",
+        False,
+    ),
+    "neighbouring layer": (
+        engine_neighbour,
+        ("gpt2", "llama", "gemma2"),
+        "the neighbouring layer (1 instead of 0)",
+        "eager",
+        False,
+    ),
+    "head-major": (
+        engine_head_major,
+        ("gpt2", "llama", "gemma2"),
+        "head-major instead of token-major",
+        "eager",
+        False,
+    ),
+    "kv heads tiled": (
+        engine_kv_tiled,
+        ("llama", "gemma2", "mistral"),
+        "kv heads tiled",
+        "eager",
+        False,
+    ),
+    "RoPE not applied": (
+        engine_rope_missing,
+        ("llama", "gemma2", "mistral"),
+        "before RoPE instead of after",
+        "eager",
+        False,
+    ),
     "scale factor": (engine_scale, ("granite",), "a scale factor", "eager", False),
-    "fused norm in place": (engine_fused_norm, ("gpt2", "llama", "gemma2"), "fused add+norm", "eager", False),
-    "softcap dropped": (engine_softcap_dropped, ("gemma2", "vaultgemma", "gemma3"), "softcap (tanh)", "eager", True),
-    "eager copy under sdpa": (engine_eager_copy, ("gpt2", "llama", "mistral"), "no causal or attention mask", "sdpa", True),
-    "bfloat16 rounding": (engine_bf16, ("gpt2", "llama", "gemma2"), "rounded to bfloat16", "eager", False),
+    "fused norm in place": (
+        engine_fused_norm,
+        ("gpt2", "llama", "gemma2"),
+        "fused add+norm",
+        "eager",
+        False,
+    ),
+    "softcap dropped": (
+        engine_softcap_dropped,
+        ("gemma2", "vaultgemma", "gemma3"),
+        "softcap (tanh)",
+        "eager",
+        True,
+    ),
+    "eager copy under sdpa": (
+        engine_eager_copy,
+        ("gpt2", "llama", "mistral"),
+        "no causal or attention mask",
+        "sdpa",
+        True,
+    ),
+    "bfloat16 rounding": (
+        engine_bf16,
+        ("gpt2", "llama", "gemma2"),
+        "rounded to bfloat16",
+        "eager",
+        False,
+    ),
 }
 
 CASES = [(cls, fam) for cls, (_, fams, *_rest) in CLASSES.items() for fam in fams]
@@ -298,13 +443,22 @@ def test_each_class_is_diagnosed(cls, family):
 def test_scale_factor_is_reported():
     model, trace = traced("granite")
     (row,) = mi.compare(trace, engine_scale(model, "granite"), generation="4.x")
-    assert row.explanation.startswith("equals 0.22 × blocks.0.attn.hook_out: a scale factor"), row.explanation
+    assert row.explanation.startswith("equals 0.22 × blocks.0.attn.hook_out: a scale factor"), (
+        row.explanation
+    )
     assert row.candidates[0].factor == pytest.approx(0.22, rel=1e-4)
-    for family in ("gemma2", "gemma3"):  # an engine that left out Gemma's sqrt(d_model): the raw lookup
+    for family in (
+        "gemma2",
+        "gemma3",
+    ):  # an engine that left out Gemma's sqrt(d_model): the raw lookup
         model, trace = traced(family)
         (row,) = mi.compare(trace, engine_scale(model, family), generation="2.x")
-        assert not row.passed and row.module_address == "model.embed_tokens" and row.facet == "output"
-        assert row.explanation == "equals model.embed_tokens:lookup: 1 op before the site (mul)", row.explanation
+        assert (
+            not row.passed and row.module_address == "model.embed_tokens" and row.facet == "output"
+        )
+        assert row.explanation == "equals model.embed_tokens:lookup: 1 op before the site (mul)", (
+            row.explanation
+        )
 
 
 def test_a_scaled_tensor_without_an_op_gets_the_least_squares_factor():
@@ -317,10 +471,14 @@ def test_a_scaled_tensor_without_an_op_gets_the_least_squares_factor():
 def test_the_vllm_pair_is_explained_by_its_sum():
     """vLLM decoder layers return (mlp_out, residual): element 0 is not the layer output."""
     model, trace = traced("llama")
-    hooks = [(sub(model, "llama", 0, "mlp"), "post", lambda s, o: s.setdefault("mlp", o.clone())),
-             (sub(model, "llama", 0, "ln2"), "pre", lambda s, x: s.setdefault("resid", x.clone()))]
+    hooks = [
+        (sub(model, "llama", 0, "mlp"), "post", lambda s, o: s.setdefault("mlp", o.clone())),
+        (sub(model, "llama", 0, "ln2"), "pre", lambda s, x: s.setdefault("resid", x.clone())),
+    ]
     saved = run_engine(model, hooks)
-    (row,) = mi.compare(trace, {"layers_output[0]": (saved["mlp"], saved["resid"])}, generation="nnterp")
+    (row,) = mi.compare(
+        trace, {"layers_output[0]": (saved["mlp"], saved["resid"])}, generation="nnterp"
+    )
     assert not row.passed
     assert "the residual was not added" in row.explanation
     assert any(c.site == "mlps_output[0]" and c.matches for c in row.candidates)
@@ -329,7 +487,9 @@ def test_the_vllm_pair_is_explained_by_its_sum():
 def test_kv_heads_repeated_per_head_pass():
     """The right expansion (repeat_interleave, as transformers' repeat_kv) is a layout, not a bug."""
     model, trace = traced("llama")
-    (row,) = mi.compare(trace, {"blocks.0.attn.hook_k": _k_heads(model, "llama").repeat_interleave(2, dim=2)})
+    (row,) = mi.compare(
+        trace, {"blocks.0.attn.hook_k": _k_heads(model, "llama").repeat_interleave(2, dim=2)}
+    )
     assert row.passed and "kv heads repeated" in row.layout and row.explanation == ""
 
 
@@ -338,7 +498,9 @@ def test_the_sum_of_two_sites():
     f = trace.modules
     value = f["transformer.h.1.attn"].facets["output"] + f["transformer.h.0.mlp"].facets["output"]
     (row,) = mi.compare(trace, {"blocks.1.hook_attn_out": value}, generation="2.x")
-    assert row.explanation == ("equals blocks.0.hook_mlp_out + blocks.1.hook_attn_out: the sum of two sites")
+    assert row.explanation == (
+        "equals blocks.0.hook_mlp_out + blocks.1.hook_attn_out: the sum of two sites"
+    )
 
 
 def test_random_noise_matches_nothing():
@@ -347,7 +509,9 @@ def test_random_noise_matches_nothing():
         ref = trace.modules[trace.blocks[1]].facets["resid_post"]
         noise = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3))
         (row,) = mi.compare(trace, {"blocks.1.hook_resid_post": noise}, generation="2.x")
-        assert row.explanation.startswith("matches no tensor of the trace; nearest by relative error: ")
+        assert row.explanation.startswith(
+            "matches no tensor of the trace; nearest by relative error: "
+        )
         assert not any(c.matches for c in row.candidates)
         assert [c.error for c in row.candidates] == sorted(c.error for c in row.candidates)
         assert all(c.error > 0.5 for c in row.candidates)
@@ -361,12 +525,19 @@ def test_a_passed_row_has_no_explanation():
     assert row.passed and row.explanation == "" and row.candidates == ()
 
 
-@pytest.mark.parametrize("generation,name,expected", [
-    ("2.x", "blocks.0.hook_resid_post", "equals blocks.1.hook_resid_post: the neighbouring layer"),
-    ("4.x", "blocks.0.hook_out", "equals blocks.1.hook_out: the neighbouring layer"),
-    ("nnterp", "layers_output[0]", "equals layers_output[1]: the neighbouring layer"),
-    ("interp-engine", "resid_post.0", "equals resid_post.1: the neighbouring layer"),
-])
+@pytest.mark.parametrize(
+    "generation,name,expected",
+    [
+        (
+            "2.x",
+            "blocks.0.hook_resid_post",
+            "equals blocks.1.hook_resid_post: the neighbouring layer",
+        ),
+        ("4.x", "blocks.0.hook_out", "equals blocks.1.hook_out: the neighbouring layer"),
+        ("nnterp", "layers_output[0]", "equals layers_output[1]: the neighbouring layer"),
+        ("interp-engine", "resid_post.0", "equals resid_post.1: the neighbouring layer"),
+    ],
+)
 def test_the_explanation_speaks_the_generation_asked_for(generation, name, expected):
     model, trace = traced("llama")
     value = engine_neighbour(model, "llama")["blocks.0.hook_resid_post"]
@@ -403,12 +574,17 @@ def test_auto_tolerance_passes_a_bf16_engine_and_fails_wrong_hooks(family):
     with torch.no_grad():
         hidden = model(IDS, output_hidden_states=True).hidden_states
     # hidden_states[-1] is the final norm's output in transformers, so only the first two are used.
-    right = {"blocks.0.hook_resid_pre": hidden[0], "blocks.0.hook_resid_post": hidden[1],
-             "blocks.1.hook_resid_pre": hidden[1]}
+    right = {
+        "blocks.0.hook_resid_pre": hidden[0],
+        "blocks.0.hook_resid_post": hidden[1],
+        "blocks.1.hook_resid_pre": hidden[1],
+    }
     right = {k: v.to(torch.bfloat16) for k, v in right.items()}
-    wrong = {"blocks.0.hook_resid_post": engine_neighbour(model, family)["blocks.0.hook_resid_post"],
-             "blocks.1.hook_resid_pre": hidden[0],
-             "blocks.0.hook_resid_pre": engine_after_norm(model, family)["blocks.0.hook_resid_pre"]}
+    wrong = {
+        "blocks.0.hook_resid_post": engine_neighbour(model, family)["blocks.0.hook_resid_post"],
+        "blocks.1.hook_resid_pre": hidden[0],
+        "blocks.0.hook_resid_pre": engine_after_norm(model, family)["blocks.0.hook_resid_pre"],
+    }
     wrong = {k: v.to(torch.bfloat16) for k, v in wrong.items()}
     weights = [p.detach().clone() for p in model.parameters()]
     for trace, m in ((trace32, model), (trace16, model16)):
@@ -419,7 +595,9 @@ def test_auto_tolerance_passes_a_bf16_engine_and_fails_wrong_hooks(family):
         assert bad.mismatched == list(wrong)
         assert "neighbouring layer" in bad[0].explanation and "after the norm" in bad[2].explanation
         assert "neighbouring layer" in bad[1].explanation
-    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters())), "the user's model was changed"
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters())), (
+        "the user's model was changed"
+    )
     assert next(model.parameters()).dtype == torch.float32
 
 
@@ -441,8 +619,9 @@ def test_auto_tolerance_passes_every_site_rounded_to_bf16(family):
         # RMSNorm computes in float32 even in a float64 model, and the float64 trace refuses its
         # derived facets); every other site passes.
         unavailable = [c.name for c in report if "tolerance='auto' unavailable here" in c.hint]
-        assert all(c.passed for c in report if c.name not in unavailable), \
-            [(c.name, c.max_abs_error, c.tolerance) for c in report if not c.passed]
+        assert all(c.passed for c in report if c.name not in unavailable), [
+            (c.name, c.max_abs_error, c.tolerance) for c in report if not c.passed
+        ]
         trace64 = tl.trace(copy.deepcopy(model).to(torch.float64), IDS)
         trace64.check()  # `in` computes nothing: run the pending checks, so refused facets are out of the map
         for name in unavailable:  # only where the float64 trace does not serve the site
@@ -480,15 +659,24 @@ def test_auto_tolerance_needs_the_model():
 def test_the_norm_output_hint_reads_the_call_a_shared_block_layer_names():
     """A block object run for two layers: the hint reads layer 1's call of the shared norm."""
     torch.manual_seed(0)
-    config = tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                           bos_token_id=0, eos_token_id=0)
+    config = tf.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = tf.GPT2LMHeadModel(config).eval()
     model.transformer.h[1] = model.transformer.h[0]
     with torch.no_grad():  # a gain and bias that are not the identity, so output != normalized
         model.transformer.h[0].ln_1.weight.normal_()
         model.transformer.h[0].ln_1.bias.normal_()
     seen = []  # ground truth: what the shared norm returned on each call, from a plain hook
-    handle = model.transformer.h[0].ln_1.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    handle = model.transformer.h[0].ln_1.register_forward_hook(
+        lambda m, a, out: seen.append(out.detach().clone())
+    )
     model(IDS)
     handle.remove()
     trace = tl.trace(model, IDS)

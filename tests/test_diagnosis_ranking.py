@@ -24,10 +24,10 @@ import functools
 import importlib
 import math
 
+import _edge_models as em
 import pytest
 import torch
 
-import _edge_models as em
 import torchlens as tl
 import torchlens.mechinterp as mi
 from torchlens import testing
@@ -40,7 +40,7 @@ def _build(family: str) -> torch.nn.Module:
     return testing.build(family) if family in testing.SUITE else em.build(family)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced(family: str):
     model = _build(family)
     return model, tl.trace(model, IDS, save="all")
@@ -50,7 +50,9 @@ def _hooks(model, specs) -> dict:
     saved, handles = {}, []
     try:
         for name, module in specs:
-            handles.append(module.register_forward_hook(lambda m, a, o, name=name: saved.__setitem__(name, o)))
+            handles.append(
+                module.register_forward_hook(lambda m, a, o, name=name: saved.__setitem__(name, o))
+            )
         with torch.no_grad():
             model(IDS)
     finally:
@@ -70,15 +72,22 @@ def engine(model) -> dict[str, torch.Tensor]:
     cfg = model.config
     heads, kv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
     specs = [("rope", model.model.rotary_emb)]
-    specs += [("qkv", attn.qkv_proj)] if hasattr(attn, "qkv_proj") else [
-        ("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj)]
+    specs += (
+        [("qkv", attn.qkv_proj)]
+        if hasattr(attn, "qkv_proj")
+        else [("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj)]
+    )
     if hasattr(attn, "q_norm"):
         specs += [("qn", attn.q_norm), ("kn", attn.k_norm)]
     s = _hooks(model, specs)
     b, t = IDS.shape
     if "qkv" in s:
         x = s["qkv"]
-        q, k, v = x[..., : heads * dh], x[..., heads * dh: (heads + kv) * dh], x[..., (heads + kv) * dh:]
+        q, k, v = (
+            x[..., : heads * dh],
+            x[..., heads * dh : (heads + kv) * dh],
+            x[..., (heads + kv) * dh :],
+        )
     else:
         q, k, v = s["q"], s["k"], s["v"]
     q, k, v = q.reshape(b, t, heads, dh), k.reshape(b, t, kv, dh), v.reshape(b, t, kv, dh)
@@ -98,7 +107,11 @@ def _row(family: str, name: str, tensor: torch.Tensor):
 
 
 def _no_false_match(row) -> None:
-    bad = [c for c in row.candidates if c.matches and not (math.isfinite(c.error) and math.isfinite(c.max_abs_error))]
+    bad = [
+        c
+        for c in row.candidates
+        if c.matches and not (math.isfinite(c.error) and math.isfinite(c.max_abs_error))
+    ]
     assert not bad, f"candidates that match with a non-finite error: {bad}"
 
 
@@ -113,7 +126,9 @@ def test_scores_before_the_mask_point_at_the_pre_mask_op(family):
     top = row.candidates[0]
     assert top.matches and top.error <= 1e-6, row.candidates
     assert "mask" in row.explanation, row.explanation
-    assert "bfloat16" not in row.explanation and "tolerance='auto'" not in row.explanation, row.explanation
+    assert "bfloat16" not in row.explanation and "tolerance='auto'" not in row.explanation, (
+        row.explanation
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)

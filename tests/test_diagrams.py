@@ -51,9 +51,14 @@ def _texts(svg: str) -> list[str]:
 
 
 def test_committed_files_are_current(gen, fresh):
-    stale = [str(p.relative_to(REPO)) for p, text in fresh.items()
-             if not p.exists() or p.read_text(encoding="utf-8") != text]
-    assert not stale, f"stale diagrams; run `python scripts/gen_diagrams.py` and commit them: {stale}"
+    stale = [
+        str(p.relative_to(REPO))
+        for p, text in fresh.items()
+        if not p.exists() or p.read_text(encoding="utf-8") != text
+    ]
+    assert not stale, (
+        f"stale diagrams; run `python scripts/gen_diagrams.py` and commit them: {stale}"
+    )
     assert {p.name for p in gen.OUT.glob("*.svg")} == {f"{s}.svg" for s in gen.FAMILIES}
 
 
@@ -100,24 +105,34 @@ spec = importlib.util.spec_from_file_location("gen_diagrams", sys.argv[1])
 gen = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = gen
 spec.loader.exec_module(gen)
-json.dump({"order": list({"GPT-2", "Llama", "eager", "sdpa"}), "outputs": {str(p): t for p, t in gen.outputs().items()}}, sys.stdout)
+outputs = {str(p): t for p, t in gen.outputs().items()}
+json.dump({"order": list({"GPT-2", "Llama", "eager", "sdpa"}), "outputs": outputs}, sys.stdout)
 """
 
 
 def _render_in_fresh_processes(seeds: tuple[str, ...]) -> list[dict]:
     """Every output of the script, rendered once per seed, each in a fresh interpreter started with
     that `PYTHONHASHSEED` (the torchlens this test imports, run in parallel)."""
-    return script_modules.json_per_hash_seed(_RENDER_IN_A_FRESH_PROCESS, [str(SCRIPT)], seeds, timeout=600,
-                                             env={"PYTHONPATH": str(pathlib.Path(tl.__file__).parents[1])})
+    return script_modules.json_per_hash_seed(
+        _RENDER_IN_A_FRESH_PROCESS,
+        [str(SCRIPT)],
+        seeds,
+        timeout=600,
+        env={"PYTHONPATH": str(pathlib.Path(tl.__file__).parents[1])},
+    )
 
 
 def test_render_is_deterministic_across_processes(fresh):
     """Two fresh interpreters with different hash seeds (so a set or a hash-ordered dict would
     iterate differently) render every file byte for byte the same, and the same as this process."""
     first, second = _render_in_fresh_processes(("0", "1"))
-    assert first["order"] != second["order"], "the two seeds must iterate a small set of strings differently"
+    assert first["order"] != second["order"], (
+        "the two seeds must iterate a small set of strings differently"
+    )
     differ = sorted(p for p in first["outputs"] if first["outputs"][p] != second["outputs"].get(p))
-    assert not differ and first["outputs"].keys() == second["outputs"].keys(), f"rendered differently: {differ}"
+    assert not differ and first["outputs"].keys() == second["outputs"].keys(), (
+        f"rendered differently: {differ}"
+    )
     assert first["outputs"] == {str(p): t for p, t in fresh.items()}
 
 
@@ -146,7 +161,10 @@ def test_svgs_are_well_formed_and_self_describing(fresh, gen):
         x0, y0, w, h = map(int, root.get("viewBox").split())
         assert (x0, y0) == (0, 0)
         # Shown larger than drawn (bigger text where the window has room), never distorted.
-        assert (int(root.get("width")), int(root.get("height"))) == (round(w * gen.SCALE), round(h * gen.SCALE))
+        assert (int(root.get("width")), int(root.get("height"))) == (
+            round(w * gen.SCALE),
+            round(h * gen.SCALE),
+        )
         assert gen.SCALE >= 1.2
         assert 1000 < w < 2000 and 1000 < h < 3000, (path.name, w, h)
         assert not re.search(r"\d{4}-\d{2}-\d{2}", text), "no dates in a generated file"
@@ -158,14 +176,26 @@ def test_structure_follows_the_data_flow(gen, fresh):
     assert "resid_mid" not in neox and any("parallel" in t for t in neox)
     gemma = gen.build("gemma-2")
     assert [b.address.rsplit(".", 1)[-1] for b in gemma.attn_branch] == [
-        "input_layernorm", "self_attn", "post_attention_layernorm"]
+        "input_layernorm",
+        "self_attn",
+        "post_attention_layernorm",
+    ]
     assert [b.address.rsplit(".", 1)[-1] for b in gemma.mlp_branch] == [
-        "pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm"]
+        "pre_feedforward_layernorm",
+        "mlp",
+        "post_feedforward_layernorm",
+    ]
     olmo = gen.build("olmo-2")
-    assert [b.address.rsplit(".", 1)[-1] for b in olmo.attn_branch] == ["self_attn", "post_attention_layernorm"]
+    assert [b.address.rsplit(".", 1)[-1] for b in olmo.attn_branch] == [
+        "self_attn",
+        "post_attention_layernorm",
+    ]
     qwen = gen.build("qwen3")
-    inner = [e.address.rsplit(".", 1)[-1] for e in qwen.attn_branch[0 if qwen.attn_branch[0].role == "attention"
-             else 1].entries if isinstance(e, gen.Box)]
+    inner = [
+        e.address.rsplit(".", 1)[-1]
+        for e in qwen.attn_branch[0 if qwen.attn_branch[0].role == "attention" else 1].entries
+        if isinstance(e, gen.Box)
+    ]
     assert inner == ["q_norm", "k_norm", "o_proj"]
 
 
@@ -180,6 +210,7 @@ def test_page_keeps_the_navigation_and_jumps_to_every_diagram(gen):
     """Issue 27, item 9: the page hid the nav and the table of contents across eight tall
     diagrams, had no jump list, and claimed to draw every family the test suite covers."""
     from markdown.extensions.toc import slugify
+
     from torchlens import testing
 
     text = gen.PAGE.read_text(encoding="utf-8")
@@ -200,7 +231,16 @@ def test_module_lookup_through_the_tables_is_the_target_finder(gen, slug):
     from torchlens._naming import targets as _targets
 
     trace = gen.build(slug).trace
-    for target in ("token_embed", "pos_embed", "ln1", "attention", "attn_post_norm", "ln2", "mlp", "mlp_post_norm"):
+    for target in (
+        "token_embed",
+        "pos_embed",
+        "ln1",
+        "attention",
+        "attn_post_norm",
+        "ln2",
+        "mlp",
+        "mlp_post_norm",
+    ):
         assert gen.module_of(trace, target) == _targets.find(trace, target, 0)[0], target
     with pytest.raises(LookupError, match="no naming table"):
         gen.module_of(trace, "no_such_target")

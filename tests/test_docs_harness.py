@@ -9,9 +9,8 @@ import re
 import sys
 import textwrap
 
-import pytest
-
 import docs_harness
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -49,12 +48,16 @@ def docs(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
 
 def expect_lines(result: pytest.RunResult, patterns: list[str]) -> None:
     """Like ``fnmatch_lines``, but only ``*`` is special (pages are full of brackets)."""
-    result.stdout.re_match_lines(["^" + ".*".join(re.escape(part) for part in p.split("*")) + "$" for p in patterns])
+    result.stdout.re_match_lines(
+        ["^" + ".*".join(re.escape(part) for part in p.split("*")) + "$" for p in patterns]
+    )
 
 
 def line_of(path: pathlib.Path, needle: str) -> int:
     """The 1-based line of the first line of ``path`` that contains ``needle``."""
-    return next(n for n, line in enumerate(path.read_text().splitlines(), start=1) if needle in line)
+    return next(
+        n for n, line in enumerate(path.read_text().splitlines(), start=1) if needle in line
+    )
 
 
 CHECKED = """
@@ -84,16 +87,24 @@ def test_changed_expected_fails_with_page_and_line_and_update_restores_it(docs, 
     fence = line_of(path, "```python")
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
-    expect_lines(result, [
-        f"docs/page.md:{fence}: RESULT != expected (tool=torchlens, header on line {fence + 1})",
-        "  expected: (3, 'ab')",
-        "  RESULT:   (2, 'ab')",
-        "  if the change is intended: pytest docs/page.md --update-expected",
-    ])
+    expect_lines(
+        result,
+        [
+            f"docs/page.md:{fence}: RESULT != expected (tool=torchlens, header on line {fence + 1})",
+            "  expected: (3, 'ab')",
+            "  RESULT:   (2, 'ab')",
+            "  if the change is intended: pytest docs/page.md --update-expected",
+        ],
+    )
     result = pytester.runpytest("--update-expected")
     result.assert_outcomes(passed=1)
-    expect_lines(result, ["rewrote 1 expected= literal(s):",
-                          f"  docs/page.md:{fence + 1}: expected=(3, 'ab')  ->  expected=(2, 'ab')"])
+    expect_lines(
+        result,
+        [
+            "rewrote 1 expected= literal(s):",
+            f"  docs/page.md:{fence + 1}: expected=(3, 'ab')  ->  expected=(2, 'ab')",
+        ],
+    )
     assert path.read_text() == original
     pytester.runpytest().assert_outcomes(passed=1)
 
@@ -107,13 +118,16 @@ def test_update_keeps_a_trailing_timeout_and_the_rest_of_the_page(docs, pytester
         Text after.\r
         """)
     pytester.runpytest("--update-expected").assert_outcomes(passed=1)
-    assert path.read_bytes() == page("""
+    assert (
+        path.read_bytes()
+        == page("""
         '''python
         # migration-test: tool=torchlens expected=[1, 2, 3] timeout=50
         RESULT = [1, 2, 3]
         '''
         Text after.\r
         """).encode()
+    )
 
 
 def test_long_values_are_shown_as_a_diff(docs, pytester):
@@ -126,7 +140,9 @@ def test_long_values_are_shown_as_a_diff(docs, pytester):
         """)
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
-    expect_lines(result, ["*diff (- expected, + RESULT):*", "*-*'site_7': 7,*", "*+*'site_7': 70,*"])
+    expect_lines(
+        result, ["*diff (- expected, + RESULT):*", "*-*'site_7': 7,*", "*+*'site_7': 70,*"]
+    )
 
 
 def test_update_refuses_values_that_do_not_round_trip(docs, pytester):
@@ -152,18 +168,43 @@ def test_update_refuses_values_that_do_not_round_trip(docs, pytester):
     assert path.read_text() == before
 
 
-@pytest.mark.parametrize(("header", "message"), [
-    ("# migration-test: tool=torchlens expected=len([1])", "expected= is not a Python literal*ast.Call*"),
-    ("# migration-test: tool=torchlens expected=(1,", "expected= is not a Python literal: '(1,' (SyntaxError*"),
-    ("# migration-test: tool=torchlens", "the header has no `expected=LITERAL`*"),
-    ("# migration-test tool=torchlens expected=1", "write the header as*"),
-    ("# migration-test: tool=torchlens colour=red expected=1", "the fields before expected= must be tool=NAME and timeout=SECONDS, each at most once, not `tool=torchlens colour=red`"),
-    ("# migration-test: tool=torchlens tool=nnsight expected=1", "*each at most once, not `tool=torchlens tool=nnsight`"),
-    ("# migration-test: expected=1", "the header has no `tool=NAME`"),
-    ("# migration-test: tool=nnsigth expected=1", "unknown tool `nnsigth` (did you mean ['nnsight']?)*"),
-    ("# migration-test: tool=torchlens timeout=soon expected=1", "timeout=`soon` is not a positive number*"),
-    ("# migration-test: tool=torchlens timeout=0 expected=1", "timeout=`0` is not a positive number*"),
-])
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (
+            "# migration-test: tool=torchlens expected=len([1])",
+            "expected= is not a Python literal*ast.Call*",
+        ),
+        (
+            "# migration-test: tool=torchlens expected=(1,",
+            "expected= is not a Python literal: '(1,' (SyntaxError*",
+        ),
+        ("# migration-test: tool=torchlens", "the header has no `expected=LITERAL`*"),
+        ("# migration-test tool=torchlens expected=1", "write the header as*"),
+        (
+            "# migration-test: tool=torchlens colour=red expected=1",
+            "the fields before expected= must be tool=NAME and timeout=SECONDS, each at most once, "
+            "not `tool=torchlens colour=red`",
+        ),
+        (
+            "# migration-test: tool=torchlens tool=nnsight expected=1",
+            "*each at most once, not `tool=torchlens tool=nnsight`",
+        ),
+        ("# migration-test: expected=1", "the header has no `tool=NAME`"),
+        (
+            "# migration-test: tool=nnsigth expected=1",
+            "unknown tool `nnsigth` (did you mean ['nnsight']?)*",
+        ),
+        (
+            "# migration-test: tool=torchlens timeout=soon expected=1",
+            "timeout=`soon` is not a positive number*",
+        ),
+        (
+            "# migration-test: tool=torchlens timeout=0 expected=1",
+            "timeout=`0` is not a positive number*",
+        ),
+    ],
+)
 def test_malformed_header_fails(docs, pytester, header, message):
     docs(f"""
         '''python
@@ -173,7 +214,9 @@ def test_malformed_header_fails(docs, pytester, header, message):
         """)
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
-    expect_lines(result, ["docs/page.md:1: malformed `# migration-test:` header (line 2): " + message])
+    expect_lines(
+        result, ["docs/page.md:1: malformed `# migration-test:` header (line 2): " + message]
+    )
 
 
 def test_a_malformed_header_is_a_migration_test_too(docs, pytester):
@@ -212,7 +255,10 @@ def test_block_that_never_binds_result_fails(docs, pytester):
         """)
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
-    expect_lines(result, ["docs/page.md:1: the block has a `# migration-test:` header but never binds RESULT"])
+    expect_lines(
+        result,
+        ["docs/page.md:1: the block has a `# migration-test:` header but never binds RESULT"],
+    )
 
 
 def test_result_whose_comparison_is_not_a_bool_fails_with_a_hint(docs, pytester):
@@ -227,7 +273,10 @@ def test_result_whose_comparison_is_not_a_bool_fails_with_a_hint(docs, pytester)
         """)
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
-    expect_lines(result, ["docs/page.md:1: RESULT is a Vector, whose `==` gives no True or False; bind RESULT*"])
+    expect_lines(
+        result,
+        ["docs/page.md:1: RESULT is a Vector, whose `==` gives no True or False; bind RESULT*"],
+    )
 
 
 def test_syntax_error_names_page_and_line(docs, pytester):
@@ -242,8 +291,15 @@ def test_syntax_error_names_page_and_line(docs, pytester):
         """)
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
-    expect_lines(result, ["docs/page.md:3: SyntaxError: invalid syntax", "4   x = 1", "5   def broken(:",
-                          '*File "*docs/page.md", line 5*'])
+    expect_lines(
+        result,
+        [
+            "docs/page.md:3: SyntaxError: invalid syntax",
+            "4   x = 1",
+            "5   def broken(:",
+            '*File "*docs/page.md", line 5*',
+        ],
+    )
 
 
 def test_traceback_points_into_the_page(docs, pytester):
@@ -259,16 +315,19 @@ def test_traceback_points_into_the_page(docs, pytester):
         """)
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
-    expect_lines(result, [
-        "docs/page.md:3: KeyError: 'missing' (raised at line 5)",
-        "*5   *return mapping[\"missing\"]",
-        "Traceback (most recent call last):",
-        '  File "*docs/page.md", line 7, in <module>',
-        "    helper({})",
-        '  File "*docs/page.md", line 5, in helper',
-        '    return mapping["missing"]',
-        "KeyError: 'missing'",
-    ])
+    expect_lines(
+        result,
+        [
+            "docs/page.md:3: KeyError: 'missing' (raised at line 5)",
+            '*5   *return mapping["missing"]',
+            "Traceback (most recent call last):",
+            '  File "*docs/page.md", line 7, in <module>',
+            "    helper({})",
+            '  File "*docs/page.md", line 5, in helper',
+            '    return mapping["missing"]',
+            "KeyError: 'missing'",
+        ],
+    )
 
 
 def test_code_that_reads_its_own_source_sees_python(docs, pytester):
@@ -350,7 +409,12 @@ def test_missing_tool_is_skipped_with_the_reason(docs, pytester, absent_tool):
     docs(MISSING_TOOL)
     result = pytester.runpytest("-rs")
     result.assert_outcomes(passed=1, skipped=1)
-    expect_lines(result, ["SKIPPED [1] docs/page.md:1: tool=absent-engine needs `import absent_engine`, which is not installed"])
+    expect_lines(
+        result,
+        [
+            "SKIPPED [1] docs/page.md:1: tool=absent-engine needs `import absent_engine`, which is not installed"
+        ],
+    )
 
 
 def test_missing_tool_fails_under_ci(docs, pytester, monkeypatch, absent_tool):
@@ -358,14 +422,19 @@ def test_missing_tool_fails_under_ci(docs, pytester, monkeypatch, absent_tool):
     monkeypatch.setenv("CI", "true")
     result = pytester.runpytest()
     result.assert_outcomes(passed=1, failed=1)
-    expect_lines(result, ["docs/page.md:1: tool=absent-engine needs `import absent_engine`*(CI=true: every tool*"])
+    expect_lines(
+        result,
+        ["docs/page.md:1: tool=absent-engine needs `import absent_engine`*(CI=true: every tool*"],
+    )
 
 
 def test_tool_markers_select_blocks(docs, pytester, absent_tool):
     docs(MISSING_TOOL)
     result = pytester.runpytest("-m", "tool_torchlens", "--collect-only", "-q")
     expect_lines(result, ["docs/page.md::top[2]", "*1/2 tests collected (1 deselected)*"])
-    result = pytester.runpytest("-m", "tool_absent_engine and migration_test", "--collect-only", "-q")
+    result = pytester.runpytest(
+        "-m", "tool_absent_engine and migration_test", "--collect-only", "-q"
+    )
     expect_lines(result, ["docs/page.md::top[1]", "*1/2 tests collected (1 deselected)*"])
 
 
@@ -405,8 +474,14 @@ def test_blocks_in_tabs_and_admonitions_are_collected(docs, pytester):
         """)
     result = pytester.runpytest("-v")
     result.assert_outcomes(passed=3)
-    expect_lines(result, ["docs/page.md::engines[1] PASSED*", "docs/page.md::engines[2] PASSED*",
-                          "docs/page.md::engines[3] PASSED*"])
+    expect_lines(
+        result,
+        [
+            "docs/page.md::engines[1] PASSED*",
+            "docs/page.md::engines[2] PASSED*",
+            "docs/page.md::engines[3] PASSED*",
+        ],
+    )
 
 
 def test_tracebacks_in_containers_keep_page_lines(docs, pytester):
@@ -420,7 +495,9 @@ def test_tracebacks_in_containers_keep_page_lines(docs, pytester):
         """)
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
-    expect_lines(result, [f'  File "*docs/page.md", line {line_of(path, "raise ValueError")}, in <module>'])
+    expect_lines(
+        result, [f'  File "*docs/page.md", line {line_of(path, "raise ValueError")}, in <module>']
+    )
 
 
 def test_uncollected_headers_fail(docs, pytester):
@@ -442,8 +519,13 @@ def test_uncollected_headers_fail(docs, pytester):
         """)
     result = pytester.runpytest()
     result.assert_outcomes(passed=1, failed=2)
-    expect_lines(result, ["docs/page.md:3: a `# migration-test:` header was not collected: it must open a Python block*",
-                          "docs/page.md:8: a `# migration-test:` header was not collected*"])
+    expect_lines(
+        result,
+        [
+            "docs/page.md:3: a `# migration-test:` header was not collected: it must open a Python block*",
+            "docs/page.md:8: a `# migration-test:` header was not collected*",
+        ],
+    )
 
 
 def test_time_limit_names_the_page_line_it_was_running(docs, pytester):
@@ -464,8 +546,13 @@ def test_time_limit_names_the_page_line_it_was_running(docs, pytester):
     pytester.makefile(".ini", pytest=INI + "doc_example_timeout = 0.5\n")
     result = pytester.runpytest()
     result.assert_outcomes(failed=2)
-    expect_lines(result, ["docs/page.md:3: Failed: Timeout (>0.3s) from pytest-timeout. (raised at line 5)",
-                          "docs/page.md:9: Failed: Timeout (>0.5s) from pytest-timeout. (raised at line 11)"])
+    expect_lines(
+        result,
+        [
+            "docs/page.md:3: Failed: Timeout (>0.3s) from pytest-timeout. (raised at line 5)",
+            "docs/page.md:9: Failed: Timeout (>0.5s) from pytest-timeout. (raised at line 11)",
+        ],
+    )
 
 
 def test_output_is_pytests_capture(docs, pytester):
@@ -483,7 +570,10 @@ def test_output_is_pytests_capture(docs, pytester):
         """)
     result = pytester.runpytest()
     result.assert_outcomes(passed=1, failed=1)
-    expect_lines(result, ["*Captured stdout call*", "said before failing", "*Captured stderr call*", "to stderr"])
+    expect_lines(
+        result,
+        ["*Captured stdout call*", "said before failing", "*Captured stderr call*", "to stderr"],
+    )
     assert "noise from a passing block" not in result.stdout.str()
 
 
@@ -510,11 +600,17 @@ def test_ids_are_stable_when_other_sections_change(docs, pytester):
         """
     docs(body)
     before = pytester.runpytest("--collect-only", "-q").stdout.lines
-    edited = body.replace("a = 1", "a = 1\n        '''\n\n        More text.\n\n        '''python\n        c = 3")
+    edited = body.replace(
+        "a = 1", "a = 1\n        '''\n\n        More text.\n\n        '''python\n        c = 3"
+    )
     docs(edited.replace("## Second", "Intro paragraph.\n\n        ## Second"))
     after = pytester.runpytest("--collect-only", "-q").stdout.lines
-    assert {"docs/page.md::first[1]", "docs/page.md::second[1]", "docs/page.md::first_1[1]"} <= set(before)
-    assert {"docs/page.md::first[2]", "docs/page.md::second[1]", "docs/page.md::first_1[1]"} <= set(after)
+    assert {"docs/page.md::first[1]", "docs/page.md::second[1]", "docs/page.md::first_1[1]"} <= set(
+        before
+    )
+    assert {"docs/page.md::first[2]", "docs/page.md::second[1]", "docs/page.md::first_1[1]"} <= set(
+        after
+    )
 
 
 def test_section_ids_are_those_of_mkdocs_toc(docs, pytester):
@@ -525,26 +621,29 @@ def test_section_ids_are_those_of_mkdocs_toc(docs, pytester):
         x = 1
         '''
         """)
-    expect_lines(pytester.runpytest("--collect-only", "-q"), ["docs/page.md::capture-a-forward-pass[1]"])
+    expect_lines(
+        pytester.runpytest("--collect-only", "-q"), ["docs/page.md::capture-a-forward-pass[1]"]
+    )
 
 
 def test_pages_are_parsed_by_the_parser_pytest_markdown_docs_hook_gives(docs, pytester):
     docs(CHECKED)
-    pytester.makeconftest('''
+    pytester.makeconftest("""
         import pytest
         from markdown_it import MarkdownIt
 
         @pytest.hookimpl(tryfirst=True)
         def pytest_markdown_docs_markdown_it():
             return MarkdownIt("commonmark").disable("fence")  # a parser that sees no fenced code
-        ''')
+        """)
     result = pytester.runpytest("--collect-only", "-q")
     expect_lines(result, ["docs/page.md::uncollected-header[line-6]", "1 test collected*"])
 
 
 def test_python_docstrings_are_not_run_as_markdown(docs, pytester):
     docs(CHECKED)
-    pytester.makepyfile(tools='''
+    pytester.makepyfile(
+        tools='''
         def helper():
             """Docs.
 
@@ -552,7 +651,8 @@ def test_python_docstrings_are_not_run_as_markdown(docs, pytester):
             raise RuntimeError("pytest-markdown-docs would run this")
             ```
             """
-        ''')
+        '''
+    )
     pytester.runpytest("tools.py", "docs").assert_outcomes(passed=1)
 
 
@@ -564,8 +664,18 @@ def test_every_header_in_the_real_docs_is_collected(pytester):
         if headers := docs_harness.scan_python_headers(path.read_text(encoding="utf-8-sig")):
             expected[path.relative_to(REPO).as_posix()] = len(headers)
     result = pytester.runpytest_inprocess(
-        "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "migration_test",
-        "--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), str(REPO / "docs"))
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "migration_test",
+        "--rootdir",
+        str(REPO),
+        "-c",
+        str(REPO / "pyproject.toml"),
+        str(REPO / "docs"),
+    )
     collected: dict[str, int] = {}
     for line in result.stdout.lines:
         if "::" in line and line.startswith("docs/"):
@@ -628,7 +738,9 @@ def test_engine_block_runs_in_its_environment_and_its_output_is_captured(docs, p
     result = pytester.runpytest()
     result.assert_outcomes(passed=1, failed=1)
     expect_lines(result, ["*Captured stdout call*", "a failing engine block printed this"])
-    pytester.runpytest("-rP").stdout.fnmatch_lines(["printed in the engine", "written by the engine to fd 2"])
+    pytester.runpytest("-rP").stdout.fnmatch_lines(
+        ["printed in the engine", "written by the engine to fd 2"]
+    )
 
 
 ENGINE_PAGE = """
@@ -650,24 +762,38 @@ ENGINE_PAGE = """
     """
 
 
-def test_engine_block_mismatch_names_page_line_and_update_expected_rewrites_it(docs, pytester, fake_env):
+def test_engine_block_mismatch_names_page_line_and_update_expected_rewrites_it(
+    docs, pytester, fake_env
+):
     path = docs(ENGINE_PAGE.replace("expected=(3, 'ab')", "expected=(5, 'ab')"))
     fence = line_of(path, "```python")
     result = pytester.runpytest()
     result.assert_outcomes(passed=1, failed=1)
-    expect_lines(result, [f"docs/page.md:{fence}: RESULT != expected (tool=fake-engine, header on line {fence + 1})",
-                          "  expected: (5, 'ab')", "  RESULT:   (3, 'ab')"])
+    expect_lines(
+        result,
+        [
+            f"docs/page.md:{fence}: RESULT != expected (tool=fake-engine, header on line {fence + 1})",
+            "  expected: (5, 'ab')",
+            "  RESULT:   (3, 'ab')",
+        ],
+    )
     pytester.runpytest("--update-expected").assert_outcomes(passed=2)
     assert path.read_text() == page(ENGINE_PAGE)
     pytester.runpytest().assert_outcomes(passed=2)
 
 
-def test_continuation_runs_in_the_same_process_or_reruns_what_it_continues(docs, pytester, fake_env):
+def test_continuation_runs_in_the_same_process_or_reruns_what_it_continues(
+    docs, pytester, fake_env
+):
     docs(ENGINE_PAGE)
     runs = pytester.path / "block-1-runs"
     pytester.runpytest().assert_outcomes(passed=2)
-    assert runs.read_text() == "x"  # the continuation went on in block 1's process, not re-running it
-    pytester.runpytest("docs/page.md::page[2]").assert_outcomes(passed=1)  # alone: block 1's code runs first
+    assert (
+        runs.read_text() == "x"
+    )  # the continuation went on in block 1's process, not re-running it
+    pytester.runpytest("docs/page.md::page[2]").assert_outcomes(
+        passed=1
+    )  # alone: block 1's code runs first
     assert runs.read_text() == "xx"
 
 
@@ -686,10 +812,15 @@ def test_engine_block_error_points_into_the_page(docs, pytester, fake_env):
     fence = line_of(path, "```python")
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
-    expect_lines(result, [f"docs/page.md:{fence}: ValueError: boom in the engine env (raised at line {fence + 3})",
-                          "Traceback (most recent call last):",
-                          f'  File "*docs/page.md", line {fence + 5}, in <module>',
-                          f'  File "*docs/page.md", line {fence + 3}, in broken'])
+    expect_lines(
+        result,
+        [
+            f"docs/page.md:{fence}: ValueError: boom in the engine env (raised at line {fence + 3})",
+            "Traceback (most recent call last):",
+            f'  File "*docs/page.md", line {fence + 5}, in <module>',
+            f'  File "*docs/page.md", line {fence + 3}, in broken',
+        ],
+    )
 
 
 def test_engine_block_result_must_be_a_literal(docs, pytester, fake_env):
@@ -709,8 +840,13 @@ def test_engine_block_result_must_be_a_literal(docs, pytester, fake_env):
         """)
     result = pytester.runpytest()
     result.assert_outcomes(failed=2)
-    expect_lines(result, ["docs/page.md:1: RESULT is a object whose repr does not read back through ast.literal_eval*",
-                          "docs/page.md:6: RESULT is a Odd whose repr does not read back through ast.literal_eval*"])
+    expect_lines(
+        result,
+        [
+            "docs/page.md:1: RESULT is a object whose repr does not read back through ast.literal_eval*",
+            "docs/page.md:6: RESULT is a Odd whose repr does not read back through ast.literal_eval*",
+        ],
+    )
 
 
 def test_engine_block_time_limit_shows_where_it_was(docs, pytester, fake_env):
@@ -728,8 +864,13 @@ def test_engine_block_time_limit_shows_where_it_was(docs, pytester, fake_env):
         """)
     result = pytester.runpytest()
     result.assert_outcomes(failed=1, passed=1)  # the next block gets a fresh interpreter
-    expect_lines(result, ["docs/page.md:1: the example did not finish within 0.5 s in fake; its stack dump*",
-                          f'*File "*docs/page.md", line {line_of(path, "time.sleep")} in <module>*'])
+    expect_lines(
+        result,
+        [
+            "docs/page.md:1: the example did not finish within 0.5 s in fake; its stack dump*",
+            f'*File "*docs/page.md", line {line_of(path, "time.sleep")} in <module>*',
+        ],
+    )
 
 
 def test_engine_that_dies_is_reported(docs, pytester, fake_env):
@@ -742,7 +883,9 @@ def test_engine_that_dies_is_reported(docs, pytester, fake_env):
         """)
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
-    expect_lines(result, ["docs/page.md:1: the fake interpreter ended (exit status 3) without an answer*"])
+    expect_lines(
+        result, ["docs/page.md:1: the fake interpreter ended (exit status 3) without an answer*"]
+    )
 
 
 def test_missing_engine_environment_skips_or_fails_under_ci(docs, pytester, fake_env, monkeypatch):
@@ -750,8 +893,13 @@ def test_missing_engine_environment_skips_or_fails_under_ci(docs, pytester, fake
     docs(ENGINE_PAGE)
     result = pytester.runpytest("-rs")
     result.assert_outcomes(skipped=2)
-    expect_lines(result, ["SKIPPED [1] docs/page.md:3: tool=fake-engine runs in the engine environment *fake, which is "
-                          "not built (`make engines` builds it from envs/fake.txt)"])
+    expect_lines(
+        result,
+        [
+            "SKIPPED [1] docs/page.md:3: tool=fake-engine runs in the engine environment *fake, which is "
+            "not built (`make engines` builds it from envs/fake.txt)"
+        ],
+    )
     monkeypatch.setenv("CI", "true")
     result = pytester.runpytest()
     result.assert_outcomes(failed=2)
@@ -763,8 +911,12 @@ def test_every_engine_environment_has_a_pinned_file():
         pins = (REPO / "envs" / f"{environment}.txt").read_text()
         assert tool in docs_harness.TOOL_IMPORTS
         assert re.search(r"^torch==\S+$", pins, re.M), f"envs/{environment}.txt pins no torch"
-        requirements = [line for line in pins.splitlines() if line.strip() and not line.startswith("#")]
-        assert all(re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==\S+", line) for line in requirements), environment
+        requirements = [
+            line for line in pins.splitlines() if line.strip() and not line.startswith("#")
+        ]
+        assert all(re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==\S+", line) for line in requirements), (
+            environment
+        )
 
 
 def test_engine_interpreters_end_after_the_last_block_of_their_page(docs, pytester, fake_env):
@@ -777,7 +929,8 @@ def test_engine_interpreters_end_after_the_last_block_of_their_page(docs, pytest
         RESULT = True
         '''
         """)
-    docs("""
+    docs(
+        """
         '''python
         # migration-test: tool=torchlens expected=True
         import os, pathlib, time
@@ -792,7 +945,9 @@ def test_engine_interpreters_end_after_the_last_block_of_their_page(docs, pytest
             raise AssertionError("the engine interpreter is still running")
         RESULT = True
         '''
-        """, name="rest.md")
+        """,
+        name="rest.md",
+    )
     pytester.runpytest("docs/page.md", "docs/rest.md").assert_outcomes(passed=2)
 
 
@@ -822,5 +977,11 @@ def test_a_block_that_makes_transformers_warn_about_its_config_fails(docs, pytes
         """)
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=2)
-    expect_lines(result, [f"docs/page.md:{line_of(path, 'python')}: transformers warned about the example's model "
-                          "config*", "  [transformers] Model config: bos_token_id must be*"])
+    expect_lines(
+        result,
+        [
+            f"docs/page.md:{line_of(path, 'python')}: transformers warned about the example's model "
+            "config*",
+            "  [transformers] Model config: bos_token_id must be*",
+        ],
+    )

@@ -70,8 +70,11 @@ def test_unrolled_nodes_and_edges_are_the_recorded_ops_and_data_flow(family):
     assert len(_edges(svg, "output_edge")) == 1 and len(_groups(svg, "output")) == 1
     # each op node says its index and name
     texts = {g.get("data-op"): [t.text for t in g.iter(SVG + "text")] for g in _groups(svg, "op")}
-    assert all(texts[str(op.index)][0] in (f"#{op.index} {op.name}", f"#{op.index} written in place")
-               for op in trace.ops if op.name != "input")
+    assert all(
+        texts[str(op.index)][0] in (f"#{op.index} {op.name}", f"#{op.index} written in place")
+        for op in trace.ops
+        if op.name != "input"
+    )
 
 
 def _layer_ops(trace, layers):
@@ -89,7 +92,9 @@ def test_rolled_draws_one_layer_and_the_rest():
     root = ET.fromstring(d)
     box = next(g for g in root.iter(SVG + "g") if "group" in g.get("class", "").split())
     label = next(g for g in root.iter(SVG + "g") if g.get("data-box") == box.get("id"))
-    assert box.get("data-layers") == "0–3" and any("×4" in (t.text or "") for t in label.iter(SVG + "text"))
+    assert box.get("data-layers") == "0–3" and any(
+        "×4" in (t.text or "") for t in label.iter(SVG + "text")
+    )
     # the arrows from one layer into the next are drawn into the one drawn layer, dashed
     assert len(_edges(d, "loop")) >= 1
 
@@ -98,16 +103,28 @@ def test_layers_that_differ_are_drawn_apart_with_the_reason():
     import transformers
 
     config = transformers.Qwen2MoeConfig(
-        num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
-        vocab_size=testing.VOCAB, max_position_embeddings=32, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=16, shared_expert_intermediate_size=24, mlp_only_layers=[0])
+        num_hidden_layers=3,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        vocab_size=testing.VOCAB,
+        max_position_embeddings=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        mlp_only_layers=[0],
+    )
     model = testing.from_config(config, transformers.Qwen2MoeForCausalLM)
     trace = tl.trace(model, testing.token_ids(length=4), save="none")
     layers = trace.structure.layers
     d = trace.draw()
     by_layers = {g[1]: g[2] for g in d.groups}
     assert 0 in next(k for k in by_layers if 0 in k) and (0,) in by_layers
-    assert "Qwen2MoeMLP" in by_layers[(0,)] and "Qwen2MoeSparseMoeBlock" in by_layers[(0,)], by_layers
+    assert "Qwen2MoeMLP" in by_layers[(0,)] and "Qwen2MoeSparseMoeBlock" in by_layers[(0,)], (
+        by_layers
+    )
     drawn = len(_groups(d, "op")) + len(_groups(d, "input"))
     reps = [layers[g[1][0]] for g in d.groups]
     assert drawn == len(trace.ops) - _layer_ops(trace, layers) + _layer_ops(trace, reps)
@@ -117,14 +134,27 @@ def test_layers_that_differ_are_drawn_apart_with_the_reason():
 def test_a_block_called_twice_is_drawn_apart():
     import transformers
 
-    config = transformers.AlbertConfig(num_hidden_layers=3, hidden_size=32, num_attention_heads=4,
-                                       intermediate_size=48, vocab_size=testing.VOCAB, max_position_embeddings=32,
-                                       embedding_size=16)
-    trace = tl.trace(testing.from_config(config, transformers.AlbertForMaskedLM), testing.token_ids(length=4),
-                     save="none")
-    (first, again), = [trace.draw().groups]
+    config = transformers.AlbertConfig(
+        num_hidden_layers=3,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=48,
+        vocab_size=testing.VOCAB,
+        max_position_embeddings=32,
+        embedding_size=16,
+    )
+    trace = tl.trace(
+        testing.from_config(config, transformers.AlbertForMaskedLM),
+        testing.token_ids(length=4),
+        save="none",
+    )
+    ((first, again),) = [trace.draw().groups]
     assert first[1] == (0,) and first[2] == ""
-    assert again[1] == (1, 2) and "already ran as an earlier layer" in again[2] and "layer 0" in again[2]
+    assert (
+        again[1] == (1, 2)
+        and "already ran as an earlier layer" in again[2]
+        and "layer 0" in again[2]
+    )
 
 
 def test_a_sliding_window_layer_is_drawn_apart():
@@ -155,10 +185,18 @@ WHERE = {
     ("nnterp", "mlps_output[1]"): ("mlp", "output"),
 }
 MODULES = {
-    "gpt2": {"block": "transformer.h.1", "attn": "transformer.h.1.attn", "mlp": "transformer.h.1.mlp",
-             "ln2": "transformer.h.1.ln_2"},
-    "llama": {"block": "model.layers.1", "attn": "model.layers.1.self_attn", "mlp": "model.layers.1.mlp",
-              "ln2": "model.layers.1.post_attention_layernorm"},
+    "gpt2": {
+        "block": "transformer.h.1",
+        "attn": "transformer.h.1.attn",
+        "mlp": "transformer.h.1.mlp",
+        "ln2": "transformer.h.1.ln_2",
+    },
+    "llama": {
+        "block": "model.layers.1",
+        "attn": "model.layers.1.self_attn",
+        "mlp": "model.layers.1.mlp",
+        "ln2": "model.layers.1.post_attention_layernorm",
+    },
 }
 
 
@@ -167,9 +205,11 @@ def _hooked_inputs(model, addresses, ids) -> dict[str, torch.Tensor]:
     seen, mods, handles = {}, dict(model.named_modules()), []
     try:
         for a in addresses:
+
             def hook(module, args, kwargs, a=a):
                 x = args[0] if args else kwargs["hidden_states"]
                 seen[a] = x.detach().clone()
+
             handles.append(mods[a].register_forward_pre_hook(hook, with_kwargs=True))
         with torch.no_grad():
             model(ids)
@@ -196,7 +236,10 @@ def test_each_mark_sits_on_the_op_whose_output_a_plain_hook_saw(family):
         if g.get("class", "").startswith("node "):
             for m in g.iter(SVG + "g"):
                 if m.get("class") == "mark":
-                    marks[(m.get("data-generation"), m.get("data-name"))] = (int(g.get("data-op")), m.get("data-status"))
+                    marks[(m.get("data-generation"), m.get("data-name"))] = (
+                        int(g.get("data-op")),
+                        m.get("data-status"),
+                    )
     assert set(marks) == set(WHERE), set(WHERE) ^ set(marks)
     for key, (role, side) in WHERE.items():
         op, status = marks[key]
@@ -206,19 +249,33 @@ def test_each_mark_sits_on_the_op_whose_output_a_plain_hook_saw(family):
 
 
 def test_several_generations_share_one_picture_and_names_without_a_site_are_listed(gpt2):
-    d = gpt2.draw(focus="transformer.h.1", highlight={"2.x": ["blocks.1.hook_resid_post", "hook_pos_embed",
-                                                              "blocks.0.hook_resid_post"],
-                                                      "nnterp": ["layers_output[1]"]})
+    d = gpt2.draw(
+        focus="transformer.h.1",
+        highlight={
+            "2.x": ["blocks.1.hook_resid_post", "hook_pos_embed", "blocks.0.hook_resid_post"],
+            "nnterp": ["layers_output[1]"],
+        },
+    )
     marks = [m for m in ET.fromstring(d).iter(SVG + "g") if m.get("class") == "mark"]
     texts = {"".join(t.text or "" for t in m.iter(SVG + "text")) for m in marks}
-    assert "2.x blocks.1.hook_resid_post · real" in texts and "nnterp layers_output[1] · real" in texts
+    assert (
+        "2.x blocks.1.hook_resid_post · real" in texts and "nnterp layers_output[1] · real" in texts
+    )
     # blocks.0.hook_resid_post is h.0's output: the op just before the focus, drawn as a stub
-    stub = next(g for g in _groups(d, "stub") if any(m.get("data-name") == "blocks.0.hook_resid_post"
-                                                     for m in g.iter(SVG + "g")))
+    stub = next(
+        g
+        for g in _groups(d, "stub")
+        if any(m.get("data-name") == "blocks.0.hook_resid_post" for m in g.iter(SVG + "g"))
+    )
     assert int(stub.get("data-op")) == gpt2.modules["transformer.h.0"].facets.sites["output"].op
     # hook_pos_embed is the position embedding, outside the focus: listed with the reason
-    assert list(d.unplaced) == ["2.x hook_pos_embed"] and "outside this drawing" in d.unplaced["2.x hook_pos_embed"]
-    assert "hook_pos_embed: no mark" in "".join(t.text or "" for t in ET.fromstring(d).iter(SVG + "text"))
+    assert (
+        list(d.unplaced) == ["2.x hook_pos_embed"]
+        and "outside this drawing" in d.unplaced["2.x hook_pos_embed"]
+    )
+    assert "hook_pos_embed: no mark" in "".join(
+        t.text or "" for t in ET.fromstring(d).iter(SVG + "text")
+    )
 
 
 def test_a_name_with_no_site_is_listed_with_its_status(gpt2):
@@ -228,7 +285,9 @@ def test_a_name_with_no_site_is_listed_with_its_status(gpt2):
 
 def test_highlight_facets_marks_every_facet_of_the_drawn_modules(gpt2):
     d = gpt2.draw(focus="transformer.h.0", highlight="facets")
-    marked = {m.get("data-site") for m in ET.fromstring(d).iter(SVG + "g") if m.get("class") == "mark"}
+    marked = {
+        m.get("data-site") for m in ET.fromstring(d).iter(SVG + "g") if m.get("class") == "mark"
+    }
     for address in ("transformer.h.0", "transformer.h.0.attn", "transformer.h.0.mlp"):
         sites = gpt2.modules[address].facets.sites
         assert {f"{address}:{f}" for f in sites if f not in ("input", "output")} <= marked
@@ -251,34 +310,59 @@ def _rects(svg: str, cls: str) -> list[tuple[float, float, float, float, ET.Elem
     for g in ET.fromstring(svg).iter(SVG + "g"):
         if g.get("class", "").split()[:1] == [cls]:
             r = g.find(SVG + "rect")
-            out.append((float(r.get("x")), float(r.get("y")), float(r.get("width")), float(r.get("height")), g))
+            out.append(
+                (
+                    float(r.get("x")),
+                    float(r.get("y")),
+                    float(r.get("width")),
+                    float(r.get("height")),
+                    g,
+                )
+            )
     return out
 
 
 def _overlap(a, b) -> bool:
-    return a[0] < b[0] + b[2] - 0.5 and b[0] < a[0] + a[2] - 0.5 and a[1] < b[1] + b[3] - 0.5 and b[1] < a[1] + a[3] - 0.5
+    return (
+        a[0] < b[0] + b[2] - 0.5
+        and b[0] < a[0] + a[2] - 0.5
+        and a[1] < b[1] + b[3] - 0.5
+        and b[1] < a[1] + a[3] - 0.5
+    )
 
 
-@pytest.mark.parametrize("options", [{}, {"rolled": False}, {"depth": 2, "highlight": "facets"},
-                                     {"focus": "transformer.h.1", "depth": 1,
-                                      "highlight": {"2.x": ["blocks.1.hook_resid_mid"], "4.x": ["blocks.1.hook_out"]}}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"rolled": False},
+        {"depth": 2, "highlight": "facets"},
+        {
+            "focus": "transformer.h.1",
+            "depth": 1,
+            "highlight": {"2.x": ["blocks.1.hook_resid_mid"], "4.x": ["blocks.1.hook_out"]},
+        },
+    ],
+)
 def test_the_svg_parses_and_no_label_overlaps_another(gpt2, options):
     svg = gpt2.draw(**options)
     root = ET.fromstring(svg)
-    assert root.tag == SVG + "svg" and root.find(SVG + "title").text and root.find(SVG + "desc").text
+    assert (
+        root.tag == SVG + "svg" and root.find(SVG + "title").text and root.find(SVG + "desc").text
+    )
     sizes = {float(t.get("font-size")) for t in root.iter(SVG + "text")}
     assert min(sizes) >= 11
     nodes = _rects(svg, "node")
     labels = _rects(svg, "box-label")
     for i, a in enumerate(nodes):
-        for b in nodes[i + 1:] + labels:
+        for b in nodes[i + 1 :] + labels:
             assert not _overlap(a, b), (a[4].get("id"), b[4].get("id") or b[4].get("data-box"))
         # every line of text fits inside its node, at the drawing's own character width
         for t in a[4].iter(SVG + "text"):
             width = len(t.text) * style.CW * float(t.get("font-size"))
             assert float(t.get("x")) + width <= a[0] + a[2] + 0.5, (a[4].get("id"), t.text)
     for i, a in enumerate(labels):
-        for b in labels[i + 1:]:
+        for b in labels[i + 1 :]:
             assert not _overlap(a, b)
     # status is in the words, not only the colour
     for m in root.iter(SVG + "g"):
@@ -337,22 +421,41 @@ def test_files_are_written_in_the_format_their_name_says(gpt2, tmp_path):
 # -- bad input --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("options, error, words", [
-    ({"depth": -1}, _draw.DrawSpecError, "whole number >= 0"),
-    ({"depth": 1.5}, _draw.DrawSpecError, "depth= takes None"),
-    ({"rolled": "yes"}, _draw.DrawSpecError, "rolled= takes True"),
-    ({"focus": "transformer.h.9"}, _draw.DrawSpecError, "Modules like it: 'transformer.h.1'"),
-    ({"focus": 3}, _draw.DrawSpecError, "module address"),
-    ({"focus": "transformer.h.1:resid_mdi"}, _draw.DrawSpecError, "Did you mean 'resid_mid'"),
-    ({"highlight": ["blocks.0.hook_resid_mdi"]}, UnknownAlias, "Did you mean 'blocks.0.hook_resid_mid'"),
-    ({"highlight": ["blocks.7.hook_resid_mid"]}, tl.LookupFailed, "layers are 0..1"),
-    ({"highlight": ["blocks.0.hook_resid_mid"], "generation": "2x"}, UnknownGeneration, "Did you mean '2.x'"),
-    ({"highlight": {"2.y": ["blocks.0.hook_resid_mid"]}}, UnknownGeneration, "Did you mean '2.x'"),
-    ({"highlight": {"2.x": "blocks.0.hook_resid_mid"}}, _draw.DrawSpecError, "takes a list of names"),
-    ({"highlight": {"2.x": []}, "generation": "2.x"}, _draw.DrawSpecError, "drop generation="),
-    ({"highlight": 5}, _draw.DrawSpecError, '"facets"'),
-    ({"max_nodes": 0}, _draw.DrawSpecError, "positive whole number or None"),
-])
+@pytest.mark.parametrize(
+    "options, error, words",
+    [
+        ({"depth": -1}, _draw.DrawSpecError, "whole number >= 0"),
+        ({"depth": 1.5}, _draw.DrawSpecError, "depth= takes None"),
+        ({"rolled": "yes"}, _draw.DrawSpecError, "rolled= takes True"),
+        ({"focus": "transformer.h.9"}, _draw.DrawSpecError, "Modules like it: 'transformer.h.1'"),
+        ({"focus": 3}, _draw.DrawSpecError, "module address"),
+        ({"focus": "transformer.h.1:resid_mdi"}, _draw.DrawSpecError, "Did you mean 'resid_mid'"),
+        (
+            {"highlight": ["blocks.0.hook_resid_mdi"]},
+            UnknownAlias,
+            "Did you mean 'blocks.0.hook_resid_mid'",
+        ),
+        ({"highlight": ["blocks.7.hook_resid_mid"]}, tl.LookupFailed, "layers are 0..1"),
+        (
+            {"highlight": ["blocks.0.hook_resid_mid"], "generation": "2x"},
+            UnknownGeneration,
+            "Did you mean '2.x'",
+        ),
+        (
+            {"highlight": {"2.y": ["blocks.0.hook_resid_mid"]}},
+            UnknownGeneration,
+            "Did you mean '2.x'",
+        ),
+        (
+            {"highlight": {"2.x": "blocks.0.hook_resid_mid"}},
+            _draw.DrawSpecError,
+            "takes a list of names",
+        ),
+        ({"highlight": {"2.x": []}, "generation": "2.x"}, _draw.DrawSpecError, "drop generation="),
+        ({"highlight": 5}, _draw.DrawSpecError, '"facets"'),
+        ({"max_nodes": 0}, _draw.DrawSpecError, "positive whole number or None"),
+    ],
+)
 def test_bad_input_raises_and_says_what_to_pass(gpt2, options, error, words):
     with pytest.raises(error) as info:
         gpt2.draw(**options)
@@ -373,7 +476,11 @@ def test_a_large_drawing_is_refused_before_its_layout_with_smaller_ones(gpt2, mo
     with pytest.raises(_draw.DrawingTooLarge) as info:
         gpt2.draw(rolled=False, max_nodes=100)
     message = str(info.value)
-    assert "rolled=True (" in message and "depth=2 (" in message and "focus='transformer.h.0' (" in message
+    assert (
+        "rolled=True (" in message
+        and "depth=2 (" in message
+        and "focus='transformer.h.0' (" in message
+    )
     assert "max_nodes=None" in message
     sizes = [int(n) for n in re.findall(r"\((\d+) nodes", message)]
     assert sizes and all(n < int(re.search(r"has (\d+) nodes", message).group(1)) for n in sizes)
@@ -385,7 +492,9 @@ def test_gpt2_small_unrolled_is_within_the_default_limit():
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12)).eval()
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12)
+    ).eval()
     trace = tl.trace(model, torch.arange(8).unsqueeze(0), save="none")
     d = trace.draw(rolled=False)
     assert d.counts["op"] + d.counts["input"] == len(trace.ops)
@@ -416,7 +525,11 @@ def test_a_drawing_is_the_same_bytes_in_every_process():
     import script_modules
 
     first, second = script_modules.json_per_hash_seed(
-        _DRAW_IN_A_FRESH_PROCESS, [], ("0", "1"), env={"PYTHONPATH": str(pathlib.Path(tl.__file__).parents[1])})
+        _DRAW_IN_A_FRESH_PROCESS,
+        [],
+        ("0", "1"),
+        env={"PYTHONPATH": str(pathlib.Path(tl.__file__).parents[1])},
+    )
     trace = _trace("llama", save="none")
     here = [trace.draw(depth=2), trace.draw(focus="model.layers.1", depth=1, highlight="facets")]
     assert first == second == here

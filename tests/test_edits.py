@@ -61,22 +61,43 @@ def test_gpt2_zero_resid_post_matches_forward_hook():
     assert not torch.allclose(want, clean)  # the edit changes something
     torch.testing.assert_close(t.output.logits, want, atol=ATOL, rtol=0)
     torch.testing.assert_close(t["<root>:logits"], want, atol=ATOL, rtol=0)
-    assert float(t.modules["transformer.h.0"].facets["resid_post"].abs().max()) == 0.0  # what the model used
+    assert (
+        float(t.modules["transformer.h.0"].facets["resid_post"].abs().max()) == 0.0
+    )  # what the model used
     (e,) = t.edits
     assert (e.module_address, e.facet, e.calls, e.how, e.where, e.applied) == (
-        "transformer.h.0", "resid_post", (0,), "fn", "forward hook", 1)
+        "transformer.h.0",
+        "resid_post",
+        (0,),
+        "fn",
+        "forward hook",
+        1,
+    )
     _nothing_installed(model)
 
 
-@pytest.mark.parametrize("key", ["blocks.0.hook_resid_post", "blocks.0.hook_out", "layers_output[0]", "resid_post.0",
-                                 "transformer.h.0:resid_post", ("transformer.h.0", "output")])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "blocks.0.hook_resid_post",
+        "blocks.0.hook_out",
+        "layers_output[0]",
+        "resid_post.0",
+        "transformer.h.0:resid_post",
+        ("transformer.h.0", "output"),
+    ],
+)
 def test_every_generation_names_the_same_edit(key):
     """2.x, 4.x, nnterp and interp-engine names, 'address:facet' and a tuple: one site, one edit."""
     model = testing.build("gpt2")
     with torch.no_grad():
         t = tl.trace(model, IDS, edit={key: lambda x: x * 0.5})
-    torch.testing.assert_close(t.output.logits, _hooked_logits(model, model.transformer.h[0], lambda x: x * 0.5),
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        t.output.logits,
+        _hooked_logits(model, model.transformer.h[0], lambda x: x * 0.5),
+        atol=ATOL,
+        rtol=0,
+    )
     assert t.edits[0].module_address == "transformer.h.0" and t.edits[0].key == key
 
 
@@ -94,7 +115,9 @@ def test_llama_steering_resid_pre_matches_pre_hook_and_downstream_sites():
             hs = model(IDS, output_hidden_states=True).hidden_states
     finally:
         h.remove()
-    torch.testing.assert_close(t.modules["model.layers.1"].facets["resid_pre"], hs[1] + steer, atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        t.modules["model.layers.1"].facets["resid_pre"], hs[1] + steer, atol=ATOL, rtol=0
+    )
     assert t.edits[0].where == "pre-hook"
 
 
@@ -104,7 +127,9 @@ def test_tensor_value_replaces_and_wrong_shape_teaches():
         t0 = tl.trace(model, IDS)
         value = torch.ones_like(t0.modules["transformer.h.1.mlp"].facets["output"])
         t = tl.trace(model, IDS, edit={"transformer.h.1.mlp:output": value})
-    torch.testing.assert_close(t.output.logits, _hooked_logits(model, model.transformer.h[1].mlp, lambda x: value))
+    torch.testing.assert_close(
+        t.output.logits, _hooked_logits(model, model.transformer.h[1].mlp, lambda x: value)
+    )
     assert t.edits[0].how == "tensor"
     with pytest.raises(EditSpecError, match=r"shape \[1, 6, 3\].*\[1, 6, 32\]"):
         tl.trace(model, IDS, edit={"transformer.h.1.mlp:output": torch.ones(1, 6, 3)})
@@ -125,7 +150,7 @@ def test_gpt2_head_ablation_through_z_matches_zeroed_c_proj_columns():
 
     def cols(x):
         x = x.clone()
-        x[..., d_head:2 * d_head] = 0
+        x[..., d_head : 2 * d_head] = 0
         return x
 
     with torch.no_grad():
@@ -138,15 +163,25 @@ def test_gpt2_head_ablation_through_z_matches_zeroed_c_proj_columns():
 def test_llama_q_and_act_match_hooks_on_the_modules_computing_them():
     model = testing.build("llama")
     with torch.no_grad():
-        t = tl.trace(model, IDS, edit={"blocks.0.attn.hook_q": lambda q: q * 2})  # q: [b, pos, heads, d_head]
+        t = tl.trace(
+            model, IDS, edit={"blocks.0.attn.hook_q": lambda q: q * 2}
+        )  # q: [b, pos, heads, d_head]
     torch.testing.assert_close(
-        t.output.logits, _hooked_logits(model, model.model.layers[0].self_attn.q_proj, lambda x: x * 2), atol=ATOL, rtol=0)
+        t.output.logits,
+        _hooked_logits(model, model.model.layers[0].self_attn.q_proj, lambda x: x * 2),
+        atol=ATOL,
+        rtol=0,
+    )
     with torch.no_grad():
         t = tl.trace(model, IDS, edit={"blocks.1.mlp.hook_post": lambda a: a.clamp(max=0.01)})
     torch.testing.assert_close(
         t.output.logits,
-        _hooked_logits(model, model.model.layers[1].mlp.down_proj, lambda a: a.clamp(max=0.01), pre=True),
-        atol=ATOL, rtol=0)
+        _hooked_logits(
+            model, model.model.layers[1].mlp.down_proj, lambda a: a.clamp(max=0.01), pre=True
+        ),
+        atol=ATOL,
+        rtol=0,
+    )
 
 
 def test_gpt2_pattern_edit_matches_an_eager_manual_forward():
@@ -200,7 +235,9 @@ def test_llama_rot_q_matches_an_attention_function_that_edits_the_kernel_input()
     with torch.no_grad():
         t = tl.trace(model, IDS, edit={("model.layers.0.self_attn", "rot_q"): zero_head})
         AttentionInterface.register("torchlens_test_edit_rot_q", edited)
-        AttentionMaskInterface.register("torchlens_test_edit_rot_q", eager_mask)  # the eager causal mask
+        AttentionMaskInterface.register(
+            "torchlens_test_edit_rot_q", eager_mask
+        )  # the eager causal mask
         model.config._attn_implementation = "torchlens_test_edit_rot_q"
         want = model(IDS).logits
     torch.testing.assert_close(t.output.logits, want, atol=ATOL, rtol=0)
@@ -232,7 +269,9 @@ def test_llama_rot_k_is_edited_before_the_cache_and_the_kv_repeat():
         AttentionMaskInterface.register("torchlens_test_edit_rot_k", eager_mask)
         model.config._attn_implementation = "torchlens_test_edit_rot_k"
         want = model(IDS).logits
-    assert t.modules["model.layers.0.self_attn"].facets["rot_k"].shape[2] == 2  # the model's kv heads
+    assert (
+        t.modules["model.layers.0.self_attn"].facets["rot_k"].shape[2] == 2
+    )  # the model's kv heads
     torch.testing.assert_close(t.output.logits, want, atol=ATOL, rtol=0)
 
 
@@ -241,11 +280,13 @@ def test_gpt2_resid_mid_matches_the_block_written_out_by_hand():
     so no hook on a module can replace it; the block's forward written out by hand can."""
     model = testing.build("gpt2")
     d = torch.linspace(0, 1, 32)
-    fn = lambda mid: mid + d  # noqa: E731
+    fn = lambda mid: mid + d
 
     def manual(block, args, kwargs, out):
         x = args[0]
-        mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")  # GPT2Model passes it third
+        mask = (
+            args[2] if len(args) > 2 else kwargs.get("attention_mask")
+        )  # GPT2Model passes it third
         attn = block.attn(block.ln_1(x), attention_mask=mask)
         mid = fn(x + _first(attn))
         return _with_first(out, mid + block.mlp(block.ln_2(mid)))
@@ -260,7 +301,10 @@ def test_gpt2_resid_mid_matches_the_block_written_out_by_hand():
         h.remove()
     torch.testing.assert_close(t.output.logits, want, atol=1e-5, rtol=0)
     assert "add" in t.edits[0].where
-    assert "this trace edited it" in t.modules["transformer.h.1"].facets.check("resid_mid")["resid_mid"]
+    assert (
+        "this trace edited it"
+        in t.modules["transformer.h.1"].facets.check("resid_mid")["resid_mid"]
+    )
 
 
 def test_hook_and_op_edits_together_match_plain_hooks():
@@ -277,11 +321,20 @@ def test_hook_and_op_edits_together_match_plain_hooks():
         return (x,)
 
     with torch.no_grad():
-        t = tl.trace(model, IDS, edit={"blocks.0.hook_resid_pre": lambda x: x + 1, "blocks.1.attn.hook_z": ablate,
-                                       "blocks.1.hook_resid_post": lambda x: x * 2})
-    hs = [model.transformer.h[0].register_forward_pre_hook(lambda m, a: (a[0] + 1,) + tuple(a[1:])),
-          model.transformer.h[1].attn.c_proj.register_forward_pre_hook(cols),
-          model.transformer.h[1].register_forward_hook(lambda m, a, o: _with_first(o, _first(o) * 2))]
+        t = tl.trace(
+            model,
+            IDS,
+            edit={
+                "blocks.0.hook_resid_pre": lambda x: x + 1,
+                "blocks.1.attn.hook_z": ablate,
+                "blocks.1.hook_resid_post": lambda x: x * 2,
+            },
+        )
+    hs = [
+        model.transformer.h[0].register_forward_pre_hook(lambda m, a: (a[0] + 1,) + tuple(a[1:])),
+        model.transformer.h[1].attn.c_proj.register_forward_pre_hook(cols),
+        model.transformer.h[1].register_forward_hook(lambda m, a, o: _with_first(o, _first(o) * 2)),
+    ]
     try:
         with torch.no_grad():
             want = model(IDS).logits
@@ -365,11 +418,16 @@ def test_a_patched_tensor_is_not_written_by_the_model():
     assert bool((held == 5).all())
 
 
-@pytest.mark.parametrize("site", [("transformer.h.1.mlp", "output"), ("transformer.h.1.attn", "pattern")],
-                         ids=["hook-edit", "op-edit"])
+@pytest.mark.parametrize(
+    "site",
+    [("transformer.h.1.mlp", "output"), ("transformer.h.1.attn", "pattern")],
+    ids=["hook-edit", "op-edit"],
+)
 @pytest.mark.parametrize("outer", [None, "device", "trace"])
 @pytest.mark.parametrize("write", ["mul_", "data"])
-def test_an_edit_that_writes_into_a_kept_tensor_leaves_its_facet_as_the_model_made_it(outer, write, site):
+def test_an_edit_that_writes_into_a_kept_tensor_leaves_its_facet_as_the_model_made_it(
+    outer, write, site
+):
     # The edit of block 1's MLP output (placed in a forward hook) or of its attention pattern
     # (placed on an op) also halves, in place, block 0's output, which a user hook stashed: block
     # 0's output facet must stay what block 0 returned, with a torch function mode below the trace
@@ -378,7 +436,9 @@ def test_an_edit_that_writes_into_a_kept_tensor_leaves_its_facet_as_the_model_ma
     with torch.no_grad():
         truth = testing.hooked_outputs(model, ["transformer.h.0"], IDS)["transformer.h.0"]
     stash = {}
-    handle = model.transformer.h[0].register_forward_hook(lambda m, a, o: stash.update(b0=o[0] if isinstance(o, tuple) else o))
+    handle = model.transformer.h[0].register_forward_hook(
+        lambda m, a, o: stash.update(b0=o[0] if isinstance(o, tuple) else o)
+    )
 
     def edit(y):
         (stash["b0"].data if write == "data" else stash["b0"]).mul_(0.5)
@@ -423,14 +483,22 @@ def test_an_edit_that_calls_a_module_of_the_model_is_one_edited_op(outer):
     ln = model.transformer.h[1].ln_1
     plain = tl.trace(model, IDS)
     with torch.device("cpu") if outer else contextlib.nullcontext():
-        t = tl.trace(model, IDS, edit={"transformer.h.0:resid_post": lambda x: ln(x) * 2 + 1,
-                                       "transformer.h.1.attn:pattern": lambda p: p * 1.0})
+        t = tl.trace(
+            model,
+            IDS,
+            edit={
+                "transformer.h.0:resid_post": lambda x: ln(x) * 2 + 1,
+                "transformer.h.1.attn:pattern": lambda p: p * 1.0,
+            },
+        )
     assert [r.where.split(" #")[0] for r in t.edits] == ["forward hook", "op"]  # both placed
     assert len(t.modules["transformer.h.1.ln_1"].calls) == 1
     assert [op.name for op in t.ops if op.name != "edited"] == [op.name for op in plain.ops]
     with torch.no_grad():
         expected = ln(plain.modules["transformer.h.0"].facets["resid_post"]) * 2 + 1
-    torch.testing.assert_close(t.modules["transformer.h.1"].facets["resid_pre"], expected, rtol=0, atol=0)
+    torch.testing.assert_close(
+        t.modules["transformer.h.1"].facets["resid_pre"], expected, rtol=0, atol=0
+    )
 
 
 def test_training_mode_dropout_draws_the_same_masks_as_an_unedited_forward():
@@ -449,7 +517,9 @@ def test_training_mode_dropout_draws_the_same_masks_as_an_unedited_forward():
 
 def test_sdpa_pattern_is_not_editable_and_says_use_eager():
     model = testing.build("gpt2", "sdpa")
-    with pytest.raises(NotEditable, match=r"transformer\.h\.0\.attn:pattern.*fused.*attn_implementation=\"eager\""):
+    with pytest.raises(
+        NotEditable, match=r"transformer\.h\.0\.attn:pattern.*fused.*attn_implementation=\"eager\""
+    ):
         tl.trace(model, IDS, edit={"blocks.0.attn.hook_pattern": lambda p: p})
     _nothing_installed(model)
 
@@ -480,7 +550,9 @@ def test_bad_keys_and_values_teach():
         tl.trace(model, IDS, edit={("transformer.h.00", "resid_post"): lambda x: x})
     with pytest.raises(LookupFailed, match="resid_post"):
         tl.trace(model, IDS, edit={("transformer.h.0", "resid_pst"): lambda x: x})
-    with pytest.raises(EditSpecError, match=r"module address, not a site.*'transformer.h.0:output'"):
+    with pytest.raises(
+        EditSpecError, match=r"module address, not a site.*'transformer.h.0:output'"
+    ):
         tl.trace(model, IDS, edit={"transformer.h.0": lambda x: x})
     with pytest.raises(EditSpecError, match="function fn"):
         tl.trace(model, IDS, edit={"blocks.0.hook_resid_post": 0})
@@ -489,7 +561,14 @@ def test_bad_keys_and_values_teach():
     with pytest.raises(EditSpecError, match="returned NoneType"):
         tl.trace(model, IDS, edit={"blocks.0.hook_resid_post": lambda x: None})
     with pytest.raises(EditSpecError, match="same site"):
-        tl.trace(model, IDS, edit={"blocks.0.hook_resid_post": lambda x: x, ("transformer.h.0", "resid_post"): lambda x: x})
+        tl.trace(
+            model,
+            IDS,
+            edit={
+                "blocks.0.hook_resid_post": lambda x: x,
+                ("transformer.h.0", "resid_post"): lambda x: x,
+            },
+        )
     _nothing_installed(model)
 
 
@@ -521,7 +600,9 @@ def test_nnsight_intervention_parity():
     with torch.no_grad():
         t = tl.trace(model, IDS, edit={"blocks.0.hook_resid_post": lambda x: x * 0})
     torch.testing.assert_close(t.output.logits, logits.logits, atol=ATOL, rtol=0)
-    torch.testing.assert_close(t.modules["transformer.h.1"].facets["resid_post"], _first(h1), atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        t.modules["transformer.h.1"].facets["resid_post"], _first(h1), atol=ATOL, rtol=0
+    )
 
 
 def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_caught():
@@ -529,7 +610,9 @@ def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_c
 
     from torchlens import mechinterp as mi
 
-    bridge, _ = engine_runs._bridge("gpt2", "eager")  # boot wraps that model's modules in bridge components
+    bridge, _ = engine_runs._bridge(
+        "gpt2", "eager"
+    )  # boot wraps that model's modules in bridge components
     hf_model = engine_runs.model("gpt2", "eager")  # the same weights, unwrapped
     ids = engine_runs.IDS
     cache = {}
@@ -537,12 +620,16 @@ def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_c
     def save(name):
         def hook(x, hook):
             cache[name] = x.detach().clone()
+
         return hook
 
     names = ["blocks.1.hook_resid_pre", "blocks.1.hook_resid_post"]
     with torch.no_grad():
         logits = bridge.run_with_hooks(
-            ids, fwd_hooks=[("blocks.0.hook_resid_post", lambda x, hook: x * 0.5)] + [(n, save(n)) for n in names])
+            ids,
+            fwd_hooks=[("blocks.0.hook_resid_post", lambda x, hook: x * 0.5)]
+            + [(n, save(n)) for n in names],
+        )
         t = tl.trace(hf_model, ids, edit={"blocks.0.hook_resid_post": lambda x: x * 0.5})
     torch.testing.assert_close(t.output.logits, logits, atol=1e-5, rtol=0)
     report = mi.compare(t, cache, generation="2.x")
@@ -550,8 +637,11 @@ def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_c
     # an engine that put the same edit on the block's input instead: its values land elsewhere
     with torch.no_grad():
         wrong = {}
-        bridge.run_with_hooks(ids, fwd_hooks=[("blocks.0.hook_resid_pre", lambda x, hook: x * 0.5)]
-                              + [(n, save(n)) for n in names])
+        bridge.run_with_hooks(
+            ids,
+            fwd_hooks=[("blocks.0.hook_resid_pre", lambda x, hook: x * 0.5)]
+            + [(n, save(n)) for n in names],
+        )
         wrong = dict(cache)
     bad = mi.compare(t, wrong, generation="2.x")
     assert not bad.ok and set(bad.mismatched) == set(names), bad
@@ -559,7 +649,6 @@ def test_transformer_lens_bridge_run_with_hooks_parity_and_a_misplaced_edit_is_c
     with torch.no_grad():
         at_input = tl.trace(hf_model, ids, edit={"blocks.0.hook_resid_pre": lambda x: x * 0.5})
     assert mi.compare(at_input, wrong, generation="2.x").ok
-
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -583,13 +672,23 @@ def test_transformer_lens_bridge_op_level_edits_parity(family):
         z[:, :, 1] = 0
         return z
 
-    cases = [("blocks.0.attn.hook_z", tl_z, bridge_z),
-             ("blocks.0.attn.hook_pattern", lambda p: p * 0.5, lambda p, hook: p * 0.5)]
+    cases = [
+        ("blocks.0.attn.hook_z", tl_z, bridge_z),
+        ("blocks.0.attn.hook_pattern", lambda p: p * 0.5, lambda p, hook: p * 0.5),
+    ]
     for name, ours, theirs in cases:
         cache = {}
         with torch.no_grad():
-            logits = bridge.run_with_hooks(ids, fwd_hooks=[(name, theirs), (
-                "blocks.1.hook_resid_post", lambda x, hook: cache.__setitem__("blocks.1.hook_resid_post", x.clone()))])
+            logits = bridge.run_with_hooks(
+                ids,
+                fwd_hooks=[
+                    (name, theirs),
+                    (
+                        "blocks.1.hook_resid_post",
+                        lambda x, hook: cache.__setitem__("blocks.1.hook_resid_post", x.clone()),
+                    ),
+                ],
+            )
             t = tl.trace(hf_model, ids, edit={name: ours})
             assert not torch.allclose(logits, hf_model(ids).logits)
         torch.testing.assert_close(t.output.logits, logits, atol=1e-5, rtol=0)
@@ -604,7 +703,9 @@ def measure_cost(repeats: int = 3) -> dict[str, float]:
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
+    cfg = transformers.GPT2Config(
+        n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024
+    )
     model = transformers.GPT2LMHeadModel(cfg).eval()
     ids = torch.randint(0, 50257, (1, 128))
     edit = {"blocks.5.hook_resid_post": lambda x: x * 0, "blocks.3.attn.hook_z": lambda z: z * 0}
@@ -637,8 +738,15 @@ def _opt_model():
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.OPTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, ffn_dim=64,
-                                 vocab_size=64, max_position_embeddings=16, word_embed_proj_dim=32)
+    cfg = transformers.OPTConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        ffn_dim=64,
+        vocab_size=64,
+        max_position_embeddings=16,
+        word_embed_proj_dim=32,
+    )
     return testing.from_config(cfg, transformers.OPTForCausalLM)
 
 
@@ -650,11 +758,16 @@ def test_resid_mid_and_mlp_in_edits_reach_what_transformer_lens_edits(family):
     model = _opt_model() if family == "opt" else testing.build("gpt2")
     ids = testing.token_ids(length=5)
     layer = model.model.decoder.layers[0] if family == "opt" else model.transformer.h[0]
-    ln2, mlp = ((layer.final_layer_norm, lambda x: layer.fc2(layer.activation_fn(layer.fc1(x))))
-                if family == "opt" else (layer.ln_2, layer.mlp))
+    ln2, mlp = (
+        (layer.final_layer_norm, lambda x: layer.fc2(layer.activation_fn(layer.fc1(x))))
+        if family == "opt"
+        else (layer.ln_2, layer.mlp)
+    )
     block = "model.decoder.layers.0" if family == "opt" else "transformer.h.0"
     seen = {}
-    handle = ln2.register_forward_pre_hook(lambda m, a: seen.__setitem__("mid", a[0].detach().clone()))
+    handle = ln2.register_forward_pre_hook(
+        lambda m, a: seen.__setitem__("mid", a[0].detach().clone())
+    )
     try:
         with torch.no_grad():
             model(ids)
@@ -663,7 +776,10 @@ def test_resid_mid_and_mlp_in_edits_reach_what_transformer_lens_edits(family):
     mid = seen["mid"].reshape(1, 5, -1)
     with torch.no_grad():
         branch = mlp(ln2(torch.zeros_like(seen["mid"]))).reshape(1, 5, -1)
-    for name, truth in (("blocks.0.hook_resid_mid", branch), ("blocks.0.hook_mlp_in", mid + branch)):
+    for name, truth in (
+        ("blocks.0.hook_resid_mid", branch),
+        ("blocks.0.hook_mlp_in", mid + branch),
+    ):
         with torch.no_grad():
             tr = tl.trace(model, ids, edit={name: torch.zeros_like})
         got = tr.modules[block].facets["resid_post"]

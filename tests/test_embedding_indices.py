@@ -19,18 +19,24 @@ from __future__ import annotations
 
 import functools
 
+import _edge_models as em
 import pytest
 import torch
 
-import _edge_models as em
 import torchlens as tl
 from torchlens import testing
 
 #: arch -> (address, where its truth comes from: "rows" (match the weight), or the input keyword holding its ids)
 EMBEDDINGS = {
-    "mbart": (("model.encoder.embed_positions", "rows"), ("model.decoder.embed_positions", "rows"),
-              ("model.decoder.embed_tokens", "decoder_input_ids")),
-    "plbart": (("model.encoder.embed_positions", "rows"), ("model.decoder.embed_positions", "rows")),
+    "mbart": (
+        ("model.encoder.embed_positions", "rows"),
+        ("model.decoder.embed_positions", "rows"),
+        ("model.decoder.embed_tokens", "decoder_input_ids"),
+    ),
+    "plbart": (
+        ("model.encoder.embed_positions", "rows"),
+        ("model.decoder.embed_positions", "rows"),
+    ),
     "biogpt": (("biogpt.embed_positions", "rows"), ("biogpt.embed_tokens", "input_ids")),
     # MVP (no other test): its position embedding is given the token ids and looks up arange(T) + 2
     "mvp": (("model.encoder.embed_positions", "rows"), ("model.decoder.embed_positions", "rows")),
@@ -38,7 +44,7 @@ EMBEDDINGS = {
 CASES = [(a, addr, src) for a, rows in EMBEDDINGS.items() for addr, src in rows]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced(arch: str):
     model = em.build(arch)
     args, kwargs = em.inputs(arch)
@@ -67,5 +73,6 @@ def test_indices_are_the_indices_looked_up(arch, address, source):
         return  # absent is honest; a served one must be right
     got = site.tensor
     assert not got.is_floating_point(), f"{address} serves a {got.dtype} tensor as indices"
-    assert got.shape == truth.shape and torch.equal(got.long(), truth.long()), \
+    assert got.shape == truth.shape and torch.equal(got.long(), truth.long()), (
         f"{address} indices {got.tolist()} are not the rows looked up {truth.tolist()}"
+    )

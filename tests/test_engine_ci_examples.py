@@ -13,13 +13,12 @@ import os
 import pathlib
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
+from docs_harness import ci_is_on, engine_python
 
 import torchlens as tl
-from docs_harness import ci_is_on, engine_python
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "docs" / "examples" / "engine-ci"
@@ -27,7 +26,9 @@ HOOKS = "test_engine_hooks_match_torchlens.py"
 VLLM = "test_vllm_hooks_match_torchlens.py"
 
 
-def _copy(destination: pathlib.Path, file: str, wrong: tuple[str, str] | None = None) -> pathlib.Path:
+def _copy(
+    destination: pathlib.Path, file: str, wrong: tuple[str, str] | None = None
+) -> pathlib.Path:
     """The example folder copied to `destination`, with one line of `file` replaced (a wrong hook)."""
     shutil.copytree(EXAMPLES, destination, dirs_exist_ok=True)
     if wrong is not None:
@@ -45,15 +46,23 @@ def test_the_hooks_example_passes_and_a_wrong_hook_fails_with_the_diagnosis(pyte
     _copy(pytester.path, HOOKS)
     pytester.runpytest_subprocess("-p", "no:cacheprovider", HOOKS).assert_outcomes(passed=2)
     # the classic bug: the layer's output read where the MLP's is, without the residual
-    _copy(pytester.path, HOOKS, ('"layers_output[{L}]": ("model.layers.{L}", "output"),',
-                                  '"layers_output[{L}]": ("model.layers.{L}.mlp", "output"),'))
+    _copy(
+        pytester.path,
+        HOOKS,
+        (
+            '"layers_output[{L}]": ("model.layers.{L}", "output"),',
+            '"layers_output[{L}]": ("model.layers.{L}.mlp", "output"),',
+        ),
+    )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", HOOKS)
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines([
-        "*the engine's hooks disagree with the TorchLens reference:*",
-        "*layers_output[[]0[]]*NO*=> equals mlps_output[[]0[]]: the residual is missing*",
-        "*(12 compared: 10 agree, 2 do not)*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*the engine's hooks disagree with the TorchLens reference:*",
+            "*layers_output[[]0[]]*NO*=> equals mlps_output[[]0[]]: the residual is missing*",
+            "*(12 compared: 10 agree, 2 do not)*",
+        ]
+    )
 
 
 def _lent_pytest(directory: pathlib.Path) -> pathlib.Path:
@@ -73,9 +82,19 @@ def _lent_pytest(directory: pathlib.Path) -> pathlib.Path:
 
 def _run_vllm(folder: pathlib.Path, lent: pathlib.Path) -> subprocess.CompletedProcess:
     python = engine_python(REPO, "vllm")
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{lent}", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    return subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", VLLM], cwd=folder,
-                          env=env, capture_output=True, text=True, timeout=900)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{lent}",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
+    return subprocess.run(
+        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", VLLM],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def test_the_vllm_example_passes_in_vllm_and_a_wrong_hook_fails_with_the_diagnosis(tmp_path):
@@ -85,13 +104,26 @@ def test_the_vllm_example_passes_in_vllm_and_a_wrong_hook_fails_with_the_diagnos
         pytest.skip("the vllm engine environment is not built (make engines)")
     lent = _lent_pytest(tmp_path / "lent")
     good = _run_vllm(_copy(tmp_path / "good", VLLM), lent)
-    assert good.returncode == 0 and "1 passed" in good.stdout, good.stdout[-3000:] + good.stderr[-3000:]
+    assert good.returncode == 0 and "1 passed" in good.stdout, (
+        good.stdout[-3000:] + good.stderr[-3000:]
+    )
     # the residual stream read as the layer's first output element alone
-    bad = _run_vllm(_copy(tmp_path / "bad", VLLM, ('keep(f"blocks.{i}.hook_resid_post", mlp_out + resid_mid)',
-                                                    'keep(f"blocks.{i}.hook_resid_post", mlp_out)')), lent)
+    bad = _run_vllm(
+        _copy(
+            tmp_path / "bad",
+            VLLM,
+            (
+                'keep(f"blocks.{i}.hook_resid_post", mlp_out + resid_mid)',
+                'keep(f"blocks.{i}.hook_resid_post", mlp_out)',
+            ),
+        ),
+        lent,
+    )
     assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-3000:]
     assert "vLLM's hooks disagree with the TorchLens reference:" in bad.stdout
-    assert "blocks.0.hook_resid_post" in bad.stdout and ": the residual is missing" in bad.stdout, bad.stdout[-3000:]
+    assert "blocks.0.hook_resid_post" in bad.stdout and ": the residual is missing" in bad.stdout, (
+        bad.stdout[-3000:]
+    )
 
 
 def test_the_committed_references_are_what_make_references_writes(tmp_path):
@@ -99,24 +131,35 @@ def test_the_committed_references_are_what_make_references_writes(tmp_path):
     in the last bits; the examples compare with atol=1e-5)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_references", EXAMPLES / "make_references.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_references", EXAMPLES / "make_references.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.make(tmp_path)
     for name in module.MODELS:
         committed, fresh = tl.load(EXAMPLES / "references" / name), tl.load(tmp_path / name)
         assert [(op.name, op.module, op.shape) for op in committed.ops] == [
-            (op.name, op.module, op.shape) for op in fresh.ops], name
+            (op.name, op.module, op.shape) for op in fresh.ops
+        ], name
         for address in fresh.modules:
             for facet, site in fresh.modules[address].facets.sites.items():
                 old = committed.modules[address].facets.sites[facet]
                 if site.saved and site.tensor is not None and site.tensor.is_floating_point():
-                    assert torch.allclose(old.tensor, site.tensor, atol=1e-6, rtol=1e-5), (name, address, facet)
+                    assert torch.allclose(old.tensor, site.tensor, atol=1e-6, rtol=1e-5), (
+                        name,
+                        address,
+                        facet,
+                    )
 
 
 def test_the_ci_workflow_runs_the_examples_with_the_one_install_path():
     text = (EXAMPLES / "torchlens-check.yml").read_text(encoding="utf-8")
-    runs = [line.split("- run:", 1)[1].split("#")[0].strip() for line in text.splitlines() if "- run:" in line]
+    runs = [
+        line.split("- run:", 1)[1].split("#")[0].strip()
+        for line in text.splitlines()
+        if "- run:" in line
+    ]
     assert "pip install torch==2.13.0" in runs
     assert any(run.startswith("pip install dist/torchlens-*.whl") for run in runs), runs
     assert runs[-1] == "python -m pytest -q tests/torchlens"

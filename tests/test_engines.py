@@ -41,7 +41,9 @@ def require(engine: str) -> None:
         try:
             importlib.import_module(module)
         except ImportError as error:
-            pytest.fail(f"{engine} is not importable ({error}); CI=true: every peer engine must be installed")
+            pytest.fail(
+                f"{engine} is not importable ({error}); CI=true: every peer engine must be installed"
+            )
     else:
         pytest.importorskip(module, reason=f"{engine} is not installed")
 
@@ -69,7 +71,9 @@ def test_nnsight_reads_every_nnterp_site(family, impl):
     require("nnsight")
     run = er.nnsight_run(family, impl)
     assert_clean(run)
-    assert set(run.expected) == {r.query for r in mi.alias_report(er.reference(family, impl), "nnterp")}
+    assert set(run.expected) == {
+        r.query for r in mi.alias_report(er.reference(family, impl), "nnterp")
+    }
     assert run.compared == 19
     # Under sdpa the attention returns no weights; the pattern then comes from an eager copy
     # and is compared with TorchLens's reconstruction.
@@ -107,12 +111,21 @@ def test_interp_engine_captures_every_sited_address(family, impl):
     sited = [r.query for r in mi.alias_report(trace, "interp-engine") if r.status in er.HAS_SITE]
     assert list(run.expected) == sited and run.compared == len(sited)
     assert run.compared == {"gpt2": 28, "llama": 30}[family]
-    refused = set() if impl == "eager" else {"attn_scores.0", "attn_scores.1", "attn_probs.0", "attn_probs.1"}
+    refused = (
+        set()
+        if impl == "eager"
+        else {"attn_scores.0", "attn_scores.1", "attn_probs.0", "attn_probs.1"}
+    )
     assert set(run.from_eager_copy) == refused
     # What interp-engine serves here and TorchLens has no facet for: the post-sublayer norm
     # outputs (equal to attn_out / mlp_out on these families) and the final norm's output.
-    assert set(run.no_site) == {"attn_out_post.0", "attn_out_post.1", "mlp_out_post.0", "mlp_out_post.1",
-                                "final_norm"}
+    assert set(run.no_site) == {
+        "attn_out_post.0",
+        "attn_out_post.1",
+        "mlp_out_post.0",
+        "mlp_out_post.1",
+        "final_norm",
+    }
 
 
 # -- TransformerLens 4.x bridge ----------------------------------------------------------------
@@ -133,15 +146,26 @@ def test_transformer_lens_cache_keys(family, impl):
 
     assert set(full.expected) | set(full.no_site) == set(result.keys)
     for key in full.no_site:
-        assert mi.resolve_alias(trace, key, generation="3.x").facet is None, key  # the table has no site
-    no_site = {"gpt2": set(), "llama": {"rotary_emb.hook_in", "rotary_emb.hook_cos", "rotary_emb.hook_sin",
-                                        "blocks.{L}.attn.hook_cos", "blocks.{L}.attn.hook_sin"}}[family]
+        assert mi.resolve_alias(trace, key, generation="3.x").facet is None, (
+            key
+        )  # the table has no site
+    no_site = {
+        "gpt2": set(),
+        "llama": {
+            "rotary_emb.hook_in",
+            "rotary_emb.hook_cos",
+            "rotary_emb.hook_sin",
+            "blocks.{L}.attn.hook_cos",
+            "blocks.{L}.attn.hook_sin",
+        },
+    }[family]
     assert _per_layer(full.no_site) == no_site
     assert (full.compared, len(full.no_site)) == {"gpt2": (93, 0), "llama": (98, 7)}[family]
 
     # Keys are 4.x canonical names, 2.x names, or both; only hook_unembed is neither.
-    assert set(result.keys) - set(canonical.expected) - set(canonical.no_site) - set(legacy.expected) \
-        - set(legacy.no_site) == {"hook_unembed"}
+    assert set(result.keys) - set(canonical.expected) - set(canonical.no_site) - set(
+        legacy.expected
+    ) - set(legacy.no_site) == {"hook_unembed"}
     for run in (canonical, legacy):
         for c in run.report:  # the same tensor under the generation as under 3.x (2.x hook_embed is
             # the embedding lookup, 3.x's the module output: one tensor on GPT-2 and Llama)
@@ -151,9 +175,14 @@ def test_transformer_lens_cache_keys(family, impl):
             assert torch.equal(here.tensor, there.tensor), c.name
 
     # Every readable 3.x/4.x name appears in some cache, except the GPT-2-only hook_hidden_states.
-    missing = {"gpt2": (), "llama": ("blocks.0.attn.hook_hidden_states", "blocks.1.attn.hook_hidden_states")}
+    missing = {
+        "gpt2": (),
+        "llama": ("blocks.0.attn.hook_hidden_states", "blocks.1.attn.hook_hidden_states"),
+    }
     assert result.not_in_cache["3.x"] == result.not_in_cache["4.x"] == missing[family]
-    assert result.not_in_cache["2.x"] == ("hook_tokens",)  # HookedTransformer-only (cfg.use_hook_tokens)
+    assert result.not_in_cache["2.x"] == (
+        "hook_tokens",
+    )  # HookedTransformer-only (cfg.use_hook_tokens)
 
 
 @pytest.mark.tool_transformer_lens
@@ -168,18 +197,29 @@ def test_transformer_lens_flag_gated_hooks(family, impl):
     assert_clean(flagged)
     assert _per_layer(flagged.expected) == {"blocks.{L}.attn.hook_result", "blocks.{L}.hook_mlp_in"}
     assert _per_layer(flagged.no_site) == {
-        f"blocks.{{L}}.{p}hook_{n}" for p in ("", "attn.") for n in ("q_input", "k_input", "v_input", "attn_in")
+        f"blocks.{{L}}.{p}hook_{n}"
+        for p in ("", "attn.")
+        for n in ("q_input", "k_input", "v_input", "attn_in")
     }
     assert all(v == () for v in result.flag_changed.values()), result.flag_changed
-    assert all(result.per_head_resid.values()) and len(result.per_head_resid) == 16, result.per_head_resid
+    assert all(result.per_head_resid.values()) and len(result.per_head_resid) == 16, (
+        result.per_head_resid
+    )
     # The bridge stops firing the q/k/v projection inputs once they are split per head, and the
     # output projection's hook_out once it computes per-head results.
     dropped = {k: _per_layer(v) for k, v in result.flag_dropped.items()}
     assert dropped == {
         "set_use_attn_result+set_use_split_qkv_input+set_use_hook_mlp_in": {
-            "blocks.{L}.attn.q.hook_in", "blocks.{L}.attn.k.hook_in", "blocks.{L}.attn.v.hook_in",
-            "blocks.{L}.attn.o.hook_out"},
-        "set_use_attn_in": {"blocks.{L}.attn.q.hook_in", "blocks.{L}.attn.k.hook_in", "blocks.{L}.attn.v.hook_in"},
+            "blocks.{L}.attn.q.hook_in",
+            "blocks.{L}.attn.k.hook_in",
+            "blocks.{L}.attn.v.hook_in",
+            "blocks.{L}.attn.o.hook_out",
+        },
+        "set_use_attn_in": {
+            "blocks.{L}.attn.q.hook_in",
+            "blocks.{L}.attn.k.hook_in",
+            "blocks.{L}.attn.v.hook_in",
+        },
     }
 
 
@@ -193,8 +233,11 @@ def test_transformer_lens_norm_conventions_are_discriminating():
     post = mi.resolve_alias(trace, "blocks.0.ln1.hook_out", generation="4.x").tensor
     assert not torch.allclose(pre, post, atol=1e-3)
     run = er.transformer_lens_result("gpt2", "eager").runs[1]
-    assert {"blocks.0.ln1.hook_normalized", "blocks.0.ln1.hook_scale", "ln_final.hook_normalized"} <= {
-        c.name for c in run.report if c.passed}
+    assert {
+        "blocks.0.ln1.hook_normalized",
+        "blocks.0.ln1.hook_scale",
+        "ln_final.hook_normalized",
+    } <= {c.name for c in run.report if c.passed}
 
 
 # -- TransformerLens 2.x HookedTransformer and vLLM, in their engine environments ---------------
@@ -214,9 +257,14 @@ def test_transformer_lens_2_hooked_transformer_keys(family):
     assert_clean(unfolded)
     assert folded.no_site == {} and folded.compared == {"gpt2": 38, "llama": 43}[family]
     moved = set(folded.expected) - set(unfolded.expected)
-    assert _per_layer(moved) == ({"blocks.{L}.ln{L}.hook_normalized", "ln_final.hook_normalized"}
-                                 if family == "gpt2" else set())
-    assert not any(r.family == family and r.impl == "eager" for r in er.env_runs("transformer-lens-2"))
+    assert _per_layer(moved) == (
+        {"blocks.{L}.ln{L}.hook_normalized", "ln_final.hook_normalized"}
+        if family == "gpt2"
+        else set()
+    )
+    assert not any(
+        r.family == family and r.impl == "eager" for r in er.env_runs("transformer-lens-2")
+    )
 
 
 @pytest.mark.tool_vllm
@@ -245,7 +293,9 @@ def test_a_missing_engine_skips_locally_and_fails_under_ci(monkeypatch):
 def test_a_missing_engine_environment_skips_locally_and_fails_under_ci(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHLENS_ENGINE_ENVS", str(tmp_path))  # no environment is built there
     monkeypatch.setenv("CI", "true")
-    with pytest.raises(pytest.fail.Exception, match="CI=true: every engine environment must be built"):
+    with pytest.raises(
+        pytest.fail.Exception, match="CI=true: every engine environment must be built"
+    ):
         require("vllm")
     monkeypatch.setenv("CI", "")
     with pytest.raises(pytest.skip.Exception, match="not built"):
@@ -259,7 +309,9 @@ def test_compare_names_the_unfolded_layernorm_convention():
     """TransformerLens 2.x hooks hook_normalized after the gain on an unfolded LayerNorm (checked
     with TL 2.18: HookedTransformer with fold_ln=False). compare fails such a row and says so;
     the pre-gain tensor of a folded model passes."""
-    trace = er.reference("gpt2", "eager")  # norm gains and biases perturbed: pre- and post-gain differ
+    trace = er.reference(
+        "gpt2", "eager"
+    )  # norm gains and biases perturbed: pre- and post-gain differ
     post = mi.resolve_alias(trace, "blocks.0.ln2.hook_out", generation="4.x").tensor
     pre = mi.resolve_alias(trace, "blocks.0.ln2.hook_normalized", generation="2.x").tensor
     row = mi.compare(trace, {"blocks.0.ln2.hook_normalized": post}, generation="2.x")[0]

@@ -68,16 +68,21 @@ def test_committed_page_is_current(gen, capsys):
     before = PAGE.read_text()
     rc = gen.main(["--check"])
     out = capsys.readouterr().out
-    assert rc == 0, f"stale facet page; run `python scripts/gen_facet_page.py` and commit it:\n{out}"
+    assert rc == 0, (
+        f"stale facet page; run `python scripts/gen_facet_page.py` and commit it:\n{out}"
+    )
     assert PAGE.read_text() == before, "--check must not write the page"
 
 
-@pytest.mark.parametrize("field,value", [
-    ("prose", "a prose edited in memory"),
-    ("absent", "an absent reason edited in memory"),
-    ("axes", ("batch", "pos", "d_mlp")),
-    ("source", "computed"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("prose", "a prose edited in memory"),
+        ("absent", "an absent reason edited in memory"),
+        ("axes", ("batch", "pos", "d_mlp")),
+        ("source", "computed"),
+    ],
+)
 def test_check_reports_an_edited_row(gen, monkeypatch, capsys, field, value):
     """An edit of any rendered field of one row makes the committed page stale."""
     i = next(i for i, f in enumerate(spec.SPECS) if f.name == "resid_mid")
@@ -92,12 +97,20 @@ def test_check_reports_an_edited_row(gen, monkeypatch, capsys, field, value):
 
 def test_each_row_renders_its_own_cells(gen):
     """Ground truth written here, not derived from the rows: a few facets' cells, spelled out."""
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in gen.generated_section().splitlines() if line.startswith("| `")}
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in gen.generated_section().splitlines()
+        if line.startswith("| `")
+    }
     assert rows["`k`"][0] == "`[batch, pos, kv_heads, d_head]`"
     assert rows["`resid_post`"][2:] == ["a hook's tensor: the module's output", "yes"]
-    assert rows["`result`"][2].startswith("computed, read-only") and rows["`result`"][3].startswith("no: edit 'z'")
-    assert rows["`pattern`"][2] == "an op's output; reconstructed, read-only where the module runs as one fused op"
+    assert rows["`result`"][2].startswith("computed, read-only") and rows["`result`"][3].startswith(
+        "no: edit 'z'"
+    )
+    assert (
+        rows["`pattern`"][2]
+        == "an op's output; reconstructed, read-only where the module runs as one fused op"
+    )
     assert rows["`final_norm_input`"][2] == "a hook's tensor: the final norm's input"
     assert "Absent when the MLP is not gated" in rows["`pre_linear`"][1]
     assert rows["`input`"][0] == "the module's own"

@@ -11,9 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchlens import testing
 import torchlens
-from torchlens import TorchLensError
+from torchlens import TorchLensError, testing
 
 IDS = testing.token_ids(2, 6)
 
@@ -43,12 +42,14 @@ class Ground:
     def _post(self, a):
         def hook(module, args, out):
             self.out[a] = _first(out).detach().clone()
+
         return hook
 
     def _pre(self, a):
         def hook(module, args, kwargs):
             x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
             self.inp[a] = x.detach().clone()
+
         return hook
 
     def remove(self):
@@ -91,7 +92,12 @@ def _repoint_data(module, args, out):
     x.data = x.data * 0.5  # other memory for the same tensor: no counter moves
 
 
-_HOOKS = {"hook": _ablate, "hook_data": _ablate_data, "hook_data_mul": _halve_data, "hook_data_set": _repoint_data}
+_HOOKS = {
+    "hook": _ablate,
+    "hook_data": _ablate_data,
+    "hook_data_mul": _halve_data,
+    "hook_data_set": _repoint_data,
+}
 
 
 @pytest.mark.parametrize("family", list(_LAYOUT))
@@ -117,7 +123,7 @@ def test_in_place_edits_after_return_are_what_the_caller_received(family, how):
         tr = torchlens.trace(model, IDS)
     if handle is not None:
         handle.remove()
-    facets = lambda a: tr.modules[a].facets  # noqa: E731
+    facets = lambda a: tr.modules[a].facets
     # The edit really changed something: the edited output differs from what the inner op returned.
     if how not in _HOOKS:
         assert not torch.equal(ground.out[edited], ground.out[f"{edited}.inner"])
@@ -300,7 +306,11 @@ def _saved_tensors_of_the_graph(root):
         for name in dir(node):
             if name.startswith("_saved_"):
                 v = getattr(node, name)
-                found += [x for x in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(x, torch.Tensor)]
+                found += [
+                    x
+                    for x in (v if isinstance(v, (tuple, list)) else (v,))
+                    if isinstance(x, torch.Tensor)
+                ]
         todo += [f for f, _ in node.next_functions]
     return found
 
@@ -353,8 +363,12 @@ def test_a_write_into_the_autograd_graph_after_the_trace_is_never_served(family)
             want = ground.out[b] if name in ("output", "resid_post") else ground.inp[b]
             assert torch.equal(value, want), (b, name)
     assert refused > 0
-    assert torch.equal(early, ground.out[blocks[0]]) and torch.equal(tr.modules[blocks[0]].facets["output"], early)
-    torch.testing.assert_close(tr.output.logits.detach(), ref.logits)  # the caller's own output is untouched
+    assert torch.equal(early, ground.out[blocks[0]]) and torch.equal(
+        tr.modules[blocks[0]].facets["output"], early
+    )
+    torch.testing.assert_close(
+        tr.output.logits.detach(), ref.logits
+    )  # the caller's own output is untouched
     for rec in tr.modules.values():  # a pending check computed from written memory refuses
         for c in rec.calls:
             c.facets.check()
@@ -368,11 +382,22 @@ def test_a_write_into_the_autograd_graph_after_the_trace_is_never_served(family)
 
 
 @pytest.mark.parametrize(
-    "save", [["model.layers"], ["model.layers", "model.layers.0"], ["model.layers.1", "model.layers"], "model.layers"]
+    "save",
+    [
+        ["model.layers"],
+        ["model.layers", "model.layers.0"],
+        ["model.layers.1", "model.layers"],
+        "model.layers",
+    ],
 )
 def test_save_a_container_keeps_all_its_children(save):
     model = testing.build("llama")
-    addresses = ["model.layers.0", "model.layers.1", "model.layers.0.self_attn", "model.layers.1.mlp"]
+    addresses = [
+        "model.layers.0",
+        "model.layers.1",
+        "model.layers.0.self_attn",
+        "model.layers.1.mlp",
+    ]
     ground = Ground(model, addresses)
     with torch.no_grad():
         model(IDS)
@@ -436,22 +461,36 @@ def test_normalized_is_over_the_normalized_shape(norm, x_shape):
     elif isinstance(n, nn.LayerNorm):
         want = torch.nn.functional.layer_norm(x, n.normalized_shape, eps=n.eps)
     else:
-        want = torch.nn.functional.rms_norm(x, n.normalized_shape, eps=1e-6 if n.eps is None else n.eps)
+        want = torch.nn.functional.rms_norm(
+            x, n.normalized_shape, eps=1e-6 if n.eps is None else n.eps
+        )
     facets = tr.modules["norm"].facets
     torch.testing.assert_close(facets["normalized"], want, rtol=1e-5, atol=1e-5)
     if not isinstance(n, nn.GroupNorm):
         k = len(n.normalized_shape)
         name = "inv_rms" if isinstance(n, nn.RMSNorm) else "inv_std"
         assert facets[name].shape == x.shape[:-k] + (1,) * k
-        torch.testing.assert_close(facets["scale"] * facets["normalized"].float(), x - (x.mean(tuple(range(-k, 0)), keepdim=True) if name == "inv_std" else 0), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            facets["scale"] * facets["normalized"].float(),
+            x - (x.mean(tuple(range(-k, 0)), keepdim=True) if name == "inv_std" else 0),
+            rtol=1e-4,
+            atol=1e-4,
+        )
 
 
 def test_t5_rms_norm_gets_inv_rms():
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.T5Config(vocab_size=testing.VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4,
-                      decoder_start_token_id=0)
+    cfg = tf.T5Config(
+        vocab_size=testing.VOCAB,
+        d_model=16,
+        d_kv=4,
+        d_ff=32,
+        num_layers=1,
+        num_heads=4,
+        decoder_start_token_id=0,
+    )
     model = tf.T5ForConditionalGeneration(cfg).eval()
     address = "encoder.final_layer_norm"
     ground = Ground(model, [address])
@@ -463,7 +502,9 @@ def test_t5_rms_norm_gets_inv_rms():
     facets = tr.modules[address].facets
     assert "inv_rms" in facets.sites and "inv_std" not in facets.sites
     x = ground.inp[address]
-    want = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + model.encoder.final_layer_norm.variance_epsilon)
+    want = torch.rsqrt(
+        x.pow(2).mean(-1, keepdim=True) + model.encoder.final_layer_norm.variance_epsilon
+    )
     torch.testing.assert_close(facets["inv_rms"], want)
     torch.testing.assert_close(facets["normalized"], x * want)
 
@@ -501,8 +542,15 @@ class _MHABlock(nn.Module):
 
     def forward(self, x, mask=None, padding=None):
         y = x if self.batch_first else x.transpose(0, 1)
-        a, self.weights = self.attn(y, y, y, need_weights=self.need_weights, average_attn_weights=False,
-                                    attn_mask=mask, key_padding_mask=padding)
+        a, self.weights = self.attn(
+            y,
+            y,
+            y,
+            need_weights=self.need_weights,
+            average_attn_weights=False,
+            attn_mask=mask,
+            key_padding_mask=padding,
+        )
         x = x + (a if self.batch_first else a.transpose(0, 1))
         return x + self.mlp(x)
 
@@ -531,7 +579,9 @@ def test_facets_looked_up_by_a_non_name_teach():
         assert bad not in facets
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # building the input
+@pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
+)  # building the input
 def test_scripted_submodule_is_refused_naming_it_and_the_remedy():
     class Net(nn.Module):
         def __init__(self):
@@ -596,12 +646,18 @@ def test_multihead_attention_facets_are_rebuilt_and_checked(batch_first, masks):
     torch.testing.assert_close(f["pattern"], weights, rtol=1e-5, atol=1e-6)
     for name, want in zip("qkv", _mha_ground(net.layers[0].attn, x)):
         torch.testing.assert_close(f[name], want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(f["z"], torch.einsum("bhts,bshd->bhtd", weights, f["v"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        f["z"], torch.einsum("bhts,bshd->bhtd", weights, f["v"]), rtol=1e-5, atol=1e-6
+    )
     attn_out = ground.out["layers.0.attn"]
     attn_out = attn_out if batch_first else attn_out.transpose(0, 1)
-    torch.testing.assert_close(f["result"].sum(2) + net.layers[0].attn.out_proj.bias, attn_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        f["result"].sum(2) + net.layers[0].attn.out_proj.bias, attn_out, rtol=1e-5, atol=1e-5
+    )
     # (the traced run's mask handling can differ from the plain run's in the last bits)
-    torch.testing.assert_close(tr.modules["layers.1"].facets["output"], ground.out["layers.1"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        tr.modules["layers.1"].facets["output"], ground.out["layers.1"], rtol=1e-6, atol=1e-6
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -624,7 +680,9 @@ def _refused(tr, address, facet, why):
     assert facet not in f.sites and facet in f.refused, (facet, f.refused)
 
 
-def _last_dim_only(x, kind, eps, n_dims, groups):  # the old bug: normalized over the last dimension only
+def _last_dim_only(
+    x, kind, eps, n_dims, groups
+):  # the old bug: normalized over the last dimension only
     xf = x.float()
     centred = xf - xf.mean(-1, keepdim=True)
     inv = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
@@ -648,7 +706,11 @@ def test_planted_result_derivation_is_refused(monkeypatch, dtype):
     model = testing.build("gpt2", "eager", dtype)
     assert "result" in torchlens.trace(model, IDS).modules["transformer.h.0.attn"].facets
     real = _attention._roles.weight_layout
-    monkeypatch.setattr(_attention._roles, "weight_layout", lambda m: {"out_in": "in_out", "in_out": "out_in"}.get(real(m)))
+    monkeypatch.setattr(
+        _attention._roles,
+        "weight_layout",
+        lambda m: {"out_in": "in_out", "in_out": "out_in"}.get(real(m)),
+    )
     tr = torchlens.trace(model, IDS)
     _refused(tr, "transformer.h.0.attn", "result", "sum over heads plus bias")
 
@@ -679,7 +741,9 @@ def test_planted_sdpa_rebuild_is_refused(monkeypatch):
     attn = "model.layers.0.self_attn"
     assert "pattern" in torchlens.trace(model, IDS).modules[attn].facets
     real = _rebuild.rebuild_attention
-    monkeypatch.setattr(_rebuild, "rebuild_attention", lambda a, kw, out: real(a, {**kw, "scale": 0.01}, out))
+    monkeypatch.setattr(
+        _rebuild, "rebuild_attention", lambda a, kw, out: real(a, {**kw, "scale": 0.01}, out)
+    )
     tr = torchlens.trace(model, IDS)
     for name in ("scores", "pattern"):
         _refused(tr, attn, name, "the rebuild disagreed")
@@ -693,7 +757,9 @@ def test_planted_mha_rebuild_is_refused(monkeypatch):
     model = _TinyLM().eval()
     assert "pattern" in torchlens.trace(model, IDS).modules["layers.0.attn"].facets
     real = _rebuild.rebuild_mha
-    monkeypatch.setattr(_rebuild, "rebuild_mha", lambda a, kw, out: real(a[:4] + (1,) + a[5:], kw, out))
+    monkeypatch.setattr(
+        _rebuild, "rebuild_mha", lambda a, kw, out: real(a[:4] + (1,) + a[5:], kw, out)
+    )
     tr = torchlens.trace(model, IDS)
     for name in ("q", "pattern", "z", "result"):
         _refused(tr, "layers.0.attn", name, "the rebuild disagreed")
@@ -711,8 +777,16 @@ def test_z_is_refused_where_dropout_ran_between_pattern_and_v():
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=testing.VOCAB, n_positions=16,
-                        attn_pdrop=0.5, resid_pdrop=0.0, embd_pdrop=0.0)
+    cfg = tf.GPT2Config(
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        vocab_size=testing.VOCAB,
+        n_positions=16,
+        attn_pdrop=0.5,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    )
     cfg._attn_implementation = "eager"
     model = tf.GPT2LMHeadModel(cfg)
     attn = "transformer.h.0.attn"
@@ -742,14 +816,20 @@ class _Layer(nn.Module):
 
     def __init__(self, kind: str, edit: str):
         super().__init__()
-        self.inner = nn.Linear(6, 6) if kind == "linear" else nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 6))
+        self.inner = (
+            nn.Linear(6, 6)
+            if kind == "linear"
+            else nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 6))
+        )
         self.edit = edit
         if edit == "hook":
             self.register_forward_hook(_zero_first_column)
         elif edit == "replace":  # a hook that returns a new output: the caller receives that
             self.register_forward_hook(lambda m, a, out: out * 0.5 + 1)
         elif edit == "pre_edit":  # a pre-hook that edits the input in place before the module runs
-            self.register_forward_pre_hook(lambda m, args: args[0].__setitem__((slice(None), 2), 7.0))
+            self.register_forward_pre_hook(
+                lambda m, args: args[0].__setitem__((slice(None), 2), 7.0)
+            )
 
     def forward(self, x):
         if self.edit == "input_write":
@@ -790,14 +870,29 @@ def _selected(save, address, facet):
 @st.composite
 def _cases(draw):
     n = draw(st.integers(1, 3))
-    layers = [(draw(st.sampled_from(["linear", "mlp"])), draw(st.sampled_from(_EDITS))) for _ in range(n)]
+    layers = [
+        (draw(st.sampled_from(["linear", "mlp"])), draw(st.sampled_from(_EDITS))) for _ in range(n)
+    ]
     residual = [draw(st.booleans()) for _ in range(n)]
-    addresses = ["layers", "head"] + [f"layers.{i}" for i in range(n)] + [f"layers.{i}.inner" for i in range(n)]
-    save = draw(st.one_of(
-        st.just("all"),
-        st.lists(st.sampled_from(addresses + ["output", "input"]), min_size=1, max_size=3, unique=True),
-        st.sampled_from(addresses[1:]).map(lambda a: (lambda addr, facet, a=a: addr == a)),  # modules that run
-    ))
+    addresses = (
+        ["layers", "head"]
+        + [f"layers.{i}" for i in range(n)]
+        + [f"layers.{i}.inner" for i in range(n)]
+    )
+    save = draw(
+        st.one_of(
+            st.just("all"),
+            st.lists(
+                st.sampled_from(addresses + ["output", "input"]),
+                min_size=1,
+                max_size=3,
+                unique=True,
+            ),
+            st.sampled_from(addresses[1:]).map(
+                lambda a: lambda addr, facet, a=a: addr == a
+            ),  # modules that run
+        )
+    )
     return layers, residual, save
 
 
@@ -837,23 +932,32 @@ def test_transformer_encoder_attention_pattern_against_the_module_itself():
     """nn.TransformerEncoderLayer calls its MultiheadAttention with need_weights=False; the rebuilt
     pattern equals what the same module returns when asked for per-head weights."""
     torch.manual_seed(0)
-    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,
-                                enable_nested_tensor=False).eval()
+    enc = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2, enable_nested_tensor=False
+    ).eval()
     x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
     padding = torch.tensor([[False] * 5, [False, False, False, True, True]])
     ground = Ground(enc, ["layers.1.self_attn", "layers.1"])
     with torch.no_grad():
         enc(x, src_key_padding_mask=padding)
         a_in = ground.inp["layers.1.self_attn"]
-        _, weights = enc.layers[1].self_attn(a_in, a_in, a_in, key_padding_mask=padding, need_weights=True,
-                                             average_attn_weights=False)
+        _, weights = enc.layers[1].self_attn(
+            a_in,
+            a_in,
+            a_in,
+            key_padding_mask=padding,
+            need_weights=True,
+            average_attn_weights=False,
+        )
     ground.remove()
     with torch.no_grad():
         tr = torchlens.trace(enc, x, src_key_padding_mask=padding)
     f = tr.modules["layers.1.self_attn"].facets
     torch.testing.assert_close(f["pattern"], weights, rtol=1e-5, atol=1e-6)
     # The plain run took the fused fast path, which the torch function mode turns off (limits guide).
-    torch.testing.assert_close(tr.modules["layers.1"].facets["output"], ground.out["layers.1"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        tr.modules["layers.1"].facets["output"], ground.out["layers.1"], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_in_place_edit_after_return_under_inference_mode():
@@ -886,7 +990,9 @@ def test_float64_traces_pass_their_checks(family, impl):
     assert not tr.pending
     block = tr.blocks[0]
     assert "resid_mid" in tr.modules[block].facets
-    attn = next(a for a in tr.modules if a.startswith(block + ".") and tr.modules[a].role == "attention")
+    attn = next(
+        a for a in tr.modules if a.startswith(block + ".") and tr.modules[a].role == "attention"
+    )
     for name in ("pattern", "z") + (("result",) if family == "gpt2" else ()):
         assert name in tr.modules[attn].facets, name
     norms = [a for a in tr.modules if tr.modules[a].role == "norm" and tr.modules[a].calls]
@@ -921,17 +1027,35 @@ def test_t5_mlp_act_is_the_activation_output_not_the_dropout_after_it(proj):
 
     from torchlens import testing
 
-    cfg = T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=4, d_kv=8,
-                   dropout_rate=0.5, feed_forward_proj=proj)
+    cfg = T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_ff=64,
+        num_layers=1,
+        num_heads=4,
+        d_kv=8,
+        dropout_rate=0.5,
+        feed_forward_proj=proj,
+    )
     model = testing.from_config(cfg, T5Model).train()
     mlp = model.encoder.block[0].layer[1].DenseReluDense
     seen, handles = {}, []
     gated = proj.startswith("gated")
     ups = {"pre": mlp.wi_0, "pre_linear": mlp.wi_1} if gated else {"pre": mlp.wi}
     for name, m in ups.items():
-        handles.append(m.register_forward_hook(lambda m, a, o, name=name: seen.__setitem__(name, o.detach().clone())))
-    handles.append(mlp.act.register_forward_hook(lambda m, a, o: seen.__setitem__("act", o.detach().clone())))
-    handles.append(mlp.wo.register_forward_pre_hook(lambda m, a: seen.__setitem__("post", a[0].detach().clone())))
+        handles.append(
+            m.register_forward_hook(
+                lambda m, a, o, name=name: seen.__setitem__(name, o.detach().clone())
+            )
+        )
+    handles.append(
+        mlp.act.register_forward_hook(lambda m, a, o: seen.__setitem__("act", o.detach().clone()))
+    )
+    handles.append(
+        mlp.wo.register_forward_pre_hook(
+            lambda m, a: seen.__setitem__("post", a[0].detach().clone())
+        )
+    )
     ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
     try:
         tr = torchlens.trace(model, ids, decoder_input_ids=ids, save="all")
@@ -939,7 +1063,9 @@ def test_t5_mlp_act_is_the_activation_output_not_the_dropout_after_it(proj):
         for h in handles:
             h.remove()
     facets = tr.modules["encoder.block.0.layer.1.DenseReluDense"].facets
-    assert not torch.equal(seen["act"] * (seen["pre_linear"] if gated else 1), seen["post"])  # dropout ran
+    assert not torch.equal(
+        seen["act"] * (seen["pre_linear"] if gated else 1), seen["post"]
+    )  # dropout ran
     for name in ["pre", "act", "post"] + (["pre_linear"] if gated else []):
         assert torch.equal(facets[name], seen[name]), name
     if gated:
@@ -985,22 +1111,42 @@ class _VariantBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-@pytest.mark.parametrize("variant", ["dropout before the gate", "cast before the gate", "norm before down",
-                                     "gated, norm before down", "scale before down", "in-place scale"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "dropout before the gate",
+        "cast before the gate",
+        "norm before down",
+        "gated, norm before down",
+        "scale before down",
+        "in-place scale",
+    ],
+)
 def test_mlp_act_is_served_only_as_the_activation_of_the_up_projection(variant):
     """Dropout, casts and norms between the activation and what the down projection reads are
     walked back over; a scale or an in-place write is not an activation, so `act` is refused
     rather than served with a later tensor. Ground truth: hooks on the activation module."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(32, 16), _VariantBlock(variant), _VariantBlock(variant)).train()
+    model = nn.Sequential(
+        nn.Embedding(32, 16), _VariantBlock(variant), _VariantBlock(variant)
+    ).train()
     mlp = model[1].mlp
     seen = {}
-    handles = [mlp.act.register_forward_hook(lambda m, a, o: seen.__setitem__("act", o.detach().clone())),
-               mlp.fc1.register_forward_hook(lambda m, a, o: seen.__setitem__("pre", o.detach().clone())),
-               mlp.fc2.register_forward_pre_hook(lambda m, a: seen.__setitem__("post", a[0].detach().clone()))]
+    handles = [
+        mlp.act.register_forward_hook(lambda m, a, o: seen.__setitem__("act", o.detach().clone())),
+        mlp.fc1.register_forward_hook(lambda m, a, o: seen.__setitem__("pre", o.detach().clone())),
+        mlp.fc2.register_forward_pre_hook(
+            lambda m, a: seen.__setitem__("post", a[0].detach().clone())
+        ),
+    ]
     try:
         with torch.no_grad():
-            tr = torchlens.trace(model, torch.tensor([[3, 1, 4, 1, 5]]), save="all", roles={"1": "block", "2": "block"})
+            tr = torchlens.trace(
+                model,
+                torch.tensor([[3, 1, 4, 1, 5]]),
+                save="all",
+                roles={"1": "block", "2": "block"},
+            )
     finally:
         for h in handles:
             h.remove()
@@ -1027,7 +1173,11 @@ def test_sdpa_with_dropout_refuses_scores_and_pattern_with_the_reason():
     from torchlens import testing
 
     model = testing.build("gpt2", attn_implementation="sdpa", attn_pdrop=0.3).train()
-    facets = torchlens.trace(model, testing.token_ids(), save="all").modules["transformer.h.0.attn"].facets
+    facets = (
+        torchlens.trace(model, testing.token_ids(), save="all")
+        .modules["transformer.h.0.attn"]
+        .facets
+    )
     for name in ("scores", "pattern"):
         assert "dropout_p > 0" in facets.refused[name] and name not in facets.sites
         with pytest.raises(torchlens.FacetNotFound, match="dropout_p > 0"):
@@ -1044,13 +1194,24 @@ def test_codegen_heads_are_not_read_from_its_model_parallel_groups(heads):
     from torchlens import testing
 
     e = 64
-    cfg = CodeGenConfig(n_layer=1, n_embd=e, n_head=heads, rotary_dim=4, vocab_size=64, n_positions=32,
-                        n_ctx=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = CodeGenConfig(
+        n_layer=1,
+        n_embd=e,
+        n_head=heads,
+        rotary_dim=4,
+        vocab_size=64,
+        n_positions=32,
+        n_ctx=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     model = testing.from_config(cfg, CodeGenForCausalLM)
     ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
     seen = {}
     handle = model.transformer.h[0].attn.qkv_proj.register_forward_hook(
-        lambda m, a, o: seen.__setitem__("qkv", o.detach().clone()))
+        lambda m, a, o: seen.__setitem__("qkv", o.detach().clone())
+    )
     try:
         tr = torchlens.trace(model, ids, save="all")
     finally:
@@ -1058,7 +1219,9 @@ def test_codegen_heads_are_not_read_from_its_model_parallel_groups(heads):
     with torch.no_grad():
         pattern = model(ids, output_attentions=True).attentions[0]
     facets = tr.modules["transformer.h.0.attn"].facets
-    q, v, k = seen["qkv"].view(1, 6, 4, -1).split(e // 4, dim=-1)  # CodeGen's own order: q, v, k per group
+    q, v, k = (
+        seen["qkv"].view(1, 6, 4, -1).split(e // 4, dim=-1)
+    )  # CodeGen's own order: q, v, k per group
     truth = {name: t.reshape(1, 6, heads, e // heads) for name, t in (("q", q), ("k", k), ("v", v))}
     for name in ("q", "k", "v"):
         if heads == 4:
@@ -1095,9 +1258,15 @@ def test_z_is_found_through_a_softmax_cast_back_with_type_as():
     model = nn.Sequential(Block(), Block()).eval()
     x = torch.randn(1, 3, 8)
     seen = {}
-    handle = model[0].attn.o.register_forward_pre_hook(lambda m, a: seen.__setitem__("z", a[0].detach().clone()))
+    handle = model[0].attn.o.register_forward_pre_hook(
+        lambda m, a: seen.__setitem__("z", a[0].detach().clone())
+    )
     try:
-        tr = torchlens.trace(model, x, roles={"0": "block", "1": "block", "0.attn": "attention", "1.attn": "attention"})
+        tr = torchlens.trace(
+            model,
+            x,
+            roles={"0": "block", "1": "block", "0.attn": "attention", "1.attn": "attention"},
+        )
     finally:
         handle.remove()
     z = tr.modules["0.attn"].facets["z"]  # head-major [b, h, t, d]

@@ -12,12 +12,12 @@ Tests internals: `torchlens._decode.AUTO_FACTOR` against `torchlens.mechinterp._
 
 from __future__ import annotations
 
+import cache_bugs
 import pytest
 import torch
 import transformers
 from transformers import DynamicCache
 
-import cache_bugs
 import torchlens as tl
 from torchlens import GenerateSpecError, testing
 from torchlens._capture.compiled import CompiledRunsEagerly
@@ -28,14 +28,20 @@ IDS = testing.token_ids(batch=3, length=6, seed=3, vocab=60) + 3
 MASK = torch.ones_like(IDS)
 MASK[0, :3] = 0  # three prompts of 3, 5 and 6 tokens, left-padded
 MASK[1, :1] = 0
-GREEDY = dict(attention_mask=MASK, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+GREEDY = dict(
+    attention_mask=MASK, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None
+)
 
 
 def _hooks(model):
     """Every module hook on `model` (transformers installs output-capturing hooks of its own, on
     first use of `output_attentions`, and keeps them)."""
-    return {(name, kind, hid) for name, m in model.named_modules()
-            for kind, hooks in (("post", m._forward_hooks), ("pre", m._forward_pre_hooks)) for hid in hooks}
+    return {
+        (name, kind, hid)
+        for name, m in model.named_modules()
+        for kind, hooks in (("post", m._forward_hooks), ("pre", m._forward_pre_hooks))
+        for hid in hooks
+    }
 
 
 def _nothing_installed(model, before=frozenset()):
@@ -48,9 +54,14 @@ def _per_call(model, addresses, **kwargs):
     """Each module's output at each of its calls inside a plain `model.generate`, by forward hooks."""
     seen = {a: [] for a in addresses}
     modules = dict(model.named_modules())
-    hooks = [modules[a].register_forward_hook(
-        lambda m, args, out, a=a: seen[a].append((out[0] if isinstance(out, tuple) else out).detach().clone()))
-        for a in addresses]
+    hooks = [
+        modules[a].register_forward_hook(
+            lambda m, args, out, a=a: seen[a].append(
+                (out[0] if isinstance(out, tuple) else out).detach().clone()
+            )
+        )
+        for a in addresses
+    ]
     try:
         out = model.generate(IDS, **kwargs)
     finally:
@@ -60,16 +71,38 @@ def _per_call(model, addresses, **kwargs):
 
 
 def t5():
-    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
-                                   num_heads=4, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    config = transformers.T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=48,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     return testing.from_config(config, transformers.T5ForConditionalGeneration)
 
 
 def bart():
-    config = transformers.BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2,
-                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
-                                     decoder_ffn_dim=48, max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
-                                     eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
+    config = transformers.BartConfig(
+        vocab_size=64,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=48,
+        decoder_ffn_dim=48,
+        max_position_embeddings=64,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        forced_eos_token_id=None,
+    )
     return testing.from_config(config, transformers.BartForConditionalGeneration)
 
 
@@ -93,13 +126,21 @@ def test_sequences_are_what_generate_returns_and_each_step_is_that_forward(famil
             torch.testing.assert_close(t[f"{b}:resid_post"], seen[b][step], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("cache", [{}, {"cache_implementation": "static"}], ids=["dynamic", "static"])
+@pytest.mark.parametrize(
+    "cache", [{}, {"cache_implementation": "static"}], ids=["dynamic", "static"]
+)
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_each_steps_pattern_covers_the_cached_keys_as_output_attentions_does(family, cache):
     """The pattern of a decode step is one query row per new token over every key the step read
     (`[batch, heads, 1, keys]`), and equals what `generate(output_attentions=True)` returns."""
     model = testing.build(family)
-    kwargs = dict(GREEDY, return_dict_in_generate=True, output_attentions=True, output_hidden_states=True, **cache)
+    kwargs = dict(
+        GREEDY,
+        return_dict_in_generate=True,
+        output_attentions=True,
+        output_hidden_states=True,
+        **cache,
+    )
     plain = model.generate(IDS, **kwargs)
     gen = tl.trace_generate(model, IDS, **kwargs)
     assert torch.equal(gen.sequences, plain.sequences)
@@ -112,13 +153,23 @@ def test_each_steps_pattern_covers_the_cached_keys_as_output_attentions_does(fam
             assert pattern.shape[2] == (6 if step == 0 else 1)
             torch.testing.assert_close(pattern, want, atol=1e-6, rtol=0)
         # hidden_states[step][-1] is after the final norm; [1] is block 0's output
-        torch.testing.assert_close(t[f"{t.blocks[0]}:resid_post"], plain.hidden_states[step][1], atol=0, rtol=0)
+        torch.testing.assert_close(
+            t[f"{t.blocks[0]}:resid_post"], plain.hidden_states[step][1], atol=0, rtol=0
+        )
     if not cache:
-        assert [gen.steps[s][f"{attn[0]}:pattern"].shape[-1] for s in range(1, 6)] == [7, 8, 9, 10, 11]
+        assert [gen.steps[s][f"{attn[0]}:pattern"].shape[-1] for s in range(1, 6)] == [
+            7,
+            8,
+            9,
+            10,
+            11,
+        ]
 
 
 def test_a_sliding_window_cache_keeps_the_window_and_the_pattern_says_so():
-    model = cache_bugs.mistral(window=3)  # the correct model: DynamicCache keeps sliding-window layers
+    model = cache_bugs.mistral(
+        window=3
+    )  # the correct model: DynamicCache keeps sliding-window layers
     kwargs = dict(GREEDY, return_dict_in_generate=True, output_attentions=True)
     plain = model.generate(IDS, **kwargs)
     gen = tl.trace_generate(model, IDS, **kwargs)
@@ -149,8 +200,14 @@ def test_encoder_decoder_step_0_holds_both_stacks_and_later_steps_the_decoder(bu
     ids = testing.token_ids(batch=2, length=5, seed=1, vocab=60) + 3
     mask = torch.ones_like(ids)
     mask[1, -2:] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=None,
-                  return_dict_in_generate=True, output_attentions=True)
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=4,
+        do_sample=False,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+        output_attentions=True,
+    )
     model.generate(ids, **kwargs)  # transformers installs its output-capturing hooks on first use
     before = _hooks(model)
     gen = tl.trace_generate(model, ids, **kwargs)
@@ -161,8 +218,14 @@ def test_encoder_decoder_step_0_holds_both_stacks_and_later_steps_the_decoder(bu
     plain_hooks = [enc_block, dec_block]
     plain, seen = None, {a: [] for a in plain_hooks}
     modules = dict(model.named_modules())
-    hooks = [modules[a].register_forward_hook(lambda m, a_, o, a=a: seen[a].append(
-        (o[0] if isinstance(o, tuple) else o).detach().clone())) for a in plain_hooks]
+    hooks = [
+        modules[a].register_forward_hook(
+            lambda m, a_, o, a=a: seen[a].append(
+                (o[0] if isinstance(o, tuple) else o).detach().clone()
+            )
+        )
+        for a in plain_hooks
+    ]
     try:
         plain = model.generate(ids, **kwargs)
     finally:
@@ -173,11 +236,17 @@ def test_encoder_decoder_step_0_holds_both_stacks_and_later_steps_the_decoder(bu
     assert gen.encoder_decoder and gen.steps[0].structure.kind == "encoder-decoder"
     assert len(gen.steps[0].structure.stacks) == 2 and len(gen.steps[1].structure.stacks) == 1
     assert len(seen[enc_block]) == 1  # generate runs the encoder once: in step 0
-    torch.testing.assert_close(gen.steps[0][f"{enc_block}:resid_post"], seen[enc_block][0], atol=0, rtol=0)
+    torch.testing.assert_close(
+        gen.steps[0][f"{enc_block}:resid_post"], seen[enc_block][0], atol=0, rtol=0
+    )
     cross = f"{dec_block}.layer.1.EncDecAttention" if build is t5 else f"{dec_block}.encoder_attn"
     for step, t in enumerate(gen.steps):
-        torch.testing.assert_close(t[f"{dec_block}:resid_post"], seen[dec_block][step], atol=0, rtol=0)
-        torch.testing.assert_close(t[f"{cross}:pattern"], plain.cross_attentions[step][1], atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            t[f"{dec_block}:resid_post"], seen[dec_block][step], atol=0, rtol=0
+        )
+        torch.testing.assert_close(
+            t[f"{cross}:pattern"], plain.cross_attentions[step][1], atol=1e-6, rtol=0
+        )
     assert gen.check_decode().ok
 
 
@@ -190,7 +259,9 @@ def test_steps_keeps_tensors_only_at_the_steps_named_and_save_applies_there():
         facets = t.modules["model.layers.1"].calls[0].facets
         assert "resid_post" in facets.sites  # every step has the records
         if gen.info[step].kept:
-            torch.testing.assert_close(facets["resid_post"], seen["model.layers.1"][step], atol=0, rtol=0)
+            torch.testing.assert_close(
+                facets["resid_post"], seen["model.layers.1"][step], atol=0, rtol=0
+            )
             assert "pattern" not in t.modules["model.layers.1.self_attn"].calls[0].facets
         else:
             assert "resid_post" not in facets and not any(o.tensors[0] is not None for o in t.ops)
@@ -200,10 +271,14 @@ def test_steps_keeps_tensors_only_at_the_steps_named_and_save_applies_there():
 def test_a_directory_store_gets_one_directory_per_step(tmp_path):
     model = testing.build("gpt2")
     plain, seen = _per_call(model, ["transformer.h.0"], **dict(GREEDY, max_new_tokens=3))
-    gen = tl.trace_generate(model, IDS, store=tmp_path, save=["resid_post"], **dict(GREEDY, max_new_tokens=3))
+    gen = tl.trace_generate(
+        model, IDS, store=tmp_path, save=["resid_post"], **dict(GREEDY, max_new_tokens=3)
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000", "step-0001", "step-0002"]
     for step, t in enumerate(gen.steps):
-        torch.testing.assert_close(t["transformer.h.0:resid_post"], seen["transformer.h.0"][step], atol=0, rtol=0)
+        torch.testing.assert_close(
+            t["transformer.h.0:resid_post"], seen["transformer.h.0"][step], atol=0, rtol=0
+        )
 
 
 # -- edits -------------------------------------------------------------------------------------
@@ -221,15 +296,19 @@ def test_an_edit_at_every_step_and_one_at_a_named_step_equal_forward_hooks_insid
     def count(module, args, kw):
         calls["n"] += 1
 
-    def zero_head(module, args, out):  # step 2 only (the third forward): head 0 of layer 1's q zeroed
+    def zero_head(
+        module, args, out
+    ):  # step 2 only (the third forward): head 0 of layer 1's q zeroed
         if calls["n"] == 3:
             out = out.clone()
             out[..., :8] = 0
         return out
 
-    hooks = [model.model.layers[0].register_forward_hook(halve),
-             model.register_forward_pre_hook(count, with_kwargs=True),
-             model.model.layers[1].self_attn.q_proj.register_forward_hook(zero_head)]
+    hooks = [
+        model.model.layers[0].register_forward_hook(halve),
+        model.register_forward_pre_hook(count, with_kwargs=True),
+        model.model.layers[1].self_attn.q_proj.register_forward_hook(zero_head),
+    ]
     try:
         want = model.generate(IDS, **kwargs)
     finally:
@@ -240,12 +319,19 @@ def test_an_edit_at_every_step_and_one_at_a_named_step_equal_forward_hooks_insid
         q[:, :, 0] = 0
         return q
 
-    gen = tl.trace_generate(model, IDS, edit={
-        "model.layers.0:resid_post": lambda x: x * 0.5,
-        (2, ("model.layers.1.self_attn", "q")): zero_head_q,
-    }, **kwargs)
+    gen = tl.trace_generate(
+        model,
+        IDS,
+        edit={
+            "model.layers.0:resid_post": lambda x: x * 0.5,
+            (2, ("model.layers.1.self_attn", "q")): zero_head_q,
+        },
+        **kwargs,
+    )
     _nothing_installed(model)
-    assert torch.equal(gen.sequences, want.sequences) and not torch.equal(gen.sequences, plain.sequences)
+    assert torch.equal(gen.sequences, want.sequences) and not torch.equal(
+        gen.sequences, plain.sequences
+    )
     for mine, theirs in zip(gen.output.logits, want.logits):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
     assert [len(s.edits) for s in gen.steps] == [1, 1, 2, 1, 1, 1]
@@ -263,9 +349,13 @@ def _full_prefix(model, gen, step, addresses):
     ids = gen.sequences[:, :n]
     mask = torch.cat([MASK, torch.ones(MASK.shape[0], step, dtype=MASK.dtype)], dim=-1)
     pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    seen = testing.hooked_outputs(model, addresses, ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    seen = testing.hooked_outputs(
+        model, addresses, ids, attention_mask=mask, position_ids=pos, use_cache=False
+    )
     with torch.no_grad():
-        out = model(ids, attention_mask=mask, position_ids=pos, use_cache=False, output_attentions=True)
+        out = model(
+            ids, attention_mask=mask, position_ids=pos, use_cache=False, output_attentions=True
+        )
     return seen, out.attentions
 
 
@@ -280,13 +370,17 @@ def test_every_decode_steps_sites_equal_a_plain_full_forward_on_the_same_prefix(
     for step in range(1, len(gen.steps)):
         seen, patterns = _full_prefix(model, gen, step, blocks)
         for b in blocks:
-            torch.testing.assert_close(gen.steps[step][f"{b}:resid_post"], seen[b][:, -1:], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(
+                gen.steps[step][f"{b}:resid_post"], seen[b][:, -1:], atol=1e-5, rtol=1e-4
+            )
         for layer, a in enumerate(attn):
             full = patterns[layer][:, :, -1:]  # the new token's row over the whole prefix
             for row in range(IDS.shape[0]):  # a padded key gets no weight on either side
                 keep = torch.cat([MASK[row], torch.ones(step, dtype=MASK.dtype)]).bool()
                 mine = gen.steps[step][f"{a}:pattern"][row]
-                torch.testing.assert_close(mine[..., keep], full[row][..., keep], atol=1e-6, rtol=1e-5)
+                torch.testing.assert_close(
+                    mine[..., keep], full[row][..., keep], atol=1e-6, rtol=1e-5
+                )
                 assert bool((mine[..., ~keep] == 0).all())
     assert gen.check_decode().ok
 
@@ -297,18 +391,32 @@ def test_a_planted_cache_bug_breaks_the_plain_full_forward_equality_too():
     model = cache_bugs.llama(cache_bugs.RotaryOffByOne)
     gen = tl.trace_generate(model, IDS, save=["resid_post"], **GREEDY)
     seen, _ = _full_prefix(model, gen, 1, ["model.layers.0"])
-    with pytest.raises(AssertionError, match="Tensor-likes are not close"):  # the tolerance the correct model passes
-        torch.testing.assert_close(gen.steps[1]["model.layers.0:resid_post"], seen["model.layers.0"][:, -1:],
-                                   atol=1e-5, rtol=1e-4)
+    with pytest.raises(
+        AssertionError, match="Tensor-likes are not close"
+    ):  # the tolerance the correct model passes
+        torch.testing.assert_close(
+            gen.steps[1]["model.layers.0:resid_post"],
+            seen["model.layers.0"][:, -1:],
+            atol=1e-5,
+            rtol=1e-4,
+        )
     assert 1 in gen.check_decode().failed_steps
 
 
 # -- the decode check --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family,cache", [("gpt2", {}), ("llama", {}), ("qwen3", {}), ("gemma2", {}),
-                                          ("llama", {"cache_implementation": "static"}),
-                                          ("gpt2", {"cache_implementation": "static"})])
+@pytest.mark.parametrize(
+    "family,cache",
+    [
+        ("gpt2", {}),
+        ("llama", {}),
+        ("qwen3", {}),
+        ("gemma2", {}),
+        ("llama", {"cache_implementation": "static"}),
+        ("gpt2", {"cache_implementation": "static"}),
+    ],
+)
 def test_a_correct_cached_decode_path_agrees_with_the_full_forward(family, cache):
     gen = tl.trace_generate(testing.build(family), IDS, **GREEDY, **cache)
     report = gen.check_decode()
@@ -349,7 +457,11 @@ def test_a_cache_read_before_its_update_is_found_and_explained():
     assert "read the cache before writing this step's keys" in report.steps[1].explanation
     assert "own key position(s) 6" in report.steps[1].explanation  # the prefix is 7 long at step 1
     held = next(c for c in report.steps[1].candidates if c.matches)
-    assert (held.factor, held.module_address, held.facet) == (None, "model.layers.0.self_attn", "scores")
+    assert (held.factor, held.module_address, held.facet) == (
+        None,
+        "model.layers.0.self_attn",
+        "scores",
+    )
 
 
 def test_a_sliding_window_applied_on_the_prefill_only_is_found_and_explained():
@@ -370,7 +482,11 @@ def test_a_padded_rows_cache_not_masked_is_found_and_explained():
     assert "a padded row's cache is not masked" in text and "row(s) 0, 1" in text
     assert "key position(s) 0, 1, 2" in text
     held = next(c for c in report.steps[1].candidates if c.matches)
-    assert (held.factor, held.module_address, held.facet) == (None, "model.layers.0.self_attn", "pattern")
+    assert (held.factor, held.module_address, held.facet) == (
+        None,
+        "model.layers.0.self_attn",
+        "pattern",
+    )
 
 
 def test_the_decode_tolerance_factor_is_compares():
@@ -390,6 +506,7 @@ def test_check_decode_refuses_steps_it_cannot_compare():
 
 def test_an_edit_that_raises_mid_generation_propagates_naming_the_step_and_leaves_nothing():
     model = testing.build("llama")
+
     def fail(x):
         raise ZeroDivisionError("planted")
 
@@ -397,8 +514,12 @@ def test_an_edit_that_raises_mid_generation_propagates_naming_the_step_and_leave
         tl.trace_generate(model, IDS, edit={(3, "model.layers.0:resid_post"): fail}, **GREEDY)
     assert "step 3 (decode forward 3)" in info.value.__notes__[-1]
     _nothing_installed(model)
-    with pytest.raises(tl.EditSpecError, match=r"shape \[3, 0, 32\], but the site is \[3, 1, 32\]") as info:
-        tl.trace_generate(model, IDS, edit={(4, "model.layers.0:resid_post"): lambda x: x[:, :0]}, **GREEDY)
+    with pytest.raises(
+        tl.EditSpecError, match=r"shape \[3, 0, 32\], but the site is \[3, 1, 32\]"
+    ) as info:
+        tl.trace_generate(
+            model, IDS, edit={(4, "model.layers.0:resid_post"): lambda x: x[:, :0]}, **GREEDY
+        )
     assert "step 4 (decode forward 4)" in info.value.__notes__[-1]
     _nothing_installed(model)
 
@@ -414,7 +535,9 @@ def test_an_interrupt_inside_generate_leaves_nothing_installed():
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     with pytest.raises(KeyboardInterrupt) as info:
-        tl.trace_generate(model, IDS, stopping_criteria=transformers.StoppingCriteriaList([Stop()]), **GREEDY)
+        tl.trace_generate(
+            model, IDS, stopping_criteria=transformers.StoppingCriteriaList([Stop()]), **GREEDY
+        )
     assert "generate itself, between forward calls (2 steps done)" in info.value.__notes__[-1]
     _nothing_installed(model)
 
@@ -422,30 +545,56 @@ def test_an_interrupt_inside_generate_leaves_nothing_installed():
 # -- bad input ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(num_beams=2), "num_beams=2"),
-    (dict(max_new_tokens=0), "max_new_tokens=0"),
-    (dict(max_new_tokens=None, max_length=5), "max_length=5 leaves -1 new tokens after the 6-token prompt"),
-    (dict(steps="all"), r"steps='all': give a step number .* a range or a list"),
-    (dict(steps=[0, 1.5]), r"1.5 is not a step number"),
-    (dict(edit={"model.layers.0:resid_pots": lambda x: x}), r"no facet 'resid_pots'. Did you mean 'resid_post'"),
-    (dict(steps=[0, 9]), r"steps=\[0, 9\]: step 9 is outside the generation"),
-    (dict(steps=-1), "steps=-1: step -1 is negative"),
-    (dict(edit={(7, "model.layers.0:resid_post"): lambda x: x}), r"edit= key .*step 7 is outside"),
-    (dict(edit={}), "edit= takes a non-empty dict"),
-    (dict(prefill_chunk_size=2), "prefill_chunk_size=2"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_beams=2), "num_beams=2"),
+        (dict(max_new_tokens=0), "max_new_tokens=0"),
+        (
+            dict(max_new_tokens=None, max_length=5),
+            "max_length=5 leaves -1 new tokens after the 6-token prompt",
+        ),
+        (dict(steps="all"), r"steps='all': give a step number .* a range or a list"),
+        (dict(steps=[0, 1.5]), r"1.5 is not a step number"),
+        (
+            dict(edit={"model.layers.0:resid_pots": lambda x: x}),
+            r"no facet 'resid_pots'. Did you mean 'resid_post'",
+        ),
+        (dict(steps=[0, 9]), r"steps=\[0, 9\]: step 9 is outside the generation"),
+        (dict(steps=-1), "steps=-1: step -1 is negative"),
+        (
+            dict(edit={(7, "model.layers.0:resid_post"): lambda x: x}),
+            r"edit= key .*step 7 is outside",
+        ),
+        (dict(edit={}), "edit= takes a non-empty dict"),
+        (dict(prefill_chunk_size=2), "prefill_chunk_size=2"),
+    ],
+)
 def test_bad_arguments_name_the_argument_and_leave_nothing_installed(kwargs, match):
     model = testing.build("llama")
     args = dict(GREEDY)
-    args.update({k: v for k, v in kwargs.items()
-                 if k in ("num_beams", "max_new_tokens", "max_length", "prefill_chunk_size")})
+    args.update(
+        {
+            k: v
+            for k, v in kwargs.items()
+            if k in ("num_beams", "max_new_tokens", "max_length", "prefill_chunk_size")
+        }
+    )
     args = {k: v for k, v in args.items() if v is not None}
-    rest = {k: v for k, v in kwargs.items() if k not in args and k not in ("max_new_tokens", "max_length")}
+    rest = {
+        k: v
+        for k, v in kwargs.items()
+        if k not in args and k not in ("max_new_tokens", "max_length")
+    }
     with pytest.raises(tl.TorchLensError, match=match) as info:
         tl.trace_generate(model, IDS, **args, **rest)
-    if "edit" in rest and not isinstance(info.value, GenerateSpecError):  # raised in a step's locating pass
-        assert "torchlens: trace_generate raised in locating the edit= keys of step 0" in info.value.__notes__[-1]
+    if "edit" in rest and not isinstance(
+        info.value, GenerateSpecError
+    ):  # raised in a step's locating pass
+        assert (
+            "torchlens: trace_generate raised in locating the edit= keys of step 0"
+            in info.value.__notes__[-1]
+        )
     _nothing_installed(model)
 
 
@@ -459,12 +608,19 @@ def test_a_model_without_generate_is_refused():
 def test_a_step_that_never_ran_is_refused_after_an_early_stop():
     """An end-of-sequence token stops generation before max_new_tokens: a step named after it never ran."""
     model = testing.build("llama")
-    plain = model.generate(IDS[:1], max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    plain = model.generate(
+        IDS[:1], max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
     eos = int(plain[0, IDS.shape[1] + 1])  # the second new token ends it: two forward calls
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=eos)
     assert len(tl.trace_generate(model, IDS[:1], save="none", **kwargs).steps) == 2
-    with pytest.raises(GenerateSpecError, match=r"edit= key .*steps \[4\]: none of them ran: generation stopped after 2"):
-        tl.trace_generate(model, IDS[:1], edit={(4, "model.layers.0:resid_post"): lambda x: x}, **kwargs)
+    with pytest.raises(
+        GenerateSpecError,
+        match=r"edit= key .*steps \[4\]: none of them ran: generation stopped after 2",
+    ):
+        tl.trace_generate(
+            model, IDS[:1], edit={(4, "model.layers.0:resid_post"): lambda x: x}, **kwargs
+        )
     with pytest.raises(GenerateSpecError, match="steps=3: step 3 never ran"):
         tl.trace_generate(model, IDS[:1], steps=3, **kwargs)
     _nothing_installed(model)
@@ -488,7 +644,12 @@ def test_generate_raising_in_a_step_propagates_with_a_note_and_leaves_nothing():
         h.remove()
     notes = getattr(info.value, "__notes__", [])
     assert any(n.startswith("torchlens: raised") and "model.layers.1" in n for n in notes)
-    assert "torchlens: trace_generate raised in step 2 (decode forward 2)" in notes[-1]  # the third forward
+    assert (
+        "torchlens: trace_generate raised in step 2 (decode forward 2)" in notes[-1]
+    )  # the third forward
     _nothing_installed(model)
     # and the model generates normally afterwards, with no capture open
-    assert torch.equal(tl.trace_generate(model, IDS, save="none", **GREEDY).sequences, model.generate(IDS, **GREEDY))
+    assert torch.equal(
+        tl.trace_generate(model, IDS, save="none", **GREEDY).sequences,
+        model.generate(IDS, **GREEDY),
+    )

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import functools
 
+import _edge_models as em
 import pytest
 import torch
 import transformers as tf
 from torch import nn
 
-import _edge_models as em
 import torchlens as tl
 import torchlens.mechinterp as mi
 from torchlens import testing
@@ -41,7 +41,9 @@ class Generates(nn.Module):
         self.lm, self.kwargs = lm, kwargs
 
     def forward(self, ids):
-        return self.lm.generate(ids, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, **self.kwargs)
+        return self.lm.generate(
+            ids, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, **self.kwargs
+        )
 
 
 class GreedyLoop(nn.Module):
@@ -60,15 +62,48 @@ class GreedyLoop(nn.Module):
 
 #: design -> (builder, the language model's blocks pattern, its number of layers, its unembedding)
 DESIGNS = {
-    "llama_generate": (lambda: Generates(testing.build("llama")), "lm.model.layers.{L}", 2, "lm.lm_head"),
-    "mbart_generate": (lambda: Generates(em.build("mbart"), decoder_start_token_id=2),
-                       "lm.model.decoder.layers.{L}", 2, "lm.lm_head"),
-    "llama_loop": (lambda: GreedyLoop(testing.build("llama")), "lm.model.layers.{L}", 2, "lm.lm_head"),
-    "starcoder2_generate": (lambda: Generates(testing.from_config(
-        tf.Starcoder2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                            intermediate_size=48, vocab_size=64, max_position_embeddings=32, bos_token_id=0,
-                            eos_token_id=0, pad_token_id=0), tf.Starcoder2ForCausalLM, "eager", torch.float32)),
-        "lm.model.layers.{L}", 2, "lm.lm_head"),
+    "llama_generate": (
+        lambda: Generates(testing.build("llama")),
+        "lm.model.layers.{L}",
+        2,
+        "lm.lm_head",
+    ),
+    "mbart_generate": (
+        lambda: Generates(em.build("mbart"), decoder_start_token_id=2),
+        "lm.model.decoder.layers.{L}",
+        2,
+        "lm.lm_head",
+    ),
+    "llama_loop": (
+        lambda: GreedyLoop(testing.build("llama")),
+        "lm.model.layers.{L}",
+        2,
+        "lm.lm_head",
+    ),
+    "starcoder2_generate": (
+        lambda: Generates(
+            testing.from_config(
+                tf.Starcoder2Config(
+                    num_hidden_layers=2,
+                    hidden_size=32,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    intermediate_size=48,
+                    vocab_size=64,
+                    max_position_embeddings=32,
+                    bos_token_id=0,
+                    eos_token_id=0,
+                    pad_token_id=0,
+                ),
+                tf.Starcoder2ForCausalLM,
+                "eager",
+                torch.float32,
+            )
+        ),
+        "lm.model.layers.{L}",
+        2,
+        "lm.lm_head",
+    ),
 }
 
 
@@ -76,9 +111,14 @@ def _all_calls(model: nn.Module, addresses: list[str], *args) -> dict[str, list[
     """address -> the output of each of its calls, in order, by plain forward hooks."""
     seen: dict[str, list[torch.Tensor]] = {a: [] for a in addresses}
     mods = dict(model.named_modules())
-    handles = [mods[a].register_forward_hook(
-        lambda m, i, o, a=a: seen[a].append((o[0] if isinstance(o, tuple) else o).detach().clone()))
-        for a in addresses]
+    handles = [
+        mods[a].register_forward_hook(
+            lambda m, i, o, a=a: seen[a].append(
+                (o[0] if isinstance(o, tuple) else o).detach().clone()
+            )
+        )
+        for a in addresses
+    ]
     try:
         with torch.no_grad():
             model(*args)
@@ -88,7 +128,7 @@ def _all_calls(model: nn.Module, addresses: list[str], *args) -> dict[str, list[
     return seen
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced(design: str):
     build, pattern, n, head = DESIGNS[design]
     model = build().eval()
@@ -102,8 +142,12 @@ def traced(design: str):
 @pytest.mark.parametrize("design", list(DESIGNS))
 def test_a_layer_index_counts_one_pass(design):
     model, trace, blocks, calls = traced(design)
-    assert all(len(calls[b]) == STEPS for b in blocks), {b: len(calls[b]) for b in blocks}  # the design runs STEPS passes
-    assert trace.blocks == blocks, f"{len(blocks)} layers ran {STEPS} times each, listed as {trace.blocks}"
+    assert all(len(calls[b]) == STEPS for b in blocks), {
+        b: len(calls[b]) for b in blocks
+    }  # the design runs STEPS passes
+    assert trace.blocks == blocks, (
+        f"{len(blocks)} layers ran {STEPS} times each, listed as {trace.blocks}"
+    )
     prefix = "decoder" if design.startswith("mbart") else "blocks"
     with pytest.raises(mi.LayerOutOfRange):
         mi.resolve_alias(trace, f"{prefix}.{len(blocks)}.hook_resid_post", generation="2.x")
@@ -113,7 +157,9 @@ def test_a_layer_index_counts_one_pass(design):
 def test_per_layer_names_say_their_call(design):
     """Each layer's resid_post names the call of its block it reads and serves that call's output."""
     model, trace, blocks, calls = traced(design)
-    prefix = "decoder" if design.startswith("mbart") else "blocks"  # 2.x names T5-like stacks decoder.{L}
+    prefix = (
+        "decoder" if design.startswith("mbart") else "blocks"
+    )  # 2.x names T5-like stacks decoder.{L}
     for i, block in enumerate(blocks):
         r = mi.resolve_alias(trace, f"{prefix}.{i}.hook_resid_post", generation="2.x")
         if r.status not in ("real", "reconstructed_read_only"):
@@ -135,5 +181,7 @@ def test_logits_say_which_unembedding_call(design):
             continue
         if r.status not in ("real", "reconstructed_read_only"):
             continue
-        assert r.call is not None, f"{generation} {name} serves one of {STEPS} {head} calls without saying which: {r}"
+        assert r.call is not None, (
+            f"{generation} {name} serves one of {STEPS} {head} calls without saying which: {r}"
+        )
         assert torch.equal(r.tensor, calls[head][r.call])

@@ -24,14 +24,27 @@ from torch.overrides import TorchFunctionMode
 import torchlens as tl
 from torchlens import testing
 
-FAMILIES = [("gpt2", "eager"), ("gpt2", "sdpa"), ("llama", "eager"), ("llama", "sdpa"), ("gemma2", "eager"),
-            ("bert", "eager"), ("bert", "sdpa")]
+FAMILIES = [
+    ("gpt2", "eager"),
+    ("gpt2", "sdpa"),
+    ("llama", "eager"),
+    ("llama", "sdpa"),
+    ("gemma2", "eager"),
+    ("bert", "eager"),
+    ("bert", "sdpa"),
+]
 
 
 def build(family: str, impl: str, dtype=torch.float32):
     if family == "bert":
-        cfg = transformers.BertConfig(vocab_size=testing.VOCAB, hidden_size=32, num_hidden_layers=2,
-                                      num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+        cfg = transformers.BertConfig(
+            vocab_size=testing.VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        )
         return testing.from_config(cfg, transformers.BertForMaskedLM, impl, dtype)
     return testing.build(family, impl, dtype)
 
@@ -69,9 +82,14 @@ def hook_grads(model, ids, loss=loss_fn):
             t.register_hook(lambda g: slot.__setitem__(0, g.detach().clone()))
 
     for addr, mod in model.named_modules():
-        handles.append(mod.register_forward_pre_hook(
-            lambda m, a, k, addr=addr: watch((addr, "input"), _first((a, k))), with_kwargs=True))
-        handles.append(mod.register_forward_hook(lambda m, a, o, addr=addr: watch((addr, "output"), _first(o))))
+        handles.append(
+            mod.register_forward_pre_hook(
+                lambda m, a, k, addr=addr: watch((addr, "input"), _first((a, k))), with_kwargs=True
+            )
+        )
+        handles.append(
+            mod.register_forward_hook(lambda m, a, o, addr=addr: watch((addr, "output"), _first(o)))
+        )
     try:
         with torch.enable_grad():
             out = model(ids)
@@ -121,19 +139,29 @@ def test_module_io_grads_match_tensor_hooks(family, impl, dtype):
     compared = 0
     for addr, rec in t.modules.items():
         for i, call in enumerate(rec.calls):
-            for facet, side in (("input", "input"), ("output", "output"), ("resid_pre", "input"),
-                                ("resid_post", "output")):
+            for facet, side in (
+                ("input", "input"),
+                ("output", "output"),
+                ("resid_pre", "input"),
+                ("resid_post", "output"),
+            ):
                 if facet not in call.grads.sites:
                     continue
                 if facet.startswith("resid") and rec.role != "block":
                     continue
                 want = truth[(addr, side)][i]
                 got = call.grads[facet]
-                assert got.shape == call.facets[facet].shape and got.dtype == call.facets[facet].dtype
+                assert (
+                    got.shape == call.facets[facet].shape and got.dtype == call.facets[facet].dtype
+                )
                 if want is None:
                     assert not got.any(), (addr, facet)
                 else:
-                    assert _close(got, want, dtype), (addr, facet, float((got.float() - want.float()).abs().max()))
+                    assert _close(got, want, dtype), (
+                        addr,
+                        facet,
+                        float((got.float() - want.float()).abs().max()),
+                    )
                 compared += 1
     assert compared >= 20
     assert all(p.grad is None and not p.requires_grad for p in model.parameters())
@@ -187,19 +215,24 @@ def _fd(model, ids, perturb, eps=1e-6):
 def _module_perturb(mod, index, side="output"):
     def perturb(d):
         if side == "output":
+
             def hook(m, a, o):
                 t = o[0] if isinstance(o, tuple) else o
                 t = t.clone()
                 t[index] += d
                 return (t,) + tuple(o[1:]) if isinstance(o, tuple) else t
+
             h = mod.register_forward_hook(hook)
         else:
+
             def hook(m, a):
                 t = a[0].clone()
                 t[index] += d
                 return (t,) + tuple(a[1:])
+
             h = mod.register_forward_pre_hook(hook)
         return h.remove
+
     return perturb
 
 
@@ -210,9 +243,11 @@ def _softmax_perturb(model, layer, index):
                 out = out.clone()
                 out[index] += d
             return out
+
         mode = _Ops({"softmax"}, on)
         mode.__enter__()
         return lambda: mode.__exit__(None, None, None)
+
     return perturb
 
 
@@ -270,14 +305,31 @@ def test_grads_match_float64_finite_differences(family):
                 col = h * d_head + i + (where[2] * g.shape[-2] * d_head if where[0] == "qkv" else 0)
                 perturb = _module_perturb(model.get_submodule(where[1]), (b, tok, col))
             fd = _fd(model, ids, perturb, step)
-            assert abs(fd - float(g[idx])) <= tol * max(1.0, abs(fd)), (addr, facet, idx, fd, float(g[idx]))
+            assert abs(fd - float(g[idx])) <= tol * max(1.0, abs(fd)), (
+                addr,
+                facet,
+                idx,
+                fd,
+                float(g[idx]),
+            )
 
 
 def test_real_facets_of_every_kind_are_served():
     """Which facets have gradients, and why the others do not (derived ones, token ids)."""
     t = tl.trace(build("llama", "eager"), testing.token_ids(1, 7), grads=loss_fn)
     attn = t.modules["model.layers.0.self_attn"].grads
-    assert set(attn) == {"input", "q", "k", "v", "rot_q", "rot_k", "scores", "pattern", "z", "output"}
+    assert set(attn) == {
+        "input",
+        "q",
+        "k",
+        "v",
+        "rot_q",
+        "rot_k",
+        "scores",
+        "pattern",
+        "z",
+        "output",
+    }
     assert "derived" in attn.refused["result"]
     with pytest.raises(tl.GradNotFound, match="derived"):
         attn["result"]
@@ -289,6 +341,7 @@ def test_real_facets_of_every_kind_are_served():
 
 def test_unused_site_gets_zeros_and_says_so():
     """A site the loss does not depend on: gradient zeros (a tensor hook never fires there)."""
+
     def first_layer_only(out):
         return out.hidden_states[1][0, 0].sum()
 
@@ -305,7 +358,9 @@ def test_save_selection_keeps_gradients_of_what_it_keeps():
     full = tl.trace(build("gpt2", "eager"), ids, grads=loss_fn)
     t = tl.trace(build("gpt2", "eager"), ids, save=["resid_post"], grads=loss_fn)
     for layer in ("transformer.h.0", "transformer.h.1"):
-        assert torch.equal(t.modules[layer].grads["resid_post"], full.modules[layer].grads["resid_post"])
+        assert torch.equal(
+            t.modules[layer].grads["resid_post"], full.modules[layer].grads["resid_post"]
+        )
     with pytest.raises(tl.GradNotSaved, match="save="):
         t.modules["transformer.h.0"].grads["resid_pre"]
 
@@ -338,14 +393,17 @@ def _installed(model):
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda out: out.logits, r"shape \[1, 7, 64\].*scalar"),
-    (lambda out: 3.0, "not a tensor"),
-    (lambda out: out.missing_attribute, "raised AttributeError"),
-    (lambda out: out.logits.detach().sum(), "does not depend on anything differentiable"),
-    (lambda out: out.logits.argmax(), "has no gradient"),
-    ("not callable", "takes a function"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda out: out.logits, r"shape \[1, 7, 64\].*scalar"),
+        (lambda out: 3.0, "not a tensor"),
+        (lambda out: out.missing_attribute, "raised AttributeError"),
+        (lambda out: out.logits.detach().sum(), "does not depend on anything differentiable"),
+        (lambda out: out.logits.argmax(), "has no gradient"),
+        ("not callable", "takes a function"),
+    ],
+)
 def test_bad_loss_is_a_torchlens_error_and_leaves_nothing(bad, match):
     model = build("gpt2", "eager").requires_grad_(False)
     with pytest.raises(tl.GradientError, match=match):
@@ -365,6 +423,7 @@ def test_inference_mode_refused_with_reason():
 
 def test_no_differentiable_path():
     """A model with no parameter and an integer input: nothing to differentiate."""
+
     class Count(torch.nn.Module):
         def forward(self, x):
             return (x * 2).float().sum()
@@ -427,7 +486,12 @@ def test_sdpa_pattern_and_scores_grads_derived_and_checked(family):
 def test_store_and_save_load_carry_grads(store, tmp_path):
     ids = testing.token_ids(1, 7)
     ref = tl.trace(build("llama", "sdpa"), ids, grads=loss_fn)
-    t = tl.trace(build("llama", "sdpa"), ids, grads=loss_fn, store="cpu" if store == "cpu" else tmp_path / "st")
+    t = tl.trace(
+        build("llama", "sdpa"),
+        ids,
+        grads=loss_fn,
+        store="cpu" if store == "cpu" else tmp_path / "st",
+    )
     t.save(tmp_path / "t.tl")
     u = tl.load(tmp_path / "t.tl")
     n = 0
@@ -468,7 +532,15 @@ def test_edit_gives_the_gradient_of_the_edited_forward():
     finally:
         h1.remove()
         h2.remove()
-    t = tl.trace(build("gpt2", "eager").requires_grad_(False), ids, grads=loss_fn,
-                 edit={"transformer.h.0:resid_post": lambda x: x * 0.5})
-    assert torch.allclose(t.modules["transformer.h.0"].grads["resid_post"], seen["resid_post"], rtol=1e-5, atol=1e-7)
-    assert torch.allclose(t.modules["transformer.h.1"].grads["resid_pre"], seen["next"], rtol=1e-5, atol=1e-7)
+    t = tl.trace(
+        build("gpt2", "eager").requires_grad_(False),
+        ids,
+        grads=loss_fn,
+        edit={"transformer.h.0:resid_post": lambda x: x * 0.5},
+    )
+    assert torch.allclose(
+        t.modules["transformer.h.0"].grads["resid_post"], seen["resid_post"], rtol=1e-5, atol=1e-7
+    )
+    assert torch.allclose(
+        t.modules["transformer.h.1"].grads["resid_pre"], seen["next"], rtol=1e-5, atol=1e-7
+    )

@@ -25,10 +25,10 @@ from __future__ import annotations
 import functools
 import warnings
 
+import _edge_models as em
 import pytest
 import torch
 
-import _edge_models as em
 import torchlens as tl
 import torchlens.mechinterp as mi
 from torchlens import testing
@@ -50,7 +50,7 @@ MIXED = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced(arch: str):
     """(model, args, kwargs, trace, the torchlens warnings the trace issued), cached."""
     model = em.build(arch)
@@ -73,7 +73,9 @@ def test_layers_of_two_classes_are_one_stack(arch):
     `layers_output[i]` serves what a plain hook on `model.layers.i` saw."""
     model, args, kwargs, trace, _ = traced(arch)
     layers = _layers(arch, HYBRID)
-    assert len({type(model.get_submodule(a)) for a in layers}) == 2, "the model mixes two layer classes"
+    assert len({type(model.get_submodule(a)) for a in layers}) == 2, (
+        "the model mixes two layer classes"
+    )
     assert trace.blocks == layers
     truth = testing.hooked_outputs(model, layers, *args, **kwargs)
     for i, address in enumerate(layers):
@@ -100,13 +102,18 @@ def test_final_norm_input_is_served_or_truly_absent(arch):
     outs = testing.hooked_outputs(model, [last, "lm_head"], *args, **kwargs)
     ins = em.hooked_inputs(model, [norm, "lm_head"], *args, **kwargs)
     assert torch.equal(ins[norm], outs[last])  # the norm reads the last layer's output ...
-    assert not torch.equal(ins["lm_head"], outs[last])  # ... and something (the norm) runs before the head
+    assert not torch.equal(
+        ins["lm_head"], outs[last]
+    )  # ... and something (the norm) runs before the head
     for generation, name in (("4.x", "ln_final.hook_in"), ("2.x", "ln_final.hook_normalized")):
         r = mi.resolve_alias(trace, name, generation=generation)
         if r.status == "real" and name.endswith("hook_in"):
             assert r.module_address == norm and torch.equal(r.tensor, ins[norm]), r
         elif r.status not in ("real", "reconstructed_read_only"):
-            assert "no norm runs between the last block and the unembedding" not in r.reason, (name, r.reason)
+            assert "no norm runs between the last block and the unembedding" not in r.reason, (
+                name,
+                r.reason,
+            )
 
 
 @pytest.mark.parametrize("arch", ["jamba", "zamba", "one_block"])
@@ -127,7 +134,9 @@ def test_alias_report_lists_only_names_resolve_alias_accepts(arch):
                 rejected.append(f"{generation} {row.query!r} [{row.status}]: {type(e).__name__}")
                 continue
             if r.status != row.status and row.checked:
-                rejected.append(f"{generation} {row.query!r}: report says {row.status}, resolve_alias {r.status}")
+                rejected.append(
+                    f"{generation} {row.query!r}: report says {row.status}, resolve_alias {r.status}"
+                )
     assert not rejected, f"{len(rejected)} rows, e.g.\n" + "\n".join(rejected[:8])
 
 
@@ -145,6 +154,10 @@ def test_every_layer_mlp_is_found_whatever_its_mixer(arch):
         except mi.AliasError as e:
             wrong.append(f"mlps_output[{i}]: {type(e).__name__}: {e}")
             continue
-        if r.status != "real" or r.module_address != address or not torch.equal(r.tensor, truth[address]):
+        if (
+            r.status != "real"
+            or r.module_address != address
+            or not torch.equal(r.tensor, truth[address])
+        ):
             wrong.append(f"mlps_output[{i}] -> {r.module_address} [{r.status}]: {r.reason}")
     assert not wrong, "\n".join(wrong)

@@ -17,7 +17,6 @@ import subprocess
 import sys
 
 import pytest
-
 from docs_harness import ci_is_on
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -42,8 +41,16 @@ def bare_installs(text: str) -> list[str]:
 
 
 def _texts():
-    for path in sorted([*REPO.glob("docs/**/*.md"), REPO / "README.md", *REPO.glob("src/**/*.py"),
-                        *REPO.glob("scripts/**/*.py"), REPO / "Makefile", *REPO.glob("envs/*")]):
+    for path in sorted(
+        [
+            *REPO.glob("docs/**/*.md"),
+            REPO / "README.md",
+            *REPO.glob("src/**/*.py"),
+            *REPO.glob("scripts/**/*.py"),
+            REPO / "Makefile",
+            *REPO.glob("envs/*"),
+        ]
+    ):
         if path.is_file():
             yield path.relative_to(REPO).as_posix(), path.read_text(encoding="utf-8")
 
@@ -51,14 +58,23 @@ def _texts():
 def test_the_check_finds_a_bare_install_and_passes_the_path():
     assert bare_installs("run `pip install torchlens` first") == ["pip install torchlens"]
     assert bare_installs('pip install -U "torchlens>=0.1"\npip3 install torchlens[docs]') == [
-        'pip install -U "torchlens>=0.1"', "pip3 install torchlens[docs]"]
-    assert bare_installs("pip install -e .\npip install dist/torchlens-*.whl\npip uninstall torchlens\n"
-                         "pip install torchlens-tools  # another name") == []
+        'pip install -U "torchlens>=0.1"',
+        "pip3 install torchlens[docs]",
+    ]
+    assert (
+        bare_installs(
+            "pip install -e .\npip install dist/torchlens-*.whl\npip uninstall torchlens\n"
+            "pip install torchlens-tools  # another name"
+        )
+        == []
+    )
 
 
 def test_no_page_tells_a_reader_to_pip_install_torchlens_by_its_bare_name():
     found = {path: hits for path, text in _texts() if (hits := bare_installs(text))}
-    assert not found, f"these install the unrelated PyPI project; print {' or '.join(THE_PATH)}: {found}"
+    assert not found, (
+        f"these install the unrelated PyPI project; print {' or '.join(THE_PATH)}: {found}"
+    )
 
 
 def test_every_page_installs_torchlens_the_one_way():
@@ -71,38 +87,76 @@ def test_every_page_installs_torchlens_the_one_way():
         for block in re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", text, re.S):
             for line in block.splitlines():
                 command = line.split("#")[0].strip()
-                if re.search(r"\bpip3? install\b", command) and ("torchlens" in command or re.search(
-                        r"(^|\s)(-e|--editable)?\s*\.(/\S*)?$", command)) and command not in THE_PATH:
+                if (
+                    re.search(r"\bpip3? install\b", command)
+                    and (
+                        "torchlens" in command
+                        or re.search(r"(^|\s)(-e|--editable)?\s*\.(/\S*)?$", command)
+                    )
+                    and command not in THE_PATH
+                ):
                     odd.setdefault(path, []).append(command)
         if "<repository URL>" in text or "git+<" in text:
             odd.setdefault(path, []).append("a <repository URL> placeholder")
     assert not odd, odd
     getting_started = (REPO / "docs" / "getting-started.md").read_text(encoding="utf-8")
-    assert all(command in getting_started for command in THE_PATH) and "make wheel" in getting_started
+    assert (
+        all(command in getting_started for command in THE_PATH) and "make wheel" in getting_started
+    )
 
 
 def test_make_wheel_then_pip_install_dist_wheel_works_as_printed(tmp_path):
     """`make wheel` writes one wheel into dist/, and `pip install dist/torchlens-*.whl` installs a TorchLens
     that imports and traces (installed here without dependencies into a folder of its own, torch coming
     from this environment)."""
-    done = subprocess.run(["make", "--no-print-directory", "wheel", f"PYTHON={sys.executable}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    if done.returncode != 0 and not ci_is_on() and re.search(r"(?i)connection|network|resolve|index", done.stdout
-                                                             + done.stderr):
+    done = subprocess.run(
+        ["make", "--no-print-directory", "wheel", f"PYTHON={sys.executable}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if (
+        done.returncode != 0
+        and not ci_is_on()
+        and re.search(r"(?i)connection|network|resolve|index", done.stdout + done.stderr)
+    ):
         pytest.skip(f"make wheel needs PyPI (hatchling): {done.stderr.strip().splitlines()[-1:]}")
     assert done.returncode == 0, done.stdout + done.stderr
     wheels = sorted((REPO / "dist").glob("torchlens-*.whl"))
-    assert len(wheels) == 1, wheels  # what the glob of `pip install dist/torchlens-*.whl` must match
+    assert len(wheels) == 1, (
+        wheels
+    )  # what the glob of `pip install dist/torchlens-*.whl` must match
     target = tmp_path / "site-packages"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
-                    str(wheels[0])], check=True, timeout=300)
-    code = ("import torchlens as tl, torchlens.mechinterp as mi; from torchlens import testing;"
-            "assert tl.__file__.startswith(%r), tl.__file__;"
-            "t = tl.trace(testing.build('gpt2'), testing.token_ids(length=3));"
-            "print(mi.translate('blocks.1.hook_resid_post', from_generation='2.x', to_generation='nnterp').names)"
-            % str(target))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(wheels[0]),
+        ],
+        check=True,
+        timeout=300,
+    )
+    code = (
+        "import torchlens as tl, torchlens.mechinterp as mi; from torchlens import testing;"
+        f"assert tl.__file__.startswith({str(target)!r}), tl.__file__;"
+        "t = tl.trace(testing.build('gpt2'), testing.token_ids(length=3));"
+        "print(mi.translate('blocks.1.hook_resid_post', from_generation='2.x', to_generation='nnterp').names)"
+    )
     env = {**os.environ, "PYTHONPATH": str(target)}
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "('layers_output[1]',)"

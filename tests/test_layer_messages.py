@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import functools
 
+import _edge_models as em
 import pytest
 
-import _edge_models as em
 import torchlens as tl
 import torchlens.mechinterp as mi
 
@@ -29,10 +29,14 @@ STACKS = {
     "clip": ("text_model.encoder.layers", "vision_model.encoder.layers"),
     "siglip": ("text_model.encoder.layers", "vision_model.encoder.layers"),
 }
-NAMES = [("2.x", "blocks.9.hook_resid_post"), ("nnterp", "layers_output[9]"), ("4.x", "blocks.9.hook_out")]
+NAMES = [
+    ("2.x", "blocks.9.hook_resid_post"),
+    ("nnterp", "layers_output[9]"),
+    ("4.x", "blocks.9.hook_out"),
+]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced(arch: str):
     model = em.build(arch)
     args, kwargs = em.inputs(arch)
@@ -43,12 +47,18 @@ def traced(arch: str):
 @pytest.mark.parametrize("arch", list(STACKS))
 def test_out_of_range_message_is_true_of_the_trace(arch, generation, name):
     model, trace = traced(arch)
-    assert not any("decoder" in a.lower() or "Decoder" in type(m).__name__ for a, m in model.named_modules())
+    assert not any(
+        "decoder" in a.lower() or "Decoder" in type(m).__name__ for a, m in model.named_modules()
+    )
     for holder in STACKS[arch]:
         assert len(model.get_submodule(holder)) >= 1
     with pytest.raises(mi.AliasError) as caught:
         mi.resolve_alias(trace, name, generation=generation)
     message = str(caught.value)
-    assert "decoder block" not in message, f"no decoder block ran (trace.blocks is {trace.blocks}): {message}"
+    assert "decoder block" not in message, (
+        f"no decoder block ran (trace.blocks is {trace.blocks}): {message}"
+    )
     missing = [h for h in STACKS[arch] if h not in message]
-    assert not missing, f"the message does not name the stacks a layer could count ({missing}): {message}"
+    assert not missing, (
+        f"the message does not name the stacks a layer could count ({missing}): {message}"
+    )

@@ -72,12 +72,16 @@ def imports(root: pathlib.Path, path: pathlib.Path) -> list[tuple[str, int, bool
 
     def visit(node: ast.AST, in_function: bool, type_only: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            fn = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            fn = in_function or isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+            )
             guard = isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test)
             if isinstance(child, ast.Import):
                 for alias in child.names:
                     if alias.name.split(".")[0] == "torchlens":
-                        found.append((alias.name, child.lineno, fn, type_only, lines[child.lineno - 1]))
+                        found.append(
+                            (alias.name, child.lineno, fn, type_only, lines[child.lineno - 1])
+                        )
             elif isinstance(child, ast.ImportFrom):
                 base = _resolve(me, path.name == "__init__.py", child)
                 if base.split(".")[0] != "torchlens":
@@ -119,12 +123,21 @@ def layer_problems(root: pathlib.Path, text: str) -> list[str]:
             if target not in by_module:
                 continue
             if in_function and _REASON not in source:
-                problems.append(f"{rel}:{line}: imports {target} inside a function; import it at the top "
-                                f"(or say why not with '{_REASON} ...')")
-            if not type_only and m in rank_of and target in rank_of and rank_of[target] > rank_of[m]:
-                problems.append(f"{rel}:{line}: imports {target}, a layer above its own "
-                                f"({layers[by_module[target].relative_to(root).as_posix()]} over "
-                                f"{layers[rel]})")
+                problems.append(
+                    f"{rel}:{line}: imports {target} inside a function; import it at the top "
+                    f"(or say why not with '{_REASON} ...')"
+                )
+            if (
+                not type_only
+                and m in rank_of
+                and target in rank_of
+                and rank_of[target] > rank_of[m]
+            ):
+                problems.append(
+                    f"{rel}:{line}: imports {target}, a layer above its own "
+                    f"({layers[by_module[target].relative_to(root).as_posix()]} over "
+                    f"{layers[rel]})"
+                )
             if not type_only and not in_function and target != m:
                 graph[m].add(target)
     # package initialization: importing a.b.c runs a/__init__ and a/b/__init__ first
@@ -134,7 +147,11 @@ def layer_problems(root: pathlib.Path, text: str) -> list[str]:
             parent = ".".join(parts[:i])
             if parent in graph and parent != m:
                 for importer, targets in graph.items():
-                    if m in targets and importer != parent and not importer.startswith(parent + "."):
+                    if (
+                        m in targets
+                        and importer != parent
+                        and not importer.startswith(parent + ".")
+                    ):
                         targets.add(parent)
     problems += [f"import cycle: {' -> '.join(c)}" for c in _cycles(graph)]
     return problems
@@ -188,24 +205,49 @@ def test_the_checks_catch_an_upward_import_a_function_level_import_and_a_cycle(t
     (package / "_low").mkdir(parents=True)
     (package / "__init__.py").write_text("from torchlens._top import f\n")
     (package / "_low" / "__init__.py").write_text("")
-    (package / "_low" / "a.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
-                                            "    from torchlens._top import f\n\nX = 1\n")
-    (package / "_top.py").write_text("from torchlens._low import a\n\n\ndef f():\n"
-                                     "    from torchlens._low.a import X  # import here: a reason\n    return X\n")
-    page = ("| Layer | Rank | Where | What |\n| --- | --- | --- | --- |\n| low | 0 | x | x |\n| top | 1 | x | x |\n\n"
-            "| Knowledge | File | Layer | Names | Read by |\n| --- | --- | --- | --- | --- |\n"
-            "| a | `src/torchlens/__init__.py` | top | | |\n| b | `src/torchlens/_low/__init__.py` | low | | |\n"
-            "| c | `src/torchlens/_low/a.py` | low | | |\n| d | `src/torchlens/_top.py` | top | | |\n")
-    assert layer_problems(tmp_path, page) == []  # a type-only upward import and a function import with a reason
-    (package / "_low" / "a.py").write_text("from torchlens._top import f\n\nX = 1\n")  # upward, and a cycle
+    (package / "_low" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+        "    from torchlens._top import f\n\nX = 1\n"
+    )
+    (package / "_top.py").write_text(
+        "from torchlens._low import a\n\n\ndef f():\n"
+        "    from torchlens._low.a import X  # import here: a reason\n    return X\n"
+    )
+    page = (
+        "| Layer | Rank | Where | What |\n| --- | --- | --- | --- |\n| low | 0 | x | x |\n| top | 1 | x | x |\n\n"
+        "| Knowledge | File | Layer | Names | Read by |\n| --- | --- | --- | --- | --- |\n"
+        "| a | `src/torchlens/__init__.py` | top | | |\n| b | `src/torchlens/_low/__init__.py` | low | | |\n"
+        "| c | `src/torchlens/_low/a.py` | low | | |\n| d | `src/torchlens/_top.py` | top | | |\n"
+    )
+    assert (
+        layer_problems(tmp_path, page) == []
+    )  # a type-only upward import and a function import with a reason
+    (package / "_low" / "a.py").write_text(
+        "from torchlens._top import f\n\nX = 1\n"
+    )  # upward, and a cycle
     problems = layer_problems(tmp_path, page)
-    assert any("src/torchlens/_low/a.py:1: imports torchlens._top, a layer above its own (top over low)" in p
-               for p in problems), problems
-    assert any(p.startswith("import cycle:") and "torchlens._low.a" in p and "torchlens._top" in p for p in problems)
-    (package / "_low" / "a.py").write_text("def g():\n    from torchlens._low import b\n\n\nX = 1\n")
+    assert any(
+        "src/torchlens/_low/a.py:1: imports torchlens._top, a layer above its own (top over low)"
+        in p
+        for p in problems
+    ), problems
+    assert any(
+        p.startswith("import cycle:") and "torchlens._low.a" in p and "torchlens._top" in p
+        for p in problems
+    )
+    (package / "_low" / "a.py").write_text(
+        "def g():\n    from torchlens._low import b\n\n\nX = 1\n"
+    )
     (package / "_low" / "b.py").write_text("")
     problems = layer_problems(tmp_path, page + "| e | `src/torchlens/_low/b.py` | low | | |\n")
-    assert problems == ["src/torchlens/_low/a.py:2: imports torchlens._low.b inside a function; import it at the "
-                        "top (or say why not with '# import here: ...')"]
-    problems = layer_problems(tmp_path, page.replace("| d | `src/torchlens/_top.py` | top |", "| d | `src/torchlens/_top.py` | mid |"))
+    assert problems == [
+        "src/torchlens/_low/a.py:2: imports torchlens._low.b inside a function; import it at the "
+        "top (or say why not with '# import here: ...')"
+    ]
+    problems = layer_problems(
+        tmp_path,
+        page.replace(
+            "| d | `src/torchlens/_top.py` | top |", "| d | `src/torchlens/_top.py` | mid |"
+        ),
+    )
     assert "src/torchlens/_top.py: its row names no layer of the Layers table ('mid')" in problems

@@ -17,16 +17,23 @@ import pytest
 import torch
 from torch import nn
 
-from torchlens import testing
 import torchlens as tl
 import torchlens.mechinterp as mi
-from torchlens._analysis.facets import attention as _attention  # internals: the functions whose calls are counted
+from torchlens import testing
+from torchlens._analysis.facets import (
+    attention as _attention,  # internals: the functions whose calls are counted
+)
 from torchlens._analysis.facets import norm as _norm
 from torchlens._analysis.facets import rebuild as _rebuild
 
 IDS = testing.token_ids(2, 6)
-COUNTED = ((_rebuild, "rebuild_attention"), (_rebuild, "rebuild_mha"), (_norm, "_normalize"), (_norm, "_affine_error"),
-           (_attention, "_per_head_weight"))
+COUNTED = (
+    (_rebuild, "rebuild_attention"),
+    (_rebuild, "rebuild_mha"),
+    (_norm, "_normalize"),
+    (_norm, "_affine_error"),
+    (_attention, "_per_head_weight"),
+)
 
 
 @pytest.fixture
@@ -70,7 +77,10 @@ def test_nothing_is_computed_until_read(calls):
     assert t.pending == pending
     assert "check pending" in repr(t.modules[_attn(1)].facets.site("pattern"))
     assert f"{pending} facets are checked on first read" in t.summary()
-    assert "check pending" in t._repr_html_() and f"{pending} facets are checked on first read" in t._repr_html_()
+    assert (
+        "check pending" in t._repr_html_()
+        and f"{pending} facets are checked on first read" in t._repr_html_()
+    )
     # Reading one layer's pattern rebuilds that layer's kernel only (scores come with it).
     t.modules[_attn(1)].facets["pattern"]
     assert calls == {"rebuild_attention": 1}, calls
@@ -104,8 +114,14 @@ def test_statuses_say_when_a_check_has_not_run_and_resolve_alias_runs_it():
     assert rows["blocks.1.attn.hook_pattern"].status == "reconstructed_read_only"
     assert not rows["blocks.1.attn.hook_pattern"].checked
     assert "not computed or checked yet" in rows["blocks.1.attn.hook_pattern"].reason
-    assert rows["blocks.1.hook_resid_post"].checked and rows["blocks.1.hook_resid_post"].status == "real"
-    assert not rows["blocks.1.hook_resid_mid"].checked and rows["blocks.1.hook_resid_mid"].status == "real"
+    assert (
+        rows["blocks.1.hook_resid_post"].checked
+        and rows["blocks.1.hook_resid_post"].status == "real"
+    )
+    assert (
+        not rows["blocks.1.hook_resid_mid"].checked
+        and rows["blocks.1.hook_resid_mid"].status == "real"
+    )
     assert "Not checked yet" in rows["blocks.1.hook_resid_mid"].reason
     assert not t.modules[_attn(1)].facets.site("pattern").checked  # the report computed nothing
     r = mi.resolve_alias(t, "blocks.1.attn.hook_pattern")
@@ -114,15 +130,23 @@ def test_statuses_say_when_a_check_has_not_run_and_resolve_alias_runs_it():
     assert not t.modules[_attn(0)].facets.site("pattern").checked
     # once checked, the report says so too
     rows = {r.query: r for r in mi.alias_report(t, generation="2.x")}
-    assert rows["blocks.1.attn.hook_pattern"].checked and not rows["blocks.0.attn.hook_pattern"].checked
+    assert (
+        rows["blocks.1.attn.hook_pattern"].checked
+        and not rows["blocks.0.attn.hook_pattern"].checked
+    )
     # a row's tensor is a read: it runs that site's check
-    assert rows["blocks.0.attn.hook_pattern"].tensor.shape == t.modules[_attn(0)].facets.site("pattern").shape
+    assert (
+        rows["blocks.0.attn.hook_pattern"].tensor.shape
+        == t.modules[_attn(0)].facets.site("pattern").shape
+    )
     assert t.modules[_attn(0)].facets.site("pattern").checked
 
 
 def _plant_bad_rebuild(monkeypatch):
     real = _rebuild.rebuild_attention
-    monkeypatch.setattr(_rebuild, "rebuild_attention", lambda a, kw, out: real(a, {**kw, "scale": 0.01}, out))
+    monkeypatch.setattr(
+        _rebuild, "rebuild_attention", lambda a, kw, out: real(a, {**kw, "scale": 0.01}, out)
+    )
 
 
 def test_a_check_that_fails_on_first_read_refuses_the_facet(monkeypatch):
@@ -132,7 +156,9 @@ def test_a_check_that_fails_on_first_read_refuses_the_facet(monkeypatch):
         t = tl.trace(model, IDS)
     f = t.modules[_attn(0)].facets
     assert "pattern" in f and "pattern" in f.sites and not f.refused  # not checked yet
-    row = next(r for r in mi.alias_report(t, generation="2.x") if r.query == "blocks.0.attn.hook_pattern")
+    row = next(
+        r for r in mi.alias_report(t, generation="2.x") if r.query == "blocks.0.attn.hook_pattern"
+    )
     assert row.status == "reconstructed_read_only" and not row.checked
     with pytest.raises(tl.FacetNotFound, match="the rebuild disagreed"):
         f["pattern"]
@@ -164,7 +190,9 @@ def test_trace_check_runs_every_pending_check(monkeypatch):
     with torch.no_grad():
         bad = tl.trace(model, IDS)
     refused = bad.check()
-    assert set(refused) == {(_attn(i), 0, n) for i in range(len(bad.blocks)) for n in ("scores", "pattern")}
+    assert set(refused) == {
+        (_attn(i), 0, n) for i in range(len(bad.blocks)) for n in ("scores", "pattern")
+    }
     assert all("the rebuild disagreed" in why for why in refused.values())
 
 
@@ -193,8 +221,12 @@ def test_a_pending_facet_shows_the_traced_forward_after_an_optimizer_step():
     model = testing.build("gpt2", "eager")
     attn, norm = model.transformer.h[0].attn, model.transformer.h[0].ln_1
     seen = {}
-    hooks = [attn.c_proj.register_forward_pre_hook(lambda m, a: seen.setdefault("z", a[0].detach().clone())),
-             norm.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0].detach().clone()))]
+    hooks = [
+        attn.c_proj.register_forward_pre_hook(
+            lambda m, a: seen.setdefault("z", a[0].detach().clone())
+        ),
+        norm.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0].detach().clone())),
+    ]
     try:
         with torch.no_grad():
             t = tl.trace(model, IDS)
@@ -206,15 +238,21 @@ def test_a_pending_facet_shows_the_traced_forward_after_an_optimizer_step():
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model(IDS).logits.square().mean().backward()
     opt.step()
-    assert not torch.equal(attn.c_proj.weight, w_o) and not torch.equal(norm.weight, torch.ones_like(norm.weight))
+    assert not torch.equal(attn.c_proj.weight, w_o) and not torch.equal(
+        norm.weight, torch.ones_like(norm.weight)
+    )
     heads = t.modules[_attn(0)].facets.site("result").shape[2]
     b, n, d = seen["z"].shape
     per_head = seen["z"].view(b, n, heads, d // heads)
     want = torch.einsum("bthd,hdo->btho", per_head, w_o.view(heads, d // heads, -1))
     torch.testing.assert_close(t.modules[_attn(0)].facets["result"], want, rtol=1e-5, atol=1e-6)
     x = seen["x"]
-    normalized = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + norm.eps)
-    torch.testing.assert_close(t.modules["transformer.h.0.ln_1"].facets["normalized"], normalized, rtol=1e-5, atol=1e-5)
+    normalized = (x - x.mean(-1, keepdim=True)) / torch.sqrt(
+        x.var(-1, unbiased=False, keepdim=True) + norm.eps
+    )
+    torch.testing.assert_close(
+        t.modules["transformer.h.0.ln_1"].facets["normalized"], normalized, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_reading_a_pending_facet_inside_another_trace_records_nothing_there():
@@ -225,7 +263,9 @@ def test_reading_a_pending_facet_inside_another_trace_records_nothing_there():
 
     class Reader(nn.Module):
         def forward(self, x):
-            read["pattern"] = clean.modules[_attn(0)].facets["pattern"]  # rebuilt here, inside `outer`
+            read["pattern"] = clean.modules[_attn(0)].facets[
+                "pattern"
+            ]  # rebuilt here, inside `outer`
             return x * 2
 
     outer = tl.trace(Reader(), torch.ones(3))
@@ -238,15 +278,22 @@ def test_a_saved_trace_has_no_pending_check(tmp_path):
     with torch.no_grad():
         t = tl.trace(model, IDS)
     assert t.pending > 0
-    with pytest.warns(UserWarning, match=r"could not store 1 value.*DynamicCache"):  # the KV cache is no tensor
+    with pytest.warns(
+        UserWarning, match=r"could not store 1 value.*DynamicCache"
+    ):  # the KV cache is no tensor
         t.save(tmp_path / "t")
     assert t.pending == 0  # save ran every check
     back = tl.load(tmp_path / "t")
     assert back.pending == 0
     for i in range(len(t.blocks)):
         site = back.modules[_attn(i)].facets.site("pattern")
-        assert site.checked and site.check_error == t.modules[_attn(i)].facets.site("pattern").check_error
-        assert torch.equal(back.modules[_attn(i)].facets["pattern"], t.modules[_attn(i)].facets["pattern"])
+        assert (
+            site.checked
+            and site.check_error == t.modules[_attn(i)].facets.site("pattern").check_error
+        )
+        assert torch.equal(
+            back.modules[_attn(i)].facets["pattern"], t.modules[_attn(i)].facets["pattern"]
+        )
 
 
 def test_a_facet_save_did_not_keep_is_never_computed(calls):
@@ -288,7 +335,9 @@ def test_a_pickled_trace_runs_its_pending_checks_first():
     back = pickle.loads(pickle.dumps(t))
     assert back.pending == 0 and t.pending == 0
     for i in range(len(t.blocks)):
-        assert torch.equal(back.modules[_attn(i)].facets["pattern"], t.modules[_attn(i)].facets["pattern"])
+        assert torch.equal(
+            back.modules[_attn(i)].facets["pattern"], t.modules[_attn(i)].facets["pattern"]
+        )
 
 
 def test_a_pending_pattern_is_rebuilt_from_the_keys_the_kernel_saw_after_the_cache_is_overwritten():

@@ -27,10 +27,10 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from torchlens import testing
 import torchlens as tl
 import torchlens.mechinterp as mi
-from torchlens import TorchLensError
+from torchlens import TorchLensError, testing
+from torchlens._naming import resolver
 from torchlens.mechinterp import (
     AliasError,
     AliasResolution,
@@ -39,7 +39,6 @@ from torchlens.mechinterp import (
     UnknownAlias,
     UnknownGeneration,
 )
-from torchlens._naming import resolver
 
 IDS = torch.tensor([[1, 2, 3, 4]])
 LIVE = ("real", "reconstructed_read_only")
@@ -61,27 +60,52 @@ def build(family: str, n_layers: int = 2, attn: str = "sdpa", perturb: bool = Fa
     torch.manual_seed(0)
     if family == "gpt2":
         cfg = transformers.GPT2Config(
-            n_layer=n_layers, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+            n_layer=n_layers,
+            n_embd=32,
+            n_head=2,
+            vocab_size=64,
+            n_positions=16,
+            bos_token_id=0,
+            eos_token_id=0,
         )
         cls = transformers.GPT2LMHeadModel
     elif family in ("llama", "gemma2"):
         common = dict(
-            num_hidden_layers=n_layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=48, vocab_size=64, max_position_embeddings=16,
+            num_hidden_layers=n_layers,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=48,
+            vocab_size=64,
+            max_position_embeddings=16,
         )
         if family == "llama":
             cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
         else:
             # Small softcaps, so that capped and uncapped logits/scores differ beyond tolerance.
-            cfg = transformers.Gemma2Config(head_dim=8, sliding_window=4, pad_token_id=0, bos_token_id=0,
-                                            eos_token_id=0, final_logit_softcapping=0.5,
-                                            attn_logit_softcapping=0.5, **common)
+            cfg = transformers.Gemma2Config(
+                head_dim=8,
+                sliding_window=4,
+                pad_token_id=0,
+                bos_token_id=0,
+                eos_token_id=0,
+                final_logit_softcapping=0.5,
+                attn_logit_softcapping=0.5,
+                **common,
+            )
             cls = transformers.Gemma2ForCausalLM
     elif family == "neox":
         cfg = transformers.GPTNeoXConfig(
-            num_hidden_layers=n_layers, hidden_size=32, num_attention_heads=4, intermediate_size=48,
-            vocab_size=64, max_position_embeddings=16, rotary_pct=0.5, use_parallel_residual=True,
-            bos_token_id=0, eos_token_id=0,
+            num_hidden_layers=n_layers,
+            hidden_size=32,
+            num_attention_heads=4,
+            intermediate_size=48,
+            vocab_size=64,
+            max_position_embeddings=16,
+            rotary_pct=0.5,
+            use_parallel_residual=True,
+            bos_token_id=0,
+            eos_token_id=0,
         )
         cls = transformers.GPTNeoXForCausalLM
     else:
@@ -95,7 +119,7 @@ def build(family: str, n_layers: int = 2, attn: str = "sdpa", perturb: bool = Fa
     return model
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced(family: str, n_layers: int = 2, attn: str = "sdpa", perturb: bool = False, save="all"):
     """(model, trace), cached: tests must not modify either."""
     model = build(family, n_layers, attn, perturb)
@@ -109,14 +133,21 @@ def traced(family: str, n_layers: int = 2, attn: str = "sdpa", perturb: bool = F
 #: The report's length on a single-stack decoder with L layers, `a * L + b`, counted by hand from
 #: the table sources (each name with `{L}` counts once per layer, each other name once), not with
 #: the resolver's logic or the tables' flags:
-#: - 2.x: 39 `blocks.{L}.` names (4 of them QK-norm hooks without a site); hook_tokens, hook_embed, hook_pos_embed, ln_final.hook_scale and
+#: - 2.x: 39 `blocks.{L}.` names (4 of them QK-norm hooks without a site); hook_tokens,
+#:   hook_embed, hook_pos_embed, ln_final.hook_scale and
 #:   ln_final.hook_normalized;
 #: - 3.x: the 4.x names (43 + 14), 16 per-layer 2.x aliases, and hook_pos_embed, hook_embed, hook_unembed;
 #: - 4.x: 43 `blocks.{L}.` names; embed.*, pos_embed.*, rotary_emb.* (4), ln_final.* (4), unembed.* (2);
 #: - nnterp: 7 per-layer accessors; input_ids, token_embeddings, embed_tokens.output, logits, lm_head.output;
 #: - interp-engine: 14 per-layer points with a site; 17 per-layer points without one, listed once
 #:   without a layer (interp-engine refuses them whatever the layer); embeddings, final_norm, lm_head.
-REPORT_LENGTH = {"2.x": (39, 5), "3.x": (59, 17), "4.x": (43, 14), "nnterp": (7, 5), "interp-engine": (14, 20)}
+REPORT_LENGTH = {
+    "2.x": (39, 5),
+    "3.x": (59, 17),
+    "4.x": (43, 14),
+    "nnterp": (7, 5),
+    "interp-engine": (14, 20),
+}
 #: Per-layer names a report lists once, without a layer (interp-engine's points without a site).
 LISTED_ONCE = {"2.x": 0, "3.x": 0, "4.x": 0, "nnterp": 0, "interp-engine": 17}
 
@@ -145,7 +176,13 @@ def check_report(report, generation: str, n_layers: int) -> None:
     assert len({r.query for r in report}) == len(report), "report queries must be unique"
 
 
-CASES = [("gpt2", 2, "sdpa"), ("gpt2", 2, "eager"), ("gpt2", 3, "sdpa"), ("llama", 2, "sdpa"), ("llama", 2, "eager")]
+CASES = [
+    ("gpt2", 2, "sdpa"),
+    ("gpt2", 2, "eager"),
+    ("gpt2", 3, "sdpa"),
+    ("llama", 2, "sdpa"),
+    ("llama", 2, "eager"),
+]
 
 
 @pytest.mark.parametrize("family,n_layers,attn", CASES)
@@ -173,7 +210,9 @@ def fresh_patterns():
 
 def _planted_absent_once(monkeypatch):
     """A table-flag bug: 4.x lists its names without a site once, as interp-engine does."""
-    monkeypatch.setitem(mi.GENERATIONS, "4.x", dataclasses.replace(mi.GENERATIONS["4.x"], absent_once=True))
+    monkeypatch.setitem(
+        mi.GENERATIONS, "4.x", dataclasses.replace(mi.GENERATIONS["4.x"], absent_once=True)
+    )
     return "4.x"
 
 
@@ -187,7 +226,10 @@ def _planted_layer_count(monkeypatch):
 def _planted_in_report(monkeypatch):
     """A table-data bug: one 4.x row dropped from the report (in_report flipped)."""
     table = mi.GENERATIONS["4.x"]
-    rows = tuple(dataclasses.replace(r, in_report=False) if r.name == "blocks.{L}.hook_out" else r for r in table.rows)
+    rows = tuple(
+        dataclasses.replace(r, in_report=False) if r.name == "blocks.{L}.hook_out" else r
+        for r in table.rows
+    )
     monkeypatch.setitem(mi.GENERATIONS, "4.x", dataclasses.replace(table, rows=rows))
     return "4.x"
 
@@ -253,7 +295,9 @@ def test_scores_and_pattern_status_follow_the_kernel(family, attn, status):
             if r.facet in ("scores", "pattern"):
                 assert r.status == status, r
                 seen += 1
-    assert seen == 2 * (2 + 2 + 2 + 1 + 2)  # 2 layers x (2.x: 2, 3.x: 2, 4.x: 2, nnterp: 1, interp-engine: 2)
+    assert seen == 2 * (
+        2 + 2 + 2 + 1 + 2
+    )  # 2 layers x (2.x: 2, 3.x: 2, 4.x: 2, nnterp: 1, interp-engine: 2)
     r = mi.resolve_alias(trace, "blocks.0.attn.hook_pattern")
     if status == "reconstructed_read_only":
         assert "attn_implementation='eager'" in r.remedy
@@ -319,7 +363,11 @@ def test_structurally_absent_reasons():
         assert "parallel" in r.reason, r.reason
     # TransformerLens hooks hook_mlp_in on a parallel block too: the MLP norm's input, resid_pre
     r = mi.resolve_alias(neox, "blocks.1.hook_mlp_in")
-    assert (r.status, r.module_address, r.facet) == ("real", "gpt_neox.layers.1.post_attention_layernorm", "input")
+    assert (r.status, r.module_address, r.facet) == (
+        "real",
+        "gpt_neox.layers.1.post_attention_layernorm",
+        "input",
+    )
     assert torch.equal(r.tensor, neox.modules["gpt_neox.layers.1"].facets["resid_pre"])
     assert mi.resolve_alias(neox, "blocks.0.hook_resid_post").status == "real"
 
@@ -339,7 +387,9 @@ class _ToyAttention(nn.Module):
             scores = self.q(x) @ self.k(x).transpose(-1, -2) / math.sqrt(x.shape[-1])
             return self.o(scores.softmax(-1) @ self.v(x))
         b, t, d = x.shape
-        q, k, v = (p(x).view(b, t, self.n_heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = (
+            p(x).view(b, t, self.n_heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
         scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
         z = scores.softmax(-1) @ v
         return self.o(z.transpose(1, 2).reshape(b, t, d))
@@ -388,7 +438,9 @@ def test_block_object_run_twice_gives_one_layer_per_call():
     torch.manual_seed(0)
     model = _ToyDecoder().eval()
     seen = []  # ground truth: a plain forward hook on the shared block
-    handle = model.layers[0].register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    handle = model.layers[0].register_forward_hook(
+        lambda m, a, out: seen.append(out.detach().clone())
+    )
     try:
         model(torch.tensor([[1, 2, 3]]))
     finally:
@@ -397,7 +449,11 @@ def test_block_object_run_twice_gives_one_layer_per_call():
     assert len(trace.modules["layers.0"].calls) == 2
     assert trace.blocks == ["layers.0", "layers.0"]
     for layer in (0, 1):
-        for name in (f"blocks.{layer}.hook_resid_post", f"layers_output[{layer}]", f"resid_post.{layer}"):
+        for name in (
+            f"blocks.{layer}.hook_resid_post",
+            f"layers_output[{layer}]",
+            f"resid_post.{layer}",
+        ):
             r = mi.resolve_alias(trace, name)
             assert r.status == "real" and r.call == layer, r
             torch.testing.assert_close(r.tensor, seen[layer], rtol=0, atol=0)
@@ -409,12 +465,20 @@ def test_block_object_run_twice_gives_one_layer_per_call():
     assert mi.resolve_alias(trace, "hook_embed").status == "real"
     assert mi.resolve_alias(trace, "unembed.hook_out").status == "real"
     report = mi.alias_report(trace, generation="nnterp")
-    assert [r.query for r in report if r.pattern == "layers_output[{L}]"] == ["layers_output[0]", "layers_output[1]"]
+    assert [r.query for r in report if r.pattern == "layers_output[{L}]"] == [
+        "layers_output[0]",
+        "layers_output[1]",
+    ]
     # The same toy with two distinct blocks is unambiguous: the sharing is what makes it ambiguous.
     torch.manual_seed(0)
     distinct = tl.trace(_ToyDecoder(shared=False).eval(), torch.tensor([[1, 2, 3]]))
     assert distinct.blocks == ["layers.0", "layers.1"]
-    for name in ("blocks.1.hook_resid_post", "layers_output[0]", "resid_post.0", "blocks.0.attn.hook_pattern"):
+    for name in (
+        "blocks.1.hook_resid_post",
+        "layers_output[0]",
+        "resid_post.0",
+        "blocks.0.attn.hook_pattern",
+    ):
         assert mi.resolve_alias(distinct, name).status == "real", name
 
 
@@ -428,9 +492,11 @@ def test_single_head_attention_without_head_axis():
 
 def test_ambiguous_name_in_two_generations(monkeypatch):
     """A name two generations point at different sites resolves `ambiguous`, listing both."""
-    clash = mi.Table("clash-test", "a made-up generation", (
-        mi.Row("blocks.{L}.hook_resid_post", "block", "resid_pre", "made up: the block input"),
-    ))
+    clash = mi.Table(
+        "clash-test",
+        "a made-up generation",
+        (mi.Row("blocks.{L}.hook_resid_post", "block", "resid_pre", "made up: the block input"),),
+    )
     monkeypatch.setitem(mi.GENERATIONS, "clash-test", clash)
     try:
         _, trace = traced("gpt2", 2, "sdpa")
@@ -439,8 +505,14 @@ def test_ambiguous_name_in_two_generations(monkeypatch):
         assert (r.module_address, r.facet) == (None, None)
         assert "transformer.h.1:resid_post" in r.reason and "transformer.h.1:resid_pre" in r.reason
         assert "'2.x'" in r.remedy and "'clash-test'" in r.remedy
-        assert mi.resolve_alias(trace, "blocks.1.hook_resid_post", generation="2.x").facet == "resid_post"
-        assert mi.resolve_alias(trace, "blocks.1.hook_resid_post", generation="clash-test").facet == "resid_pre"
+        assert (
+            mi.resolve_alias(trace, "blocks.1.hook_resid_post", generation="2.x").facet
+            == "resid_post"
+        )
+        assert (
+            mi.resolve_alias(trace, "blocks.1.hook_resid_post", generation="clash-test").facet
+            == "resid_pre"
+        )
     finally:
         monkeypatch.undo()
 
@@ -475,25 +547,29 @@ def test_known_clash_is_ambiguous_only_where_the_tensors_differ():
     assert mi.resolve_alias(gemma, "hook_embed", generation="2.x").tensor is output
     assert not torch.equal(gemma.modules["model.embed_tokens"].facets["lookup"], output)
 
-    class Scaled(nn.Module):  # an older Gemma: the model multiplies the lookup by sqrt(d_model) itself
+    class Scaled(
+        nn.Module
+    ):  # an older Gemma: the model multiplies the lookup by sqrt(d_model) itself
         def __init__(self):
             super().__init__()
             self.embed = nn.Embedding(16, 8)
             self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
 
         def forward(self, ids):
-            x = self.embed(ids) * torch.tensor(8 ** 0.5)
+            x = self.embed(ids) * torch.tensor(8**0.5)
             for layer in self.layers:
                 x = x + layer(x)
             return x
 
     model = Scaled()
-    scaled = model.embed(torch.tensor([[1, 2, 3]])).detach() * 8 ** 0.5
+    scaled = model.embed(torch.tensor([[1, 2, 3]])).detach() * 8**0.5
     trace = tl.trace(model, torch.tensor([[1, 2, 3]]), roles={"layers.*": "block"})
     r = mi.resolve_alias(trace, "hook_embed")
     assert r.status == "ambiguous" and "'2.x'" in r.remedy and "'3.x'" in r.remedy
     r2 = mi.resolve_alias(trace, "hook_embed", generation="2.x")
-    assert (r2.module_address, r2.facet) == ("layers.0", "resid_pre") and torch.equal(r2.tensor, scaled)
+    assert (r2.module_address, r2.facet) == ("layers.0", "resid_pre") and torch.equal(
+        r2.tensor, scaled
+    )
     assert mi.resolve_alias(trace, "hook_embed", generation="3.x").facet == "output"
 
 
@@ -609,7 +685,10 @@ class HF:
         self.model = model
         self.mods = dict(model.named_modules())
         self.calls: dict[str, tuple] = {}
-        handles = [m.register_forward_hook(self._hook(n), with_kwargs=True) for n, m in model.named_modules()]
+        handles = [
+            m.register_forward_hook(self._hook(n), with_kwargs=True)
+            for n, m in model.named_modules()
+        ]
         try:
             with torch.no_grad():
                 self.output = model(ids)
@@ -674,8 +753,11 @@ def _heads(x: torch.Tensor, d_head: int) -> torch.Tensor:
 def _per_head_result(z_flat: torch.Tensor, w_in_out: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Each head's share of the output projection (bias excluded): [B, T, H, d_model]."""
     b, t, hd = z_flat.shape
-    return torch.einsum("bthd,hdo->btho", z_flat.view(b, t, n_heads, hd // n_heads),
-                        w_in_out.view(n_heads, hd // n_heads, -1))
+    return torch.einsum(
+        "bthd,hdo->btho",
+        z_flat.view(b, t, n_heads, hd // n_heads),
+        w_in_out.view(n_heads, hd // n_heads, -1),
+    )
 
 
 def _gpt2_truth():
@@ -686,7 +768,7 @@ def _gpt2_truth():
 
     def qkv(hf, L, i):
         d = hf.cfg.n_embd
-        return _heads(hf.out(p(".attn.c_attn")(L))[..., i * d:(i + 1) * d], d // hf.cfg.n_head)
+        return _heads(hf.out(p(".attn.c_attn")(L))[..., i * d : (i + 1) * d], d // hf.cfg.n_head)
 
     def scores(hf, L):
         q, k = qkv(hf, L, 0).transpose(1, 2), qkv(hf, L, 1).transpose(1, 2)
@@ -699,13 +781,15 @@ def _gpt2_truth():
         w = hf.mods[p(".attn.c_proj")(L)].weight  # Conv1D: [in, out]
         return _per_head_result(hf.inp(p(".attn.c_proj")(L)), w, hf.cfg.n_head)
 
-    inp = lambda path: lambda hf, L: hf.inp(path(L))  # noqa: E731
-    out = lambda path: lambda hf, L: hf.out(path(L))  # noqa: E731
-    g = lambda path: lambda L: path  # noqa: E731  a global module path
+    inp = lambda path: lambda hf, L: hf.inp(path(L))
+    out = lambda path: lambda hf, L: hf.out(path(L))
+    g = lambda path: lambda L: path
     return {
         "tokens": inp(g("transformer.wte")),
         "embed": out(g("transformer.wte")),
-        "embed_lookup": lambda hf, L: nn.functional.embedding(hf.inp("transformer.wte"), hf.mods["transformer.wte"].weight),
+        "embed_lookup": lambda hf, L: nn.functional.embedding(
+            hf.inp("transformer.wte"), hf.mods["transformer.wte"].weight
+        ),
         "pos_ids": inp(g("transformer.wpe")),
         "pos_embed": out(g("transformer.wpe")),
         "resid_pre": inp(p("")),
@@ -758,9 +842,9 @@ def _llama_like_truth(ln2: str, attn_post: str | None = None, mlp_post: str | No
     def p(suffix):
         return lambda L: (blk + suffix).format(L=L)
 
-    inp = lambda path: lambda hf, L: hf.inp(path(L))  # noqa: E731
-    out = lambda path: lambda hf, L: hf.out(path(L))  # noqa: E731
-    g = lambda path: lambda L: path  # noqa: E731
+    inp = lambda path: lambda hf, L: hf.inp(path(L))
+    out = lambda path: lambda hf, L: hf.out(path(L))
+    g = lambda path: lambda L: path
 
     def d_head(hf):
         return getattr(hf.cfg, "head_dim", None) or hf.cfg.hidden_size // hf.cfg.num_attention_heads
@@ -774,7 +858,9 @@ def _llama_like_truth(ln2: str, attn_post: str | None = None, mlp_post: str | No
 
     def scores(hf, L):
         q, k = rot(hf, L, "q").transpose(1, 2), rot(hf, L, "k").transpose(1, 2)
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # GQA: consecutive query heads share a kv head
+        k = k.repeat_interleave(
+            q.shape[1] // k.shape[1], dim=1
+        )  # GQA: consecutive query heads share a kv head
         s = q @ k.transpose(-1, -2) * hf.mods[p(".self_attn")(L)].scaling
         cap = getattr(hf.cfg, "attn_logit_softcapping", None)
         if cap is not None:
@@ -794,7 +880,9 @@ def _llama_like_truth(ln2: str, attn_post: str | None = None, mlp_post: str | No
     truth = {
         "tokens": inp(g("model.embed_tokens")),
         "embed": out(g("model.embed_tokens")),
-        "embed_lookup": lambda hf, L: nn.functional.embedding(hf.inp("model.embed_tokens"), hf.mods["model.embed_tokens"].weight),
+        "embed_lookup": lambda hf, L: nn.functional.embedding(
+            hf.inp("model.embed_tokens"), hf.mods["model.embed_tokens"].weight
+        ),
         "resid_pre": inp(p("")),
         "ln1_in": inp(p(".input_layernorm")),
         "ln1_out": out(p(".input_layernorm")),
@@ -853,8 +941,9 @@ def _llama_like_truth(ln2: str, attn_post: str | None = None, mlp_post: str | No
 TRUTH = {
     "gpt2": _gpt2_truth(),
     "llama": _llama_like_truth(".post_attention_layernorm"),
-    "gemma2": _llama_like_truth(".pre_feedforward_layernorm", ".post_attention_layernorm",
-                                ".post_feedforward_layernorm"),
+    "gemma2": _llama_like_truth(
+        ".pre_feedforward_layernorm", ".post_attention_layernorm", ".post_feedforward_layernorm"
+    ),
 }
 
 
@@ -865,7 +954,9 @@ MEANING_BY_GENERATION: dict[tuple[str, str], str] = {}
 def _check_ground_truth(family: str, attn: str):
     model, trace = traced(family, 2, attn, perturb=True)
     twin, _ = traced(family, 2, "eager", perturb=True)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values())
+    )
     hf = HF(model, IDS, twin)
     truth = TRUTH[family]
     readable, checked, failures = set(), set(), []
@@ -880,12 +971,21 @@ def _check_ground_truth(family: str, attn: str):
                 continue
             expected = truth[key](hf, r.layer)
             again = mi.resolve_alias(trace, r.query, generation=generation)
-            assert (again.module_address, again.facet, again.status) == (r.module_address, r.facet, r.status)
+            assert (again.module_address, again.facet, again.status) == (
+                r.module_address,
+                r.facet,
+                r.status,
+            )
             actual = trace.modules[r.module_address].facets[r.facet]
             assert torch.equal(actual, r.tensor)
-            if actual.shape != expected.shape or not torch.allclose(actual, expected.to(actual.dtype),
-                                                                    rtol=1e-4, atol=1e-5):
-                err = (actual.float() - expected.float()).abs().max() if actual.shape == expected.shape else "-"
+            if actual.shape != expected.shape or not torch.allclose(
+                actual, expected.to(actual.dtype), rtol=1e-4, atol=1e-5
+            ):
+                err = (
+                    (actual.float() - expected.float()).abs().max()
+                    if actual.shape == expected.shape
+                    else "-"
+                )
                 failures.append(
                     f"{generation} {r.query} -> {r.module_address}:{r.facet} [{r.status}] differs from "
                     f"{key}: shapes {tuple(actual.shape)} vs {tuple(expected.shape)}, max err {err}"
@@ -902,10 +1002,22 @@ def test_ground_truth_every_readable_row(family, attn):
     checked = _check_ground_truth(family, attn)
     names = {q for _, q in checked}
     # The rows the brief singles out are among those compared.
-    assert {"layers_output[1]", "attentions_input[0]", "mlp_act.1", "embeddings", "lm_head",
-            "blocks.0.ln1.hook_scale", "attn_probs.1", "attention_probabilities[0]"} <= names
+    assert {
+        "layers_output[1]",
+        "attentions_input[0]",
+        "mlp_act.1",
+        "embeddings",
+        "lm_head",
+        "blocks.0.ln1.hook_scale",
+        "attn_probs.1",
+        "attention_probabilities[0]",
+    } <= names
     if family == "llama":
-        assert {"mlp_pre_linear.0", "blocks.1.attn.hook_rot_q", "blocks.0.mlp.gate.hook_out"} <= names
+        assert {
+            "mlp_pre_linear.0",
+            "blocks.1.attn.hook_rot_q",
+            "blocks.0.mlp.gate.hook_out",
+        } <= names
     else:
         assert {"hook_pos_embed", "pos_embed.hook_in"} <= names
 
@@ -914,9 +1026,15 @@ def test_ground_truth_gemma2_sandwich_norms():
     checked = _check_ground_truth("gemma2", "eager")
     names = {q for _, q in checked}
     assert {
-        "blocks.0.hook_attn_out", "blocks.1.hook_mlp_out", "blocks.0.ln1_post.hook_scale",
-        "blocks.1.ln1_post.hook_normalized", "blocks.0.ln2_post.hook_scale", "blocks.0.ln2.hook_normalized",
-        "blocks.1.hook_resid_mid", "attn_out.0", "blocks.0.attn.hook_attn_scores",
+        "blocks.0.hook_attn_out",
+        "blocks.1.hook_mlp_out",
+        "blocks.0.ln1_post.hook_scale",
+        "blocks.1.ln1_post.hook_normalized",
+        "blocks.0.ln2_post.hook_scale",
+        "blocks.0.ln2.hook_normalized",
+        "blocks.1.hook_resid_mid",
+        "attn_out.0",
+        "blocks.0.attn.hook_attn_scores",
     } <= names
     _, trace = traced("gemma2", 2, "eager", perturb=True)
     r = mi.resolve_alias(trace, "blocks.0.hook_attn_out")
@@ -985,9 +1103,11 @@ def test_layer_out_of_range_names_the_range():
 @pytest.mark.parametrize("bad", ["5.x", "nnterpp", "", "TL2", ["nnterp"], 3])
 def test_unknown_generation_lists_generations(bad):
     _, trace = traced("gpt2", 2, "sdpa")
-    for call in (lambda: mi.resolve_alias(trace, "resid_post.1", generation=bad),
-                 lambda: mi.alias_report(trace, generation=bad),
-                 lambda: mi.table(bad)):
+    for call in (
+        lambda: mi.resolve_alias(trace, "resid_post.1", generation=bad),
+        lambda: mi.alias_report(trace, generation=bad),
+        lambda: mi.table(bad),
+    ):
         with pytest.raises(UnknownGeneration) as e:
             call()
         for g in mi.GENERATIONS:
@@ -1002,22 +1122,40 @@ def test_report_and_table_need_a_generation():
         mi.table(None)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("bad", [
-    "resid_post:5", "blocks.01.hook_resid_post", "resid_post.-1", "attn_out.1.stream-0", "resid_post.1.site-1",
-    "blocks.-1.hook_resid_post", "resid_post.stream-0", "layers_output[01]", "layers_output[-01]",
-    "resid_post.1.stream-01", "blocks.\u0661.hook_resid_post", "resid_post.1.stream-\u0663",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "resid_post:5",
+        "blocks.01.hook_resid_post",
+        "resid_post.-1",
+        "attn_out.1.stream-0",
+        "resid_post.1.site-1",
+        "blocks.-1.hook_resid_post",
+        "resid_post.stream-0",
+        "layers_output[01]",
+        "layers_output[-01]",
+        "resid_post.1.stream-01",
+        "blocks.\u0661.hook_resid_post",
+        "resid_post.1.stream-\u0663",
+    ],
+)
 def test_malformed_names(bad):
     _, trace = traced("gpt2", 2, "sdpa")
     with pytest.raises(AliasError):
         mi.resolve_alias(trace, bad)
 
 
-@pytest.mark.parametrize("bad,cls", [
-    ("blocks.01.hook_resid_post", MalformedAlias), ("resid_post.-1", MalformedAlias),
-    ("attn_out.1.stream-0", MalformedAlias), ("resid_post.1.site-1", MalformedAlias),
-    ("layers_output[-01]", MalformedAlias), ("resid_post.1.stream-\u0663", MalformedAlias),
-])
+@pytest.mark.parametrize(
+    "bad,cls",
+    [
+        ("blocks.01.hook_resid_post", MalformedAlias),
+        ("resid_post.-1", MalformedAlias),
+        ("attn_out.1.stream-0", MalformedAlias),
+        ("resid_post.1.site-1", MalformedAlias),
+        ("layers_output[-01]", MalformedAlias),
+        ("resid_post.1.stream-\u0663", MalformedAlias),
+    ],
+)
 def test_malformed_names_raise_malformed(bad, cls):
     _, trace = traced("gpt2", 2, "sdpa")
     with pytest.raises(cls):
@@ -1027,10 +1165,15 @@ def test_malformed_names_raise_malformed(bad, cls):
 def test_huge_layer_numbers_raise_torchlens_errors():
     _, trace = traced("gpt2", 2, "sdpa")
     huge = "9" * 5000
-    for name, cls in ((f"blocks.{huge}.hook_resid_post", LayerOutOfRange), (f"resid_post.{huge}", LayerOutOfRange),
-                      (f"layers_output[-{huge}]", LayerOutOfRange), (f"resid_post.-{huge}", MalformedAlias),
-                      (f"resid_post.1.stream-0{huge}", MalformedAlias), (f"x{huge}", UnknownAlias),
-                      (f"layers_output[{huge}", UnknownAlias)):
+    for name, cls in (
+        (f"blocks.{huge}.hook_resid_post", LayerOutOfRange),
+        (f"resid_post.{huge}", LayerOutOfRange),
+        (f"layers_output[-{huge}]", LayerOutOfRange),
+        (f"resid_post.-{huge}", MalformedAlias),
+        (f"resid_post.1.stream-0{huge}", MalformedAlias),
+        (f"x{huge}", UnknownAlias),
+        (f"layers_output[{huge}", UnknownAlias),
+    ):
         with pytest.raises(cls):
             mi.resolve_alias(trace, name)
     # Any stream index is well-formed; a single-stream trunk has no site for it.
@@ -1066,7 +1209,7 @@ def test_resolution_tensor_without_site_raises():
 # -- property-based ----------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def oracle(family: str = "gpt2"):
     """Every valid concrete name of a trace -> {(generation, module_address, facet)}.
 
@@ -1089,7 +1232,9 @@ def oracle(family: str = "gpt2"):
                 if table.absent_once and row.facet is None:
                     sites[name].add((generation, None, None))
                 if table.negative_layers:
-                    sites[row.name.replace("{L}", str(layer - n))] |= {s for s in sites[name] if s[0] == generation}
+                    sites[row.name.replace("{L}", str(layer - n))] |= {
+                        s for s in sites[name] if s[0] == generation
+                    }
     for address in trace.modules:
         if address:
             sites["path." + address].add(("interp-engine", address, "output"))
@@ -1161,11 +1306,19 @@ def test_property_surrounding_whitespace_is_ignored(row_g, layer, before, after,
     r = check_name(before + name + after, generation if scoped else None, same_as=name)
     assert r is not None
     canonical = mi.resolve_alias(oracle()[0], name, generation=generation if scoped else None)
-    assert (r.module_address, r.facet, r.status) == (canonical.module_address, canonical.facet, canonical.status)
+    assert (r.module_address, r.facet, r.status) == (
+        canonical.module_address,
+        canonical.facet,
+        canonical.status,
+    )
 
 
 @PROP
-@given(rows_st, st.integers(0, 1), st.sampled_from(["upper", "lower", "swapcase", "title", "capitalize"]))
+@given(
+    rows_st,
+    st.integers(0, 1),
+    st.sampled_from(["upper", "lower", "swapcase", "title", "capitalize"]),
+)
 def test_property_case_changes(row_g, layer, how):
     _, row = row_g
     check_name(getattr(_instantiate(row, layer), how)())
@@ -1180,11 +1333,17 @@ def test_property_separator_swaps(row_g, layer, data):
     assume(positions)
     i = data.draw(st.sampled_from(positions))
     new = data.draw(st.sampled_from(SEPARATORS + "] "))
-    check_name(name[:i] + new + name[i + 1:])
+    check_name(name[:i] + new + name[i + 1 :])
 
 
 @PROP
-@given(rows_st, st.integers(0, 1), junk_st, st.sampled_from(["prefix", "suffix", "both", "inside"]), st.data())
+@given(
+    rows_st,
+    st.integers(0, 1),
+    junk_st,
+    st.sampled_from(["prefix", "suffix", "both", "inside"]),
+    st.data(),
+)
 @example(("interp-engine", mi.table("interp-engine")[1]), 1, "\u0661", "suffix", None)
 def test_property_junk_and_unicode(row_g, layer, junk, where, data):
     generation, row = row_g
@@ -1262,11 +1421,22 @@ def test_final_norm_is_found_with_and_without_the_lm_head(cls):
     same norm on GPT2Model (no unembedding) as on GPT2LMHeadModel; ground truth is a plain
     forward hook on `ln_f`, the module named by hand."""
     torch.manual_seed(0)
-    model = cls(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                        bos_token_id=0, eos_token_id=0)).eval()
+    model = cls(
+        transformers.GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=64,
+            n_positions=16,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    ).eval()
     ln_f = model.ln_f if cls is transformers.GPT2Model else model.transformer.ln_f
     seen = {}
-    handle = ln_f.register_forward_hook(lambda m, args, out: seen.update(x=args[0].detach().clone(), y=out.detach().clone()))
+    handle = ln_f.register_forward_hook(
+        lambda m, args, out: seen.update(x=args[0].detach().clone(), y=out.detach().clone())
+    )
     with torch.no_grad():
         model(IDS)
     handle.remove()
@@ -1285,8 +1455,15 @@ def test_final_norm_is_found_with_and_without_the_lm_head(cls):
 
 def _opt(layers=2):
     torch.manual_seed(0)
-    cfg = transformers.OPTConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=2, ffn_dim=64,
-                                 vocab_size=64, max_position_embeddings=16, word_embed_proj_dim=32)
+    cfg = transformers.OPTConfig(
+        num_hidden_layers=layers,
+        hidden_size=32,
+        num_attention_heads=2,
+        ffn_dim=64,
+        vocab_size=64,
+        max_position_embeddings=16,
+        word_embed_proj_dim=32,
+    )
     return tl.testing.from_config(cfg, transformers.OPTForCausalLM)
 
 
@@ -1299,46 +1476,77 @@ def test_opt_mlp_names_read_its_fc_layers_and_match_plain_hooks(generation):
     seen, handles = {}, []
 
     def keep(key, from_args=False):
-        return (lambda m, args: seen.__setitem__(key, args[0].detach().clone())) if from_args else \
-            (lambda m, args, out: seen.__setitem__(key, out.detach().clone()))
+        return (
+            (lambda m, args: seen.__setitem__(key, args[0].detach().clone()))
+            if from_args
+            else (lambda m, args, out: seen.__setitem__(key, out.detach().clone()))
+        )
 
     for i, layer in enumerate(model.model.decoder.layers):
-        handles += [layer.fc1.register_forward_hook(keep(f"pre.{i}")),
-                    layer.fc2.register_forward_pre_hook(keep(f"post.{i}", True), with_kwargs=False),
-                    layer.fc2.register_forward_hook(keep(f"mlp_out.{i}")),
-                    layer.final_layer_norm.register_forward_pre_hook(keep(f"resid_mid.{i}", True))]
+        handles += [
+            layer.fc1.register_forward_hook(keep(f"pre.{i}")),
+            layer.fc2.register_forward_pre_hook(keep(f"post.{i}", True), with_kwargs=False),
+            layer.fc2.register_forward_hook(keep(f"mlp_out.{i}")),
+            layer.final_layer_norm.register_forward_pre_hook(keep(f"resid_mid.{i}", True)),
+        ]
     try:
         trace = tl.trace(model, ids, save="all")
     finally:
         for h in handles:
             h.remove()
-    names = ({"pre": "blocks.{L}.mlp.hook_pre", "post": "blocks.{L}.mlp.hook_post",
-              "mlp_out": "blocks.{L}.hook_mlp_out", "resid_mid": "blocks.{L}.hook_resid_mid"}
-             if generation != "4.x" else
-             {"pre": "blocks.{L}.mlp.in.hook_out", "post": "blocks.{L}.mlp.out.hook_in",
-              "mlp_out": "blocks.{L}.mlp.hook_out", "resid_mid": "blocks.{L}.ln2.hook_in"})
+    names = (
+        {
+            "pre": "blocks.{L}.mlp.hook_pre",
+            "post": "blocks.{L}.mlp.hook_post",
+            "mlp_out": "blocks.{L}.hook_mlp_out",
+            "resid_mid": "blocks.{L}.hook_resid_mid",
+        }
+        if generation != "4.x"
+        else {
+            "pre": "blocks.{L}.mlp.in.hook_out",
+            "post": "blocks.{L}.mlp.out.hook_in",
+            "mlp_out": "blocks.{L}.mlp.hook_out",
+            "resid_mid": "blocks.{L}.ln2.hook_in",
+        }
+    )
     engine = {}
     for key, name in names.items():
         for i in range(2):
             res = mi.resolve_alias(trace, name.replace("{L}", str(i)), generation=generation)
-            module = {"pre": ".fc1", "post": ".fc2", "mlp_out": ".fc2",
-                      "resid_mid": ".final_layer_norm" if generation == "4.x" else ""}[key]  # 2.x: the block's add
-            assert (res.status, res.module_address) == ("real", f"model.decoder.layers.{i}{module}"), res
+            module = {
+                "pre": ".fc1",
+                "post": ".fc2",
+                "mlp_out": ".fc2",
+                "resid_mid": ".final_layer_norm" if generation == "4.x" else "",
+            }[key]  # 2.x: the block's add
+            assert (res.status, res.module_address) == (
+                "real",
+                f"model.decoder.layers.{i}{module}",
+            ), res
             flat = seen[f"{key}.{i}"]  # [batch * pos, width], as the layer computed it
-            engine[name.replace("{L}", str(i))] = flat.reshape(2, 5, -1)  # an engine's [batch, pos, width]
+            engine[name.replace("{L}", str(i))] = flat.reshape(
+                2, 5, -1
+            )  # an engine's [batch, pos, width]
     report = mi.compare(trace, engine, generation=generation, atol=0, rtol=0)
     assert len(report) == 8 and report.mismatched == [], report
     # An unfolded LayerNorm's output handed as ln2's normalized: the explanation finds it in the
     # flattened layer (where the model computed it), not "matches no tensor".
-    out = trace.modules["model.decoder.layers.0.final_layer_norm"].facets["output"].reshape(2, 5, -1)
+    out = (
+        trace.modules["model.decoder.layers.0.final_layer_norm"].facets["output"].reshape(2, 5, -1)
+    )
     name = "blocks.0.ln2.hook_normalized"
     (row,) = mi.compare(trace, {name: out}, generation=generation)
     assert not row.passed and row.layout == "tokens unflattened", row
-    assert row.explanation in ("equals model.decoder.layers.0.fc1:input", "equals blocks.0.mlp.hook_in"), \
-        row.explanation  # fc1's input is the norm's output (4.x names it mlp.hook_in)
+    assert row.explanation in (
+        "equals model.decoder.layers.0.fc1:input",
+        "equals blocks.0.mlp.hook_in",
+    ), row.explanation  # fc1's input is the norm's output (4.x names it mlp.hook_in)
     # A model with an MLP module keeps reading it: no second site on GPT-2.
     gpt2 = tl.trace(testing.build("gpt2", "sdpa"), ids)
-    assert mi.resolve_alias(gpt2, "blocks.0.mlp.hook_pre", generation="2.x").module_address == "transformer.h.0.mlp"
+    assert (
+        mi.resolve_alias(gpt2, "blocks.0.mlp.hook_pre", generation="2.x").module_address
+        == "transformer.h.0.mlp"
+    )
 
 
 def test_a_position_embedding_shared_by_the_batch_compares_against_a_broadcast_one():
@@ -1346,13 +1554,17 @@ def test_a_position_embedding_shared_by_the_batch_compares_against_a_broadcast_o
     model = testing.build("gpt2", "sdpa")
     ids = testing.token_ids(2, 5)
     seen = {}
-    handle = model.transformer.wpe.register_forward_hook(lambda m, a, o: seen.__setitem__("pos", o.detach().clone()))
+    handle = model.transformer.wpe.register_forward_hook(
+        lambda m, a, o: seen.__setitem__("pos", o.detach().clone())
+    )
     try:
         trace = tl.trace(model, ids)
     finally:
         handle.remove()
     assert seen["pos"].shape[0] == 1
-    (row,) = mi.compare(trace, {"hook_pos_embed": seen["pos"].expand(2, -1, -1)}, generation="2.x", atol=0, rtol=0)
+    (row,) = mi.compare(
+        trace, {"hook_pos_embed": seen["pos"].expand(2, -1, -1)}, generation="2.x", atol=0, rtol=0
+    )
     assert row.passed and row.layout == "batch broadcast", row
     wrong = seen["pos"].expand(2, -1, -1).clone()
     wrong[1] += 1  # the second sequence's rows are not the shared ones
@@ -1367,48 +1579,76 @@ def test_transformer_lens_qk_norm_hooks_are_rows_without_a_site():
     names = [f"blocks.0.attn.{w}_norm.hook_{h}" for w in "qk" for h in ("scale", "normalized")]
     report = mi.compare(trace, {n: torch.zeros(3) for n in names}, generation="2.x", explain=False)
     assert [c.name for c in report] == names
-    assert all(c.status == "structurally_absent" and not c.passed and "QK-norm" in c.hint for c in report)
+    assert all(
+        c.status == "structurally_absent" and not c.passed and "QK-norm" in c.hint for c in report
+    )
 
 
 def test_a_norm_copied_per_head_compares_against_the_one_norm():
     """With use_split_qkv_input TransformerLens caches ln1.hook_scale/normalized per head."""
     trace = tl.trace(testing.build("llama", "sdpa"), testing.token_ids())
     norm = trace.modules["model.layers.0.input_layernorm"].facets
-    per_head = {f"blocks.0.ln1.hook_{n}": norm[n].unsqueeze(2).expand(-1, -1, 4, -1) for n in ("scale", "normalized")}
+    per_head = {
+        f"blocks.0.ln1.hook_{n}": norm[n].unsqueeze(2).expand(-1, -1, 4, -1)
+        for n in ("scale", "normalized")
+    }
     report = mi.compare(trace, per_head, generation="2.x", atol=0, rtol=0)
     assert report.mismatched == [] and {c.layout for c in report} == {"repeated per head"}, report
     bad = dict(per_head)
     bad["blocks.0.ln1.hook_scale"] = bad["blocks.0.ln1.hook_scale"].clone()
     bad["blocks.0.ln1.hook_scale"][:, :, 1] += 1  # one head's copy differs
-    assert mi.compare(trace, bad, generation="2.x", explain=False).mismatched == ["blocks.0.ln1.hook_scale"]
+    assert mi.compare(trace, bad, generation="2.x", explain=False).mismatched == [
+        "blocks.0.ln1.hook_scale"
+    ]
 
 
 def test_hooked_encoder_cache_names_resolve_on_bert_against_plain_hooks():
     """Every name a HookedEncoder cache holds has a row (embed.ln, mlm_head.ln and the flag-gated
     ones); the sites hold what plain hooks see; an unknown name's hint reads the encoder table."""
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                                  num_attention_heads=4, max_position_embeddings=32)
+    cfg = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+    )
     model = tl.testing.from_config(cfg, transformers.BertForMaskedLM)
     ids = torch.tensor([[1, 5, 9, 3, 7]])
     seen, handles = {}, []
-    for key, module, pre in [("embed_ln", model.bert.embeddings.LayerNorm, False),
-                             ("head_ln", model.cls.predictions.transform.LayerNorm, False),
-                             ("mlp_in", model.bert.encoder.layer[0].attention.output.LayerNorm, True)]:
-        handles.append(module.register_forward_pre_hook(lambda m, a, key=key: seen.__setitem__(key, a[0].clone()))
-                       if pre else module.register_forward_hook(lambda m, a, o, key=key: seen.__setitem__(key, o.clone())))
+    for key, module, pre in [
+        ("embed_ln", model.bert.embeddings.LayerNorm, False),
+        ("head_ln", model.cls.predictions.transform.LayerNorm, False),
+        ("mlp_in", model.bert.encoder.layer[0].attention.output.LayerNorm, True),
+    ]:
+        handles.append(
+            module.register_forward_pre_hook(
+                lambda m, a, key=key: seen.__setitem__(key, a[0].clone())
+            )
+            if pre
+            else module.register_forward_hook(
+                lambda m, a, o, key=key: seen.__setitem__(key, o.clone())
+            )
+        )
     try:
         trace = tl.trace(model, ids)
     finally:
         for h in handles:
             h.remove()
-    engine = {"embed.ln.hook_normalized": seen["embed_ln"], "mlm_head.ln.hook_normalized": seen["head_ln"],
-              "blocks.0.hook_mlp_in": seen["mlp_in"]}
+    engine = {
+        "embed.ln.hook_normalized": seen["embed_ln"],
+        "mlm_head.ln.hook_normalized": seen["head_ln"],
+        "blocks.0.hook_mlp_in": seen["mlp_in"],
+    }
     report = mi.compare(trace, engine, generation="2.x", atol=0, rtol=0)
     assert report.mismatched == [], report
-    for name, status in [("embed.ln.hook_scale", "reconstructed_read_only"), ("mlm_head.ln.hook_scale",
-                         "reconstructed_read_only"), ("blocks.1.hook_q_input", "structurally_absent"),
-                         ("blocks.1.attn.hook_result", "structurally_absent")]:
+    for name, status in [
+        ("embed.ln.hook_scale", "reconstructed_read_only"),
+        ("mlm_head.ln.hook_scale", "reconstructed_read_only"),
+        ("blocks.1.hook_q_input", "structurally_absent"),
+        ("blocks.1.attn.hook_result", "structurally_absent"),
+    ]:
         assert mi.resolve_alias(trace, name, generation="2.x").status == status, name
     with pytest.raises(UnknownAlias, match="in 2.x the same site is 'mlm_head.ln.hook_scale'"):
         mi.resolve_alias(trace, "ln_final.hook_scale", generation="2.x")

@@ -28,9 +28,14 @@ def fresh(gen):
 
 
 def test_committed_files_are_current(gen, fresh):
-    stale = [str(p.relative_to(gen.ROOT)) for p, text in fresh.items()
-             if not p.exists() or p.read_text(encoding="utf-8") != text]
-    assert not stale, f"stale op graphs; run `python scripts/gen_op_graphs.py` and commit them: {stale}"
+    stale = [
+        str(p.relative_to(gen.ROOT))
+        for p, text in fresh.items()
+        if not p.exists() or p.read_text(encoding="utf-8") != text
+    ]
+    assert not stale, (
+        f"stale op graphs; run `python scripts/gen_op_graphs.py` and commit them: {stale}"
+    )
     assert {p.name for p in gen.OUT.glob("*.svg")} == {p.name for p in fresh if p.suffix == ".svg"}
 
 
@@ -41,8 +46,11 @@ def test_check_mode_passes_and_reports_an_edited_svg(gen, fresh, capsys, tmp_pat
     monkeypatch.setattr(gen, "OUT", out)
     monkeypatch.setattr(gen, "PAGE", page)
     monkeypatch.setattr(gen, "ROOT", tmp_path)
-    monkeypatch.setattr(gen, "outputs", lambda: {out / p.name if p.suffix == ".svg" else page: t
-                                                 for p, t in fresh.items()})
+    monkeypatch.setattr(
+        gen,
+        "outputs",
+        lambda: {out / p.name if p.suffix == ".svg" else page: t for p, t in fresh.items()},
+    )
     assert gen.main(["--check"]) == 0, capsys.readouterr().out
     svg = out / "gpt2-names.svg"
     svg.write_text(svg.read_text().replace("blocks.1.hook_resid_mid", "blocks.1.hook_resid_mad"))
@@ -65,7 +73,9 @@ def test_each_drawing_fits_the_column_and_says_what_it_is(gen, fresh):
 def test_the_names_drawings_mark_all_three_generations(fresh, gen):
     for slug in ("gpt2", "llama"):
         root = ET.fromstring(fresh[gen.OUT / f"{slug}-names.svg"])
-        gens = {m.get("data-generation") for m in root.iter(SVG_NS + "g") if m.get("class") == "mark"}
+        gens = {
+            m.get("data-generation") for m in root.iter(SVG_NS + "g") if m.get("class") == "mark"
+        }
         assert gens == {"2.x", "4.x", "nnterp"}, (slug, gens)
 
 
@@ -75,13 +85,19 @@ def test_every_block_diagram_links_to_a_drawing_on_this_page(gen, fresh):
     diagram_page = diagrams.PAGE.read_text(encoding="utf-8")
     for slug in diagrams.FAMILIES:
         assert f"(op-graph.md#{slug}-block)" in diagram_page, slug
-        assert f"{{#{slug}-block}}" in page and f"(../assets/op-graphs/{slug}-block.svg)" in page, slug
+        assert f"{{#{slug}-block}}" in page and f"(../assets/op-graphs/{slug}-block.svg)" in page, (
+            slug
+        )
 
 
 def test_the_page_shows_the_names_the_script_highlights(gen):
     """The page's block that lists the names is the script's `DECODER_NAMES`."""
     text = gen.PAGE.read_text(encoding="utf-8")
-    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.count("DECODER_NAMES = {") == 1)
+    block = next(
+        b
+        for b in re.findall(r"```python\n(.*?)```", text, re.S)
+        if b.count("DECODER_NAMES = {") == 1
+    )
     namespace: dict = {}
     exec(block, namespace)
     assert namespace["DECODER_NAMES"] == gen.DECODER_NAMES

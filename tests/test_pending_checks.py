@@ -24,7 +24,9 @@ import torchlens as tl
 def test_write_into_served_resid_pre_refuses_norm_stats_not_serves_halved_ones():
     model = seeded_gpt2(initializer_range=0.5)
     x, _ = hooked(model, "transformer.h.0.ln_1", IDS)
-    true_inv = torch.rsqrt(x.double().var(-1, unbiased=False, keepdim=True) + model.config.layer_norm_epsilon)
+    true_inv = torch.rsqrt(
+        x.double().var(-1, unbiased=False, keepdim=True) + model.config.layer_norm_epsilon
+    )
     t = tl.trace(model, IDS)
     fm = t.modules["transformer.h.0.ln_1"].facets
     t["transformer.h.0:resid_pre"].mul_(2.0)  # the caller writes into a tensor it was served
@@ -45,7 +47,9 @@ def test_constant_shift_of_served_k_refuses_scores_instead_of_serving_shifted_on
     attn = "transformer.h.0.attn"
     q, k = t[attn + ":q"].clone(), t[attn + ":k"].clone()
     by_hand = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
-    t[attn + ":k"].add_(torch.randn(k.shape[-1]))  # shifts each score row by a constant: the pattern is unchanged
+    t[attn + ":k"].add_(
+        torch.randn(k.shape[-1])
+    )  # shifts each score row by a constant: the pattern is unchanged
     fm = t.modules[attn].facets
     with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
         fm["scores"]
@@ -99,7 +103,9 @@ def _split_head() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
         model.lin.bias.add_(3.0)
     x = torch.randn(3, 8)
     got = {}
-    h = model.ln.register_forward_hook(lambda mod, i, o: got.setdefault("in", i[0].detach().clone()))
+    h = model.ln.register_forward_hook(
+        lambda mod, i, o: got.setdefault("in", i[0].detach().clone())
+    )
     with torch.no_grad():
         model(x)
     h.remove()
@@ -130,7 +136,9 @@ def test_a_write_into_a_served_view_of_a_copied_storage_is_caught(store, tmp_pat
     assert "normalized" in fm.refused
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="store='cpu' moves only accelerator tensors")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="store='cpu' moves only accelerator tensors"
+)
 def test_a_write_into_a_cpu_stored_view_is_caught_on_an_accelerator():
     """`store="cpu"` copies accelerator storages to host memory: the views placed on one host
     copy share one version counter, so a write through one of them refuses what reads another."""
@@ -208,8 +216,13 @@ def test_a_check_that_raises_refuses_and_check_and_save_do_not_raise(monkeypatch
     monkeypatch.setattr(_attention, "_per_head_weight", broken)
     t = tl.trace(seeded_gpt2(), IDS)
     refused = t.check()
-    assert "could not be computed: RuntimeError: shape" in refused[("transformer.h.0.attn", 0, "result")]
-    with pytest.warns(UserWarning, match=r"could not store 1 value.*DynamicCache"):  # the KV cache is no tensor
+    assert (
+        "could not be computed: RuntimeError: shape"
+        in refused[("transformer.h.0.attn", 0, "result")]
+    )
+    with pytest.warns(
+        UserWarning, match=r"could not store 1 value.*DynamicCache"
+    ):  # the KV cache is no tensor
         t.save(tmp_path / "t")
     assert "result" not in tl.load(tmp_path / "t").modules["transformer.h.0.attn"].facets
 
@@ -225,7 +238,10 @@ def test_a_fused_kernel_run_under_autocast_is_rebuilt_in_the_dtype_it_computed_i
         t = tl.trace(sdpa, ids)
         ref = eager(ids, output_attentions=True).attentions
     kernel = next(op for op in t.ops if op.name == "scaled_dot_product_attention")
-    assert {a.dtype for a in kernel.extra["args"][:3]} == {torch.float32, torch.bfloat16}  # the case at hand
+    assert {a.dtype for a in kernel.extra["args"][:3]} == {
+        torch.float32,
+        torch.bfloat16,
+    }  # the case at hand
     for i, a in enumerate(t.by_role("attention")):
         facets = t.modules[a].facets
         assert "pattern" in facets and not facets.refused, facets.refused

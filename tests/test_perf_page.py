@@ -28,7 +28,11 @@ def gen():
 @pytest.fixture(scope="module")
 def data(gen):
     run = json.loads(gen.RUN.read_text())
-    for key in ("table", "token_sweep", "layer_sweep"):  # a run cut short lists models it never measured
+    for key in (
+        "table",
+        "token_sweep",
+        "layer_sweep",
+    ):  # a run cut short lists models it never measured
         run[key] = [n for n in run[key] if n in run["models"]]
     profile = json.loads(gen.PROFILE.read_text()) if gen.PROFILE.exists() else None
     return run, profile
@@ -62,7 +66,16 @@ def test_every_table_number_is_the_runs_and_every_chart_is_well_formed(gen, data
             assert f"assets/{path.name}" in page, path.name
     # the run covers what the page promises: every mode side by side, and both sweeps
     table_modes = set().union(*(run["models"][n]["modes"] for n in run["table"]))
-    assert {"plain", "all", "none", "resid_post", "tl_cache", "nnsight", "hooks", "pypi"} <= table_modes
+    assert {
+        "plain",
+        "all",
+        "none",
+        "resid_post",
+        "tl_cache",
+        "nnsight",
+        "hooks",
+        "pypi",
+    } <= table_modes
     assert len(run["token_sweep"]) >= 4 and len(run["layer_sweep"]) >= 3
 
 
@@ -70,7 +83,9 @@ def test_a_hand_written_section_after_the_marker_is_kept(gen, data, tmp_path, mo
     run, profile = data
     page = tmp_path / "performance.md"
     section = f"{gen.APPENDED}\n## Diagnosis\n\nwritten by hand\n"
-    generated = gen.PAGE.read_text(encoding="utf-8").split(gen.APPENDED)[0].rstrip("\n") + "\n"  # without the hand part
+    generated = (
+        gen.PAGE.read_text(encoding="utf-8").split(gen.APPENDED)[0].rstrip("\n") + "\n"
+    )  # without the hand part
     page.write_text(generated + "\n" + section, encoding="utf-8")
     monkeypatch.setattr(gen, "PAGE", page)
     out = gen.outputs(run, profile)[page]
@@ -89,12 +104,16 @@ json.dump({"order": list({"GPT-2", "Llama", "eager", "sdpa"}), "outputs": out}, 
 """
 
 
-def render_in_fresh_processes(data, tmp_path: pathlib.Path, seeds=("0", "1"), script: pathlib.Path = SCRIPT) -> list[dict]:
+def render_in_fresh_processes(
+    data, tmp_path: pathlib.Path, seeds=("0", "1"), script: pathlib.Path = SCRIPT
+) -> list[dict]:
     """The page and charts rendered from `data` once per seed, each in a fresh interpreter started
     with that `PYTHONHASHSEED` (in parallel): {"order": how a small set iterated, "outputs": {file name: text}}."""
     path = tmp_path / "data.json"
     path.write_text(json.dumps(list(data)))
-    return script_modules.json_per_hash_seed(_RENDER_IN_A_FRESH_PROCESS, [str(script), str(path)], seeds)
+    return script_modules.json_per_hash_seed(
+        _RENDER_IN_A_FRESH_PROCESS, [str(script), str(path)], seeds
+    )
 
 
 def test_render_is_deterministic_across_processes(gen, data, tmp_path):
@@ -102,9 +121,13 @@ def test_render_is_deterministic_across_processes(gen, data, tmp_path):
     different orders, checked) render the page and every chart byte for byte the same, and the
     same as this process."""
     first, second = render_in_fresh_processes(data, tmp_path)
-    assert first["order"] != second["order"], "the two seeds must iterate a small set of strings differently"
+    assert first["order"] != second["order"], (
+        "the two seeds must iterate a small set of strings differently"
+    )
     differ = sorted(n for n in first["outputs"] if first["outputs"][n] != second["outputs"].get(n))
-    assert not differ and first["outputs"].keys() == second["outputs"].keys(), f"rendered differently: {differ}"
+    assert not differ and first["outputs"].keys() == second["outputs"].keys(), (
+        f"rendered differently: {differ}"
+    )
     assert first["outputs"] == {p.name: text for p, text in gen.outputs(*data).items()}
 
 
@@ -114,8 +137,13 @@ def test_a_pypi_row_that_measured_another_torchlens_is_shown_as_failed(gen, data
     run, profile = data
     changed = copy.deepcopy(run)
     name = run["table"][0]
-    changed["models"][name]["modes"]["pypi"] = {"median_s": 0.123456, "ratio": 9.87, "samples": [0.123456],
-                                                "own_plain_s": 0.0125, "version": "0.1.0"}
+    changed["models"][name]["modes"]["pypi"] = {
+        "median_s": 0.123456,
+        "ratio": 9.87,
+        "samples": [0.123456],
+        "own_plain_s": 0.0125,
+        "version": "0.1.0",
+    }
     page = gen.outputs(changed, profile)[gen.PAGE]
     assert "9.87x" not in page
     assert "measured torchlens '0.1.0', not the PyPI package 2.36.1" in page
@@ -128,23 +156,38 @@ def test_a_run_with_both_grad_modes_gets_their_tables_and_issue_28s_targets(gen,
     thread count, both grad modes side by side, the booted TransformerLens setup, the no_grad
     advice and the targets table from those rows; changing one autograd figure changes the page."""
     run, profile = data
-    assert "## Autograd on" not in gen.outputs(run, profile)[gen.PAGE]  # the committed run has no autograd rows
+    assert (
+        "## Autograd on" not in gen.outputs(run, profile)[gen.PAGE]
+    )  # the committed run has no autograd rows
     graded = copy.deepcopy(run)
-    name = next(n for n in graded["table"] if "tl_cache" in graded["models"][n]["modes"] and n != "tiny")
+    name = next(
+        n for n in graded["table"] if "tl_cache" in graded["models"][n]["modes"] and n != "tiny"
+    )
     modes = graded["models"][name]["modes"]
     for mode in ("plain", "all", "none", "resid_post", "tl_cache", "hooks"):
-        modes[mode + "+grad"] = dict(modes[mode], ratio=modes[mode]["ratio"] * 1.25, grad=True,
-                                     grad_over_no_grad=1.0 + len(mode) / 100)
+        modes[mode + "+grad"] = dict(
+            modes[mode],
+            ratio=modes[mode]["ratio"] * 1.25,
+            grad=True,
+            grad_over_no_grad=1.0 + len(mode) / 100,
+        )
     graded["by_threads"] = {"1": graded["models"]}
     page = gen.outputs(graded, profile)[gen.PAGE]
     assert "## Autograd on, thread counts and the TransformerLens setups" in page
-    assert "### When to wrap a trace in `torch.no_grad()`" in page and "### Issue 28's targets" in page
+    assert (
+        "### When to wrap a trace in `torch.no_grad()`" in page and "### Issue 28's targets" in page
+    )
     all_grad = modes["all+grad"]
     assert f"{all_grad['ratio']:.2f}x" in page and f"{all_grad['grad_over_no_grad']:.2f}x" in page
     tl_grad = modes["tl_cache+grad"]
     r, t = all_grad.get("cpu_ratio", all_grad["ratio"]), tl_grad.get("cpu_ratio", tl_grad["ratio"])
-    line = next(ln for ln in page.splitlines() if ln.startswith("| `save='all'` at or below `run_with_cache`")
-                and "autograd on" in ln and gen._title(name, graded["models"][name]["spec"]) in ln)
+    line = next(
+        ln
+        for ln in page.splitlines()
+        if ln.startswith("| `save='all'` at or below `run_with_cache`")
+        and "autograd on" in ln
+        and gen._title(name, graded["models"][name]["spec"]) in ln
+    )
     assert line.endswith("| met |" if r <= t else "| **not met** |")
     modes["all+grad"]["grad_over_no_grad"] += 0.5
     assert gen.outputs(graded, profile)[gen.PAGE] != page

@@ -16,9 +16,9 @@ import pickle
 import pytest
 import torch
 
-from torchlens import testing
 import torchlens as tl
 import torchlens.mechinterp as mi
+from torchlens import testing
 
 IDS = testing.token_ids(length=6)
 
@@ -33,7 +33,9 @@ def _saved_and_loaded(tmp_path, family, save="all", attn="sdpa"):
 
 def _has_cache(trace) -> bool:
     out = trace.output
-    return any("Cache" in type(v).__name__ for v in (out.values() if hasattr(out, "values") else []))
+    return any(
+        "Cache" in type(v).__name__ for v in (out.values() if hasattr(out, "values") else [])
+    )
 
 
 class _nothing:
@@ -60,13 +62,22 @@ def test_loaded_values_equal_forward_hooks_and_eager_attentions(tmp_path, family
     with torch.no_grad():
         eager = eager_model(IDS, output_attentions=True).attentions
     for i, a in enumerate(attn):
-        torch.testing.assert_close(loaded.modules[a].facets["pattern"], eager[i], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            loaded.modules[a].facets["pattern"], eager[i], rtol=1e-4, atol=1e-5
+        )
     logits = model(IDS).logits
     torch.testing.assert_close(loaded.output["logits"], logits, rtol=0, atol=0)
     # Every op output the trace held comes back bit for bit, with its metadata.
     assert len(loaded.ops) == len(trace.ops)
     for a, b in zip(trace.ops, loaded.ops):
-        assert (a.name, a.module, a.call, a.inputs, a.shapes, a.dtypes) == (b.name, b.module, b.call, b.inputs, b.shapes, b.dtypes)
+        assert (a.name, a.module, a.call, a.inputs, a.shapes, a.dtypes) == (
+            b.name,
+            b.module,
+            b.call,
+            b.inputs,
+            b.shapes,
+            b.dtypes,
+        )
         for x, y in zip(a.tensors, b.tensors):
             assert (x is None) == (y is None)
             if x is not None:
@@ -80,15 +91,24 @@ def test_alias_resolution_and_compare_agree_without_the_model(tmp_path, family):
     model, trace, loaded = _saved_and_loaded(tmp_path, family)
     del model
     for generation in mi.GENERATIONS:
-        before = [(r.query, r.status, r.module_address, r.facet, r.layer, r.reason) for r in mi.alias_report(trace, generation)]
-        after = [(r.query, r.status, r.module_address, r.facet, r.layer, r.reason) for r in mi.alias_report(loaded, generation)]
+        before = [
+            (r.query, r.status, r.module_address, r.facet, r.layer, r.reason)
+            for r in mi.alias_report(trace, generation)
+        ]
+        after = [
+            (r.query, r.status, r.module_address, r.facet, r.layer, r.reason)
+            for r in mi.alias_report(loaded, generation)
+        ]
         assert before == after and before, generation
     # compare against hook values (outside TorchLens), one planted wrong value.
     fresh = testing.build(family, "sdpa")
     seen = testing.hooked_outputs(fresh, loaded.blocks, IDS)
     values = {f"blocks.{i}.hook_resid_post": seen[a] for i, a in enumerate(loaded.blocks)}
     values["blocks.1.hook_resid_post"] = values["blocks.1.hook_resid_post"] + 1.0
-    ra, rb = mi.compare(trace, values, generation="2.x"), mi.compare(loaded, values, generation="2.x")
+    ra, rb = (
+        mi.compare(trace, values, generation="2.x"),
+        mi.compare(loaded, values, generation="2.x"),
+    )
     assert ra.mismatched == rb.mismatched == ["blocks.1.hook_resid_post"]
     assert len(ra) == len(rb) == 2
 
@@ -96,7 +116,9 @@ def test_alias_resolution_and_compare_agree_without_the_model(tmp_path, family):
 def test_metadata_only_trace_round_trips(tmp_path):
     _, trace, loaded = _saved_and_loaded(tmp_path, "gpt2", save="none")
     assert all(t is None for op in loaded.ops for t in op.tensors)
-    assert [(o.name, o.shapes, o.inputs) for o in loaded.ops] == [(o.name, o.shapes, o.inputs) for o in trace.ops]
+    assert [(o.name, o.shapes, o.inputs) for o in loaded.ops] == [
+        (o.name, o.shapes, o.inputs) for o in trace.ops
+    ]
     site = loaded.modules[loaded.blocks[0]].facets.site("resid_post")
     assert not site.saved and tuple(site.shape) == (1, 6, 32)
     with pytest.raises(tl.FacetNotSaved):
@@ -109,7 +131,8 @@ def test_an_edited_trace_keeps_its_edits(tmp_path):
     block = "transformer.h.0"
     seen = {}
     handle = model.get_submodule("transformer.h.1").register_forward_pre_hook(
-        lambda m, args: seen.__setitem__("next_in", args[0].detach().clone()))
+        lambda m, args: seen.__setitem__("next_in", args[0].detach().clone())
+    )
     try:
         trace = tl.trace(model, IDS, save="all", edit={f"{block}:resid_post": lambda x: x * 0.5})
     finally:
@@ -117,8 +140,9 @@ def test_an_edited_trace_keeps_its_edits(tmp_path):
     with pytest.warns(UserWarning, match="Cache"):
         trace.save(tmp_path / "t")
     loaded = tl.load(tmp_path / "t")
-    assert [(r.key, r.module_address, r.facet, r.calls, r.how, r.where, r.applied) for r in loaded.edits] == \
-        [(f"{block}:resid_post", block, "resid_post", (0,), "fn", "forward hook", 1)]
+    assert [
+        (r.key, r.module_address, r.facet, r.calls, r.how, r.where, r.applied) for r in loaded.edits
+    ] == [(f"{block}:resid_post", block, "resid_post", (0,), "fn", "forward hook", 1)]
     assert not any("EditRecord" in n for n in loaded.load_notes)
     # The edited value is what the next block received, in the loaded trace too.
     assert torch.equal(loaded.modules[block].facets["resid_post"], seen["next_in"])
@@ -193,6 +217,7 @@ def test_tensor_files_outside_the_directory_are_refused(saved, tmp_path):
 def test_classes_outside_torchlens_records_are_refused(saved):
     def plant(doc):
         doc["objects"][doc["root"]]["class"] = "Popen"
+
     _edit(saved, plant)
     with pytest.raises(tl.TraceFileError, match="may only name TorchLens records"):
         tl.load(saved)
@@ -225,6 +250,7 @@ def test_a_format_version_mismatch_says_what_differs(saved):
     def future(doc):
         doc["format_version"] = 99
         doc["versions"]["torchlens"] = "9.9.0"
+
     _edit(saved, future)
     with pytest.raises(tl.TraceFileError) as info:
         tl.load(saved)

@@ -27,9 +27,9 @@ import threading
 import pytest
 import torch
 
-from torchlens import testing as _models
 import torchlens as tl
 from torchlens import _persist
+from torchlens import testing as _models
 
 IDS = _models.token_ids(length=6)
 OTHER = _models.token_ids(length=6, seed=1)
@@ -40,8 +40,14 @@ CHILD = ROOT / "tests" / "persist_faults_child.py"
 def _child(*args, prefix=(), timeout=600):
     """Run the child script; its JSON report."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]))
-    out = subprocess.run([*prefix, sys.executable, str(CHILD), *map(str, args)], capture_output=True, text=True,
-                         env=env, timeout=timeout, cwd=ROOT)
+    out = subprocess.run(
+        [*prefix, sys.executable, str(CHILD), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -53,7 +59,10 @@ def _save(trace, path):
 @pytest.fixture(scope="module")
 def traces():
     model = _models.build("gpt2", "sdpa")
-    a, b = tl.trace(model, IDS, use_cache=False), tl.trace(model, OTHER, use_cache=False)  # no KV cache to leave out
+    a, b = (
+        tl.trace(model, IDS, use_cache=False),
+        tl.trace(model, OTHER, use_cache=False),
+    )  # no KV cache to leave out
     for ids, t in ((IDS, a), (OTHER, b)):
         seen = _models.hooked_outputs(model, t.blocks, ids, use_cache=False)
         for addr in t.blocks:
@@ -62,10 +71,17 @@ def traces():
 
 
 def _equal(loaded, trace) -> bool:
-    ops = all(all((x is None) == (y is None) and (x is None or torch.equal(x, y)) for x, y in zip(o.tensors, p.tensors))
-              for o, p in zip(loaded.ops, trace.ops))
-    facets = all(torch.equal(loaded.modules[a].facets["resid_post"], trace.modules[a].facets["resid_post"])
-                 for a in trace.blocks)
+    ops = all(
+        all(
+            (x is None) == (y is None) and (x is None or torch.equal(x, y))
+            for x, y in zip(o.tensors, p.tensors)
+        )
+        for o, p in zip(loaded.ops, trace.ops)
+    )
+    facets = all(
+        torch.equal(loaded.modules[a].facets["resid_post"], trace.modules[a].facets["resid_post"])
+        for a in trace.blocks
+    )
     return len(loaded.ops) == len(trace.ops) and ops and facets
 
 
@@ -90,7 +106,7 @@ def _tensor_path(path):
 def _header(path):
     data = _tensor_path(path).read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + n]), data[8 + n:]
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
 
 
 def _rewrite(path, fn):
@@ -119,13 +135,16 @@ def _forge(path, table=None):
                 doc["tensors"][key]["sha256"] = hashlib.sha256(data[begin:end]).hexdigest()
                 if table:
                     doc["tensors"][key].update(table(key, e))
+
     _edit(path, fix)
 
 
 def _pick(path, where):
     """The key of a tensor whose shape `where(shape, dtype)` accepts, per the file's header."""
     header, _ = _header(path)
-    return next(k for k, e in header.items() if k != "__metadata__" and where(e["shape"], e["dtype"]))
+    return next(
+        k for k, e in header.items() if k != "__metadata__" and where(e["shape"], e["dtype"])
+    )
 
 
 # -- a save stopped part way ---------------------------------------------------------------------
@@ -155,7 +174,9 @@ def test_a_save_killed_before_any_step_loads_as_the_old_trace_or_the_new_one(kil
 def test_a_save_killed_at_random_times_loads_as_the_old_trace_or_the_new_one(kills):
     """SIGKILL from another process at random times while saves of `new` and `old` follow each
     other: whatever the kill interrupted, the directory loads as one of them exactly."""
-    assert kills["random"] and all(r["loaded"] in ("old", "new") for r in kills["random"]), kills["random"]
+    assert kills["random"] and all(r["loaded"] in ("old", "new") for r in kills["random"]), kills[
+        "random"
+    ]
 
 
 # -- writes the disk refuses ---------------------------------------------------------------------
@@ -191,8 +212,14 @@ def _namespace_works(tmp_path) -> bool:
     probe = tmp_path / "probe"
     probe.mkdir()
     try:
-        return subprocess.run(["unshare", "-rm", "mount", "-t", "tmpfs", "tmpfs", str(probe)],
-                              capture_output=True, timeout=60).returncode == 0
+        return (
+            subprocess.run(
+                ["unshare", "-rm", "mount", "-t", "tmpfs", "tmpfs", str(probe)],
+                capture_output=True,
+                timeout=60,
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -209,18 +236,29 @@ def test_a_full_or_read_only_disk_leaves_the_old_trace(tmp_path):
     for case in report["cases"].values():
         _refused_write_kept_the_old(case, 28)
     ro = report["read-only"]
-    assert ro["save"]["error"] == "TraceFileError" and ro["save"]["errno"] == 30 and "read-only" in ro["save"]["message"]
+    assert (
+        ro["save"]["error"] == "TraceFileError"
+        and ro["save"]["errno"] == 30
+        and "read-only" in ro["save"]["message"]
+    )
     assert ro["loaded"] == "old"
     for store in (ro["store"], ro["store_below"]):
         assert store["error"] == "StoreSpecError" and "not writable" in store["message"], store
     assert ro["forwards_run"] == 0
     full = report["store-full"]
     assert full["attempt"]["error"] == "StoreSpecError" and full["attempt"]["errno"] == 28
-    assert full["files_after"] == [] and full["hooks_left"] == 0 and full["modes_left"] == 0 and full["plain_trace_ok"]
+    assert (
+        full["files_after"] == []
+        and full["hooks_left"] == 0
+        and full["modes_left"] == 0
+        and full["plain_trace_ok"]
+    )
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
-                    reason="root writes into a directory whatever its mode says")
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() == 0,
+    reason="root writes into a directory whatever its mode says",
+)
 def test_a_read_only_directory_is_refused_for_save_and_store(tmp_path, traces):
     a, b = traces
     _save(a, tmp_path / "t")
@@ -237,7 +275,9 @@ def test_a_read_only_directory_is_refused_for_save_and_store(tmp_path, traces):
 
 
 @pytest.mark.parametrize("code", [30, 13], ids=["EROFS", "EACCES"])
-def test_a_refused_write_is_refused_for_save_and_store_also_as_root(tmp_path, traces, monkeypatch, code):
+def test_a_refused_write_is_refused_for_save_and_store_also_as_root(
+    tmp_path, traces, monkeypatch, code
+):
     """The kernel's refusal, simulated where root would ignore a mode: every file `os.open`
     would create in the directory fails with EROFS or EACCES, and `os.access` says it is not
     writable. Save raises `TraceFileError` (cause: the OSError) leaving the old trace loadable
@@ -254,7 +294,11 @@ def test_a_refused_write_is_refused_for_save_and_store_also_as_root(tmp_path, tr
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", refusing_open)
-    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: False if os.fspath(p) == str(d) else real_access(p, mode, *a, **k))
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda p, mode, *a, **k: False if os.fspath(p) == str(d) else real_access(p, mode, *a, **k),
+    )
     words = "read-only" if code == 30 else "may not write"
     with pytest.raises(tl.TraceFileError, match=words) as info:
         _save(b, d)
@@ -304,7 +348,9 @@ def test_a_disk_full_at_any_write_leaves_the_old_trace(tmp_path, traces, monkeyp
 
         monkeypatch.setattr(os, "write", full)
         try:
-            with pytest.raises(tl.TraceFileError, match="No space left on device .ENOSPC.*is unchanged") as info:
+            with pytest.raises(
+                tl.TraceFileError, match="No space left on device .ENOSPC.*is unchanged"
+            ) as info:
                 _save(b, tmp_path / "t")
         finally:
             monkeypatch.setattr(os, "write", real)
@@ -357,21 +403,31 @@ def test_a_tensor_files_header_that_disagrees_with_trace_json_is_refused(tmp_pat
         _save(a, d)
         if change == "shape":
             key = _pick(d, lambda s, dt: len(s) == 2 and s[0] != s[1])
-            new = lambda e: {"shape": e["shape"][::-1]}  # noqa: E731
+            new = lambda e: {"shape": e["shape"][::-1]}
         else:
             key = _pick(d, lambda s, dt: dt == "F32" and len(s) == 3)
-            new = lambda e: {"dtype": "I32"}  # noqa: E731
+            new = lambda e: {"dtype": "I32"}
         _rewrite(d, lambda h: h[key].update(new(h[key])))
         with pytest.raises(tl.TraceFileError):
             tl.load(d)
         _forge(d)
         with pytest.raises(tl.TraceFileError, match=rf"holds tensor '{key}' as"):
             tl.load(d)
+
         def table(k, e):  # trace.json's table says what the header says
-            return {"shape": e["shape"], "dtype": str(_persist._TORCH_DTYPES[e["dtype"]]).removeprefix("torch.")} \
-                if k == key else {}
+            return (
+                {
+                    "shape": e["shape"],
+                    "dtype": str(_persist._TORCH_DTYPES[e["dtype"]]).removeprefix("torch."),
+                }
+                if k == key
+                else {}
+            )
+
         _forge(d, table)
-        with pytest.raises(tl.TraceFileError, match="is recorded as .* but the tensor trace.json gives it"):
+        with pytest.raises(
+            tl.TraceFileError, match="is recorded as .* but the tensor trace.json gives it"
+        ):
             tl.load(d)
 
 
@@ -388,6 +444,7 @@ def test_swapped_offsets_of_two_same_shape_tensors_are_refused(tmp_path, traces)
 
     def swap(h):
         h[x]["data_offsets"], h[y]["data_offsets"] = h[y]["data_offsets"], h[x]["data_offsets"]
+
     _rewrite(d, swap)
     with pytest.raises(tl.TraceFileError, match=f"tensor '({x}|{y})'.*SHA-256|not from one save"):
         tl.load(d)
@@ -402,9 +459,16 @@ def test_absurd_shapes_are_refused_before_anything_is_allocated(tmp_path, traces
     block = a.blocks[0]
 
     def huge(doc):
-        site = next(o for o in doc["objects"] if o["class"] == "FacetSite" and o["fields"]["name"] == "resid_post"
-                    and isinstance(o["fields"]["tensor"], dict) and "tensor" in o["fields"]["tensor"])
+        site = next(
+            o
+            for o in doc["objects"]
+            if o["class"] == "FacetSite"
+            and o["fields"]["name"] == "resid_post"
+            and isinstance(o["fields"]["tensor"], dict)
+            and "tensor" in o["fields"]["tensor"]
+        )
         site["fields"]["shape"] = {"tuple": [10**12, 10**12]}
+
     _edit(d, huge)
     with pytest.raises(tl.TraceFileError, match="shape"):
         tl.load(d)
@@ -433,16 +497,21 @@ def test_json_nested_200000_deep_is_refused_with_trace_file_error(tmp_path, trac
     doc = json.loads(text)
     root = doc["objects"][doc["root"]]["fields"]
     root["output"] = "PLACEHOLDER"
-    (d / "trace.json").write_text(json.dumps(doc).replace('"PLACEHOLDER"', "[" * 200_000 + "]" * 200_000))
+    (d / "trace.json").write_text(
+        json.dumps(doc).replace('"PLACEHOLDER"', "[" * 200_000 + "]" * 200_000)
+    )
     with pytest.raises(tl.TraceFileError, match="too deeply"):
         tl.load(d)
 
 
-@pytest.mark.parametrize("field, value, words", [
-    ("modules", 5, "modules = 5 .type int.; a Trace's modules must be a ModuleMap record"),
-    ("blocks", {"tuple": ["x"]}, "blocks must be a list"),
-    ("ops", [{"obj": 0}], "ops must be a list of .an OpRecord record."),
-])
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("modules", 5, "modules = 5 .type int.; a Trace's modules must be a ModuleMap record"),
+        ("blocks", {"tuple": ["x"]}, "blocks must be a list"),
+        ("ops", [{"obj": 0}], "ops must be a list of .an OpRecord record."),
+    ],
+)
 def test_a_record_field_of_the_wrong_type_is_refused_on_load(tmp_path, traces, field, value, words):
     """Before: `modules: 5` loaded, and the first use raised a raw TypeError."""
     a, _ = traces
@@ -470,9 +539,16 @@ def test_an_op_index_out_of_range_is_refused(tmp_path, traces):
     _save(a, d)
 
     def far(doc):
-        op = next(o for o in doc["objects"] if o["class"] == "OpRecord" and o["fields"]["inputs"]["tuple"]
-                  and isinstance(o["fields"]["inputs"]["tuple"][0], dict) and "ref" in o["fields"]["inputs"]["tuple"][0])
+        op = next(
+            o
+            for o in doc["objects"]
+            if o["class"] == "OpRecord"
+            and o["fields"]["inputs"]["tuple"]
+            and isinstance(o["fields"]["inputs"]["tuple"][0], dict)
+            and "ref" in o["fields"]["inputs"]["tuple"][0]
+        )
         op["fields"]["inputs"]["tuple"][0]["ref"] = [10**6, 0]
+
     _edit(d, far)
     with pytest.raises(tl.TraceFileError, match="names op 1000000"):
         tl.load(d)
@@ -483,7 +559,9 @@ def test_a_format_1_trace_gets_the_version_error(tmp_path, traces):
     d = tmp_path / "t"
     _save(a, d)
     _edit(d, lambda doc: doc.update(format_version=1, tensor_files=["tensors.safetensors"]))
-    with pytest.raises(tl.TraceFileError, match="format version 1; this TorchLens reads version 2.*save it again"):
+    with pytest.raises(
+        tl.TraceFileError, match="format version 1; this TorchLens reads version 2.*save it again"
+    ):
         tl.load(d)
 
 
@@ -497,14 +575,20 @@ def test_a_save_removes_the_old_trace_and_leftovers_and_nothing_else(tmp_path, t
     old = _tensor_path(d).name
     (d / "notes.txt").write_text("mine")
     (d / "tensors-00000.safetensors").write_text("a store= file, not a save's")
-    leftovers = ["tensors.0123456789abcdef.safetensors", "trace.json.0123456789abcdef.part", "tensors.safetensors",
-                 "trace.json.tmp"]
+    leftovers = [
+        "tensors.0123456789abcdef.safetensors",
+        "trace.json.0123456789abcdef.part",
+        "tensors.safetensors",
+        "trace.json.tmp",
+    ]
     for name in leftovers:
         (d / name).write_text("left by a save that was stopped")
     _save(b, d)
     new = _tensor_path(d).name
     assert new != old and new.startswith("tensors.")
-    assert sorted(os.listdir(d)) == sorted(["trace.json", new, "notes.txt", "tensors-00000.safetensors"])
+    assert sorted(os.listdir(d)) == sorted(
+        ["trace.json", new, "notes.txt", "tensors-00000.safetensors"]
+    )
     assert _equal(tl.load(d), b)
 
 
@@ -519,7 +603,10 @@ def test_the_tensor_file_is_safetensors_and_holds_the_table(tmp_path, traces):
     for key, e in doc["tensors"].items():
         t = theirs[key]
         assert list(t.shape) == e["shape"] and str(t.dtype) == f"torch.{e['dtype']}"
-        assert hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest() == e["sha256"]
+        assert (
+            hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            == e["sha256"]
+        )
 
 
 def test_saves_and_loads_in_threads_see_whole_traces(tmp_path, traces):
@@ -534,7 +621,7 @@ def test_saves_and_loads_in_threads_see_whole_traces(tmp_path, traces):
         try:
             for _ in range(8):
                 _save(t, d)
-        except Exception as exc:  # noqa: BLE001 - reported below
+        except Exception as exc:
             errors.append(exc)
 
     def loader():
@@ -542,11 +629,14 @@ def test_saves_and_loads_in_threads_see_whole_traces(tmp_path, traces):
             for _ in range(12):
                 got = tl.load(d)
                 loads.append("a" if _equal(got, a) else "b" if _equal(got, b) else "mix")
-        except Exception as exc:  # noqa: BLE001 - reported below
+        except Exception as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=saver, args=(a,)), threading.Thread(target=saver, args=(b,)),
-               threading.Thread(target=loader)]
+    threads = [
+        threading.Thread(target=saver, args=(a,)),
+        threading.Thread(target=saver, args=(b,)),
+        threading.Thread(target=loader),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -580,4 +670,7 @@ def test_the_stored_fields_are_the_record_classes_fields():
         assert fields == want, name
         for f in fields:
             attr = getattr(cls, getattr(cls, "_persist_renames", {}).get(f, f), None)
-            assert not callable(attr) or isinstance(attr, property) and attr.fset is not None, (name, f)
+            assert not callable(attr) or isinstance(attr, property) and attr.fset is not None, (
+                name,
+                f,
+            )

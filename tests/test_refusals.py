@@ -60,12 +60,16 @@ def _mha_truth(net: _MhaNet, x: torch.Tensor) -> list[torch.Tensor]:
     """Each layer's per-head attention weights, from the module itself (need_weights=True) run
     on a copy of the input it got, taken by a plain forward pre-hook."""
     inputs = []
-    handles = [layer.self_attn.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach().clone()))
-               for layer in net.layers]
+    handles = [
+        layer.self_attn.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach().clone()))
+        for layer in net.layers
+    ]
     with torch.no_grad():
         net(x.clone())
-        weights = [layer.self_attn(i, i, i, need_weights=True, average_attn_weights=False)[1]
-                   for layer, i in zip(net.layers, inputs)]
+        weights = [
+            layer.self_attn(i, i, i, need_weights=True, average_attn_weights=False)[1]
+            for layer, i in zip(net.layers, inputs)
+        ]
     for h in handles:
         h.remove()
     return weights
@@ -85,7 +89,9 @@ def test_mha_whose_input_the_residual_add_writes_in_place_serves_its_pattern(sto
     with torch.no_grad():  # the first layer's query projection, by hand from its input
         layer = net.layers[0].self_attn
         q = F.linear(x, layer.in_proj_weight[:E], layer.in_proj_bias[:E]).view(2, T, H, E // H)
-    torch.testing.assert_close(tr.modules["layers.0.self_attn"].facets["q"], q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        tr.modules["layers.0.self_attn"].facets["q"], q, rtol=1e-5, atol=1e-6
+    )
 
 
 class _SdpaAttn(nn.Module):
@@ -138,7 +144,9 @@ def _sdpa_truth(net: _SdpaNet, x: torch.Tensor) -> torch.Tensor:
     """Block 0's causal pattern, softmax(q k^T / sqrt(d)) written out from its q and k weights and
     the attention's input (a plain pre-hook)."""
     got = {}
-    h = net.blocks[0].attn.register_forward_pre_hook(lambda m, a: got.update(x=a[0].detach().clone()))
+    h = net.blocks[0].attn.register_forward_pre_hook(
+        lambda m, a: got.update(x=a[0].detach().clone())
+    )
     with torch.no_grad():
         net(x)
         h.remove()
@@ -161,7 +169,9 @@ def test_fused_kernel_whose_q_and_k_are_written_after_it_ran_serves_the_pattern_
     assert not fm.refused
 
 
-def test_unseen_write_to_a_kept_kernel_argument_marks_it_stale_before_facets_are_derived(monkeypatch):
+def test_unseen_write_to_a_kept_kernel_argument_marks_it_stale_before_facets_are_derived(
+    monkeypatch,
+):
     """The capture's half of the refusal: `Recorder.check_versions` finds the moved version
     counter of the kept query and marks the kernel's arguments stale (with the reason) before
     `derive` reads them; a write the capture saw leaves them as the kernel read them."""
@@ -183,7 +193,10 @@ def test_unseen_write_to_a_kept_kernel_argument_marks_it_stale_before_facets_are
         torchlens.trace(_SdpaNet("unseen").eval(), x)
     assert len(seen["stale"]) == 2
     for reason in seen["stale"]:
-        assert "tensor argument 0 of scaled_dot_product_attention" in reason and "could not see" in reason
+        assert (
+            "tensor argument 0 of scaled_dot_product_attention" in reason
+            and "could not see" in reason
+        )
 
 
 def test_unseen_write_to_a_kept_kernel_argument_refuses_with_the_reason():
@@ -207,8 +220,17 @@ def test_unseen_write_to_a_kept_kernel_argument_refuses_with_the_reason():
 def _gpt2(impl: str, attn_pdrop: float = 0.0):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
-                                     initializer_range=0.5, attn_pdrop=attn_pdrop, resid_pdrop=0.0, embd_pdrop=0.0)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        vocab_size=64,
+        n_positions=16,
+        initializer_range=0.5,
+        attn_pdrop=attn_pdrop,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    )
     config._attn_implementation = impl
     return transformers.GPT2LMHeadModel(config)
 
@@ -228,7 +250,9 @@ def test_the_refused_site_exists_in_the_model(dropout_gpt2):
     """Ground truth for the status: the module computes z (the merged heads reach c_proj, read by
     a plain pre-hook), so the name has a site and `structurally_absent` would be false."""
     got = {}
-    h = dropout_gpt2.get_submodule(ATTN).c_proj.register_forward_pre_hook(lambda m, a: got.update(z=a[0]))
+    h = dropout_gpt2.get_submodule(ATTN).c_proj.register_forward_pre_hook(
+        lambda m, a: got.update(z=a[0])
+    )
     with torch.no_grad():
         dropout_gpt2(IDS)
     h.remove()
@@ -260,16 +284,25 @@ def test_alias_report_says_refused_once_the_check_ran_and_pending_before(dropout
     assert rows["blocks.0.attn.hook_z"].status == "refused" and rows["blocks.0.attn.hook_z"].checked
     line = next(x for x in repr(report).splitlines() if x.startswith("blocks.0.attn.hook_z "))
     assert f"{ATTN}:z" in line and "pattern @ v differs" in line, line
-    assert report.counts()["refused"] == sum(r.status == "refused" for r in report) >= 2  # both layers
+    assert (
+        report.counts()["refused"] == sum(r.status == "refused" for r in report) >= 2
+    )  # both layers
     html = report._repr_html_()
     assert '<span style="color:#ad1457">refused</span>' in html
 
 
 def test_compare_reports_a_refused_site_as_refused(dropout_gpt2):
     tr = torchlens.trace(dropout_gpt2, IDS)
-    c = mi.compare(tr, {"blocks.0.attn.hook_z": torch.zeros(1, 6, 4, 8)}, generation="2.x", explain=False)
+    c = mi.compare(
+        tr, {"blocks.0.attn.hook_z": torch.zeros(1, 6, 4, 8)}, generation="2.x", explain=False
+    )
     (row,) = c
-    assert (row.status, row.passed, row.module_address, row.facet) == ("refused", False, ATTN, "z"), row
+    assert (row.status, row.passed, row.module_address, row.facet) == (
+        "refused",
+        False,
+        ATTN,
+        "z",
+    ), row
     assert "pattern @ v differs" in row.hint and "model.eval()" in row.hint
     assert f"{ATTN}:z" in repr(c)
 
@@ -278,7 +311,9 @@ def test_compare_editable_on_a_rebuilt_site_keeps_its_resolution_status():
     model = _gpt2("sdpa").eval()
     tr = torchlens.trace(model, IDS)
     pattern = tr.modules[ATTN].facets["pattern"]
-    (row,) = mi.compare(tr, {"blocks.0.attn.hook_pattern": pattern.clone()}, generation="2.x", editable=True)
+    (row,) = mi.compare(
+        tr, {"blocks.0.attn.hook_pattern": pattern.clone()}, generation="2.x", editable=True
+    )
     assert row.status == "reconstructed_read_only" and not row.passed
     assert "editable=True" in row.hint and "read-only" in row.hint
 

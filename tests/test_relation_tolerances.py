@@ -27,10 +27,10 @@ from __future__ import annotations
 import functools
 import math
 
+import _edge_models as em
 import pytest
 import torch
 
-import _edge_models as em
 import torchlens as tl
 from torchlens import testing
 
@@ -41,7 +41,10 @@ ARCHS = {
     "m2m100": (("model.encoder.layers.{L}", "model.decoder.layers.{L}"), lambda cfg: 1.0),
     "blenderbot": (("model.encoder.layers.{L}", "model.decoder.layers.{L}"), lambda cfg: 1.0),
     "granite": (("model.layers.{L}",), lambda cfg: cfg.residual_multiplier),
-    "minicpm3": (("model.layers.{L}",), lambda cfg: cfg.scale_depth / math.sqrt(cfg.num_hidden_layers)),
+    "minicpm3": (
+        ("model.layers.{L}",),
+        lambda cfg: cfg.scale_depth / math.sqrt(cfg.num_hidden_layers),
+    ),
     # further cases of the same kinds, used by no other test: Marian (decoder with cross-attention),
     # GraniteMoE (residual_multiplier on an MoE block)
     "marian": (("model.encoder.layers.{L}", "model.decoder.layers.{L}"), lambda cfg: 1.0),
@@ -56,7 +59,7 @@ def _blocks(arch: str) -> list[str]:
     return [p.format(L=i) for p in ARCHS[arch][0] for i in range(LAYERS)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced(arch: str, dtype: torch.dtype):
     model = em.build(arch, dtype)
     args, kwargs = em.inputs(arch, dtype)
@@ -86,7 +89,11 @@ def verdicts(arch: str, dtype: torch.dtype) -> dict[str, str]:
 def test_resid_mid_verdict_is_the_float64_verdict(arch, dtype):
     """Every block's resid_mid is served, refused or absent in `dtype` exactly as in float64."""
     exact, got = verdicts(arch, torch.float64), verdicts(arch, dtype)
-    flips = {b: f"{exact[b]} in float64, {got[b]} in {str(dtype)[6:]}" for b in exact if got[b] != exact[b]}
+    flips = {
+        b: f"{exact[b]} in float64, {got[b]} in {str(dtype)[6:]}"
+        for b in exact
+        if got[b] != exact[b]
+    }
     assert not flips, flips
 
 
@@ -99,7 +106,9 @@ def test_a_served_resid_mid_is_a_residual_between_attention_and_mlp(arch, dtype)
     scale = ARCHS[arch][1](model.config)
     blocks = _blocks(arch)
     attns = [f"{b}.self_attn" for b in blocks]
-    cross = [f"{b}.encoder_attn" for b in blocks if f"{b}.encoder_attn" in dict(model.named_modules())]
+    cross = [
+        f"{b}.encoder_attn" for b in blocks if f"{b}.encoder_attn" in dict(model.named_modules())
+    ]
     ins = em.hooked_inputs(model, blocks, *args, **kwargs)
     outs = testing.hooked_outputs(model, attns + cross, *args, **kwargs)
     eps = torch.finfo(dtype).eps
@@ -120,21 +129,28 @@ def test_a_served_resid_mid_is_a_residual_between_attention_and_mlp(arch, dtype)
             ok = ok or bool(((served - truth).abs() <= tol).all())
         if not ok:
             err = min(float((served - sum(p)).abs().max()) for p in options)
-            wrong.append(f"{block}: served resid_mid is off every residual between attention and MLP by {err:.3g}")
+            wrong.append(
+                f"{block}: served resid_mid is off every residual between attention and MLP by {err:.3g}"
+            )
     assert not wrong, "\n".join(wrong)
 
 
 #: arch -> the address of one RMSNorm that casts its input to float32 before normalizing (a
 #: float64 model computes it in float32): Gemma-2 (in the families) and Gemma-3n (no other test).
-NORMS = {"gemma2": "model.layers.0.input_layernorm", "gemma3n": "model.layers.0.input_layernorm",
-         "olmo3": "model.layers.0.self_attn.q_norm"}  # OLMo-3 (no other test): every RMSNorm casts to float32
+NORMS = {
+    "gemma2": "model.layers.0.input_layernorm",
+    "gemma3n": "model.layers.0.input_layernorm",
+    "olmo3": "model.layers.0.self_attn.q_norm",
+}  # OLMo-3 (no other test): every RMSNorm casts to float32
 NORM_FACETS = ("normalized", "scale", "inv_rms")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _norm_trace(arch: str, dtype: torch.dtype):
     model = testing.build(arch, dtype=dtype) if arch in testing.SUITE else em.build(arch, dtype)
-    args, kwargs = ((testing.token_ids(length=5),), {}) if arch in testing.SUITE else em.inputs(arch, dtype)
+    args, kwargs = (
+        ((testing.token_ids(length=5),), {}) if arch in testing.SUITE else em.inputs(arch, dtype)
+    )
     trace = tl.trace(model, *args, **kwargs, save="all")
     trace.check()
     return model, args, kwargs, trace
@@ -150,17 +166,27 @@ def test_norm_facets_verdict_does_not_depend_on_dtype(arch):
     served = {}
     for dtype in (torch.float64, torch.float32):
         trace = _norm_trace(arch, dtype)[3]
-        served[dtype] = {(a, c.index, f) for a, rec in trace.modules.items() for c in rec.calls
-                         for f in NORM_FACETS if c.facets.sites.get(f) is not None
-                         and c.facets.sites[f].tensor is not None}
+        served[dtype] = {
+            (a, c.index, f)
+            for a, rec in trace.modules.items()
+            for c in rec.calls
+            for f in NORM_FACETS
+            if c.facets.sites.get(f) is not None and c.facets.sites[f].tensor is not None
+        }
     only32 = sorted(served[torch.float32] - served[torch.float64])
     only64 = sorted(served[torch.float64] - served[torch.float32])
-    assert not only32 and not only64, f"served in float32 only: {only32[:6]}; in float64 only: {only64[:6]}"
+    assert not only32 and not only64, (
+        f"served in float32 only: {only32[:6]}; in float64 only: {only64[:6]}"
+    )
     model, args, kwargs, trace = _norm_trace(arch, torch.float64)
     norm = NORMS[arch]
     x = em.hooked_inputs(model, [norm], *args, **kwargs)[norm].double()
     module = model.get_submodule(norm)
-    eps = module.eps if hasattr(module, "eps") else module.variance_epsilon  # OLMo-3 names it variance_epsilon
+    eps = (
+        module.eps if hasattr(module, "eps") else module.variance_epsilon
+    )  # OLMo-3 names it variance_epsilon
     truth = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     got = trace.modules[norm].calls[0].facets.sites["normalized"].tensor.double()
-    assert float((got - truth).abs().max()) <= 8 * torch.finfo(torch.float32).eps * float(truth.abs().max())
+    assert float((got - truth).abs().max()) <= 8 * torch.finfo(torch.float32).eps * float(
+        truth.abs().max()
+    )

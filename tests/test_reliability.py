@@ -103,7 +103,9 @@ def assert_same_trace(a: torchlens.Trace, b: torchlens.Trace) -> None:
             assert (s is None) == (t is None)
             if s is not None:
                 assert torch.equal(s, t), x
-    assert {k: len(r.calls) for k, r in a.modules.items()} == {k: len(r.calls) for k, r in b.modules.items()}
+    assert {k: len(r.calls) for k, r in a.modules.items()} == {
+        k: len(r.calls) for k, r in b.modules.items()
+    }
 
 
 def hooked_io(model: nn.Module, *args, **kwargs) -> tuple[object, dict[str, list[tuple]]]:
@@ -239,7 +241,10 @@ def test_hf_forward_raises_keeps_user_hooks_and_model_intact():
         before = hook_state(model)
         with pytest.raises(IndexError) as info:
             torchlens.trace(model, torch.full((1, 3), 10_000))  # out of vocabulary
-        assert any("(embedding) in module <root> > transformer > transformer.wte" in n for n in info.value.__notes__)
+        assert any(
+            "(embedding) in module <root> > transformer > transformer.wte" in n
+            for n in info.value.__notes__
+        )
         assert_nothing_left(model, before)
     finally:
         user.remove()
@@ -315,7 +320,10 @@ def test_trace_of_another_model_while_an_outer_trace_runs():
     alone = torchlens.trace(gpt2(), IDS, save=["resid_post"])
     assert op_rows(nested.inner) == op_rows(alone)
     for block in alone.blocks:
-        assert torch.equal(nested.inner.modules[block].facets["resid_post"], alone.modules[block].facets["resid_post"])
+        assert torch.equal(
+            nested.inner.modules[block].facets["resid_post"],
+            alone.modules[block].facets["resid_post"],
+        )
     assert torch.equal(nested.inner.output.logits, gpt2_logits())
     assert_nothing_left(gpt2())
 
@@ -325,7 +333,9 @@ def test_trace_of_another_model_while_an_outer_trace_runs():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode, torch.enable_grad], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "mode", [torch.no_grad, torch.inference_mode, torch.enable_grad], ids=lambda m: m.__name__
+)
 def test_trace_under_grad_modes(mode):
     reference = torchlens.trace(gpt2(), IDS)
     with mode():
@@ -333,7 +343,9 @@ def test_trace_under_grad_modes(mode):
     assert torch.equal(tr.output.logits, gpt2_logits())
     assert_same_trace(tr, reference)
     for block in tr.blocks:
-        assert torch.equal(tr.modules[block].facets["resid_post"], reference.modules[block].facets["resid_post"])
+        assert torch.equal(
+            tr.modules[block].facets["resid_post"], reference.modules[block].facets["resid_post"]
+        )
     assert_nothing_left(gpt2())
 
 
@@ -380,15 +392,15 @@ def test_requires_grad_inputs_gradients_flow_and_saved_tensors_detached(which):
     if which == "gpt2":
         model = testing.build("gpt2")
         inp = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(0))
-        call = lambda m, e: m(inputs_embeds=e).logits  # noqa: E731
-        run = lambda m, e: torchlens.trace(m, inputs_embeds=e)  # noqa: E731
-        out_of = lambda tr: tr.output.logits  # noqa: E731
+        call = lambda m, e: m(inputs_embeds=e).logits
+        run = lambda m, e: torchlens.trace(m, inputs_embeds=e)
+        out_of = lambda tr: tr.output.logits
     else:
         model = _InPlaceMLP()
         inp = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
-        call = lambda m, e: m(e)  # noqa: E731
-        run = lambda m, e: torchlens.trace(m, e)  # noqa: E731
-        out_of = lambda tr: tr.output  # noqa: E731
+        call = lambda m, e: m(e)
+        run = lambda m, e: torchlens.trace(m, e)
+        out_of = lambda tr: tr.output
     weight = torch.randn_like(call(model, inp).detach())
 
     def grads(out, e):
@@ -410,7 +422,11 @@ def test_requires_grad_inputs_gradients_flow_and_saved_tensors_detached(which):
         assert torch.equal(plain[name], traced[name]), name
     saved = [t for op in tr.ops for t in op.tensors if t is not None]
     saved += [
-        s.tensor for r in tr.modules.values() for c in r.calls for s in c.facets.sites.values() if s.tensor is not None
+        s.tensor
+        for r in tr.modules.values()
+        for c in r.calls
+        for s in c.facets.sites.values()
+        if s.tensor is not None
     ]
     assert saved and all(not t.requires_grad and t.grad_fn is None for t in saved)
     assert_nothing_left(model)
@@ -433,7 +449,10 @@ def _in_threads(jobs, meet_at):
     def meet(module, args):
         barrier.wait()
 
-    handles = [model.get_submodule(meet_at[id(model)]).register_forward_pre_hook(meet) for model in {id(m): m for m, _ in jobs}.values()]
+    handles = [
+        model.get_submodule(meet_at[id(model)]).register_forward_pre_hook(meet)
+        for model in {id(m): m for m, _ in jobs}.values()
+    ]
 
     def work(i, model, ids):
         try:
@@ -458,10 +477,12 @@ def _in_threads(jobs, meet_at):
 
 
 def test_two_threads_two_models():
-    g, l = gpt2(), llama()
+    g, l = gpt2(), llama()  # noqa: E741  # g(pt2) and l(lama), beside ids_g and ids_l
     ids_g, ids_l = testing.token_ids(1, 6, seed=1), testing.token_ids(2, 5, seed=2)
     ref_g, ref_l = torchlens.trace(g, ids_g), torchlens.trace(l, ids_l)
-    tr_g, tr_l = _in_threads([(g, ids_g), (l, ids_l)], {id(g): "transformer.h.1", id(l): "model.layers.1"})
+    tr_g, tr_l = _in_threads(
+        [(g, ids_g), (l, ids_l)], {id(g): "transformer.h.1", id(l): "model.layers.1"}
+    )
     assert_same_trace(tr_g, ref_g)
     assert_same_trace(tr_l, ref_l)
     assert_nothing_left(g)
@@ -520,7 +541,11 @@ def test_plain_forward_in_another_thread_while_a_trace_removes_its_hooks(hook):
             b_listed.set()
             assert a_done.wait(30)
 
-    user = model.register_forward_pre_hook(block_b) if hook == "pre" else model.register_forward_hook(block_b)
+    user = (
+        model.register_forward_pre_hook(block_b)
+        if hook == "pre"
+        else model.register_forward_hook(block_b)
+    )
     try:
         tr = torchlens.trace(model, torch.ones(1, 3))
         a_done.set()
@@ -531,7 +556,11 @@ def test_plain_forward_in_another_thread_while_a_trace_removes_its_hooks(hook):
     assert "error" not in state, state["error"]
     with torch.no_grad():
         assert torch.equal(state["out"], model(torch.ones(1, 3)))
-    assert [(op.name, op.module) for op in tr.ops] == [("input", ""), ("add", "wait"), ("linear", "lin")]
+    assert [(op.name, op.module) for op in tr.ops] == [
+        ("input", ""),
+        ("add", "wait"),
+        ("linear", "lin"),
+    ]
     assert_nothing_left(model)
 
 
@@ -572,7 +601,10 @@ def test_module_called_twice():
         assert torch.equal(call.facets["input"], inp)
         assert torch.equal(call.facets["output"], outp)
     # the shared weight is one parameter: both linear ops read it under its one name
-    assert [op.inputs[1] for op in tr.ops if op.name == "linear"] == ["first.weight", "first.weight"]
+    assert [op.inputs[1] for op in tr.ops if op.name == "linear"] == [
+        "first.weight",
+        "first.weight",
+    ]
 
 
 class _Returns(nn.Module):
@@ -809,9 +841,13 @@ def test_a_wrapper_subclass_written_in_place_keeps_what_each_op_returned(how, st
     assert torch.equal(tr.modules["lin"].facets["output"].a, first)
     assert bool((tr.modules["lin2"].facets["input"].a == 0).all())  # what lin2 received
     source = tr.ops[tr.modules["lin2"].calls[0].input_ref.op]
-    assert source.name == ("written_in_place" if how == "data" else "mul_")  # what lin2 read comes from the write
+    assert source.name == (
+        "written_in_place" if how == "data" else "mul_"
+    )  # what lin2 read comes from the write
     with pytest.warns(UserWarning, match="TwoTensor"):
-        tr.save(tmp_path / "saved")  # a wrapper subclass is left out of the file, with a note, not a crash
+        tr.save(
+            tmp_path / "saved"
+        )  # a wrapper subclass is left out of the file, with a note, not a crash
     assert any("TwoTensor" in note for note in torchlens.load(tmp_path / "saved").load_notes)
 
 
@@ -840,8 +876,12 @@ def test_a_directory_store_keeps_copying_a_wrapper_subclass_it_leaves_in_memory(
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no write goes unseen here
-        tr = torchlens.trace(M(), TwoTensor(torch.ones(3), torch.ones(3) * 5), store=str(tmp_path),
-                             roles={"b0": "block", "b1": "block"})
+        tr = torchlens.trace(
+            M(),
+            TwoTensor(torch.ones(3), torch.ones(3) * 5),
+            store=str(tmp_path),
+            roles={"b0": "block", "b1": "block"},
+        )
     out = tr.modules["b0"].facets["output"]
     assert torch.equal(out.a, torch.full((3,), 2.0)) and torch.equal(out.b, torch.full((3,), 10.0))
     assert torch.equal(tr.output.a, torch.full((3,), 9.0))
@@ -872,7 +912,9 @@ def test_a_kept_module_input_written_where_the_mode_cannot_see_is_not_served(sou
     assert torch.equal(tr.output, torch.arange(1.0, 7.0).reshape(2, 3) * 2)
     # Asking for it says why: a refusal naming the write, not "not saved, trace with save=".
     assert "written in place after the trace kept it" in facets.refused["input"]
-    with pytest.raises(torchlens.FacetNotFound, match="not served: the input tensor of 'inner' was written"):
+    with pytest.raises(
+        torchlens.FacetNotFound, match="not served: the input tensor of 'inner' was written"
+    ):
         facets["input"]
     assert "output" in facets  # the output was not written
 
@@ -940,7 +982,10 @@ class _WithCompiled(nn.Module):
             self.sub = _Sub()
             if kind == "in_place":
                 self.sub.compile(backend=backend)
-        self.fn = {"function": torch.compile(_scaled_sin, backend=backend), "eager_fn": _scaled_sin}.get(kind)
+        self.fn = {
+            "function": torch.compile(_scaled_sin, backend=backend),
+            "eager_fn": _scaled_sin,
+        }.get(kind)
         self.post = nn.Linear(3, 3)
 
     def forward(self, x):
@@ -969,16 +1014,28 @@ def test_compiled_parts_run_eagerly_while_tracing(kind):
     with torch.no_grad():
         tr = torchlens.trace(model, x)
         ref = torchlens.trace(eager, x)
-    assert (backend.compiled, backend.runs) == (compiled, runs)  # nothing compiled, nothing run compiled
-    assert [(op.name, op.module.replace("._orig_mod", "")) for op in tr.ops] == [(op.name, op.module) for op in ref.ops]
-    assert "sin" in [op.name for op in tr.ops] if kind == "function" else "relu" in [op.name for op in tr.ops]
+    assert (backend.compiled, backend.runs) == (
+        compiled,
+        runs,
+    )  # nothing compiled, nothing run compiled
+    assert [(op.name, op.module.replace("._orig_mod", "")) for op in tr.ops] == [
+        (op.name, op.module) for op in ref.ops
+    ]
+    assert (
+        "sin" in [op.name for op in tr.ops]
+        if kind == "function"
+        else "relu" in [op.name for op in tr.ops]
+    )
     assert torch.equal(tr.output, ref.output)
     torch.testing.assert_close(tr.output, compiled_out)
     if kind == "root":  # the wrapper is traced as the eager model: its addresses, its class
         assert tr.model_class == "_WithCompiled" and list(tr.modules) == list(ref.modules)
     with torch.no_grad():
         model(x)
-    assert (backend.compiled, backend.runs) == (compiled, runs + 1)  # runs compiled again, no recompile
+    assert (backend.compiled, backend.runs) == (
+        compiled,
+        runs + 1,
+    )  # runs compiled again, no recompile
     assert_nothing_left(model)
 
 
@@ -1063,14 +1120,21 @@ def test_compiled_code_in_another_thread_runs_eagerly_during_a_trace(fail):
         else:
             tr = torchlens.trace(model, x)
             names = [op.name for op in tr.ops]
-            assert "linear" in names and "sin" not in names  # the other thread's ops are not this trace's
+            assert (
+                "linear" in names and "sin" not in names
+            )  # the other thread's ops are not this trace's
     finally:
         done.set()
         worker.join(60)
-    assert seen["counts"] == (compiled, runs), "during the trace the other thread ran the compiled graph"
+    assert seen["counts"] == (compiled, runs), (
+        "during the trace the other thread ran the compiled graph"
+    )
     torch.testing.assert_close(seen["out"], expected)
     fn(x)
-    assert (backend.compiled, backend.runs) == (compiled, runs + 1)  # compiled again after the trace
+    assert (backend.compiled, backend.runs) == (
+        compiled,
+        runs + 1,
+    )  # compiled again after the trace
     assert_nothing_left(model)
 
 
@@ -1102,7 +1166,9 @@ def test_fused_fast_path_is_disabled_under_the_mode():
     """nn.TransformerEncoderLayer's fused fast path is skipped while a torch function mode is
     active: the trace records the slow path's ops; outputs agree to float rounding."""
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True).eval()
+    layer = nn.TransformerEncoderLayer(
+        d_model=8, nhead=2, dim_feedforward=16, batch_first=True
+    ).eval()
     x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         fast = layer(x)
@@ -1126,12 +1192,19 @@ def test_in_place_write_unseen_by_the_mode_warns():
             return y * 2
 
     model = Sneaky()
-    with torch.no_grad():  # ground truth from outside TorchLens: the linear's output, and after the write
+    with (
+        torch.no_grad()
+    ):  # ground truth from outside TorchLens: the linear's output, and after the write
         before = model.lin(torch.ones(1, 3))
-    with pytest.warns(UserWarning, match=r"could not see, or as a sparse tensor, .* \(#1 linear\); they are not kept"):
+    with pytest.warns(
+        UserWarning,
+        match=r"could not see, or as a sparse tensor, .* \(#1 linear\); they are not kept",
+    ):
         tr = torchlens.trace(model, torch.ones(1, 3))
     assert tr.ops[1].name == "linear"
-    assert tr.ops[1].tensors == (None,)  # its saved alias shows before + 1: not the value the op returned
+    assert tr.ops[1].tensors == (
+        None,
+    )  # its saved alias shows before + 1: not the value the op returned
     written = next(op for op in tr.ops if op.name == "written_in_place")
     assert written.inputs[0].op == 1
     torch.testing.assert_close(written.tensors[0], before + 1, rtol=0, atol=0)  # what `y * 2` read
@@ -1173,7 +1246,9 @@ def test_save_selection_kept_nothing_lists_what_exists():
     assert_nothing_left(model)
 
 
-@pytest.mark.parametrize("save", [3, 2.5, {"transformer.h.0": True}, b"all", [3], ["all"], object()], ids=repr)
+@pytest.mark.parametrize(
+    "save", [3, 2.5, {"transformer.h.0": True}, b"all", [3], ["all"], object()], ids=repr
+)
 def test_save_of_a_wrong_type_lists_what_is_accepted(save):
     with pytest.raises(SaveSpecError) as info:
         torchlens.trace(gpt2(), IDS, save=save)
@@ -1181,7 +1256,10 @@ def test_save_of_a_wrong_type_lists_what_is_accepted(save):
     if save == ["all"]:
         assert "on its own" in msg
     else:
-        assert "save= accepts 'all', 'none', a module address or facet name" in msg and "predicate" in msg, msg
+        assert (
+            "save= accepts 'all', 'none', a module address or facet name" in msg
+            and "predicate" in msg
+        ), msg
     assert_nothing_left(gpt2())
 
 
@@ -1232,7 +1310,11 @@ def test_facet_that_exists_elsewhere_and_module_that_never_ran():
 
 @pytest.mark.parametrize(
     "address,suggested",
-    [("transformer.h.9", "'transformer.h.1'"), ("transformer.h.0.atn", "'transformer.h.0.attn'"), ("lm_haed", "'lm_head'")],
+    [
+        ("transformer.h.9", "'transformer.h.1'"),
+        ("transformer.h.0.atn", "'transformer.h.0.attn'"),
+        ("lm_haed", "'lm_head'"),
+    ],
 )
 def test_unknown_module_address_close_matches(address, suggested):
     with pytest.raises(ModuleNotFoundInTrace) as info:
@@ -1268,14 +1350,24 @@ def gpt2_small():
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12)).eval()
-    ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12)
+    ).eval()
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0)
+    )
     return model, ids
 
 
 def _saved_tensors(tr: torchlens.Trace) -> list[Tensor]:
     out = [t for op in tr.ops for t in op.tensors if t is not None]
-    out += [s.tensor for r in tr.modules.values() for c in r.calls for s in c.facets.sites.values() if s.tensor is not None]
+    out += [
+        s.tensor
+        for r in tr.modules.values()
+        for c in r.calls
+        for s in c.facets.sites.values()
+        if s.tensor is not None
+    ]
     return out
 
 
@@ -1327,7 +1419,9 @@ def test_repeated_traces_do_not_grow_rss(gpt2_small):
         gc.collect()
     grown = _rss_mb() - before
     # a leaked trace per cycle would add ~3 * one_trace_mb
-    assert grown < max(48.0, 0.25 * one_trace_mb), f"RSS grew {grown:.0f} MB over 3 traces of {one_trace_mb:.0f} MB"
+    assert grown < max(48.0, 0.25 * one_trace_mb), (
+        f"RSS grew {grown:.0f} MB over 3 traces of {one_trace_mb:.0f} MB"
+    )
 
 
 def test_op_classification_cache_stays_bounded():
@@ -1339,8 +1433,10 @@ def test_op_classification_cache_stays_bounded():
 
     first = []
     for i in range(10_000):
+
         def fn(*args):
             return None
+
         fn.__name__ = [f"_op{i}", f"op{i}_", "size"][i % 3]
         if i < 10:
             first.append(weakref.ref(fn))

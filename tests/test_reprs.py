@@ -16,15 +16,21 @@ import transformers
 
 import torchlens as tl
 import torchlens.mechinterp as mi
-from torchlens.mechinterp import Comparison, ComparisonReport
 from torchlens._naming.results import AliasReport, AliasResolution
+from torchlens.mechinterp import Comparison, ComparisonReport
 
 
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return transformers.GPT2LMHeadModel(config).eval()
 
@@ -50,7 +56,10 @@ def _parse(markup: str) -> ET.Element:
 
 
 def _rows(table: ET.Element) -> list[list[str]]:
-    return [["".join(td.itertext()) for td in tr.findall("td")] for tr in table.find("tbody").findall("tr")]
+    return [
+        ["".join(td.itertext()) for td in tr.findall("td")]
+        for tr in table.find("tbody").findall("tr")
+    ]
 
 
 def _header(table: ET.Element) -> list[str]:
@@ -63,14 +72,18 @@ def _header(table: ET.Element) -> list[str]:
 def test_trace_repr_is_one_compact_line(trace):
     text = repr(trace)
     assert "\n" not in text and len(text) < 100
-    assert re.fullmatch(r"Trace\(GPT2LMHeadModel: \d+ ops, 34 modules, 2 blocks, \d+ tensors saved\)", text)
+    assert re.fullmatch(
+        r"Trace\(GPT2LMHeadModel: \d+ ops, 34 modules, 2 blocks, \d+ tensors saved\)", text
+    )
 
 
 def test_summary_lists_the_modules_that_ran(trace):
     lines = trace.summary().splitlines()
     assert lines[0].split() == ["module", "role", "calls", "facets"]
-    assert re.fullmatch(r"\(\* = exists but not saved(; \d+ facets are checked on first read or by trace\.check\(\))?\)",
-                        lines[-1]), lines[-1]
+    assert re.fullmatch(
+        r"\(\* = exists but not saved(; \d+ facets are checked on first read or by trace\.check\(\))?\)",
+        lines[-1],
+    ), lines[-1]
     block = next(line for line in lines if line.startswith("transformer.h.1 "))
     assert block.split()[1:3] == ["block", "1"] and "resid_post[1, 4, 32]" in block
     assert lines[1].startswith("<root>")
@@ -118,8 +131,13 @@ def test_trace_html_says_how_many_modules_it_left_out(trace):
 
 def test_resolution_repr_names_the_site(trace):
     r = mi.resolve_alias(trace, "layers_output[1]")
-    assert repr(r) == "AliasResolution('layers_output[1]' -> transformer.h.1:resid_post [real], generation='nnterp')"
-    assert repr(mi.resolve_alias(trace, "logits")).startswith("AliasResolution('logits' -> <root>:logits [real]")
+    assert (
+        repr(r)
+        == "AliasResolution('layers_output[1]' -> transformer.h.1:resid_post [real], generation='nnterp')"
+    )
+    assert repr(mi.resolve_alias(trace, "logits")).startswith(
+        "AliasResolution('logits' -> <root>:logits [real]"
+    )
     absent = mi.resolve_alias(trace, "attn_gate.0")
     assert "-:- [structurally_absent]" in repr(absent)
 
@@ -132,7 +150,7 @@ def test_report_prints_as_a_table(trace):
     assert lines[-1] == "(19 names: 17 real, 2 reconstructed_read_only)"
     # columns line up: every status starts where the header's does
     col = lines[0].index("status")
-    assert all(line[col - 2:col] == "  " and line[col] != " " for line in lines[1:-1])
+    assert all(line[col - 2 : col] == "  " and line[col] != " " for line in lines[1:-1])
     assert any(line.split() == ["logits", "real", "<root>:logits"] for line in lines)
     assert str(report) == repr(report)
 
@@ -141,9 +159,21 @@ def test_report_marks_the_rows_whose_check_has_not_run(model, ids):
     fresh = tl.trace(model, ids)
     lines = repr(mi.alias_report(fresh, generation="nnterp")).splitlines()
     probs = next(line for line in lines if line.startswith("attention_probabilities[1] "))
-    assert probs.split()[1:] == ["reconstructed_read_only", "transformer.h.1.attn:pattern", "(not", "checked", "yet)"]
-    assert sum(line.endswith("(not checked yet)") for line in lines) == 2  # the two rebuilt patterns
-    row = next(r for r in mi.alias_report(fresh, generation="nnterp") if r.query == "attention_probabilities[1]")
+    assert probs.split()[1:] == [
+        "reconstructed_read_only",
+        "transformer.h.1.attn:pattern",
+        "(not",
+        "checked",
+        "yet)",
+    ]
+    assert (
+        sum(line.endswith("(not checked yet)") for line in lines) == 2
+    )  # the two rebuilt patterns
+    row = next(
+        r
+        for r in mi.alias_report(fresh, generation="nnterp")
+        if r.query == "attention_probabilities[1]"
+    )
     assert repr(row).endswith("[reconstructed_read_only, not checked yet], generation='nnterp')")
     fresh.check()
     lines = repr(mi.alias_report(fresh, generation="nnterp")).splitlines()
@@ -156,8 +186,14 @@ def test_report_gives_the_reason_instead_of_a_site_that_is_not_there(trace):
     text = repr(report)
     gated = next(line for line in text.splitlines() if line.startswith("mlp_pre_linear.0 "))
     assert "transformer.h.0.mlp:pre_linear" not in gated
-    assert gated.split()[1] == "structurally_absent" and "  - transformer.h.0.mlp (GPT2MLP) has no" in gated and "not gated" in gated
-    assert next(line for line in text.splitlines() if line.startswith("attn_gate ")).split()[2] == "-"
+    assert (
+        gated.split()[1] == "structurally_absent"
+        and "  - transformer.h.0.mlp (GPT2MLP) has no" in gated
+        and "not gated" in gated
+    )
+    assert (
+        next(line for line in text.splitlines() if line.startswith("attn_gate ")).split()[2] == "-"
+    )
 
 
 def test_report_html(trace, partial):
@@ -186,8 +222,18 @@ def test_empty_reports():
 
 
 def test_html_escapes_what_it_prints():
-    nasty = AliasResolution("<b>x</b>&", "2.x", "structurally_absent", None, None, None,
-                            "a <reason> & more", "", "p", "m")
+    nasty = AliasResolution(
+        "<b>x</b>&",
+        "2.x",
+        "structurally_absent",
+        None,
+        None,
+        None,
+        "a <reason> & more",
+        "",
+        "p",
+        "m",
+    )
     markup = AliasReport([nasty, nasty])._repr_html_()
     assert "<b>" not in markup and "&lt;b&gt;x&lt;/b&gt;&amp;" in markup
     rows = _rows(_parse(markup))
@@ -200,14 +246,23 @@ def test_html_escapes_what_it_prints():
 def test_comparison_report(trace, model, ids):
     with torch.no_grad():
         hidden = model(ids, output_hidden_states=True).hidden_states
-    report = mi.compare(trace, {
-        "layers_output[0]": hidden[1],
-        "blocks.1.hook_resid_pre": hidden[1] + 1,  # block 1 reads block 0's output
-        "blocks.0.attn.hook_rot_q": hidden[0],
-    })
+    report = mi.compare(
+        trace,
+        {
+            "layers_output[0]": hidden[1],
+            "blocks.1.hook_resid_pre": hidden[1] + 1,  # block 1 reads block 0's output
+            "blocks.0.attn.hook_rot_q": hidden[0],
+        },
+    )
     lines = repr(report).splitlines()
     assert lines[0].split()[:4] == ["name", "ok", "max", "|diff|"]
-    assert lines[1].split()[:5] == ["layers_output[0]", "yes", "0", "real", "transformer.h.0:resid_post"]
+    assert lines[1].split()[:5] == [
+        "layers_output[0]",
+        "yes",
+        "0",
+        "real",
+        "transformer.h.0:resid_post",
+    ]
     assert lines[2].split()[:4] == ["blocks.1.hook_resid_pre", "NO", "1", "real"]
     absent = lines[3].split()
     assert absent[:5] == ["blocks.0.attn.hook_rot_q", "NO", "-", "structurally_absent", "-"]
@@ -238,11 +293,15 @@ def test_facet_site_repr_is_one_line_without_the_tensor(model, ids, trace, parti
     site = trace.modules["transformer.h.1"].facets.site("resid_post")
     text = repr(site)
     assert "\n" not in text and "tensor(" not in text and len(text) < 120, text
-    assert re.fullmatch(r"FacetSite\(resid_post: \[1, 4, 32\] float32, real, op #\d+, saved\)", text), text
+    assert re.fullmatch(
+        r"FacetSite\(resid_post: \[1, 4, 32\] float32, real, op #\d+, saved\)", text
+    ), text
     # save= did not keep it, so it is never rebuilt: no check ran, none is pending
     pattern = partial.modules["transformer.h.1.attn"].facets.site("pattern")
-    assert re.fullmatch(r"FacetSite\(pattern: \[1, 2, 4, 4\] float32, reconstructed, op #\d+, not saved\)",
-                        repr(pattern)), repr(pattern)
+    assert re.fullmatch(
+        r"FacetSite\(pattern: \[1, 2, 4, 4\] float32, reconstructed, op #\d+, not saved\)",
+        repr(pattern),
+    ), repr(pattern)
     # kept: rebuilt and checked on first read, and the repr says which it is
     facets = tl.trace(model, ids).modules["transformer.h.1.attn"].facets
     pending = r"FacetSite\(pattern: \[1, 2, 4, 4\] float32, reconstructed, op #\d+, check pending, saved\)"
@@ -257,13 +316,20 @@ def test_facet_site_repr_is_one_line_without_the_tensor(model, ids, trace, parti
 def test_trace_getitem_reads_sites_and_other_libraries_names(model, ids, trace):
     """`trace[...]` against a forward hook on the block itself (ground truth outside TorchLens)."""
     seen = {}
-    handle = model.transformer.h[1].register_forward_hook(lambda m, a, out: seen.setdefault("out", out if torch.is_tensor(out) else out[0]))
+    handle = model.transformer.h[1].register_forward_hook(
+        lambda m, a, out: seen.setdefault("out", out if torch.is_tensor(out) else out[0])
+    )
     try:
         with torch.no_grad():
             model(ids)
     finally:
         handle.remove()
-    for name in ("transformer.h.1:resid_post", "blocks.1.hook_resid_post", "layers_output[1]", "resid_post.1"):
+    for name in (
+        "transformer.h.1:resid_post",
+        "blocks.1.hook_resid_post",
+        "layers_output[1]",
+        "resid_post.1",
+    ):
         torch.testing.assert_close(trace[name], seen["out"], rtol=0, atol=0, msg=name)
     assert torch.equal(trace["<root>:logits"], trace.output.logits)
 
@@ -299,11 +365,18 @@ def test_a_name_from_another_generation_gets_this_generations_name(trace):
     assert "in nnterp the same site is 'attention_probabilities[0]'" in str(error.value)
     assert "2.x" in str(error.value)
     # The suggestion resolves to the same site as the name in its own generation.
-    assert mi.resolve_alias(trace, "attention_probabilities[0]", generation="nnterp").facet == \
-        mi.resolve_alias(trace, "blocks.0.attn.hook_pattern", generation="2.x").facet == "pattern"
-    with pytest.raises(mi.UnknownAlias, match=r"in 2\.x the same site is 'blocks\.1\.hook_resid_post'"):
+    assert (
+        mi.resolve_alias(trace, "attention_probabilities[0]", generation="nnterp").facet
+        == mi.resolve_alias(trace, "blocks.0.attn.hook_pattern", generation="2.x").facet
+        == "pattern"
+    )
+    with pytest.raises(
+        mi.UnknownAlias, match=r"in 2\.x the same site is 'blocks\.1\.hook_resid_post'"
+    ):
         mi.resolve_alias(trace, "layers_output[1]", generation="2.x")
-    with pytest.raises(mi.UnknownAlias, match=r"nnterp has no name for its site; pass generation='2\.x'"):
+    with pytest.raises(
+        mi.UnknownAlias, match=r"nnterp has no name for its site; pass generation='2\.x'"
+    ):
         mi.resolve_alias(trace, "blocks.0.attn.hook_q", generation="nnterp")
 
 
@@ -311,15 +384,28 @@ def test_a_module_without_a_role_is_not_called_the_other_module(trace):
     with pytest.raises(tl.FacetNotFound) as error:
         trace.modules["transformer.drop"].facets["resid_post"]
     assert trace.modules["transformer.drop"].role == "other"
-    assert str(error.value).startswith("the module 'transformer.drop' has no facet"), str(error.value)
+    assert str(error.value).startswith("the module 'transformer.drop' has no facet"), str(
+        error.value
+    )
 
 
 def test_facets_are_listed_in_forward_order(trace):
-    assert list(trace.modules["transformer.h.0"].facets.sites) == ["input", "resid_pre", "resid_mid", "resid_post", "output"]
+    assert list(trace.modules["transformer.h.0"].facets.sites) == [
+        "input",
+        "resid_pre",
+        "resid_mid",
+        "resid_post",
+        "output",
+    ]
     mlp = list(trace.modules["transformer.h.0.mlp"].facets.sites)
     assert mlp == ["input", "pre", "act", "post", "down_out", "output"]
     row = next(line for line in trace.summary().splitlines() if line.startswith("transformer.h.1 "))
-    assert row.index("resid_pre") < row.index("resid_mid") < row.index("resid_post") < row.index("output")
+    assert (
+        row.index("resid_pre")
+        < row.index("resid_mid")
+        < row.index("resid_post")
+        < row.index("output")
+    )
 
 
 def test_trace_html_folds_the_rolled_op_graph_under_the_table(trace):

@@ -8,13 +8,12 @@ tests read what capture held before the trace was assembled: that is an internal
 
 from __future__ import annotations
 
-from torchlens import testing
 import pytest
 import torch
 from torch import nn
 
 import torchlens as tl
-from torchlens import SaveSpecError
+from torchlens import SaveSpecError, testing
 
 IDS = testing.token_ids(length=6)
 
@@ -52,7 +51,9 @@ def test_resid_post_holds_only_the_block_outputs(monkeypatch):
     producers = {tr.modules[b].calls[0].output_ref.op for b in tr.blocks}
     assert set(held) == producers, held
     # GPT-2 applies ln_f to the last hidden state it returns; the others are the block outputs.
-    torch.testing.assert_close(tr.modules[tr.blocks[0]].facets["resid_post"], hidden[1], rtol=0, atol=0)
+    torch.testing.assert_close(
+        tr.modules[tr.blocks[0]].facets["resid_post"], hidden[1], rtol=0, atol=0
+    )
     seen = testing.hooked_outputs(model, tr.blocks, IDS)
     for b in tr.blocks:
         torch.testing.assert_close(tr.modules[b].facets["resid_post"], seen[b], rtol=0, atol=0)
@@ -80,7 +81,9 @@ def test_logits_after_a_softcap_is_the_model_output(monkeypatch):
     tr, held, _ = _held_during_capture(monkeypatch, model, IDS, save=["logits"])
     assert len(held) == 2, held  # lm_head's output and the softcapped model output
     torch.testing.assert_close(tr.modules[""].facets["logits"], logits, rtol=0, atol=0)
-    assert not torch.equal(tr.modules[""].facets["logits"], testing.hooked_outputs(model, ["lm_head"], IDS)["lm_head"])
+    assert not torch.equal(
+        tr.modules[""].facets["logits"], testing.hooked_outputs(model, ["lm_head"], IDS)["lm_head"]
+    )
 
 
 def test_a_block_address_still_holds_its_ops(monkeypatch):
@@ -108,8 +111,10 @@ class _Counting(nn.Module):
         return self.act(self.lin(x))
 
 
-@pytest.mark.parametrize("save", [["pattern"], "resid_post", ["logits"], ["final_norm_input"], ["unused"],
-                                  ["unused", "q"]])
+@pytest.mark.parametrize(
+    "save",
+    [["pattern"], "resid_post", ["logits"], ["final_norm_input"], ["unused"], ["unused", "q"]],
+)
 def test_kept_nothing_is_raised_before_the_forward(save):
     model = _Counting()
     with pytest.raises(SaveSpecError) as info:
@@ -191,8 +196,10 @@ def test_a_held_block_output_stays_the_value_the_block_returned():
     model = _Blocks()
     x = torch.randn(2, 3, 4)
     seen = {}
-    handles = [m.register_forward_hook(lambda m, a, o, n=n: seen.__setitem__(n, o.detach().clone()))
-               for n, m in model.layers.named_children()]
+    handles = [
+        m.register_forward_hook(lambda m, a, o, n=n: seen.__setitem__(n, o.detach().clone()))
+        for n, m in model.layers.named_children()
+    ]
     with torch.no_grad():
         model(x.clone())
     for h in handles:
@@ -200,4 +207,6 @@ def test_a_held_block_output_stays_the_value_the_block_returned():
     tr = tl.trace(model, x.clone(), save=["resid_post"])
     assert tr.blocks == ["layers.0", "layers.1"]
     for i in ("0", "1"):
-        torch.testing.assert_close(tr.modules[f"layers.{i}"].facets["resid_post"], seen[i], rtol=0, atol=0)
+        torch.testing.assert_close(
+            tr.modules[f"layers.{i}"].facets["resid_post"], seen[i], rtol=0, atol=0
+        )

@@ -30,8 +30,13 @@ import pytest
 import torchlens.mechinterp as mi
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-PAGE_OF = {"2.x": "aliases/tl-2x/", "3.x": "aliases/tl-3x/", "4.x": "aliases/tl-4x/", "nnterp": "aliases/nnterp/",
-           "interp-engine": "aliases/interp-engine/"}
+PAGE_OF = {
+    "2.x": "aliases/tl-2x/",
+    "3.x": "aliases/tl-3x/",
+    "4.x": "aliases/tl-4x/",
+    "nnterp": "aliases/nnterp/",
+    "interp-engine": "aliases/interp-engine/",
+}
 DEFAULT_SEPARATOR = r"[\s\-]+"  # Material's, for English
 
 
@@ -39,8 +44,14 @@ DEFAULT_SEPARATOR = r"[\s\-]+"  # Material's, for English
 def site(tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("site")
     env = {key: value for key, value in os.environ.items() if key != "SITE_URL"}
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "--site-dir", str(out)], cwd=REPO,
-                          env={**env, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--quiet", "--site-dir", str(out)],
+        cwd=REPO,
+        env={**env, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, f"mkdocs build failed:\n{done.stdout}\n{done.stderr}"
     return out
 
@@ -51,23 +62,38 @@ def index(site) -> dict:
 
 
 def test_the_sitemap_lists_every_page(site):
-    locations = re.findall(r"<loc>([^<]+)</loc>", (site / "sitemap.xml").read_text(encoding="utf-8"))
-    pages = sorted(p.parent.relative_to(site).as_posix() for p in site.rglob("index.html")
-                   if p.parent.relative_to(site).parts[:1] not in (("search",), ("assets",)))
+    locations = re.findall(
+        r"<loc>([^<]+)</loc>", (site / "sitemap.xml").read_text(encoding="utf-8")
+    )
+    pages = sorted(
+        p.parent.relative_to(site).as_posix()
+        for p in site.rglob("index.html")
+        if p.parent.relative_to(site).parts[:1] not in (("search",), ("assets",))
+    )
     assert len(pages) >= 20
-    assert sorted(loc.removeprefix("http://127.0.0.1:8000/").rstrip("/") or "." for loc in locations) == pages
+    assert (
+        sorted(loc.removeprefix("http://127.0.0.1:8000/").rstrip("/") or "." for loc in locations)
+        == pages
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stop_words() -> frozenset[str]:
     """lunr's English stop words, from the search worker Material ships (its source map holds lunr.js)."""
     import material
 
-    workers = pathlib.Path(material.__file__).parent / "templates" / "assets" / "javascripts" / "workers"
+    workers = (
+        pathlib.Path(material.__file__).parent / "templates" / "assets" / "javascripts" / "workers"
+    )
     source_map = json.loads(next(workers.glob("search.*.min.js.map")).read_text(encoding="utf-8"))
-    lunr = next(text for name, text in zip(source_map["sources"], source_map["sourcesContent"])
-                if name.endswith("lunr/lunr.js"))
-    listed = re.search(r"lunr\.stopWordFilter = lunr\.generateStopWordFilter\(\[(.*?)\]\)", lunr, re.S)
+    lunr = next(
+        text
+        for name, text in zip(source_map["sources"], source_map["sourcesContent"])
+        if name.endswith("lunr/lunr.js")
+    )
+    listed = re.search(
+        r"lunr\.stopWordFilter = lunr\.generateStopWordFilter\(\[(.*?)\]\)", lunr, re.S
+    )
     return frozenset(re.findall(r"'([^']+)'", listed[1]))
 
 
@@ -105,11 +131,14 @@ def dozen(generation: str) -> list[str]:
 
 def test_the_index_splits_names_into_their_parts(index):
     separator = index["config"]["separator"]
-    for name, parts in {"blocks.3.hook_mlp_out": ["blocks", "3", "hook", "mlp", "out"],
-                        "blocks.{L}.hook_mlp_out": ["blocks", "l", "hook", "mlp", "out"],
-                        "layers_output[1]": ["layers", "output", "1"], "resid_post.5": ["resid", "post", "5"],
-                        "`transformer.h.{L}.attn`:`pattern`": ["transformer", "h", "l", "attn", "pattern"],
-                        "&lt;root&gt;": ["root"]}.items():
+    for name, parts in {
+        "blocks.3.hook_mlp_out": ["blocks", "3", "hook", "mlp", "out"],
+        "blocks.{L}.hook_mlp_out": ["blocks", "l", "hook", "mlp", "out"],
+        "layers_output[1]": ["layers", "output", "1"],
+        "resid_post.5": ["resid", "post", "5"],
+        "`transformer.h.{L}.attn`:`pattern`": ["transformer", "h", "l", "attn", "pattern"],
+        "&lt;root&gt;": ["root"],
+    }.items():
         assert [p.lower() for p in re.split(separator, name) if p] == parts, name
 
 
@@ -142,6 +171,11 @@ def test_every_name_of_every_table_is_in_the_index(index):
 def test_the_default_separator_finds_none_of_them(index):
     """Material's default splits only at spaces and hyphens: `blocks.{l}.hook_mlp_out` is one token, which
     `blocks.2.hook_mlp_out` does not begin."""
-    for query in ("blocks.2.hook_mlp_out", "blocks.2.attn.hook_pattern", "layers_output[2]", "resid_post.2"):
+    for query in (
+        "blocks.2.hook_mlp_out",
+        "blocks.2.attn.hook_pattern",
+        "layers_output[2]",
+        "resid_post.2",
+    ):
         where = found_in(index, query, DEFAULT_SEPARATOR)
         assert not any(w.startswith("aliases/") for w in where), (query, where[:5])

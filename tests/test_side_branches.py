@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import functools
 
+import _edge_models as em
 import pytest
 import torch
 
-import _edge_models as em
 import torchlens as tl
 import torchlens.mechinterp as mi
 from torchlens import testing
@@ -47,12 +47,27 @@ _CUSTOM = dict(block="layers.{L}", mlp="mlp", down="mlp.down_proj", contribution
 #: design -> where its blocks are, and (relative to a block) its MLP, the MLP's down projection,
 #: the module whose output the block adds to the residual as the MLP's contribution, and the side module.
 TRUTH = {
-    "gemma3n": dict(block="model.layers.{L}", mlp="mlp", down="mlp.down_proj",
-                    contribution="post_feedforward_layernorm", side="laurel"),
-    "falcon_h1": dict(block="model.layers.{L}", mlp="feed_forward", down="feed_forward.down_proj",
-                      contribution="feed_forward", side="mamba"),
-    "gemma4": dict(block="model.layers.{L}", mlp="mlp", down="mlp.down_proj",
-                   contribution="post_feedforward_layernorm", side="experts"),
+    "gemma3n": dict(
+        block="model.layers.{L}",
+        mlp="mlp",
+        down="mlp.down_proj",
+        contribution="post_feedforward_layernorm",
+        side="laurel",
+    ),
+    "falcon_h1": dict(
+        block="model.layers.{L}",
+        mlp="feed_forward",
+        down="feed_forward.down_proj",
+        contribution="feed_forward",
+        side="mamba",
+    ),
+    "gemma4": dict(
+        block="model.layers.{L}",
+        mlp="mlp",
+        down="mlp.down_proj",
+        contribution="post_feedforward_layernorm",
+        side="experts",
+    ),
     **{name: _CUSTOM for name in em.CUSTOM},
 }
 DESIGNS = list(TRUTH)
@@ -73,7 +88,7 @@ ABSENT = ("structurally_absent", "ambiguous")
 LAYERS = 2
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced(design: str):
     """(model, args, kwargs, trace), cached: tests must not modify them."""
     model = em.build(design)
@@ -108,7 +123,11 @@ def test_mlp_names_read_the_mlp_or_are_absent(design):
     ins = em.hooked_inputs(model, mlps + downs, *args, **kwargs)
     wrong = []
     for layer in range(LAYERS):
-        truth = {"input": ins[mlps[layer]], "output": outputs[mlps[layer]], "post": ins[downs[layer]]}
+        truth = {
+            "input": ins[mlps[layer]],
+            "output": outputs[mlps[layer]],
+            "post": ins[downs[layer]],
+        }
         side = _addr(design, layer, "side")
         for generation, pattern, reads in MLP_NAMES:
             name = pattern.format(L=layer)
@@ -116,14 +135,19 @@ def test_mlp_names_read_the_mlp_or_are_absent(design):
             if r.status in ABSENT:
                 continue
             where = f"{generation} {name} -> {r.module_address}:{r.facet} [{r.status}]"
-            if r.module_address is not None and (r.module_address == side or r.module_address.startswith(side + ".")):
+            if r.module_address is not None and (
+                r.module_address == side or r.module_address.startswith(side + ".")
+            ):
                 wrong.append(f"{where}: the side module")
                 continue
             assert r.status in SERVED, where
             got, want = r.tensor, truth[reads]
             if got is None or got.shape != want.shape or not torch.equal(got, want):
-                err = (got.double() - want.double()).norm() / want.double().norm() if got is not None and \
-                    got.shape == want.shape else "shape " + str(None if got is None else tuple(got.shape))
+                err = (
+                    (got.double() - want.double()).norm() / want.double().norm()
+                    if got is not None and got.shape == want.shape
+                    else "shape " + str(None if got is None else tuple(got.shape))
+                )
                 wrong.append(f"{where}: not the MLP's {reads} (relative error {err})")
     assert not wrong, "\n".join(wrong)
 
@@ -143,8 +167,10 @@ def test_mlp_contribution_is_what_the_block_adds(design):
             continue
         got, want = r.tensor, truth[adds[layer]]
         if got is None or got.shape != want.shape or not torch.equal(got, want):
-            wrong.append(f"blocks.{layer}.hook_mlp_out -> {r.module_address}:{r.facet} [{r.status}] is not "
-                         f"{adds[layer]}'s output")
+            wrong.append(
+                f"blocks.{layer}.hook_mlp_out -> {r.module_address}:{r.facet} [{r.status}] is not "
+                f"{adds[layer]}'s output"
+            )
     assert not wrong, "\n".join(wrong)
 
 
@@ -155,19 +181,33 @@ def test_two_mlps_side_by_side_are_not_served_as_one():
     design = "granitemoeshared"
     model, args, kwargs, trace = traced(design)
     assert model.config.residual_multiplier == 1.0
-    parts = [f"model.layers.{i}.{m}" for i in range(LAYERS) for m in ("block_sparse_moe", "shared_mlp")]
+    parts = [
+        f"model.layers.{i}.{m}" for i in range(LAYERS) for m in ("block_sparse_moe", "shared_mlp")
+    ]
     out = testing.hooked_outputs(model, parts, *args, **kwargs)
     wrong = []
     for layer in range(LAYERS):
-        want = out[f"model.layers.{layer}.block_sparse_moe"] + out[f"model.layers.{layer}.shared_mlp"]
-        for generation, name in (("2.x", f"blocks.{layer}.hook_mlp_out"), ("nnterp", f"mlps_output[{layer}]"),
-                                 ("4.x", f"blocks.{layer}.mlp.hook_out"), ("interp-engine", f"mlp_out.{layer}")):
+        want = (
+            out[f"model.layers.{layer}.block_sparse_moe"] + out[f"model.layers.{layer}.shared_mlp"]
+        )
+        for generation, name in (
+            ("2.x", f"blocks.{layer}.hook_mlp_out"),
+            ("nnterp", f"mlps_output[{layer}]"),
+            ("4.x", f"blocks.{layer}.mlp.hook_out"),
+            ("interp-engine", f"mlp_out.{layer}"),
+        ):
             r = mi.resolve_alias(trace, name, generation=generation)
             if r.status in ABSENT:
                 continue
-            if r.tensor is None or r.tensor.shape != want.shape or not torch.allclose(r.tensor, want, atol=1e-6):
-                wrong.append(f"{generation} {name} -> {r.module_address}:{r.facet} [{r.status}] is not what the "
-                             "block adds for its MLP")
+            if (
+                r.tensor is None
+                or r.tensor.shape != want.shape
+                or not torch.allclose(r.tensor, want, atol=1e-6)
+            ):
+                wrong.append(
+                    f"{generation} {name} -> {r.module_address}:{r.facet} [{r.status}] is not what the "
+                    "block adds for its MLP"
+                )
     assert not wrong, "\n".join(wrong)
 
 
@@ -185,5 +225,7 @@ def test_attention_contribution_excludes_the_residual_it_adds_itself():
             continue
         want = out[dense[layer]]
         if r.tensor is None or r.tensor.shape != want.shape or not torch.equal(r.tensor, want):
-            wrong.append(f"blocks.{layer}.hook_attn_out -> {r.module_address}:{r.facet} [{r.status}]")
+            wrong.append(
+                f"blocks.{layer}.hook_attn_out -> {r.module_address}:{r.facet} [{r.status}]"
+            )
     assert not wrong, "\n".join(wrong)

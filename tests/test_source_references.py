@@ -23,8 +23,11 @@ def _file_exists(token: str) -> bool:
 
 
 def test_every_module_or_name_a_source_file_cites_exists():
-    problems = [f"{p.relative_to(ROOT)}: {x.split(': ', 1)[1]}" for p in _SOURCES
-                for x in symbol_problems(ROOT, p.read_text(encoding="utf-8"))]
+    problems = [
+        f"{p.relative_to(ROOT)}: {x.split(': ', 1)[1]}"
+        for p in _SOURCES
+        for x in symbol_problems(ROOT, p.read_text(encoding="utf-8"))
+    ]
     assert not problems, "\n".join(problems)
 
 
@@ -32,7 +35,18 @@ def test_every_file_a_source_file_cites_exists():
     problems = []
     for p in _SOURCES:
         for token in _TICKED.findall(p.read_text(encoding="utf-8")):
-            cited = token.endswith(".py") or token.split("/")[0] in ("src", "scripts", "tests", "docs", "envs")
-            if cited and is_path(token) and re.fullmatch(r"[\w./*-]+", token) and not _file_exists(token):
+            cited = token.endswith(".py") or token.split("/")[0] in (
+                "src",
+                "scripts",
+                "tests",
+                "docs",
+                "envs",
+            )
+            if (
+                cited
+                and is_path(token)
+                and re.fullmatch(r"[\w./*-]+", token)
+                and not _file_exists(token)
+            ):
                 problems.append(f"{p.relative_to(ROOT)}: `{token}` names no file")
     assert not problems, "\n".join(problems)

@@ -13,9 +13,9 @@ import pathlib
 import pytest
 import torch
 
-from torchlens import testing
 import torchlens as tl
 import torchlens.mechinterp as mi
+from torchlens import testing
 
 IDS = testing.token_ids(length=6)
 
@@ -49,8 +49,12 @@ def _held(trace):
 
 
 def _facet_values(trace):
-    return {(a, c.index, n): s.tensor for a, rec in trace.modules.items() for c in rec.calls
-            for n, s in c.facets.sites.items()}
+    return {
+        (a, c.index, n): s.tensor
+        for a, rec in trace.modules.items()
+        for c in rec.calls
+        for n, s in c.facets.sites.items()
+    }
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -80,12 +84,15 @@ def test_directory_store_serves_hook_values_from_memory_mapped_files(tmp_path, f
     shared = [g for g in groups.values() if len(g) > 1]
     assert shared
     for g in shared:
-        assert [tensors[i].data_ptr() - tensors[g[0]].data_ptr() for i in g] == \
-               [ref_tensors[i].data_ptr() - ref_tensors[g[0]].data_ptr() for i in g]
+        assert [tensors[i].data_ptr() - tensors[g[0]].data_ptr() for i in g] == [
+            ref_tensors[i].data_ptr() - ref_tensors[g[0]].data_ptr() for i in g
+        ]
     values, ref_values = _facet_values(stored), _facet_values(reference)
     assert values.keys() == ref_values.keys()
     for k, v in values.items():
-        assert (v is None) == (ref_values[k] is None) and (v is None or torch.equal(v, ref_values[k])), k
+        assert (v is None) == (ref_values[k] is None) and (
+            v is None or torch.equal(v, ref_values[k])
+        ), k
     # Names resolve and read the stored values.
     res = mi.resolve_alias(stored, "blocks.1.hook_resid_post")
     torch.testing.assert_close(res.tensor, seen[stored.blocks[1]], rtol=0, atol=0)
@@ -98,7 +105,11 @@ def test_cpu_store_keeps_values_and_devices(tmp_path, monkeypatch):
     model = testing.build("gpt2", "sdpa")
     stored = tl.trace(model, IDS, save="all", store="cpu")
     assert list(tmp_path.iterdir()) == []
-    assert not [f for t in _held(stored) if (f := _mapped_file(t.untyped_storage().data_ptr())) and f.startswith("/")]
+    assert not [
+        f
+        for t in _held(stored)
+        if (f := _mapped_file(t.untyped_storage().data_ptr())) and f.startswith("/")
+    ]
     seen = testing.hooked_outputs(model, stored.blocks, IDS)
     for a in stored.blocks:
         t = stored.modules[a].facets["resid_post"]
@@ -133,11 +144,14 @@ def test_a_directory_stored_trace_saves_and_loads(tmp_path):
         torch.testing.assert_close(loaded.modules[a].facets["resid_post"], seen[a], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("bad, words", [
-    (3, "is not accepted"),
-    ("gpu", "is not a store name"),
-    ("", "is not accepted"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (3, "is not accepted"),
+        ("gpu", "is not a store name"),
+        ("", "is not accepted"),
+    ],
+)
 def test_bad_store_values_are_refused_before_the_forward(bad, words):
     model = testing.build("gpt2", "sdpa")
     ran = []
@@ -167,13 +181,18 @@ def test_a_directory_store_writes_as_capture_goes(tmp_path, monkeypatch):
     store = tmp_path / "store"
     files_at_ln_f = []
     handle = model.transformer.ln_f.register_forward_pre_hook(
-        lambda m, a: files_at_ln_f.append(sorted(os.listdir(store)) if store.exists() else []))
+        lambda m, a: files_at_ln_f.append(sorted(os.listdir(store)) if store.exists() else [])
+    )
     in_memory = []
     real = tracing.assemble
 
     def spy(rec, *rest):
-        in_memory.extend(op.index for op in rec.ops for t in op.tensors
-                         if t is not None and t.numel() and _mapped_file(t.data_ptr()) is None)
+        in_memory.extend(
+            op.index
+            for op in rec.ops
+            for t in op.tensors
+            if t is not None and t.numel() and _mapped_file(t.data_ptr()) is None
+        )
         return real(rec, *rest)
 
     monkeypatch.setattr(tracing, "assemble", spy)
@@ -220,8 +239,11 @@ def test_a_directory_store_writes_only_values_the_ops_produced(tmp_path):
     model = _Stack()
     x = torch.randn(2, 3, 4)
     seen = {}
-    handles = [m.register_forward_hook(lambda m, a, o, n=n: seen.__setitem__(n, o.detach().clone()))
-               for n, m in model.named_modules() if n]
+    handles = [
+        m.register_forward_hook(lambda m, a, o, n=n: seen.__setitem__(n, o.detach().clone()))
+        for n, m in model.named_modules()
+        if n
+    ]
     with torch.no_grad():
         model(x.clone())
     for h in handles:
@@ -236,20 +258,30 @@ def test_a_directory_store_writes_only_values_the_ops_produced(tmp_path):
     for n in ("layers.0", "layers.1", "layers.0.lin", "layers.1.lin"):
         facet = "resid_post" if n.count(".") == 1 else "output"
         torch.testing.assert_close(stored.modules[n].facets[facet], seen[n], rtol=0, atol=0)
-        assert _mapped_file(stored.modules[n].facets[facet].data_ptr()).startswith(str(tmp_path / "store"))
+        assert _mapped_file(stored.modules[n].facets[facet].data_ptr()).startswith(
+            str(tmp_path / "store")
+        )
 
 
 def _served(trace):
     """Every facet value and check error of `trace`, its pending checks run."""
     trace.check()
-    return {(a, c.index, n): (s.tensor, s.check_error) for a, rec in trace.modules.items() for c in rec.calls
-            for n, s in c.facets.sites.items()}
+    return {
+        (a, c.index, n): (s.tensor, s.check_error)
+        for a, rec in trace.modules.items()
+        for c in rec.calls
+        for n, s in c.facets.sites.items()
+    }
 
 
-_EVERY_VARIANT = [(f, impl) for f in testing.SUITE for impl in testing.FAMILIES[f].attn_implementations]
+_EVERY_VARIANT = [
+    (f, impl) for f in testing.SUITE for impl in testing.FAMILIES[f].attn_implementations
+]
 
 
-@pytest.mark.parametrize("family, impl", _EVERY_VARIANT, ids=[f"{f}-{i}" for f, i in _EVERY_VARIANT])
+@pytest.mark.parametrize(
+    "family, impl", _EVERY_VARIANT, ids=[f"{f}-{i}" for f, i in _EVERY_VARIANT]
+)
 def test_no_store_changes_a_served_value_bit_for_bit(tmp_path, family, impl):
     """What a trace serves does not depend on where its tensors were put: the computed and
     reconstructed facets (rebuilt scores and pattern, per-head results, norm statistics) and
@@ -293,7 +325,9 @@ def test_a_check_computes_the_same_bits_wherever_its_inputs_sit():
                     moved = buffer[shift : shift + 2 * t.numel() : 2].view(t.shape)
                     moved.copy_(t)
                     inputs[i] = moved
-        for rec in trace.modules.values():  # the moved inputs are new tensors: no version to compare with
+        for (
+            rec
+        ) in trace.modules.values():  # the moved inputs are new tensors: no version to compare with
             for call in rec.calls:
                 for site in call.facets.sites.values():
                     if site._pending is not None:

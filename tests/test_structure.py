@@ -81,7 +81,9 @@ def _hook_outputs(modules):
         out = out[0] if isinstance(out, tuple) else out
         seen.setdefault(name, []).append(out.detach().clone())
 
-    handles = [m.register_forward_hook(lambda mod, a, o, n=n: save(n, o)) for n, m in modules.items()]
+    handles = [
+        m.register_forward_hook(lambda mod, a, o, n=n: save(n, o)) for n, m in modules.items()
+    ]
     return seen, handles
 
 
@@ -89,7 +91,9 @@ def test_blocks_in_a_sequential_without_mlp_names():
     torch.manual_seed(0)
     model = SeqLM().eval()
     ids = torch.tensor([[1, 2, 3, 4]])
-    seen, handles = _hook_outputs({f"body.{i}": model.body[i] for i in range(3)} | {"chew": model.body[1].chew})
+    seen, handles = _hook_outputs(
+        {f"body.{i}": model.body[i] for i in range(3)} | {"chew": model.body[1].chew}
+    )
     try:
         t = tl.trace(model, ids)
     finally:
@@ -99,9 +103,15 @@ def test_blocks_in_a_sequential_without_mlp_names():
     layer = t.structure.layers[1]
     assert (layer.attention.address, layer.mlp.address) == ("body.1.mix", "body.1.chew")
     for i in range(3):
-        torch.testing.assert_close(mi.resolve_alias(t, f"blocks.{i}.hook_resid_post").tensor, seen[f"body.{i}"][0],
-                                   rtol=0, atol=0)
-    torch.testing.assert_close(mi.resolve_alias(t, "blocks.1.hook_mlp_out").tensor, seen["chew"][0], rtol=0, atol=0)
+        torch.testing.assert_close(
+            mi.resolve_alias(t, f"blocks.{i}.hook_resid_post").tensor,
+            seen[f"body.{i}"][0],
+            rtol=0,
+            atol=0,
+        )
+    torch.testing.assert_close(
+        mi.resolve_alias(t, "blocks.1.hook_mlp_out").tensor, seen["chew"][0], rtol=0, atol=0
+    )
     assert mi.resolve_alias(t, "blocks.1.ln2.hook_normalized").module_address == "body.1.n2"
     assert t.structure.final_norm.address == "norm" and t.structure.unembed.address == "head"
 
@@ -117,7 +127,9 @@ class Wrapper(nn.Module):
 
 def _gpt2(model_cls=tf.GPT2LMHeadModel):
     torch.manual_seed(0)
-    cfg = tf.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=8, bos_token_id=0, eos_token_id=0)
+    cfg = tf.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=8, bos_token_id=0, eos_token_id=0
+    )
     return model_cls(cfg).eval()
 
 
@@ -159,12 +171,16 @@ def test_final_norm_is_found_with_and_without_a_head():
     for cls, prefix in ((tf.GPT2Model, ""), (tf.GPT2LMHeadModel, "transformer.")):
         model = _gpt2(cls)
         seen = {}
-        h = model.get_submodule(prefix + "ln_f").register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0]))
+        h = model.get_submodule(prefix + "ln_f").register_forward_pre_hook(
+            lambda m, a: seen.setdefault("x", a[0])
+        )
         try:
             t = tl.trace(model, torch.tensor([[1, 2, 3]]))
         finally:
             h.remove()
-        torch.testing.assert_close(t.modules[""].facets["final_norm_input"], seen["x"], rtol=0, atol=0)
+        torch.testing.assert_close(
+            t.modules[""].facets["final_norm_input"], seen["x"], rtol=0, atol=0
+        )
         assert mi.resolve_alias(t, "ln_final.hook_in").module_address == prefix + "ln_f"
         assert mi.resolve_alias(t, "layers_output[-1]", "nnterp").status == "real"
 
@@ -186,12 +202,18 @@ def test_repeated_layers_without_a_block_warn_and_roles_names_them():
     torch.manual_seed(0)
     model = Scrambled().eval()
     ids = torch.tensor([[1, 2, 3]])
-    with pytest.warns(UserWarning, match=r"layers hold repeated modules, but none was taken as a block.*roles="):
+    with pytest.warns(
+        UserWarning, match=r"layers hold repeated modules, but none was taken as a block.*roles="
+    ):
         t = tl.trace(model, ids)
     assert t.blocks == []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        named = tl.trace(model, ids, roles={"layers.*": "block", "layers.*.mix": "attention", "layers.*.chew": "mlp"})
+        named = tl.trace(
+            model,
+            ids,
+            roles={"layers.*": "block", "layers.*.mix": "attention", "layers.*.chew": "mlp"},
+        )
     assert named.blocks == ["layers.0", "layers.1"]
     assert named.structure.layers[1].mlp.address == "layers.1.chew"
     seen, handles = _hook_outputs({"l1": model.layers[1], "mix": model.layers[0].mix})
@@ -202,10 +224,12 @@ def test_repeated_layers_without_a_block_warn_and_roles_names_them():
     finally:
         for h in handles:
             h.remove()
-    torch.testing.assert_close(mi.resolve_alias(named, "blocks.1.hook_resid_post").tensor, seen["l1"][0],
-                               rtol=0, atol=0)
-    torch.testing.assert_close(mi.resolve_alias(named, "blocks.0.hook_attn_out").tensor, seen["mix"][0],
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        mi.resolve_alias(named, "blocks.1.hook_resid_post").tensor, seen["l1"][0], rtol=0, atol=0
+    )
+    torch.testing.assert_close(
+        mi.resolve_alias(named, "blocks.0.hook_attn_out").tensor, seen["mix"][0], rtol=0, atol=0
+    )
 
 
 def test_roles_names_the_unembedding_and_rejects_bad_values():
@@ -261,13 +285,27 @@ def test_self_and_cross_attention_are_both_kept_and_stacks_are_numbered_apart():
     s = t.structure
     assert s.kind == "encoder-decoder" and list(s.stacks) == ["enc", "dec"] and s.lm_stack == "dec"
     layer = s.stacks["dec"].layers[1]
-    assert (layer.attention.address, layer.cross_attention.address) == ("dec.1.self_attn", "dec.1.cross")
-    torch.testing.assert_close(layer.cross_attention.facets["output"], seen["cross"][0], rtol=0, atol=0)
-    assert layer.cross_attention.facets["pattern"].shape == (1, 2, 2, 3)  # [batch, heads, query=2, key=3]
+    assert (layer.attention.address, layer.cross_attention.address) == (
+        "dec.1.self_attn",
+        "dec.1.cross",
+    )
+    torch.testing.assert_close(
+        layer.cross_attention.facets["output"], seen["cross"][0], rtol=0, atol=0
+    )
+    assert layer.cross_attention.facets["pattern"].shape == (
+        1,
+        2,
+        2,
+        3,
+    )  # [batch, heads, query=2, key=3]
     assert layer.mlp.address == "dec.1.ff"
     assert t.blocks == ["dec.0", "dec.1"]  # decoder-only names read the language-model stack
-    torch.testing.assert_close(mi.resolve_alias(t, "blocks.1.attn.hook_pattern").tensor,
-                               layer.attention.facets["pattern"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        mi.resolve_alias(t, "blocks.1.attn.hook_pattern").tensor,
+        layer.attention.facets["pattern"],
+        rtol=0,
+        atol=0,
+    )
     report = mi.alias_report(t, generation="nnterp")
     assert {r.status for r in report} == {"structurally_absent"}
     assert all("decoder-only" in r.reason and "encoder-decoder" in r.reason for r in report)
@@ -275,38 +313,75 @@ def test_self_and_cross_attention_are_both_kept_and_stacks_are_numbered_apart():
 
 def _clip():
     torch.manual_seed(0)
-    cfg = tf.CLIPConfig(text_config=dict(num_hidden_layers=2, hidden_size=16, num_attention_heads=2,
-                                         intermediate_size=24, vocab_size=V, max_position_embeddings=8),
-                        vision_config=dict(num_hidden_layers=2, hidden_size=16, num_attention_heads=2,
-                                           intermediate_size=24, image_size=16, patch_size=8), projection_dim=8)
+    cfg = tf.CLIPConfig(
+        text_config=dict(
+            num_hidden_layers=2,
+            hidden_size=16,
+            num_attention_heads=2,
+            intermediate_size=24,
+            vocab_size=V,
+            max_position_embeddings=8,
+        ),
+        vision_config=dict(
+            num_hidden_layers=2,
+            hidden_size=16,
+            num_attention_heads=2,
+            intermediate_size=24,
+            image_size=16,
+            patch_size=8,
+        ),
+        projection_dim=8,
+    )
     return tf.CLIPModel(cfg).eval()
 
 
 def test_two_towers_make_per_layer_names_ambiguous():
-    t = tl.trace(_clip(), input_ids=torch.tensor([[1, 2, 3]]), pixel_values=torch.randn(1, 3, 16, 16))
+    t = tl.trace(
+        _clip(), input_ids=torch.tensor([[1, 2, 3]]), pixel_values=torch.randn(1, 3, 16, 16)
+    )
     assert t.structure.kind == "multi-tower" and len(t.structure.stacks) == 2
     r = mi.resolve_alias(t, "blocks.0.hook_resid_post")
-    assert r.status == "ambiguous" and "2 stacks" in r.reason and "vision_model.encoder.layers" in r.reason
+    assert (
+        r.status == "ambiguous"
+        and "2 stacks" in r.reason
+        and "vision_model.encoder.layers" in r.reason
+    )
     rows = [r for r in mi.alias_report(t, "2.x") if r.pattern == "blocks.{L}.hook_resid_post"]
     assert rows and {r.status for r in rows} == {"ambiguous"}
 
 
 def test_nnterp_and_interp_engine_say_they_are_decoder_only_on_bert():
     torch.manual_seed(0)
-    cfg = tf.BertConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=24,
-                        vocab_size=V, max_position_embeddings=8)
+    cfg = tf.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        intermediate_size=24,
+        vocab_size=V,
+        max_position_embeddings=8,
+    )
     t = tl.trace(tf.BertModel(cfg).eval(), torch.tensor([[1, 2, 3]]))
     assert t.structure.kind == "encoder-only"
     for gen in ("nnterp", "interp-engine"):
         report = mi.alias_report(t, gen)
-        assert report and all(r.status == "structurally_absent" and "decoder-only" in r.reason for r in report)
+        assert report and all(
+            r.status == "structurally_absent" and "decoder-only" in r.reason for r in report
+        )
     assert mi.resolve_alias(t, "blocks.1.hook_resid_post", "2.x").status == "real"
 
 
 def test_falcon_multi_query_heads_are_split_from_the_fused_projection():
     torch.manual_seed(0)
-    cfg = tf.FalconConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=V,
-                          multi_query=True, new_decoder_architecture=False, bos_token_id=0, eos_token_id=0)
+    cfg = tf.FalconConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=V,
+        multi_query=True,
+        new_decoder_architecture=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = tf.FalconForCausalLM(cfg).eval()
     seen, handles = _hook_outputs({"qkv": model.transformer.h[1].self_attention.query_key_value})
     try:
@@ -314,7 +389,9 @@ def test_falcon_multi_query_heads_are_split_from_the_fused_projection():
     finally:
         for h in handles:
             h.remove()
-    fused = seen["qkv"][0].view(1, 5, 4 + 2, 8)  # HF's multi-query layout: 4 query heads, then k, then v
+    fused = seen["qkv"][0].view(
+        1, 5, 4 + 2, 8
+    )  # HF's multi-query layout: 4 query heads, then k, then v
     f = t.modules["transformer.h.1.self_attention"].facets
     for name, truth in (("q", fused[:, :, :4]), ("k", fused[:, :, 4:5]), ("v", fused[:, :, 5:])):
         torch.testing.assert_close(f[name], truth, rtol=0, atol=0)
@@ -326,25 +403,52 @@ def test_falcon_multi_query_heads_are_split_from_the_fused_projection():
 def test_hooked_encoder_names_resolve_on_bert():
     """TL 2.x names on an encoder-only trace read HookedEncoder's (post-LN) sites, checked against hooks."""
     torch.manual_seed(0)
-    cfg = tf.BertConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=24,
-                        vocab_size=V, max_position_embeddings=8)
+    cfg = tf.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        intermediate_size=24,
+        vocab_size=V,
+        max_position_embeddings=8,
+    )
     model = tf.BertForMaskedLM(cfg).eval()
     layer = model.bert.encoder.layer[1]
-    outs = {"attn_out": layer.attention.output.dense, "pre": layer.intermediate.dense, "mlp_out": layer.output.dense,
-            "ln1": layer.attention.output.LayerNorm, "ln2": layer.output.LayerNorm, "block": layer}
-    ins = {"resid_mid": layer.attention.output.LayerNorm, "resid_post": layer.output.LayerNorm,
-           "post": layer.output.dense}
+    outs = {
+        "attn_out": layer.attention.output.dense,
+        "pre": layer.intermediate.dense,
+        "mlp_out": layer.output.dense,
+        "ln1": layer.attention.output.LayerNorm,
+        "ln2": layer.output.LayerNorm,
+        "block": layer,
+    }
+    ins = {
+        "resid_mid": layer.attention.output.LayerNorm,
+        "resid_post": layer.output.LayerNorm,
+        "post": layer.output.dense,
+    }
     seen, handles = _hook_outputs(outs)
-    handles += [m.register_forward_pre_hook(lambda mod, a, n=n: seen.setdefault(n, []).append(a[0].detach().clone()))
-                for n, m in ins.items()]
+    handles += [
+        m.register_forward_pre_hook(
+            lambda mod, a, n=n: seen.setdefault(n, []).append(a[0].detach().clone())
+        )
+        for n, m in ins.items()
+    ]
     try:
         t = tl.trace(model, torch.tensor([[1, 2, 3, 4]]))
     finally:
         for h in handles:
             h.remove()
-    expect = {"hook_attn_out": "attn_out", "mlp.hook_pre": "pre", "hook_mlp_out": "mlp_out",
-              "ln1.hook_normalized": "ln1", "ln2.hook_normalized": "ln2", "hook_normalized_resid_post": "block",
-              "hook_resid_mid": "resid_mid", "hook_resid_post": "resid_post", "mlp.hook_post": "post"}
+    expect = {
+        "hook_attn_out": "attn_out",
+        "mlp.hook_pre": "pre",
+        "hook_mlp_out": "mlp_out",
+        "ln1.hook_normalized": "ln1",
+        "ln2.hook_normalized": "ln2",
+        "hook_normalized_resid_post": "block",
+        "hook_resid_mid": "resid_mid",
+        "hook_resid_post": "resid_post",
+        "mlp.hook_post": "post",
+    }
     for name, key in expect.items():
         r = mi.resolve_alias(t, f"blocks.1.{name}", "2.x")
         assert r.status == "real", r
@@ -353,29 +457,47 @@ def test_hooked_encoder_names_resolve_on_bert():
     # Beyond the 32 real and 8 derived: the embedding and MLM-head norms' outputs (2 real) and scales
     # (2 derived), hook_mlp_in per layer (2 real); the per-head input copies (3 per layer) and hook_result
     # (BERT's W_O lies outside its attention) have no site
-    assert mi.alias_report(t, "2.x").counts() == {"real": 36, "reconstructed_read_only": 10, "structurally_absent": 8}
+    assert mi.alias_report(t, "2.x").counts() == {
+        "real": 36,
+        "reconstructed_read_only": 10,
+        "structurally_absent": 8,
+    }
 
 
 def test_bridge_names_on_t5_read_each_stack():
     """TL 4.x names on an encoder-decoder read the T5 adapter's stacks, each numbered from 0, against hooks."""
     torch.manual_seed(0)
-    model = tf.T5ForConditionalGeneration(tf.T5Config(num_layers=2, d_model=16, d_ff=24, num_heads=2, d_kv=8,
-                                                      vocab_size=V)).eval()
+    model = tf.T5ForConditionalGeneration(
+        tf.T5Config(num_layers=2, d_model=16, d_ff=24, num_heads=2, d_kv=8, vocab_size=V)
+    ).eval()
     enc, dec = model.encoder, model.decoder
-    outs = {"enc1": enc.block[1], "cross1": dec.block[1].layer[1].EncDecAttention,
-            "ln2": dec.block[0].layer[1].layer_norm, "ln3": dec.block[0].layer[2].layer_norm,
-            "enc_final": enc.final_layer_norm, "mlp1": dec.block[1].layer[2].DenseReluDense,
-            "enc_mlp0": enc.block[0].layer[1].DenseReluDense}
+    outs = {
+        "enc1": enc.block[1],
+        "cross1": dec.block[1].layer[1].EncDecAttention,
+        "ln2": dec.block[0].layer[1].layer_norm,
+        "ln3": dec.block[0].layer[2].layer_norm,
+        "enc_final": enc.final_layer_norm,
+        "mlp1": dec.block[1].layer[2].DenseReluDense,
+        "enc_mlp0": enc.block[0].layer[1].DenseReluDense,
+    }
     seen, handles = _hook_outputs(outs)
     try:
-        t = tl.trace(model, torch.tensor([[1, 2, 3, 4]]), decoder_input_ids=torch.tensor([[1, 2, 3]]))
+        t = tl.trace(
+            model, torch.tensor([[1, 2, 3, 4]]), decoder_input_ids=torch.tensor([[1, 2, 3]])
+        )
     finally:
         for h in handles:
             h.remove()
-    expect = {"encoder_blocks.1.hook_out": "enc1", "decoder_blocks.1.cross_attn.hook_out": "cross1",
-              "decoder_blocks.1.hook_cross_attn_out": "cross1", "decoder_blocks.0.ln2.hook_out": "ln2",
-              "decoder_blocks.0.ln3.hook_out": "ln3", "encoder_ln_final.hook_out": "enc_final",
-              "decoder_blocks.1.hook_mlp_out": "mlp1", "encoder_blocks.0.mlp.hook_out": "enc_mlp0"}
+    expect = {
+        "encoder_blocks.1.hook_out": "enc1",
+        "decoder_blocks.1.cross_attn.hook_out": "cross1",
+        "decoder_blocks.1.hook_cross_attn_out": "cross1",
+        "decoder_blocks.0.ln2.hook_out": "ln2",
+        "decoder_blocks.0.ln3.hook_out": "ln3",
+        "encoder_ln_final.hook_out": "enc_final",
+        "decoder_blocks.1.hook_mlp_out": "mlp1",
+        "encoder_blocks.0.mlp.hook_out": "enc_mlp0",
+    }
     for name, key in expect.items():
         r = mi.resolve_alias(t, name, "4.x")
         assert r.status == "real", r
@@ -412,40 +534,71 @@ def test_a_report_on_a_model_without_layers_says_so_per_name():
     report = mi.alias_report(t, "2.x")
     per_layer = [r for r in report if "{L}" in r.pattern]
     assert len(per_layer) == sum(1 for row in mi.table("2.x") if row.per_layer)
-    with_site = [r for r in per_layer if mi.table("2.x")[[x.name for x in mi.table("2.x")].index(r.pattern)].facet]
-    assert with_site and all(r.status == "structurally_absent" and "no stack of layers" in r.reason for r in with_site)
+    with_site = [
+        r
+        for r in per_layer
+        if mi.table("2.x")[[x.name for x in mi.table("2.x")].index(r.pattern)].facet
+    ]
+    assert with_site and all(
+        r.status == "structurally_absent" and "no stack of layers" in r.reason for r in with_site
+    )
     assert all("roles=" in r.remedy for r in with_site)
 
 
 def test_hooked_encoder_decoder_names_resolve_on_t5():
     """TL 2.x names on an encoder-decoder read HookedEncoderDecoder's sites, each stack from 0, against hooks."""
     torch.manual_seed(0)
-    model = tf.T5ForConditionalGeneration(tf.T5Config(num_layers=2, d_model=16, d_ff=24, num_heads=2, d_kv=8,
-                                                      vocab_size=V)).eval()
+    model = tf.T5ForConditionalGeneration(
+        tf.T5Config(num_layers=2, d_model=16, d_ff=24, num_heads=2, d_kv=8, vocab_size=V)
+    ).eval()
     enc, dec = model.encoder, model.decoder
-    outs = {"enc_mid1": enc.block[1].layer[0], "dec_mid_cross0": dec.block[0].layer[1],
-            "dec_cross1": dec.block[1].layer[1].EncDecAttention, "dec_post1": dec.block[1],
-            "enc_attn0": enc.block[0].layer[0].SelfAttention, "dec_mlp0": dec.block[0].layer[2].DenseReluDense}
+    outs = {
+        "enc_mid1": enc.block[1].layer[0],
+        "dec_mid_cross0": dec.block[0].layer[1],
+        "dec_cross1": dec.block[1].layer[1].EncDecAttention,
+        "dec_post1": dec.block[1],
+        "enc_attn0": enc.block[0].layer[0].SelfAttention,
+        "dec_mlp0": dec.block[0].layer[2].DenseReluDense,
+    }
     seen, handles = _hook_outputs(outs)
-    handles.append(enc.final_layer_norm.register_forward_pre_hook(
-        lambda m, a: seen.setdefault("enc_final_in", []).append(a[0].detach().clone())))  # returns None
+    handles.append(
+        enc.final_layer_norm.register_forward_pre_hook(
+            lambda m, a: seen.setdefault("enc_final_in", []).append(a[0].detach().clone())
+        )
+    )  # returns None
     try:
-        t = tl.trace(model, torch.tensor([[1, 2, 3, 4]]), decoder_input_ids=torch.tensor([[1, 2, 3]]))
+        t = tl.trace(
+            model, torch.tensor([[1, 2, 3, 4]]), decoder_input_ids=torch.tensor([[1, 2, 3]])
+        )
     finally:
         for h in handles:
             h.remove()
-    expect = {"encoder.1.hook_resid_mid": "enc_mid1", "decoder.0.hook_resid_mid_cross": "dec_mid_cross0",
-              "decoder.1.hook_cross_attn_out": "dec_cross1", "decoder.1.hook_resid_post": "dec_post1",
-              "encoder.0.hook_attn_out": "enc_attn0", "decoder.0.hook_mlp_out": "dec_mlp0",
-              "encoder.1.hook_resid_post": "enc_final_in"}
+    expect = {
+        "encoder.1.hook_resid_mid": "enc_mid1",
+        "decoder.0.hook_resid_mid_cross": "dec_mid_cross0",
+        "decoder.1.hook_cross_attn_out": "dec_cross1",
+        "decoder.1.hook_resid_post": "dec_post1",
+        "encoder.0.hook_attn_out": "enc_attn0",
+        "decoder.0.hook_mlp_out": "dec_mlp0",
+        "encoder.1.hook_resid_post": "enc_final_in",
+    }
     for name, key in expect.items():
         r = mi.resolve_alias(t, name, "2.x")
         assert r.status == "real", r
         torch.testing.assert_close(r.tensor, seen[key][0], rtol=0, atol=0)
     assert mi.resolve_alias(t, "decoder.1.cross_attn.hook_pattern", "2.x").shape == (1, 2, 3, 4)
-    assert mi.resolve_alias(t, "decoder_final_ln.hook_scale", "2.x").module_address == "decoder.final_layer_norm"
-    assert mi.resolve_alias(t, "decoder.0.ln2.hook_normalized", "2.x").module_address == "decoder.block.0.layer.1.layer_norm"
-    assert mi.resolve_alias(t, "encoder.0.ln2.hook_normalized", "2.x").module_address == "encoder.block.0.layer.1.layer_norm"
+    assert (
+        mi.resolve_alias(t, "decoder_final_ln.hook_scale", "2.x").module_address
+        == "decoder.final_layer_norm"
+    )
+    assert (
+        mi.resolve_alias(t, "decoder.0.ln2.hook_normalized", "2.x").module_address
+        == "decoder.block.0.layer.1.layer_norm"
+    )
+    assert (
+        mi.resolve_alias(t, "encoder.0.ln2.hook_normalized", "2.x").module_address
+        == "encoder.block.0.layer.1.layer_norm"
+    )
     with pytest.raises(mi.LayerOutOfRange):
         mi.resolve_alias(t, "decoder.2.hook_resid_post", "2.x")
 
@@ -470,8 +623,9 @@ def test_every_row_of_every_table_names_a_known_target_and_facet():
 
 def test_bridge_mlp_in_on_t5_is_the_residual_entering_the_mlp_wrapper():
     torch.manual_seed(0)
-    model = tf.T5ForConditionalGeneration(tf.T5Config(num_layers=2, d_model=16, d_ff=24, num_heads=2, d_kv=8,
-                                                      vocab_size=V)).eval()
+    model = tf.T5ForConditionalGeneration(
+        tf.T5Config(num_layers=2, d_model=16, d_ff=24, num_heads=2, d_kv=8, vocab_size=V)
+    ).eval()
     seen = {}
 
     def keep(key):
@@ -480,14 +634,21 @@ def test_bridge_mlp_in_on_t5_is_the_residual_entering_the_mlp_wrapper():
 
         return hook
 
-    handles = [model.encoder.block[0].layer[1].register_forward_pre_hook(keep("enc")),
-               model.decoder.block[1].layer[2].register_forward_pre_hook(keep("dec"))]
+    handles = [
+        model.encoder.block[0].layer[1].register_forward_pre_hook(keep("enc")),
+        model.decoder.block[1].layer[2].register_forward_pre_hook(keep("dec")),
+    ]
     try:
-        t = tl.trace(model, torch.tensor([[1, 2, 3, 4]]), decoder_input_ids=torch.tensor([[1, 2, 3]]))
+        t = tl.trace(
+            model, torch.tensor([[1, 2, 3, 4]]), decoder_input_ids=torch.tensor([[1, 2, 3]])
+        )
     finally:
         for h in handles:
             h.remove()
-    for name, key in (("encoder_blocks.0.hook_mlp_in", "enc"), ("decoder_blocks.1.hook_mlp_in", "dec")):
+    for name, key in (
+        ("encoder_blocks.0.hook_mlp_in", "enc"),
+        ("decoder_blocks.1.hook_mlp_in", "dec"),
+    ):
         r = mi.resolve_alias(t, name, "4.x")
         assert r.status == "real", r
         torch.testing.assert_close(r.tensor, seen[key], rtol=0, atol=0)
@@ -504,8 +665,14 @@ def test_a_model_wrapped_by_the_transformer_lens_bridge_keeps_its_layers(family)
     bridge, hf_model = engine_runs._bridge(family, "eager")
     layers = hf_model.transformer.h if family == "gpt2" else hf_model.model.layers
     seen = []
-    handles = [m.register_forward_hook(lambda m, a, out: seen.append((out[0] if isinstance(out, tuple) else out)
-                                                                       .detach().clone())) for m in layers]
+    handles = [
+        m.register_forward_hook(
+            lambda m, a, out: seen.append(
+                (out[0] if isinstance(out, tuple) else out).detach().clone()
+            )
+        )
+        for m in layers
+    ]
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         hf_model(ids)
@@ -515,7 +682,9 @@ def test_a_model_wrapped_by_the_transformer_lens_bridge_keeps_its_layers(family)
     prefix = "transformer.h" if family == "gpt2" else "model.layers"
     assert t.blocks == [f"{prefix}.{i}" for i in range(len(layers))]
     for i in range(len(layers)):
-        torch.testing.assert_close(mi.resolve_alias(t, f"blocks.{i}.hook_resid_post").tensor, seen[i], rtol=0, atol=0)
+        torch.testing.assert_close(
+            mi.resolve_alias(t, f"blocks.{i}.hook_resid_post").tensor, seen[i], rtol=0, atol=0
+        )
 
 
 def test_every_stack_has_its_final_norm_by_the_one_rule():
@@ -523,30 +692,63 @@ def test_every_stack_has_its_final_norm_by_the_one_rule():
     encoder's norm reads the encoder's last block output (a forward hook on both says so) and the
     decoder's is `Structure.final_norm`; a CLIP-style pair of towers gets one per tower."""
     torch.manual_seed(0)
-    model = tf.T5ForConditionalGeneration(tf.T5Config(num_layers=2, d_model=16, d_ff=24, num_heads=2, d_kv=8,
-                                                      vocab_size=V)).eval()
-    seen, handles = _hook_outputs({"enc_last": model.encoder.block[1], "dec_last": model.decoder.block[1]})
+    model = tf.T5ForConditionalGeneration(
+        tf.T5Config(num_layers=2, d_model=16, d_ff=24, num_heads=2, d_kv=8, vocab_size=V)
+    ).eval()
+    seen, handles = _hook_outputs(
+        {"enc_last": model.encoder.block[1], "dec_last": model.decoder.block[1]}
+    )
     inputs = {}
-    handles += [m.register_forward_pre_hook(lambda mod, args, k=k: inputs.__setitem__(k, args[0].clone()))
-                for k, m in (("enc_norm", model.encoder.final_layer_norm), ("dec_norm", model.decoder.final_layer_norm))]
+    handles += [
+        m.register_forward_pre_hook(lambda mod, args, k=k: inputs.__setitem__(k, args[0].clone()))
+        for k, m in (
+            ("enc_norm", model.encoder.final_layer_norm),
+            ("dec_norm", model.decoder.final_layer_norm),
+        )
+    ]
     try:
-        t = tl.trace(model, torch.tensor([[1, 2, 3, 4]]), decoder_input_ids=torch.tensor([[1, 2, 3]]))
+        t = tl.trace(
+            model, torch.tensor([[1, 2, 3, 4]]), decoder_input_ids=torch.tensor([[1, 2, 3]])
+        )
     finally:
         for h in handles:
             h.remove()
     stacks = t.structure.stacks
     assert {n: s.final_norm.address for n, s in stacks.items()} == {
-        "encoder.block": "encoder.final_layer_norm", "decoder.block": "decoder.final_layer_norm"}
+        "encoder.block": "encoder.final_layer_norm",
+        "decoder.block": "decoder.final_layer_norm",
+    }
     assert t.structure.final_norm is stacks[t.structure.lm_stack].final_norm
     torch.testing.assert_close(inputs["enc_norm"], seen["enc_last"][0], rtol=0, atol=0)
-    torch.testing.assert_close(t.modules["encoder.final_layer_norm"].facets["input"], inputs["enc_norm"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        t.modules["encoder.final_layer_norm"].facets["input"], inputs["enc_norm"], rtol=0, atol=0
+    )
 
-    clip = tf.CLIPModel(tf.CLIPConfig(
-        text_config=dict(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                         num_attention_heads=2, max_position_embeddings=16),
-        vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=8, patch_size=4))).eval()
+    clip = tf.CLIPModel(
+        tf.CLIPConfig(
+            text_config=dict(
+                vocab_size=V,
+                hidden_size=16,
+                intermediate_size=24,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                max_position_embeddings=16,
+            ),
+            vision_config=dict(
+                hidden_size=16,
+                intermediate_size=24,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=8,
+                patch_size=4,
+            ),
+        )
+    ).eval()
     t = tl.trace(clip, input_ids=torch.tensor([[1, 2, 3]]), pixel_values=torch.zeros(1, 3, 8, 8))
-    finals = {n: (s.final_norm.address if s.final_norm else None) for n, s in t.structure.stacks.items()}
-    assert finals == {"text_model.encoder.layers": "text_model.final_layer_norm",
-                      "vision_model.encoder.layers": "vision_model.post_layernorm"}, finals
+    finals = {
+        n: (s.final_norm.address if s.final_norm else None) for n, s in t.structure.stacks.items()
+    }
+    assert finals == {
+        "text_model.encoder.layers": "text_model.final_layer_norm",
+        "vision_model.encoder.layers": "vision_model.post_layernorm",
+    }, finals

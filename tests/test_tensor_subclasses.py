@@ -31,4 +31,6 @@ def test_a_tensor_subclass_input_keeps_its_type_in_every_kept_alias():
         site = t.modules[address].facets["input"]
         assert type(site) is _Tagged, address
     assert torch.equal(t.ops[0].tensor.as_subclass(torch.Tensor), x.as_subclass(torch.Tensor))
-    assert torch.equal(t.modules["2"].facets["output"].as_subclass(torch.Tensor), plain.as_subclass(torch.Tensor))
+    assert torch.equal(
+        t.modules["2"].facets["output"].as_subclass(torch.Tensor), plain.as_subclass(torch.Tensor)
+    )

@@ -24,7 +24,7 @@ GENERATIONS = list(mi.GENERATIONS)
 PAIRS = [(a, b) for a, b in itertools.permutations(GENERATIONS, 2)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def family_trace(family: str) -> tl.Trace:
     """A trace built here, not through translate's cache: the reference side of every check."""
     return tl.trace(testing.build(family), testing.token_ids(length=5), save="all")
@@ -45,7 +45,7 @@ def names_of(generation: str, trace: tl.Trace) -> list[str]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sites(family: str, generation: str) -> dict[str, tuple | None]:
     """name -> the site `resolve_alias` gives it on the family's trace, (module, call, facet), or None."""
     trace = family_trace(family)
@@ -53,8 +53,11 @@ def sites(family: str, generation: str) -> dict[str, tuple | None]:
     for name in names_of(generation, trace):
         r = mi.resolve_alias(trace, name, generation=generation)
         readable = r.module_address is not None and r.facet is not None
-        out[name] = (r.module_address, r.call, r.facet) if readable and r.status not in (
-            "structurally_absent", "ambiguous") else None
+        out[name] = (
+            (r.module_address, r.call, r.facet)
+            if readable and r.status not in ("structurally_absent", "ambiguous")
+            else None
+        )
     return out
 
 
@@ -73,7 +76,13 @@ def test_every_answer_on_every_family_is_what_resolving_both_names_gives(family)
         for name in sites(family, source):
             got = mi.translate(name, from_generation=source, to_generation=target, family=family)
             status, names = expected(family, name, source, target)
-            assert (got.status, sorted(got.names)) == (status, sorted(names)), (family, source, target, name, got)
+            assert (got.status, sorted(got.names)) == (status, sorted(names)), (
+                family,
+                source,
+                target,
+                name,
+                got,
+            )
             assert got.family == family and got.reason
             checked += 1
     assert checked > 1000
@@ -90,10 +99,14 @@ def test_a_trace_passed_in_gives_the_answers_of_its_family():
 def test_gemma2_hook_mlp_out_has_no_4x_or_nnterp_name():
     """The case a reader hit: 2.x hook_mlp_out reads the post-MLP norm on Gemma-2, which 4.x and nnterp do not name."""
     for target in ("4.x", "nnterp"):
-        got = mi.translate("blocks.1.hook_mlp_out", from_generation="2.x", to_generation=target, family="gemma2")
+        got = mi.translate(
+            "blocks.1.hook_mlp_out", from_generation="2.x", to_generation=target, family="gemma2"
+        )
         assert got.status == "no_name" and got.names == ()
         assert got.site == "model.layers.1.post_feedforward_layernorm:output"
-    on_gpt2 = mi.translate("blocks.1.hook_mlp_out", from_generation="2.x", to_generation="nnterp", family="gpt2")
+    on_gpt2 = mi.translate(
+        "blocks.1.hook_mlp_out", from_generation="2.x", to_generation="nnterp", family="gpt2"
+    )
     assert on_gpt2.names == ("mlps_output[1]",)
 
 
@@ -137,7 +150,9 @@ def test_answers_from_the_tables_hold_on_every_family(source, target):
 def test_without_a_model_a_negative_layer_depends_on_the_depth():
     got = mi.translate("layers_output[-1]", from_generation="nnterp", to_generation="2.x")
     assert got.status == "depends_on_family" and "depth" in got.reason
-    on_trace = mi.translate("layers_output[-1]", from_generation="nnterp", to_generation="2.x", family="llama")
+    on_trace = mi.translate(
+        "layers_output[-1]", from_generation="nnterp", to_generation="2.x", family="llama"
+    )
     assert on_trace.names == ("blocks.1.hook_resid_post",)
     same = mi.translate("layers_output[-1]", from_generation="nnterp", to_generation="nnterp")
     assert same.status == "same_site" and same.names == ("layers_output[-1]",)
@@ -149,7 +164,7 @@ def test_the_shared_modules_are_exactly_the_target_pairs_some_family_finds_on_on
         trace = family_trace(family)
         calls: dict[tuple, set[str]] = {}
         for target, row in _targets.TARGETS.items():
-            for layer in (range(len(trace.blocks)) if row.per_layer else [None]):
+            for layer in range(len(trace.blocks)) if row.per_layer else [None]:
                 call, _ = _targets.find_call(trace, target, layer)
                 if call is not None:
                     calls.setdefault((call.address, call.index), set()).add(target)
@@ -158,17 +173,40 @@ def test_the_shared_modules_are_exactly_the_target_pairs_some_family_finds_on_on
     assert found == _translate.SHARED_MODULES
 
 
-@pytest.mark.parametrize("kwargs,error,words", [
-    (dict(name="blocks.0.hook_resid_pst"), mi.UnknownAlias, "'blocks.0.hook_resid_post'"),
-    (dict(name="blocks.0.hook_in"), mi.UnknownAlias, "It is a name of 3.x and 4.x"),
-    (dict(name="blocks.01.hook_resid_post"), mi.MalformedAlias, "write the layer as 1"),
-    (dict(name="  "), mi.UnknownAlias, "non-empty string"),
-    (dict(name="blocks.0.hook_resid_post", from_generation="2x"), mi.UnknownGeneration, "Did you mean '2.x'"),
-    (dict(name="blocks.0.hook_resid_post", to_generation="nnterpp"), mi.UnknownGeneration, "'nnterp'"),
-    (dict(name="blocks.0.hook_resid_post", family="gpt-2"), mi.UnknownFamily, "Did you mean 'gpt2'"),
-    (dict(name="blocks.0.hook_resid_post", family="gpt2", trace="any"), mi.UnknownFamily, "not both"),
-    (dict(name="blocks.9.hook_resid_post", family="gpt2"), mi.LayerOutOfRange, "layers are 0..1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,words",
+    [
+        (dict(name="blocks.0.hook_resid_pst"), mi.UnknownAlias, "'blocks.0.hook_resid_post'"),
+        (dict(name="blocks.0.hook_in"), mi.UnknownAlias, "It is a name of 3.x and 4.x"),
+        (dict(name="blocks.01.hook_resid_post"), mi.MalformedAlias, "write the layer as 1"),
+        (dict(name="  "), mi.UnknownAlias, "non-empty string"),
+        (
+            dict(name="blocks.0.hook_resid_post", from_generation="2x"),
+            mi.UnknownGeneration,
+            "Did you mean '2.x'",
+        ),
+        (
+            dict(name="blocks.0.hook_resid_post", to_generation="nnterpp"),
+            mi.UnknownGeneration,
+            "'nnterp'",
+        ),
+        (
+            dict(name="blocks.0.hook_resid_post", family="gpt-2"),
+            mi.UnknownFamily,
+            "Did you mean 'gpt2'",
+        ),
+        (
+            dict(name="blocks.0.hook_resid_post", family="gpt2", trace="any"),
+            mi.UnknownFamily,
+            "not both",
+        ),
+        (
+            dict(name="blocks.9.hook_resid_post", family="gpt2"),
+            mi.LayerOutOfRange,
+            "layers are 0..1",
+        ),
+    ],
+)
 def test_a_bad_argument_raises_a_torchlens_error_that_says_what_is_accepted(kwargs, error, words):
     kwargs = {"from_generation": "2.x", "to_generation": "4.x", **kwargs}
     with pytest.raises(error) as caught:

@@ -13,12 +13,11 @@ import dataclasses
 import re
 
 import pytest
+import script_modules
 
 import torchlens as tl
 import torchlens.mechinterp as mi
 from torchlens import testing
-
-import script_modules
 
 gen = script_modules.load("gen_translation_page")
 
@@ -28,7 +27,9 @@ def _section(text: str, title: str) -> str:
 
 
 def _row(section: str, address: str, facet: str) -> list[str]:
-    line = next(line for line in section.splitlines() if line.startswith(f"| `{address}`<br>`{facet}` |"))
+    line = next(
+        line for line in section.splitlines() if line.startswith(f"| `{address}`<br>`{facet}` |")
+    )
     return [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
 
 
@@ -36,7 +37,9 @@ def test_the_committed_page_is_current(capsys):
     before = gen.PAGE.read_text(encoding="utf-8")
     rc = gen.main(["--check"])
     out = capsys.readouterr().out
-    assert rc == 0, f"stale translation page; run `python scripts/gen_translation_page.py` and commit it:\n{out}"
+    assert rc == 0, (
+        f"stale translation page; run `python scripts/gen_translation_page.py` and commit it:\n{out}"
+    )
     assert gen.PAGE.read_text(encoding="utf-8") == before, "--check must not write the page"
 
 
@@ -46,19 +49,27 @@ def test_every_family_has_a_table_with_a_column_per_generation():
         section = _section(text, gen.TITLES[family])
         header = next(line for line in section.splitlines() if line.startswith("| site |"))
         cells = [c.strip() for c in header.strip("|").split("|")]
-        assert cells[:2] == ["site", "status"] and cells[4:7] == ["4.x", "nnterp", "interp-engine"], header
+        assert cells[:2] == ["site", "status"] and cells[4:7] == [
+            "4.x",
+            "nnterp",
+            "interp-engine",
+        ], header
         assert cells[2] == "2.x" and cells[3].startswith("3.x"), header
         assert (cells[-1] == "vLLM hook") == (family in gen.VLLM_FAMILIES), (family, header)
 
 
 def test_the_vllm_column_reads_names_the_serving_page_uses_and_the_3x_table_has():
     hooks, names = gen.serving_hooks(gen.SERVING.read_text(encoding="utf-8"))
-    assert len(names) >= 14 and set(gen.VLLM_FAMILIES.values()) <= {w for c in hooks for w in re.findall(r"[\w-]+", c)}
+    assert len(names) >= 14 and set(gen.VLLM_FAMILIES.values()) <= {
+        w for c in hooks for w in re.findall(r"[\w-]+", c)
+    }
     trace = tl.trace(testing.build("llama"), testing.token_ids(length=3))
     for name in names:  # each is a 3.x name (resolving raises UnknownAlias otherwise)
         mi.resolve_alias(trace, name.replace("{L}", "0"), generation="3.x")
     section = _section(gen.PAGE.read_text(encoding="utf-8"), "Llama")
-    assert _row(section, "model.layers.{L}", "resid_mid")[-1] == "`model.layers.{L}` output element 1"
+    assert (
+        _row(section, "model.layers.{L}", "resid_mid")[-1] == "`model.layers.{L}` output element 1"
+    )
     assert _row(section, "model.layers.{L}.self_attn", "pattern")[-1].startswith("no tensor")
 
 
@@ -68,17 +79,31 @@ def test_a_row_says_what_translate_says_gemma2_hook_mlp_out():
     cells = _row(section, "model.layers.{L}.post_feedforward_layernorm", "output")
     assert cells[2] == "`blocks.{L}.hook_mlp_out`" and cells[4] == "—" and cells[5] == "—"
     for target in ("4.x", "nnterp"):
-        assert mi.translate("blocks.0.hook_mlp_out", from_generation="2.x", to_generation=target,
-                            family="gemma2").status == "no_name"
-    gpt2 = _row(_section(gen.PAGE.read_text(encoding="utf-8"), "GPT-2"), "transformer.h.{L}.mlp", "output")
-    assert cells != gpt2 and gpt2[4] == "`blocks.{L}.mlp.hook_out`" and gpt2[5] == "`mlps_output[{L}]`"
+        assert (
+            mi.translate(
+                "blocks.0.hook_mlp_out",
+                from_generation="2.x",
+                to_generation=target,
+                family="gemma2",
+            ).status
+            == "no_name"
+        )
+    gpt2 = _row(
+        _section(gen.PAGE.read_text(encoding="utf-8"), "GPT-2"), "transformer.h.{L}.mlp", "output"
+    )
+    assert (
+        cells != gpt2 and gpt2[4] == "`blocks.{L}.mlp.hook_out`" and gpt2[5] == "`mlps_output[{L}]`"
+    )
 
 
 def test_an_edited_table_changes_the_page(monkeypatch):
     vllm, _ = gen.serving_hooks(gen.SERVING.read_text(encoding="utf-8"))
     before = "\n".join(gen.family_section("gpt2", vllm))
     table = mi.GENERATIONS["nnterp"]
-    rows = [dataclasses.replace(r, facet="resid_pre") if r.name == "layers_output[{L}]" else r for r in table.rows]
+    rows = [
+        dataclasses.replace(r, facet="resid_pre") if r.name == "layers_output[{L}]" else r
+        for r in table.rows
+    ]
     monkeypatch.setitem(mi.GENERATIONS, "nnterp", dataclasses.replace(table, rows=tuple(rows)))
     after = "\n".join(gen.family_section("gpt2", vllm))
     assert before != after

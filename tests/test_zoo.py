@@ -49,7 +49,10 @@ def test_every_variant_the_model_supports_ran(results):
         dtypes = {v.split(" ")[0].split("/")[1] for v in r.variants}
         assert dtypes == {"float32", "bfloat16"}, (r.name, r.variants)
         impls = {v.split("/")[0] for v in r.variants}
-        assert impls == {"eager", "sdpa"} or (impls == {"eager"} and r.unsupported), (r.name, r.variants)
+        assert impls == {"eager", "sdpa"} or (impls == {"eager"} and r.unsupported), (
+            r.name,
+            r.variants,
+        )
     padded = [r.name for r in results.values() if any("left-padded" in v for v in r.variants)]
     assert len(padded) >= 20
 
@@ -66,7 +69,9 @@ def test_the_registry_names_the_attention_implementations_transformers_runs(resu
 def test_coverage_page_is_current(results):
     committed = gen.PAGE.read_text(encoding="utf-8")
     rendered = gen.render(list(results.values()))
-    assert committed == rendered, "docs/guides/coverage.md is stale: run python scripts/gen_coverage.py"
+    assert committed == rendered, (
+        "docs/guides/coverage.md is stale: run python scripts/gen_coverage.py"
+    )
 
 
 def test_a_wrong_structure_is_reported():
@@ -80,10 +85,17 @@ def test_a_wrong_structure_is_reported():
     def with_structure(**changes):
         return dataclasses.replace(llama, structure=dataclasses.replace(llama.structure, **changes))
 
-    wrong = with_structure(stacks={"model.layers": dataclasses.replace(stack, mlp="post_attention_layernorm")})
+    wrong = with_structure(
+        stacks={"model.layers": dataclasses.replace(stack, mlp="post_attention_layernorm")}
+    )
     r = zoo.run_family(wrong)
-    assert r.failures and all("expected 'model.layers.0.post_attention_layernorm'" in f for f in r.failures)
+    assert r.failures and all(
+        "expected 'model.layers.0.post_attention_layernorm'" in f for f in r.failures
+    )
     wrong = with_structure(stacks={"model.layers": dataclasses.replace(stack, n=3)})
     assert all("stacks model.layers (2 layers)" in f for f in zoo.run_family(wrong).failures)
     wrong = with_structure(embed="lm_head")
-    assert all("token embedding 'model.embed_tokens', expected 'lm_head'" in f for f in zoo.run_family(wrong).failures)
+    assert all(
+        "token embedding 'model.embed_tokens', expected 'lm_head'" in f
+        for f in zoo.run_family(wrong).failures
+    )

@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if importlib.util.find_spec("sglang") is None:
     raise SystemExit("This check needs SGLang and a CUDA GPU (pip install sglang).")
 
-import sglang as sgl  # noqa: E402
-import torch  # noqa: E402
+import sglang as sgl
+import torch
+from _tiny import PROMPT, tiny_llama
 
-import torchlens as tl  # noqa: E402
-import torchlens.mechinterp as mi  # noqa: E402
-from _tiny import PROMPT, tiny_llama  # noqa: E402
+import torchlens as tl
+import torchlens.mechinterp as mi
 
 
 def main() -> int:
@@ -57,7 +57,9 @@ def main() -> int:
         print(report)
         if report.ok:
             matches.append(name)
-    print("SGLang's hidden states are", matches[0] if len(matches) == 1 else f"ambiguous: {matches}")
+    print(
+        "SGLang's hidden states are", matches[0] if len(matches) == 1 else f"ambiguous: {matches}"
+    )
     return 0 if len(matches) == 1 else 1
 
 

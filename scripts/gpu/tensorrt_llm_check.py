@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if importlib.util.find_spec("tensorrt_llm") is None:
     raise SystemExit("This check needs TensorRT-LLM and a CUDA GPU (pip install tensorrt_llm).")
 
-import torch  # noqa: E402
-from tensorrt_llm import LLM, SamplingParams  # noqa: E402
+import torch
+from _tiny import PROMPT, tiny_llama
+from tensorrt_llm import LLM, SamplingParams
 
-import torchlens as tl  # noqa: E402
-import torchlens.mechinterp as mi  # noqa: E402
-from _tiny import PROMPT, tiny_llama  # noqa: E402
+import torchlens as tl
+import torchlens.mechinterp as mi
 
 
 def main() -> int:
@@ -43,7 +43,9 @@ def main() -> int:
         finally:
             llm.shutdown()
         logits = torch.as_tensor(output.context_logits).float().cpu()[: len(PROMPT)]
-        report = mi.compare(trace, {"unembed.hook_out": logits}, generation="4.x", atol=tol, rtol=tol)
+        report = mi.compare(
+            trace, {"unembed.hook_out": logits}, generation="4.x", atol=tol, rtol=tol
+        )
         print(dtype, report, sep="\n")
         ok = ok and report.ok
     return 0 if ok else 1

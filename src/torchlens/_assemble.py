@@ -35,8 +35,16 @@ from torchlens._trace import Trace
 __all__ = ["assemble", "note_edited_refusals"]
 
 
-def assemble(rec: Recorder, model: nn.Module, names: dict[nn.Module, str], aliases: dict[str, str],
-             roles: Roles, plan: CapturePlan, output: Any, overwritten: list[int]) -> Trace:
+def assemble(
+    rec: Recorder,
+    model: nn.Module,
+    names: dict[nn.Module, str],
+    aliases: dict[str, str],
+    roles: Roles,
+    plan: CapturePlan,
+    output: Any,
+    overwritten: list[int],
+) -> Trace:
     """The `Trace` of the forward `rec` recorded.
 
     Args:
@@ -64,7 +72,15 @@ def assemble(rec: Recorder, model: nn.Module, names: dict[nn.Module, str], alias
     records = module_records(names, aliases, roles, rec.calls, sites)
     plan.check_kept(rec.calls)
     blocks = [layer.call.address for layer in structure.layers]
-    return Trace(rec.ops, ModuleMap(records, aliases), output, blocks, type(model).__name__, plan.spec, structure)
+    return Trace(
+        rec.ops,
+        ModuleMap(records, aliases),
+        output,
+        blocks,
+        type(model).__name__,
+        plan.spec,
+        structure,
+    )
 
 
 def drop_overwritten(rec: Recorder, overwritten: list[int]) -> None:
@@ -83,8 +99,13 @@ def drop_overwritten(rec: Recorder, overwritten: list[int]) -> None:
         rec.ops[i].tensors = (None,) * len(rec.ops[i].tensors)
 
 
-def module_records(names: dict[nn.Module, str], aliases: dict[str, str], roles: dict[str, str],
-                   calls: list, sites: list[dict]) -> dict[str, ModuleRecord]:
+def module_records(
+    names: dict[nn.Module, str],
+    aliases: dict[str, str],
+    roles: dict[str, str],
+    calls: list,
+    sites: list[dict],
+) -> dict[str, ModuleRecord]:
     """One `ModuleRecord` per canonical address, holding its calls, each with its `FacetMap`;
     the aliases the hooks kept during capture are released."""
     alias_of: dict[str, list[str]] = {}
@@ -107,7 +128,10 @@ def note_edited_refusals(result: Trace) -> None:
     for r in result.edits:
         calls = result.modules[r.module_address].calls
         for c in r.calls:
-            if c < len(calls) and calls[c].facets is not None:  # now, or when a pending check refuses it
+            if (
+                c < len(calls) and calls[c].facets is not None
+            ):  # now, or when a pending check refuses it
                 calls[c].facets.explain_refusal(
-                    r.facet, f" (this trace edited it, edit={{{r.key!r}: ...}}, which breaks that relation)"
+                    r.facet,
+                    f" (this trace edited it, edit={{{r.key!r}: ...}}, which breaks that relation)",
                 )

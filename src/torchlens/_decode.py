@@ -156,8 +156,10 @@ class DecodeReport(list):
     def __repr__(self) -> str:
         if not self.steps:
             return "DecodeReport([])"
-        lines = [f"decode check: {len(self.steps)} steps, {len(self)} sites, "
-                 f"{'every site agrees with a full forward' if self.ok else f'{len(self.failed_steps)} steps differ'}"]
+        lines = [
+            f"decode check: {len(self.steps)} steps, {len(self)} sites, "
+            f"{'every site agrees with a full forward' if self.ok else f'{len(self.failed_steps)} steps differ'}"
+        ]
         for s, v in self.steps.items():
             worst = max((r.max_abs_error or 0.0 for r in self if r.step == s), default=0.0)
             line = f"  step {s:>3}: {'ok ' if v.passed else 'BAD'} {v.rows:>4} sites, max |diff| {worst:.3g}"
@@ -170,9 +172,18 @@ class DecodeReport(list):
         rows = []
         for s, v in self.steps.items():
             worst = max((r.max_abs_error or 0.0 for r in self if r.step == s), default=0.0)
-            rows.append([html.esc(s), "ok" if v.passed else "<b>differs</b>", html.esc(v.rows), html.esc(f"{worst:.3g}"),
-                         html.esc(v.explanation)])
-        return html.table(["step", "verdict", "sites", "max |diff|", "explanation"], rows, caption="decode check")
+            rows.append(
+                [
+                    html.esc(s),
+                    "ok" if v.passed else "<b>differs</b>",
+                    html.esc(v.rows),
+                    html.esc(f"{worst:.3g}"),
+                    html.esc(v.explanation),
+                ]
+            )
+        return html.table(
+            ["step", "verdict", "sites", "max |diff|", "explanation"], rows, caption="decode check"
+        )
 
 
 # -- the reference forward ---------------------------------------------------------------------
@@ -205,7 +216,11 @@ def _reference_kwargs(gen: GenerationTrace, step: int, shift: int = 0) -> dict[s
     if encdec:
         call = gen._call
         # the decoder's ids first: the root's `input` facet is its first tensor argument, as at the step
-        kwargs: dict[str, Any] = {"decoder_input_ids": ids, "input_ids": gen.prompt, "use_cache": False}
+        kwargs: dict[str, Any] = {
+            "decoder_input_ids": ids,
+            "input_ids": gen.prompt,
+            "use_cache": False,
+        }
         if call.get("kwargs", {}).get("attention_mask") is not None:
             kwargs["attention_mask"] = call["kwargs"]["attention_mask"]
         if mask is not None:
@@ -217,7 +232,7 @@ def _reference_kwargs(gen: GenerationTrace, step: int, shift: int = 0) -> dict[s
         pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
         if shift:
             pos = pos.clone()
-            pos[:, info[0].new_tokens:] += shift
+            pos[:, info[0].new_tokens :] += shift
         kwargs["position_ids"] = pos
     return kwargs
 
@@ -238,7 +253,9 @@ def _saved_sites(step_trace: Trace) -> list[tuple[Any, str]]:
     return [(c, name) for _, c, name in found]
 
 
-def _rerun(model: nn.Module, kwargs: dict, wanted: set[tuple[str, str]], dtype: torch.dtype | None = None) -> Trace:
+def _rerun(
+    model: nn.Module, kwargs: dict, wanted: set[tuple[str, str]], dtype: torch.dtype | None = None
+) -> Trace:
     if dtype is not None:
         model = copy.deepcopy(model).to(dtype)
     with torch.no_grad():
@@ -296,7 +313,9 @@ def _align(facet: str, dec: Tensor, ref: Tensor, new: int) -> tuple[Tensor, Tens
     return lined
 
 
-def _align_axes(facet: str, dec: Tensor, ref: Tensor, new: int) -> tuple[Tensor, Tensor, str] | None:
+def _align_axes(
+    facet: str, dec: Tensor, ref: Tensor, new: int
+) -> tuple[Tensor, Tensor, str] | None:
     pos, key = _axes(facet, dec, ref)
     if pos is None:
         return (dec, ref, "as is") if dec.shape == ref.shape else None
@@ -315,14 +334,18 @@ def _align_axes(facet: str, dec: Tensor, ref: Tensor, new: int) -> tuple[Tensor,
         return dec, ref, layout + f"; keys: the {kr} positions"
     if kd > kr:  # a static cache's buffer: slots past the prefix
         if facet == "pattern":
-            pad = ref.new_zeros(ref.shape[:key] + (kd - kr,) + ref.shape[key + 1:])
-            return dec, torch.cat([ref, pad], dim=key), layout + f"; keys: {kr} positions, then {kd - kr} empty slots (weight 0)"
+            pad = ref.new_zeros(ref.shape[:key] + (kd - kr,) + ref.shape[key + 1 :])
+            return (
+                dec,
+                torch.cat([ref, pad], dim=key),
+                layout + f"; keys: {kr} positions, then {kd - kr} empty slots (weight 0)",
+            )
         return dec.narrow(key, 0, kr), ref, layout + f"; keys: the first {kr} of {kd} slots"
     # fewer keys than positions: a window's last ones, or (a cache read before its update) the first ones
     options = []
     for where, start in (("last", kr - kd), ("first", 0)):
         if facet == "pattern":
-            full = dec.new_zeros(dec.shape[:key] + (kr,) + dec.shape[key + 1:])
+            full = dec.new_zeros(dec.shape[:key] + (kr,) + dec.shape[key + 1 :])
             full.narrow(key, start, kd).copy_(dec)
             pair = (full, ref)
         else:
@@ -337,12 +360,22 @@ def _align_axes(facet: str, dec: Tensor, ref: Tensor, new: int) -> tuple[Tensor,
 # -- tolerance ---------------------------------------------------------------------------------
 
 
-def _tolerance(facet: str, full: Tensor, full64: Tensor | None, atol: float | None, rtol: float | None,
-               auto: bool) -> tuple[float, float, str]:
+def _tolerance(
+    facet: str,
+    full: Tensor,
+    full64: Tensor | None,
+    atol: float | None,
+    rtol: float | None,
+    auto: bool,
+) -> tuple[float, float, str]:
     if not auto or full64 is None or not full.is_floating_point():
         return (1e-5 if atol is None else atol), (1e-4 if rtol is None else rtol), ""
     d = _diff(full, full64, facet)
-    finite = torch.isfinite(d) & torch.isfinite(full64) & (full64.abs() < torch.finfo(torch.float32).max / 4)
+    finite = (
+        torch.isfinite(d)
+        & torch.isfinite(full64)
+        & (full64.abs() < torch.finfo(torch.float32).max / 4)
+    )
     dev = float(d[finite].max()) if bool(finite.any()) else 0.0
     return AUTO_FACTOR * dev, AUTO_FACTOR * torch.finfo(full.dtype).eps, ""
 
@@ -368,8 +401,13 @@ def _positions(cols: list[int]) -> str:
     return ", ".join(map(str, cols[:8])) + (" ..." if len(cols) > 8 else "")
 
 
-def _key_hypotheses(gen: GenerationTrace, step: int, step_trace: Trace, full: Trace, rows: list[DecodeRow],
-                    ) -> tuple[str, list[Candidate]]:
+def _key_hypotheses(
+    gen: GenerationTrace,
+    step: int,
+    step_trace: Trace,
+    full: Trace,
+    rows: list[DecodeRow],
+) -> tuple[str, list[Candidate]]:
     """What the attention of the first attention call that differs says: keys attended that the
     full forward masks, keys missing, or only the step's own keys scored differently."""
     bad = [r for r in rows if not r.passed and r.facet in ("pattern", "scores")]
@@ -402,42 +440,110 @@ def _key_hypotheses(gen: GenerationTrace, step: int, step_trace: Trace, full: Tr
             cols = [int(c) for c in extra.nonzero()[:, -1].tolist()]
             rows_b = sorted({int(x) for x in extra.nonzero()[:, 0].tolist()})
             mass = float((a64 * extra).sum(-1).max())
-            pad = [c for c in cols if c < kr and mask is not None and c < mask.shape[-1] and bool(
-                (mask[rows_b, c] == 0).any())]
+            pad = [
+                c
+                for c in cols
+                if c < kr
+                and mask is not None
+                and c < mask.shape[-1]
+                and bool((mask[rows_b, c] == 0).any())
+            ]
             if pad and len(pad) == len(cols):
-                text = (f"the step attends to padding: row(s) {', '.join(map(str, rows_b))} give weight (up to "
-                        f"{mass:.3g}) to key position(s) {_positions(pad)}, which the attention mask marks as padding "
-                        f"and the full forward masks: a padded row's cache is not masked at decode")
-                out.append(Candidate(site, "keys the full forward masks: padding of a row (the attention mask's 0s)",
-                                     mass, mass, True, module_address=r.module_address, facet="pattern"))
+                text = (
+                    f"the step attends to padding: row(s) {', '.join(map(str, rows_b))} give weight (up to "
+                    f"{mass:.3g}) to key position(s) {_positions(pad)}, which the attention mask marks as padding "
+                    f"and the full forward masks: a padded row's cache is not masked at decode"
+                )
+                out.append(
+                    Candidate(
+                        site,
+                        "keys the full forward masks: padding of a row (the attention mask's 0s)",
+                        mass,
+                        mass,
+                        True,
+                        module_address=r.module_address,
+                        facet="pattern",
+                    )
+                )
                 return text, out
             if window and all(c < prefix - int(window) for c in cols if c < kr):
-                text = (f"the step attends to key position(s) {_positions(cols)}, older than the model's sliding window "
-                        f"of {window} (the full forward gives them no weight; up to {mass:.3g} here): the sliding window "
-                        f"is not applied at decode (a window applied on the prefill only)")
-                out.append(Candidate(site, f"keys outside the sliding window of {window}", mass, mass, True,
-                                     module_address=r.module_address, facet="pattern"))
+                text = (
+                    f"the step attends to key position(s) {_positions(cols)}, older than the model's sliding window "
+                    f"of {window} (the full forward gives them no weight; up to {mass:.3g} here): the sliding window "
+                    f"is not applied at decode (a window applied on the prefill only)"
+                )
+                out.append(
+                    Candidate(
+                        site,
+                        f"keys outside the sliding window of {window}",
+                        mass,
+                        mass,
+                        True,
+                        module_address=r.module_address,
+                        facet="pattern",
+                    )
+                )
                 return text, out
             if kd > kr and all(c >= kr for c in cols):
-                text = (f"the step gives weight (up to {mass:.3g}) to slot(s) {_positions(cols)} of its cache buffer, past "
-                        f"the {kr} positions of the prefix: the unused slots of a static cache are not masked")
-                out.append(Candidate(site, "unused slots of a static cache", mass, mass, True, module_address=r.module_address,
-                                     facet="pattern"))
+                text = (
+                    f"the step gives weight (up to {mass:.3g}) to slot(s) {_positions(cols)} of its cache buffer, past "
+                    f"the {kr} positions of the prefix: the unused slots of a static cache are not masked"
+                )
+                out.append(
+                    Candidate(
+                        site,
+                        "unused slots of a static cache",
+                        mass,
+                        mass,
+                        True,
+                        module_address=r.module_address,
+                        facet="pattern",
+                    )
+                )
                 return text, out
-            out.append(Candidate(site, f"keys the full forward masks (positions {_positions(cols)})", mass, mass,
-                                 False, module_address=r.module_address, facet="pattern"))
+            out.append(
+                Candidate(
+                    site,
+                    f"keys the full forward masks (positions {_positions(cols)})",
+                    mass,
+                    mass,
+                    False,
+                    module_address=r.module_address,
+                    facet="pattern",
+                )
+            )
         own = set(range(prefix - new, prefix))
         if bool(missing.any()):
             cols = sorted({int(c) for c in missing.nonzero()[:, -1].tolist()})
             mass = float((b64 * missing).sum(-1).max())
             if set(cols) <= own:
-                text = (f"the step does not attend to its own key(s) (position(s) {_positions(cols)}; the full forward "
-                        f"gives them weight up to {mass:.3g}): it read the cache before writing this step's keys into it")
-                out.append(Candidate(site, "the step's own keys missing from the keys it read", mass, mass, True,
-                                     module_address=r.module_address, facet="pattern"))
+                text = (
+                    f"the step does not attend to its own key(s) (position(s) {_positions(cols)}; the full forward "
+                    f"gives them weight up to {mass:.3g}): it read the cache before writing this step's keys into it"
+                )
+                out.append(
+                    Candidate(
+                        site,
+                        "the step's own keys missing from the keys it read",
+                        mass,
+                        mass,
+                        True,
+                        module_address=r.module_address,
+                        facet="pattern",
+                    )
+                )
                 return text, out
-            out.append(Candidate(site, f"keys the step did not attend to (positions {_positions(cols)})", mass, mass,
-                                 False, module_address=r.module_address, facet="pattern"))
+            out.append(
+                Candidate(
+                    site,
+                    f"keys the step did not attend to (positions {_positions(cols)})",
+                    mass,
+                    mass,
+                    False,
+                    module_address=r.module_address,
+                    facet="pattern",
+                )
+            )
         # scores that differ only in the step's own key columns: a stale slot read before the write
         try:
             sd = step_trace.modules[r.module_address].calls[r.call].facets["scores"].detach().cpu()
@@ -451,18 +557,30 @@ def _key_hypotheses(gen: GenerationTrace, step: int, step_trace: Trace, full: Tr
             cols = sorted({int(c) for c in (d > tol_s).nonzero()[:, -1].tolist()})
             if cols and set(cols) <= own:
                 err = float(d.max())
-                text = (f"the step's scores differ only at its own key position(s) {_positions(cols)} (max |diff| "
-                        f"{err:.3g}; every cached key scores as in the full forward): the key it attended to there is not "
-                        f"the one it computed: it read the cache before writing this step's keys into it (a stale slot)")
-                out.append(Candidate(f"{r.module_address}:scores", "only the step's own keys scored differently", err,
-                                     err, True, module_address=r.module_address, facet="scores"))
+                text = (
+                    f"the step's scores differ only at its own key position(s) {_positions(cols)} (max |diff| "
+                    f"{err:.3g}; every cached key scores as in the full forward): the key it attended to there is not "
+                    f"the one it computed: it read the cache before writing this step's keys into it (a stale slot)"
+                )
+                out.append(
+                    Candidate(
+                        f"{r.module_address}:scores",
+                        "only the step's own keys scored differently",
+                        err,
+                        err,
+                        True,
+                        module_address=r.module_address,
+                        facet="scores",
+                    )
+                )
                 return text, out
         break  # the first attention call that differs decides
     return "", out
 
 
-def _shift_hypotheses(gen: GenerationTrace, step: int, step_trace: Trace, wanted, sites, first: DecodeRow,
-                      tolerances) -> tuple[str, list[Candidate]]:
+def _shift_hypotheses(
+    gen: GenerationTrace, step: int, step_trace: Trace, wanted, sites, first: DecodeRow, tolerances
+) -> tuple[str, list[Candidate]]:
     """Whether the step equals a full forward whose decode positions are shifted."""
     model = gen.model
     if gen.encoder_decoder or not _takes(model, "position_ids"):
@@ -470,19 +588,50 @@ def _shift_hypotheses(gen: GenerationTrace, step: int, step_trace: Trace, wanted
     out = []
     for shift in SHIFTS:
         full = _rerun(model, _reference_kwargs(gen, step, shift), wanted)
-        rows = _compare_sites(step, step_trace, full, None, sites, gen.info[step].new_tokens, None, None, False,
-                              tolerances)
+        rows = _compare_sites(
+            step,
+            step_trace,
+            full,
+            None,
+            sites,
+            gen.info[step].new_tokens,
+            None,
+            None,
+            False,
+            tolerances,
+        )
         failed = [r for r in rows if not r.passed]
         at_first = next((r for r in rows if r.site == first.site), None)
-        err = at_first.max_abs_error if at_first is not None and at_first.max_abs_error is not None else float("inf")
-        relation = f"a full forward with the positions computed at decode steps shifted by {shift:+d}"
-        out.append(Candidate(first.site, relation, err, err, not failed,
-                                  module_address=first.module_address, facet=first.facet))
+        err = (
+            at_first.max_abs_error
+            if at_first is not None and at_first.max_abs_error is not None
+            else float("inf")
+        )
+        relation = (
+            f"a full forward with the positions computed at decode steps shifted by {shift:+d}"
+        )
+        out.append(
+            Candidate(
+                first.site,
+                relation,
+                err,
+                err,
+                not failed,
+                module_address=first.module_address,
+                facet=first.facet,
+            )
+        )
         if not failed:
-            what = "RoPE rotates" if any(f in ("rot_q", "rot_k") for _, f in wanted) else "the positions are"
-            text = (f"every site of the step equals a full forward whose decode positions are shifted by {shift:+d}: the "
-                    f"decode forward's position ids are off by {shift:+d} ({what} at the wrong position; "
-                    f"first differing site {first.site})")
+            what = (
+                "RoPE rotates"
+                if any(f in ("rot_q", "rot_k") for _, f in wanted)
+                else "the positions are"
+            )
+            text = (
+                f"every site of the step equals a full forward whose decode positions are shifted by {shift:+d}: the "
+                f"decode forward's position ids are off by {shift:+d} ({what} at the wrong position; "
+                f"first differing site {first.site})"
+            )
             out.sort(key=lambda c: (not c.matches, c.error))
             return text, out
     out.sort(key=lambda c: c.error)
@@ -496,8 +645,18 @@ def _site_name(call, facet: str) -> str:
     return f"{call.address or '<root>'}:{facet}" + (f" (call {call.index})" if call.index else "")
 
 
-def _compare_sites(step: int, step_trace: Trace, full: Trace, full64: Trace | None, sites, new: int,
-                   atol: float | None, rtol: float | None, auto: bool, tolerances: dict | None) -> list[DecodeRow]:
+def _compare_sites(
+    step: int,
+    step_trace: Trace,
+    full: Trace,
+    full64: Trace | None,
+    sites,
+    new: int,
+    atol: float | None,
+    rtol: float | None,
+    auto: bool,
+    tolerances: dict | None,
+) -> list[DecodeRow]:
     rows = []
     for call, facet in sites:
         name = _site_name(call, facet)
@@ -509,14 +668,42 @@ def _compare_sites(step: int, step_trace: Trace, full: Trace, full64: Trace | No
         try:
             ref = full.modules[call.address].calls[call.index].facets[facet].detach().cpu()
         except (LookupFailed, IndexError) as exc:
-            rows.append(DecodeRow(step, name, call.address, call.index, facet, tuple(dec.shape), None, "", None, False,
-                                  None, f"the full forward has no tensor here ({exc})"))
+            rows.append(
+                DecodeRow(
+                    step,
+                    name,
+                    call.address,
+                    call.index,
+                    facet,
+                    tuple(dec.shape),
+                    None,
+                    "",
+                    None,
+                    False,
+                    None,
+                    f"the full forward has no tensor here ({exc})",
+                )
+            )
             continue
         lined = _align(facet, dec, ref, new)
         if lined is None:
-            rows.append(DecodeRow(step, name, call.address, call.index, facet, tuple(dec.shape), tuple(ref.shape), "",
-                                  None, False, None, "the shapes do not line up (step "
-                                  f"{list(dec.shape)}, full forward {list(ref.shape)})"))
+            rows.append(
+                DecodeRow(
+                    step,
+                    name,
+                    call.address,
+                    call.index,
+                    facet,
+                    tuple(dec.shape),
+                    tuple(ref.shape),
+                    "",
+                    None,
+                    False,
+                    None,
+                    "the shapes do not line up (step "
+                    f"{list(dec.shape)}, full forward {list(ref.shape)})",
+                )
+            )
             continue
         a, b, layout = lined
         key = (call.address, call.index, facet)
@@ -526,7 +713,9 @@ def _compare_sites(step: int, step_trace: Trace, full: Trace, full64: Trace | No
             b64 = None
             if full64 is not None:
                 try:
-                    r64 = full64.modules[call.address].calls[call.index].facets[facet].detach().cpu()
+                    r64 = (
+                        full64.modules[call.address].calls[call.index].facets[facet].detach().cpu()
+                    )
                     l64 = _align(facet, dec, r64, new)
                     b64 = l64[1] if l64 is not None else None
                 except (LookupFailed, IndexError):
@@ -538,10 +727,26 @@ def _compare_sites(step: int, step_trace: Trace, full: Trace, full64: Trace | No
         scale = b.double().abs().nan_to_num(posinf=0.0, neginf=0.0)
         if facet == "scores":
             scale = torch.where(b.double() <= _MASKED, torch.zeros_like(scale), scale)
-        passed = bool((d <= at + rt * scale).all()) if a.is_floating_point() else bool(torch.equal(a, b))
+        passed = (
+            bool((d <= at + rt * scale).all()) if a.is_floating_point() else bool(torch.equal(a, b))
+        )
         err = float(d.max()) if d.numel() else 0.0
-        rows.append(DecodeRow(step, name, call.address, call.index, facet, tuple(dec.shape), tuple(ref.shape), layout,
-                              err, passed, (at, rt), hint))
+        rows.append(
+            DecodeRow(
+                step,
+                name,
+                call.address,
+                call.index,
+                facet,
+                tuple(dec.shape),
+                tuple(ref.shape),
+                layout,
+                err,
+                passed,
+                (at, rt),
+                hint,
+            )
+        )
     return rows
 
 
@@ -553,24 +758,42 @@ def _step_list(gen: GenerationTrace, steps: Any) -> list[int]:
             raise GenerateSpecError(
                 "steps: no decode step of this generation kept tensors (steps= of trace_generate kept only "
                 f"{[i for i in range(n) if gen.info[i].kept]}), so there is nothing to compare; trace the steps to check, "
-                "or name them here.")
+                "or name them here."
+            )
         return chosen
-    items = [steps] if isinstance(steps, int) and not isinstance(steps, bool) else list(steps) if isinstance(
-        steps, (list, tuple, range, set, frozenset)) else None
+    items = (
+        [steps]
+        if isinstance(steps, int) and not isinstance(steps, bool)
+        else list(steps)
+        if isinstance(steps, (list, tuple, range, set, frozenset))
+        else None
+    )
     if items is None or any(isinstance(s, bool) or not isinstance(s, int) for s in items):
-        raise GenerateSpecError(f"steps={steps!r}: give a step number, a range or a list of them (0 is the prefill).")
+        raise GenerateSpecError(
+            f"steps={steps!r}: give a step number, a range or a list of them (0 is the prefill)."
+        )
     for s in items:
         if not 0 <= s < n:
-            raise GenerateSpecError(f"steps={steps!r}: step {s} is outside the generation (steps 0..{n - 1}).")
+            raise GenerateSpecError(
+                f"steps={steps!r}: step {s} is outside the generation (steps 0..{n - 1})."
+            )
         if not gen.info[s].kept:
             raise GenerateSpecError(
                 f"steps={steps!r}: step {s} kept no tensors (trace_generate's steps= left it out), so it has no site to "
-                f"compare; the steps that kept tensors are {[i for i in range(n) if gen.info[i].kept]}.")
+                f"compare; the steps that kept tensors are {[i for i in range(n) if gen.info[i].kept]}."
+            )
     return sorted(set(items))
 
 
-def check_decode(gen: GenerationTrace, steps: Any = None, *, tolerance: str | None = "auto", atol: float | None = None,
-                 rtol: float | None = None, explain: bool = True) -> DecodeReport:
+def check_decode(
+    gen: GenerationTrace,
+    steps: Any = None,
+    *,
+    tolerance: str | None = "auto",
+    atol: float | None = None,
+    rtol: float | None = None,
+    explain: bool = True,
+) -> DecodeReport:
     """Hold each decode step of `gen` against a full forward without the cache (see the module docs).
 
     Args:
@@ -591,15 +814,20 @@ def check_decode(gen: GenerationTrace, steps: Any = None, *, tolerance: str | No
             cannot replay edits made per step); the model was not kept.
     """
     if tolerance not in ("auto", None):
-        raise GenerateSpecError(f"tolerance={tolerance!r}: pass 'auto' (per site, from a float64 rerun) or None "
-                                "(atol/rtol).")
+        raise GenerateSpecError(
+            f"tolerance={tolerance!r}: pass 'auto' (per site, from a float64 rerun) or None "
+            "(atol/rtol)."
+        )
     if gen.model is None:
-        raise GenerateSpecError("model: this GenerationTrace holds no model (a loaded one), so no full forward can run.")
+        raise GenerateSpecError(
+            "model: this GenerationTrace holds no model (a loaded one), so no full forward can run."
+        )
     if gen.edits:
         raise GenerateSpecError(
             "edit=: this generation was edited at steps "
             f"{sorted(gen.edits)}; a full forward over the prefix cannot replay edits made step by step, so the decode "
-            "check runs on an unedited generation (trace_generate without edit=).")
+            "check runs on an unedited generation (trace_generate without edit=)."
+        )
     chosen = _step_list(gen, steps)
     model = gen.model
     auto = tolerance == "auto"
@@ -617,7 +845,11 @@ def check_decode(gen: GenerationTrace, steps: Any = None, *, tolerance: str | No
         full64 = None
         if twin is not None:
             with torch.no_grad():
-                full64 = trace(twin, save=lambda address, facet: (address, facet) in wanted, **kwargs)
+                full64 = trace(
+                    twin,
+                    save=lambda address, facet: (address, facet) in wanted,  # noqa: B023  # called in this step
+                    **kwargs,
+                )
         tolerances: dict = {}
         rows = _compare_sites(s, step_trace, full, full64, sites, new, atol, rtol, auto, tolerances)
         report.extend(rows)
@@ -632,17 +864,26 @@ def check_decode(gen: GenerationTrace, steps: Any = None, *, tolerance: str | No
                 err = "a key masked on one side only"
             else:
                 err = f"max |diff| {first.max_abs_error:.3g}"
-            where = (f"step {s} first differs from the full forward at {first.site} ({err}); every earlier site of the "
-                     f"step agrees")
+            where = (
+                f"step {s} first differs from the full forward at {first.site} ({err}); every earlier site of the "
+                f"step agrees"
+            )
             if explain:
                 text, cands = _key_hypotheses(gen, s, step_trace, full, rows)
                 if not text:
-                    shift_text, shift_cands = _shift_hypotheses(gen, s, step_trace, wanted, sites, first, tolerances)
+                    shift_text, shift_cands = _shift_hypotheses(
+                        gen, s, step_trace, wanted, sites, first, tolerances
+                    )
                     text, cands = shift_text, cands + shift_cands
                 verdict.candidates = tuple(cands)
-                verdict.explanation = f"{where}: {text}" if text else (
-                    f"{where}. No cache hypothesis explains it (keys masked or unmasked, the step's own keys, positions "
-                    f"shifted by {', '.join(f'{d:+d}' for d in SHIFTS)}): compare the first differing site's inputs.")
+                verdict.explanation = (
+                    f"{where}: {text}"
+                    if text
+                    else (
+                        f"{where}. No cache hypothesis explains it (keys masked or unmasked, the step's own keys, positions "
+                        f"shifted by {', '.join(f'{d:+d}' for d in SHIFTS)}): compare the first differing site's inputs."
+                    )
+                )
             else:
                 verdict.explanation = where
         report.steps[s] = verdict

@@ -31,20 +31,26 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torchlens._core.errors import close_matches
-from torchlens._drawing.errors import DrawingTooLarge, DrawSpecError, LayoutEngineMissing
 from torchlens._core.persisted import PERSISTED
 from torchlens._core.records import ModuleCall
-from torchlens._naming.resolver import GENERATIONS, resolve_alias
-from torchlens._naming.results import AliasError, UnknownAlias, UnknownGeneration
-
+from torchlens._drawing.errors import DrawingTooLarge, DrawSpecError, LayoutEngineMissing
 from torchlens._drawing.layout import dot_graph, layout, measure
 from torchlens._drawing.scene import Mark, Scene
 from torchlens._drawing.svg import render_svg
+from torchlens._naming.resolver import GENERATIONS, resolve_alias
+from torchlens._naming.results import AliasError, UnknownAlias, UnknownGeneration
 
 if TYPE_CHECKING:
     from torchlens._trace import Trace
 
-__all__ = ["Drawing", "DrawSpecError", "DrawingTooLarge", "LayoutEngineMissing", "draw", "MAX_NODES"]
+__all__ = [
+    "Drawing",
+    "DrawSpecError",
+    "DrawingTooLarge",
+    "LayoutEngineMissing",
+    "draw",
+    "MAX_NODES",
+]
 
 #: The most nodes and module boxes `draw` lays out without being asked to (`max_nodes=`).
 #: Graphviz's `dot` grows faster than the node count: on the reference machine (one core) an
@@ -87,8 +93,14 @@ class Drawing(str):
         return str(self)
 
     def __repr__(self) -> str:
-        nodes = sum(v for k, v in self.counts.items() if not k.endswith("edge") and k not in ("flow", "loop"))
-        edges = sum(v for k, v in self.counts.items() if k.endswith("edge") or k in ("flow", "loop"))
+        nodes = sum(
+            v
+            for k, v in self.counts.items()
+            if not k.endswith("edge") and k not in ("flow", "loop")
+        )
+        edges = sum(
+            v for k, v in self.counts.items() if k.endswith("edge") or k in ("flow", "loop")
+        )
         return f"Drawing({nodes} nodes, {edges} edges, {len(self)} characters of SVG)"
 
 
@@ -104,11 +116,15 @@ def _check_generation(generation: Any, what: str) -> None:
     if not isinstance(generation, str) or generation not in gens:
         hits = close_matches(str(generation), gens)
         hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
-        raise UnknownGeneration(f"{what}: unknown generation {generation!r}.{hint} Generations: "
-                                f"{', '.join(repr(g) for g in gens)}.")
+        raise UnknownGeneration(
+            f"{what}: unknown generation {generation!r}.{hint} Generations: "
+            f"{', '.join(repr(g) for g in gens)}."
+        )
 
 
-def _highlight_names(highlight: Any, generation: str | None) -> list[tuple[str | None, str]] | str | None:
+def _highlight_names(
+    highlight: Any, generation: str | None
+) -> list[tuple[str | None, str]] | str | None:
     """`highlight=` as a list of (generation or None, name), or `"facets"`, or None."""
     if highlight is None:
         return None
@@ -118,27 +134,33 @@ def _highlight_names(highlight: Any, generation: str | None) -> list[tuple[str |
         if generation is not None:
             raise DrawSpecError(
                 f"highlight= is a dict of generation -> names, so it names each name's generation; drop "
-                f"generation={generation!r}, or pass highlight= as a list with generation=.")
+                f"generation={generation!r}, or pass highlight= as a list with generation=."
+            )
         out = []
         for gen, names in highlight.items():
             _check_generation(gen, "highlight= key")
             if isinstance(names, str) or not isinstance(names, (list, tuple)):
-                raise DrawSpecError(f"highlight={{{gen!r}: ...}} takes a list of names of that generation, not "
-                                    f"{type(names).__name__} {names!r}; e.g. {{{gen!r}: ['blocks.0.hook_resid_post']}}.")
+                raise DrawSpecError(
+                    f"highlight={{{gen!r}: ...}} takes a list of names of that generation, not "
+                    f"{type(names).__name__} {names!r}; e.g. {{{gen!r}: ['blocks.0.hook_resid_post']}}."
+                )
             out += [(gen, n) for n in names]
         return _check_names(out)
     if isinstance(highlight, (list, tuple)):
         return _check_names([(generation, n) for n in highlight])
     raise DrawSpecError(
-        f"highlight= takes a list of names (with generation=), a dict generation -> names, or \"facets\"; not "
-        f"{type(highlight).__name__} {highlight!r}.")
+        f'highlight= takes a list of names (with generation=), a dict generation -> names, or "facets"; not '
+        f"{type(highlight).__name__} {highlight!r}."
+    )
 
 
 def _check_names(pairs):
     for _, n in pairs:
         if not isinstance(n, str):
-            raise DrawSpecError(f"highlight= names must be strings (hook names such as 'blocks.0.hook_resid_post'), "
-                                f"not {type(n).__name__} {n!r}.")
+            raise DrawSpecError(
+                f"highlight= names must be strings (hook names such as 'blocks.0.hook_resid_post'), "
+                f"not {type(n).__name__} {n!r}."
+            )
     return pairs
 
 
@@ -166,8 +188,9 @@ def _place_marks(scene: Scene, names, several_generations: bool) -> None:
             for facet, site in call.facets.sites.items():
                 if facet in ("input", "output"):
                     continue
-                mark = Mark(facet, _status_of_site(site), facet, None,
-                             f"{call.address or '<root>'}:{facet}")
+                mark = Mark(
+                    facet, _status_of_site(site), facet, None, f"{call.address or '<root>'}:{facet}"
+                )
                 _put(scene, mark, call, site.op)
             for facet, why in call.facets.refused.items():
                 mark = Mark(facet, "refused", facet, None, f"{call.address or '<root>'}:{facet}")
@@ -177,7 +200,11 @@ def _place_marks(scene: Scene, names, several_generations: bool) -> None:
     for gen, name in names:
         r = _resolve(trace, name, gen, "highlight")
         label = f"{r.generation} {name}" if several_generations else name
-        if r.module_address is None or r.facet is None or r.status in ("structurally_absent", "ambiguous"):
+        if (
+            r.module_address is None
+            or r.facet is None
+            or r.status in ("structurally_absent", "ambiguous")
+        ):
             scene.unplaced[label] = f"{r.status}: {r.reason}"
             continue
         rec = trace.modules[r.module_address]
@@ -186,12 +213,16 @@ def _place_marks(scene: Scene, names, several_generations: bool) -> None:
             continue
         read = rec.calls[r.call or 0]
         hit = read.facets.sites.get(r.facet) if read.facets is not None else None
-        mark = Mark(label, r.status, name, r.generation, f"{r.module_address or '<root>'}:{r.facet}")
+        mark = Mark(
+            label, r.status, name, r.generation, f"{r.module_address or '<root>'}:{r.facet}"
+        )
         if not _put(scene, mark, read, hit.op if hit is not None else None):
             where = f"{r.module_address or '<root>'}:{r.facet}"
-            scene.unplaced[label] = (f"{r.status}: it reads {where}, outside this drawing "
-                                     f"(focus={scene.focus_label!r}); draw without focus= or focus on "
-                                     f"{r.module_address or '<root>'!r}")
+            scene.unplaced[label] = (
+                f"{r.status}: it reads {where}, outside this drawing "
+                f"(focus={scene.focus_label!r}); draw without focus= or focus on "
+                f"{r.module_address or '<root>'!r}"
+            )
         elif r.status == "refused":
             scene.notes.append(f"{label}: refused: {r.reason}")
 
@@ -223,24 +254,30 @@ def _focus(trace: Trace, focus: Any, generation: str | None):
     if focus is None:
         return None, None, []
     if not isinstance(focus, str) or not focus.strip():
-        raise DrawSpecError(f"focus= takes a module address (e.g. {_example_address(trace)!r}) or a hook name "
-                            f"(e.g. 'blocks.0.hook_resid_post'), not {type(focus).__name__} {focus!r}.")
+        raise DrawSpecError(
+            f"focus= takes a module address (e.g. {_example_address(trace)!r}) or a hook name "
+            f"(e.g. 'blocks.0.hook_resid_post'), not {type(focus).__name__} {focus!r}."
+        )
     text = focus.strip()
     address, _, facet_text = text.rpartition(":") if ":" in text else (text, "", "")
     facet = facet_text or None
     if address in trace.modules or address in ("<root>", ""):
         rec = trace.modules[address if address != "<root>" else ""]
         if not rec.calls:
-            raise DrawSpecError(f"focus={focus!r}: {rec.address} did not run in this forward, so it has no ops to "
-                                f"draw; pick a module that ran, e.g. {_example_address(trace)!r}.")
+            raise DrawSpecError(
+                f"focus={focus!r}: {rec.address} did not run in this forward, so it has no ops to "
+                f"draw; pick a module that ran, e.g. {_example_address(trace)!r}."
+            )
         extra = []
         if facet:
             sites = rec.calls[0].facets.sites if rec.calls[0].facets is not None else {}
             if facet not in sites:
                 hits = close_matches(facet, sites)
                 hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
-                raise DrawSpecError(f"focus={focus!r}: {rec.address or '<root>'} has no facet {facet!r}.{hint} "
-                                    f"Its facets: {', '.join(sites) or '(none)'}.")
+                raise DrawSpecError(
+                    f"focus={focus!r}: {rec.address or '<root>'} has no facet {facet!r}.{hint} "
+                    f"Its facets: {', '.join(sites) or '(none)'}."
+                )
             extra = [("site", f"{rec.address}:{facet}")]
         if rec.address == "":
             return None, None, extra
@@ -250,13 +287,17 @@ def _focus(trace: Trace, focus: Any, generation: str | None):
     except UnknownAlias as exc:
         hits = close_matches(text, [a for a in trace.modules if a])
         hint = f" Modules like it: {', '.join(repr(h) for h in hits)}." if hits else ""
-        raise DrawSpecError(f"focus={focus!r} names no module of this trace ({len(trace.modules)} addresses, e.g. "
-                            f"{_example_address(trace)!r}) and no hook name: {str(exc).rstrip('.')}.{hint}") from None
+        raise DrawSpecError(
+            f"focus={focus!r} names no module of this trace ({len(trace.modules)} addresses, e.g. "
+            f"{_example_address(trace)!r}) and no hook name: {str(exc).rstrip('.')}.{hint}"
+        ) from None
     except AliasError as exc:
         raise type(exc)(f"focus={focus!r}: {str(exc).rstrip('.')}.") from None
     if r.module_address is None:
-        raise DrawSpecError(f"focus={focus!r} is a {r.generation} name with no site in this trace ({r.status}: "
-                            f"{r.reason}); focus on a module address instead, e.g. {_example_address(trace)!r}.")
+        raise DrawSpecError(
+            f"focus={focus!r} is a {r.generation} name with no site in this trace ({r.status}: "
+            f"{r.reason}); focus on a module address instead, e.g. {_example_address(trace)!r}."
+        )
     rec = trace.modules[r.module_address]
     calls = [rec.calls[r.call]] if r.call is not None else list(rec.calls)
     if r.module_address == "":
@@ -268,34 +309,56 @@ def _example_address(trace: Trace) -> str:
     return trace.blocks[0] if trace.blocks else next((a for a in trace.modules if a), "")
 
 
-def draw(trace: Trace, path: str | os.PathLike | None = None, *, rolled: bool = True, depth: int | None = None,
-         focus: str | None = None, highlight: Any = None, generation: str | None = None,
-         max_nodes: int | None = MAX_NODES) -> Drawing:
+def draw(
+    trace: Trace,
+    path: str | os.PathLike | None = None,
+    *,
+    rolled: bool = True,
+    depth: int | None = None,
+    focus: str | None = None,
+    highlight: Any = None,
+    generation: str | None = None,
+    max_nodes: int | None = MAX_NODES,
+) -> Drawing:
     """Draw `trace`'s op graph; see [`Trace.draw`][torchlens.Trace.draw]."""
     if not isinstance(trace, PERSISTED["Trace"]):
         raise DrawSpecError(f"draw() takes a torchlens Trace, not {type(trace).__name__}.")
     if not isinstance(rolled, bool):
-        raise DrawSpecError(f"rolled= takes True (each stack's repeated layers drawn once, ×N) or False (every op), "
-                            f"not {rolled!r}.")
+        raise DrawSpecError(
+            f"rolled= takes True (each stack's repeated layers drawn once, ×N) or False (every op), "
+            f"not {rolled!r}."
+        )
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
-        raise DrawSpecError(f"depth= takes None (every module a box) or a whole number >= 0 (how many levels of "
-                            f"module boxes to draw; deeper modules are drawn as one node each, depth=0 draws no box), "
-                            f"not {depth!r}.")
-    if max_nodes is not None and (isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1):
-        raise DrawSpecError(f"max_nodes= takes a positive whole number or None (no limit), not {max_nodes!r}.")
+        raise DrawSpecError(
+            f"depth= takes None (every module a box) or a whole number >= 0 (how many levels of "
+            f"module boxes to draw; deeper modules are drawn as one node each, depth=0 draws no box), "
+            f"not {depth!r}."
+        )
+    if max_nodes is not None and (
+        isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1
+    ):
+        raise DrawSpecError(
+            f"max_nodes= takes a positive whole number or None (no limit), not {max_nodes!r}."
+        )
     if generation is not None:
         _check_generation(generation, "generation=")
     fmt = None
     if path is not None:
         fmt = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
         if fmt not in ("svg", "png", "pdf"):
-            raise DrawSpecError(f"path={os.fspath(path)!r}: draw writes .svg, .png or .pdf files; end the path with "
-                                f"one of those.")
+            raise DrawSpecError(
+                f"path={os.fspath(path)!r}: draw writes .svg, .png or .pdf files; end the path with "
+                f"one of those."
+            )
     if not trace.modules or "" not in trace.modules or not trace.modules[""].calls:
-        raise DrawSpecError("this trace has no root module call to draw (its records are incomplete).")
+        raise DrawSpecError(
+            "this trace has no root module call to draw (its records are incomplete)."
+        )
     names = _highlight_names(highlight, generation)
     focus_calls, focus_label, focus_names = _focus(trace, focus, generation)
-    scene = Scene(trace, rolled=rolled, depth=depth, focus_calls=focus_calls, focus_label=focus_label)
+    scene = Scene(
+        trace, rolled=rolled, depth=depth, focus_calls=focus_calls, focus_label=focus_label
+    )
     count = len(scene.nodes) + len(scene.boxes)
     if max_nodes is not None and count > max_nodes:
         raise DrawingTooLarge(_too_large(trace, scene, count, max_nodes, rolled, depth, focus))
@@ -319,12 +382,21 @@ def draw(trace: Trace, path: str | os.PathLike | None = None, *, rolled: bool = 
         _put(scene, Mark(site, _status_of_site(s), site, None, site), call, s.op)
     measure(scene)
     lay = layout(scene)
-    title = f"{trace.model_class}: op graph" + (f" of {focus_label}" if focus_label else "") + (
-        ", rolled" if scene.groups else "")
-    desc = (f"The recorded ops of one forward of {trace.model_class} as TorchLens traced it: "
-            f"{sum(n.kind == 'op' for n in scene.nodes.values())} ops drawn"
-            + (f", layers of {', '.join(sorted({g.stack for g in scene.groups}))} rolled" if scene.groups else "")
-            + ".")
+    title = (
+        f"{trace.model_class}: op graph"
+        + (f" of {focus_label}" if focus_label else "")
+        + (", rolled" if scene.groups else "")
+    )
+    desc = (
+        f"The recorded ops of one forward of {trace.model_class} as TorchLens traced it: "
+        f"{sum(n.kind == 'op' for n in scene.nodes.values())} ops drawn"
+        + (
+            f", layers of {', '.join(sorted({g.stack for g in scene.groups}))} rolled"
+            if scene.groups
+            else ""
+        )
+        + "."
+    )
     text = render_svg(scene, lay, title, desc)
     counts: dict[str, int] = {}
     for n in scene.nodes.values():
@@ -347,24 +419,33 @@ def _too_large(trace, scene, count, max_nodes, rolled, depth, focus) -> str:
     options = []
 
     def size(**kw):
-        args = dict(rolled=rolled, depth=depth, focus_calls=scene.focus_calls, focus_label=scene.focus_label)
+        args = dict(
+            rolled=rolled, depth=depth, focus_calls=scene.focus_calls, focus_label=scene.focus_label
+        )
         args.update(kw)
         s = Scene(trace, **args)
         return len(s.nodes) + len(s.boxes)
 
     if not rolled and trace.structure is not None and trace.structure.stacks:
-        options.append(f"rolled=True ({size(rolled=True)} nodes: each stack's repeated layers drawn once)")
+        options.append(
+            f"rolled=True ({size(rolled=True)} nodes: each stack's repeated layers drawn once)"
+        )
     for d in (2, 1):
         if depth is None or depth > d:
-            options.append(f"depth={d} ({size(depth=d)} nodes: modules below {d} levels drawn as one node each)")
+            options.append(
+                f"depth={d} ({size(depth=d)} nodes: modules below {d} levels drawn as one node each)"
+            )
             break
     if trace.blocks:
         block = trace.blocks[0]
         calls = list(trace.modules[block].calls)
-        options.append(f"focus={block!r} ({size(focus_calls=calls, focus_label=block)} nodes; any module address "
-                       f"or hook name)")
-    return (f"this drawing has {count} nodes and boxes ({len(scene.visible)} ops"
-            f"{', unrolled' if not rolled else ''}{', focus=' + repr(focus) if focus else ''}); more than "
-            f"max_nodes={max_nodes}, past which Graphviz's layout takes too long to wait for. Narrow it: "
-            f"{'; '.join(options) or 'focus= a module address'}; or pass max_nodes=None to lay it out anyway.")
-
+        options.append(
+            f"focus={block!r} ({size(focus_calls=calls, focus_label=block)} nodes; any module address "
+            f"or hook name)"
+        )
+    return (
+        f"this drawing has {count} nodes and boxes ({len(scene.visible)} ops"
+        f"{', unrolled' if not rolled else ''}{', focus=' + repr(focus) if focus else ''}); more than "
+        f"max_nodes={max_nodes}, past which Graphviz's layout takes too long to wait for. Narrow it: "
+        f"{'; '.join(options) or 'focus= a module address'}; or pass max_nodes=None to lay it out anyway."
+    )

@@ -69,8 +69,10 @@ class EditRecord:
 
     def __repr__(self) -> str:
         site = f"{self.module_address or '<root>'}:{self.facet}"
-        return (f"EditRecord({self.key!r} -> {site} calls={list(self.calls)} by {self.how} at {self.where}, "
-                f"applied {self.applied}x)")
+        return (
+            f"EditRecord({self.key!r} -> {site} calls={list(self.calls)} by {self.how} at {self.where}, "
+            f"applied {self.applied}x)"
+        )
 
 
 @dataclass
@@ -94,7 +96,9 @@ class _Edit:
             arg = self.to_facet(t).clone()
             new = self.value(arg)
             if isinstance(new, Tensor) and new is not arg:
-                new = new.clone()  # it may be a tensor the caller holds: the model may write into it
+                new = (
+                    new.clone()
+                )  # it may be a tensor the caller holds: the model may write into it
             if not isinstance(new, Tensor):
                 raise EditSpecError(
                     f"edit of {site}: the function returned {type(new).__name__}, not a tensor. Return the "
@@ -102,7 +106,9 @@ class _Edit:
                 )
             what = "the function's result"
         else:
-            new = self.value.to(t.device, copy=True)  # the model may write into it; the caller's stays as it was
+            new = self.value.to(
+                t.device, copy=True
+            )  # the model may write into it; the caller's stays as it was
             what = "the tensor given"
         if tuple(new.shape) != tuple(self.shape):
             raise EditSpecError(
@@ -149,8 +155,12 @@ class EditPlan:
 def _resolve_key(trace: Any, key: Any) -> tuple[str, str, int | None]:
     """(module address, facet, call or None) a key names in the locating trace."""
     if isinstance(key, tuple):
-        if not (2 <= len(key) <= 3 and isinstance(key[0], str) and isinstance(key[1], str)
-                and (len(key) == 2 or isinstance(key[2], int))):
+        if not (
+            2 <= len(key) <= 3
+            and isinstance(key[0], str)
+            and isinstance(key[1], str)
+            and (len(key) == 2 or isinstance(key[2], int))
+        ):
             raise EditSpecError(
                 f"edit= key {key!r}: a tuple key is (module_address, facet) or (module_address, facet, call), "
                 f"e.g. ('transformer.h.0', 'resid_post') or ('transformer.h.0', 'resid_post', 1)."
@@ -175,9 +185,15 @@ def _resolve_key(trace: Any, key: Any) -> tuple[str, str, int | None]:
             f"({key!r}, 'output') or '{key}:output'. Its facets: {', '.join(facets) or '(it did not run)'}."
         )
     r = resolve_alias(trace, key)  # UnknownAlias etc. with close matches
-    if r.status in ("structurally_absent", "ambiguous") or r.module_address is None or r.facet is None:
+    if (
+        r.status in ("structurally_absent", "ambiguous")
+        or r.module_address is None
+        or r.facet is None
+    ):
         remedy = f" {r.remedy}." if r.remedy else ""
-        raise EditSpecError(f"edit= key {key!r} names no single site in this model ({r.status}): {r.reason}{remedy}")
+        raise EditSpecError(
+            f"edit= key {key!r} names no single site in this model ({r.status}): {r.reason}{remedy}"
+        )
     return r.module_address, r.facet, r.call
 
 
@@ -190,29 +206,47 @@ def _op_edit(trace: Any, address: str, facet: str, call: int, n_calls: int, site
     """The op position and layout maps of a real, op-produced facet; NotEditable otherwise."""
     name = _site_name(address, facet, call, n_calls)
     if site.kind != "real" or site.op is None:
-        why = ("it is rebuilt from a fused attention kernel's inputs (no op of the forward produced it)"
-               if site.kind == "reconstructed" else "it is computed from recorded tensors after the forward "
-               "(no op of the forward produced it)")
-        remedy = _REMEDIES.get(facet, "edit a real site it is computed from (the module's input or output)")
+        why = (
+            "it is rebuilt from a fused attention kernel's inputs (no op of the forward produced it)"
+            if site.kind == "reconstructed"
+            else "it is computed from recorded tensors after the forward "
+            "(no op of the forward produced it)"
+        )
+        remedy = _REMEDIES.get(
+            facet, "edit a real site it is computed from (the module's input or output)"
+        )
         raise NotEditable(f"{name} cannot be edited: {why}. Remedy: {remedy}.")
     op = trace.ops[site.op]
-    if op.name in ("input", "written_in_place", "accelerate_hook") or op.mutated or len(op.shapes) != 1:
-        why = ("it enters the forward from outside" if op.name == "input" else
-               "an accelerate hook returned it (the model ran no op there)" if op.name == "accelerate_hook" else
-               "the op writes a tensor in place" if op.mutated or op.name == "written_in_place" else
-               f"its op ({op.name}) returns several tensors")
+    if (
+        op.name in ("input", "written_in_place", "accelerate_hook")
+        or op.mutated
+        or len(op.shapes) != 1
+    ):
+        why = (
+            "it enters the forward from outside"
+            if op.name == "input"
+            else "an accelerate hook returned it (the model ran no op there)"
+            if op.name == "accelerate_hook"
+            else "the op writes a tensor in place"
+            if op.mutated or op.name == "written_in_place"
+            else f"its op ({op.name}) returns several tensors"
+        )
         raise NotEditable(
             f"{name} cannot be edited at its op #{op.index} ({op.name}): {why}. Remedy: edit the input or output "
             f"of the module that computes it, or the tensors you pass to the model."
         )
     op_shape, shape = tuple(op.shape), tuple(site.shape)
     if facet in ("rot_q", "rot_k"):  # the kernel input, head-major; the facet is token-major
-        if len(op_shape) != 4 or op_shape[1] != shape[2] or (op_shape[0], op_shape[2], op_shape[1], op_shape[3]) != shape:
+        if (
+            len(op_shape) != 4
+            or op_shape[1] != shape[2]
+            or (op_shape[0], op_shape[2], op_shape[1], op_shape[3]) != shape
+        ):
             raise NotEditable(
                 f"{name} cannot be edited: the kernel input it is read from has {op_shape[1] if len(op_shape) == 4 else '?'} "
                 f"heads (keys repeated per query head), so one key head is several tensors of the forward. "
                 f"Remedy: edit {'k' if facet == 'rot_k' else 'q'} (before RoPE), or trace with a model where the "
-                f"kernel receives the kv heads once (attn_implementation=\"sdpa\")."
+                f'kernel receives the kv heads once (attn_implementation="sdpa").'
             )
         return dict(to_facet=lambda t: t.transpose(1, 2), from_facet=lambda t: t.transpose(1, 2))
     if op_shape == shape:
@@ -269,7 +303,9 @@ def plan_edits(trace: Any, edit: Any) -> EditPlan:
         address, facet, only = _resolve_key(trace, key)
         rec = trace.modules[address]
         if not rec.calls:
-            raise EditSpecError(f"edit= key {key!r}: module {address or '<root>'!r} did not run in this forward.")
+            raise EditSpecError(
+                f"edit= key {key!r}: module {address or '<root>'!r} did not run in this forward."
+            )
         calls = list(range(len(rec.calls))) if only is None else [only]
         if only is not None and not 0 <= only < len(rec.calls):
             raise EditSpecError(
@@ -304,9 +340,13 @@ def plan_edits(trace: Any, edit: Any) -> EditPlan:
             maps = _op_edit(trace, address, facet, c, len(rec.calls), site)
             op = trace.ops[site.op]
             if site.op in plan.ops:
-                raise EditSpecError(f"edit= keys {plan.ops[site.op].record.key!r} and {key!r} replace the same op "
-                                    f"#{site.op} ({op.name}); give one edit per op.")
-            plan.ops[site.op] = _Edit(**base, **maps, op_name=op.name, op_module=op.module, op_call=op.call)
+                raise EditSpecError(
+                    f"edit= keys {plan.ops[site.op].record.key!r} and {key!r} replace the same op "
+                    f"#{site.op} ({op.name}); give one edit per op."
+                )
+            plan.ops[site.op] = _Edit(
+                **base, **maps, op_name=op.name, op_module=op.module, op_call=op.call
+            )
             wheres.append(f"op #{site.op} {op.name}")
         record.where = ", ".join(dict.fromkeys(wheres))
         plan.records.append(record)
@@ -316,10 +356,13 @@ def plan_edits(trace: Any, edit: Any) -> EditPlan:
 def check_inputs(args: tuple, kwargs: dict) -> None:
     """Refuse inputs a locating pass would change: a KV cache object is extended by every forward."""
     for name, v in list(enumerate(args)) + list(kwargs.items()):
-        if v is not None and not isinstance(v, (Tensor, int, float, bool, str)) and hasattr(v, "get_seq_length"):
+        if (
+            v is not None
+            and not isinstance(v, (Tensor, int, float, bool, str))
+            and hasattr(v, "get_seq_length")
+        ):
             raise EditSpecError(
                 f"edit= runs the forward twice (a locating pass, then the edited one), and the forward extends the "
                 f"cache passed as {name if isinstance(name, str) else f'argument {name}'} ({type(v).__name__}): the "
                 f"edited run would see it extended. Pass a copy (copy.deepcopy(cache)) to each call, or no cache."
             )
-

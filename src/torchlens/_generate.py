@@ -129,12 +129,21 @@ class GenerationTrace:
 
     def __repr__(self) -> str:
         kept = sum(i.kept for i in self.info)
-        return (f"GenerationTrace({type(self.model).__name__ if self.model is not None else '?'}: "
-                f"{len(self.steps)} steps (prefill + {len(self.steps) - 1} decode), {kept} keep tensors, "
-                f"sequences {list(self.sequences.shape)})")
+        return (
+            f"GenerationTrace({type(self.model).__name__ if self.model is not None else '?'}: "
+            f"{len(self.steps)} steps (prefill + {len(self.steps) - 1} decode), {kept} keep tensors, "
+            f"sequences {list(self.sequences.shape)})"
+        )
 
-    def check_decode(self, steps: int | range | Sequence[int] | None = None, *, tolerance: str | None = "auto",
-                     atol: float | None = None, rtol: float | None = None, explain: bool = True) -> DecodeReport:
+    def check_decode(
+        self,
+        steps: int | range | Sequence[int] | None = None,
+        *,
+        tolerance: str | None = "auto",
+        atol: float | None = None,
+        rtol: float | None = None,
+        explain: bool = True,
+    ) -> DecodeReport:
         """Rerun each decode step as a full forward without the cache and compare every saved site.
 
         For decode step `i`, the model is run once more on
@@ -195,21 +204,34 @@ def _check_settings(model: nn.Module, kwargs: dict, prompt_length: int | None) -
         raise GenerateSpecError(
             f"num_beams={beams}: trace_generate does not trace beam search (the beams reorder the cache "
             f"between steps, so a step's rows are not the rows of the step before). Use greedy decoding "
-            f"(num_beams=1, the default) or sampling (do_sample=True with a seed).")
-    for name, why in (("assistant_model", "assisted generation runs a second model between the steps"),
-                      ("prompt_lookup_num_tokens", "prompt-lookup decoding verifies several tokens per forward"),
-                      ("prefill_chunk_size", "a chunked prefill makes several forward calls before the first token")):
+            f"(num_beams=1, the default) or sampling (do_sample=True with a seed)."
+        )
+    for name, why in (
+        ("assistant_model", "assisted generation runs a second model between the steps"),
+        ("prompt_lookup_num_tokens", "prompt-lookup decoding verifies several tokens per forward"),
+        (
+            "prefill_chunk_size",
+            "a chunked prefill makes several forward calls before the first token",
+        ),
+    ):
         value = _setting(model, kwargs, name)
         if value is not None:
-            raise GenerateSpecError(f"{name}={value!r}: trace_generate traces one prefill forward and then one "
-                                    f"forward per new token; {why}. Leave {name} out.")
+            raise GenerateSpecError(
+                f"{name}={value!r}: trace_generate traces one prefill forward and then one "
+                f"forward per new token; {why}. Leave {name} out."
+            )
     n = _max_steps(model, prompt_length, kwargs)
     if n is not None and n <= 0:
-        which = "max_new_tokens" if _setting(model, kwargs, "max_new_tokens") is not None else "max_length"
+        which = (
+            "max_new_tokens"
+            if _setting(model, kwargs, "max_new_tokens") is not None
+            else "max_length"
+        )
         raise GenerateSpecError(
             f"{which}={_setting(model, kwargs, which)!r} leaves {n} new tokens"
             + (f" after the {prompt_length}-token prompt" if which == "max_length" else "")
-            + ": trace_generate needs at least one forward call to trace. Give max_new_tokens=1 or more.")
+            + ": trace_generate needs at least one forward call to trace. Give max_new_tokens=1 or more."
+        )
     return n
 
 
@@ -220,7 +242,8 @@ def _step_set(value: Any, what: str, limit: int | None) -> set[int] | None:
     if isinstance(value, bool) or not isinstance(value, (int, range, list, tuple, set, frozenset)):
         raise GenerateSpecError(
             f"{what}={value!r}: give a step number (0 is the prefill, i the i-th decode forward), a range or a "
-            f"list of them, e.g. {what}=[0, 1] or {what}=range(0, 32, 4).")
+            f"list of them, e.g. {what}=[0, 1] or {what}=range(0, 32, 4)."
+        )
     items = [value] if isinstance(value, int) else list(value)
     for s in items:
         if isinstance(s, bool) or not isinstance(s, int):
@@ -228,15 +251,19 @@ def _step_set(value: Any, what: str, limit: int | None) -> set[int] | None:
         if s < 0:
             raise GenerateSpecError(
                 f"{what}={value!r}: step {s} is negative; steps count from 0 (the prefill), and the number of steps "
-                f"is known only when generation ends, so count from the start.")
+                f"is known only when generation ends, so count from the start."
+            )
         if limit is not None and s >= limit:
             raise GenerateSpecError(
                 f"{what}={value!r}: step {s} is outside the generation, which makes at most {limit} forward calls "
-                f"(steps 0..{limit - 1}: the prefill and one decode forward per further new token).")
+                f"(steps 0..{limit - 1}: the prefill and one decode forward per further new token)."
+            )
     return set(items)
 
 
-def _split_edits(edit: Any, limit: int | None) -> tuple[dict, list[tuple[Any, set[int] | None, Any]]]:
+def _split_edits(
+    edit: Any, limit: int | None
+) -> tuple[dict, list[tuple[Any, set[int] | None, Any]]]:
     """`edit=` as (key -> value as given, [(site key, steps or None for every step, value)])."""
     if edit is None:
         return {}, []
@@ -244,11 +271,18 @@ def _split_edits(edit: Any, limit: int | None) -> tuple[dict, list[tuple[Any, se
         raise GenerateSpecError(
             f"edit= takes a non-empty dict from site to a function or tensor: a key applies at every step, and "
             f"(step, key) or (range(...), key) at those steps, e.g. edit={{'blocks.0.hook_resid_post': fn, "
-            f"(3, 'blocks.1.hook_resid_post'): fn}}; got {type(edit).__name__ if not isinstance(edit, Mapping) else 'an empty dict'}.")
+            f"(3, 'blocks.1.hook_resid_post'): fn}}; got "
+            f"{type(edit).__name__ if not isinstance(edit, Mapping) else 'an empty dict'}."
+        )
     out = []
     for key, value in edit.items():
-        if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], (int, range, tuple)) and not isinstance(
-                key[0], bool) and not (isinstance(key[0], tuple) and key[0] and isinstance(key[0][0], str)):
+        if (
+            isinstance(key, tuple)
+            and len(key) == 2
+            and isinstance(key[0], (int, range, tuple))
+            and not isinstance(key[0], bool)
+            and not (isinstance(key[0], tuple) and key[0] and isinstance(key[0][0], str))
+        ):
             out.append((key[1], _step_set(key[0], f"edit= key {key!r}: the step", limit), value))
         else:
             out.append((key, None, value))
@@ -330,14 +364,28 @@ class _Session:
     """The hooks of one `trace_generate` call: a recorder's hooks on every module, passed to the
     capture under way, and the root's (and an encoder's) opening and closing hooks."""
 
-    def __init__(self, model, names, aliases, roles, spec_keep, spec_none, keep_steps, store, edits, roles_arg,
-                 encoder):
+    def __init__(
+        self,
+        model,
+        names,
+        aliases,
+        roles,
+        spec_keep,
+        spec_none,
+        keep_steps,
+        store,
+        edits,
+        roles_arg,
+        encoder,
+    ):
         self.model = model
         self.names = names
         self.aliases = aliases
         self.roles = roles
-        self.plans = {True: plan_capture(spec_keep, roles, {a: m for m, a in names.items()}),
-                      False: plan_capture(spec_none, roles, {a: m for m, a in names.items()})}
+        self.plans = {
+            True: plan_capture(spec_keep, roles, {a: m for m, a in names.items()}),
+            False: plan_capture(spec_none, roles, {a: m for m, a in names.items()}),
+        }
         self.keep_steps = keep_steps
         self.store = store
         self.edits = edits
@@ -361,17 +409,27 @@ class _Session:
 
     def install(self) -> None:
         model = self.model
-        self.handles.append(model.register_forward_pre_hook(self.open_root, with_kwargs=True, prepend=True))
+        self.handles.append(
+            model.register_forward_pre_hook(self.open_root, with_kwargs=True, prepend=True)
+        )
         if self.encoder is not None:
-            self.handles.append(self.encoder.register_forward_pre_hook(self.open_encoder, with_kwargs=True,
-                                                                       prepend=True))
+            self.handles.append(
+                self.encoder.register_forward_pre_hook(
+                    self.open_encoder, with_kwargs=True, prepend=True
+                )
+            )
         for m in self.names:
             self.handles.append(m.register_forward_pre_hook(self.pre_hook, with_kwargs=True))
             self.handles.append(m.register_forward_hook(self.post_hook, always_call=True))
-        self.handles.append(model.register_forward_hook(self.close_root, with_kwargs=True, always_call=True))
+        self.handles.append(
+            model.register_forward_hook(self.close_root, with_kwargs=True, always_call=True)
+        )
         if self.encoder is not None:
-            self.handles.append(self.encoder.register_forward_hook(self.close_encoder, with_kwargs=True,
-                                                                   always_call=True))
+            self.handles.append(
+                self.encoder.register_forward_hook(
+                    self.close_encoder, with_kwargs=True, always_call=True
+                )
+            )
 
     def remove(self, exc: BaseException | None = None) -> None:
         """Remove every hook and close a capture left open (`generate` raised past the hooks, or
@@ -386,8 +444,12 @@ class _Session:
     # -- the recorder's hooks, passed on ------------------------------------------------------
 
     def _ours(self) -> bool:
-        return (self.capture is not None and self.capture.active and not self.locating
-                and threading.get_ident() == self.thread)
+        return (
+            self.capture is not None
+            and self.capture.active
+            and not self.locating
+            and threading.get_ident() == self.thread
+        )
 
     def pre_hook(self, module, args, kwargs=None):
         if not self._ours():
@@ -414,8 +476,14 @@ class _Session:
         if isinstance(store, DirectoryStore):  # one directory per step
             store = DirectoryStore(os.path.join(store.path, f"step-{step:04d}"))
         plan = self.plans[keep]
-        rec = Recorder(self.names, _copy_roles(self.roles), plan, self.params, edit_plan,
-                       store if isinstance(store, DirectoryStore) else None)
+        rec = Recorder(
+            self.names,
+            _copy_roles(self.roles),
+            plan,
+            self.params,
+            edit_plan,
+            store if isinstance(store, DirectoryStore) else None,
+        )
         capture = _Capture(rec, plan, store, edit_plan)
         capture.top = module
         capture.kind = "encoder" if encoder else "step"
@@ -430,12 +498,25 @@ class _Session:
         step = len(self.steps)
         name, cache = _cache_of(kwargs)
         ids = kwargs.get("decoder_input_ids", kwargs.get("input_ids", args[0] if args else None))
-        mask = kwargs.get("decoder_attention_mask") if "decoder_input_ids" in kwargs else kwargs.get("attention_mask")
+        mask = (
+            kwargs.get("decoder_attention_mask")
+            if "decoder_input_ids" in kwargs
+            else kwargs.get("attention_mask")
+        )
         past = int(cache.get_seq_length()) if cache is not None else 0
-        self.info.append(StepInfo(step, "prefill" if step == 0 else "decode", keep, _copy(ids), _copy(mask),
-                                  _copy(kwargs.get("decoder_position_ids", kwargs.get("position_ids"))),
-                                  _copy(kwargs.get("cache_position")), past,
-                                  type(cache).__name__ if cache is not None else None))
+        self.info.append(
+            StepInfo(
+                step,
+                "prefill" if step == 0 else "decode",
+                keep,
+                _copy(ids),
+                _copy(mask),
+                _copy(kwargs.get("decoder_position_ids", kwargs.get("position_ids"))),
+                _copy(kwargs.get("cache_position")),
+                past,
+                type(cache).__name__ if cache is not None else None,
+            )
+        )
 
     def _edits_at(self, step: int) -> dict:
         return {key: value for key, steps, value in self.edits if steps is None or step in steps}
@@ -450,7 +531,9 @@ class _Session:
         self.locating = True
         try:
             with torch.random.fork_rng(devices=devices):
-                located = trace(self.model, *args, save="none", roles=self.roles_arg, **located_kwargs)
+                located = trace(
+                    self.model, *args, save="none", roles=self.roles_arg, **located_kwargs
+                )
         finally:
             self.locating = False
         return plan_edits(located, wanted)
@@ -489,7 +572,12 @@ class _Session:
 
     def _close(self, module, args, kwargs, output):
         capture = self.capture
-        if capture is None or not capture.active or self.locating or threading.get_ident() != self.thread:
+        if (
+            capture is None
+            or not capture.active
+            or self.locating
+            or threading.get_ident() != self.thread
+        ):
             return None
         if capture.depth:
             capture.depth -= 1
@@ -516,16 +604,32 @@ class _Session:
     def _assemble(self, capture: _Capture, module, args, kwargs, output) -> Trace:
         """The step's `Trace`, assembled as `torchlens.trace` assembles one (the same function)."""
         rec = capture.rec
-        return finish(rec, self.model, self.names, self.aliases, rec.roles, capture.plan, capture.edit_plan,
-                      capture.store, capture.dispatch, (args, kwargs, output))
+        return finish(
+            rec,
+            self.model,
+            self.names,
+            self.aliases,
+            rec.roles,
+            capture.plan,
+            capture.edit_plan,
+            capture.store,
+            capture.dispatch,
+            (args, kwargs, output),
+        )
 
 
 def _sequences(output: Any) -> Tensor:
     if isinstance(output, Tensor):
         return output
-    seq = output.get("sequences") if isinstance(output, Mapping) else getattr(output, "sequences", None)
+    seq = (
+        output.get("sequences")
+        if isinstance(output, Mapping)
+        else getattr(output, "sequences", None)
+    )
     if not isinstance(seq, Tensor):
-        raise TorchLensError(f"model.generate returned {type(output).__name__}, which holds no `sequences` tensor.")
+        raise TorchLensError(
+            f"model.generate returned {type(output).__name__}, which holds no `sequences` tensor."
+        )
     return seq
 
 
@@ -591,8 +695,10 @@ def trace_generate(
         torch.Size([1, 4, 1, 6])
     """
     if not isinstance(model, nn.Module):
-        raise GenerateSpecError(f"model: trace_generate() needs a torch.nn.Module with a generate method, got "
-                                f"{type(model).__name__}.")
+        raise GenerateSpecError(
+            f"model: trace_generate() needs a torch.nn.Module with a generate method, got "
+            f"{type(model).__name__}."
+        )
     wrapper = compiled_module_class()
     if wrapper is not None and isinstance(model, wrapper):
         model = model._orig_mod
@@ -600,7 +706,8 @@ def trace_generate(
         raise GenerateSpecError(
             f"model: {type(model).__name__} has no generate method; trace_generate runs a model's own generate "
             f"(a transformers GenerationMixin model, such as AutoModelForCausalLM's). For one forward pass, use "
-            f"torchlens.trace(model, ...).")
+            f"torchlens.trace(model, ...)."
+        )
     prompt_length = int(input_ids.shape[-1]) if isinstance(input_ids, Tensor) else None
     limit = _check_settings(model, generate_kwargs, prompt_length)
     keep_steps = _step_set(steps, "steps", limit)
@@ -618,7 +725,9 @@ def trace_generate(
     store = parse_store(store)  # StoreSpecError before anything runs
     config = getattr(model, "config", None)
     encoder = None
-    if getattr(config, "is_encoder_decoder", False) and callable(getattr(model, "get_encoder", None)):
+    if getattr(config, "is_encoder_decoder", False) and callable(
+        getattr(model, "get_encoder", None)
+    ):
         encoder = model.get_encoder()
         if encoder not in names or encoder is model:
             encoder = None
@@ -626,8 +735,21 @@ def trace_generate(
         raise GenerateSpecError(
             f"edit=: trace_generate does not edit an encoder-decoder model's generation yet ({type(model).__name__}: "
             f"step 0 spans the encoder's call and the decoder's first forward, which one locating pass cannot place "
-            f"an edit in). Trace it without edit=, or edit one forward with torchlens.trace(..., edit=...).")
-    session = _Session(model, names, aliases, static, spec_keep, spec_none, keep_steps, store, edits, roles, encoder)
+            f"an edit in). Trace it without edit=, or edit one forward with torchlens.trace(..., edit=...)."
+        )
+    session = _Session(
+        model,
+        names,
+        aliases,
+        static,
+        spec_keep,
+        spec_none,
+        keep_steps,
+        store,
+        edits,
+        roles,
+        encoder,
+    )
     session.install()
     try:
         args = () if input_ids is None else (input_ids,)
@@ -635,20 +757,35 @@ def trace_generate(
     except BaseException as exc:
         session.remove(exc)
         if hasattr(exc, "add_note"):
-            where = session.where or f"generate itself, between forward calls ({len(session.steps)} steps done)"
-            exc.add_note(f"torchlens: trace_generate raised in {where}; every hook it installed is removed")
+            where = (
+                session.where
+                or f"generate itself, between forward calls ({len(session.steps)} steps done)"
+            )
+            exc.add_note(
+                f"torchlens: trace_generate raised in {where}; every hook it installed is removed"
+            )
         raise
     session.remove()
     ran = len(session.steps)
     if keep_steps is not None and max(keep_steps, default=-1) >= ran:
         raise GenerateSpecError(
             f"steps={steps!r}: step {max(keep_steps)} never ran: generation stopped after {ran} forward calls "
-            f"(steps 0..{ran - 1}; an end-of-sequence token or a stopping criterion ended it early).")
+            f"(steps 0..{ran - 1}; an end-of-sequence token or a stopping criterion ended it early)."
+        )
     for key, wanted, _ in edits:
         if wanted is not None and not any(s < ran for s in wanted):
             raise GenerateSpecError(
                 f"edit= key for {key!r} at steps {sorted(wanted)}: none of them ran: generation stopped after {ran} "
-                f"forward calls (steps 0..{ran - 1}).")
-    return GenerationTrace(session.steps, session.info, output, _sequences(output), input_ids,
-                           encoder is not None, {s: a for s, a in session.applied.items() if a}, model,
-                           {"input_ids": input_ids, "kwargs": dict(generate_kwargs), "save": save, "roles": roles})
+                f"forward calls (steps 0..{ran - 1})."
+            )
+    return GenerationTrace(
+        session.steps,
+        session.info,
+        output,
+        _sequences(output),
+        input_ids,
+        encoder is not None,
+        {s: a for s, a in session.applied.items() if a},
+        model,
+        {"input_ids": input_ids, "kwargs": dict(generate_kwargs), "save": save, "roles": roles},
+    )

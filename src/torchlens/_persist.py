@@ -40,7 +40,6 @@ save and listed in `trace.load_notes` after load.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import hashlib
 import json
@@ -104,7 +103,11 @@ def _record_classes() -> dict[str, type]:
 
 
 def _versions() -> dict[str, str]:
-    out = {"torchlens": __version__, "torch": torch.__version__, "python": platform.python_version()}
+    out = {
+        "torchlens": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     if "transformers" in sys.modules:
         out["transformers"] = sys.modules["transformers"].__version__
     return out
@@ -134,7 +137,9 @@ def _opt(k: _Kind) -> _Kind:
 
 
 def _tuple(k: _Kind) -> _Kind:
-    return _Kind(f"a tuple of ({k.words})", lambda v: isinstance(v, tuple) and all(k.ok(x) for x in v))
+    return _Kind(
+        f"a tuple of ({k.words})", lambda v: isinstance(v, tuple) and all(k.ok(x) for x in v)
+    )
 
 
 def _list(k: _Kind) -> _Kind:
@@ -142,12 +147,19 @@ def _list(k: _Kind) -> _Kind:
 
 
 def _dict(key: _Kind, value: _Kind) -> _Kind:
-    return _Kind(f"a dict of ({key.words}) to ({value.words})",
-                 lambda v: type(v) is dict and all(key.ok(a) and value.ok(b) for a, b in v.items()))
+    return _Kind(
+        f"a dict of ({key.words}) to ({value.words})",
+        lambda v: type(v) is dict and all(key.ok(a) and value.ok(b) for a, b in v.items()),
+    )
 
 
-def _rec(name: str) -> _Kind:  # the decoder builds records only of the classes `_record_classes` names
-    return _Kind(f"{'an' if name[0] in 'AEIOU' else 'a'} {name} record", lambda v: type(v).__name__ == name and type(v).__module__.startswith("torchlens"))
+def _rec(
+    name: str,
+) -> _Kind:  # the decoder builds records only of the classes `_record_classes` names
+    return _Kind(
+        f"{'an' if name[0] in 'AEIOU' else 'a'} {name} record",
+        lambda v: type(v).__name__ == name and type(v).__module__.startswith("torchlens"),
+    )
 
 
 def _either(*kinds: _Kind) -> _Kind:
@@ -165,43 +177,127 @@ _DTYPE = _Kind("a torch.dtype", lambda v: isinstance(v, torch.dtype))
 _DEVICE = _Kind("a torch.device", lambda v: isinstance(v, torch.device))
 _TENSOR = _Kind("a tensor", lambda v: isinstance(v, torch.Tensor))
 _SHAPE = _Kind("a shape (ints >= 0 whose product is below 2**63)", _is_shape)
-_REF = _Kind("a Ref", lambda v: type(v).__name__ == "Ref" and type(v).__module__.startswith("torchlens"))
-_SOURCE = _either(_REF, _STR, _NONE)  # where a tensor came from: an op's output, a parameter, outside
+_REF = _Kind(
+    "a Ref", lambda v: type(v).__name__ == "Ref" and type(v).__module__.startswith("torchlens")
+)
+_SOURCE = _either(
+    _REF, _STR, _NONE
+)  # where a tensor came from: an op's output, a parameter, outside
 _CALL = _opt(_rec("ModuleCall"))
-_STRS = _Kind("a frozenset of str", lambda v: type(v) is frozenset and all(type(x) is str for x in v))
+_STRS = _Kind(
+    "a frozenset of str", lambda v: type(v) is frozenset and all(type(x) is str for x in v)
+)
 
 #: record class -> stored field -> its type. Only these fields are written, and a record in a
 #: trace file must have exactly these (a field that would shadow a method, such as `check`, is
 #: refused). `test_persist_faults` checks this table against the record classes.
 _FIELDS: dict[str, dict[str, _Kind]] = {
-    "Trace": {"ops": _list(_rec("OpRecord")), "modules": _rec("ModuleMap"), "output": _ANY,
-              "blocks": _list(_STR), "model_class": _STR, "save_spec": _rec("SaveSpec"),
-              "structure": _opt(_rec("Structure")), "edits": _tuple(_rec("EditRecord"))},
+    "Trace": {
+        "ops": _list(_rec("OpRecord")),
+        "modules": _rec("ModuleMap"),
+        "output": _ANY,
+        "blocks": _list(_STR),
+        "model_class": _STR,
+        "save_spec": _rec("SaveSpec"),
+        "structure": _opt(_rec("Structure")),
+        "edits": _tuple(_rec("EditRecord")),
+    },
     "ModuleMap": {"_records": _dict(_STR, _rec("ModuleRecord")), "_aliases": _dict(_STR, _STR)},
-    "ModuleRecord": {"address": _STR, "class_name": _STR, "role": _STR, "calls": _list(_rec("ModuleCall")),
-                     "aliases": _tuple(_STR)},
-    "ModuleCall": {"address": _STR, "index": _COUNT, "role": _STR, "class_name": _STR, "first_op": _COUNT,
-                   "end_op": _INT, "facets": _opt(_rec("FacetMap")), "parent": _CALL, "retained": _BOOL,
-                   "input_ref": _SOURCE, "output_ref": _SOURCE, "_in": _NONE, "_out": _NONE,
-                   "grads": _opt(_rec("GradMap"))},
-    "FacetMap": {"address": _STR, "role": _STR, "refused": _dict(_STR, _STR),
-                 "sites": _dict(_STR, _rec("FacetSite")), "ran": _BOOL},
-    "GradMap": {"address": _STR, "role": _STR, "refused": _dict(_STR, _STR),
-                "sites": _dict(_STR, _rec("FacetSite")), "ran": _BOOL, "loss": _STR},
-    "FacetSite": {"name": _STR, "kind": _STR, "shape": _SHAPE, "dtype": _DTYPE, "tensor": _opt(_TENSOR),
-                  "op": _opt(_COUNT), "check_error": _opt(_NUMBER), "note": _STR},
-    "OpRecord": {"index": _COUNT, "name": _STR, "module": _STR, "call": _COUNT, "inputs": _tuple(_SOURCE),
-                 "shapes": _tuple(_SHAPE), "dtypes": _tuple(_DTYPE), "device": _DEVICE,
-                 "tensors": _tuple(_opt(_TENSOR)), "mutated": _BOOL, "extra": _opt(_dict(_STR, _ANY))},
+    "ModuleRecord": {
+        "address": _STR,
+        "class_name": _STR,
+        "role": _STR,
+        "calls": _list(_rec("ModuleCall")),
+        "aliases": _tuple(_STR),
+    },
+    "ModuleCall": {
+        "address": _STR,
+        "index": _COUNT,
+        "role": _STR,
+        "class_name": _STR,
+        "first_op": _COUNT,
+        "end_op": _INT,
+        "facets": _opt(_rec("FacetMap")),
+        "parent": _CALL,
+        "retained": _BOOL,
+        "input_ref": _SOURCE,
+        "output_ref": _SOURCE,
+        "_in": _NONE,
+        "_out": _NONE,
+        "grads": _opt(_rec("GradMap")),
+    },
+    "FacetMap": {
+        "address": _STR,
+        "role": _STR,
+        "refused": _dict(_STR, _STR),
+        "sites": _dict(_STR, _rec("FacetSite")),
+        "ran": _BOOL,
+    },
+    "GradMap": {
+        "address": _STR,
+        "role": _STR,
+        "refused": _dict(_STR, _STR),
+        "sites": _dict(_STR, _rec("FacetSite")),
+        "ran": _BOOL,
+        "loss": _STR,
+    },
+    "FacetSite": {
+        "name": _STR,
+        "kind": _STR,
+        "shape": _SHAPE,
+        "dtype": _DTYPE,
+        "tensor": _opt(_TENSOR),
+        "op": _opt(_COUNT),
+        "check_error": _opt(_NUMBER),
+        "note": _STR,
+    },
+    "OpRecord": {
+        "index": _COUNT,
+        "name": _STR,
+        "module": _STR,
+        "call": _COUNT,
+        "inputs": _tuple(_SOURCE),
+        "shapes": _tuple(_SHAPE),
+        "dtypes": _tuple(_DTYPE),
+        "device": _DEVICE,
+        "tensors": _tuple(_opt(_TENSOR)),
+        "mutated": _BOOL,
+        "extra": _opt(_dict(_STR, _ANY)),
+    },
     "SaveSpec": {"everything": _BOOL, "addresses": _STRS, "facets": _STRS, "predicate": _NONE},
-    "EditRecord": {"key": _ANY, "module_address": _STR, "facet": _STR, "calls": _tuple(_COUNT), "how": _STR,
-                   "where": _STR, "applied": _COUNT},
-    "Layer": {"call": _rec("ModuleCall"), "attention": _CALL, "cross_attention": _CALL, "mlp": _CALL},
-    "Stack": {"name": _STR, "layers": _list(_rec("Layer")), "kind": _STR, "final_norm": _CALL,
-              "passes": _Kind("an int >= 1", lambda v: type(v) is int and v >= 1), "repeats": _list(_rec("Layer"))},
-    "Structure": {"stacks": _dict(_STR, _rec("Stack")), "lm_stack": _opt(_STR), "kind": _STR,
-                  "token_embed": _CALL, "unembed": _CALL, "final_norm": _CALL, "notes": _list(_STR),
-                  "children": _dict(_INT, _list(_rec("ModuleCall")))},
+    "EditRecord": {
+        "key": _ANY,
+        "module_address": _STR,
+        "facet": _STR,
+        "calls": _tuple(_COUNT),
+        "how": _STR,
+        "where": _STR,
+        "applied": _COUNT,
+    },
+    "Layer": {
+        "call": _rec("ModuleCall"),
+        "attention": _CALL,
+        "cross_attention": _CALL,
+        "mlp": _CALL,
+    },
+    "Stack": {
+        "name": _STR,
+        "layers": _list(_rec("Layer")),
+        "kind": _STR,
+        "final_norm": _CALL,
+        "passes": _Kind("an int >= 1", lambda v: type(v) is int and v >= 1),
+        "repeats": _list(_rec("Layer")),
+    },
+    "Structure": {
+        "stacks": _dict(_STR, _rec("Stack")),
+        "lm_stack": _opt(_STR),
+        "kind": _STR,
+        "token_embed": _CALL,
+        "unembed": _CALL,
+        "final_norm": _CALL,
+        "notes": _list(_STR),
+        "children": _dict(_INT, _list(_rec("ModuleCall"))),
+    },
 }
 
 #: Attributes `load` sets from trace.json's own fields, not stored in the record.
@@ -211,11 +307,25 @@ _SET_BY_LOAD = {"Trace": ("saved_with", "model_info", "load_notes")}
 # -- writing -----------------------------------------------------------------------------------
 
 #: torch dtype -> its safetensors name; a tensor of any other dtype is left out on save, with a note.
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
-for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"), ("float8_e4m3fn", "F8_E4M3"),
-                     ("float8_e5m2", "F8_E5M2")):
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+):
     if isinstance(getattr(torch, _name, None), torch.dtype):
         _ST_DTYPES[getattr(torch, _name)] = _code
 
@@ -235,11 +345,19 @@ class _Encoder:
         if key is not None:
             return {"tensor": key}
         if t.is_meta or t.layout != torch.strided or t.dtype not in _ST_DTYPES:
-            what = "meta" if t.is_meta else str(t.layout) if t.layout != torch.strided else str(t.dtype)
+            what = (
+                "meta"
+                if t.is_meta
+                else str(t.layout)
+                if t.layout != torch.strided
+                else str(t.dtype)
+            )
             self.dropped.append(f"{where} (a {what} tensor)")
             return {"dropped": f"tensor {t.dtype} {list(t.shape)}"}
         if storage_ptr(t) is None:  # a wrapper subclass: its data is in the tensors it wraps
-            self.dropped.append(f"{where} (a {type(t).__name__}, a tensor subclass with no storage of its own)")
+            self.dropped.append(
+                f"{where} (a {type(t).__name__}, a tensor subclass with no storage of its own)"
+            )
             return {"dropped": f"tensor {t.dtype} {list(t.shape)}"}
         key = f"t{len(self.tensors)}"
         # Tensors sharing memory are fine: the writer copies each one's bytes into the file (a
@@ -265,7 +383,13 @@ class _Encoder:
         if isinstance(v, torch.device):
             return {"device_obj": str(v)}
         if isinstance(v, slice):
-            return {"slice": [self.enc(v.start, where), self.enc(v.stop, where), self.enc(v.step, where)]}
+            return {
+                "slice": [
+                    self.enc(v.start, where),
+                    self.enc(v.stop, where),
+                    self.enc(v.step, where),
+                ]
+            }
         if v is Ellipsis:
             return {"ellipsis": True}
         if isinstance(v, tuple) and hasattr(v, "_fields") and type(v).__name__ == "Ref":
@@ -279,11 +403,19 @@ class _Encoder:
             return [self.enc(x, f"{where}[{i}]") for i, x in enumerate(v)]
         if isinstance(v, (set, frozenset)):
             return {"set": sorted((self.enc(x, where) for x in v), key=repr)}
-        if isinstance(v, Mapping) and type(v).__module__.split(".")[0] in ("builtins", "collections", "transformers"):
+        if isinstance(v, Mapping) and type(v).__module__.split(".")[0] in (
+            "builtins",
+            "collections",
+            "transformers",
+        ):
             items = list(v.items())
-            if items and all(type(k) is int and k in self.memo for k, _ in items):  # keyed by id(record)
+            if items and all(
+                type(k) is int and k in self.memo for k, _ in items
+            ):  # keyed by id(record)
                 return {"id_keys": [[self.memo[k], self.enc(x, f"{where}[...]")] for k, x in items]}
-            out = {"items": [[self.enc(k, where), self.enc(x, f"{where}[{k!r}]")] for k, x in items]}
+            out = {
+                "items": [[self.enc(k, where), self.enc(x, f"{where}[{k!r}]")] for k, x in items]
+            }
             if type(v) is not dict:
                 out["mapping"] = type(v).__name__  # a ModelOutput loads as a plain dict
             return out
@@ -304,7 +436,11 @@ class _Encoder:
                 self.dropped.append(f"{where}.predicate (a save= callable)")
                 value = None
             fields[f] = self.enc(value, f"{where}.{f}")
-        stored = set(_FIELDS[name]) | set(_SET_BY_LOAD.get(name, ())) | set(getattr(type(obj), "_persist_renames", {}).values())
+        stored = (
+            set(_FIELDS[name])
+            | set(_SET_BY_LOAD.get(name, ()))
+            | set(getattr(type(obj), "_persist_renames", {}).values())
+        )
         for attr in vars(obj) if hasattr(obj, "__dict__") else ():
             if not attr.startswith("_") and attr not in stored:
                 self.dropped.append(f"{where}.{attr} (not a field a {name} stores)")
@@ -314,7 +450,9 @@ class _Encoder:
 
 def _fields(obj: Any, name: str) -> list[tuple[str, Any]]:
     """The (field, value) pairs a record stores: the fields `_FIELDS` lists for its class."""
-    if hasattr(type(obj), "_persist_fields"):  # a record that says how it stores them (FacetSite, FacetMap)
+    if hasattr(
+        type(obj), "_persist_fields"
+    ):  # a record that says how it stores them (FacetSite, FacetMap)
         return obj._persist_fields()
     return [(f, getattr(obj, f)) for f in _FIELDS[name]]
 
@@ -338,7 +476,9 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy())
 
 
-def _layout(tensors: dict[str, torch.Tensor], token: str) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
+def _layout(
+    tensors: dict[str, torch.Tensor], token: str
+) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
     """The safetensors prefix (length and header) and the tensors in file order: widest elements
     first, so each starts at a multiple of its element size (the data starts 8-byte aligned)."""
     order = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
@@ -346,7 +486,11 @@ def _layout(tensors: dict[str, torch.Tensor], token: str) -> tuple[bytes, list[t
     offset = 0
     for key, t in order:
         n = t.numel() * t.element_size()
-        header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        header[key] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % 8)
@@ -397,7 +541,9 @@ class _Digests:
             self.done[key] = _sha256(view)
             return
         if self.pool is None:
-            self.pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="torchlens-sha256")
+            self.pool = ThreadPoolExecutor(
+                max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="torchlens-sha256"
+            )
         self.done[key] = self.pool.submit(_sha256, view)
 
     def results(self) -> dict[str, str]:
@@ -427,8 +573,15 @@ def _named_before(path: str) -> set[str]:
     try:
         with open(os.path.join(path, JSON_NAME), encoding="utf-8") as f:
             doc = json.load(f)
-        files = doc.get("tensor_files", []) if isinstance(doc, dict) and doc.get("format") == FORMAT else []
-        names = {e if isinstance(e, str) else e.get("name") if isinstance(e, dict) else None for e in files}
+        files = (
+            doc.get("tensor_files", [])
+            if isinstance(doc, dict) and doc.get("format") == FORMAT
+            else []
+        )
+        names = {
+            e if isinstance(e, str) else e.get("name") if isinstance(e, dict) else None
+            for e in files
+        }
     except (OSError, ValueError, RecursionError, TypeError, AttributeError):
         return set()
     return {n for n in names if _plain_name(n)}
@@ -436,8 +589,15 @@ def _named_before(path: str) -> set[str]:
 
 def _plain_name(name: Any) -> bool:
     """Whether `name` is a plain `*.safetensors` file name (no directory part)."""
-    return (isinstance(name, str) and bool(name) and not os.path.isabs(name) and os.sep not in name
-            and "/" not in name and name not in (".", "..") and name.endswith(".safetensors"))
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and not os.path.isabs(name)
+        and os.sep not in name
+        and "/" not in name
+        and name not in (".", "..")
+        and name.endswith(".safetensors")
+    )
 
 
 def _clean(path: str, keep: set[str], before: set[str]) -> None:
@@ -445,7 +605,9 @@ def _clean(path: str, keep: set[str], before: set[str]) -> None:
     saves, except `keep`; every other file in `path` is left alone."""
     with contextlib.suppress(OSError):
         for name in os.listdir(path):
-            if name not in keep and (name in before or name in _V1_FILES or _OWN_FILE.fullmatch(name)):
+            if name not in keep and (
+                name in before or name in _V1_FILES or _OWN_FILE.fullmatch(name)
+            ):
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(path, name))
 
@@ -468,9 +630,15 @@ def _os_error(call: str, path: str, exc: OSError, what: str, had_trace: bool) ->
     }.get(exc.errno, "")
     if getattr(errno, "EDQUOT", None) == exc.errno:
         remedy = "The disk quota is used up: free space there or save elsewhere."
-    kept = (f"The trace that was in {path!r} is unchanged." if had_trace else "No trace was saved there.")
-    return TraceFileError(f"{call}: could not write {what}: {exc.strerror or exc} ({name or exc.errno}). "
-                          f"{kept} {remedy}".rstrip())
+    kept = (
+        f"The trace that was in {path!r} is unchanged."
+        if had_trace
+        else "No trace was saved there."
+    )
+    return TraceFileError(
+        f"{call}: could not write {what}: {exc.strerror or exc} ({name or exc.errno}). "
+        f"{kept} {remedy}".rstrip()
+    )
 
 
 def _make_dir(path: str, call: str) -> None:
@@ -481,8 +649,10 @@ def _make_dir(path: str, call: str) -> None:
     while not os.path.exists(above) and os.path.dirname(above) != above:
         above = os.path.dirname(above)
     if not os.path.isdir(above):
-        raise TraceFileError(f"{call}: {above!r} is a file, so the directory {path!r} cannot be made inside it; "
-                             f"a trace is saved as a directory. Save to another path.")
+        raise TraceFileError(
+            f"{call}: {above!r} is a file, so the directory {path!r} cannot be made inside it; "
+            f"a trace is saved as a directory. Save to another path."
+        )
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
@@ -532,9 +702,13 @@ def save(trace: Any, path: str | os.PathLike, model: Any = None) -> list[str]:
                 full = os.path.join(path, tensor_name)
                 what = f"the tensor file {full!r}"
                 made.append(full)
+
                 def parts(hashing: _Digests) -> Iterator[memoryview | bytes]:
                     yield prefix
-                    for key, t in order:  # a copy made for one tensor is dropped once written and digested
+                    for (
+                        key,
+                        t,
+                    ) in order:  # a copy made for one tensor is dropped once written and digested
                         view = _bytes(t)
                         hashing.add(key, view)
                         yield view
@@ -550,8 +724,15 @@ def save(trace: Any, path: str | os.PathLike, model: Any = None) -> list[str]:
                 "model_class": trace.model_class,
                 "model": _model_info(model),
                 "tensor_files": files,
-                "tensors": {key: {"file": 0, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                                  "sha256": digests[key]} for key, t in enc.tensors.items()},
+                "tensors": {
+                    key: {
+                        "file": 0,
+                        "dtype": str(t.dtype).removeprefix("torch."),
+                        "shape": list(t.shape),
+                        "sha256": digests[key],
+                    }
+                    for key, t in enc.tensors.items()
+                },
                 "root": root,
                 "objects": enc.objects,
                 "notes": [f"dropped on save: {d}" for d in enc.dropped],
@@ -562,7 +743,9 @@ def save(trace: Any, path: str | os.PathLike, model: Any = None) -> list[str]:
             what = f"{JSON_NAME} ({part!r})"
             made.append(part)
             _write_new(part, [text])
-            os.replace(part, os.path.join(path, JSON_NAME))  # the one step from the old trace to the new
+            os.replace(
+                part, os.path.join(path, JSON_NAME)
+            )  # the one step from the old trace to the new
             committed = True
             _fsync_dir(dir_fd)
             _clean(path, {JSON_NAME, tensor_name}, before)
@@ -575,9 +758,14 @@ def save(trace: Any, path: str | os.PathLike, model: Any = None) -> list[str]:
             raise _os_error(call, path, exc, what, had_trace) from exc
         raise
     if enc.dropped:
-        shown = "; ".join(enc.dropped[:3]) + (f"; and {len(enc.dropped) - 3} more" if len(enc.dropped) > 3 else "")
-        warnings.warn(f"torchlens: Trace.save could not store {len(enc.dropped)} value(s) portably and left "
-                      f"them out: {shown}. The loaded trace lists them in trace.load_notes.", stacklevel=3)
+        shown = "; ".join(enc.dropped[:3]) + (
+            f"; and {len(enc.dropped) - 3} more" if len(enc.dropped) > 3 else ""
+        )
+        warnings.warn(
+            f"torchlens: Trace.save could not store {len(enc.dropped)} value(s) portably and left "
+            f"them out: {shown}. The loaded trace lists them in trace.load_notes.",
+            stacklevel=3,
+        )
     return enc.dropped
 
 
@@ -585,8 +773,10 @@ def save(trace: Any, path: str | os.PathLike, model: Any = None) -> list[str]:
 
 #: safetensors dtype name -> torch dtype (the names `_ST_DTYPES` writes)
 _TORCH_DTYPES = {code: dt for dt, code in _ST_DTYPES.items()}
-_TORN = ("the tensor file and trace.json are not from one save (a save that did not finish, with "
-         "another TorchLens or by hand, or a file changed since)")
+_TORN = (
+    "the tensor file and trace.json are not from one save (a save that did not finish, with "
+    "another TorchLens or by hand, or a file changed since)"
+)
 
 
 def _tensor_file(root: str, name: Any) -> str:
@@ -594,13 +784,18 @@ def _tensor_file(root: str, name: Any) -> str:
     if not _plain_name(name):
         raise TraceFileError(
             f"torchlens.load: trace.json names the tensor file {name!r}; only a plain *.safetensors file "
-            f"name inside the trace directory is accepted, so it was refused.")
+            f"name inside the trace directory is accepted, so it was refused."
+        )
     full = os.path.join(root, name)
     if os.path.dirname(os.path.realpath(full)) != os.path.realpath(root):
-        raise TraceFileError(f"torchlens.load: the tensor file {name!r} links outside the trace directory "
-                             f"{root!r}; refused.")
+        raise TraceFileError(
+            f"torchlens.load: the tensor file {name!r} links outside the trace directory "
+            f"{root!r}; refused."
+        )
     if not os.path.isfile(full):
-        raise TraceFileError(f"torchlens.load: the tensor file {name!r} named in trace.json is missing from {root!r}.")
+        raise TraceFileError(
+            f"torchlens.load: the tensor file {name!r} named in trace.json is missing from {root!r}."
+        )
     return full
 
 
@@ -608,25 +803,32 @@ def _read_into(f: Any, view: memoryview, full: str) -> None:
     """Fill `view` from `f`; a short read means the file is truncated."""
     pos = 0
     while pos < len(view):
-        n = f.readinto(view[pos:pos + _CHUNK])
+        n = f.readinto(view[pos : pos + _CHUNK])
         if not n:
             raise TraceFileError(f"torchlens.load: {full} ends early; it is truncated, or {_TORN}.")
         pos += n
 
 
-def _read_tensor_file(full: str, entry: dict, expected: dict[str, tuple[torch.dtype, list[int], str]]) -> dict:
+def _read_tensor_file(
+    full: str, entry: dict, expected: dict[str, tuple[torch.dtype, list[int], str]]
+) -> dict:
     """The tensors of one tensor file, each checked against trace.json: the file's size and save
     token, its header (exactly the expected tensors, with their dtypes and shapes, packed end to
     end, all checked before anything is allocated) and each tensor's SHA-256."""
+
     def bad(why: str) -> TraceFileError:
-        return TraceFileError(f"torchlens.load: {full} is not a readable safetensors file ({why}); it is malformed "
-                              f"or truncated. Only safetensors is read, never pickle.")
+        return TraceFileError(
+            f"torchlens.load: {full} is not a readable safetensors file ({why}); it is malformed "
+            f"or truncated. Only safetensors is read, never pickle."
+        )
 
     size = os.path.getsize(full)
     if size != entry["bytes"]:
         cut = "it is truncated, or " if size < entry["bytes"] else ""
-        raise TraceFileError(f"torchlens.load: {full} is {size} bytes; trace.json recorded {entry['bytes']}: "
-                             f"{cut}{_TORN}.")
+        raise TraceFileError(
+            f"torchlens.load: {full} is {size} bytes; trace.json recorded {entry['bytes']}: "
+            f"{cut}{_TORN}."
+        )
     with open(full, "rb", buffering=0) as f:
         head = bytearray(8)
         _read_into(f, memoryview(head), full)
@@ -644,23 +846,36 @@ def _read_tensor_file(full: str, entry: dict, expected: dict[str, tuple[torch.dt
         meta = header.pop("__metadata__", None)
         token = meta.get("save") if isinstance(meta, dict) else None
         if token != entry.get("save"):
-            raise TraceFileError(f"torchlens.load: {full} was written by the save {token!r}; trace.json names the "
-                                 f"file of the save {entry.get('save')!r}: {_TORN}.")
+            raise TraceFileError(
+                f"torchlens.load: {full} was written by the save {token!r}; trace.json names the "
+                f"file of the save {entry.get('save')!r}: {_TORN}."
+            )
         if set(header) != set(expected):
-            extra, missing = sorted(set(header) - set(expected)), sorted(set(expected) - set(header))
-            raise TraceFileError(f"torchlens.load: {full} holds other tensors than trace.json names (not named "
-                                 f"there: {extra[:5]}; missing: {missing[:5]}): {_TORN}.")
+            extra, missing = (
+                sorted(set(header) - set(expected)),
+                sorted(set(expected) - set(header)),
+            )
+            raise TraceFileError(
+                f"torchlens.load: {full} holds other tensors than trace.json names (not named "
+                f"there: {extra[:5]}; missing: {missing[:5]}): {_TORN}."
+            )
         spans = []
         for key, e in header.items():
             dtype, shape, _ = expected[key]
-            ok = (isinstance(e, dict) and isinstance(e.get("shape"), list) and isinstance(e.get("data_offsets"), list)
-                  and len(e["data_offsets"]) == 2 and all(type(x) is int and x >= 0 for x in e["data_offsets"] + e["shape"]))
+            ok = (
+                isinstance(e, dict)
+                and isinstance(e.get("shape"), list)
+                and isinstance(e.get("data_offsets"), list)
+                and len(e["data_offsets"]) == 2
+                and all(type(x) is int and x >= 0 for x in e["data_offsets"] + e["shape"])
+            )
             if not ok:
                 raise bad(f"tensor {key!r} has the header entry {str(e)[:120]}")
             if e.get("dtype") != _ST_DTYPES[dtype] or e["shape"] != shape:
                 raise TraceFileError(
                     f"torchlens.load: {full} holds tensor {key!r} as {e.get('dtype')} {e['shape']}; trace.json "
-                    f"recorded {_ST_DTYPES[dtype]} ({str(dtype).removeprefix('torch.')}) {shape}: {_TORN}.")
+                    f"recorded {_ST_DTYPES[dtype]} ({str(dtype).removeprefix('torch.')}) {shape}: {_TORN}."
+                )
             begin, end = e["data_offsets"]
             if end - begin != math.prod(shape) * dtype.itemsize:
                 raise bad(f"tensor {key!r}: {shape} {dtype} does not fill bytes {begin} to {end}")
@@ -669,7 +884,9 @@ def _read_tensor_file(full: str, entry: dict, expected: dict[str, tuple[torch.dt
         at = 0
         for begin, end, key in spans:
             if begin != at:
-                raise bad(f"tensor {key!r} starts at byte {begin}, not {at}: the tensors overlap or leave a gap")
+                raise bad(
+                    f"tensor {key!r} starts at byte {begin}, not {at}: the tensors overlap or leave a gap"
+                )
             at = end
         if 8 + n + at != size:
             raise bad(f"its tensors end at byte {8 + n + at} of {size}")
@@ -684,31 +901,53 @@ def _read_tensor_file(full: str, entry: dict, expected: dict[str, tuple[torch.dt
             digests = hashing.results()
     for key, digest in digests.items():
         if digest != expected[key][2]:
-            raise TraceFileError(f"torchlens.load: the bytes of tensor {key!r} in {full} have the SHA-256 {digest}; "
-                                 f"trace.json recorded {expected[key][2]}: {_TORN}.")
+            raise TraceFileError(
+                f"torchlens.load: the bytes of tensor {key!r} in {full} have the SHA-256 {digest}; "
+                f"trace.json recorded {expected[key][2]}: {_TORN}."
+            )
     return out
 
 
 def _read_tensors(root: str, doc: dict) -> dict[str, torch.Tensor]:
     """Every tensor trace.json's table names, read from its files and checked against it."""
     files, table = doc.get("tensor_files"), doc.get("tensors")
-    entry_ok = lambda e: (isinstance(e, dict) and type(e.get("bytes")) is int and isinstance(e.get("save"), str)  # noqa: E731
-                          and "name" in e)
+    entry_ok = lambda e: (
+        isinstance(e, dict)
+        and type(e.get("bytes")) is int
+        and isinstance(e.get("save"), str)
+        and "name" in e
+    )
     if not isinstance(files, list) or not all(entry_ok(e) for e in files):
-        raise TraceFileError("torchlens.load: trace.json's tensor_files is not a list of {name, bytes, save} "
-                             "entries; the file is malformed.")
+        raise TraceFileError(
+            "torchlens.load: trace.json's tensor_files is not a list of {name, bytes, save} "
+            "entries; the file is malformed."
+        )
     if not isinstance(table, dict):
-        raise TraceFileError("torchlens.load: trace.json's tensors table is not a JSON object; the file is malformed.")
+        raise TraceFileError(
+            "torchlens.load: trace.json's tensors table is not a JSON object; the file is malformed."
+        )
     by_file: list[dict[str, tuple[torch.dtype, list[int], str]]] = [{} for _ in files]
     for key, e in table.items():
-        dtype = getattr(torch, e.get("dtype", ""), None) if isinstance(e, dict) and isinstance(e.get("dtype"), str) else None
+        dtype = (
+            getattr(torch, e.get("dtype", ""), None)
+            if isinstance(e, dict) and isinstance(e.get("dtype"), str)
+            else None
+        )
         shape = e.get("shape") if isinstance(e, dict) else None
-        if (not isinstance(dtype, torch.dtype) or dtype not in _ST_DTYPES or type(e.get("file")) is not int
-                or not 0 <= e["file"] < len(files) or not isinstance(shape, list) or not _is_shape(tuple(shape))
-                or not isinstance(e.get("sha256"), str)):
-            raise TraceFileError(f"torchlens.load: trace.json's tensors table has the entry {key!r}: {str(e)[:120]}; "
-                                 f"an entry is {{file, dtype, shape, sha256}} (a shape of ints >= 0 whose product is "
-                                 f"below 2**63); the file is malformed.")
+        if (
+            not isinstance(dtype, torch.dtype)
+            or dtype not in _ST_DTYPES
+            or type(e.get("file")) is not int
+            or not 0 <= e["file"] < len(files)
+            or not isinstance(shape, list)
+            or not _is_shape(tuple(shape))
+            or not isinstance(e.get("sha256"), str)
+        ):
+            raise TraceFileError(
+                f"torchlens.load: trace.json's tensors table has the entry {key!r}: {str(e)[:120]}; "
+                f"an entry is {{file, dtype, shape, sha256}} (a shape of ints >= 0 whose product is "
+                f"below 2**63); the file is malformed."
+            )
         by_file[e["file"]][key] = (dtype, shape, e["sha256"])
     tensors: dict[str, torch.Tensor] = {}
     for entry, expected in zip(files, by_file):
@@ -729,14 +968,21 @@ class _Decoder:
 
     def obj(self, n: Any) -> Any:
         if type(n) is not int or not 0 <= n < len(self.src):
-            raise TraceFileError(f"torchlens.load: trace.json refers to record {n!r}, which it does not hold.")
+            raise TraceFileError(
+                f"torchlens.load: trace.json refers to record {n!r}, which it does not hold."
+            )
         if self.built[n] is None:
             spec = self.src[n]
-            if not isinstance(spec, dict) or spec.get("class") not in self.classes or spec["class"] not in _FIELDS:
+            if (
+                not isinstance(spec, dict)
+                or spec.get("class") not in self.classes
+                or spec["class"] not in _FIELDS
+            ):
                 got = spec.get("class") if isinstance(spec, dict) else spec
                 raise TraceFileError(
                     f"torchlens.load: trace.json names the class {str(got)[:80]!r}; a trace file may only name "
-                    f"TorchLens records ({', '.join(sorted(self.classes))}).")
+                    f"TorchLens records ({', '.join(sorted(self.classes))})."
+                )
             name = spec["class"]
             fields = spec.get("fields")
             kinds = _FIELDS[name]
@@ -746,8 +992,11 @@ class _Decoder:
                 missing = [f for f in kinds if f not in have]
                 raise TraceFileError(
                     f"torchlens.load: record {n} (a {name}) has the fields {have[:20]}; a {name} stores exactly "
-                    f"{list(kinds)}" + (f" (not stored: {odd[:5]}, refused)" if odd else "")
-                    + (f" (missing: {missing})" if missing else "") + "; the file is malformed or was edited.")
+                    f"{list(kinds)}"
+                    + (f" (not stored: {odd[:5]}, refused)" if odd else "")
+                    + (f" (missing: {missing})" if missing else "")
+                    + "; the file is malformed or was edited."
+                )
             cls = self.classes[name]
             self.built[n] = inst = object.__new__(cls)
             renames = getattr(cls, "_persist_renames", {})
@@ -756,7 +1005,8 @@ class _Decoder:
                 if not kinds[f].ok(v):
                     raise TraceFileError(
                         f"torchlens.load: record {n} (a {name}) has {f} = {_show(v)}; a {name}'s {f} must be "
-                        f"{kinds[f].words}. The file is malformed or was edited.")
+                        f"{kinds[f].words}. The file is malformed or was edited."
+                    )
                 object.__setattr__(inst, renames.get(f, f), v)
         return self.built[n]
 
@@ -770,14 +1020,20 @@ class _Decoder:
         if "tensor" in v:
             key = v["tensor"]
             if not isinstance(key, str) or key not in self.tensors:
-                raise TraceFileError(f"torchlens.load: trace.json refers to tensor {str(key)[:40]!r}, which its "
-                                     f"tensors table and tensor files do not hold (truncated or mismatched files?).")
+                raise TraceFileError(
+                    f"torchlens.load: trace.json refers to tensor {str(key)[:40]!r}, which its "
+                    f"tensors table and tensor files do not hold (truncated or mismatched files?)."
+                )
             return self.tensors[key]
         if "obj" in v:
             return self.obj(v["obj"])
         if "ref" in v:
             ref = v["ref"]
-            if not isinstance(ref, list) or len(ref) != 2 or not all(type(x) is int and x >= 0 for x in ref):
+            if (
+                not isinstance(ref, list)
+                or len(ref) != 2
+                or not all(type(x) is int and x >= 0 for x in ref)
+            ):
                 return self._bad(v)
             return Ref(*ref)
         if "tuple" in v:
@@ -791,7 +1047,9 @@ class _Decoder:
         if "dtype" in v:
             dt = getattr(torch, v["dtype"], None) if isinstance(v["dtype"], str) else None
             if not isinstance(dt, torch.dtype):
-                raise TraceFileError(f"torchlens.load: unknown dtype {str(v['dtype'])[:40]!r} in trace.json.")
+                raise TraceFileError(
+                    f"torchlens.load: unknown dtype {str(v['dtype'])[:40]!r} in trace.json."
+                )
             return dt
         if "size" in v:
             size = tuple(v["size"]) if isinstance(v["size"], list) else None
@@ -841,20 +1099,27 @@ def _check_held(trace: Any, keys: dict[int, str]) -> None:
             raise TraceFileError(
                 f"torchlens.load: {whose} is recorded as {list(shape)} {str(dtype).removeprefix('torch.')}, but "
                 f"the tensor trace.json gives it ({keys.get(id(t))}) is {list(t.shape)} "
-                f"{str(t.dtype).removeprefix('torch.')}; the file is malformed or was edited.")
+                f"{str(t.dtype).removeprefix('torch.')}; the file is malformed or was edited."
+            )
 
     def in_range(i: Any, whose: str, end: int) -> None:
         if i is not None and type(i) is int and not 0 <= i < end:
-            raise TraceFileError(f"torchlens.load: {whose} names op {i}; the trace has {len(ops)} ops (0 to "
-                                 f"{len(ops) - 1}); the file is malformed or was edited.")
+            raise TraceFileError(
+                f"torchlens.load: {whose} names op {i}; the trace has {len(ops)} ops (0 to "
+                f"{len(ops) - 1}); the file is malformed or was edited."
+            )
 
     for i, op in enumerate(ops):
         whose = f"op #{i} ({op.name})"
         if op.index != i:
-            raise TraceFileError(f"torchlens.load: {whose} has index {op.index}; the file is malformed or was edited.")
+            raise TraceFileError(
+                f"torchlens.load: {whose} has index {op.index}; the file is malformed or was edited."
+            )
         if not len(op.tensors) == len(op.shapes) == len(op.dtypes):
-            raise TraceFileError(f"torchlens.load: {whose} has {len(op.shapes)} shapes, {len(op.dtypes)} dtypes and "
-                                 f"{len(op.tensors)} tensor slots; the file is malformed or was edited.")
+            raise TraceFileError(
+                f"torchlens.load: {whose} has {len(op.shapes)} shapes, {len(op.dtypes)} dtypes and "
+                f"{len(op.tensors)} tensor slots; the file is malformed or was edited."
+            )
         for slot, (t, shape, dtype) in enumerate(zip(op.tensors, op.shapes, op.dtypes)):
             if t is not None:
                 held(t, shape, dtype, f"output {slot} of {whose}")
@@ -868,8 +1133,11 @@ def _check_held(trace: Any, keys: dict[int, str]) -> None:
             for ref in (call.input_ref, call.output_ref):
                 if type(ref).__name__ == "Ref":
                     in_range(ref.op, whose, len(ops))
-            for what, fmap in (("facet", call.facets), ("gradient of facet", getattr(call, "grads", None))):
-                for name, site in (fmap._sites.items() if fmap is not None else ()):
+            for what, fmap in (
+                ("facet", call.facets),
+                ("gradient of facet", getattr(call, "grads", None)),
+            ):
+                for name, site in fmap._sites.items() if fmap is not None else ():
                     in_range(site.op, f"{what} {name!r} of {whose}", len(ops))
                     t = site.__dict__.get("tensor")
                     if t is not None:
@@ -885,13 +1153,19 @@ def _read_doc(doc_path: str) -> dict:
     try:
         doc = json.loads(data.decode("utf-8"))
     except RecursionError:
-        raise TraceFileError(f"torchlens.load: {doc_path} nests its values too deeply to be read (a trace.json "
-                             f"TorchLens writes nests a few levels); the file is malformed.") from None
+        raise TraceFileError(
+            f"torchlens.load: {doc_path} nests its values too deeply to be read (a trace.json "
+            f"TorchLens writes nests a few levels); the file is malformed."
+        ) from None
     except (UnicodeDecodeError, ValueError) as exc:
-        raise TraceFileError(f"torchlens.load: {doc_path} is not valid JSON ({exc}); the file is malformed "
-                             f"or truncated.") from None
+        raise TraceFileError(
+            f"torchlens.load: {doc_path} is not valid JSON ({exc}); the file is malformed "
+            f"or truncated."
+        ) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise TraceFileError(f"torchlens.load: {doc_path} is not a TorchLens trace (no \"format\": {FORMAT!r}).")
+        raise TraceFileError(
+            f'torchlens.load: {doc_path} is not a TorchLens trace (no "format": {FORMAT!r}).'
+        )
     return doc
 
 
@@ -939,26 +1213,45 @@ def load(path: str | os.PathLike) -> Trace:
     root = os.fspath(path)
     doc_path = os.path.join(root, JSON_NAME)
     if not os.path.isdir(root) or not os.path.isfile(doc_path):
-        what = "a file" if os.path.isfile(root) else "missing" if not os.path.exists(root) else "a directory without trace.json"
-        raise TraceFileError(f"torchlens.load({root!r}): that path is {what}; a saved trace is a directory "
-                             f"holding {JSON_NAME} and the tensor file it names, as written by Trace.save.")
+        what = (
+            "a file"
+            if os.path.isfile(root)
+            else "missing"
+            if not os.path.exists(root)
+            else "a directory without trace.json"
+        )
+        raise TraceFileError(
+            f"torchlens.load({root!r}): that path is {what}; a saved trace is a directory "
+            f"holding {JSON_NAME} and the tensor file it names, as written by Trace.save."
+        )
     with _locked(root, exclusive=False):  # a save into it waits until the files are read
         doc = _read_doc(doc_path)
         if doc.get("format_version") != FORMAT_VERSION:
             theirs = doc.get("versions") if isinstance(doc.get("versions"), dict) else {}
             ours = _versions()
-            diffs = [f"{k} {theirs.get(k)} there, {ours.get(k)} here" for k in sorted(set(theirs) | set(ours), key=str)
-                     if theirs.get(k) != ours.get(k)]
+            diffs = [
+                f"{k} {theirs.get(k)} there, {ours.get(k)} here"
+                for k in sorted(set(theirs) | set(ours), key=str)
+                if theirs.get(k) != ours.get(k)
+            ]
             raise TraceFileError(
                 f"torchlens.load: {root!r} is trace format version {repr(doc.get('format_version'))[:40]}; this "
                 f"TorchLens reads version {FORMAT_VERSION}. Versions that differ: {'; '.join(diffs) or 'none recorded'}. "
-                f"Load it with the TorchLens that wrote it, or save it again with this one.")
+                f"Load it with the TorchLens that wrote it, or save it again with this one."
+            )
         versions, notes, objects = doc.get("versions", {}), doc.get("notes", []), doc.get("objects")
-        if (not isinstance(versions, dict) or not all(isinstance(v, str) for v in versions.values())
-                or not isinstance(notes, list) or not all(isinstance(n, str) for n in notes)
-                or not isinstance(doc.get("model"), (dict, type(None))) or not isinstance(objects, list)):
-            raise TraceFileError(f"torchlens.load: {doc_path} is malformed (versions, notes, model or objects is not "
-                                 f"of its type: a dict of str, a list of str, a dict or null, a list).")
+        if (
+            not isinstance(versions, dict)
+            or not all(isinstance(v, str) for v in versions.values())
+            or not isinstance(notes, list)
+            or not all(isinstance(n, str) for n in notes)
+            or not isinstance(doc.get("model"), (dict, type(None)))
+            or not isinstance(objects, list)
+        ):
+            raise TraceFileError(
+                f"torchlens.load: {doc_path} is malformed (versions, notes, model or objects is not "
+                f"of its type: a dict of str, a list of str, a dict or null, a list)."
+            )
         tensors = _read_tensors(root, doc)
     try:
         dec = _Decoder(objects, _record_classes(), tensors)
@@ -969,10 +1262,22 @@ def load(path: str | os.PathLike) -> Trace:
     except TraceFileError:
         raise
     except RecursionError:
-        raise TraceFileError(f"torchlens.load: {doc_path} nests its records too deeply to be read; the file is "
-                             f"malformed.") from None
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError, OverflowError) as exc:
-        raise TraceFileError(f"torchlens.load: {doc_path} is malformed ({type(exc).__name__}: {exc}).") from None
+        raise TraceFileError(
+            f"torchlens.load: {doc_path} nests its records too deeply to be read; the file is "
+            f"malformed."
+        ) from None
+    except (
+        KeyError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        IndexError,
+        RuntimeError,
+        OverflowError,
+    ) as exc:
+        raise TraceFileError(
+            f"torchlens.load: {doc_path} is malformed ({type(exc).__name__}: {exc})."
+        ) from None
     trace.saved_with = versions
     trace.model_info = doc.get("model")
     trace.load_notes = list(notes)

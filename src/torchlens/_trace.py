@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchlens import _draw, _persist
-from torchlens._core.errors import LookupFailed
 from torchlens._core import html
+from torchlens._core.errors import LookupFailed
 from torchlens._core.persisted import persisted
-from torchlens._drawing.errors import DrawingTooLarge, LayoutEngineMissing
 from torchlens._core.records import ModuleMap, OpRecord
+from torchlens._drawing.errors import DrawingTooLarge, LayoutEngineMissing
 from torchlens._naming.resolver import resolve_alias
 from torchlens._naming.results import AliasError
 
@@ -44,8 +44,16 @@ class Trace:
             the edit was placed and how often it ran; empty otherwise (not kept by `save`/`load`).
     """
 
-    def __init__(self, ops: list[OpRecord], modules: ModuleMap, output: Any, blocks: list[str], model_class: str,
-                 save: SaveSpec, structure: Structure | None = None):
+    def __init__(
+        self,
+        ops: list[OpRecord],
+        modules: ModuleMap,
+        output: Any,
+        blocks: list[str],
+        model_class: str,
+        save: SaveSpec,
+        structure: Structure | None = None,
+    ):
         self.ops: list[OpRecord] = ops
         self.modules: ModuleMap = modules
         self.output = output
@@ -118,8 +126,16 @@ class Trace:
             LookupFailed: a `highlight=` or `focus=` name that no naming table knows, with close matches.
             LayoutEngineMissing: pygraphviz is not installed (`pip install 'torchlens[draw]'`).
         """
-        return _draw.draw(self, path, rolled=rolled, depth=depth, focus=focus, highlight=highlight,
-                          generation=generation, max_nodes=max_nodes)
+        return _draw.draw(
+            self,
+            path,
+            rolled=rolled,
+            depth=depth,
+            focus=focus,
+            highlight=highlight,
+            generation=generation,
+            max_nodes=max_nodes,
+        )
 
     def __getitem__(self, name: str) -> torch.Tensor:
         """The tensor at a site: `trace["address:facet"]`, or any name another library uses.
@@ -143,9 +159,15 @@ class Trace:
             address, facet = name.rsplit(":", 1)
             return self.modules[address.strip()].facets[facet.strip()]
         r = resolve_alias(self, name)
-        if r.module_address is None or r.facet is None or r.status in ("structurally_absent", "ambiguous"):
+        if (
+            r.module_address is None
+            or r.facet is None
+            or r.status in ("structurally_absent", "ambiguous")
+        ):
             remedy = f" {r.remedy[0].upper()}{r.remedy[1:]}." if r.remedy else ""
-            raise AliasError(f"{name!r} has no site to read in this trace ({r.status}): {r.reason}{remedy}")
+            raise AliasError(
+                f"{name!r} has no site to read in this trace ({r.status}): {r.reason}{remedy}"
+            )
         return r.tensor  # the call the name's layer ran (a block run twice is two layers)
 
     def check(self) -> dict[tuple[str, int, str], str]:
@@ -171,7 +193,12 @@ class Trace:
     @property
     def pending(self) -> int:
         """How many facet sites still wait for their check (computes nothing)."""
-        return sum(len(c.facets.pending) for rec in self.modules.values() for c in rec.calls if c.facets is not None)
+        return sum(
+            len(c.facets.pending)
+            for rec in self.modules.values()
+            for c in rec.calls
+            if c.facets is not None
+        )
 
     def by_role(self, role: str) -> list[str]:
         """Addresses of the modules with `role` that ran, in the order they first ran."""
@@ -197,7 +224,8 @@ class Trace:
                 continue
             fac = rec.calls[0].facets
             facets = ", ".join(
-                f"{n}{list(s.shape)}" + ("" if s.saved else "*") for n, s in (fac.sites.items() if fac else [])
+                f"{n}{list(s.shape)}" + ("" if s.saved else "*")
+                for n, s in (fac.sites.items() if fac else [])
             )
             rows.append((rec.address or "<root>", rec.role, str(len(rec.calls)), facets))
         if max_rows is not None:
@@ -205,8 +233,14 @@ class Trace:
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = ["  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
         pending = self.pending
-        lines.append("(* = exists but not saved" + (
-            f"; {pending} facets are checked on first read or by trace.check())" if pending else ")"))
+        lines.append(
+            "(* = exists but not saved"
+            + (
+                f"; {pending} facets are checked on first read or by trace.check())"
+                if pending
+                else ")"
+            )
+        )
         return "\n".join(lines)
 
     def _repr_html_(self, max_rows: int = 60) -> str:
@@ -223,26 +257,50 @@ class Trace:
         for rec in ran[:max_rows]:
             facets = rec.calls[0].facets
             cells = []
-            for name, site in (facets.sites.items() if facets else []):
-                style = "white-space:nowrap;" + ("" if site.saved else "color:#8c959f;") + (
-                    "font-style:italic;" if site.read_only else "")
-                note = site.kind + ("" if site.saved else ", not saved") + (
-                    "" if site.checked else ", check pending (runs on first read)") + (f": {site.note}" if site.note else "")
-                cells.append(html.code(f"{name}{list(site.shape)}" + ("" if site.saved else "*"), style, note))
+            for name, site in facets.sites.items() if facets else []:
+                style = (
+                    "white-space:nowrap;"
+                    + ("" if site.saved else "color:#8c959f;")
+                    + ("font-style:italic;" if site.read_only else "")
+                )
+                note = (
+                    site.kind
+                    + ("" if site.saved else ", not saved")
+                    + ("" if site.checked else ", check pending (runs on first read)")
+                    + (f": {site.note}" if site.note else "")
+                )
+                cells.append(
+                    html.code(
+                        f"{name}{list(site.shape)}" + ("" if site.saved else "*"), style, note
+                    )
+                )
             depth = rec.address.count(".") + 1 if rec.address else 0
-            address = html.code(rec.address or "<root>", f"margin-left:{depth * 0.8:.1f}em" if depth else "")
+            address = html.code(
+                rec.address or "<root>", f"margin-left:{depth * 0.8:.1f}em" if depth else ""
+            )
             rows.append([address, html.esc(rec.role), html.esc(len(rec.calls)), " ".join(cells)])
         notes = []
         if len(ran) > max_rows:
             notes.append(f"{len(ran) - max_rows} more modules ran; trace.summary() lists them all.")
-        if any(not s.saved for rec in ran for c in rec.calls[:1] if c.facets for s in c.facets.sites.values()):
+        if any(
+            not s.saved
+            for rec in ran
+            for c in rec.calls[:1]
+            if c.facets
+            for s in c.facets.sites.values()
+        ):
             notes.append("* exists but not saved.")
         notes.append("Italic: computed or reconstructed, read-only.")
         pending = self.pending
         if pending:
             notes.append(f"{pending} facets are checked on first read (or by trace.check()).")
-        return html.table(["module", "role", "calls", "facets"], rows, caption=repr(self), note=" ".join(notes),
-                          footer=self._html_drawing())
+        return html.table(
+            ["module", "role", "calls", "facets"],
+            rows,
+            caption=repr(self),
+            note=" ".join(notes),
+            footer=self._html_drawing(),
+        )
 
     #: The most nodes the notebook view of a trace lays out for its folded op graph.
     REPR_DRAWING_NODES = 400
@@ -252,11 +310,12 @@ class Trace:
         try:
             svg = self.draw(max_nodes=self.REPR_DRAWING_NODES)
         except DrawingTooLarge:
-            why = (f"its rolled op graph has more than {self.REPR_DRAWING_NODES} nodes; draw it with "
-                   f"trace.draw(focus=..., depth=...)")
+            why = (
+                f"its rolled op graph has more than {self.REPR_DRAWING_NODES} nodes; draw it with "
+                f"trace.draw(focus=..., depth=...)"
+            )
         except LayoutEngineMissing as exc:
             why = f"no op graph: {exc}"
         else:
             return f"<details><summary>op graph (rolled; trace.draw())</summary>{svg}</details>"
         return f"<small>{html.esc(why)}</small>"
-

@@ -121,13 +121,17 @@ def trace(
         torch.Size([2, 4])
     """
     if not isinstance(model, nn.Module):
-        raise TorchLensError(f"trace() needs a torch.nn.Module as its first argument, got {type(model).__name__}.")
+        raise TorchLensError(
+            f"trace() needs a torch.nn.Module as its first argument, got {type(model).__name__}."
+        )
     loss_name = _check_grads(grads)
     plan = None
     if edit is not None:
         plan = _locate(model, args, kwargs, edit, roles)
     wrapper = compiled_module_class()
-    if wrapper is not None and isinstance(model, wrapper):  # torch.compile(model): trace the eager model
+    if wrapper is not None and isinstance(
+        model, wrapper
+    ):  # torch.compile(model): trace the eager model
         inner = model._orig_mod
         assert isinstance(inner, nn.Module)
         model = inner
@@ -150,19 +154,32 @@ def trace(
             if p is not None:
                 params.setdefault(id(p), f"{addr}.{n}" if addr else n)
     # A directory store writes as capture goes; "cpu" moves the tensors once the trace is assembled.
-    rec = Recorder(names, roles, capture, params, plan, store_to if isinstance(store_to, DirectoryStore) else None,
-                   grads=grads is not None)
+    rec = Recorder(
+        names,
+        roles,
+        capture,
+        params,
+        plan,
+        store_to if isinstance(store_to, DirectoryStore) else None,
+        grads=grads is not None,
+    )
     handles = []
     caller_grad = torch.is_grad_enabled()
     frozen: list[nn.Parameter] = []
     try:
-        if grads is not None:  # the trace's own forward records the autograd graph, frozen weights included
+        if (
+            grads is not None
+        ):  # the trace's own forward records the autograd graph, frozen weights included
             frozen = _unfreeze(names)
         for m in names:
             handles.append(m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True))
             handles.append(m.register_forward_hook(rec.post_hook, always_call=True))
-        with CompiledRunsEagerly(), accelerate_hooks(names, rec) as dispatch, rec, \
-                torch.enable_grad() if grads is not None else contextlib.nullcontext():
+        with (
+            CompiledRunsEagerly(),
+            accelerate_hooks(names, rec) as dispatch,
+            rec,
+            torch.enable_grad() if grads is not None else contextlib.nullcontext(),
+        ):
             output = model(*args, **kwargs)
     except BaseException as exc:
         _annotate(exc, rec)
@@ -178,12 +195,36 @@ def trace(
             loss = loss_of(grads, output, loss_name)
         if not caller_grad:  # the caller asked for no graph: the output it gets holds none
             output = _detached(output)
-    return _finish(rec, model, names, aliases, roles, capture, plan, store_to, dispatch, (args, kwargs, output),
-                   loss, loss_name)
+    return _finish(
+        rec,
+        model,
+        names,
+        aliases,
+        roles,
+        capture,
+        plan,
+        store_to,
+        dispatch,
+        (args, kwargs, output),
+        loss,
+        loss_name,
+    )
 
 
-def _finish(rec: Recorder, model: nn.Module, names: dict, aliases: dict, roles: Any, capture: Any, plan: Any,
-            store_to: Any, dispatch: Any, call: tuple, loss: Tensor | None = None, loss_name: str = "") -> Trace:
+def _finish(
+    rec: Recorder,
+    model: nn.Module,
+    names: dict,
+    aliases: dict,
+    roles: Any,
+    capture: Any,
+    plan: Any,
+    store_to: Any,
+    dispatch: Any,
+    call: tuple,
+    loss: Tensor | None = None,
+    loss_name: str = "",
+) -> Trace:
     """A recorded forward call's `Trace`: assembled, gradients taken (`grads=`), snapshotted, edits
     noted, stored, guarded and sealed, in that order (`trace`, and each step of `trace_generate`).
 
@@ -221,7 +262,9 @@ def _finish(rec: Recorder, model: nn.Module, names: dict, aliases: dict, roles: 
             result.edits = tuple(plan.records)
             note_edited_refusals(result)
         result = apply_store(result, store_to)
-        arm_guards(rec, result)  # the versions of what only the autograd graph shares, where the store left it
+        arm_guards(
+            rec, result
+        )  # the versions of what only the autograd graph shares, where the store left it
         seal_checks(result)  # last: each pending check records what its inputs hold as returned
         return result
 
@@ -233,12 +276,14 @@ def _check_grads(grads: Any) -> str:
     if not callable(grads):
         raise GradientError(
             f"grads= takes a function of the model's output returning a scalar tensor (grads=lambda out: "
-            f"out.logits[0, -1].max()), got a {type(grads).__name__}.")
+            f"out.logits[0, -1].max()), got a {type(grads).__name__}."
+        )
     if torch.is_inference_mode_enabled():
         raise GradientError(
             "grads= cannot run under torch.inference_mode(): tensors made there record no autograd graph and "
             "cannot be made to (unlike torch.no_grad(), which the trace overrides for its own forward). Call "
-            "trace outside the inference_mode block, or under torch.no_grad() instead.")
+            "trace outside the inference_mode block, or under torch.no_grad() instead."
+        )
     return getattr(grads, "__name__", None) or type(grads).__name__
 
 
@@ -250,7 +295,12 @@ def _unfreeze(names: dict[nn.Module, str]) -> list[nn.Parameter]:
     seen: set[int] = set()
     for m in names:
         for p in m._parameters.values():
-            if p is not None and id(p) not in seen and not p.requires_grad and p.is_floating_point():
+            if (
+                p is not None
+                and id(p) not in seen
+                and not p.requires_grad
+                and p.is_floating_point()
+            ):
                 seen.add(id(p))
                 if p.is_inference():
                     continue  # made under inference_mode: it cannot require grad
@@ -263,7 +313,9 @@ def _detached(output: Any) -> Any:
     """`output` with every tensor in it detached (tuples, lists, dicts and model-output classes)."""
     if isinstance(output, Tensor):
         return output.detach()
-    if isinstance(output, dict):  # transformers' ModelOutput is a dict (an OrderedDict) and a dataclass
+    if isinstance(
+        output, dict
+    ):  # transformers' ModelOutput is a dict (an OrderedDict) and a dataclass
         for k, v in list(output.items()):
             output[k] = _detached(v)
         return output
@@ -290,10 +342,14 @@ def _annotate(exc: BaseException, rec: Recorder) -> None:
     else:
         where = " > ".join(c.address or "<root>" for c in rec.stack) or "<outside any module>"
     if rec.op_failure is not None and rec.op_failure[0] is exc:
-        note = f"torchlens: raised during op #{len(rec.ops)} ({rec.op_failure[1]}) in module {where}"
+        note = (
+            f"torchlens: raised during op #{len(rec.ops)} ({rec.op_failure[1]}) in module {where}"
+        )
     elif not rec.ops:
         note = f"torchlens: raised before the first op, in module {where}"
     else:
-        note = f"torchlens: raised after op #{len(rec.ops) - 1} ({rec.ops[-1].name}) in module {where}"
+        note = (
+            f"torchlens: raised after op #{len(rec.ops) - 1} ({rec.ops[-1].name}) in module {where}"
+        )
     if hasattr(exc, "add_note"):
         exc.add_note(note)

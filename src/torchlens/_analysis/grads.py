@@ -35,8 +35,10 @@ from torchlens._core.sites import FacetSite
 __all__ = ["loss_of", "backward", "grad_maps"]
 
 #: why a derived facet has no gradient (yet)
-_DERIVED = ("it is {kind} (no op of the model produced it: TorchLens derived it), so autograd has no gradient "
-            "at it in the model's forward; the gradient of a derived facet is not served")
+_DERIVED = (
+    "it is {kind} (no op of the model produced it: TorchLens derived it), so autograd has no gradient "
+    "at it in the model's forward; the gradient of a derived facet is not served"
+)
 
 
 def loss_of(loss_fn: Callable[[Any], Any], output: Any, name: str) -> Tensor:
@@ -63,7 +65,9 @@ def loss_of(loss_fn: Callable[[Any], Any], output: Any, name: str) -> Tensor:
             "(.sum() keeps each element's gradient as it is, .mean() divides them by the count)."
         )
     if not loss.dtype.is_floating_point and not loss.dtype.is_complex:
-        raise GradientError(f"grads={name} returned a {loss.dtype} tensor, which has no gradient: return a float.")
+        raise GradientError(
+            f"grads={name} returned a {loss.dtype} tensor, which has no gradient: return a float."
+        )
     if not loss.requires_grad:
         raise GradientError(
             f"grads={name} returned a loss that does not depend on anything differentiable in the forward: no "
@@ -73,23 +77,36 @@ def loss_of(loss_fn: Callable[[Any], Any], output: Any, name: str) -> Tensor:
     return loss.reshape(())
 
 
-def backward(loss: Tensor, edges: Edges, ops: list[OpRecord], calls: list[ModuleCall]) -> dict[int, Any]:
+def backward(
+    loss: Tensor, edges: Edges, ops: list[OpRecord], calls: list[ModuleCall]
+) -> dict[int, Any]:
     """d loss / d each kept facet's tensor: `id(site)` -> the gradient (a tensor), or a str
     saying why there is none. One `torch.autograd.grad` over the edges the sites stand on."""
     found: dict[int, Any] = {}
-    wanted: dict[int, tuple[Any, Tensor]] = {}  # id(edge source) -> (edge, the tensor it is the edge of)
+    wanted: dict[
+        int, tuple[Any, Tensor]
+    ] = {}  # id(edge source) -> (edge, the tensor it is the edge of)
     plans: list[tuple[FacetSite, int, Tensor, Tensor]] = []
-    by_storage: dict[int, list[tuple[Any, Tensor]]] = {}  # the kept aliases, by the memory they are on
+    by_storage: dict[
+        int, list[tuple[Any, Tensor]]
+    ] = {}  # the kept aliases, by the memory they are on
     for a, e in edges.aliases.values():
         by_storage.setdefault(_storage(a), []).append((e, a))
-    kernels: dict[int, dict[str, FacetSite]] = {}  # fused attention op -> its rebuilt scores / pattern sites
+    kernels: dict[
+        int, dict[str, FacetSite]
+    ] = {}  # fused attention op -> its rebuilt scores / pattern sites
     for call in calls:
         if call.facets is None:
             continue
         for site in call.facets._sites.values():
             t = site.__dict__.get("tensor")
-            if (site.kind == "reconstructed" and site.name in ("scores", "pattern") and site.op is not None
-                    and ops[site.op].name in _ops.FUSED_ATTENTION_OPS and site.saved):
+            if (
+                site.kind == "reconstructed"
+                and site.name in ("scores", "pattern")
+                and site.op is not None
+                and ops[site.op].name in _ops.FUSED_ATTENTION_OPS
+                and site.saved
+            ):
                 kernels.setdefault(site.op, {})[site.name] = site
                 continue
             if site.kind != "real":
@@ -118,7 +135,9 @@ def backward(loss: Tensor, edges: Edges, ops: list[OpRecord], calls: list[Module
         return found
     keys = list(wanted)
     try:
-        gs = torch.autograd.grad(loss, [wanted[k][0] for k in keys], retain_graph=True, allow_unused=True)
+        gs = torch.autograd.grad(
+            loss, [wanted[k][0] for k in keys], retain_graph=True, allow_unused=True
+        )
     except RuntimeError as exc:
         raise GradientError(
             f"the backward of the loss failed: {exc}. TorchLens runs one torch.autograd.grad of the loss with "
@@ -132,8 +151,10 @@ def backward(loss: Tensor, edges: Edges, ops: list[OpRecord], calls: list[Module
             g = torch.zeros_like(h)
         mapped = _view_like(g, h, t)
         if mapped is None:
-            found[id(site)] = ("its tensor is not laid out as a view of the tensor the model used, so which "
-                               "element's gradient is which cannot be told")
+            found[id(site)] = (
+                "its tensor is not laid out as a view of the tensor the model used, so which "
+                "element's gradient is which cannot be told"
+            )
             continue
         found[id(site)] = (mapped, unused)
     for sites, plan in kernel_plans:
@@ -156,12 +177,16 @@ def _kernel_plan(i: int, op: OpRecord, edges: Edges) -> Any:
     q, v = bound.get("query"), bound.get("value")
     eq, ev = edges.arg(i, q), edges.arg(i, v)
     if eq is None or ev is None:
-        return ("the kernel's query or value does not require grad, so the relation that checks the derived "
-                "gradient cannot be formed")
+        return (
+            "the kernel's query or value does not require grad, so the relation that checks the derived "
+            "gradient cannot be formed"
+        )
     return bound, out, (eq, q), (ev, v)
 
 
-def _kernel_grads(sites: dict[str, FacetSite], bound: dict, dz: Tensor, dq: Tensor, dv: Tensor) -> Any:
+def _kernel_grads(
+    sites: dict[str, FacetSite], bound: dict, dz: Tensor, dq: Tensor, dv: Tensor
+) -> Any:
     """d loss / d the rebuilt pattern and scores of one fused kernel: dP = dZ Vᵀ per head (z = P V)
     and dS = P ⊙ (dP - rowsum(dP ⊙ P)) (P = softmax(S)), served when autograd's own gradients at
     the kernel's value and query agree: Pᵀ dZ (summed over a GQA group) = d loss / d v and
@@ -173,7 +198,9 @@ def _kernel_grads(sites: dict[str, FacetSite], bound: dict, dz: Tensor, dq: Tens
         return "the pattern, which the derivation needs, is not served"
     q, k, v = bound["query"], bound["key"], bound["value"]
     if p.shape[:-2] != q.shape[:-2] or p.shape[-2] != q.shape[-2] or p.shape[-1] != k.shape[-2]:
-        return "the kernel ran in a packed layout (GQA decode), for which the derivation is not served"
+        return (
+            "the kernel ran in a packed layout (GQA decode), for which the derivation is not served"
+        )
     w = torch.float64 if dz.dtype == torch.float64 else torch.float32
     heads, kv = q.shape[-3], v.shape[-3]
     if heads % kv:
@@ -183,7 +210,7 @@ def _kernel_grads(sites: dict[str, FacetSite], bound: dict, dz: Tensor, dq: Tens
     V, K = v.to(w).repeat_interleave(rep, dim=-3), k.to(w).repeat_interleave(rep, dim=-3)
     dP = dZ @ V.transpose(-1, -2)
     dS = P * (dP - (dP * P).sum(-1, keepdim=True))
-    dV_pred = (P.transpose(-1, -2) @ dZ)
+    dV_pred = P.transpose(-1, -2) @ dZ
     dV_pred = dV_pred.unflatten(-3, (kv, rep)).sum(-3)
     scale = bound.get("scale")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -195,8 +222,10 @@ def _kernel_grads(sites: dict[str, FacetSite], bound: dict, dz: Tensor, dq: Tens
         err = float((pred - real).abs().max()) if real.numel() else 0.0
         tol = tol_rel * max(float(real.abs().max()) if real.numel() else 0.0, 1e-30)
         if not err <= tol:
-            return (f"derived as dZ·Vᵀ per head, but autograd's gradient at the kernel's {name} differs from the one "
-                    f"the derivation implies by {err:.3g} (> {tol:.3g}), so it is not served")
+            return (
+                f"derived as dZ·Vᵀ per head, but autograd's gradient at the kernel's {name} differs from the one "
+                f"the derivation implies by {err:.3g} (> {tol:.3g}), so it is not served"
+            )
         errs.append(err)
     out = {}
     for name, g in (("pattern", dP), ("scores", dS)):
@@ -205,8 +234,13 @@ def _kernel_grads(sites: dict[str, FacetSite], bound: dict, dz: Tensor, dq: Tens
     return out
 
 
-def _base_of(site: FacetSite, t: Tensor, edges: Edges, ops: list[OpRecord],
-             by_storage: dict[int, list[tuple[Any, Tensor]]]) -> Any:
+def _base_of(
+    site: FacetSite,
+    t: Tensor,
+    edges: Edges,
+    ops: list[OpRecord],
+    by_storage: dict[int, list[tuple[Any, Tensor]]],
+) -> Any:
     """The (edge, tensor) the site's tensor `t` is, or is a view of, or why there is none."""
     candidates: list[tuple[Any, Tensor]] = []
     if site.op is not None:
@@ -228,10 +262,14 @@ def _base_of(site: FacetSite, t: Tensor, edges: Edges, ops: list[OpRecord],
     if not t.dtype.is_floating_point and not t.dtype.is_complex:
         return f"its tensor is {t.dtype}, which has no gradient"
     if not candidates:
-        return ("its tensor does not require grad: nothing it is computed from requires grad (no parameter and "
-                "no input that requires grad on its path)")
-    return ("its tensor is not the tensor the model used there nor a view of it (a copy rearranged from it), so "
-            "which element's gradient is which cannot be told")
+        return (
+            "its tensor does not require grad: nothing it is computed from requires grad (no parameter and "
+            "no input that requires grad on its path)"
+        )
+    return (
+        "its tensor is not the tensor the model used there nor a view of it (a copy rearranged from it), so "
+        "which element's gradient is which cannot be told"
+    )
 
 
 def _storage(t: Tensor) -> int:
@@ -269,7 +307,9 @@ def _index_map(h: Tensor, t: Tensor) -> Tensor | None:
 
 def _view_like(g: Tensor, h: Tensor, t: Tensor) -> Tensor | None:
     """The gradient of `t` from the gradient `g` of `h`, where `t`'s elements are elements of `h`."""
-    if t is h or (t.shape == h.shape and t.stride() == h.stride() and t.storage_offset() == h.storage_offset()):
+    if t is h or (
+        t.shape == h.shape and t.stride() == h.stride() and t.storage_offset() == h.storage_offset()
+    ):
         return g
     if h.is_contiguous():
         rel = t.storage_offset() - h.storage_offset()
@@ -292,22 +332,34 @@ def grad_maps(calls: list[ModuleCall], found: dict[int, Any], loss: str) -> None
             continue
         sites: dict[str, FacetSite] = {}
         for name, reason in facets.refused.items():
-            sites[name] = FacetSite(name, "refused", (), torch.float32, note=f"its value is not served ({reason})")
+            sites[name] = FacetSite(
+                name, "refused", (), torch.float32, note=f"its value is not served ({reason})"
+            )
         for name, s in facets._sites.items():
             got = found.get(id(s))
             if isinstance(got, str):
                 sites[name] = FacetSite(name, "refused", s.shape, s.dtype, note=got)
             elif got is None:  # not kept
-                sites[name] = FacetSite(name, "real", s.shape, s.dtype, None, s.op, None, "not kept")
+                sites[name] = FacetSite(
+                    name, "real", s.shape, s.dtype, None, s.op, None, "not kept"
+                )
             elif len(got) == 3:  # derived through the rebuild, checked
                 g, _, err = got
-                note = ("derived: dZ·Vᵀ per head" if name == "pattern" else "derived: the softmax's VJP of dZ·Vᵀ") + (
-                    "; checked: autograd's gradients at the kernel's value (Pᵀ·dZ) and query (scale·dS·K) agree")
+                note = (
+                    "derived: dZ·Vᵀ per head"
+                    if name == "pattern"
+                    else "derived: the softmax's VJP of dZ·Vᵀ"
+                ) + (
+                    "; checked: autograd's gradients at the kernel's value (Pᵀ·dZ) and query (scale·dS·K) agree"
+                )
                 sites[name] = FacetSite(name, "computed", s.shape, s.dtype, g, s.op, err, note)
             else:
                 g, unused = got
-                note = ("zeros: the loss does not depend on this tensor (not on any path to it)" if unused
-                        else "autograd's gradient at the tensor the model used")
+                note = (
+                    "zeros: the loss does not depend on this tensor (not on any path to it)"
+                    if unused
+                    else "autograd's gradient at the tensor the model used"
+                )
                 sites[name] = FacetSite(name, "real", s.shape, s.dtype, g, s.op, None, note)
         gm = GradMap(call.address, call.role, sites, ran=facets.ran)
         gm.loss = loss

@@ -28,7 +28,12 @@ class Graph:
         modules: address -> module, for the rules that read a module's weights or settings.
     """
 
-    def __init__(self, ops: list[OpRecord], calls: Sequence[ModuleCall] = (), modules: dict[str, nn.Module] | None = None):
+    def __init__(
+        self,
+        ops: list[OpRecord],
+        calls: Sequence[ModuleCall] = (),
+        modules: dict[str, nn.Module] | None = None,
+    ):
         self.ops = ops
         self.modules = modules if modules is not None else {}
         #: op index -> the indices of the ops that read one of its outputs
@@ -123,7 +128,9 @@ class Graph:
 
     def is_kernel(self, op: OpRecord) -> bool:
         """An attention kernel: a fused attention op, or a softmax over 3 or more dimensions."""
-        return op.name in _KERNEL_OPS and (op.name in _ops.FUSED_ATTENTION_OPS or len(op.shape) >= 3)
+        return op.name in _KERNEL_OPS and (
+            op.name in _ops.FUSED_ATTENTION_OPS or len(op.shape) >= 3
+        )
 
     def kernels(self, call: ModuleCall) -> list[OpRecord]:
         """The attention kernels that ran inside `call`."""
@@ -139,10 +146,14 @@ class Graph:
             return False
         if src == dst:
             return True
-        upstream = self.ancestors(dst, src.op)  # one walk answers both questions (`reaches` would walk it again)
+        upstream = self.ancestors(
+            dst, src.op
+        )  # one walk answers both questions (`reaches` would walk it again)
         if src.op not in upstream:
             return False
-        return not any(self.is_kernel(self.ops[i]) for i in upstream if prev.end_op <= i < call.first_op)
+        return not any(
+            self.is_kernel(self.ops[i]) for i in upstream if prev.end_op <= i < call.first_op
+        )
 
     def adds_own_input(self, call: ModuleCall) -> bool:
         """Whether the call adds its own input back (`adds_own_input`)."""

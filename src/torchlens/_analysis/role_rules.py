@@ -19,7 +19,16 @@ from torchlens._core.errors import RoleSpecError, close_matches
 __all__ = ["OVERRIDABLE_ROLES", "Roles", "groups", "parse_roles", "static_roles"]
 
 #: The roles `roles=` accepts.
-OVERRIDABLE_ROLES = ("block", "attention", "cross_attention", "mlp", "norm", "embedding", "unembed", "other")
+OVERRIDABLE_ROLES = (
+    "block",
+    "attention",
+    "cross_attention",
+    "mlp",
+    "norm",
+    "embedding",
+    "unembed",
+    "other",
+)
 
 
 # -- roles= ------------------------------------------------------------------------------------
@@ -50,12 +59,16 @@ def parse_roles(roles: Any, addresses: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for key, role in roles.items():
         if not isinstance(key, str):
-            raise RoleSpecError(f"roles= key {key!r} is not a string (a module address or a glob pattern).")
+            raise RoleSpecError(
+                f"roles= key {key!r} is not a string (a module address or a glob pattern)."
+            )
         if role not in OVERRIDABLE_ROLES:
             hits = close_matches(str(role), OVERRIDABLE_ROLES)
             hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
-            raise RoleSpecError(f"roles={{{key!r}: {role!r}}}: {role!r} is not a role.{hint} "
-                                f"Roles: {', '.join(OVERRIDABLE_ROLES)}.")
+            raise RoleSpecError(
+                f"roles={{{key!r}: {role!r}}}: {role!r} is not a role.{hint} "
+                f"Roles: {', '.join(OVERRIDABLE_ROLES)}."
+            )
         rx = _glob(key)
         hit = [a for a in addresses if a == key or rx.fullmatch(a)]
         if not hit:
@@ -114,7 +127,9 @@ def groups(model: nn.Module, names: dict[nn.Module, str]) -> list[tuple[str, lis
             by_class.setdefault(type(m), []).append(m)
         for group in by_class.values():
             if len(group) >= 2:
-                out.append((names[holder], group))  # `find` drops siblings that are attentions (BART's two)
+                out.append(
+                    (names[holder], group)
+                )  # `find` drops siblings that are attentions (BART's two)
     return out
 
 
@@ -146,9 +161,13 @@ def static_roles(model: nn.Module, names: dict[nn.Module, str], overrides: dict[
             roles[addr] = "embedding"
         elif _roles.is_norm(module):
             roles[addr] = "norm"
-        elif isinstance(module, nn.Linear) and (module.out_features in vocab or addr.rsplit(".", 1)[-1] in _roles.UNEMBED_ATTRS):
+        elif isinstance(module, nn.Linear) and (
+            module.out_features in vocab or addr.rsplit(".", 1)[-1] in _roles.UNEMBED_ATTRS
+        ):
             roles[addr] = "unembed"
-        elif isinstance(module, nn.MultiheadAttention) or any(f in type(module).__name__ for f in _roles.ATTENTION_CLASS_FRAGMENTS):
+        elif isinstance(module, nn.MultiheadAttention) or any(
+            f in type(module).__name__ for f in _roles.ATTENTION_CLASS_FRAGMENTS
+        ):
             roles[addr] = "attention"
     roles.groups = groups(model, names)
     for _, group in roles.groups:
@@ -161,5 +180,3 @@ def static_roles(model: nn.Module, names: dict[nn.Module, str], overrides: dict[
     for addr, role in overrides.items():
         roles[addr] = "attention" if role == "cross_attention" else role
     return roles
-
-

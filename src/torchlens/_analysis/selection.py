@@ -55,10 +55,14 @@ def _needs(facet: str) -> tuple[str, ...]:
     module always exist.
     """
     row = BY_NAME[facet]
-    roles = [r for r in row.roles + tuple(r for r, _ in row.hooks) if r not in (EVERY_MODULE, "root")]
+    roles = [
+        r for r in row.roles + tuple(r for r, _ in row.hooks) if r not in (EVERY_MODULE, "root")
+    ]
     if row.hooks and row.roles == ("root",):  # a root facet is served by the hooks' modules alone
         roles = [r for r, _ in row.hooks if r not in (EVERY_MODULE, "root")]
-    roles = ["block" if r in ("attention", "mlp") else r for r in roles] + list(_ALSO_NEEDS.get(facet, ()))
+    roles = ["block" if r in ("attention", "mlp") else r for r in roles] + list(
+        _ALSO_NEEDS.get(facet, ())
+    )
     return tuple(dict.fromkeys(roles))
 
 
@@ -87,7 +91,9 @@ class SaveSpec:
 
     def covers(self, address: str) -> bool:
         """Whether `address` is selected or lies inside a selected module (its ops are kept)."""
-        return self.everything or any(address == a or address.startswith(a + ".") or a == "" for a in self.addresses)
+        return self.everything or any(
+            address == a or address.startswith(a + ".") or a == "" for a in self.addresses
+        )
 
     @property
     def selects(self) -> bool:
@@ -98,7 +104,11 @@ class SaveSpec:
         """The selection in words, for reprs and remedies."""
         if self.everything:
             return "all"
-        parts = sorted(self.addresses) + sorted(self.facets) + (["<predicate>"] if self.predicate else [])
+        parts = (
+            sorted(self.addresses)
+            + sorted(self.facets)
+            + (["<predicate>"] if self.predicate else [])
+        )
         return ", ".join(repr(p) for p in parts) or "none"
 
 
@@ -110,7 +120,9 @@ _EMPTY = (
 )
 
 
-def parse_save(save: Any, addresses: Iterable[str], aliases: Mapping[str, str] | None = None) -> SaveSpec:
+def parse_save(
+    save: Any, addresses: Iterable[str], aliases: Mapping[str, str] | None = None
+) -> SaveSpec:
     """Turn a `save=` argument into a `SaveSpec`, or explain why not.
 
     A module address selects that module and everything inside it, so a container that never
@@ -149,7 +161,9 @@ def parse_save(save: Any, addresses: Iterable[str], aliases: Mapping[str, str] |
         if item == "":
             raise SaveSpecError(_EMPTY.format(what="save= list item ''"))
         if item in ("all", "none"):
-            raise SaveSpecError(f"save= list item {item!r}: pass save={item!r} on its own, not inside a list.")
+            raise SaveSpecError(
+                f"save= list item {item!r}: pass save={item!r} on its own, not inside a list."
+            )
         if item in addr_set:
             picked_addresses.add(aliases.get(item, item))
         elif item in ALL_FACETS:
@@ -208,12 +222,16 @@ class CapturePlan:
         for call, call_sites in zip(calls, sites):
             for name, site in call_sites.items():
                 if site.saved and not (
-                    name in facets or covers(call.address) or (predicate is not None and predicate(call.address, name))
+                    name in facets
+                    or covers(call.address)
+                    or (predicate is not None and predicate(call.address, name))
                 ):
                     site.tensor = None  # drops a pending check, and what it would compute from, too
         for op in ops:
             tensors = op.tensors
-            held = (tensors[0] is not None or len(tensors) > 1) and any(t is not None for t in tensors)
+            held = (tensors[0] is not None or len(tensors) > 1) and any(
+                t is not None for t in tensors
+            )
             if held and not covers(op.module):
                 op.tensors = (None,) * len(tensors)
 
@@ -234,7 +252,9 @@ def _runs(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward or "forward" in module.__dict__
 
 
-def plan_capture(spec: SaveSpec, roles: Mapping[str, str], modules: Mapping[str, nn.Module]) -> CapturePlan:
+def plan_capture(
+    spec: SaveSpec, roles: Mapping[str, str], modules: Mapping[str, nn.Module]
+) -> CapturePlan:
     """The `CapturePlan` for `spec`, from the roles known before the forward.
 
     Args:
@@ -265,19 +285,30 @@ def plan_capture(spec: SaveSpec, roles: Mapping[str, str], modules: Mapping[str,
             continue
         possible = True
         row = BY_NAME[facet]
-        op_modules |= {a for a, r in roles.items() if r in row.retain}  # found from the ops inside them
+        op_modules |= {
+            a for a, r in roles.items() if r in row.retain
+        }  # found from the ops inside them
         for where, side in row.hooks:  # served by a tensor a hook sees: held alone
             if where == EVERY_MODULE:
                 hold[side] |= set(roles)
-            elif where == "norm" and row.roles == ("root",):  # the final norm lies outside every block
-                hold[side] |= {a for a, r in roles.items() if r == "norm" and not a.startswith(blocks)}
+            elif where == "norm" and row.roles == (
+                "root",
+            ):  # the final norm lies outside every block
+                hold[side] |= {
+                    a for a, r in roles.items() if r == "norm" and not a.startswith(blocks)
+                }
             else:
                 hold[side] |= {a for a, r in roles.items() if r == where}
     if not possible:
-        possible = any(any(_runs(m) for a, m in modules.items() if a == s or a.startswith(s + ".")) for s in spec.addresses)
+        possible = any(
+            any(_runs(m) for a, m in modules.items() if a == s or a.startswith(s + "."))
+            for s in spec.addresses
+        )
     if not possible:
         _kept_nothing_before(spec, roles, modules, present)
-    return CapturePlan(spec, False, frozenset(op_modules), frozenset(hold["in"]), frozenset(hold["out"]))
+    return CapturePlan(
+        spec, False, frozenset(op_modules), frozenset(hold["in"]), frozenset(hold["out"])
+    )
 
 
 def _can_have(facet: str, present: set[str]) -> bool:
@@ -285,8 +316,9 @@ def _can_have(facet: str, present: set[str]) -> bool:
     return all(r in present for r in _needs(facet))
 
 
-def _kept_nothing_before(spec: SaveSpec, roles: Mapping[str, str], modules: Mapping[str, nn.Module],
-                         present: set[str]) -> None:
+def _kept_nothing_before(
+    spec: SaveSpec, roles: Mapping[str, str], modules: Mapping[str, nn.Module], present: set[str]
+) -> None:
     reasons = []
     for facet in sorted(spec.facets):
         what = " and ".join(f"a {r} module" for r in _needs(facet))

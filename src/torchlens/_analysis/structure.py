@@ -15,7 +15,8 @@ Roles are found in two passes:
      `nn.Sequential` (of one class, or of several: a hybrid stack such as Jamba's Mamba and
      attention layers, one stack with per-layer roles), or two or more children of one module that
      share a class. A list of several classes inside another stack's layer is that layer's
-     sublayers (T5's `block.N.layer`), not a stack. Its **layers** are the calls of those modules in the order they ran, one layer per
+     sublayers (T5's `block.N.layer`), not a stack. Its **layers** are the calls of those
+    modules in the order they ran, one layer per
      call (a block object run three times gives three layers). A group is a stack when every
      call returns a tensor of the shape it received and each call's input is computed from the
      previous call's output. Where a stack's layers contain another stack, the inner one is kept.
@@ -144,7 +145,12 @@ class Structure:
 
     def describe(self) -> str:
         """`'encoder.block (2 layers), decoder.block (2 layers)'`."""
-        return ", ".join(f"{s.name or '<root>'} ({len(s.layers)} layers)" for s in self.stacks.values()) or "no stack"
+        return (
+            ", ".join(
+                f"{s.name or '<root>'} ({len(s.layers)} layers)" for s in self.stacks.values()
+            )
+            or "no stack"
+        )
 
 
 # -- after the forward -------------------------------------------------------------------------
@@ -155,7 +161,9 @@ def _chains(flow: Graph, calls: list[ModuleCall]) -> list[list[ModuleCall]]:
     (`Graph.follows`)."""
     runs: list[list[ModuleCall]] = []
     for c in calls:
-        same = flow.shape(c.input_ref) is not None and flow.shape(c.input_ref) == flow.shape(c.output_ref)
+        same = flow.shape(c.input_ref) is not None and flow.shape(c.input_ref) == flow.shape(
+            c.output_ref
+        )
         if not same:
             runs.append([])
             continue
@@ -184,7 +192,9 @@ def _sublayer(flow: Graph, layer: ModuleCall, pick) -> list[ModuleCall]:
     children, when it has any; so is one that only wraps a picked child returning the same output.
     """
     out: list[ModuleCall] = []
-    todo = list(flow.kids.get(id(layer), []))  # iterative: a recursive closure would make a reference cycle
+    todo = list(
+        flow.kids.get(id(layer), [])
+    )  # iterative: a recursive closure would make a reference cycle
     while todo:
         node = todo.pop(0)
         if not pick(node):
@@ -193,8 +203,14 @@ def _sublayer(flow: Graph, layer: ModuleCall, pick) -> list[ModuleCall]:
         if inner and flow.adds_own_input(node):
             todo[:0] = inner
             continue
-        if len(inner) == 1 and type(node.output_ref) is Ref and inner[0].output_ref == node.output_ref:
-            todo.insert(0, inner[0])  # a pure wrapper (GPT-Neo's attn around attn.attention): take the inner one
+        if (
+            len(inner) == 1
+            and type(node.output_ref) is Ref
+            and inner[0].output_ref == node.output_ref
+        ):
+            todo.insert(
+                0, inner[0]
+            )  # a pure wrapper (GPT-Neo's attn around attn.attention): take the inner one
             continue
         out.append(node)
     return out
@@ -202,32 +218,47 @@ def _sublayer(flow: Graph, layer: ModuleCall, pick) -> list[ModuleCall]:
 
 def _param_ops(flow: Graph, call: ModuleCall, roles: dict[str, str]) -> int:
     return sum(
-        1 for op in flow.ops[call.first_op : call.end_op]
+        1
+        for op in flow.ops[call.first_op : call.end_op]
         if roles.get(op.module) != "norm" and any(isinstance(r, str) for r in op.inputs)
     )
 
 
-def _fill_layer(flow: Graph, layer: Layer, roles: dict[str, str], modules: dict[str, nn.Module],
-                overrides: dict[str, str]) -> None:
+def _fill_layer(
+    flow: Graph,
+    layer: Layer,
+    roles: dict[str, str],
+    modules: dict[str, nn.Module],
+    overrides: dict[str, str],
+) -> None:
     below = flow.descendants(layer.call)
     named = {c.address: overrides[c.address] for c in below if c.address in overrides}
     if named:
         attns = [c for c in below if named.get(c.address) in ("attention", "cross_attention")]
     else:
-        attns = _sublayer(flow, layer.call, lambda c: bool(flow.kernels(c)) or isinstance(
-            modules.get(c.address), nn.MultiheadAttention))
+        attns = _sublayer(
+            flow,
+            layer.call,
+            lambda c: (
+                bool(flow.kernels(c)) or isinstance(modules.get(c.address), nn.MultiheadAttention)
+            ),
+        )
     # a picked call that holds an attention and an MLP after it is a block inside the block
     # (Zamba's shared transformer): its attention is the attention, its MLP is looked for too
     inner_blocks = []
     if not named:
         for i, a in enumerate(attns):
             kernel_kids = [k for k in flow.kids.get(id(a), []) if flow.kernels(k)]
-            if len(kernel_kids) == 1 and any(k.first_op >= kernel_kids[0].end_op and _weighted(flow, k, roles)
-                                             for k in flow.kids.get(id(a), [])):
+            if len(kernel_kids) == 1 and any(
+                k.first_op >= kernel_kids[0].end_op and _weighted(flow, k, roles)
+                for k in flow.kids.get(id(a), [])
+            ):
                 inner_blocks.append(a)
                 attns[i] = kernel_kids[0]
     for a in attns:
-        if named.get(a.address) == "cross_attention" or (layer.attention is not None and _keys_outside(flow, layer.call, a)):
+        if named.get(a.address) == "cross_attention" or (
+            layer.attention is not None and _keys_outside(flow, layer.call, a)
+        ):
             layer.cross_attention = layer.cross_attention or a
         elif layer.attention is None:
             layer.attention = a
@@ -235,19 +266,28 @@ def _fill_layer(flow: Graph, layer: Layer, roles: dict[str, str], modules: dict[
         mlps = [c for c in below if named.get(c.address) == "mlp"]
         layer.mlp = mlps[0] if mlps else None
         return
-    weighted = [c for holder in [layer.call] + inner_blocks
-                for c in _sublayer(flow, holder, lambda c: _weighted(flow, c, roles))]
+    weighted = [
+        c
+        for holder in [layer.call] + inner_blocks
+        for c in _sublayer(flow, holder, lambda c: _weighted(flow, c, roles))
+    ]
     layer.mlp = _the_mlp(flow, layer, sorted(weighted, key=lambda c: c.first_op), roles)
 
 
 def _weighted(flow: Graph, call: ModuleCall, roles: dict[str, str]) -> bool:
     """A sublayer that could be an MLP: not a norm or embedding, no attention kernel, calls
     inside it, at least two ops reading weights outside norms."""
-    return (roles.get(call.address) not in ("norm", "embedding") and not flow.kernels(call)
-            and bool(flow.kids.get(id(call))) and _param_ops(flow, call, roles) >= 2)
+    return (
+        roles.get(call.address) not in ("norm", "embedding")
+        and not flow.kernels(call)
+        and bool(flow.kids.get(id(call)))
+        and _param_ops(flow, call, roles) >= 2
+    )
 
 
-def _the_mlp(flow: Graph, layer: Layer, weighted: list[ModuleCall], roles: dict[str, str]) -> ModuleCall | None:
+def _the_mlp(
+    flow: Graph, layer: Layer, weighted: list[ModuleCall], roles: dict[str, str]
+) -> ModuleCall | None:
     """The layer's MLP among its weighted sublayer calls (`weighted`, in run order), or None.
 
     The **token mixers** of a layer are its attention calls and every weighted call that mixes
@@ -262,9 +302,17 @@ def _the_mlp(flow: Graph, layer: Layer, weighted: list[ModuleCall], roles: dict[
     is the MLP cannot be told from the data flow; `roles=` can name it).
     """
     mixers = [c for c in (layer.attention, layer.cross_attention) if c is not None]
-    mixers += [c for c in weighted if any(op.name in _ops.TOKEN_MIXING_OPS for op in flow.ops[c.first_op : c.end_op])]
+    mixers += [
+        c
+        for c in weighted
+        if any(op.name in _ops.TOKEN_MIXING_OPS for op in flow.ops[c.first_op : c.end_op])
+    ]
     mixing = {id(c) for c in mixers}
-    mlps = [c for c in weighted if id(c) not in mixing and _nonlinear(flow, c, roles) and _keeps_width(flow, c)]
+    mlps = [
+        c
+        for c in weighted
+        if id(c) not in mixing and _nonlinear(flow, c, roles) and _keeps_width(flow, c)
+    ]
     after = [c for c in mlps if any(flow.reaches(m.output_ref, c.input_ref) for m in mixers)]
     if after:
         mlps = after
@@ -281,7 +329,8 @@ def _routed(flow: Graph, call: ModuleCall, siblings: list[ModuleCall]) -> bool:
     spans = [(c.first_op, c.end_op) for c in siblings if c is not call]
     return any(
         type(r) is Ref and r != call.input_ref and any(lo <= r.op < hi for lo, hi in spans)
-        for op in flow.ops[call.first_op : call.end_op] for r in op.inputs
+        for op in flow.ops[call.first_op : call.end_op]
+        for r in op.inputs
     )
 
 
@@ -289,8 +338,14 @@ def _keeps_width(flow: Graph, call: ModuleCall) -> bool:
     """Whether the call's output has its input's last dimension and number of values (Llama-4's
     MoE returns its input flattened to `[tokens, width]`)."""
     i, o = flow.shape(call.input_ref), flow.shape(call.output_ref)
-    return i is not None and o is not None and len(i) > 0 and len(o) > 0 and i[-1] == o[-1] and \
-        math.prod(i) == math.prod(o)
+    return (
+        i is not None
+        and o is not None
+        and len(i) > 0
+        and len(o) > 0
+        and i[-1] == o[-1]
+        and math.prod(i) == math.prod(o)
+    )
 
 
 def _nonlinear(flow: Graph, call: ModuleCall, roles: dict[str, str]) -> bool:
@@ -301,7 +356,10 @@ def _nonlinear(flow: Graph, call: ModuleCall, roles: dict[str, str]) -> bool:
             continue
         if op.name in _ops.ACTIVATION_OPS:
             return True
-        if op.name in _ops.MUL_OPS and sum(1 for r in op.inputs if type(r) is Ref and r.op >= call.first_op) >= 2:
+        if (
+            op.name in _ops.MUL_OPS
+            and sum(1 for r in op.inputs if type(r) is Ref and r.op >= call.first_op) >= 2
+        ):
             return True
     return False
 
@@ -313,7 +371,9 @@ def _keys_outside(flow: Graph, layer: ModuleCall, attn: ModuleCall) -> bool:
         return False
     if kernel.name in _ops.FUSED_ATTENTION_OPS:
         return len(kernel.inputs) > 1 and not flow.reaches(layer.input_ref, kernel.inputs[1])
-    r = kernel.inputs[0] if kernel.inputs else None  # eager: walk back from the scores to their matmul
+    r = (
+        kernel.inputs[0] if kernel.inputs else None
+    )  # eager: walk back from the scores to their matmul
     for _ in range(12):
         if type(r) is not Ref:
             return False
@@ -325,8 +385,14 @@ def _keys_outside(flow: Graph, layer: ModuleCall, attn: ModuleCall) -> bool:
     return False
 
 
-def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Module], roles: Roles,
-         model: nn.Module, names: dict[nn.Module, str]) -> Structure:
+def find(
+    ops: list[OpRecord],
+    calls: list[ModuleCall],
+    modules: dict[str, nn.Module],
+    roles: Roles,
+    model: nn.Module,
+    names: dict[nn.Module, str],
+) -> Structure:
     """Find the structure of one recorded forward; set each call's role and `roles` accordingly.
 
     Args:
@@ -354,16 +420,22 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
             by_holder.setdefault(a.rsplit(".", 1)[0] if "." in a else "", []).append(a)
         groups = [(h, [modules[a] for a in addrs]) for h, addrs in by_holder.items()]
     else:
-        groups = roles.groups if getattr(roles, "groups", None) is not None else groups(model, names)
+        groups = (
+            roles.groups if getattr(roles, "groups", None) is not None else groups(model, names)
+        )
     candidates: list[tuple[str, list[ModuleCall]]] = []
     mixed: set[str] = set()  # candidates whose layers are of several classes
     repeated_unchained: list[str] = []
     for holder, members in groups:
-        member_calls = sorted((c for m in members for c in calls_of.get(names[m], [])), key=lambda c: c.first_op)
+        member_calls = sorted(
+            (c for m in members for c in calls_of.get(names[m], [])), key=lambda c: c.first_op
+        )
         if not member_calls:
             continue
-        if not named_blocks and not isinstance(modules.get(holder), (nn.ModuleList, nn.Sequential)) and any(
-            op.module == c.address for c in member_calls for op in flow.kernels(c)
+        if (
+            not named_blocks
+            and not isinstance(modules.get(holder), (nn.ModuleList, nn.Sequential))
+            and any(op.module == c.address for c in member_calls for op in flow.kernels(c))
         ):
             continue  # same-class siblings that run an attention kernel themselves are attentions, not layers
         runs = [member_calls] if named_blocks else _chains(flow, member_calls)
@@ -379,7 +451,9 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
                 mixed.add(candidates[-1][0])
     # a list of several classes inside another stack's layer is that layer's sublayers (T5's
     # `block.N.layer`: self-attention, cross-attention, feed-forward), not a stack of its own
-    inside = {id(d) for h, r in candidates if h not in mixed for c in r for d in flow.descendants(c)}
+    inside = {
+        id(d) for h, r in candidates if h not in mixed for c in r for d in flow.descendants(c)
+    }
     candidates = [(h, r) for h, r in candidates if h not in mixed or id(r[0]) not in inside]
     # keep the innermost: drop a candidate whose first layer contains another candidate's layers
     kept = []
@@ -391,8 +465,12 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
     for holder, run in kept:
         passes = 1 if named_blocks else _passes(run)
         per_pass = len(run) // passes
-        stack = Stack(holder, [Layer(c) for c in run[:per_pass]], passes=passes,
-                      repeats=[Layer(c) for c in run[per_pass:]])
+        stack = Stack(
+            holder,
+            [Layer(c) for c in run[:per_pass]],
+            passes=passes,
+            repeats=[Layer(c) for c in run[per_pass:]],
+        )
         for layer in stack.layers + stack.repeats:
             _fill_layer(flow, layer, roles, modules, overrides)
         struct.stacks[holder] = stack
@@ -418,7 +496,11 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
     for stack in struct.stacks.values():
         for layer in stack.layers + stack.repeats:
             confirmed[id(layer.call)] = "block"
-            for sub, role in ((layer.attention, "attention"), (layer.cross_attention, "attention"), (layer.mlp, "mlp")):
+            for sub, role in (
+                (layer.attention, "attention"),
+                (layer.cross_attention, "attention"),
+                (layer.mlp, "mlp"),
+            ):
                 if sub is not None:
                     confirmed[id(sub)] = role
     for addr, role in list(roles.items()):
@@ -432,12 +514,22 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
             c.role = confirmed[id(c)]
             roles[c.address] = c.role
     # 3. embeddings, unembedding, LM stack, final norm
-    in_layer = {id(d) for s in struct.stacks.values() for layer in s.layers + s.repeats
-                for d in [layer.call] + flow.descendants(layer.call)}
+    in_layer = {
+        id(d)
+        for s in struct.stacks.values()
+        for layer in s.layers + s.repeats
+        for d in [layer.call] + flow.descendants(layer.call)
+    }
     outside = [c for c in calls if id(c) not in in_layer]
     root = calls[0] if calls else None
     struct.token_embed = next(
-        (c for c in outside if isinstance(modules.get(c.address), nn.Embedding) and from_model_input(ops, c.input_ref)), None
+        (
+            c
+            for c in outside
+            if isinstance(modules.get(c.address), nn.Embedding)
+            and from_model_input(ops, c.input_ref)
+        ),
+        None,
     )
     vocab = modules[struct.token_embed.address].num_embeddings if struct.token_embed else None
     named_unembed = [c for c in outside if overrides.get(c.address) == "unembed"]
@@ -445,9 +537,12 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
         struct.unembed = named_unembed[-1]
     elif vocab is not None and root is not None:
         heads = [
-            c for c in outside
-            if isinstance(modules.get(c.address), nn.Linear) and modules[c.address].out_features == vocab
-            and c.role != "embedding" and flow.reaches(c.output_ref, root.output_ref)
+            c
+            for c in outside
+            if isinstance(modules.get(c.address), nn.Linear)
+            and modules[c.address].out_features == vocab
+            and c.role != "embedding"
+            and flow.reaches(c.output_ref, root.output_ref)
         ]
         struct.unembed = heads[-1] if heads else None
     for c in calls:
@@ -457,8 +552,10 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
     if struct.unembed is not None:
         struct.unembed.role = roles[struct.unembed.address] = "unembed"
     feeding = [
-        s for s in struct.stacks.values()
-        if struct.unembed is not None and flow.reaches(s.layers[-1].call.output_ref, struct.unembed.input_ref)
+        s
+        for s in struct.stacks.values()
+        if struct.unembed is not None
+        and flow.reaches(s.layers[-1].call.output_ref, struct.unembed.input_ref)
     ]
     if feeding:
         struct.lm_stack = feeding[-1].name
@@ -469,8 +566,16 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
         # the stack ran once per decoding step: the unembedding is its call after the first pass,
         # as the layers are the first pass's
         last = lm.layers[-1].call
-        first = next((c for c in outside if c.address == struct.unembed.address and c.first_op >= last.end_op
-                      and flow.reaches(last.output_ref, c.input_ref)), None)
+        first = next(
+            (
+                c
+                for c in outside
+                if c.address == struct.unembed.address
+                and c.first_op >= last.end_op
+                and flow.reaches(last.output_ref, c.input_ref)
+            ),
+            None,
+        )
         if first is not None and first is not struct.unembed:
             struct.unembed.role = "other"
             struct.unembed = first
@@ -482,13 +587,15 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
             s.kind = "decoder"
             for other in struct.stacks.values():
                 if other is not s and any(
-                    layer.cross_attention is not None and _feeds_kernel(flow, other.layers[-1].call, layer.cross_attention)
+                    layer.cross_attention is not None
+                    and _feeds_kernel(flow, other.layers[-1].call, layer.cross_attention)
                     for layer in s.layers
                 ):
                     read_by_cross.add(other.name)
     for s in struct.stacks.values():
         if s.name in read_by_cross or (
-            not any(layer.cross_attention is not None for layer in s.layers) and _encoder_named(model, s, modules)
+            not any(layer.cross_attention is not None for layer in s.layers)
+            and _encoder_named(model, s, modules)
         ):
             s.kind = "encoder"
     if not struct.stacks:
@@ -498,7 +605,9 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
     elif struct.lm_stack is None:
         struct.kind = "multi-tower"
     else:
-        struct.kind = "encoder-only" if struct.stacks[struct.lm_stack].kind == "encoder" else "decoder-only"
+        struct.kind = (
+            "encoder-only" if struct.stacks[struct.lm_stack].kind == "encoder" else "decoder-only"
+        )
     for s in struct.stacks.values():
         s.final_norm = final_norm(flow, struct, outside, s)
     struct.final_norm = struct.stacks[struct.lm_stack].final_norm if struct.lm_stack else None
@@ -507,7 +616,8 @@ def find(ops: list[OpRecord], calls: list[ModuleCall], modules: dict[str, nn.Mod
 
 def _feeds_kernel(flow: Graph, producer: ModuleCall, attn: ModuleCall) -> bool:
     return any(
-        any(flow.reaches(producer.output_ref, r) for r in k.inputs if type(r) is Ref) for k in flow.kernels(attn)
+        any(flow.reaches(producer.output_ref, r) for r in k.inputs if type(r) is Ref)
+        for k in flow.kernels(attn)
     ) or any(flow.reaches(producer.output_ref, c.input_ref) for c in flow.kids.get(id(attn), []))
 
 
@@ -519,7 +629,9 @@ def _encoder_named(model: nn.Module, stack: Stack, modules: dict[str, nn.Module]
     parts = stack.name.split(".")
     holders = [".".join(parts[:i]) for i in range(len(parts) + 1)]
     return any(
-        any(f in type(modules[h]).__name__ for f in _roles.ENCODER_CLASS_FRAGMENTS) for h in holders if h in modules
+        any(f in type(modules[h]).__name__ for f in _roles.ENCODER_CLASS_FRAGMENTS)
+        for h in holders
+        if h in modules
     )
 
 
@@ -531,13 +643,19 @@ def from_model_input(ops: list[OpRecord], ref: Any) -> bool:
         op = ops[ref.op]
         if op.name == "input":
             return True
-        if op.name not in _ops.RESHAPE_OPS | _ops.PASS_THROUGH_OPS | _ops.INDEX_OPS | _ops.INT_CAST_OPS or not op.inputs:
+        if (
+            op.name
+            not in _ops.RESHAPE_OPS | _ops.PASS_THROUGH_OPS | _ops.INDEX_OPS | _ops.INT_CAST_OPS
+            or not op.inputs
+        ):
             return False
         ref = op.inputs[0]
     return False
 
 
-def final_norm(flow: Graph, struct: Structure, outside: list[ModuleCall], stack: Stack) -> ModuleCall | None:
+def final_norm(
+    flow: Graph, struct: Structure, outside: list[ModuleCall], stack: Stack
+) -> ModuleCall | None:
     """The one final-norm rule: the last norm outside every layer that runs after the stack's last
     layer, reads from its output, and runs before whatever comes next: the unembedding for the
     language-model stack (when there is one), the first layer of a stack that starts later for
@@ -546,14 +664,26 @@ def final_norm(flow: Graph, struct: Structure, outside: list[ModuleCall], stack:
     if stack.name == struct.lm_stack:
         end = struct.unembed.first_op if struct.unembed is not None else None
     else:
-        later = [s.layers[0].call.first_op for s in struct.stacks.values() if s.layers[0].call.first_op >= last.end_op]
-        end = min(later) if later else (struct.unembed.first_op if struct.unembed is not None
-                                        and struct.unembed.first_op >= last.end_op else None)
+        later = [
+            s.layers[0].call.first_op
+            for s in struct.stacks.values()
+            if s.layers[0].call.first_op >= last.end_op
+        ]
+        end = (
+            min(later)
+            if later
+            else (
+                struct.unembed.first_op
+                if struct.unembed is not None and struct.unembed.first_op >= last.end_op
+                else None
+            )
+        )
     norms = [
-        c for c in outside
-        if c.role == "norm" and c.first_op >= last.end_op
+        c
+        for c in outside
+        if c.role == "norm"
+        and c.first_op >= last.end_op
         and (end is None or c.end_op <= end)
         and flow.reaches(last.output_ref, c.input_ref)
     ]
     return norms[-1] if norms else None
-

@@ -115,7 +115,9 @@ class _Quiet:
                     rec.param_names[id(new)] = ref
                 else:
                     continue
-                self.used[("moved", id(new))] = new  # alive until the trace is assembled, so ids stay unique
+                self.used[("moved", id(new))] = (
+                    new  # alive until the trace is assembled, so ids stay unique
+                )
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any):
         before = _flat((args, kwargs), [])
@@ -127,9 +129,13 @@ class _Quiet:
             for name, p in module.named_parameters(recurse=True):
                 if not p.is_meta:
                     # Assigned, not set-if-missing: the meta placeholder this id named may be gone.
-                    self.rec.param_names[id(p)] = self.rec.canonical_param.get(prefix + name, prefix + name)
+                    self.rec.param_names[id(p)] = self.rec.canonical_param.get(
+                        prefix + name, prefix + name
+                    )
                     self.used.setdefault((module, name), p)  # what `weights()` puts back
-                    self.used[("loaded", id(p))] = p  # alive until the trace is assembled, so ids stay unique
+                    self.used[("loaded", id(p))] = (
+                        p  # alive until the trace is assembled, so ids stay unique
+                    )
         return args, kwargs
 
     def post_forward(self, module: nn.Module, output: Any):

@@ -9,7 +9,9 @@ No torch function or class is patched; every hook and the mode are removed befor
 returns or raises. Two things are changed for the duration of a trace and then restored: the
 `torch.compile` stance is set to `force_eager` process-wide (see `torchlens._capture.compiled`: other threads
 running compiled code meanwhile run it eagerly too), and the hooks accelerate attaches to a
-dispatched model's modules are wrapped on those modules only (see `torchlens._capture.accelerate`). Traces nest: an outer trace records the model ops an inner trace runs, never the inner
+dispatched model's modules are wrapped on those modules only (see
+`torchlens._capture.accelerate`). Traces nest: an outer trace records the model ops an inner
+trace runs, never the inner
 recorder's own bookkeeping (which runs with torch functions disabled when a mode lies below).
 
 Saved tensors are detached *aliases*, not copies, which keeps capture fast and memory-lean.
@@ -27,7 +29,8 @@ that last check cannot cover them.
 A tensor used after an in-place write is used with its new contents, and the trace says so.
 Every recorded tensor carries a stamp: its version counter (none for an inference tensor) and the
 count of writes the mode saw into its storage; `x.data = y`, seen by the mode, voids `x`'s stamp.
-When a tensor whose stamp changed since its producer recorded it is used again (as an op input, or as a module's input or output as
+When a tensor whose stamp changed since its producer recorded it is used again (as an op
+input, or as a module's input or output as
 the hooks see it), the recorder first appends a `written_in_place` op whose output is the tensor as
 it is now and whose input is the op that produced it before the write. This covers writes that no
 recorded op returns: `x[i] = v`, a write through a view (`y.view(-1).add_(1)` changes `y`), a
@@ -56,9 +59,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from torchlens._core.errors import EditSpecError
-from torchlens._core.holdings import Holding, arg_slots, get_arg, held_tensors, memory_key, set_arg, storage_ptr
-from torchlens._core.ops import INPLACE, REBUILT_OPS, REPOINT, SKIP, classify
+from torchlens._capture.edges import Edges
 from torchlens._capture.values import (
     all_plain,
     first_tensor,
@@ -68,8 +69,18 @@ from torchlens._capture.values import (
     tensor_args,
     writes_inputs,
 )
+from torchlens._core.errors import EditSpecError
+from torchlens._core.holdings import (
+    Holding,
+    arg_slots,
+    get_arg,
+    held_tensors,
+    memory_key,
+    set_arg,
+    storage_ptr,
+)
+from torchlens._core.ops import INPLACE, REBUILT_OPS, REPOINT, SKIP, classify
 from torchlens._core.records import Dropped, ModuleCall, OpRecord, Ref
-from torchlens._capture.edges import Edges
 
 __all__ = ["Recorder"]
 
@@ -119,16 +130,28 @@ class Recorder(TorchFunctionMode):
         self.arg_versions: dict[tuple[int, tuple[str, Any]], int] = {}
         self._cow: dict[int, list[tuple[int, int]]] = {}
         self._cow_upto = 0
-        self._writes: dict[int, int] = {}  # storage data_ptr -> writes the mode saw into it (`_stamp`)
-        self._hook_aliases: list[tuple[ModuleCall, str]] = []  # module inputs/outputs the hooks kept
-        self._hook_versions: dict[tuple[int, str], int] = {}  # (id(call), side) -> the alias's version when kept
+        self._writes: dict[
+            int, int
+        ] = {}  # storage data_ptr -> writes the mode saw into it (`_stamp`)
+        self._hook_aliases: list[
+            tuple[ModuleCall, str]
+        ] = []  # module inputs/outputs the hooks kept
+        self._hook_versions: dict[
+            tuple[int, str], int
+        ] = {}  # (id(call), side) -> the alias's version when kept
         self._hook_upto = 0
-        self._kinds: dict[Any, tuple[str, int]] = {}  # torch function -> `classify` answer, this trace
+        self._kinds: dict[
+            Any, tuple[str, int]
+        ] = {}  # torch function -> `classify` answer, this trace
         self.spill = spill
         if spill is not None:
             spill.writes = self._writes
-        self._spill_ops = 0  # ops before this index were written to `spill` (or had nothing to write)
-        self._kept_in_memory = False  # a tensor the spill could not write (no storage of its own) stays held
+        self._spill_ops = (
+            0  # ops before this index were written to `spill` (or had nothing to write)
+        )
+        self._kept_in_memory = (
+            False  # a tensor the spill could not write (no storage of its own) stays held
+        )
         self._spill_hooks = 0  # the same for `_hook_aliases`
         #: (exception, op name) of the last op that raised, for the note `trace` adds; an op
         #: failure the model caught and handled is never mistaken for a later error.
@@ -172,7 +195,11 @@ class Recorder(TorchFunctionMode):
         """`x.data = y` ran: `x` holds other values now, and no counter says so."""
         entry = self.producer.get(id(args[0])) if args else None
         if entry is not None:
-            self.producer[id(args[0])] = (entry[0], entry[1], None)  # no stamp matches: next use is a write
+            self.producer[id(args[0])] = (
+                entry[0],
+                entry[1],
+                None,
+            )  # no stamp matches: next use is a write
 
     def _quiet_call(self, func, args, kwargs):
         """Run `func` unrecorded (the recorder's own calls, an accelerate hook's moves, an edit),
@@ -204,7 +231,9 @@ class Recorder(TorchFunctionMode):
             self._repointed(args)
             return out
         if kwargs:
-            mutated = kind == INPLACE or kwargs.get("out") is not None or kwargs.get("inplace") is True
+            mutated = (
+                kind == INPLACE or kwargs.get("out") is not None or kwargs.get("inplace") is True
+            )
             ins = tensor_args(args, kwargs)
         else:  # most ops: positional arguments only (`_capture.values.writes_inputs` and `tensor_args`, inlined)
             kwargs = {}
@@ -216,7 +245,9 @@ class Recorder(TorchFunctionMode):
                 elif isinstance(a, (list, tuple)):
                     ins.extend([x for x in a if isinstance(x, Tensor)])
         refs = None
-        if mutated:  # the input refs are taken before the op writes them (the write makes them stale)
+        if (
+            mutated
+        ):  # the input refs are taken before the op writes them (the write makes them stale)
             if self.nested:
                 with torch._C.DisableTorchFunction():
                     refs = tuple([self._ref(t) for t in ins])
@@ -312,7 +343,9 @@ class Recorder(TorchFunctionMode):
     def _ref(self, t: Tensor):
         entry = self.producer.get(id(t))
         if entry is not None and entry[1]() is t:
-            if entry[2] != self._stamp(t):  # written in place (or given other memory) since its producer recorded it
+            if entry[2] != self._stamp(
+                t
+            ):  # written in place (or given other memory) since its producer recorded it
                 return self._record("written_in_place", (t,), (), True, refs=(entry[0],))
             return entry[0]
         return self.param_names.get(id(t))
@@ -339,7 +372,9 @@ class Recorder(TorchFunctionMode):
                     if version == stamp[0]:
                         found.append(entry[0])
                         continue
-            found.append(self._ref(t))  # stale (a `written_in_place` op first), or not its producer's
+            found.append(
+                self._ref(t)
+            )  # stale (a `written_in_place` op first), or not its producer's
         return tuple(found)
 
     def _record(self, name, outs, ins, mutated, args=(), kwargs=None, refs=None):
@@ -360,7 +395,9 @@ class Recorder(TorchFunctionMode):
                     stamp = (None, 0)
             if retain:
                 tensors = (o0.detach(),)
-                if stamp[0] is not None:  # a detached alias shares the counter: its version when saved
+                if (
+                    stamp[0] is not None
+                ):  # a detached alias shares the counter: its version when saved
                     self.versions[idx, 0] = stamp[0]
                 if self.edges is not None and o0.requires_grad:
                     self.edges.ops[idx, 0] = (self.edges.of(o0), tensors[0])
@@ -391,10 +428,26 @@ class Recorder(TorchFunctionMode):
         if retain and name in REBUILT_OPS:
             extra = self._keep_args(idx, args, kwargs)
         if call is None:
-            self.ops.append(OpRecord(idx, name, "", 0, inputs, shapes, dtypes, o0.device, tensors, mutated, extra))
+            self.ops.append(
+                OpRecord(
+                    idx, name, "", 0, inputs, shapes, dtypes, o0.device, tensors, mutated, extra
+                )
+            )
         else:
             self.ops.append(
-                OpRecord(idx, name, call.address, call.index, inputs, shapes, dtypes, o0.device, tensors, mutated, extra)
+                OpRecord(
+                    idx,
+                    name,
+                    call.address,
+                    call.index,
+                    inputs,
+                    shapes,
+                    dtypes,
+                    o0.device,
+                    tensors,
+                    mutated,
+                    extra,
+                )
             )
         return first
 
@@ -414,7 +467,10 @@ class Recorder(TorchFunctionMode):
                     self.edges.args[idx, id(kept)] = self.edges.of(a)
             return kept
 
-        extra = {"args": tuple([keep(a) for a in args]), "kwargs": {k: keep(v) for k, v in kwargs.items()}}
+        extra = {
+            "args": tuple([keep(a) for a in args]),
+            "kwargs": {k: keep(v) for k, v in kwargs.items()},
+        }
         for key, t in arg_slots(extra):
             if not t.is_inference():  # inference tensors have no version counter
                 self.arg_versions[idx, key] = t._version
@@ -425,7 +481,9 @@ class Recorder(TorchFunctionMode):
         storage with a tensor an op is about to write."""
         targets = [args[0]] if args and isinstance(args[0], Tensor) else []
         out = kwargs.get("out")
-        targets += [out] if isinstance(out, Tensor) else [t for t in (out or ()) if isinstance(t, Tensor)]
+        targets += (
+            [out] if isinstance(out, Tensor) else [t for t in (out or ()) if isinstance(t, Tensor)]
+        )
         if not targets:
             return
         writes = self._writes
@@ -500,7 +558,9 @@ class Recorder(TorchFunctionMode):
         """
         entry = self.producer.get(id(t))
         ref = None
-        if entry is not None and not self._writes and entry[1]() is t:  # `_ref`, inlined for the common case
+        if (
+            entry is not None and not self._writes and entry[1]() is t
+        ):  # `_ref`, inlined for the common case
             stamp = entry[2]
             if stamp is not None and not stamp[1]:
                 try:
@@ -570,7 +630,9 @@ class Recorder(TorchFunctionMode):
                 addr = self.names[module]
                 edits = self.edits.hook_in.get((addr, self.call_counts.get(addr, 0)))
                 if edits:
-                    args, kwargs = replace_input(args, kwargs, lambda t: self._edit_hooked(edits, t))
+                    args, kwargs = replace_input(
+                        args, kwargs, lambda t: self._edit_hooked(edits, t)
+                    )
                     changed = True
             # The bookkeeping reaches no torch function mode, this one included: outside an op,
             # this mode is active, and every `t._version` or `t.detach()` would pass through it.
@@ -587,9 +649,20 @@ class Recorder(TorchFunctionMode):
         n = self.call_counts.get(addr, 0)
         self.call_counts[addr] = n + 1
         parent = self.stack[-1] if self.stack else None
-        retained = self.retain_all or addr in self.retain_modules or (parent is not None and parent.retained)
-        call = ModuleCall(addr, n, self.roles[addr], type(module).__name__, len(self.ops), parent=parent,
-                          retained=retained)
+        retained = (
+            self.retain_all
+            or addr in self.retain_modules
+            or (parent is not None and parent.retained)
+        )
+        call = ModuleCall(
+            addr,
+            n,
+            self.roles[addr],
+            type(module).__name__,
+            len(self.ops),
+            parent=parent,
+            retained=retained,
+        )
         if parent is None:  # the root: its tensor inputs become `input` ops
             for t in tensor_args(args, kwargs):
                 if self._ref(t) is None:
@@ -616,10 +689,16 @@ class Recorder(TorchFunctionMode):
                     output = replace_first(output, lambda t: self._edit_hooked(edits, t))
                     changed = True
             t = output if type(output) is Tensor else first_tensor(output)
-            with torch._C.DisableTorchFunction() if t is None or type(t) is Tensor else self.hidden():  # as in `pre_hook`
+            with (
+                torch._C.DisableTorchFunction() if t is None or type(t) is Tensor else self.hidden()
+            ):  # as in `pre_hook`
                 call = self._leave(module, output, t)
-            if self.spill is not None and call is not None and call.role == "block" and not any(
-                    c.role == "block" for c in self.stack):
+            if (
+                self.spill is not None
+                and call is not None
+                and call.role == "block"
+                and not any(c.role == "block" for c in self.stack)
+            ):
                 with self.hidden():
                     self.write_spill()
         finally:
@@ -630,7 +709,9 @@ class Recorder(TorchFunctionMode):
         """Pop this module's call (and any left open under it) and note its output `t`
         (`first_tensor(output)`); the call, or None when it was not on the stack."""
         addr = self.names[module]
-        if output is None:  # torch runs always_call hooks with output None while an exception unwinds
+        if (
+            output is None
+        ):  # torch runs always_call hooks with output None while an exception unwinds
             exc = sys.exc_info()[1]
             if exc is not None and (self.failure is None or self.failure[0] is not exc):
                 self.failure = (exc, [c.address or "<root>" for c in self.stack])
@@ -680,7 +761,9 @@ class Recorder(TorchFunctionMode):
         self.spill.write([h for h, _, _ in found])
         for _, versions, key in found:
             versions.pop(key, None)
-        if self.edges is not None:  # the gradient edges follow their tensors to the memory-mapped views
+        if (
+            self.edges is not None
+        ):  # the gradient edges follow their tensors to the memory-mapped views
             for h, _, _ in found:
                 if isinstance(h.holder, OpRecord):
                     self.edges.moved_op(h.holder.index, h.key, h.holder.tensors[h.key])
@@ -713,18 +796,28 @@ class Recorder(TorchFunctionMode):
             t, version = getattr(call, side), self._hook_versions.get((id(call), side))
             if isinstance(t, Tensor) and version is not None and t._version != version:
                 what = f"{call.address or '<root>'} {'input' if side == '_in' else 'output'}"
-                setattr(call, side, Dropped(tuple(t.shape), t.dtype, (
-                    f"the {what.split()[-1]} tensor of {what.split()[0]!r} was written in place after the trace "
-                    "kept it, by code the capture could not see (a write under torch._C.DisableTorchFunction, "
-                    "through NumPy, or into a sparse tensor), so what the trace held is no longer what the "
-                    "model used there")))
+                setattr(
+                    call,
+                    side,
+                    Dropped(
+                        tuple(t.shape),
+                        t.dtype,
+                        (
+                            f"the {what.split()[-1]} tensor of {what.split()[0]!r} was written in place after the trace "
+                            "kept it, by code the capture could not see (a write under torch._C.DisableTorchFunction, "
+                            "through NumPy, or into a sparse tensor), so what the trace held is no longer what the "
+                            "model used there"
+                        ),
+                    ),
+                )
                 dropped.append(what)
         if dropped:
             warnings.warn(
                 f"torchlens: {len(dropped)} module inputs/outputs the trace kept were written in place by code the "
                 f"capture could not see, or as a sparse tensor, which it cannot copy before a write "
                 f"({', '.join(dropped[:5])}); they are not kept, since they would show the later contents.",
-                stacklevel=3)
+                stacklevel=3,
+            )
         for (i, key), version in self.arg_versions.items():
             extra = ops[i].extra
             if extra is None or "stale" in extra or get_arg(extra, key)._version == version:
@@ -736,4 +829,3 @@ class Recorder(TorchFunctionMode):
                 "functions), so the kept argument no longer holds what the op read"
             )
         return sorted(set(bad))
-

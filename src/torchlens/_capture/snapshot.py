@@ -84,7 +84,9 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
         return 0
     live, shared = _live_storages(rec, model, reachable)
     groups: dict[Any, list[Holding]] = {}
-    guarded: dict[Any, list[Holding]] = {}  # storages only the autograd graph holds besides the trace
+    guarded: dict[
+        Any, list[Holding]
+    ] = {}  # storages only the autograd graph holds besides the trace
     for h in held:
         key = _live_key(h.tensor, live)
         if key is not None:
@@ -114,7 +116,9 @@ def _copy_group(key: Any, items: list[Holding]) -> int:
     if whole:
         storage = tensors[0].untyped_storage()
         whole = storage.nbytes() <= sum(t.numel() * t.element_size() for t in tensors)
-    if whole:  # one copy of the storage serves every view of it (and keeps them views of one another)
+    if (
+        whole
+    ):  # one copy of the storage serves every view of it (and keeps them views of one another)
         new = storage.clone()
         copied += storage.nbytes()
         # One base tensor per dtype on the copy, and every view made from it, so the views share
@@ -127,7 +131,9 @@ def _copy_group(key: Any, items: list[Holding]) -> int:
             if whole:
                 base = bases.get(t.dtype)
                 if base is None:
-                    base = bases[t.dtype] = torch.empty(0, dtype=t.dtype, device=t.device).set_(new, 0, (0,), (1,))
+                    base = bases[t.dtype] = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                        new, 0, (0,), (1,)
+                    )
                 c = base.as_strided(t.size(), t.stride(), t.storage_offset())
             else:
                 c = t.clone()
@@ -207,8 +213,11 @@ class Guarded:
                 return
             self.done = True
             written = self._written()
-            same = [(h, owner) for h, owner, (ident, _) in zip(self.items, self.owners, self.marks)
-                    if id(h.current()) == ident and _live_input(h, owner)]  # what a check let go of is left alone
+            same = [
+                (h, owner)
+                for h, owner, (ident, _) in zip(self.items, self.owners, self.marks)
+                if id(h.current()) == ident and _live_input(h, owner)
+            ]  # what a check let go of is left alone
             for h, owner in zip(self.items, self.owners):
                 if h.key == "tensor":
                     h.holder._guard = None
@@ -229,7 +238,9 @@ class Guarded:
                 if _is_output(h):
                     h.put(None)
                     dropped.append(f"#{h.holder.index} {h.holder.name}")
-                elif isinstance(h.holder, dict):  # a kept argument: its op's rebuild is gone with it
+                elif isinstance(
+                    h.holder, dict
+                ):  # a kept argument: its op's rebuild is gone with it
                     owner.extra = None
                 elif h.key == "tensor":
                     reason = f"its tensor {GUARD_REASON}"
@@ -239,8 +250,11 @@ class Guarded:
                     if fmap is not None:
                         fmap._refuse([h.holder], reason)
             if dropped:
-                warnings.warn(f"torchlens: the saved outputs of op {', '.join(dropped[:5])} {GUARD_REASON}; they are "
-                              "not served.", stacklevel=4)
+                warnings.warn(
+                    f"torchlens: the saved outputs of op {', '.join(dropped[:5])} {GUARD_REASON}; they are "
+                    "not served.",
+                    stacklevel=4,
+                )
 
 
 def _is_output(h: Holding) -> bool:
@@ -276,7 +290,9 @@ def _live_storages(rec: Recorder, model: nn.Module, reachable: Any) -> tuple[set
         if ptr is not None:  # one without a storage of its own is copied whatever holds it
             live.add(ptr)
 
-    for m in rec.names:  # every module of the model (`model.parameters()` and `buffers()`, in one pass)
+    for (
+        m
+    ) in rec.names:  # every module of the model (`model.parameters()` and `buffers()`, in one pass)
         for t in itertools.chain(m._parameters.values(), m._buffers.values()):
             if t is not None:
                 add(t)
@@ -400,7 +416,9 @@ def _autograd_holders(alive: list[Tensor]) -> tuple[set[int], frozenset[int] | s
                 del b
     graph: set[int] = set()
     alive_ids = {id(t) for t in alive}
-    views: dict[int, Tensor] = {}  # saved views the capture did not record (kept: their ids stay theirs)
+    views: dict[
+        int, Tensor
+    ] = {}  # saved views the capture did not record (kept: their ids stay theirs)
     seen: set[Any] = set()
     limit = 50 * len(alive) + 1000  # a walk far beyond the ops recorded: something else, stop
     while roots:
@@ -413,18 +431,21 @@ def _autograd_holders(alive: list[Tensor]) -> tuple[set[int], frozenset[int] | s
         names = _SAVED_NAMES.get(type(node))
         if names is None:
             names = _SAVED_NAMES[type(node)] = tuple(
-                n for n in dir(node) if n.startswith("_saved_") or n == "saved_tensors")
+                n for n in dir(node) if n.startswith("_saved_") or n == "saved_tensors"
+            )
         for n in names:
             try:
                 v = getattr(node, n)
             except Exception:  # a saved tensor that cannot be unpacked: guard everything
                 return set(), EVERY_STORAGE
-            for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            for x in v if isinstance(v, (tuple, list)) else (v,):
                 if isinstance(x, Tensor):
                     if id(x) in found:
                         found[id(x)] += 1
                     if found and id(x) not in alive_ids and id(x) not in views and x._is_view():
-                        views[id(x)] = x  # a view made inside an op (linear's reshape) holds its base
+                        views[id(x)] = (
+                            x  # a view made inside an op (linear's reshape) holds its base
+                        )
                         b = x._base
                         if id(b) in found:
                             found[id(b)] += 1
@@ -467,4 +488,3 @@ GUARD_REASON = (
     "reachable through grad_fn), so it no longer holds what the forward computed there. Read it "
     "before writing into a tensor of the graph, or write into a copy (tensor.clone())"
 )
-

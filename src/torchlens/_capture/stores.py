@@ -57,11 +57,15 @@ def parse_store(store: Any) -> Any:
     if isinstance(store, os.PathLike) or (isinstance(store, str) and store):
         path = os.fspath(store)
         if isinstance(store, str) and store.lower() in ("gpu", "cuda", "disk", "mmap", "meta"):
-            raise StoreSpecError(f"store={store!r} is not a store name; {accepted}. To write to a directory "
-                                 f"named {store!r}, pass pathlib.Path({store!r}).")
+            raise StoreSpecError(
+                f"store={store!r} is not a store name; {accepted}. To write to a directory "
+                f"named {store!r}, pass pathlib.Path({store!r})."
+            )
         if os.path.exists(path) and not os.path.isdir(path):
-            raise StoreSpecError(f"store={store!r} is an existing file; a directory store needs a directory "
-                                 f"(it is created if missing). {accepted}.")
+            raise StoreSpecError(
+                f"store={store!r} is an existing file; a directory store needs a directory "
+                f"(it is created if missing). {accepted}."
+            )
         _check_writable(path, store)
         return DirectoryStore(path)
     raise StoreSpecError(f"store={store!r} is not accepted; {accepted}.")
@@ -74,16 +78,26 @@ def _check_writable(path: str, store: Any) -> None:
     while not os.path.exists(above) and os.path.dirname(above) != above:
         above = os.path.dirname(above)
     if not os.path.isdir(above):
-        raise StoreSpecError(f"store={store!r}: {above!r} is a file, so no directory can be made at {path!r}; a "
-                             f"directory store needs a directory (it is created if missing). Pass another path.")
+        raise StoreSpecError(
+            f"store={store!r}: {above!r} is a file, so no directory can be made at {path!r}; a "
+            f"directory store needs a directory (it is created if missing). Pass another path."
+        )
     if not os.access(above, os.W_OK | os.X_OK):
-        what = "the directory" if above == os.path.abspath(path) else f"{above!r}, the directory it would be made in,"
-        raise StoreSpecError(f"store={store!r}: {what} is not writable by this process (a read-only file system, "
-                             f"or no permission), so the trace's tensors cannot be written there. Pass a writable "
-                             f"directory, or store='cpu'.")
+        what = (
+            "the directory"
+            if above == os.path.abspath(path)
+            else f"{above!r}, the directory it would be made in,"
+        )
+        raise StoreSpecError(
+            f"store={store!r}: {what} is not writable by this process (a read-only file system, "
+            f"or no permission), so the trace's tensors cannot be written there. Pass a writable "
+            f"directory, or store='cpu'."
+        )
 
 
-def _view(storage: torch.UntypedStorage, byte_offset: int, t: torch.Tensor, bases: dict) -> torch.Tensor:
+def _view(
+    storage: torch.UntypedStorage, byte_offset: int, t: torch.Tensor, bases: dict
+) -> torch.Tensor:
     """`t`'s view (offset, size, stride) on `storage`, whose byte `byte_offset` is `t`'s storage start.
 
     The view is made from one base tensor per (storage, byte_offset, dtype), kept in `bases`, so
@@ -92,12 +106,16 @@ def _view(storage: torch.UntypedStorage, byte_offset: int, t: torch.Tensor, base
     """
     item = t.element_size()
     if byte_offset % item:
-        raise TorchLensError(f"torchlens store: a {t.dtype} storage landed at byte {byte_offset}, not a multiple "
-                             f"of {item}")
+        raise TorchLensError(
+            f"torchlens store: a {t.dtype} storage landed at byte {byte_offset}, not a multiple "
+            f"of {item}"
+        )
     key = (storage.data_ptr(), byte_offset, t.dtype)
     base = bases.get(key)
     if base is None:
-        base = bases[key] = torch.empty(0, dtype=t.dtype, device=storage.device).set_(storage, 0, (0,), (1,))
+        base = bases[key] = torch.empty(0, dtype=t.dtype, device=storage.device).set_(
+            storage, 0, (0,), (1,)
+        )
     return base.as_strided(t.size(), t.stride(), byte_offset // item + t.storage_offset())
 
 
@@ -133,8 +151,12 @@ def apply_store(trace, store: Any):
             for key, (st, _) in storages.items():
                 if st.device.type == "cpu":
                     continue
-                host = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-                host.copy_(torch.empty(0, dtype=torch.uint8, device=st.device).set_(st), non_blocking=True)
+                host = torch.empty(
+                    st.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+                )
+                host.copy_(
+                    torch.empty(0, dtype=torch.uint8, device=st.device).set_(st), non_blocking=True
+                )
                 placed[key] = (host.untyped_storage(), 0)
                 pending = True
             if pending and torch.cuda.is_available():
@@ -163,7 +185,9 @@ class DirectoryStore:
         self._mapped: set[int] = set()
         #: (device, data_ptr) of a model storage written earlier -> (a weak reference to it, the
         #: version counter and the count of seen writes into it then, where it was written).
-        self._written: dict[tuple[str, int], tuple[Any, int, int, tuple[torch.UntypedStorage, int]]] = {}
+        self._written: dict[
+            tuple[str, int], tuple[Any, int, int, tuple[torch.UntypedStorage, int]]
+        ] = {}
         #: storage data_ptr -> writes the capture saw into it (the recorder's `_writes`).
         self.writes: dict[int, int] = {}
         #: the base tensors `_view` makes views of, kept across writes: a later view of a storage
@@ -192,8 +216,13 @@ class DirectoryStore:
         for key, (st, dtype) in storages.items():
             t = next(t for _, _, t in found if (str(t.device), storage_ptr(t)) == key)
             old = self._written.get(key)
-            if (old is not None and not old[0].expired() and not t.is_inference() and t._version == old[1]
-                    and self.writes.get(key[1], 0) == old[2]):
+            if (
+                old is not None
+                and not old[0].expired()
+                and not t.is_inference()
+                and t._version == old[1]
+                and self.writes.get(key[1], 0) == old[2]
+            ):
                 placed[key] = old[3]
             else:
                 fresh[key] = (st, dtype, t)
@@ -201,7 +230,12 @@ class DirectoryStore:
             written = self._write({k: v[:2] for k, v in fresh.items()})
             for key, (st, _, t) in fresh.items():
                 version = -1 if t.is_inference() else t._version
-                self._written[key] = (StorageWeakRef(st), version, self.writes.get(key[1], 0), written[key])
+                self._written[key] = (
+                    StorageWeakRef(st),
+                    version,
+                    self.writes.get(key[1], 0),
+                    written[key],
+                )
             placed.update(written)
         _replace(found, placed, self._bases)
 
@@ -216,9 +250,12 @@ class DirectoryStore:
             self._paths.clear()
             raise StoreSpecError(
                 f"store={self.path!r}: writing the trace's tensors there failed: {exc.strerror or exc} "
-                f"({errno.errorcode.get(exc.errno or 0, exc.errno)}" + (f", at {exc.filename!r}" if exc.filename else "")
-                + "). The trace was not made, and the files it had written there were removed. Free space there, or pass a writable "
-                "directory with room, or store='cpu'.") from exc
+                f"({errno.errorcode.get(exc.errno or 0, exc.errno)}"
+                + (f", at {exc.filename!r}" if exc.filename else "")
+                + "). The trace was not made, and the files it had written there were removed. "
+                "Free space there, or pass a writable "
+                "directory with room, or store='cpu'."
+            ) from exc
 
     def _write_files(self, storages: dict) -> dict:
         os.makedirs(self.path, exist_ok=True)
@@ -267,8 +304,15 @@ class DirectoryStore:
 
 #: safetensors' dtype names; any other dtype is written as its bytes (U8).
 _DTYPE_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
 }
 
@@ -281,7 +325,11 @@ def _save_file(tensors: dict[str, torch.Tensor], file: str) -> None:
     # widest elements first: every tensor then starts at a multiple of its element size
     for name, t in sorted(tensors.items(), key=lambda kv: -kv[1].element_size()):
         dtype = _DTYPE_NAMES.get(t.dtype)
-        raw = t.contiguous().view(torch.uint8) if dtype is not None else t.contiguous().view(-1).view(torch.uint8)
+        raw = (
+            t.contiguous().view(torch.uint8)
+            if dtype is not None
+            else t.contiguous().view(-1).view(torch.uint8)
+        )
         if dtype is None:
             dtype = "U8"
         n = raw.numel()
@@ -290,7 +338,9 @@ def _save_file(tensors: dict[str, torch.Tensor], file: str) -> None:
         parts.append(raw)
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    text += b" " * (
+        -(8 + len(text)) % 8
+    )  # the data starts 8-byte aligned, as safetensors writes it
     with open(file, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)

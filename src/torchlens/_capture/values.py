@@ -12,8 +12,16 @@ from torch import Tensor, nn
 from torchlens._core.errors import CaptureError
 from torchlens._core.ops import INPLACE
 
-__all__ = ["all_plain", "first_tensor", "plain_tensors", "refuse_script_modules", "replace_first", "replace_input",
-           "tensor_args", "writes_inputs"]
+__all__ = [
+    "all_plain",
+    "first_tensor",
+    "plain_tensors",
+    "refuse_script_modules",
+    "replace_first",
+    "replace_input",
+    "tensor_args",
+    "writes_inputs",
+]
 
 
 def tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
@@ -30,7 +38,11 @@ def tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
 def writes_inputs(kind: int, kwargs: dict | None) -> bool:
     """Whether a call of this `classify` kind with these keyword arguments writes into a tensor
     it was given: an in-place function, or one called with `out=` or `inplace=True`."""
-    return kind == INPLACE or kwargs is not None and (kwargs.get("out") is not None or kwargs.get("inplace") is True)
+    return (
+        kind == INPLACE
+        or kwargs is not None
+        and (kwargs.get("out") is not None or kwargs.get("inplace") is True)
+    )
 
 
 def plain_tensors(args: tuple, kwargs: dict) -> bool:
@@ -141,5 +153,3 @@ def refuse_script_modules(names: dict[nn.Module, str]) -> None:
                 + (f" (model.{addr} = eager_module)" if addr else "")
                 + ", or build the model without scripting."
             )
-
-

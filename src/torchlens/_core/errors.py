@@ -121,7 +121,14 @@ class ModuleNotFoundInTrace(LookupFailed):
 class FacetNotFound(LookupFailed):
     """A facet name does not exist on this module."""
 
-    def __init__(self, address: str, facet: str, known: Iterable[str], role: str | None = None, reason: str = ""):
+    def __init__(
+        self,
+        address: str,
+        facet: str,
+        known: Iterable[str],
+        role: str | None = None,
+        reason: str = "",
+    ):
         known = list(known)
         self.address, self.facet = address, facet
         # "other" is the role of a module with no known role: "the other module" would read as a
@@ -164,7 +171,8 @@ class NoGradients(LookupFailed):
         super().__init__(
             f"{what}: this trace has no gradients; trace again with grads=loss_fn (a function of the model's "
             f"output returning a scalar, e.g. grads=lambda out: out.logits[0, -1].max()) to keep d loss / d "
-            f"each saved site.")
+            f"each saved site."
+        )
 
 
 class GradNotFound(FacetNotFound):
@@ -172,15 +180,24 @@ class GradNotFound(FacetNotFound):
     gradient is refused (not differentiable, not in the autograd graph, a derivation whose check
     failed); the message gives the reason."""
 
-    def __init__(self, address: str, facet: str, known: Iterable[str], role: str | None = None, reason: str = ""):
+    def __init__(
+        self,
+        address: str,
+        facet: str,
+        known: Iterable[str],
+        role: str | None = None,
+        reason: str = "",
+    ):
         known = list(known)
         self.address, self.facet = address, facet
         what = f"the {role} module" if role and role != "other" else "the module"
         if reason:
             msg = f"no gradient for facet {facet!r} of {what} {address!r}: {reason}."
         else:
-            msg = (f"{what} {address!r} has no facet {facet!r}, so no gradient of it.{_suggest(facet, known)}"
-                   f" Its gradients are: {', '.join(known) or '(none)'}.")
+            msg = (
+                f"{what} {address!r} has no facet {facet!r}, so no gradient of it.{_suggest(facet, known)}"
+                f" Its gradients are: {', '.join(known) or '(none)'}."
+            )
         LookupFailed.__init__(self, msg)
 
 
@@ -189,10 +206,14 @@ class GradNotSaved(FacetNotSaved):
 
     def __init__(self, address: str, facet: str, reason: str = ""):
         self.address, self.facet = address, facet
-        LookupFailed.__init__(self, (
-            f"the gradient of facet {facet!r} of {address!r} was not kept: save= selects gradients as it selects "
-            f"values, and this trace's did not keep {facet!r} there. {reason + ' ' if reason else ''}Trace again "
-            f"with save='all', save=[{address!r}] or save=[{facet!r}] (and grads=) to keep it."))
+        LookupFailed.__init__(
+            self,
+            (
+                f"the gradient of facet {facet!r} of {address!r} was not kept: save= selects gradients as it selects "
+                f"values, and this trace's did not keep {facet!r} there. {reason + ' ' if reason else ''}Trace again "
+                f"with save='all', save=[{address!r}] or save=[{facet!r}] (and grads=) to keep it."
+            ),
+        )
 
 
 class AmbiguousModuleCall(LookupFailed):

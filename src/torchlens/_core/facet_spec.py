@@ -61,7 +61,21 @@ EVERY_MODULE = "any"
 SOURCES = ("io", "op", "computed", "reconstructed")
 
 #: The axis names a layout may use. `"1"` is a kept axis of size one (a norm's statistics).
-AXES = frozenset({"batch", "pos", "query", "key", "heads", "kv_heads", "d_head", "d_model", "d_mlp", "vocab", "1"})
+AXES = frozenset(
+    {
+        "batch",
+        "pos",
+        "query",
+        "key",
+        "heads",
+        "kv_heads",
+        "d_head",
+        "d_model",
+        "d_mlp",
+        "vocab",
+        "1",
+    }
+)
 
 #: What the resolver says about a facet missing on a module when its row gives no reason.
 DEFAULT_ABSENT = "the module does not compute it"
@@ -151,265 +165,323 @@ class FacetSpec:
 
 _ROPE = "nothing transforms the {what} between the projection and the kernel (no RoPE)"
 _NOT_GATED = "the MLP is not gated (one input projection, no linear branch)"
-_EAGER = ("trace a copy of the model loaded with attn_implementation=\"eager\", where the {what} the "
-          "softmax's {side} (a real op)")
+_EAGER = (
+    'trace a copy of the model loaded with attn_implementation="eager", where the {what} the '
+    "softmax's {side} (a real op)"
+)
 _NORM_IO = "edit the norm's 'input' or 'output'"
 
 #: Every facet, by role in the order a forward computes them (the order facet maps list them in).
 SPECS: tuple[FacetSpec, ...] = (
-    FacetSpec(name="input",
-              roles=(EVERY_MODULE,),
-              axes=(),
-              heads_axis=None,
-              kv_heads=False,
-              source="io",
-              prose="the module's first positional argument, or its first tensor keyword argument when called with "
-              "keywords only (Llama's attention)",
-              hooks=((EVERY_MODULE, "in"),)),
-    FacetSpec(name="output",
-              roles=(EVERY_MODULE,),
-              axes=(),
-              heads_axis=None,
-              kv_heads=False,
-              source="io",
-              prose="the module's output tensor, or else the first tensor in its output, depth first: element 0 of a "
-              "tuple, the first tensor value of a dict or `ModelOutput`, inside nested tuples, lists and dicts",
-              hooks=((EVERY_MODULE, "out"),)),
-    FacetSpec(name="resid_pre",
-              roles=("block",),
-              axes=("batch", "pos", "d_model"),
-              heads_axis=None,
-              kv_heads=False,
-              source="io",
-              prose="the residual stream entering the block (the block's input)",
-              hooks=(("block", "in"),)),
-    FacetSpec(name="resid_mid",
-              roles=("block",),
-              axes=("batch", "pos", "d_model"),
-              heads_axis=None,
-              kv_heads=False,
-              source="op",
-              prose="the residual stream after the attention's add, before the MLP: the add that takes the "
-              "attention's contribution and feeds the MLP",
-              absent="no residual add lies between its attention and its MLP in the block itself (they read the "
-              "same residual in parallel, the block holds no MLP module, or a sublayer wrapper adds the residual)"),
-    FacetSpec(name="resid_post",
-              roles=("block",),
-              axes=("batch", "pos", "d_model"),
-              heads_axis=None,
-              kv_heads=False,
-              source="io",
-              prose="the residual stream leaving the block (the block's output)",
-              hooks=(("block", "out"),)),
-    FacetSpec(name="q",
-              roles=("attention",),
-              axes=("batch", "pos", "heads", "d_head"),
-              heads_axis=2,
-              kv_heads=False,
-              source="op",
-              prose="the query projection viewed per head, before the transpose, before any QK-norm and before RoPE"),
-    FacetSpec(name="k",
-              roles=("attention",),
-              axes=("batch", "pos", "kv_heads", "d_head"),
-              heads_axis=2,
-              kv_heads=True,
-              source="op",
-              prose="the key projection viewed per head, before RoPE; under grouped-query attention it keeps the "
-              "model's kv-head count"),
-    FacetSpec(name="v",
-              roles=("attention",),
-              axes=("batch", "pos", "kv_heads", "d_head"),
-              heads_axis=2,
-              kv_heads=True,
-              source="op",
-              prose="the value projection viewed per head; under grouped-query attention it keeps the model's "
-              "kv-head count"),
-    FacetSpec(name="rot_q",
-              roles=("attention",),
-              axes=("batch", "pos", "heads", "d_head"),
-              heads_axis=2,
-              kv_heads=False,
-              source="op",
-              prose="the queries as the attention kernel receives them (after RoPE and any QK-norm), moved back to "
-              "token-major; only where something transforms them between projection and kernel",
-              absent=_ROPE.format(what="queries")),
-    FacetSpec(name="rot_k",
-              roles=("attention",),
-              axes=("batch", "pos", "kv_heads", "d_head"),
-              heads_axis=2,
-              kv_heads=True,
-              source="op",
-              prose="the keys of the forward's own positions as the attention kernel receives them (after RoPE "
-              "and any QK-norm), token-major, kv heads, read before a KV cache joins them to the cached keys (which "
-              "are earlier forwards' rot_k); only where something transforms them between projection and kernel",
-              absent=_ROPE.format(what="keys")),
-    FacetSpec(name="scores",
-              roles=("attention",),
-              axes=("batch", "heads", "query", "key"),
-              heads_axis=1,
-              kv_heads=False,
-              source="op",
-              prose="the tensor entering softmax: scaled, softcapped and masked exactly as the model does it; masked "
-              "entries hold the model's fill (Hugging Face: the dtype's minimum, not `-inf`)",
-              fused="reconstructed",
-              absent="no softmax or fused attention kernel ran inside it",
-              remedy=_EAGER.format(what="scores are", side="input")),
-    FacetSpec(name="pattern",
-              roles=("attention",),
-              axes=("batch", "heads", "query", "key"),
-              heads_axis=1,
-              kv_heads=False,
-              source="op",
-              prose="the softmax output, in the model's dtype",
-              fused="reconstructed",
-              absent="no softmax or fused attention kernel ran inside it",
-              remedy=_EAGER.format(what="pattern is", side="output")),
-    FacetSpec(name="z",
-              roles=("attention",),
-              axes=("batch", "heads", "pos", "d_head"),
-              heads_axis=1,
-              kv_heads=False,
-              source="op",
-              prose="`pattern @ v`, head-major as the kernel returns it (TransformerLens's `hook_z` is token-major: "
-              "`z.transpose(1, 2)`)"),
-    FacetSpec(name="result",
-              roles=("attention",),
-              axes=("batch", "pos", "heads", "d_model"),
-              heads_axis=2,
-              kv_heads=False,
-              source="computed",
-              prose="each head's contribution through the output projection, bias excluded; summed over heads plus "
-              "the bias it is the projection's output",
-              remedy="edit 'z' instead: a head's result is its slice of z times its rows of W_O, so zeroing z[:, h] "
-              "removes head h's contribution"),
-    FacetSpec(name="pre",
-              roles=("mlp",),
-              axes=("batch", "pos", "d_mlp"),
-              heads_axis=None,
-              kv_heads=False,
-              source="op",
-              prose="the activation's input (GPT-2 `c_fc`, Llama `gate_proj` output)"),
-    FacetSpec(name="pre_linear",
-              roles=("mlp",),
-              axes=("batch", "pos", "d_mlp"),
-              heads_axis=None,
-              kv_heads=False,
-              source="op",
-              prose="a gated MLP's linear branch (Llama `up_proj` output)",
-              absent=_NOT_GATED),
-    FacetSpec(name="act",
-              roles=("mlp",),
-              axes=("batch", "pos", "d_mlp"),
-              heads_axis=None,
-              kv_heads=False,
-              source="op",
-              prose="the activation's output, `act(pre)`: an activation module's output or an activation op's "
-              "(relu, gelu, silu, ...), served only where its input is the up projection's output; where a "
-              "scale or an in-place write comes between it and the down projection it is refused"),
-    FacetSpec(name="gated_out",
-              roles=("mlp",),
-              axes=("batch", "pos", "d_mlp"),
-              heads_axis=None,
-              kv_heads=False,
-              source="op",
-              prose="`act(pre) * pre_linear`, served only where `act` itself is the product's operand (no dropout "
-              "or cast between them)",
-              absent="the MLP is not gated"),
-    FacetSpec(name="post",
-              roles=("mlp",),
-              axes=("batch", "pos", "d_mlp"),
-              heads_axis=None,
-              kv_heads=False,
-              source="op",
-              prose="the down projection's input: `act` on a plain MLP, `gated_out` on a gated one, after any dropout, "
-              "cast or norm the model applies in between (T5's dropout, Kosmos-2's and BitNet's norms), so in "
-              "training mode it holds the dropped-out tensor"),
-    FacetSpec(name="down_out",
-              roles=("mlp",),
-              axes=("batch", "pos", "d_model"),
-              heads_axis=None,
-              kv_heads=False,
-              source="op",
-              prose="the down projection's output, before any dropout"),
-    FacetSpec(name="normalized",
-              roles=("norm",),
-              axes=("batch", "pos", "d_model"),
-              heads_axis=None,
-              kv_heads=False,
-              source="op",
-              prose="the input centred (LayerNorm) and divided by its RMS or standard deviation over the norm's "
-              "normalized shape (per group for GroupNorm), before the gain and bias; served only where "
-              "`normalized * gain + bias` equals the norm's output",
-              fused="computed",
-              remedy="edit the norm's 'output' (or its 'input')"),
-    FacetSpec(name="inv_rms",
-              roles=("norm",),
-              axes=("batch", "pos", "1"),
-              heads_axis=None,
-              kv_heads=False,
-              source="op",
-              prose="`1/sqrt(mean(x²)+eps)` of an RMSNorm",
-              fused="computed",
-              absent="the norm is not an RMSNorm (a LayerNorm has inv_std, a GroupNorm neither)",
-              remedy=_NORM_IO),
-    FacetSpec(name="inv_std",
-              roles=("norm",),
-              axes=("batch", "pos", "1"),
-              heads_axis=None,
-              kv_heads=False,
-              source="op",
-              prose="`1/sqrt(var(x)+eps)` of a LayerNorm",
-              fused="computed",
-              absent="the norm is not a LayerNorm (an RMSNorm has inv_rms, a GroupNorm neither)",
-              remedy=_NORM_IO),
-    FacetSpec(name="scale",
-              roles=("norm",),
-              axes=("batch", "pos", "1"),
-              heads_axis=None,
-              kv_heads=False,
-              source="computed",
-              prose="the divisor `sqrt(mean(x²)+eps)` or `sqrt(var(x)+eps)`: `1/inv_rms` or `1/inv_std` "
-              "(TransformerLens's `hook_scale`)",
-              absent="the norm is a GroupNorm (its statistics are per group, not per position)",
-              remedy=_NORM_IO),
-    FacetSpec(name="indices",
-              roles=("embedding",),
-              axes=("batch", "pos"),
-              heads_axis=None,
-              kv_heads=False,
-              source="io",
-              prose="the token ids entering the embedding",
-              hooks=(("embedding", "in"),)),
-    FacetSpec(name="lookup",
-              roles=("embedding",),
-              axes=("batch", "pos", "d_model"),
-              heads_axis=None,
-              kv_heads=False,
-              source="op",
-              prose="the rows looked up, before anything the module does after the lookup (Gemma multiplies them by "
-              "`sqrt(d_model)`); elsewhere it equals the output",
-              absent="no embedding lookup op ran inside it"),
-    FacetSpec(name="final_norm_input",
-              roles=("root",),
-              axes=("batch", "pos", "d_model"),
-              heads_axis=None,
-              kv_heads=False,
-              source="io",
-              prose="the input of the final norm (the last norm before the unembedding): on a pre-norm decoder the "
-              "last block's output; where a head transforms that first (BERT's prediction head: dense, "
-              "activation, then the norm), the transformed tensor",
-              hooks=(("norm", "in"),),
-              absent="no norm runs between the last block and the unembedding"),
-    FacetSpec(name="logits",
-              roles=("root",),
-              axes=("batch", "pos", "vocab"),
-              heads_axis=None,
-              kv_heads=False,
-              source="io",
-              prose="the model's logits: the unembedding's output, or the root's output when it is computed from it "
-              "elementwise with the same shape (Gemma-2's final softcap)",
-              hooks=(("unembed", "out"), ("root", "out")),
-              absent="the model has no unembedding (lm_head) module"),
+    FacetSpec(
+        name="input",
+        roles=(EVERY_MODULE,),
+        axes=(),
+        heads_axis=None,
+        kv_heads=False,
+        source="io",
+        prose="the module's first positional argument, or its first tensor keyword argument when called with "
+        "keywords only (Llama's attention)",
+        hooks=((EVERY_MODULE, "in"),),
+    ),
+    FacetSpec(
+        name="output",
+        roles=(EVERY_MODULE,),
+        axes=(),
+        heads_axis=None,
+        kv_heads=False,
+        source="io",
+        prose="the module's output tensor, or else the first tensor in its output, depth first: element 0 of a "
+        "tuple, the first tensor value of a dict or `ModelOutput`, inside nested tuples, lists and dicts",
+        hooks=((EVERY_MODULE, "out"),),
+    ),
+    FacetSpec(
+        name="resid_pre",
+        roles=("block",),
+        axes=("batch", "pos", "d_model"),
+        heads_axis=None,
+        kv_heads=False,
+        source="io",
+        prose="the residual stream entering the block (the block's input)",
+        hooks=(("block", "in"),),
+    ),
+    FacetSpec(
+        name="resid_mid",
+        roles=("block",),
+        axes=("batch", "pos", "d_model"),
+        heads_axis=None,
+        kv_heads=False,
+        source="op",
+        prose="the residual stream after the attention's add, before the MLP: the add that takes the "
+        "attention's contribution and feeds the MLP",
+        absent="no residual add lies between its attention and its MLP in the block itself (they read the "
+        "same residual in parallel, the block holds no MLP module, or a sublayer wrapper adds the residual)",
+    ),
+    FacetSpec(
+        name="resid_post",
+        roles=("block",),
+        axes=("batch", "pos", "d_model"),
+        heads_axis=None,
+        kv_heads=False,
+        source="io",
+        prose="the residual stream leaving the block (the block's output)",
+        hooks=(("block", "out"),),
+    ),
+    FacetSpec(
+        name="q",
+        roles=("attention",),
+        axes=("batch", "pos", "heads", "d_head"),
+        heads_axis=2,
+        kv_heads=False,
+        source="op",
+        prose="the query projection viewed per head, before the transpose, before any QK-norm and before RoPE",
+    ),
+    FacetSpec(
+        name="k",
+        roles=("attention",),
+        axes=("batch", "pos", "kv_heads", "d_head"),
+        heads_axis=2,
+        kv_heads=True,
+        source="op",
+        prose="the key projection viewed per head, before RoPE; under grouped-query attention it keeps the "
+        "model's kv-head count",
+    ),
+    FacetSpec(
+        name="v",
+        roles=("attention",),
+        axes=("batch", "pos", "kv_heads", "d_head"),
+        heads_axis=2,
+        kv_heads=True,
+        source="op",
+        prose="the value projection viewed per head; under grouped-query attention it keeps the model's "
+        "kv-head count",
+    ),
+    FacetSpec(
+        name="rot_q",
+        roles=("attention",),
+        axes=("batch", "pos", "heads", "d_head"),
+        heads_axis=2,
+        kv_heads=False,
+        source="op",
+        prose="the queries as the attention kernel receives them (after RoPE and any QK-norm), moved back to "
+        "token-major; only where something transforms them between projection and kernel",
+        absent=_ROPE.format(what="queries"),
+    ),
+    FacetSpec(
+        name="rot_k",
+        roles=("attention",),
+        axes=("batch", "pos", "kv_heads", "d_head"),
+        heads_axis=2,
+        kv_heads=True,
+        source="op",
+        prose="the keys of the forward's own positions as the attention kernel receives them (after RoPE "
+        "and any QK-norm), token-major, kv heads, read before a KV cache joins them to the cached keys (which "
+        "are earlier forwards' rot_k); only where something transforms them between projection and kernel",
+        absent=_ROPE.format(what="keys"),
+    ),
+    FacetSpec(
+        name="scores",
+        roles=("attention",),
+        axes=("batch", "heads", "query", "key"),
+        heads_axis=1,
+        kv_heads=False,
+        source="op",
+        prose="the tensor entering softmax: scaled, softcapped and masked exactly as the model does it; masked "
+        "entries hold the model's fill (Hugging Face: the dtype's minimum, not `-inf`)",
+        fused="reconstructed",
+        absent="no softmax or fused attention kernel ran inside it",
+        remedy=_EAGER.format(what="scores are", side="input"),
+    ),
+    FacetSpec(
+        name="pattern",
+        roles=("attention",),
+        axes=("batch", "heads", "query", "key"),
+        heads_axis=1,
+        kv_heads=False,
+        source="op",
+        prose="the softmax output, in the model's dtype",
+        fused="reconstructed",
+        absent="no softmax or fused attention kernel ran inside it",
+        remedy=_EAGER.format(what="pattern is", side="output"),
+    ),
+    FacetSpec(
+        name="z",
+        roles=("attention",),
+        axes=("batch", "heads", "pos", "d_head"),
+        heads_axis=1,
+        kv_heads=False,
+        source="op",
+        prose="`pattern @ v`, head-major as the kernel returns it (TransformerLens's `hook_z` is token-major: "
+        "`z.transpose(1, 2)`)",
+    ),
+    FacetSpec(
+        name="result",
+        roles=("attention",),
+        axes=("batch", "pos", "heads", "d_model"),
+        heads_axis=2,
+        kv_heads=False,
+        source="computed",
+        prose="each head's contribution through the output projection, bias excluded; summed over heads plus "
+        "the bias it is the projection's output",
+        remedy="edit 'z' instead: a head's result is its slice of z times its rows of W_O, so zeroing z[:, h] "
+        "removes head h's contribution",
+    ),
+    FacetSpec(
+        name="pre",
+        roles=("mlp",),
+        axes=("batch", "pos", "d_mlp"),
+        heads_axis=None,
+        kv_heads=False,
+        source="op",
+        prose="the activation's input (GPT-2 `c_fc`, Llama `gate_proj` output)",
+    ),
+    FacetSpec(
+        name="pre_linear",
+        roles=("mlp",),
+        axes=("batch", "pos", "d_mlp"),
+        heads_axis=None,
+        kv_heads=False,
+        source="op",
+        prose="a gated MLP's linear branch (Llama `up_proj` output)",
+        absent=_NOT_GATED,
+    ),
+    FacetSpec(
+        name="act",
+        roles=("mlp",),
+        axes=("batch", "pos", "d_mlp"),
+        heads_axis=None,
+        kv_heads=False,
+        source="op",
+        prose="the activation's output, `act(pre)`: an activation module's output or an activation op's "
+        "(relu, gelu, silu, ...), served only where its input is the up projection's output; where a "
+        "scale or an in-place write comes between it and the down projection it is refused",
+    ),
+    FacetSpec(
+        name="gated_out",
+        roles=("mlp",),
+        axes=("batch", "pos", "d_mlp"),
+        heads_axis=None,
+        kv_heads=False,
+        source="op",
+        prose="`act(pre) * pre_linear`, served only where `act` itself is the product's operand (no dropout "
+        "or cast between them)",
+        absent="the MLP is not gated",
+    ),
+    FacetSpec(
+        name="post",
+        roles=("mlp",),
+        axes=("batch", "pos", "d_mlp"),
+        heads_axis=None,
+        kv_heads=False,
+        source="op",
+        prose="the down projection's input: `act` on a plain MLP, `gated_out` on a gated one, after any dropout, "
+        "cast or norm the model applies in between (T5's dropout, Kosmos-2's and BitNet's norms), so in "
+        "training mode it holds the dropped-out tensor",
+    ),
+    FacetSpec(
+        name="down_out",
+        roles=("mlp",),
+        axes=("batch", "pos", "d_model"),
+        heads_axis=None,
+        kv_heads=False,
+        source="op",
+        prose="the down projection's output, before any dropout",
+    ),
+    FacetSpec(
+        name="normalized",
+        roles=("norm",),
+        axes=("batch", "pos", "d_model"),
+        heads_axis=None,
+        kv_heads=False,
+        source="op",
+        prose="the input centred (LayerNorm) and divided by its RMS or standard deviation over the norm's "
+        "normalized shape (per group for GroupNorm), before the gain and bias; served only where "
+        "`normalized * gain + bias` equals the norm's output",
+        fused="computed",
+        remedy="edit the norm's 'output' (or its 'input')",
+    ),
+    FacetSpec(
+        name="inv_rms",
+        roles=("norm",),
+        axes=("batch", "pos", "1"),
+        heads_axis=None,
+        kv_heads=False,
+        source="op",
+        prose="`1/sqrt(mean(x²)+eps)` of an RMSNorm",
+        fused="computed",
+        absent="the norm is not an RMSNorm (a LayerNorm has inv_std, a GroupNorm neither)",
+        remedy=_NORM_IO,
+    ),
+    FacetSpec(
+        name="inv_std",
+        roles=("norm",),
+        axes=("batch", "pos", "1"),
+        heads_axis=None,
+        kv_heads=False,
+        source="op",
+        prose="`1/sqrt(var(x)+eps)` of a LayerNorm",
+        fused="computed",
+        absent="the norm is not a LayerNorm (an RMSNorm has inv_rms, a GroupNorm neither)",
+        remedy=_NORM_IO,
+    ),
+    FacetSpec(
+        name="scale",
+        roles=("norm",),
+        axes=("batch", "pos", "1"),
+        heads_axis=None,
+        kv_heads=False,
+        source="computed",
+        prose="the divisor `sqrt(mean(x²)+eps)` or `sqrt(var(x)+eps)`: `1/inv_rms` or `1/inv_std` "
+        "(TransformerLens's `hook_scale`)",
+        absent="the norm is a GroupNorm (its statistics are per group, not per position)",
+        remedy=_NORM_IO,
+    ),
+    FacetSpec(
+        name="indices",
+        roles=("embedding",),
+        axes=("batch", "pos"),
+        heads_axis=None,
+        kv_heads=False,
+        source="io",
+        prose="the token ids entering the embedding",
+        hooks=(("embedding", "in"),),
+    ),
+    FacetSpec(
+        name="lookup",
+        roles=("embedding",),
+        axes=("batch", "pos", "d_model"),
+        heads_axis=None,
+        kv_heads=False,
+        source="op",
+        prose="the rows looked up, before anything the module does after the lookup (Gemma multiplies them by "
+        "`sqrt(d_model)`); elsewhere it equals the output",
+        absent="no embedding lookup op ran inside it",
+    ),
+    FacetSpec(
+        name="final_norm_input",
+        roles=("root",),
+        axes=("batch", "pos", "d_model"),
+        heads_axis=None,
+        kv_heads=False,
+        source="io",
+        prose="the input of the final norm (the last norm before the unembedding): on a pre-norm decoder the "
+        "last block's output; where a head transforms that first (BERT's prediction head: dense, "
+        "activation, then the norm), the transformed tensor",
+        hooks=(("norm", "in"),),
+        absent="no norm runs between the last block and the unembedding",
+    ),
+    FacetSpec(
+        name="logits",
+        roles=("root",),
+        axes=("batch", "pos", "vocab"),
+        heads_axis=None,
+        kv_heads=False,
+        source="io",
+        prose="the model's logits: the unembedding's output, or the root's output when it is computed from it "
+        "elementwise with the same shape (Gemma-2's final softcap)",
+        hooks=(("unembed", "out"), ("root", "out")),
+        absent="the model has no unembedding (lm_head) module",
+    ),
 )
 
 
@@ -424,32 +496,50 @@ def check_rows(specs: tuple[FacetSpec, ...]) -> None:
         seen.add(f.name)
         bad = [r for r in f.roles if r not in known_roles]
         if not f.roles or bad:
-            raise FacetSpecError(f"{where}: roles {bad or list(f.roles)} unknown; roles are {sorted(known_roles)}.")
+            raise FacetSpecError(
+                f"{where}: roles {bad or list(f.roles)} unknown; roles are {sorted(known_roles)}."
+            )
         bad = [a for a in f.axes if a not in AXES]
         if bad:
             raise FacetSpecError(f"{where}: axes {bad} unknown; axes are {sorted(AXES)}.")
         heads = [i for i, a in enumerate(f.axes) if a in ("heads", "kv_heads")]
         if f.heads_axis is None:
             if heads or f.kv_heads:
-                raise FacetSpecError(f"{where}: layout {f.layout} has a heads axis at {heads} (kv_heads="
-                                     f"{f.kv_heads}) but heads_axis is None.")
+                raise FacetSpecError(
+                    f"{where}: layout {f.layout} has a heads axis at {heads} (kv_heads="
+                    f"{f.kv_heads}) but heads_axis is None."
+                )
         else:
             want = "kv_heads" if f.kv_heads else "heads"
-            if not 0 <= f.heads_axis < len(f.axes) or f.axes[f.heads_axis] != want or len(heads) != 1:
-                raise FacetSpecError(f"{where}: heads_axis={f.heads_axis} must index the one {want!r} axis of "
-                                     f"{f.layout} (kv_heads={f.kv_heads}).")
+            if (
+                not 0 <= f.heads_axis < len(f.axes)
+                or f.axes[f.heads_axis] != want
+                or len(heads) != 1
+            ):
+                raise FacetSpecError(
+                    f"{where}: heads_axis={f.heads_axis} must index the one {want!r} axis of "
+                    f"{f.layout} (kv_heads={f.kv_heads})."
+                )
         for kind in (f.source, f.fused):
             if kind is not None and kind not in SOURCES:
-                raise FacetSpecError(f"{where}: {kind!r} is not a source; sources are {list(SOURCES)}.")
+                raise FacetSpecError(
+                    f"{where}: {kind!r} is not a source; sources are {list(SOURCES)}."
+                )
         if (f.source == "io") != bool(f.hooks):
-            raise FacetSpecError(f"{where}: an 'io' facet names the hooks that see it, and only an 'io' facet "
-                                 f"does (source={f.source!r}, hooks={f.hooks}).")
+            raise FacetSpecError(
+                f"{where}: an 'io' facet names the hooks that see it, and only an 'io' facet "
+                f"does (source={f.source!r}, hooks={f.hooks})."
+            )
         for role, side in f.hooks:
             if role not in known_roles or side not in ("in", "out"):
-                raise FacetSpecError(f"{where}: hook {(role, side)} must be (a role, 'in' or 'out').")
+                raise FacetSpecError(
+                    f"{where}: hook {(role, side)} must be (a role, 'in' or 'out')."
+                )
         if f.editable == bool(f.remedy):
-            raise FacetSpecError(f"{where}: a facet an edit cannot always replace needs a remedy, and only such a "
-                                 f"facet has one (editable={f.editable}, remedy={f.remedy!r}).")
+            raise FacetSpecError(
+                f"{where}: a facet an edit cannot always replace needs a remedy, and only such a "
+                f"facet has one (editable={f.editable}, remedy={f.remedy!r})."
+            )
         if not f.prose:
             raise FacetSpecError(f"{where}: the prose is empty.")
 
@@ -483,8 +573,7 @@ NORM_FACETS: frozenset[str] = frozenset(f.name for f in SPECS if f.roles == ("no
 #: Facets an edit replaces in the reporting module's own hooks: facet -> `"in"` (its forward
 #: pre-hook) or `"out"` (its forward hook).
 HOOK_SIDES: dict[str, str] = {
-    f.name: f.hooks[0][1] for f in SPECS
-    if len(f.hooks) == 1 and (f.hooks[0][0] in f.roles)
+    f.name: f.hooks[0][1] for f in SPECS if len(f.hooks) == 1 and (f.hooks[0][0] in f.roles)
 }
 
 #: What to edit instead of a facet an edit cannot always replace: facet -> remedy.
@@ -502,7 +591,9 @@ def spec(name: str) -> FacetSpec:
     except KeyError:
         hits = close_matches(name, BY_NAME)
         hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
-        raise FacetSpecError(f"{name!r} is not a facet.{hint} Facets: {', '.join(sorted(BY_NAME))}.") from None
+        raise FacetSpecError(
+            f"{name!r} is not a facet.{hint} Facets: {', '.join(sorted(BY_NAME))}."
+        ) from None
 
 
 def absent_reason(name: str) -> str:

@@ -47,10 +47,21 @@ class GradMap(FacetMap):
 
     def _not_found(self, name: Any) -> GradNotFound:
         if not isinstance(name, str):
-            return GradNotFound(self.address, repr(name), self._sites, self.role,
-                                f"gradients are looked up by facet name (a str), not by {type(name).__name__}")
+            return GradNotFound(
+                self.address,
+                repr(name),
+                self._sites,
+                self.role,
+                f"gradients are looked up by facet name (a str), not by {type(name).__name__}",
+            )
         if name in self.refused:
-            return GradNotFound(self.address, name, self._sites, self.role, f"it is not served: {self.refused[name]}")
+            return GradNotFound(
+                self.address,
+                name,
+                self._sites,
+                self.role,
+                f"it is not served: {self.refused[name]}",
+            )
         reason = "" if self.ran else "it did not run in this forward pass, so it has no facets"
         return GradNotFound(self.address, name, self._sites, self.role, reason)
 

@@ -16,7 +16,15 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
-    "Holding", "arg_slots", "extent", "get_arg", "held_tensors", "memory_key", "set_arg", "storage_ptr", "trace_calls",
+    "Holding",
+    "arg_slots",
+    "extent",
+    "get_arg",
+    "held_tensors",
+    "memory_key",
+    "set_arg",
+    "storage_ptr",
+    "trace_calls",
     "trace_holdings",
 ]
 
@@ -40,7 +48,9 @@ def memory_key(t: torch.Tensor, _depth: int = 0) -> int | None:
         return ptr
     try:
         names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]  # only on wrapper subclasses
-        inner = next((x for x in (getattr(t, n) for n in names) if isinstance(x, torch.Tensor)), None)
+        inner = next(
+            (x for x in (getattr(t, n) for n in names) if isinstance(x, torch.Tensor)), None
+        )
     except Exception:  # a subclass whose flattening fails here: nothing to key it by
         return None
     return None if inner is None else memory_key(inner, _depth + 1)
@@ -56,13 +66,13 @@ def extent(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * item
 
 
-
-
 def arg_slots(extra: dict) -> list[tuple[tuple[str, Any], torch.Tensor]]:
     """(key, tensor) for each tensor a rebuilt op's kept arguments (`OpRecord.extra`) hold; a key
     is `("args", position)` or `("kwargs", name)`."""
     found = [(("args", k), a) for k, a in enumerate(extra["args"]) if isinstance(a, torch.Tensor)]
-    return found + [(("kwargs", k), v) for k, v in extra["kwargs"].items() if isinstance(v, torch.Tensor)]
+    return found + [
+        (("kwargs", k), v) for k, v in extra["kwargs"].items() if isinstance(v, torch.Tensor)
+    ]
 
 
 def get_arg(extra: dict, key: tuple[str, Any]) -> Any:
@@ -101,7 +111,9 @@ class Holding(NamedTuple):
             holder[key] = new
         elif isinstance(holder, dict):
             set_arg(holder, key, new)
-        elif isinstance(key, int):  # `_tensors`: what the op holds, a guarded output left unresolved
+        elif isinstance(
+            key, int
+        ):  # `_tensors`: what the op holds, a guarded output left unresolved
             tensors = list(holder._tensors)
             tensors[key] = new
             holder._tensors = tuple(tensors)
@@ -125,13 +137,17 @@ class Holding(NamedTuple):
         return getattr(holder, key)
 
 
-def held_tensors(ops: Iterable[Any], calls: Iterable[Any] = (), hooks: Iterable[tuple[Any, str]] = ()) -> list[Holding]:
+def held_tensors(
+    ops: Iterable[Any], calls: Iterable[Any] = (), hooks: Iterable[tuple[Any, str]] = ()
+) -> list[Holding]:
     """Every tensor held by `ops` (their outputs and kept arguments), by the facets of `calls`
     (their stored tensors, and the inputs of their pending checks, each list once) and by the
     module input/output aliases `hooks` names (`(call, "_in" or "_out")`), in that order."""
     found: list[Holding] = []
     for op in ops:
-        for slot, t in enumerate(op._tensors):  # as held: a guarded output is not resolved by this walk
+        for slot, t in enumerate(
+            op._tensors
+        ):  # as held: a guarded output is not resolved by this walk
             if t is not None:
                 found.append(Holding(op, slot, t))
         if op.extra is not None:
@@ -160,7 +176,9 @@ def _site_holdings(facets: Any, lists: set[int]) -> list[Holding]:
         inputs = site._inputs
         if inputs is not None and id(inputs) not in lists:
             lists.add(id(inputs))
-            found += [Holding(inputs, i, x) for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+            found += [
+                Holding(inputs, i, x) for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)
+            ]
     return found
 
 

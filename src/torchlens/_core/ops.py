@@ -28,27 +28,88 @@ SKIP, PLAIN, INPLACE, REPOINT = 0, 1, 2, 3
 SETTERS = {"data": REPOINT}
 #: Attribute reads that never produce a tensor: answered without any bookkeeping.
 METADATA_GETTERS = frozenset(
-    {"shape", "dtype", "device", "ndim", "is_cuda", "is_sparse", "is_quantized", "is_meta", "layout",
-     "requires_grad", "is_leaf", "names", "itemsize", "nbytes", "_version", "grad_fn", "output_nr"}
+    {
+        "shape",
+        "dtype",
+        "device",
+        "ndim",
+        "is_cuda",
+        "is_sparse",
+        "is_quantized",
+        "is_meta",
+        "layout",
+        "requires_grad",
+        "is_leaf",
+        "names",
+        "itemsize",
+        "nbytes",
+        "_version",
+        "grad_fn",
+        "output_nr",
+    }
 )
 #: Methods that return metadata, Python scalars or views of the storage, never a new tensor.
 METADATA_METHODS = frozenset(
-    {"size", "dim", "numel", "stride", "storage_offset", "is_contiguous", "is_floating_point",
-     "is_complex", "element_size", "data_ptr", "__len__", "__bool__", "item", "tolist", "__repr__",
-     "__format__", "__hash__", "__index__", "__int__", "__float__", "get_device", "untyped_storage",
-     "__reduce_ex__", "__deepcopy__", "__array__", "__iter__", "__contains__", "has_names",
-     "is_inference", "__dlpack__", "__dlpack_device__"}
+    {
+        "size",
+        "dim",
+        "numel",
+        "stride",
+        "storage_offset",
+        "is_contiguous",
+        "is_floating_point",
+        "is_complex",
+        "element_size",
+        "data_ptr",
+        "__len__",
+        "__bool__",
+        "item",
+        "tolist",
+        "__repr__",
+        "__format__",
+        "__hash__",
+        "__index__",
+        "__int__",
+        "__float__",
+        "get_device",
+        "untyped_storage",
+        "__reduce_ex__",
+        "__deepcopy__",
+        "__array__",
+        "__iter__",
+        "__contains__",
+        "has_names",
+        "is_inference",
+        "__dlpack__",
+        "__dlpack_device__",
+    }
 )
 #: Operators that write into their left operand (besides the `name_` methods, which all do).
 INPLACE_DUNDERS = frozenset(
-    {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
-     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+    {
+        "__setitem__",
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+        "__imatmul__",
+    }
 )
 
 
 def _classify(func: Any) -> tuple[str, int]:
     name = getattr(func, "__name__", None) or type(func).__name__
-    if name == "__set__":  # a property write such as `x.data = y`: it returns None, so nothing is recorded
+    if (
+        name == "__set__"
+    ):  # a property write such as `x.data = y`: it returns None, so nothing is recorded
         owner = getattr(getattr(func, "__self__", None), "__name__", "")
         return (f"{owner}.__set__", SETTERS.get(owner, SKIP))
     if name == "__get__":  # a property read such as `x.shape` or `x.T`
@@ -119,12 +180,45 @@ PASS_THROUGH_OPS = CAST_OPS | {"contiguous", "clone", "dropout"}
 #: Elementwise activation functions (and their in-place forms): an MLP's `act` is served from
 #: one of these, or from an activation module's output, and only where its input is the output
 #: of the MLP's up projection (`pre`).
-ACTIVATION_OPS = frozenset({
-    "relu", "relu_", "gelu", "gelu_", "silu", "silu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "softplus",
-    "mish", "mish_", "elu", "elu_", "selu", "selu_", "celu", "celu_", "leaky_relu", "leaky_relu_",
-    "hardswish", "hardswish_", "hardsigmoid", "hardsigmoid_", "hardtanh", "hardtanh_", "relu6", "prelu",
-    "rrelu", "rrelu_", "logsigmoid", "softsign", "threshold", "threshold_",
-})
+ACTIVATION_OPS = frozenset(
+    {
+        "relu",
+        "relu_",
+        "gelu",
+        "gelu_",
+        "silu",
+        "silu_",
+        "sigmoid",
+        "sigmoid_",
+        "tanh",
+        "tanh_",
+        "softplus",
+        "mish",
+        "mish_",
+        "elu",
+        "elu_",
+        "selu",
+        "selu_",
+        "celu",
+        "celu_",
+        "leaky_relu",
+        "leaky_relu_",
+        "hardswish",
+        "hardswish_",
+        "hardsigmoid",
+        "hardsigmoid_",
+        "hardtanh",
+        "hardtanh_",
+        "relu6",
+        "prelu",
+        "rrelu",
+        "rrelu_",
+        "logsigmoid",
+        "softsign",
+        "threshold",
+        "threshold_",
+    }
+)
 #: Ops that mix positions: a convolution slides over the sequence. A block's sublayer running one
 #: is a token mixer (a Mamba mixer, a gated delta net, a short conv), never its MLP, which maps
 #: each position on its own. (A cumulative sum is no sign: an MoE's routing counts tokens with one.)
@@ -132,7 +226,10 @@ TOKEN_MIXING_OPS = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", 
 #: Elementwise ops that map logits to logits (a final softcap, casts): the model's output is
 #: taken as `logits` only when nothing else runs between the unembedding and it (not a
 #: log_softmax, which gives log-probabilities).
-LOGIT_MAP_OPS = frozenset({"__truediv__", "div", "tanh", "__mul__", "mul", "__rmul__", "contiguous", "clone"}) | CAST_OPS
+LOGIT_MAP_OPS = (
+    frozenset({"__truediv__", "div", "tanh", "__mul__", "mul", "__rmul__", "contiguous", "clone"})
+    | CAST_OPS
+)
 #: Ops that split one tensor into several along a dimension.
 SPLIT_OPS = frozenset({"split", "chunk", "tensor_split", "unbind", "split_with_sizes"})
 #: Ops that reshape without changing values.
@@ -148,7 +245,9 @@ INT_CAST_OPS = frozenset({"long", "int"})
 #: How a KV cache joins a forward's new keys to the cached ones before the kernel reads them: a
 #: concatenation (a dynamic cache, a sliding window's) or a write into a preallocated buffer (a
 #: static cache's `index_copy_`, a slice assignment). `rot_q`/`rot_k` are read before it.
-CACHE_JOIN_OPS = frozenset({"cat", "concat", "concatenate", "index_copy_", "index_copy", "__setitem__"})
+CACHE_JOIN_OPS = frozenset(
+    {"cat", "concat", "concatenate", "index_copy_", "index_copy", "__setitem__"}
+)
 
 
 def reconstruction_tolerance(dtype: torch.dtype) -> float:
@@ -157,4 +256,9 @@ def reconstruction_tolerance(dtype: torch.dtype) -> float:
     A rebuilt or computed facet is served only when a relation the model fixes holds within
     this tolerance times the scale of the values compared (at least 1).
     """
-    return {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}.get(dtype, 1e-4)
+    return {
+        torch.float64: 1e-10,
+        torch.float32: 1e-5,
+        torch.bfloat16: 2e-2,
+        torch.float16: 2e-3,
+    }.get(dtype, 1e-4)

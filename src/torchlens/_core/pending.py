@@ -32,7 +32,9 @@ class Pending:
 
     __slots__ = ("fn", "inputs", "sites", "owner", "after", "marks")
 
-    def __init__(self, fn: Any, inputs: list, sites: list[FacetSite], after: tuple[FacetSite, ...] = ()):
+    def __init__(
+        self, fn: Any, inputs: list, sites: list[FacetSite], after: tuple[FacetSite, ...] = ()
+    ):
         self.fn = fn
         self.inputs = inputs
         self.sites = sites
@@ -87,8 +89,11 @@ class Pending:
                 # Inside another trace the check's own torch calls must not be recorded by it; the
                 # caller's autocast must not change what the check computes.
                 nested = torch._C._len_torch_function_stack() > 0
-                with torch.no_grad(), no_autocast(), (
-                        torch._C.DisableTorchFunction() if nested else contextlib.nullcontext()):
+                with (
+                    torch.no_grad(),
+                    no_autocast(),
+                    torch._C.DisableTorchFunction() if nested else contextlib.nullcontext(),
+                ):
                     try:
                         refusal = self._written()
                         if refusal is None:
@@ -123,11 +128,13 @@ class Pending:
                 now = stamp(t)  # on the device the input is on now (a store may have moved it)
                 changed = now is None or int(now) != then
             if changed:
-                return (f"a tensor it is computed from (input {i} of its check, a {list(t.shape)} "
-                        f"{str(t.dtype).replace('torch.', '')}) was written after the trace returned, e.g. in "
-                        f"place into a facet the trace served, so its values are no longer the forward's; "
-                        f"read the derived facets (or call trace.check()) before writing into a served "
-                        f"tensor, or write into a copy (tensor.clone())")
+                return (
+                    f"a tensor it is computed from (input {i} of its check, a {list(t.shape)} "
+                    f"{str(t.dtype).replace('torch.', '')}) was written after the trace returned, e.g. in "
+                    f"place into a facet the trace served, so its values are no longer the forward's; "
+                    f"read the derived facets (or call trace.check()) before writing into a served "
+                    f"tensor, or write into a copy (tensor.clone())"
+                )
         return None
 
     def discard(self, site: FacetSite) -> None:
@@ -148,10 +155,16 @@ def _placed(inputs: list) -> list:
     they are would give a store-dependent result. Fresh copies are laid out the same way whatever
     held the originals, so a served value does not depend on `store=`, bit for bit.
     """
-    return [torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_quantized
-            and t.device.type != "meta" and type(t) in (torch.Tensor, torch.nn.Parameter) else t
-            for t in inputs]
+    return [
+        torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+        if isinstance(t, torch.Tensor)
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and t.device.type != "meta"
+        and type(t) in (torch.Tensor, torch.nn.Parameter)
+        else t
+        for t in inputs
+    ]
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -164,7 +177,11 @@ def _stamp_weights(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     key = (str(device), dtype)
     w = _STAMP_WEIGHTS.get(key)
     if w is None:
-        w = torch.arange(_STAMP_CHUNK, dtype=torch.int64, device=device).mul_(2654435761).bitwise_or_(1)
+        w = (
+            torch.arange(_STAMP_CHUNK, dtype=torch.int64, device=device)
+            .mul_(2654435761)
+            .bitwise_or_(1)
+        )
         w = _STAMP_WEIGHTS[key] = w.to(dtype)  # wraps to the dtype's width, still odd
     return w
 
@@ -180,14 +197,21 @@ def stamp(t: Any) -> torch.Tensor | None:
     one only where a version counter cannot tell: an inference tensor (it has none), or a tensor
     whose storage the trace holds in several dtypes (their copies do not share one).
     """
-    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.layout != torch.strided or t.is_quantized:
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.device.type == "meta"
+        or t.layout != torch.strided
+        or t.is_quantized
+    ):
         return None  # no values to read (a meta tensor), or no bits to view: nothing to compare
     with torch.no_grad(), no_autocast():
         x = t.detach()
         if x.is_complex():
             x = torch.view_as_real(x)
         x = x.reshape(-1)
-        bits = x.view(torch.uint8) if x.dtype == torch.bool else x.view(_INT_OF_SIZE[x.element_size()])
+        bits = (
+            x.view(torch.uint8) if x.dtype == torch.bool else x.view(_INT_OF_SIZE[x.element_size()])
+        )
         wide = torch.int64 if bits.dtype == torch.int64 else torch.int32
         w = _stamp_weights(x.device, wide)
         total = torch.zeros((), dtype=torch.int64, device=x.device)
@@ -196,7 +220,6 @@ def stamp(t: Any) -> torch.Tensor | None:
             # a new tensor (never into `part`, which may be `t`'s own memory), then the chunk's place
             total.mul_(1000003).add_(torch.mul(part, w[: part.numel()]).sum(dtype=torch.int64))
         return total
-
 
 
 def seal_checks(trace: Any) -> None:
@@ -211,7 +234,10 @@ def seal_checks(trace: Any) -> None:
     """
     pendings: dict[int, Pending] = {}
     for call in trace_calls(trace):
-        for facets in (call.facets, getattr(call, "grads", None)):  # values, and gradients (`grads=`)
+        for facets in (
+            call.facets,
+            getattr(call, "grads", None),
+        ):  # values, and gradients (`grads=`)
             if facets is None:
                 continue
             for site in facets._sites.values():
@@ -223,11 +249,19 @@ def seal_checks(trace: Any) -> None:
     # storage -> dtype -> the tensors the trace holds there in that dtype, for the storages the
     # pending inputs are on; the byte extents are worked out only for a storage held in two
     # dtypes or more (rare: most hold one)
-    wanted = {storage_ptr(t) for p in pendings.values() for t in p.inputs
-              if isinstance(t, torch.Tensor) and not t.is_inference()}
-    wanted.discard(None)  # a tensor without a storage of its own shares no counter with another dtype
+    wanted = {
+        storage_ptr(t)
+        for p in pendings.values()
+        for t in p.inputs
+        if isinstance(t, torch.Tensor) and not t.is_inference()
+    }
+    wanted.discard(
+        None
+    )  # a tensor without a storage of its own shares no counter with another dtype
     saved = [h.tensor for h in trace_holdings(trace)]
-    first: dict[tuple[Any, int | None], torch.dtype] = {}  # storage -> the dtype of the first tensor held there
+    first: dict[
+        tuple[Any, int | None], torch.dtype
+    ] = {}  # storage -> the dtype of the first tensor held there
     multi: set[tuple[Any, int | None]] = set()  # the storages held in a second dtype
     for t in saved:
         ptr = storage_ptr(t)
@@ -250,7 +284,12 @@ def seal_checks(trace: Any) -> None:
             if by_dtype is None:
                 continue
             lo, hi = extent(t)
-            if any(a < hi and lo < b for dtype, spans in by_dtype.items() if dtype != t.dtype for a, b in spans):
+            if any(
+                a < hi and lo < b
+                for dtype, spans in by_dtype.items()
+                if dtype != t.dtype
+                for a, b in spans
+            ):
                 split.add(id(t))
     for pending in pendings.values():
         pending.seal(split)

@@ -15,6 +15,7 @@ from torchlens._core.sites import FacetMap
 
 __all__ = ["Dropped", "ModuleCall", "ModuleMap", "ModuleRecord", "OpRecord", "Ref"]
 
+
 class Ref(NamedTuple):
     """Where a tensor came from: output `slot` of op number `op`."""
 
@@ -63,10 +64,35 @@ class OpRecord:
         mutated (bool): True when the op changed one of its inputs in place.
     """
 
-    __slots__ = ("index", "name", "module", "call", "inputs", "shapes", "dtypes", "device", "_tensors", "mutated",
-                 "extra", "_guard")
+    __slots__ = (
+        "index",
+        "name",
+        "module",
+        "call",
+        "inputs",
+        "shapes",
+        "dtypes",
+        "device",
+        "_tensors",
+        "mutated",
+        "extra",
+        "_guard",
+    )
 
-    def __init__(self, index, name, module, call, inputs, shapes, dtypes, device, tensors, mutated=False, extra=None):
+    def __init__(
+        self,
+        index,
+        name,
+        module,
+        call,
+        inputs,
+        shapes,
+        dtypes,
+        device,
+        tensors,
+        mutated=False,
+        extra=None,
+    ):
         self.index = index
         self.name = name
         self.module = module
@@ -100,8 +126,19 @@ class OpRecord:
         self._tensors = value
 
     #: The fields a saved trace stores (`tensors` through its property: a guarded one resolved).
-    _PERSISTED = ("index", "name", "module", "call", "inputs", "shapes", "dtypes", "device", "tensors", "mutated",
-                  "extra")
+    _PERSISTED = (
+        "index",
+        "name",
+        "module",
+        "call",
+        "inputs",
+        "shapes",
+        "dtypes",
+        "device",
+        "tensors",
+        "mutated",
+        "extra",
+    )
 
     def _persist_fields(self) -> list[tuple[str, Any]]:
         return [(f, getattr(self, f)) for f in self._PERSISTED]
@@ -137,7 +174,6 @@ class OpRecord:
         where = self.module or "<root>"
         shape = "x".join(map(str, self.shape)) or "scalar"
         return f"OpRecord(#{self.index} {self.name} in {where}[{self.call}] -> {shape} {str(self.dtype).replace('torch.', '')})"
-
 
 
 @persisted
@@ -270,5 +306,3 @@ class ModuleMap(Mapping):
 
     def __repr__(self) -> str:
         return f"ModuleMap({len(self)} modules)"
-
-

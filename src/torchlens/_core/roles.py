@@ -32,10 +32,27 @@ EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps")
 #: output.
 UNEMBED_ATTRS = ("lm_head", "embed_out", "output", "unembed")
 #: `config.model_type` of encoder-only families (bidirectional attention, no causal mask).
-ENCODER_MODEL_TYPES = frozenset({
-    "bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "xlm-roberta", "camembert",
-    "mpnet", "vit", "deit", "beit", "dinov2", "clip_vision_model", "siglip_vision_model", "modernbert",
-})
+ENCODER_MODEL_TYPES = frozenset(
+    {
+        "bert",
+        "roberta",
+        "distilbert",
+        "albert",
+        "electra",
+        "deberta",
+        "deberta-v2",
+        "xlm-roberta",
+        "camembert",
+        "mpnet",
+        "vit",
+        "deit",
+        "beit",
+        "dinov2",
+        "clip_vision_model",
+        "siglip_vision_model",
+        "modernbert",
+    }
+)
 #: Class-name fragments of the module holding an encoder stack (`BertEncoder`, `CLIPEncoder`).
 ENCODER_CLASS_FRAGMENTS = ("Encoder",)
 
@@ -82,4 +99,6 @@ def norm_eps(module: nn.Module) -> float:
 
 def is_rms_norm(module: nn.Module) -> bool:
     """Whether the norm divides by the root mean square (no centering, no bias)."""
-    return "RMS" in type(module).__name__ or (hasattr(nn, "RMSNorm") and isinstance(module, nn.RMSNorm))
+    return "RMS" in type(module).__name__ or (
+        hasattr(nn, "RMSNorm") and isinstance(module, nn.RMSNorm)
+    )

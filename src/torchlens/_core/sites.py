@@ -74,9 +74,17 @@ class FacetSite:
     # copied on the first read instead of when the trace is returned; None otherwise
     _guard: Any = None
 
-    def __init__(self, name: str, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
-                 tensor: torch.Tensor | None = None, op: int | None = None, check_error: float | None = None,
-                 note: str = ""):
+    def __init__(
+        self,
+        name: str,
+        kind: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        tensor: torch.Tensor | None = None,
+        op: int | None = None,
+        check_error: float | None = None,
+        note: str = "",
+    ):
         self.name = name
         self.kind = kind
         self.shape = shape
@@ -123,7 +131,9 @@ class FacetSite:
     def saved(self) -> bool:
         """Whether the trace holds the tensor, or (a pending site) what it is computed from.
         Computes nothing; a pending site whose check then fails is no longer saved."""
-        return self._refusal is None and (self._pending is not None or self.__dict__.get("tensor") is not None)
+        return self._refusal is None and (
+            self._pending is not None or self.__dict__.get("tensor") is not None
+        )
 
     @property
     def read_only(self) -> bool:
@@ -137,10 +147,21 @@ class FacetSite:
             self._pending.run()
         if self._guard is not None:
             self._check_guard()
-        return {k: v for k, v in self.__dict__.items() if k not in ("_pending", "_inputs", "_guard")}
+        return {
+            k: v for k, v in self.__dict__.items() if k not in ("_pending", "_inputs", "_guard")
+        }
 
     #: The fields a saved trace stores (`Trace.save` runs the pending check first).
-    _PERSISTED: tuple[str, ...] = ("name", "kind", "shape", "dtype", "tensor", "op", "check_error", "note")
+    _PERSISTED: tuple[str, ...] = (
+        "name",
+        "kind",
+        "shape",
+        "dtype",
+        "tensor",
+        "op",
+        "check_error",
+        "note",
+    )
 
     def _persist_fields(self) -> list[tuple[str, Any]]:
         return [(f, getattr(self, f)) for f in self._PERSISTED]
@@ -245,8 +266,13 @@ class FacetMap(Mapping):
         Returns:
             `refused`: the facets not served, with the reason.
         """
-        todo = [self._sites[name]] if isinstance(name, str) and name in self._sites else \
-            [] if name is not None else list(self._sites.values())
+        todo = (
+            [self._sites[name]]
+            if isinstance(name, str) and name in self._sites
+            else []
+            if name is not None
+            else list(self._sites.values())
+        )
         for s in todo:
             if s._pending is not None:
                 s._pending.run()
@@ -262,12 +288,21 @@ class FacetMap(Mapping):
     def _not_found(self, name: Any) -> FacetNotFound:
         if not isinstance(name, str):
             return FacetNotFound(
-                self.address, repr(name), self._sites, self.role,
+                self.address,
+                repr(name),
+                self._sites,
+                self.role,
                 f"facets are looked up by name (a str), not by {type(name).__name__}; "
                 f"its facets are: {', '.join(self._sites) or '(none)'}",
             )
         if name in self.refused:
-            return FacetNotFound(self.address, name, self._sites, self.role, f"it is not served: {self.refused[name]}")
+            return FacetNotFound(
+                self.address,
+                name,
+                self._sites,
+                self.role,
+                f"it is not served: {self.refused[name]}",
+            )
         reason = "" if self.ran else "it did not run in this forward pass, so it has no facets"
         return FacetNotFound(self.address, name, self._sites, self.role, reason)
 
@@ -325,5 +360,3 @@ class FacetMap(Mapping):
             flag += " check pending" if s._pending is not None else ""
             items.append(f"{n}{list(s.shape)}{flag}")
         return f"FacetMap({self.address!r}: {', '.join(items)})"
-
-

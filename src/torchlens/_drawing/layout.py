@@ -10,10 +10,20 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-
 from torchlens._drawing.errors import LayoutEngineMissing
 from torchlens._drawing.scene import Box, Mark, Node, Scene
-from torchlens._drawing.style import BOX_FILLS, COLORS, CW, FS, FS_SMALL, LH, LH_SMALL, PAD_X, PAD_Y, STATUS_STYLE
+from torchlens._drawing.style import (
+    BOX_FILLS,
+    COLORS,
+    CW,
+    FS,
+    FS_SMALL,
+    LH,
+    LH_SMALL,
+    PAD_X,
+    PAD_Y,
+    STATUS_STYLE,
+)
 
 if TYPE_CHECKING:
     pass
@@ -31,7 +41,11 @@ def mark_text(mark: Mark) -> str:
 
 
 def lines_size(lines, marks) -> tuple[float, float]:
-    w = max([text_w(t, s) for t, s, _ in lines] + [text_w(mark_text(m), FS_SMALL) + 16 for m in marks] + [0])
+    w = max(
+        [text_w(t, s) for t, s, _ in lines]
+        + [text_w(mark_text(m), FS_SMALL) + 16 for m in marks]
+        + [0]
+    )
     h = sum(LH if s == FS else LH_SMALL for _, s, _ in lines) + len(marks) * (LH_SMALL + 4)
     return w, h
 
@@ -58,7 +72,8 @@ def pygraphviz_module():
         raise LayoutEngineMissing(
             "Trace.draw lays the graph out with Graphviz through pygraphviz, which is not installed here "
             f"({exc}). Install it with pip install 'torchlens[draw]' (pygraphviz's wheels ship Graphviz, so no "
-            "system package is needed).") from None
+            "system package is needed)."
+        ) from None
     return pygraphviz
 
 
@@ -67,9 +82,18 @@ def dot_graph(scene: Scene, with_text: bool):
     their text, which Graphviz then renders itself)."""
     pgv = pygraphviz_module()
     g = pgv.AGraph(directed=True, strict=False)
-    g.graph_attr.update(rankdir="TB", nodesep="0.14", ranksep="0.26", newrank="true", outputorder="edgesfirst",
-                        fontname="Courier", pad="0")
-    g.node_attr.update(shape="box", fixedsize="true", fontname="Courier", fontsize=str(FS_SMALL), margin="0")
+    g.graph_attr.update(
+        rankdir="TB",
+        nodesep="0.14",
+        ranksep="0.26",
+        newrank="true",
+        outputorder="edgesfirst",
+        fontname="Courier",
+        pad="0",
+    )
+    g.node_attr.update(
+        shape="box", fixedsize="true", fontname="Courier", fontsize=str(FS_SMALL), margin="0"
+    )
     g.edge_attr.update(arrowsize="0.6", color=COLORS["edge"])
     subgraphs: dict[str, Any] = {}
 
@@ -80,14 +104,28 @@ def dot_graph(scene: Scene, with_text: bool):
         if sg is None:
             parent = holder(box.parent)
             w, h = box_label_size(box)
-            text = (f'<FONT POINT-SIZE="{FS_SMALL}">' + "<BR/>".join(html.escape(t) for t, _, _ in box.lines) + "</FONT>"
-                    if with_text else " ")
-            label = (f'<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="0"><TR>'
-                     f'<TD FIXEDSIZE="TRUE" WIDTH="{w:g}" HEIGHT="{h:g}" ALIGN="LEFT" BALIGN="LEFT">{text}</TD>'
-                     f'</TR></TABLE>>')
-            sg = parent.add_subgraph(name=f"cluster_{box.id}", label=label, labeljust="l", labelloc="t",
-                                     margin="8", style="rounded,filled" if with_text else "rounded",
-                                     fillcolor=BOX_FILLS[box.level % 2], color=COLORS["box_line"])
+            text = (
+                f'<FONT POINT-SIZE="{FS_SMALL}">'
+                + "<BR/>".join(html.escape(t) for t, _, _ in box.lines)
+                + "</FONT>"
+                if with_text
+                else " "
+            )
+            label = (
+                f'<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="0"><TR>'
+                f'<TD FIXEDSIZE="TRUE" WIDTH="{w:g}" HEIGHT="{h:g}" ALIGN="LEFT" BALIGN="LEFT">{text}</TD>'
+                f"</TR></TABLE>>"
+            )
+            sg = parent.add_subgraph(
+                name=f"cluster_{box.id}",
+                label=label,
+                labeljust="l",
+                labelloc="t",
+                margin="8",
+                style="rounded,filled" if with_text else "rounded",
+                fillcolor=BOX_FILLS[box.level % 2],
+                color=COLORS["box_line"],
+            )
             subgraphs[box.id] = sg
         return sg
 
@@ -95,13 +133,20 @@ def dot_graph(scene: Scene, with_text: bool):
         attrs = {"width": f"{node.w / 72:.4f}", "height": f"{node.h / 72:.4f}", "label": ""}
         if with_text:
             text = [t for t, _, _ in node.lines] + [mark_text(m) for m in node.marks]
-            attrs.update(label="\\n".join(t.replace("\\", "\\\\") for t in text), style="filled,rounded",
-                         fillcolor=COLORS.get(node.kind, COLORS["op"]))
+            attrs.update(
+                label="\\n".join(t.replace("\\", "\\\\") for t in text),
+                style="filled,rounded",
+                fillcolor=COLORS.get(node.kind, COLORS["op"]),
+            )
         holder(node.box).add_node(node.id, **attrs)
     # An op that reads nothing computed in view (an `arange`, a constant, an op fed only from outside a
     # focus) would be ranked at the top, and the module box it runs in with it, beside the boxes that
     # ran before it: an invisible edge from the node drawn for the op before it keeps run order.
-    fed = {b for (a, b), kind in scene.edges.items() if kind in ("flow", "loop") and scene.nodes[a].kind != "stub"}
+    fed = {
+        b
+        for (a, b), kind in scene.edges.items()
+        if kind in ("flow", "loop") and scene.nodes[a].kind != "stub"
+    }
     order: dict[int, Node] = {}
     for node in scene.nodes.values():
         first = node.op if node.op is not None else node.attrs.get("data-first-op")
@@ -155,8 +200,12 @@ def layout(scene: Scene) -> Layout:
         ids[obj["_gvid"]] = obj["name"]
         if obj["name"].startswith("cluster_"):
             x0, y0, x1, y1 = (float(v) for v in obj["bb"].split(","))
-            boxes[obj["name"][len("cluster_"):]] = (round(x0, 1), round(height - y1, 1), round(x1 - x0, 1),
-                                                    round(y1 - y0, 1))
+            boxes[obj["name"][len("cluster_") :]] = (
+                round(x0, 1),
+                round(height - y1, 1),
+                round(x1 - x0, 1),
+                round(y1 - y0, 1),
+            )
         elif "pos" in obj:
             nodes[obj["name"]] = pt(obj["pos"])
     edges = []
@@ -178,5 +227,3 @@ def layout(scene: Scene) -> Layout:
         edges.append((ids[e["tail"]], ids[e["head"]], kinds[k], points, end))
     version = getattr(pygraphviz_module(), "__version__", "")
     return Layout(round(bb[2], 1), round(height, 1), nodes, boxes, edges, version, seconds)
-
-

@@ -5,7 +5,6 @@ with the reason it is apart."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from torchlens._core.records import ModuleCall, Ref
@@ -36,7 +35,11 @@ def op_signature(trace: Trace, call: ModuleCall) -> tuple:
     sig = []
     for op in trace.ops[lo:hi]:
         mod = op.module
-        rel = mod[len(prefix):] if mod.startswith(prefix) else ("." if mod == call.address else "@" + mod)
+        rel = (
+            mod[len(prefix) :]
+            if mod.startswith(prefix)
+            else ("." if mod == call.address else "@" + mod)
+        )
         cls = trace.modules[mod].class_name if mod in trace.modules else ""
         ins: list[tuple[object, ...]] = []
         for r in op.inputs:
@@ -48,11 +51,22 @@ def op_signature(trace: Trace, call: ModuleCall) -> tuple:
                 else:
                     ins.append(("outside", r.op, r.slot))
             elif isinstance(r, str):
-                ins.append(("param", r[len(prefix):]) if r.startswith(prefix) else ("outside_param", r))
+                ins.append(
+                    ("param", r[len(prefix) :]) if r.startswith(prefix) else ("outside_param", r)
+                )
             else:
                 ins.append(("none",))
-        sig.append((op.name, rel, cls, tuple(tuple(s) for s in op.shapes), tuple(str(d) for d in op.dtypes),
-                    bool(op.mutated), tuple(ins)))
+        sig.append(
+            (
+                op.name,
+                rel,
+                cls,
+                tuple(tuple(s) for s in op.shapes),
+                tuple(str(d) for d in op.dtypes),
+                bool(op.mutated),
+                tuple(ins),
+            )
+        )
     return tuple(sig)
 
 
@@ -83,27 +97,40 @@ def difference(trace: Trace, a: ModuleCall, b: ModuleCall, sa: tuple, sb: tuple,
             continue
         name_x, rel_x, cls_x = x[:3]
         name_y, rel_y, cls_y = y[:3]
+
         def where(rel, cls):
-            return ("the layer itself" if rel == "." else rel.lstrip("@")) + (f" ({cls})" if cls else "")
+            return ("the layer itself" if rel == "." else rel.lstrip("@")) + (
+                f" ({cls})" if cls else ""
+            )
 
         if (name_x, rel_x) != (name_y, rel_y):
-            return (f"its op {k} is `{name_y}` in {where(rel_y, cls_y)} where layer {la}'s is `{name_x}` in "
-                    f"{where(rel_x, cls_x)}; it runs {len(sb)} ops, layer {la} {len(sa)}")
+            return (
+                f"its op {k} is `{name_y}` in {where(rel_y, cls_y)} where layer {la}'s is `{name_x}` in "
+                f"{where(rel_x, cls_x)}; it runs {len(sb)} ops, layer {la} {len(sa)}"
+            )
         if x[3] != y[3]:
+
             def shape(s):
                 return "×".join(map(str, s[0])) if s else "-"
+
             return f"its op {k} (`{name_y}`) returns {shape(y[3])} where layer {la}'s returns {shape(x[3])}"
         if x[4] != y[4]:
             return f"its op {k} (`{name_y}`) returns {y[4][0]} where layer {la}'s returns {x[4][0]}"
         if x[5] != y[5]:
             return f"its op {k} (`{name_y}`) {'writes' if y[5] else 'does not write'} its input in place"
-        outside = [(p, q) for p, q in zip(x[6], y[6]) if p != q and (p[0] == "outside" or q[0] == "outside")]
+        outside = [
+            (p, q)
+            for p, q in zip(x[6], y[6])
+            if p != q and (p[0] == "outside" or q[0] == "outside")
+        ]
         if outside:
             p, q = outside[0]
             theirs = describe_op(trace, q[1]) if q[0] == "outside" else "an input of the layer"
             ours = describe_op(trace, p[1]) if p[0] == "outside" else "an input of the layer"
-            return (f"its op {k} (`{name_y}` in {where(rel_y, cls_y)}) reads {theirs} where layer {la}'s reads "
-                    f"{ours} (a mask, bias or table computed outside the layers)")
+            return (
+                f"its op {k} (`{name_y}` in {where(rel_y, cls_y)}) reads {theirs} where layer {la}'s reads "
+                f"{ours} (a mask, bias or table computed outside the layers)"
+            )
         return f"its op {k} (`{name_y}`) reads its inputs from other places than layer {la}'s"
     return f"it runs {len(sb)} ops, layer {la} {len(sa)}; the first {min(len(sa), len(sb))} are the same"
 
@@ -112,10 +139,10 @@ def sub_calls(trace: Trace, call: ModuleCall) -> dict[str, str]:
     """Relative address -> class of the module calls made inside a layer call, in run order."""
     out: dict[str, str] = {}
     prefix = call.address + "."
-    for op in trace.ops[call.first_op:call.end_op]:
+    for op in trace.ops[call.first_op : call.end_op]:
         a = op.module
         while a.startswith(prefix):
-            rel = a[len(prefix):]
+            rel = a[len(prefix) :]
             if rel not in out:
                 out[rel] = trace.modules[a].class_name
             a = a.rsplit(".", 1)[0]
@@ -164,12 +191,14 @@ def roll(trace: Trace) -> dict[str, list[Group]]:
                 earlier = [(seen_address[c.address], c.address) for c in g.calls]
                 j, address = earlier[0]
                 more = ", …" if len({a for _, a in earlier}) > 1 else ""
-                g.reason = (f"{'each of these layers calls' if len(g.calls) > 1 else 'it calls'} a block that "
-                            f"already ran as an earlier layer ({address} as layer {j}{more}), so its weights are "
-                            f"that layer's")
+                g.reason = (
+                    f"{'each of these layers calls' if len(g.calls) > 1 else 'it calls'} a block that "
+                    f"already ran as an earlier layer ({address} as layer {j}{more}), so its weights are "
+                    f"that layer's"
+                )
             else:
-                g.reason = difference(trace, main.rep, g.rep, sigs[id(main)], sigs[id(g)], main.layers[0])
+                g.reason = difference(
+                    trace, main.rep, g.rep, sigs[id(main)], sigs[id(g)], main.layers[0]
+                )
         out[name] = groups
     return out
-
-

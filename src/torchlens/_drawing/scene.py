@@ -7,9 +7,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torchlens._core.records import ModuleCall, Ref
-
 from torchlens._drawing.rolled import Group, roll
-from torchlens._drawing.style import BOX_LABEL_CHARS, FS, FS_SMALL, fmt_dtype, fmt_shape, ranges, relative, wrap
+from torchlens._drawing.style import (
+    BOX_LABEL_CHARS,
+    FS,
+    FS_SMALL,
+    fmt_dtype,
+    fmt_shape,
+    ranges,
+    relative,
+    wrap,
+)
 
 if TYPE_CHECKING:
     from torchlens._trace import Trace
@@ -56,8 +64,15 @@ class Box:
 class Scene:
     """Everything one drawing shows, before layout."""
 
-    def __init__(self, trace: Trace, *, rolled: bool, depth: int | None, focus_calls: list[ModuleCall] | None,
-                 focus_label: str | None):
+    def __init__(
+        self,
+        trace: Trace,
+        *,
+        rolled: bool,
+        depth: int | None,
+        focus_calls: list[ModuleCall] | None,
+        focus_label: str | None,
+    ):
         self.trace = trace
         self.depth = depth
         self.nodes: dict[str, Node] = {}
@@ -80,15 +95,25 @@ class Scene:
         self.visible_set = visible_set
         # rolled stacks: the ops of every layer but a group's first map to that layer's ops
         self.canon: dict[int, int] = {}
-        self.member: dict[int, tuple[int, int]] = {}  # op -> (group id, position of its layer in the group)
+        self.member: dict[
+            int, tuple[int, int]
+        ] = {}  # op -> (group id, position of its layer in the group)
         self.groups: list[Group] = []
         self.group_of_rep: dict[int, Group] = {}  # id(rep call) -> group
-        self.call_canon: dict[int, ModuleCall] = {}  # id(hidden call) -> the rep's call it stands for
+        self.call_canon: dict[
+            int, ModuleCall
+        ] = {}  # id(hidden call) -> the rep's call it stands for
         if rolled:
             for stack_groups in roll(trace).values():
-                inside = all(all(i in visible_set for i in (c.first_op, c.end_op - 1)) for g in stack_groups
-                             for c in g.calls)
-                if not inside or (focus_calls and any(id(c) in self._top_ids for g in stack_groups for c in g.calls)):
+                inside = all(
+                    all(i in visible_set for i in (c.first_op, c.end_op - 1))
+                    for g in stack_groups
+                    for c in g.calls
+                )
+                if not inside or (
+                    focus_calls
+                    and any(id(c) in self._top_ids for g in stack_groups for c in g.calls)
+                ):
                     continue
                 for g in stack_groups:
                     self.groups.append(g)
@@ -110,9 +135,17 @@ class Scene:
         """Map each call under a hidden layer to the call at the same place under its group's first layer."""
         reps: dict[tuple[str, int], ModuleCall] = {}
         for c in self._calls_within(rep):
-            reps[(relative(c.address, rep.address) if c is not rep else ".", c.first_op - rep.first_op)] = c
+            reps[
+                (
+                    relative(c.address, rep.address) if c is not rep else ".",
+                    c.first_op - rep.first_op,
+                )
+            ] = c
         for c in self._calls_within(hidden):
-            key = (relative(c.address, hidden.address) if c is not hidden else ".", c.first_op - hidden.first_op)
+            key = (
+                relative(c.address, hidden.address) if c is not hidden else ".",
+                c.first_op - hidden.first_op,
+            )
             if key in reps:
                 self.call_canon[id(c)] = reps[key]
 
@@ -121,7 +154,12 @@ class Scene:
         out = [call]
         for rec in self.trace.modules.values():
             for c in rec.calls:
-                if c is not call and call.first_op <= c.first_op and c.end_op <= call.end_op and self._under(c, call):
+                if (
+                    c is not call
+                    and call.first_op <= c.first_op
+                    and c.end_op <= call.end_op
+                    and self._under(c, call)
+                ):
                     out.append(c)
         return out
 
@@ -137,7 +175,9 @@ class Scene:
     def _chain(self, op_index: int) -> list[ModuleCall]:
         """The calls an op ran in, from just below the drawing's top down to its innermost one."""
         op = self.trace.ops[op_index]
-        rec = self.trace.modules[op.module] if op.module and op.module in self.trace.modules else None
+        rec = (
+            self.trace.modules[op.module] if op.module and op.module in self.trace.modules else None
+        )
         call = rec.calls[op.call] if rec is not None and op.call < len(rec.calls) else None
         chain: list[ModuleCall] = []
         while call is not None and id(call) not in self._top_ids and call is not self.root:
@@ -153,8 +193,9 @@ class Scene:
         if box is None:
             box = Box(f"c{len(self.boxes)}", call, parent, level=level)
             box.group = self.group_of_rep.get(id(call))
-            box.lines = self._call_lines(call, parent.call.address if parent else self._top_address(), box.group,
-                                         as_box=True)
+            box.lines = self._call_lines(
+                call, parent.call.address if parent else self._top_address(), box.group, as_box=True
+            )
             self.boxes[id(call)] = box
         return box
 
@@ -175,13 +216,26 @@ class Scene:
             lines.append((title, FS, True))
             if n > 1:
                 drawn = relative(call.address, parent_address)
-                lines.append((f"layers {ranges(group.layers)} of {stack or '<root>'}, drawn once as {drawn}", FS_SMALL,
-                              False))
+                lines.append(
+                    (
+                        f"layers {ranges(group.layers)} of {stack or '<root>'}, drawn once as {drawn}",
+                        FS_SMALL,
+                        False,
+                    )
+                )
                 last = relative(addresses[-1], parent_address)
                 if len(set(addresses)) == n:
-                    lines.append((f"({drawn} … {last}: {n} modules, one op sequence)", FS_SMALL, False))
+                    lines.append(
+                        (f"({drawn} … {last}: {n} modules, one op sequence)", FS_SMALL, False)
+                    )
                 else:
-                    lines.append((f"({len(set(addresses))} modules run {n} times, one op sequence)", FS_SMALL, False))
+                    lines.append(
+                        (
+                            f"({len(set(addresses))} modules run {n} times, one op sequence)",
+                            FS_SMALL,
+                            False,
+                        )
+                    )
             else:
                 lines.append((f"layer {group.layers[0]} of {stack or '<root>'}", FS_SMALL, False))
             if group.reason:
@@ -204,10 +258,14 @@ class Scene:
         depth = self.depth
         parent: Box | None = None
         if self.focus_calls:
-            top = next((c for c in self.focus_calls if c.first_op <= i < c.end_op), self.focus_calls[0])
+            top = next(
+                (c for c in self.focus_calls if c.first_op <= i < c.end_op), self.focus_calls[0]
+            )
             parent = self._box(top, None, 0)
         folded_at = depth if depth is not None and len(chain) > depth else None
-        for level, call in enumerate(chain[: len(chain) if folded_at is None else folded_at], start=1):
+        for level, call in enumerate(
+            chain[: len(chain) if folded_at is None else folded_at], start=1
+        ):
             parent = self._box(call, parent, level)
         if folded_at is not None:
             call = chain[folded_at]
@@ -215,11 +273,21 @@ class Scene:
             node = self.nodes.get(nid)
             if node is None:
                 group = self.group_of_rep.get(id(call))
-                lines = self._call_lines(call, parent.call.address if parent else self._top_address(), group,
-                                         as_box=False)
+                lines = self._call_lines(
+                    call,
+                    parent.call.address if parent else self._top_address(),
+                    group,
+                    as_box=False,
+                )
                 rec = self.trace.modules[call.address]
-                node = Node(nid, "module", lines, parent, title=f"{call.address} ({rec.class_name}), call "
-                             f"{call.index}: ops #{call.first_op}–#{call.end_op - 1}")
+                node = Node(
+                    nid,
+                    "module",
+                    lines,
+                    parent,
+                    title=f"{call.address} ({rec.class_name}), call "
+                    f"{call.index}: ops #{call.first_op}–#{call.end_op - 1}",
+                )
                 node.attrs["data-module"] = call.address
                 node.attrs["data-call"] = str(call.index)
                 node.attrs["data-first-op"] = str(call.first_op)
@@ -243,7 +311,10 @@ class Scene:
     def _op_node(self, i: int, parent: Box | None) -> Node:
         op = self.trace.ops[i]
         if op.name == "input":
-            lines = [(f"input #{i}", FS, True), (f"{fmt_shape(op.shape)} {fmt_dtype(op.dtype)}", FS_SMALL, False)]
+            lines = [
+                (f"input #{i}", FS, True),
+                (f"{fmt_shape(op.shape)} {fmt_dtype(op.dtype)}", FS_SMALL, False),
+            ]
             node = Node(f"o{i}", "input", lines, parent, op=i, title=f"op #{i}: a model input")
             node.attrs["data-op"] = str(i)
             return node
@@ -304,9 +375,13 @@ class Scene:
                 elif not hidden and dst.kind != "module":
                     nid = f"n{i}"
                     if nid not in self.nodes:
-                        self.nodes[nid] = Node(nid, "outside", [("from outside", FS_SMALL, True),
-                                                                 ("the forward", FS_SMALL, False)], dst.box,
-                                                title="a tensor that no recorded op produced (not a model input)")
+                        self.nodes[nid] = Node(
+                            nid,
+                            "outside",
+                            [("from outside", FS_SMALL, True), ("the forward", FS_SMALL, False)],
+                            dst.box,
+                            title="a tensor that no recorded op produced (not a model input)",
+                        )
                     self.edges.setdefault((nid, dst.id), "outside_edge")
         for j, srcs in consumers_outside.items():
             stub = self._stub(j, into=False)
@@ -321,8 +396,13 @@ class Scene:
                 box = self._common(box, other)
             parent_address = box.call.address if box is not None else self._top_address()
             nid = f"p{k}"
-            node = Node(nid, "param", [(relative(name, parent_address), FS_SMALL, False)], box,
-                         title=f"parameter {name}")
+            node = Node(
+                nid,
+                "param",
+                [(relative(name, parent_address), FS_SMALL, False)],
+                box,
+                title=f"parameter {name}",
+            )
             node.attrs["data-param"] = name
             self.nodes[nid] = node
             for r in readers:
@@ -333,8 +413,13 @@ class Scene:
             ref = root.output_ref
             src = self._node_for_op(self.canon.get(ref.op, ref.op))
             shape = ops[ref.op].shapes[ref.slot]
-            self.nodes["out"] = Node("out", "output", [("output", FS, True), (fmt_shape(shape), FS_SMALL, False)],
-                                      None, title="the model's output (its first tensor)")
+            self.nodes["out"] = Node(
+                "out",
+                "output",
+                [("output", FS, True), (fmt_shape(shape), FS_SMALL, False)],
+                None,
+                title="the model's output (its first tensor)",
+            )
             self.edges.setdefault((src.id, "out"), "output_edge")
 
     def _stub(self, i: int, into: bool) -> Node:
@@ -343,9 +428,11 @@ class Scene:
         if node is None:
             op = self.trace.ops[i]
             word = "from" if into else "to"
-            lines = [(f"{word} #{i} {op.name}", FS_SMALL, True),
-                     (f"in {op.module or '<root>'}", FS_SMALL, False),
-                     (fmt_shape(op.shape), FS_SMALL, False)]
+            lines = [
+                (f"{word} #{i} {op.name}", FS_SMALL, True),
+                (f"in {op.module or '<root>'}", FS_SMALL, False),
+                (fmt_shape(op.shape), FS_SMALL, False),
+            ]
             node = Node(nid, "stub", lines, None, op=i, title=repr(op))
             node.attrs["data-op"] = str(i)
             self.nodes[nid] = node
@@ -392,5 +479,3 @@ class Scene:
             return self.boxes.get(id(call))
         # a call folded into an outer module's node: mark that node
         return self._node_for_op(self.canon.get(call.first_op, call.first_op))
-
-

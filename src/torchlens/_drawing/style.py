@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-
 if TYPE_CHECKING:
     pass
 
@@ -36,10 +35,23 @@ STATUS_STYLE = {
 }
 
 COLORS = {
-    "bg": "#ffffff", "ink": "#1f2328", "muted": "#57606a", "line": "#8c959f", "edge": "#57606a",
-    "op": "#f6f8fa", "input": "#e7f0fb", "input_line": "#0072b2", "param": "#fff8e5", "param_line": "#b08800",
-    "module": "#eef1f8", "module_line": "#57606a", "inplace_line": "#d55e00", "loop": "#0072b2",
-    "stub": "#ffffff", "box_line": "#a5adb6", "group_line": "#0072b2",
+    "bg": "#ffffff",
+    "ink": "#1f2328",
+    "muted": "#57606a",
+    "line": "#8c959f",
+    "edge": "#57606a",
+    "op": "#f6f8fa",
+    "input": "#e7f0fb",
+    "input_line": "#0072b2",
+    "param": "#fff8e5",
+    "param_line": "#b08800",
+    "module": "#eef1f8",
+    "module_line": "#57606a",
+    "inplace_line": "#d55e00",
+    "loop": "#0072b2",
+    "stub": "#ffffff",
+    "box_line": "#a5adb6",
+    "group_line": "#0072b2",
 }
 BOX_FILLS = ("#fbfbfd", "#f3f5f9")
 
@@ -80,7 +92,5 @@ def wrap(text: str, width: int) -> list[str]:
 
 def relative(address: str, parent: str) -> str:
     if parent and address.startswith(parent + "."):
-        return address[len(parent) + 1:]
+        return address[len(parent) + 1 :]
     return address or "<root>"
-
-

@@ -7,10 +7,24 @@ import html
 import math
 from typing import TYPE_CHECKING
 
-
 from torchlens._drawing.layout import Layout, box_label_size, text_w
 from torchlens._drawing.scene import Scene
-from torchlens._drawing.style import BOX_FILLS, COLORS, FONT, FS, FS_SMALL, LH, LH_SMALL, MARGIN, NOTE_CHARS, PAD_X, PAD_Y, STATUS_STYLE, ranges, wrap
+from torchlens._drawing.style import (
+    BOX_FILLS,
+    COLORS,
+    FONT,
+    FS,
+    FS_SMALL,
+    LH,
+    LH_SMALL,
+    MARGIN,
+    NOTE_CHARS,
+    PAD_X,
+    PAD_Y,
+    STATUS_STYLE,
+    ranges,
+    wrap,
+)
 
 if TYPE_CHECKING:
     pass
@@ -36,25 +50,38 @@ class Svg:
 
     def text(self, x, y, s, size=FS_SMALL, color="ink", bold=False):
         w = ' font-weight="bold"' if bold else ""
-        self.add(f'<text x="{num(x)}" y="{num(y)}" font-size="{size}" fill="{COLORS.get(color, color)}"{w}>'
-                 f'{esc(s)}</text>')
+        self.add(
+            f'<text x="{num(x)}" y="{num(y)}" font-size="{size}" fill="{COLORS.get(color, color)}"{w}>'
+            f"{esc(s)}</text>"
+        )
 
     def rect(self, x, y, w, h, fill, stroke="none", rx=0, dash=False, width=1.0):
         d = ' stroke-dasharray="4 3"' if dash else ""
-        self.add(f'<rect x="{num(x)}" y="{num(y)}" width="{num(w)}" height="{num(h)}" rx="{rx}" '
-                 f'fill="{COLORS.get(fill, fill)}" stroke="{COLORS.get(stroke, stroke)}" stroke-width="{width}"{d}/>')
+        self.add(
+            f'<rect x="{num(x)}" y="{num(y)}" width="{num(w)}" height="{num(h)}" rx="{rx}" '
+            f'fill="{COLORS.get(fill, fill)}" stroke="{COLORS.get(stroke, stroke)}" stroke-width="{width}"{d}/>'
+        )
 
 
 def draw_lines(svg: Svg, x: float, y: float, lines, marks, width: float) -> None:
     """Text lines then mark chips, top-left at (x, y)."""
     for text, size, bold in lines:
         lh = LH if size == FS else LH_SMALL
-        svg.text(x, y + lh - 4, text, size=size, color="ink" if bold or size == FS else "muted", bold=bold)
+        svg.text(
+            x,
+            y + lh - 4,
+            text,
+            size=size,
+            color="ink" if bold or size == FS else "muted",
+            bold=bold,
+        )
         y += lh
     for m in marks:
         strong, pale, word = STATUS_STYLE[m.status]
-        svg.add(f'<g class="mark" data-name="{esc(m.name)}" data-generation="{esc(m.generation or "")}" '
-                f'data-status="{m.status}" data-site="{esc(m.site)}">')
+        svg.add(
+            f'<g class="mark" data-name="{esc(m.name)}" data-generation="{esc(m.generation or "")}" '
+            f'data-status="{m.status}" data-site="{esc(m.site)}">'
+        )
         svg.rect(x - 3, y + 2, width + 6, LH_SMALL + 2, pale, strong, rx=3)
         svg.rect(x, y + 6, 8, 8, strong)
         svg.text(x + 14, y + LH_SMALL - 1, f"{m.text} · {word}", size=FS_SMALL)
@@ -116,19 +143,27 @@ def render_svg(scene: Scene, lay: Layout, title: str, desc: str) -> str:
     width = math.ceil(width)  # whole pixels: a browser reports an image's own size rounded
     ox = MARGIN + (width - graph_w) / 2
     svg = Svg()
-    svg.add(f'<svg xmlns="http://www.w3.org/2000/svg" width="{num(width)}" height="{num(height)}" '
-            f'viewBox="0 0 {num(width)} {num(height)}" font-family="{FONT}" role="img" aria-labelledby="title desc">')
+    svg.add(
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{num(width)}" height="{num(height)}" '
+        f'viewBox="0 0 {num(width)} {num(height)}" font-family="{FONT}" role="img" aria-labelledby="title desc">'
+    )
     svg.add(f'<title id="title">{esc(title)}</title>')
     svg.add(f'<desc id="desc">{esc(desc)}</desc>')
-    svg.add(f"<!-- Drawn by torchlens Trace.draw; layout: Graphviz dot through pygraphviz {lay.version}. -->")
-    svg.add('<defs><marker id="tl-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
-            f'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="{COLORS["edge"]}"/></marker>'
-            '<marker id="tl-arrow-loop" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
-            f'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="{COLORS["loop"]}"/></marker>'
-            '<marker id="tl-arrow-param" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
-            f'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="{COLORS["param_line"]}"/></marker>'
-            '</defs>')
-    svg.add(f'<rect x="0" y="0" width="{num(width)}" height="{num(height)}" fill="{COLORS["bg"]}"/>')
+    svg.add(
+        f"<!-- Drawn by torchlens Trace.draw; layout: Graphviz dot through pygraphviz {lay.version}. -->"
+    )
+    svg.add(
+        '<defs><marker id="tl-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
+        f'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="{COLORS["edge"]}"/></marker>'
+        '<marker id="tl-arrow-loop" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
+        f'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="{COLORS["loop"]}"/></marker>'
+        '<marker id="tl-arrow-param" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
+        f'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="{COLORS["param_line"]}"/></marker>'
+        "</defs>"
+    )
+    svg.add(
+        f'<rect x="0" y="0" width="{num(width)}" height="{num(height)}" fill="{COLORS["bg"]}"/>'
+    )
     # legend
     svg.add('<g class="legend">')
     x, y = float(MARGIN), float(MARGIN)
@@ -137,15 +172,19 @@ def render_svg(scene: Scene, lay: Layout, title: str, desc: str) -> str:
         if x > MARGIN and x + w > width - MARGIN:
             x, y = float(MARGIN), y + 22
         if kind.startswith("status:"):
-            strong, pale, _ = STATUS_STYLE[kind[len("status:"):]]
+            strong, pale, _ = STATUS_STYLE[kind[len("status:") :]]
             svg.rect(x, y + 1, 24, 14, pale, strong, rx=3)
             svg.rect(x + 3, y + 4, 8, 8, strong)
         elif kind == "loop":
-            svg.add(f'<path d="M{num(x)},{num(y + 8)} L{num(x + 24)},{num(y + 8)}" stroke="{COLORS["loop"]}" '
-                    f'stroke-dasharray="4 3" fill="none" marker-end="url(#tl-arrow-loop)"/>')
+            svg.add(
+                f'<path d="M{num(x)},{num(y + 8)} L{num(x + 24)},{num(y + 8)}" stroke="{COLORS["loop"]}" '
+                f'stroke-dasharray="4 3" fill="none" marker-end="url(#tl-arrow-loop)"/>'
+            )
         else:
             style = node_style(kind if kind != "inplace" else "op", kind == "inplace")
-            svg.rect(x, y + 1, 24, 14, style[0], style[1], rx=style[2], dash=style[3], width=style[4])
+            svg.rect(
+                x, y + 1, 24, 14, style[0], style[1], rx=style[2], dash=style[3], width=style[4]
+            )
         svg.text(x + 30, y + 12, words, size=FS_SMALL, color="muted")
         x += w
     svg.add("</g>")
@@ -162,10 +201,21 @@ def render_svg(scene: Scene, lay: Layout, title: str, desc: str) -> str:
         if grouped:
             attrs += f' data-layers="{esc(ranges(box.group.layers))}"'
         svg.add(f'<g class="box{" group" if grouped else ""}" id="{box.id}" {attrs}>')
-        svg.add(f"<title>{esc(box.call.address)} ({esc(scene.trace.modules[box.call.address].class_name)})</title>")
+        svg.add(
+            f"<title>{esc(box.call.address)} ({esc(scene.trace.modules[box.call.address].class_name)})</title>"
+        )
         stroke = COLORS["group_line"] if grouped else COLORS["box_line"]
-        svg.rect(bx, by, bw, bh, BOX_FILLS[box.level % 2], stroke, rx=6, dash=bool(grouped and box.group.reason),
-                 width=1.6 if grouped else 1.0)
+        svg.rect(
+            bx,
+            by,
+            bw,
+            bh,
+            BOX_FILLS[box.level % 2],
+            stroke,
+            rx=6,
+            dash=bool(grouped and box.group.reason),
+            width=1.6 if grouped else 1.0,
+        )
         svg.add("</g>")
         # the title goes over the edges (an edge entering a box may cross its title's band)
         lw, lh = box_label_size(box)
@@ -190,8 +240,10 @@ def render_svg(scene: Scene, lay: Layout, title: str, desc: str) -> str:
             color, marker, dash = COLORS["loop"], "tl-arrow-loop", ' stroke-dasharray="5 3"'
         elif kind == "param_edge":
             color, marker, dash = COLORS["param_line"], "tl-arrow-param", ' stroke-dasharray="3 3"'
-        svg.add(f'<path class="edge {kind}" data-src="{a}" data-dst="{b}" d="{d}" fill="none" stroke="{color}" '
-                f'stroke-width="1.2"{dash} marker-end="url(#{marker})"/>')
+        svg.add(
+            f'<path class="edge {kind}" data-src="{a}" data-dst="{b}" d="{d}" fill="none" stroke="{color}" '
+            f'stroke-width="1.2"{dash} marker-end="url(#{marker})"/>'
+        )
     svg.add("</g>")
     svg.add('<g class="box-labels">')
     svg.parts += labels.parts
@@ -242,5 +294,3 @@ def node_style(kind: str, inplace: bool) -> tuple[str, str, int, bool, float]:
     if inplace:
         stroke, dash, width = COLORS["inplace_line"], True, 1.6
     return fill, stroke, rx, dash, width
-
-

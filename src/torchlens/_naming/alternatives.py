@@ -4,7 +4,6 @@ other scores or queries and keys."""
 
 from __future__ import annotations
 
-
 import math
 
 import torch
@@ -17,12 +16,19 @@ from torchlens._naming.pool import NEAR, Entry, Found, Pool, label_of, op_path, 
 
 # The layout sets (token-major, head-major, kv-head and per-head facets) come from the facet rows.
 
+
 def roundings(found, expected, e, norm_e, engine_dtype, pool, shape, vis):
     """A candidate rounded to bfloat16/float16 that explains the engine's tensor exactly."""
-    dtypes = [engine_dtype] if engine_dtype in (torch.bfloat16, torch.float16) else [torch.bfloat16, torch.float16]
+    dtypes = (
+        [engine_dtype]
+        if engine_dtype in (torch.bfloat16, torch.float16)
+        else [torch.bfloat16, torch.float16]
+    )
     pool_near = [f for f in found if f.factor is None and f.error < 0.05 and not f.matches]
     if expected is not None and not any(f.entry is expected for f in pool_near):
-        for label, accepted, steps in conversions(tuple(expected.tensor.shape), shape, expected.facet):
+        for label, accepted, steps in conversions(
+            tuple(expected.tensor.shape), shape, expected.facet
+        ):
             if accepted:
                 v = apply(expected.tensor, steps)
                 err, mx = rel(e, v, norm_e, vis)
@@ -39,16 +45,39 @@ def roundings(found, expected, e, norm_e, engine_dtype, pool, shape, vis):
             eps = torch.finfo(dt).eps
             ee, rr = (e, r) if vis is None else (e[vis], r[vis])
             # Finite values only: |x - inf| <= eps * inf holds for an infinite entry (a masked score).
-            if math.isfinite(err) and bool(torch.isfinite(rr).all()) and bool(
-                    ((ee - rr).abs() <= eps * rr.abs() + 1e-30).all()):
-                found.append(Found(f.entry, f.label, f.accepted, f.steps, err, mx, True,
-                                    extra=f"rounded to {name}: the values agree at {name} precision "
-                                    "(compare with tolerance='auto' or loosen atol/rtol)"))
+            if (
+                math.isfinite(err)
+                and bool(torch.isfinite(rr).all())
+                and bool(((ee - rr).abs() <= eps * rr.abs() + 1e-30).all())
+            ):
+                found.append(
+                    Found(
+                        f.entry,
+                        f.label,
+                        f.accepted,
+                        f.steps,
+                        err,
+                        mx,
+                        True,
+                        extra=f"rounded to {name}: the values agree at {name} precision "
+                        "(compare with tolerance='auto' or loosen atol/rtol)",
+                    )
+                )
                 return
             if engine_dtype == dt and f.error < 4 * eps and math.isfinite(f.max_abs):
-                found.append(Found(f.entry, f.label, f.accepted, f.steps, f.error, f.max_abs, True,
-                                    extra=f"computed in {name}: differences at {name} precision "
-                                    "(compare with tolerance='auto' or loosen atol/rtol)"))
+                found.append(
+                    Found(
+                        f.entry,
+                        f.label,
+                        f.accepted,
+                        f.steps,
+                        f.error,
+                        f.max_abs,
+                        True,
+                        extra=f"computed in {name}: differences at {name} precision "
+                        "(compare with tolerance='auto' or loosen atol/rtol)",
+                    )
+                )
                 return
 
 
@@ -56,7 +85,9 @@ def tuple_elements(expected: Entry, alternatives, shape, engine, norm_e, atol, r
     """Another element of the engine's tuple is the site, or the elements sum to it."""
 
     def as_site(t: Tensor):
-        for label, accepted, steps in conversions(tuple(expected.tensor.shape), tuple(t.shape), expected.facet):
+        for label, accepted, steps in conversions(
+            tuple(expected.tensor.shape), tuple(t.shape), expected.facet
+        ):
             if accepted:
                 return apply(expected.tensor, steps).float(), label, steps
         return None
@@ -78,19 +109,39 @@ def tuple_elements(expected: Entry, alternatives, shape, engine, norm_e, atol, r
         ref, label, steps = hit
         err, mx = rel(a, ref, float(torch.linalg.vector_norm(a, dtype=torch.float64)))
         if within(a, ref, atol, rtol):
-            found.append(Found(None, label, True, steps, err, mx, True,
-                                relation="is {site}: the wrong tuple element was read",
-                                site=f"element {i} of the engine's tuple"))
+            found.append(
+                Found(
+                    None,
+                    label,
+                    True,
+                    steps,
+                    err,
+                    mx,
+                    True,
+                    relation="is {site}: the wrong tuple element was read",
+                    site=f"element {i} of the engine's tuple",
+                )
+            )
             return
     hit = as_site(total) if summable else None
     if hit is not None:
         ref, label, steps = hit
         err, mx = rel(total, ref, float(torch.linalg.vector_norm(total, dtype=torch.float64)))
         if within(total, ref, atol, rtol):
-            found.append(Found(None, label, True, steps, err, mx, True,
-                                relation="is {site}: the engine returns (output, residual) and the residual was "
-                                "not added",
-                                site="the sum of the engine's tuple elements"))
+            found.append(
+                Found(
+                    None,
+                    label,
+                    True,
+                    steps,
+                    err,
+                    mx,
+                    True,
+                    relation="is {site}: the engine returns (output, residual) and the residual was "
+                    "not added",
+                    site="the sum of the engine's tuple elements",
+                )
+            )
 
 
 def sums(pool: Pool, e, norm_e, mean_e, atol, rtol, found, shape):
@@ -104,8 +155,9 @@ def sums(pool: Pool, e, norm_e, mean_e, atol, rtol, found, shape):
     best = None
     for c_shape, entries in pool.by_shape.items():
         if math.prod(c_shape) != e.numel() or not any(
-                accepted and not any(st[0] == "flat" for st in steps)
-                for _, accepted, steps in conversions(c_shape, shape, None)):
+            accepted and not any(st[0] == "flat" for st in steps)
+            for _, accepted, steps in conversions(c_shape, shape, None)
+        ):
             continue
         group = pool.group(c_shape)
         rows = [c.row for c in entries if c.kind == "facet"]
@@ -115,7 +167,7 @@ def sums(pool: Pool, e, norm_e, mean_e, atol, rtol, found, shape):
         d = (group.matrix[idx] @ flat_e).double()
         nn2 = group.norms[idx] ** 2
         g = group.gram()[idx][:, idx]
-        r2 = norm_e ** 2 + nn2[:, None] + nn2[None, :] - 2 * d[:, None] - 2 * d[None, :] + 2 * g
+        r2 = norm_e**2 + nn2[:, None] + nn2[None, :] - 2 * d[:, None] - 2 * d[None, :] + 2 * g
         ops = [group.entries[r].op for r in rows]
         same = torch.tensor([[a is not None and a == b for b in ops] for a in ops])
         r2 = r2.masked_fill(same | torch.eye(len(rows), dtype=torch.bool), float("inf"))
@@ -144,7 +196,9 @@ def scalar_path(pool: Pool, expected: Entry, cand: Entry) -> float | None:
         return None
     for i in path:
         op = trace.ops[i]
-        refs = [r for r in op.inputs if type(r) is Ref and math.prod(trace.ops[r.op].shapes[r.slot]) > 1]
+        refs = [
+            r for r in op.inputs if type(r) is Ref and math.prod(trace.ops[r.op].shapes[r.slot]) > 1
+        ]
         if op.name not in SCALE_OPS | PASS_THROUGH_OPS | RESHAPE_OPS or len(refs) != 1:
             return None
     x, c = expected.tensor.double().reshape(-1), cand.tensor.double().reshape(-1)
@@ -171,7 +225,14 @@ def patterns(pool: Pool, expected: Entry, e, norm_e, atol, rtol, found, shape, v
     upstream = []
     for _ in range(6):
         op = trace.ops[idx]
-        nxt = next((r.op for r in op.inputs if type(r) is Ref and tuple(trace.ops[r.op].shape) == tuple(op.shape)), None)
+        nxt = next(
+            (
+                r.op
+                for r in op.inputs
+                if type(r) is Ref and tuple(trace.ops[r.op].shape) == tuple(op.shape)
+            ),
+            None,
+        )
         if nxt is None:
             break
         upstream.append(nxt)
@@ -202,9 +263,20 @@ def patterns(pool: Pool, expected: Entry, e, norm_e, atol, rtol, found, shape, v
                 elif names and not what:
                     what.append(f"the ops {' → '.join(names)} left out")
                 op = trace.ops[u]
-                found.append(Found(None, label, True, steps, err, mx, within(e, v, atol, rtol, vis),
-                                    site=f"softmax of op #{op.index} {op.name} in {op.module or '<root>'}",
-                                    relation="the pattern with " + " and ".join(what or ["the scores as they are"])))
+                found.append(
+                    Found(
+                        None,
+                        label,
+                        True,
+                        steps,
+                        err,
+                        mx,
+                        within(e, v, atol, rtol, vis),
+                        site=f"softmax of op #{op.index} {op.name} in {op.module or '<root>'}",
+                        relation="the pattern with "
+                        + " and ".join(what or ["the scores as they are"]),
+                    )
+                )
                 break
 
 
@@ -234,7 +306,9 @@ def qk_patterns(pool: Pool, expected: Entry, e, norm_e, atol, rtol, found, shape
             x, y = qk[~masked].double(), s[~masked].double()
             den = float(x @ x)
             a = float(x @ y) / den if den else 0.0
-            if not den or float(torch.linalg.vector_norm(y - a * x)) > 1e-3 * float(torch.linalg.vector_norm(y)):
+            if not den or float(torch.linalg.vector_norm(y - a * x)) > 1e-3 * float(
+                torch.linalg.vector_norm(y)
+            ):
                 a = 1 / math.sqrt(qt.shape[-1])
         for with_mask in (True, False):
             if n == 0 and with_mask:
@@ -252,11 +326,24 @@ def qk_patterns(pool: Pool, expected: Entry, e, norm_e, atol, rtol, found, shape
                 if n:
                     what.append("RoPE not applied to q and k")
                 if not with_mask:
-                    what.append("no causal or attention mask applied (an attention module called on its own, "
-                                "such as an eager copy outside the model's forward, gets no mask)")
-                site = f"softmax({label_of(pool, q, generation)} · {label_of(pool, k, generation)}ᵀ)"
-                found.append(Found(None, label, True, steps, err, mx, within(e, v, atol, rtol, vis),
-                                    site=site, relation="; ".join(what)))
+                    what.append(
+                        "no causal or attention mask applied (an attention module called on its own, "
+                        "such as an eager copy outside the model's forward, gets no mask)"
+                    )
+                site = (
+                    f"softmax({label_of(pool, q, generation)} · {label_of(pool, k, generation)}ᵀ)"
+                )
+                found.append(
+                    Found(
+                        None,
+                        label,
+                        True,
+                        steps,
+                        err,
+                        mx,
+                        within(e, v, atol, rtol, vis),
+                        site=site,
+                        relation="; ".join(what),
+                    )
+                )
                 break
-
-

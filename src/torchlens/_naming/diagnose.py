@@ -23,18 +23,41 @@ change the size (repeated kv heads) are screened by the bounds `|‖E‖ − ‖
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from torchlens._core.facet_spec import HEAD_MAJOR, KV_HEADS, PER_HEAD
+from torchlens._naming.alternatives import (
+    patterns,
+    qk_patterns,
+    roundings,
+    scalar_path,
+    sums,
+    tuple_elements,
+)
 from torchlens._naming.layouts import apply, conversions, inverse, norm_factor
-from torchlens._naming.alternatives import patterns, qk_patterns, roundings, scalar_path, sums, tuple_elements
-from torchlens._naming.pool import KEEP, NEAR, PRUNE, SAME, Entry, Found, Group, Pool, fmt, label_of, names_in, pool_of, rel, relation, through, within
+from torchlens._naming.pool import (
+    KEEP,
+    NEAR,
+    PRUNE,
+    SAME,
+    Entry,
+    Found,
+    Group,
+    Pool,
+    fmt,
+    label_of,
+    names_in,
+    pool_of,
+    rel,
+    relation,
+    through,
+    within,
+)
 
 if TYPE_CHECKING:
     from torchlens._trace import Trace
@@ -87,7 +110,6 @@ class Candidate:
         return f"{self.describe()} (rel. error {self.error:.2g})"
 
 
-
 def diagnose(
     trace: Trace,
     engine: Tensor,
@@ -110,17 +132,24 @@ def diagnose(
     """
     pool = pool_of(trace)
     if not pool.entries:
-        return "cannot be explained: the trace kept no tensors to search (trace with save='all')", ()
+        return (
+            "cannot be explained: the trace kept no tensors to search (trace with save='all')",
+            (),
+        )
     e = engine.detach().cpu().float()
     n = e.numel()
     if n == 0:
         return "", ()
-    masked = e <= torch.finfo(torch.float32).min / 2  # masked attention scores: compare the visible ones
+    masked = (
+        e <= torch.finfo(torch.float32).min / 2
+    )  # masked attention scores: compare the visible ones
     vis = ~masked if bool(masked.any()) else None
     shown = e if vis is None else e[vis]
     norm_e = float(torch.linalg.vector_norm(shown, dtype=torch.float64))
     mean_e = float(shown.mean(dtype=torch.float64)) if shown.numel() else 0.0
-    expected = pool.site.get((module_address, facet)) if module_address is not None and facet else None
+    expected = (
+        pool.site.get((module_address, facet)) if module_address is not None and facet else None
+    )
     found: list[Found] = []
     shape = tuple(e.shape)
 
@@ -143,12 +172,38 @@ def diagnose(
             if key not in layouts:
                 layouts[key] = list(conversions(c_shape, shape, key[1]))
             for label, accepted, steps in layouts[key]:
-                if vis is None and size == n:  # a reshape or transpose: E can be brought to C's layout
-                    batches.setdefault(tuple(tuple(st) for st in steps), []).append((c, label, accepted, steps))
+                if (
+                    vis is None and size == n
+                ):  # a reshape or transpose: E can be brought to C's layout
+                    batches.setdefault(tuple(tuple(st) for st in steps), []).append(
+                        (c, label, accepted, steps)
+                    )
                 else:
-                    _consider(c, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found, scaled_pending, vis)
+                    _consider(
+                        c,
+                        label,
+                        accepted,
+                        steps,
+                        e,
+                        norm_e,
+                        mean_e,
+                        atol,
+                        rtol,
+                        found,
+                        scaled_pending,
+                        vis,
+                    )
         for steps, ordered in batches.items():
-            _screen(group, ordered, e, inverse(e, c_shape, list(steps)).reshape(-1), norm_e, atol, rtol, found)
+            _screen(
+                group,
+                ordered,
+                e,
+                inverse(e, c_shape, list(steps)).reshape(-1),
+                norm_e,
+                atol,
+                rtol,
+                found,
+            )
 
     # 2. Scalar multiples of the tensors screened by bounds that did not match as they are.
     if vis is None and not any(f.matches for f in found):
@@ -175,12 +230,16 @@ def diagnose(
     named = names_in(pool, generation)[0] if generation is not None else {}
     for f in found:
         if f.other is not None:
-            f.site = f"{label_of(pool, f.entry, generation)} + {label_of(pool, f.other, generation)}"
+            f.site = (
+                f"{label_of(pool, f.entry, generation)} + {label_of(pool, f.other, generation)}"
+            )
             f.relation = "the sum of two sites"
         if f.entry is not None:
             f.relation = f.relation or relation(pool, expected, f.entry, f.label, f.accepted)
             if not f.site and _same_value(pool, f.entry, expected):
-                f.site = label_of(pool, expected, generation)  # the site's own name for its own tensor
+                f.site = label_of(
+                    pool, expected, generation
+                )  # the site's own name for its own tensor
             f.site = f.site or label_of(pool, f.entry, generation)
         if f.factor is not None and f.relation == SAME:
             f.relation = "a scale factor"
@@ -197,8 +256,15 @@ def diagnose(
             f.matches = False  # an infinite or NaN difference explains nothing
         f.rank = _rank(f, named, expected, pool)
     # Matches by how much the relation says, then by error; the rest by error alone.
-    found.sort(key=lambda f: (not f.matches, f.rank if f.matches else (0, 0), f.error, f.rank,
-                              f.entry.order if f.entry else -1))
+    found.sort(
+        key=lambda f: (
+            not f.matches,
+            f.rank if f.matches else (0, 0),
+            f.error,
+            f.rank,
+            f.entry.order if f.entry else -1,
+        )
+    )
     cands: list[Candidate] = []
     seen: set = set()
     for f in found:
@@ -206,14 +272,34 @@ def diagnose(
         if e_ is None:
             key = (f.site, f.relation)
         else:
-            ident = ("op", through(trace, e_.op)) if e_.op is not None else ("site", e_.module, e_.facet)
-            key = (ident, f.label, None if f.factor is None else round(f.factor, 3), f.other is not None,
-                   bool(f.extra))
+            ident = (
+                ("op", through(trace, e_.op))
+                if e_.op is not None
+                else ("site", e_.module, e_.facet)
+            )
+            key = (
+                ident,
+                f.label,
+                None if f.factor is None else round(f.factor, 3),
+                f.other is not None,
+                bool(f.extra),
+            )
         if key in seen:
             continue
         seen.add(key)
-        cands.append(Candidate(f.site, f.relation, f.error, f.max_abs, f.matches, f.factor,
-                               e_.module if e_ else None, e_.facet if e_ else None, e_.op if e_ else None))
+        cands.append(
+            Candidate(
+                f.site,
+                f.relation,
+                f.error,
+                f.max_abs,
+                f.matches,
+                f.factor,
+                e_.module if e_ else None,
+                e_.facet if e_ else None,
+                e_.op if e_ else None,
+            )
+        )
         if len(cands) >= KEEP:
             break
     return _explain(cands), tuple(cands)
@@ -226,7 +312,9 @@ def _same_value(pool: Pool, a: Entry, b: Entry | None) -> bool:
     return through(pool.trace, a.op) == through(pool.trace, b.op)
 
 
-def _rank(f: Found, named: dict, expected: Entry | None = None, pool: Pool | None = None) -> tuple[int, int]:
+def _rank(
+    f: Found, named: dict, expected: Entry | None = None, pool: Pool | None = None
+) -> tuple[int, int]:
     """(how specific the relation is, how the site is named): lower is better.
 
     A match that only guesses a layout (axes swapped, heads flattened) of another tensor than
@@ -238,8 +326,14 @@ def _rank(f: Found, named: dict, expected: Entry | None = None, pool: Pool | Non
         return -1, 0  # the engine's own tuple, or a derived pattern: says most
     if not f.matches:
         quality = 0
-    elif (not f.accepted and r == f.label and f.factor is None and not f.extra and f.other is None
-          and not (pool is not None and _same_value(pool, f.entry, expected))):
+    elif (
+        not f.accepted
+        and r == f.label
+        and f.factor is None
+        and not f.extra
+        and f.other is None
+        and not (pool is not None and _same_value(pool, f.entry, expected))
+    ):
         quality = 3
     elif not r or r == SAME:
         quality = 2
@@ -248,7 +342,11 @@ def _rank(f: Found, named: dict, expected: Entry | None = None, pool: Pool | Non
     else:
         quality = 0
     e = f.entry
-    if e is None or (e.kind == "facet" and (e.module, e.facet) in named) or f.site in named.values():
+    if (
+        e is None
+        or (e.kind == "facet" and (e.module, e.facet) in named)
+        or f.site in named.values()
+    ):
         naming = 0
     elif e.kind == "facet":
         naming = 1
@@ -261,28 +359,41 @@ def _screen(group: Group, ordered, e, flat_e, norm_e, atol, rtol, found):
     """Exact checks for the members of one shape group that the dot products leave in the running."""
     dots = (group.matrix @ flat_e).double()
     norms = group.norms
-    dist = (norm_e ** 2 + norms ** 2 - 2 * dots).clamp(min=0).sqrt() / max(norm_e, 1e-30)
+    dist = (norm_e**2 + norms**2 - 2 * dots).clamp(min=0).sqrt() / max(norm_e, 1e-30)
     cos = dots / (norms * norm_e).clamp(min=1e-30)
-    sin = (1 - cos ** 2).clamp(min=0).sqrt()
-    factor = dots / (norms ** 2).clamp(min=1e-30)
+    sin = (1 - cos**2).clamp(min=0).sqrt()
+    factor = dots / (norms**2).clamp(min=1e-30)
     rows = torch.tensor([c.row for c, *_ in ordered])
     d_rows, s_rows = dist[rows], sin[rows]
-    near = set(torch.argsort(d_rows)[:KEEP].tolist())  # the nearest few are listed even without a match
+    near = set(
+        torch.argsort(d_rows)[:KEEP].tolist()
+    )  # the nearest few are listed even without a match
     any_exact = bool((d_rows < 1e-2).any())
     for i, (c, label, accepted, steps) in enumerate(ordered):
         d = float(d_rows[i])
         if d < 0.05 or i in near:
             v = apply(c.tensor, steps)
             err, mx = rel(e, v, norm_e)
-            found.append(Found(c, label, accepted, steps, err, mx, err < 0.1 and within(e, v, atol, rtol)))
+            found.append(
+                Found(c, label, accepted, steps, err, mx, err < 0.1 and within(e, v, atol, rtol))
+            )
         a = float(factor[rows[i]])
-        if not any_exact and float(s_rows[i]) < 2 * NEAR and abs(a - 1) > 1e-3 and 1e-12 < abs(a) < 1e12:
+        if (
+            not any_exact
+            and float(s_rows[i]) < 2 * NEAR
+            and abs(a - 1) > 1e-3
+            and 1e-12 < abs(a) < 1e12
+        ):
             v = a * apply(c.tensor, steps).float()
             err, mx = rel(e, v, norm_e)
-            found.append(Found(c, label, accepted, steps, err, mx, within(e, v, atol, rtol), factor=a))
+            found.append(
+                Found(c, label, accepted, steps, err, mx, within(e, v, atol, rtol), factor=a)
+            )
 
 
-def _consider(c: Entry, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found, scaled_pending, vis=None):
+def _consider(
+    c: Entry, label, accepted, steps, e, norm_e, mean_e, atol, rtol, found, scaled_pending, vis=None
+):
     norm_c = c.norm * norm_factor(steps)
     n = e.numel()
     lb = max(abs(norm_e - norm_c), abs(mean_e - c.mean) * math.sqrt(n)) / max(norm_e, 1e-30)
@@ -319,19 +430,29 @@ def _scaled(c: Entry, label, accepted, steps, e, norm_e, mean_e, atol, rtol, fou
     if 1 - cos * cos > NEAR * NEAR * 4:
         return
     err, mx = rel(e, a * v, norm_e)
-    found.append(Found(c, label, accepted, steps, err, mx, within(e, a * v, atol, rtol), factor=a,
-                        relation=""))
-
+    found.append(
+        Found(
+            c, label, accepted, steps, err, mx, within(e, a * v, atol, rtol), factor=a, relation=""
+        )
+    )
 
 
 def _explain(cands: list[Candidate]) -> str:
-    if cands and cands[0].matches and cands[0].module_address is None and cands[0].relation.startswith("is "):
+    if (
+        cands
+        and cands[0].matches
+        and cands[0].module_address is None
+        and cands[0].relation.startswith("is ")
+    ):
         return f"{cands[0].site} {cands[0].relation}"  # the engine's own tuple holds the site
     if cands and cands[0].matches:
         return f"equals {cands[0].describe()}"
     if not cands:
-        return "matches no tensor of the trace (none of its saved tensors reaches the engine's shape)"
-    near = ", ".join(f"{fmt(c.factor) + ' × ' if c.factor is not None else ''}{c.site} ({c.error:.2g})"
-                     for c in cands[:3])
+        return (
+            "matches no tensor of the trace (none of its saved tensors reaches the engine's shape)"
+        )
+    near = ", ".join(
+        f"{fmt(c.factor) + ' × ' if c.factor is not None else ''}{c.site} ({c.error:.2g})"
+        for c in cands[:3]
+    )
     return f"matches no tensor of the trace; nearest by relative error: {near}"
-

@@ -15,7 +15,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from torchlens._core.facet_spec import HEAD_MAJOR, KV_HEADS, NORM_FACETS, PER_HEAD, TOKEN_MAJOR, tokens_flattened
+from torchlens._core.facet_spec import (
+    HEAD_MAJOR,
+    KV_HEADS,
+    NORM_FACETS,
+    PER_HEAD,
+    TOKEN_MAJOR,
+    tokens_flattened,
+)
 
 __all__ = ["Conversion", "apply", "conversions", "inverse", "norm_factor"]
 
@@ -36,8 +43,13 @@ class Conversion(NamedTuple):
     steps: tuple
 
 
-def conversions(c_shape: tuple[int, ...], e_shape: tuple[int, ...], facet: str | None, *,
-                broadcasts: bool = False) -> list[Conversion]:
+def conversions(
+    c_shape: tuple[int, ...],
+    e_shape: tuple[int, ...],
+    facet: str | None,
+    *,
+    broadcasts: bool = False,
+) -> list[Conversion]:
     """The conversions of a site's tensor of `c_shape` (the site's facet `facet`) that give `e_shape`.
 
     With `broadcasts`, where no other accepted conversion fits, also the two that copy the site's
@@ -62,41 +74,70 @@ def conversions(c_shape: tuple[int, ...], e_shape: tuple[int, ...], facet: str |
         kvs: list[tuple[str, bool, tuple, tuple]] = [("", True, (), mshape)]
         if facet in KV_HEADS and len(mshape) == 4:
             axis = 1 if mlabel and facet in TOKEN_MAJOR else 2
-            wanted = set(e_shape) | ({e_shape[-1] // mshape[3]} if mshape[3] and e_shape[-1] % mshape[3] == 0 else set())
+            wanted = set(e_shape) | (
+                {e_shape[-1] // mshape[3]} if mshape[3] and e_shape[-1] % mshape[3] == 0 else set()
+            )
             for target in sorted(wanted):
                 if target > mshape[axis] and target % mshape[axis] == 0:
                     rep = target // mshape[axis]
-                    grown = mshape[:axis] + (target,) + mshape[axis + 1:]
+                    grown = mshape[:axis] + (target,) + mshape[axis + 1 :]
                     # repeated per query head, as attention uses them: a layout, also head-major
                     # (the kernel's own layout, [batch, heads, pos, d_head])
                     kvs.append(("kv heads repeated", True, (("interleave", axis, rep),), grown))
-                    kvs.append(("kv heads tiled (repeat) instead of repeated per head (repeat_interleave)", False,
-                                (("tile", axis, rep),), grown))
+                    kvs.append(
+                        (
+                            "kv heads tiled (repeat) instead of repeated per head (repeat_interleave)",
+                            False,
+                            (("tile", axis, rep),),
+                            grown,
+                        )
+                    )
         for klabel, kok, ksteps, kshape in kvs:
             repeated = klabel == "kv heads repeated"
-            batches: list[tuple[str, bool, tuple[tuple[Any, ...], ...], tuple[int, ...]]] = [("", True, (), kshape)]
+            batches: list[tuple[str, bool, tuple[tuple[Any, ...], ...], tuple[int, ...]]] = [
+                ("", True, (), kshape)
+            ]
             if kshape and kshape[0] == 1:
                 batches.append(("batch dropped", True, (("drop",),), kshape[1:]))
             for blabel, bok, bsteps, bshape in batches:
-                flats: list[tuple[str, bool, tuple[tuple[Any, ...], ...], tuple[int, ...]]] = [("", True, (), bshape)]
+                flats: list[tuple[str, bool, tuple[tuple[Any, ...], ...], tuple[int, ...]]] = [
+                    ("", True, (), bshape)
+                ]
                 if len(bshape) >= 3:
-                    flats.append(("heads flattened", facet in PER_HEAD, (("flat",),), bshape[:-2] + (bshape[-2] * bshape[-1],)))
+                    flats.append(
+                        (
+                            "heads flattened",
+                            facet in PER_HEAD,
+                            (("flat",),),
+                            bshape[:-2] + (bshape[-2] * bshape[-1],),
+                        )
+                    )
                 for flabel, fok, fsteps, fshape in flats:
                     if fshape != e_shape:
                         continue
                     ok = (mok or repeated) and kok and bok and fok
-                    if repeated and ok:  # the major axis is the kernel's own: the row names what was repeated
+                    if (
+                        repeated and ok
+                    ):  # the major axis is the kernel's own: the row names what was repeated
                         rest = ", ".join(x for x in (blabel, flabel) if x) or "as is"
                         label = f"kv heads repeated, {rest}"
                     else:
-                        label = ", ".join(x for x in (mlabel, klabel, blabel, flabel) if x) or "as is"
+                        label = (
+                            ", ".join(x for x in (mlabel, klabel, blabel, flabel) if x) or "as is"
+                        )
                     found.append(Conversion(label, ok, msteps + ksteps + bsteps + fsteps))
     if broadcasts and not any(c.accepted for c in found):
         n = len(c_shape)
         if n == len(e_shape) >= 2 and c_shape[0] == 1 < e_shape[0] and c_shape[1:] == e_shape[1:]:
-            found.append(Conversion("batch broadcast", True, (("expand", e_shape),)))  # one row for every sequence
-        elif (facet in NORM_FACETS and len(e_shape) == n + 1 >= 4 and e_shape[:2] == c_shape[:2]
-              and e_shape[3:] == c_shape[2:]):
+            found.append(
+                Conversion("batch broadcast", True, (("expand", e_shape),))
+            )  # one row for every sequence
+        elif (
+            facet in NORM_FACETS
+            and len(e_shape) == n + 1 >= 4
+            and e_shape[:2] == c_shape[:2]
+            and e_shape[3:] == c_shape[2:]
+        ):
             found.append(Conversion("repeated per head", True, (("per_head", e_shape),)))
     return found
 

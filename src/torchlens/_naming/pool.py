@@ -3,11 +3,10 @@ shape; the data-flow relations between two of them; and the primitives of the se
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -35,7 +34,6 @@ PRUNE = 0.5
 
 def fmt(x: float) -> str:
     return f"{x:.3g}"
-
 
 
 # -- the pool: every tensor a trace holds, with its statistics -------------------------------------
@@ -87,7 +85,9 @@ class Group:
 
 class Pool:
     def __init__(self, trace: Trace):
-        self._trace = weakref.ref(trace)  # the pool lives as long as the trace, and must not keep it alive
+        self._trace = weakref.ref(
+            trace
+        )  # the pool lives as long as the trace, and must not keep it alive
         self.entries: list[Entry] = []
         self.by_shape: dict[tuple[int, ...], list[Entry]] = {}
         self.by_op: dict[int, list[Entry]] = {}
@@ -97,12 +97,20 @@ class Pool:
         seen: set[tuple[int, tuple]] = set()
         for rec in trace.modules.values():
             for call in rec.calls[:1]:
-                for name, site in (call.facets.sites.items() if call.facets else ()):
+                for name, site in call.facets.sites.items() if call.facets else ():
                     t = site.tensor
                     if not isinstance(t, Tensor) or t.dtype not in _FLOATS or t.numel() < 2:
                         continue
                     op = site.op if site.kind == "real" else None
-                    e = self._add(t, rec.address, name, op, 0, "facet", site.op if site.op is not None else call.first_op)
+                    e = self._add(
+                        t,
+                        rec.address,
+                        name,
+                        op,
+                        0,
+                        "facet",
+                        site.op if site.op is not None else call.first_op,
+                    )
                     self.site[(rec.address, name)] = e
                     if op is not None:
                         seen.add((op, tuple(t.shape)))
@@ -119,7 +127,9 @@ class Pool:
         return self._trace()
 
     def _add(self, t, module, facet, op, slot, kind, order) -> Entry:
-        e = Entry(t.detach().cpu(), module, facet, op, slot, kind, order)  # compare works on the CPU
+        e = Entry(
+            t.detach().cpu(), module, facet, op, slot, kind, order
+        )  # compare works on the CPU
         self.entries.append(e)
         self.by_shape.setdefault(tuple(t.shape), []).append(e)
         if op is not None:
@@ -230,14 +240,18 @@ def layer_of(trace: Trace, address: str | None) -> int | None:
 
 def analogue(trace: Trace, address: str, layer: int, other: int) -> str:
     b = trace.blocks[layer]
-    return trace.blocks[other] + address[len(b):]
+    return trace.blocks[other] + address[len(b) :]
 
 
 # -- relations -------------------------------------------------------------------------------------
 
 
 def norm_of(pool: Pool, module: str | None) -> bool:
-    return module is not None and module in pool.trace.modules and pool.trace.modules[module].role == "norm"
+    return (
+        module is not None
+        and module in pool.trace.modules
+        and pool.trace.modules[module].role == "norm"
+    )
 
 
 def norm_around(pool: Pool, op: int | None) -> tuple[str, int | None] | None:
@@ -260,19 +274,41 @@ def relation(pool: Pool, expected: Entry | None, cand: Entry, label: str, accept
     layout = "" if accepted else label
     if expected is None:
         return layout
-    same_site = cand.kind == "facet" and (cand.module, cand.facet) == (expected.module, expected.facet)
-    if same_site or (cand.op is not None and expected.op is not None
-                     and through(trace, cand.op) == through(trace, expected.op)):
+    same_site = cand.kind == "facet" and (cand.module, cand.facet) == (
+        expected.module,
+        expected.facet,
+    )
+    if same_site or (
+        cand.op is not None
+        and expected.op is not None
+        and through(trace, cand.op) == through(trace, expected.op)
+    ):
         return layout or SAME
     words: list[str] = []
     ex_op, c_op = expected.op, cand.op
     lx, lc = layer_of(trace, expected.module), layer_of(trace, cand.module)
-    if cand.facet is not None and expected.facet is not None and lx is not None and lc is not None and lx != lc:
+    if (
+        cand.facet is not None
+        and expected.facet is not None
+        and lx is not None
+        and lc is not None
+        and lx != lc
+    ):
         if cand.facet == expected.facet and cand.module == analogue(trace, expected.module, lx, lc):
-            words.append(("the neighbouring layer" if abs(lc - lx) == 1 else "another layer")
-                         + f" ({lc} instead of {lx})")
-    if not words and cand.module == expected.module and {cand.facet, expected.facet} in ({"q", "rot_q"}, {"k", "rot_k"}):
-        words.append("after RoPE instead of before" if cand.facet.startswith("rot_") else "before RoPE instead of after")
+            words.append(
+                ("the neighbouring layer" if abs(lc - lx) == 1 else "another layer")
+                + f" ({lc} instead of {lx})"
+            )
+    if (
+        not words
+        and cand.module == expected.module
+        and {cand.facet, expected.facet} in ({"q", "rot_q"}, {"k", "rot_k"})
+    ):
+        words.append(
+            "after RoPE instead of before"
+            if cand.facet.startswith("rot_")
+            else "before RoPE instead of after"
+        )
     if not words and ex_op is not None and c_op is not None:
         ex_src, c_src = through(trace, ex_op), through(trace, c_op)
         norm_c = norm_around(pool, c_op)
@@ -280,22 +316,47 @@ def relation(pool: Pool, expected: Entry | None, cand: Entry, label: str, accept
         if norm_c is not None and norm_c[1] is not None and through(trace, norm_c[1]) == ex_src:
             words.append(f"after the norm {short(pool, norm_c[0])} instead of before it")
         elif norm_x is not None and norm_x[1] is not None and through(trace, norm_x[1]) == c_src:
-            raw = cand.facet == "output" and cand.module in trace.modules and \
-                trace.modules[cand.module].role in ("attention", "mlp")
-            words.append(f"before the norm {short(pool, norm_x[0])}: "
-                         + ("the raw sublayer output, the norm not applied" if raw else "the norm not applied"))
-        elif norm_c is not None and norm_c[1] is not None and ex_src in add_operands(trace, norm_c[1]):
-            words.append(f"the norm {short(pool, norm_c[0])} of the site plus the residual: a fused add+norm "
-                         "wrote its output into the saved tensor in place")
+            raw = (
+                cand.facet == "output"
+                and cand.module in trace.modules
+                and trace.modules[cand.module].role in ("attention", "mlp")
+            )
+            words.append(
+                f"before the norm {short(pool, norm_x[0])}: "
+                + (
+                    "the raw sublayer output, the norm not applied"
+                    if raw
+                    else "the norm not applied"
+                )
+            )
+        elif (
+            norm_c is not None
+            and norm_c[1] is not None
+            and ex_src in add_operands(trace, norm_c[1])
+        ):
+            words.append(
+                f"the norm {short(pool, norm_c[0])} of the site plus the residual: a fused add+norm "
+                "wrote its output into the saved tensor in place"
+            )
         elif ex_src in add_operands(trace, c_op):
             others = [o for o in add_operands(trace, c_op) if o != ex_src]
-            words.append("the residual is included" if residual(pool, others) else "the site plus another tensor")
+            words.append(
+                "the residual is included"
+                if residual(pool, others)
+                else "the site plus another tensor"
+            )
         elif c_src in add_operands(trace, ex_op):
             others = [o for o in add_operands(trace, ex_op) if o != c_src]
             if expected.facet == "scores" and any(_is_mask(trace, o) for o in others):
-                words.append("before the attention mask: the scores without the mask added (the site adds it)")
+                words.append(
+                    "before the attention mask: the scores without the mask added (the site adds it)"
+                )
             else:
-                words.append("the residual is missing" if residual(pool, others) else "the site minus another tensor")
+                words.append(
+                    "the residual is missing"
+                    if residual(pool, others)
+                    else "the site minus another tensor"
+                )
         else:  # one of the two is computed from the other: say which way, and through which ops
             for src, dst, side, softcap in (
                 (c_src, ex_src, "before", "before the softcap: the softcap (tanh) is dropped"),
@@ -304,12 +365,20 @@ def relation(pool: Pool, expected: Entry | None, cand: Entry, label: str, accept
                 path = op_path(trace, src, dst)
                 if path is not None:
                     names = [trace.ops[i].name for i in path]
-                    rope = (side == "before" and expected.facet in ("rot_q", "rot_k") and cand.module is not None
-                            and expected.module is not None and cand.module.startswith(expected.module)
-                            and not set(names) & _NORM_MATH)
-                    words.append(softcap if "tanh" in names else
-                                 ("before RoPE: " if rope else "")
-                                 + f"{len(path)} op{'s' if len(path) > 1 else ''} {side} the site ({' → '.join(names)})")
+                    rope = (
+                        side == "before"
+                        and expected.facet in ("rot_q", "rot_k")
+                        and cand.module is not None
+                        and expected.module is not None
+                        and cand.module.startswith(expected.module)
+                        and not set(names) & _NORM_MATH
+                    )
+                    words.append(
+                        softcap
+                        if "tanh" in names
+                        else ("before RoPE: " if rope else "")
+                        + f"{len(path)} op{'s' if len(path) > 1 else ''} {side} the site ({' → '.join(names)})"
+                    )
                     break
     if layout:
         words.append(layout)
@@ -317,7 +386,9 @@ def relation(pool: Pool, expected: Entry | None, cand: Entry, label: str, accept
 
 
 #: Ops that normalize (a norm written out): a path holding one is not RoPE alone.
-_NORM_MATH = frozenset({"rsqrt", "pow", "mean", "var", "layer_norm", "rms_norm", "group_norm", "norm", "sqrt"})
+_NORM_MATH = frozenset(
+    {"rsqrt", "pow", "mean", "var", "layer_norm", "rms_norm", "group_norm", "norm", "sqrt"}
+)
 
 
 def _is_mask(trace: Trace, index: int) -> bool:
@@ -350,7 +421,11 @@ def label_of(pool: Pool, e: Entry, generation: str | None) -> str:
         by_site, by_op = names_in(pool, generation)
         if e.kind == "facet" and (e.module, e.facet) in by_site:
             return by_site[(e.module, e.facet)]
-        alias = (through(pool.trace, e.op), tuple(e.tensor.shape)) if e.op is not None and e.slot == 0 else None
+        alias = (
+            (through(pool.trace, e.op), tuple(e.tensor.shape))
+            if e.op is not None and e.slot == 0
+            else None
+        )
         if alias in by_op:
             return by_op[alias]
     if e.kind == "facet":
@@ -363,7 +438,9 @@ def label_of(pool: Pool, e: Entry, generation: str | None) -> str:
 # -- the search ------------------------------------------------------------------------------------
 
 
-def rel(engine: Tensor, other: Tensor, norm_e: float, vis: Tensor | None = None) -> tuple[float, float]:
+def rel(
+    engine: Tensor, other: Tensor, norm_e: float, vis: Tensor | None = None
+) -> tuple[float, float]:
     if vis is not None:
         engine, other = engine[vis], other[vis]
     d = engine - other.float()
@@ -375,7 +452,9 @@ def rel(engine: Tensor, other: Tensor, norm_e: float, vis: Tensor | None = None)
     return norm / max(norm_e, 1e-30), float(d.abs().max())
 
 
-def within(engine: Tensor, other: Tensor, atol: float, rtol: float, vis: Tensor | None = None) -> bool:
+def within(
+    engine: Tensor, other: Tensor, atol: float, rtol: float, vis: Tensor | None = None
+) -> bool:
     if vis is not None:
         engine, other = engine[vis], other[vis]
     o = other.float()
@@ -397,5 +476,3 @@ class Found:
     rank: int = 3
     other: Entry | None = None  # the second term of a sum
     extra: str = ""  # a precision note added to the structural relation
-
-

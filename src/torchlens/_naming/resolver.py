@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import re
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from torchlens._core.errors import close_matches
 from torchlens._core.facet_spec import KERNEL_REBUILT, absent_reason
@@ -54,13 +53,13 @@ def _index_value(canonical: str) -> int:
     return int(canonical)
 
 
-
-
 def _layer_value(text: str, table: Table, query: str, trace: Trace, row: Row | None = None) -> int:
     n = _n_layers(trace, row)
     canonical = _canonical_index(text)
     if text != canonical:
-        raise MalformedAlias(f"{query!r}: write the layer as {canonical} (ASCII digits, no leading zeros).")
+        raise MalformedAlias(
+            f"{query!r}: write the layer as {canonical} (ASCII digits, no leading zeros)."
+        )
     value = _index_value(canonical)
     if value < 0:
         if not table.negative_layers:
@@ -71,8 +70,9 @@ def _layer_value(text: str, table: Table, query: str, trace: Trace, row: Row | N
     if not 0 <= value < n:
         where = _layers_counted(trace, row)
         raise LayerOutOfRange(
-            f"{query!r}: layer {text} is out of range: {where}, so layers are 0..{n - 1}" if n else
-            f"{query!r}: {where}, so no per-layer name resolves"
+            f"{query!r}: layer {text} is out of range: {where}, so layers are 0..{n - 1}"
+            if n
+            else f"{query!r}: {where}, so no per-layer name resolves"
         )
     return value
 
@@ -82,8 +82,10 @@ def _layers_counted(trace: Trace, row: Row | None) -> str:
     length, or every stack when none can be chosen, or that there is none."""
     s = trace.structure
     stacks = list(s.stacks.values()) if s is not None else []
-    listing = ", ".join(f"{st.name or '<root>'} ({len(st.layers)} layer{'s' if len(st.layers) != 1 else ''})"
-                        for st in stacks)
+    listing = ", ".join(
+        f"{st.name or '<root>'} ({len(st.layers)} layer{'s' if len(st.layers) != 1 else ''})"
+        for st in stacks
+    )
     if row is not None and row.stack is not None:
         stack = targets.stack_of_kind(trace, row.stack)
         if stack is None:
@@ -91,11 +93,15 @@ def _layers_counted(trace: Trace, row: Row | None) -> str:
         return f"a layer index counts the layers of the {row.stack} stack {stack.name} ({len(stack.layers)})"
     if s is not None and s.lm_stack is not None:
         stack = s.stacks[s.lm_stack]
-        return (f"a layer index counts the layers of the language-model stack {stack.name or '<root>'}, which ran "
-                f"{len(stack.layers)} layer{'s' if len(stack.layers) != 1 else ''}")
+        return (
+            f"a layer index counts the layers of the language-model stack {stack.name or '<root>'}, which ran "
+            f"{len(stack.layers)} layer{'s' if len(stack.layers) != 1 else ''}"
+        )
     if stacks:
-        return (f"this trace has {len(stacks)} stacks of layers and none feeds a language-model head: {listing}; "
-                f"a layer index counts up to the longest")
+        return (
+            f"this trace has {len(stacks)} stacks of layers and none feeds a language-model head: {listing}; "
+            f"a layer index counts up to the longest"
+        )
     return "TorchLens found no stack of layers in this trace"
 
 
@@ -130,12 +136,16 @@ def _matches(query: str, tables: list[Table], trace: Trace) -> list[tuple[Table,
         for rx, row in _patterns(table):
             m = rx.match(query)
             if m:
-                layer = _layer_value(m.group(1), table, query, trace, row) if row.per_layer else None
+                layer = (
+                    _layer_value(m.group(1), table, query, trace, row) if row.per_layer else None
+                )
                 found.append((table, row, layer))
             elif table.absent_once and row.facet is None and query == row.bare:
                 found.append((table, row, None))  # the report's own spelling of a refused point
             elif row.per_layer and query == row.bare and not _n_layers(trace, row):
-                found.append((table, row, None))  # the report's one row for a per-layer name on a trace without layers
+                found.append(
+                    (table, row, None)
+                )  # the report's one row for a per-layer name on a trace without layers
     return found
 
 
@@ -143,7 +153,7 @@ def _interp_engine_special(query: str, trace: Trace) -> AliasResolution | None:
     """`path.<module>` addresses and `.stream-K` coordinates of interp-engine."""
     table = interp_engine.TABLE
     if query.startswith("path."):
-        address = query[len("path."):]
+        address = query[len("path.") :]
         top = [a for a in trace.modules if a and "." not in a]
         if not address:
             raise MalformedAlias(
@@ -151,8 +161,11 @@ def _interp_engine_special(query: str, trace: Trace) -> AliasResolution | None:
             )
         if address not in trace.modules:
             hits = close_matches(address, trace.modules)
-            hint = (f" Did you mean {', '.join('path.' + h for h in hits)}?" if hits else
-                    f" Top-level modules: {', '.join('path.' + a for a in top[:6])}.")
+            hint = (
+                f" Did you mean {', '.join('path.' + h for h in hits)}?"
+                if hits
+                else f" Top-level modules: {', '.join('path.' + a for a in top[:6])}."
+            )
             raise UnknownAlias(f"{query!r}: no module at address {address!r} in this trace.{hint}")
         row = Row(query, None, "output", "module output (interp-engine path address)")
         return _status(trace, table, row, None, query, trace.modules[address].address)
@@ -161,7 +174,9 @@ def _interp_engine_special(query: str, trace: Trace) -> AliasResolution | None:
         return None
     name, layer, coord, stream = m.groups()
     if coord != "stream":
-        raise MalformedAlias(f"{query!r}: interp-engine addresses know one coordinate, stream-K, not {coord!r}.")
+        raise MalformedAlias(
+            f"{query!r}: interp-engine addresses know one coordinate, stream-K, not {coord!r}."
+        )
     if stream != _canonical_index(stream):
         raise MalformedAlias(
             f"{query!r}: write the stream index as {_canonical_index(stream)} (ASCII digits, no leading zeros)."
@@ -175,14 +190,23 @@ def _interp_engine_special(query: str, trace: Trace) -> AliasResolution | None:
     idx = _layer_value(layer, table, query, trace)
     row = next(r for r in table.rows if r.name == f"{name}.{{L}}")
     return AliasResolution(
-        query, table.generation, "structurally_absent", None, None, idx,
+        query,
+        table.generation,
+        "structurally_absent",
+        None,
+        None,
+        idx,
         "this model has a single residual stream, so no stream coordinate names a site",
-        f"drop the coordinate: {name}.{idx}", row.name, row.meaning,
+        f"drop the coordinate: {name}.{idx}",
+        row.name,
+        row.meaning,
     )
 
 
 def _unknown(query: str, tables: list[Table], trace: Trace) -> AliasError:
-    tables = [_for_trace(t, trace) for t in tables]  # the rows this trace is read with (HookedEncoder's on BERT)
+    tables = [
+        _for_trace(t, trace) for t in tables
+    ]  # the rows this trace is read with (HookedEncoder's on BERT)
     for table in tables:
         if table.unmapped and query in table.unmapped:
             return UnknownAlias(f"{query!r}: {table.unmapped[query]}")
@@ -207,7 +231,9 @@ def _unknown(query: str, tables: list[Table], trace: Trace) -> AliasError:
 
 def _other_generation_hint(query: str, table: Table, trace: Trace) -> str:
     """For a name of another generation: which one it is, and this generation's name for its site."""
-    others = [_for_trace(t, trace) for t in GENERATIONS.values() if t.generation != table.generation]
+    others = [
+        _for_trace(t, trace) for t in GENERATIONS.values() if t.generation != table.generation
+    ]
     try:
         found = _matches(query, others, trace)
     except AliasError:
@@ -216,28 +242,48 @@ def _other_generation_hint(query: str, table: Table, trace: Trace) -> str:
         return ""
     by_suggestion: dict[str, list[str]] = {}
     for other, row, layer in found:
-        same = [r for r in table.rows if r.target is not None and r.target == row.target and r.facets == row.facets]
-        same = same or [r for r in table.rows
-                        if r.target is not None and r.target == row.target and set(r.facets) & set(row.facets)]
+        same = [
+            r
+            for r in table.rows
+            if r.target is not None and r.target == row.target and r.facets == row.facets
+        ]
+        same = same or [
+            r
+            for r in table.rows
+            if r.target is not None and r.target == row.target and set(r.facets) & set(row.facets)
+        ]
         same = [r for r in same if r.per_layer == (layer is not None)]
         names = ", ".join(repr(r.name.replace("{L}", str(layer))) for r in same)
         by_suggestion.setdefault(names, []).append(other.generation)
     parts = []
     for names, generations in by_suggestion.items():
-        of = ", ".join(generations[:-1]) + " and " + generations[-1] if len(generations) > 1 else generations[0]
+        of = (
+            ", ".join(generations[:-1]) + " and " + generations[-1]
+            if len(generations) > 1
+            else generations[0]
+        )
         if names:
             parts.append(f"it is a name of {of}; in {table.generation} the same site is {names}.")
         else:
-            parts.append(f"it is a name of {of}, and {table.generation} has no name for its site; "
-                         f"pass generation={generations[0]!r}.")
+            parts.append(
+                f"it is a name of {of}, and {table.generation} has no name for its site; "
+                f"pass generation={generations[0]!r}."
+            )
     return " ".join(parts)
 
 
 # -- resolving ---------------------------------------------------------------------------------
 
 
-def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
-            address: str | None = None, force: bool = True) -> AliasResolution:
+def _status(
+    trace: Trace,
+    table: Table,
+    row: Row,
+    layer: int | None,
+    query: str,
+    address: str | None = None,
+    force: bool = True,
+) -> AliasResolution:
     """The resolution of one row at `layer`. With `force`, the site's pending check runs first
     (so the status is final); without, nothing is computed and a pending site says so. Where the
     row's site is structurally absent and the row has an `or_else`, that site is read instead."""
@@ -245,41 +291,91 @@ def _status(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
     if first.status != "structurally_absent" or row.or_else is None or address is not None:
         return first
     target, facet = row.or_else
-    other = _status_of_site(trace, table, replace(row, target=target, facet=facet, or_else=None), layer, query,
-                            None, force)
+    other = _status_of_site(
+        trace,
+        table,
+        replace(row, target=target, facet=facet, or_else=None),
+        layer,
+        query,
+        None,
+        force,
+    )
     return first if other.status == "structurally_absent" else other
 
 
-def _status_of_site(trace: Trace, table: Table, row: Row, layer: int | None, query: str,
-                    address: str | None = None, force: bool = True) -> AliasResolution:
+def _status_of_site(
+    trace: Trace,
+    table: Table,
+    row: Row,
+    layer: int | None,
+    query: str,
+    address: str | None = None,
+    force: bool = True,
+) -> AliasResolution:
     call = None
 
     def res(status, addr, facet, reason, remedy="", shape=None, checked=True):
-        return AliasResolution(query, table.generation, status, addr, facet, layer, reason, remedy,
-                               row.name, row.meaning, row.note, shape,
-                               call.index if call is not None and len(trace.modules[call.address].calls) > 1 else None,
-                               trace, checked)
+        return AliasResolution(
+            query,
+            table.generation,
+            status,
+            addr,
+            facet,
+            layer,
+            reason,
+            remedy,
+            row.name,
+            row.meaning,
+            row.note,
+            shape,
+            call.index if call is not None and len(trace.modules[call.address].calls) > 1 else None,
+            trace,
+            checked,
+        )
 
     structure = trace.structure
-    if table.decoder_only and structure is not None and structure.kind not in ("decoder-only", "no-stack"):
-        return res("structurally_absent", None, row.facets[0] if row.facets else None,
-                   f"{table.title.split(' ')[0]} names sites of decoder-only language models; this model is "
-                   f"{structure.kind} ({structure.describe()})",
-                   "use a TransformerLens generation, or read trace.modules[address].facets directly")
+    if (
+        table.decoder_only
+        and structure is not None
+        and structure.kind not in ("decoder-only", "no-stack")
+    ):
+        return res(
+            "structurally_absent",
+            None,
+            row.facets[0] if row.facets else None,
+            f"{table.title.split(' ')[0]} names sites of decoder-only language models; this model is "
+            f"{structure.kind} ({structure.describe()})",
+            "use a TransformerLens generation, or read trace.modules[address].facets directly",
+        )
     if row.facet is None:
-        return res("structurally_absent", None, None, f"TorchLens has no site for it: {row.note}", "")
-    if (row.per_layer and row.stack is None and structure is not None and structure.lm_stack is None
-            and len(structure.stacks) > 1):
-        return res("ambiguous", None, row.facets[0],
-                   f"this model has {len(structure.stacks)} stacks of layers ({structure.describe()}) and none feeds a "
-                   f"language-model head, so a layer index could name a layer of any of them",
-                   "read trace.structure.stacks[name].layers[i] for the stack you mean")
+        return res(
+            "structurally_absent", None, None, f"TorchLens has no site for it: {row.note}", ""
+        )
+    if (
+        row.per_layer
+        and row.stack is None
+        and structure is not None
+        and structure.lm_stack is None
+        and len(structure.stacks) > 1
+    ):
+        return res(
+            "ambiguous",
+            None,
+            row.facets[0],
+            f"this model has {len(structure.stacks)} stacks of layers ({structure.describe()}) and none feeds a "
+            f"language-model head, so a layer index could name a layer of any of them",
+            "read trace.structure.stacks[name].layers[i] for the stack you mean",
+        )
     if address is None:
         if row.per_layer and layer is None:
             if _n_layers(trace, row) == 0:
-                return res("structurally_absent", None, row.facets[0],
-                           "TorchLens found no stack of layers in this model, so no per-layer name has a site",
-                           "name the blocks: trace(model, ..., roles={'<holder address>.*': 'block'})")
+                return res(
+                    "structurally_absent",
+                    None,
+                    row.facets[0],
+                    "TorchLens found no stack of layers in this model, so no per-layer name has a site",
+                    "name the blocks: trace(model, ..., roles={'<holder address>.*': 'block'})",
+                )
             return res("structurally_absent", None, row.facets[0], "per-layer name without a layer")
         call, why = targets.find_call(trace, row.target, layer, row.stack)
         if call is None:
@@ -289,15 +385,25 @@ def _status_of_site(trace: Trace, table: Table, row: Row, layer: int | None, que
     if call is None:
         if len(rec.calls) != 1:
             if not rec.calls:
-                return res("structurally_absent", address, row.facets[0], f"{address} did not run in this forward.")
+                return res(
+                    "structurally_absent",
+                    address,
+                    row.facets[0],
+                    f"{address} did not run in this forward.",
+                )
             return res(
-                "ambiguous", address, row.facets[0], f"{address} ran {len(rec.calls)} times in this forward.",
+                "ambiguous",
+                address,
+                row.facets[0],
+                f"{address} ran {len(rec.calls)} times in this forward.",
                 f"read trace.modules[{address!r}].calls[i].facets[{row.facets[0]!r}] for the call you mean",
             )
         call = rec.calls[0]
     sites = call.facets.sites
     facet = next((f for f in row.facets if f in sites), None)
-    while force and facet is not None and not sites[facet].checked:  # the status rests on its check: run it
+    while (
+        force and facet is not None and not sites[facet].checked
+    ):  # the status rests on its check: run it
         call.facets.check(facet)
         sites = call.facets.sites
         facet = next((f for f in row.facets if f in sites), None)
@@ -305,42 +411,90 @@ def _status_of_site(trace: Trace, table: Table, row: Row, layer: int | None, que
     if refused is not None:  # TorchLens derived it, but its check against the model failed
         # A fused kernel's pattern is a real softmax op under eager attention; nn.MultiheadAttention
         # runs as one op (multi_head_attention_forward) in any capture, so there no capture serves it.
-        mha = any(op.name == "multi_head_attention_forward" for op in trace.ops[call.first_op:call.end_op])
+        mha = any(
+            op.name == "multi_head_attention_forward"
+            for op in trace.ops[call.first_op : call.end_op]
+        )
         if row.facets[0] in KERNEL_REBUILT and not mha:
-            return res("needs_capture", address, row.facets[0], f"{row.facets[0]} is not served: {refused}.",
-                       "trace a copy of the model loaded with attn_implementation='eager'")
-        return res("refused", address, row.facets[0], f"{row.facets[0]} is not served: {refused}.",
-                   _refusal_remedy(refused, address))
+            return res(
+                "needs_capture",
+                address,
+                row.facets[0],
+                f"{row.facets[0]} is not served: {refused}.",
+                "trace a copy of the model loaded with attn_implementation='eager'",
+            )
+        return res(
+            "refused",
+            address,
+            row.facets[0],
+            f"{row.facets[0]} is not served: {refused}.",
+            _refusal_remedy(refused, address),
+        )
     if facet is None:
         rerun = _root_source_rerun(trace, address, row.facets[0])
         if rerun is not None:
             source, n = rerun
-            return res("ambiguous", address, row.facets[0],
-                       f"{row.facets[0]} is read from {source}, which ran {n} times in this forward (once per "
-                       f"decoding step), so the root's {row.facets[0]} would be one of {n} calls; none is served as it",
-                       f"read trace.modules[{source!r}].calls[i] for the call you mean")
+            return res(
+                "ambiguous",
+                address,
+                row.facets[0],
+                f"{row.facets[0]} is read from {source}, which ran {n} times in this forward (once per "
+                f"decoding step), so the root's {row.facets[0]} would be one of {n} calls; none is served as it",
+                f"read trace.modules[{source!r}].calls[i] for the call you mean",
+            )
         absent = absent_reason(row.facets[0])
-        return res("structurally_absent", address, row.facets[0],
-                   f"{address} ({rec.class_name}) has no {row.facets[0]!r} facet: {absent}.")
+        return res(
+            "structurally_absent",
+            address,
+            row.facets[0],
+            f"{address} ({rec.class_name}) has no {row.facets[0]!r} facet: {absent}.",
+        )
     site = sites[facet]
     if not site.saved:  # (computes nothing: a pending site is saved until its check refuses it)
         if site.kind == "reconstructed" and trace.save_spec.keep(address, facet):
-            return res("needs_capture", address, facet, f"{facet} could not be rebuilt: {site.note}.",
-                       "trace a copy of the model loaded with attn_implementation='eager'", site.shape)
+            return res(
+                "needs_capture",
+                address,
+                facet,
+                f"{facet} could not be rebuilt: {site.note}.",
+                "trace a copy of the model loaded with attn_implementation='eager'",
+                site.shape,
+            )
         where = address or "<root>"
         pick = f"save=[{facet!r}]" if not address else f"save=[{address!r}] or save=[{facet!r}]"
-        return res("needs_capture", address, facet, f"{where}:{facet} exists but save= did not keep it.",
-                   f"trace again with save='all' or {pick}", site.shape)
+        return res(
+            "needs_capture",
+            address,
+            facet,
+            f"{where}:{facet} exists but save= did not keep it.",
+            f"trace again with save='all' or {pick}",
+            site.shape,
+        )
     if site.kind == "real":
-        pending = "" if site.checked else " Not checked yet: its check runs on first read (or trace.check())."
+        pending = (
+            ""
+            if site.checked
+            else " Not checked yet: its check runs on first read (or trace.check())."
+        )
         return res("real", address, facet, f"{site.note}.{pending}", "", site.shape, site.checked)
-    how = "rebuilt from the fused kernel's inputs and checked against its output" if site.kind == "reconstructed" \
+    how = (
+        "rebuilt from the fused kernel's inputs and checked against its output"
+        if site.kind == "reconstructed"
         else "computed from recorded tensors"
+    )
     if not site.checked:
         how += " on first read (or trace.check()); not computed or checked yet"
-    return res("reconstructed_read_only", address, facet, f"{how}; no op produced this tensor.",
-               "to edit it, trace a model with attn_implementation='eager' (real softmax op)"
-               if site.kind == "reconstructed" else "edit the tensors it is computed from", site.shape, site.checked)
+    return res(
+        "reconstructed_read_only",
+        address,
+        facet,
+        f"{how}; no op produced this tensor.",
+        "to edit it, trace a model with attn_implementation='eager' (real softmax op)"
+        if site.kind == "reconstructed"
+        else "edit the tensors it is computed from",
+        site.shape,
+        site.checked,
+    )
 
 
 #: The root's facets read from one module call (`_analysis.facets._root_facets`): facet -> the
@@ -350,7 +504,11 @@ _ROOT_SOURCES = {"logits": "unembed", "final_norm_input": "final_norm"}
 
 def _root_source_rerun(trace: Trace, address: str, facet: str) -> tuple[str, int] | None:
     """(module, calls) where a root facet is absent because the module it is read from ran several times."""
-    source = getattr(trace.structure, _ROOT_SOURCES.get(facet, ""), None) if address == "" and trace.structure else None
+    source = (
+        getattr(trace.structure, _ROOT_SOURCES.get(facet, ""), None)
+        if address == "" and trace.structure
+        else None
+    )
     if source is None or source.address not in trace.modules:
         return None
     n = len(trace.modules[source.address].calls)
@@ -362,11 +520,15 @@ def _refusal_remedy(reason: str, address: str) -> str:
     if "this trace edited it" in reason:
         return "read it on a trace without that edit; the edit changed what the relation joins"
     if "dropout" in reason:
-        return ("dropout in training mode drew a mask the relation cannot see; trace the model in eval mode "
-                "(model.eval()) if dropout is not what you study")
+        return (
+            "dropout in training mode drew a mask the relation cannot see; trace the model in eval mode "
+            "(model.eval()) if dropout is not what you study"
+        )
     where = address or "<root>"
-    return (f"read the recorded tensors the relation joins (the other facets of {where}: "
-            f"trace.modules[{address!r}].facets, or trace.ops)")
+    return (
+        f"read the recorded tensors the relation joins (the other facets of {where}: "
+        f"trace.modules[{address!r}].facets, or trace.ops)"
+    )
 
 
 def _tables(generation: str | None, *, any_generation: bool = False) -> list[Table]:
@@ -421,7 +583,9 @@ def resolve_alias(trace: Trace, name: str, generation: str | None = None) -> Ali
     tables = _tables(generation, any_generation=True)
     query = name.strip()
     if not query:
-        raise UnknownAlias("an empty name resolves to nothing; pass e.g. 'blocks.0.hook_resid_pre'.")
+        raise UnknownAlias(
+            "an empty name resolves to nothing; pass e.g. 'blocks.0.hook_resid_pre'."
+        )
     found = _matches(query, tables, trace)
     if not found:
         if interp_engine.TABLE in tables:
@@ -435,9 +599,16 @@ def resolve_alias(trace: Trace, name: str, generation: str | None = None) -> Ali
     listing = "; ".join(f"{r.generation}: {r.module_address}:{r.facet}" for r in results)
     first = results[0]
     return AliasResolution(
-        query, first.generation, "ambiguous", None, None, first.layer,
+        query,
+        first.generation,
+        "ambiguous",
+        None,
+        None,
+        first.layer,
         f"{query!r} names different sites in different generations ({listing})",
-        f"pass generation= one of {', '.join(repr(r.generation) for r in results)}", first.pattern, first.meaning,
+        f"pass generation= one of {', '.join(repr(r.generation) for r in results)}",
+        first.pattern,
+        first.meaning,
     )
 
 
@@ -482,12 +653,14 @@ def alias_report(trace: Trace, generation: str = "2.x") -> AliasReport:
             continue
         if row.per_layer and not (table_.absent_once and row.facet is None):
             for layer in range(_n_layers(trace, row)):
-                rows.append(_status(trace, table_, row, layer, row.name.replace("{L}", str(layer)), force=False))
+                rows.append(
+                    _status(
+                        trace, table_, row, layer, row.name.replace("{L}", str(layer)), force=False
+                    )
+                )
             if not _n_layers(trace, row):  # no layer found: one row says so, rather than none
                 rows.append(_status(trace, table_, row, None, row.bare, force=False))
         else:
             query = row.bare if row.per_layer else row.name
             rows.append(_status(trace, table_, row, None, query, force=False))
     return rows
-
-

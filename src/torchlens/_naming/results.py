@@ -13,8 +13,16 @@ from torchlens._core.errors import LookupFailed, NoGradients
 if TYPE_CHECKING:
     from torchlens._trace import Trace
 
-__all__ = ["STATUSES", "AliasError", "AliasReport", "AliasResolution", "LayerOutOfRange", "MalformedAlias",
-           "UnknownAlias", "UnknownGeneration"]
+__all__ = [
+    "STATUSES",
+    "AliasError",
+    "AliasReport",
+    "AliasResolution",
+    "LayerOutOfRange",
+    "MalformedAlias",
+    "UnknownAlias",
+    "UnknownGeneration",
+]
 
 
 STATUSES = {
@@ -116,7 +124,9 @@ class AliasResolution:
         if self.module_address is None or self.facet is None:
             raise AliasError(f"{self.query!r} has no site in this trace: {self.reason}")
         if self.trace is None:
-            raise AliasError(f"{self.query!r} was built without a trace; use resolve_alias(trace, name).tensor")
+            raise AliasError(
+                f"{self.query!r} was built without a trace; use resolve_alias(trace, name).tensor"
+            )
         rec = self.trace.modules[self.module_address]
         if self.call is not None:
             facets = rec.calls[self.call].facets
@@ -138,7 +148,9 @@ class AliasResolution:
         if self.module_address is None or self.facet is None:
             raise AliasError(f"{self.query!r} has no site in this trace: {self.reason}")
         if self.trace is None:
-            raise AliasError(f"{self.query!r} was built without a trace; use resolve_alias(trace, name).grad")
+            raise AliasError(
+                f"{self.query!r} was built without a trace; use resolve_alias(trace, name).grad"
+            )
         rec = self.trace.modules[self.module_address]
         if self.call is not None:
             grads = rec.calls[self.call].grads
@@ -161,8 +173,14 @@ def _site(r: AliasResolution) -> str:
     return f"{address}:{r.facet or '-'}"
 
 
-_STATUS_COLORS = {"real": "#2e7d32", "reconstructed_read_only": "#1565c0", "needs_capture": "#ef6c00",
-                  "refused": "#ad1457", "structurally_absent": "#757575", "ambiguous": "#c62828"}
+_STATUS_COLORS = {
+    "real": "#2e7d32",
+    "reconstructed_read_only": "#1565c0",
+    "needs_capture": "#ef6c00",
+    "refused": "#ad1457",
+    "structurally_absent": "#757575",
+    "ambiguous": "#c62828",
+}
 
 
 def _status_counts(rows) -> dict[str, int]:
@@ -179,17 +197,27 @@ def _html_table(rows: list[AliasResolution], caption: str = "") -> str:
     body = []
     for r in rows:
         color = _STATUS_COLORS.get(r.status, "#1f2328")
-        has_site = r.module_address is not None and r.facet is not None and r.status != "structurally_absent"
+        has_site = (
+            r.module_address is not None
+            and r.facet is not None
+            and r.status != "structurally_absent"
+        )
         why = r.reason + (f" Remedy: {r.remedy}" if r.remedy and not r.readable else "")
-        body.append([
-            html.code(r.query),
-            f'<span style="color:{color}">{html.esc(r.status)}</span>',
-            html.nowrap(html.code(_site(r))) if has_site else "",
-            html.nowrap(html.esc(list(r.shape))) if r.shape is not None else "",
-            html.esc(why),
-        ])
-    return html.table(["name", "status", "site", "shape", "reason"], body, caption=caption,
-                 note=_counts_line(rows) if len(rows) > 1 else "")
+        body.append(
+            [
+                html.code(r.query),
+                f'<span style="color:{color}">{html.esc(r.status)}</span>',
+                html.nowrap(html.code(_site(r))) if has_site else "",
+                html.nowrap(html.esc(list(r.shape))) if r.shape is not None else "",
+                html.esc(why),
+            ]
+        )
+    return html.table(
+        ["name", "status", "site", "shape", "reason"],
+        body,
+        caption=caption,
+        note=_counts_line(rows) if len(rows) > 1 else "",
+    )
 
 
 class AliasReport(list):
@@ -208,7 +236,11 @@ class AliasReport(list):
         s = max(len(r.status) for r in self)
         lines = [f"{'name'.ljust(w)}  {'status'.ljust(s)}  site"]
         for r in self:
-            if r.module_address is not None and r.facet is not None and r.status != "structurally_absent":
+            if (
+                r.module_address is not None
+                and r.facet is not None
+                and r.status != "structurally_absent"
+            ):
                 site = _site(r) + ("" if r.checked else "  (not checked yet)")
                 if r.status == "refused":
                     site += "  - " + r.reason.rstrip(".")
@@ -224,5 +256,3 @@ class AliasReport(list):
     def counts(self) -> dict[str, int]:
         """How many rows have each status."""
         return _status_counts(self)
-
-

@@ -11,17 +11,24 @@ a layer index counts the calls of the language-model stack's blocks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torchlens._analysis.graph import adds_own_input
 from torchlens._analysis.structure import Layer, Structure, from_model_input
 from torchlens._core.errors import TorchLensError
 from torchlens._core.facet_spec import absent_reason
-from torchlens._core.ops import ACTIVATION_OPS, ADD_OPS, CAST_OPS, FUSED_ATTENTION_OPS, PASS_THROUGH_OPS, SCALE_OPS, SOFTMAX_OPS
+from torchlens._core.ops import (
+    ACTIVATION_OPS,
+    ADD_OPS,
+    CAST_OPS,
+    FUSED_ATTENTION_OPS,
+    PASS_THROUGH_OPS,
+    SCALE_OPS,
+    SOFTMAX_OPS,
+)
 from torchlens._core.records import ModuleCall, Ref
 from torchlens._core.roles import ROLES, WEIGHT_LAYOUT
 
@@ -34,7 +41,9 @@ if TYPE_CHECKING:
 def _st(trace: Trace) -> Structure:
     """The trace's structure (`trace()` always finds one; a finder never runs on a trace without it)."""
     if trace.structure is None:
-        raise TorchLensError("this trace has no structure (its records are incomplete); trace the model again.")
+        raise TorchLensError(
+            "this trace has no structure (its records are incomplete); trace the model again."
+        )
     return trace.structure
 
 
@@ -45,7 +54,9 @@ def _layer(trace: Trace, layer):
 
 def stack_of_kind(trace: Trace, kind: str):
     """The one stack of that kind (`"encoder"` / `"decoder"`), or None."""
-    stacks = [s for s in trace.structure.stacks.values() if s.kind == kind] if trace.structure else []
+    stacks = (
+        [s for s in trace.structure.stacks.values() if s.kind == kind] if trace.structure else []
+    )
     return stacks[0] if len(stacks) == 1 else None
 
 
@@ -67,7 +78,9 @@ def _sublayer(trace: Trace, layer: int, which: str) -> ModuleCall | None:
     return getattr(_layer(trace, layer), which)
 
 
-def _norm_where(trace: Trace, layer: int, match: Callable[[ModuleCall, ModuleCall], bool], which: str):
+def _norm_where(
+    trace: Trace, layer: int, match: Callable[[ModuleCall, ModuleCall], bool], which: str
+):
     sub = _sublayer(trace, layer, which)
     if sub is None:
         return None
@@ -86,7 +99,9 @@ def _follows(n: ModuleCall, s: ModuleCall) -> bool:
     return type(s.output_ref) is Ref and n.input_ref == s.output_ref
 
 
-def _added_to_residual(trace: Trace, layer: int, sub: ModuleCall, reads: ModuleCall | None = None) -> bool:
+def _added_to_residual(
+    trace: Trace, layer: int, sub: ModuleCall, reads: ModuleCall | None = None
+) -> bool:
     """Whether the call's output is a summand of what the layer adds to its residual stream.
 
     Followed through casts, dropout and other sums (GPT-J adds attention and MLP outputs first),
@@ -110,7 +125,9 @@ def _added_to_residual(trace: Trace, layer: int, sub: ModuleCall, reads: ModuleC
             if any(_holds_stream(trace, r, reads.input_ref) for r in op.inputs if r not in refs):
                 return True
             refs.add(Ref(op.index, 0))
-        elif op.name in PASS_THROUGH_OPS and op.inputs[0] in refs:  # (`y.type_as(x)` passes y on, not x)
+        elif (
+            op.name in PASS_THROUGH_OPS and op.inputs[0] in refs
+        ):  # (`y.type_as(x)` passes y on, not x)
             refs.add(Ref(op.index, 0))
     return False
 
@@ -157,9 +174,18 @@ def _token_embed(trace: Trace) -> ModuleCall | None:
 
 
 def _outside_layers(trace: Trace, role: str) -> list[ModuleCall]:
-    inside = {id(c) for s in _st(trace).stacks.values() for layer in s.layers
-              for c in [layer.call] + _below(trace, layer.call)}
-    return [c for rec in trace.modules.values() for c in rec.calls if c.role == role and id(c) not in inside]
+    inside = {
+        id(c)
+        for s in _st(trace).stacks.values()
+        for layer in s.layers
+        for c in [layer.call] + _below(trace, layer.call)
+    }
+    return [
+        c
+        for rec in trace.modules.values()
+        for c in rec.calls
+        if c.role == role and id(c) not in inside
+    ]
 
 
 def _pos_embed(trace: Trace) -> ModuleCall | None:
@@ -169,9 +195,15 @@ def _pos_embed(trace: Trace) -> ModuleCall | None:
     none when that cannot be told.
     """
     token = _token_embed(trace)
-    others = [c for c in _outside_layers(trace, "embedding")
-              if (token is None or c.address != token.address) and not from_model_input(trace.ops, c.input_ref)]
-    if len(others) <= 1:  # (a lookup of model input ids, T5's decoder embedding, is no position embedding)
+    others = [
+        c
+        for c in _outside_layers(trace, "embedding")
+        if (token is None or c.address != token.address)
+        and not from_model_input(trace.ops, c.input_ref)
+    ]
+    if (
+        len(others) <= 1
+    ):  # (a lookup of model input ids, T5's decoder embedding, is no position embedding)
         return others[0] if others else None
     for c in others:
         site = c.facets.sites.get("indices") if c.facets else None
@@ -186,10 +218,19 @@ def _attn_o(trace: Trace, layer: int) -> ModuleCall | None:
     attn = _sublayer(trace, layer, "attention")
     if attn is None:
         return None
-    kernel = next((op.index for op in trace.ops[attn.first_op : attn.end_op]
-                   if op.name in SOFTMAX_OPS | FUSED_ATTENTION_OPS), None)
-    weighted = [c for c in _below(trace, attn) if c.class_name in WEIGHT_LAYOUT and kernel is not None
-                and c.first_op > kernel]
+    kernel = next(
+        (
+            op.index
+            for op in trace.ops[attn.first_op : attn.end_op]
+            if op.name in SOFTMAX_OPS | FUSED_ATTENTION_OPS
+        ),
+        None,
+    )
+    weighted = [
+        c
+        for c in _below(trace, attn)
+        if c.class_name in WEIGHT_LAYOUT and kernel is not None and c.first_op > kernel
+    ]
     return weighted[-1] if weighted else None
 
 
@@ -208,9 +249,12 @@ def _mlp_gated(trace: Trace, layer: int) -> ModuleCall | None:
 def _or_raw(norm_target: str, which: str) -> Callable[[Trace, int], ModuleCall | None]:
     """The norm applied to the sublayer's output when that norm's output is what the layer adds
     to the residual stream (a sandwich norm), else the sublayer itself when its output is."""
+
     def find(trace: Trace, layer: int) -> ModuleCall | None:
         norm = TARGETS[norm_target].find(trace, layer)
-        if norm is not None and _added_to_residual(trace, layer, norm, _sublayer(trace, layer, which)):
+        if norm is not None and _added_to_residual(
+            trace, layer, norm, _sublayer(trace, layer, which)
+        ):
             return norm
         return _contribution(which)(trace, layer)
 
@@ -221,7 +265,9 @@ def _or_raw(norm_target: str, which: str) -> Callable[[Trace, int], ModuleCall |
 
 
 def _weighted_below(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
-    return [c for c in _below(trace, call) if c.class_name in WEIGHT_LAYOUT and not _below(trace, c)]
+    return [
+        c for c in _below(trace, call) if c.class_name in WEIGHT_LAYOUT and not _below(trace, c)
+    ]
 
 
 def _post_ln(trace: Trace, layer: int, which: int) -> ModuleCall | None:
@@ -235,8 +281,16 @@ def _post_ln(trace: Trace, layer: int, which: int) -> ModuleCall | None:
     if attn is None:
         return None
     inside = {id(c) for c in _below(trace, attn)} | {id(attn)}
-    norms = [c for c in _below(trace, lay.call) if c.role == "norm" and id(c) not in inside and c.first_op > attn.end_op]
-    if len(norms) != 2 or type(norms[-1].output_ref) is not Ref or norms[-1].output_ref != lay.call.output_ref:
+    norms = [
+        c
+        for c in _below(trace, lay.call)
+        if c.role == "norm" and id(c) not in inside and c.first_op > attn.end_op
+    ]
+    if (
+        len(norms) != 2
+        or type(norms[-1].output_ref) is not Ref
+        or norms[-1].output_ref != lay.call.output_ref
+    ):
         return None
     return norms[which]
 
@@ -246,7 +300,11 @@ def _split_mlp(trace: Trace, layer: int, which: int) -> ModuleCall | None:
     ln1, ln2 = _post_ln(trace, layer, 0), _post_ln(trace, layer, -1)
     if ln1 is None or ln2 is None or _layer(trace, layer).mlp is not None:
         return None
-    lins = [c for c in _weighted_below(trace, _layer(trace, layer).call) if ln1.end_op <= c.first_op < ln2.first_op]
+    lins = [
+        c
+        for c in _weighted_below(trace, _layer(trace, layer).call)
+        if ln1.end_op <= c.first_op < ln2.first_op
+    ]
     return lins[which] if len(lins) == 2 else None
 
 
@@ -262,15 +320,24 @@ def _pre_ln_split(trace: Trace, layer: int) -> tuple[ModuleCall, ModuleCall, Mod
     lins = [c for c in _weighted_below(trace, lay.call) if c.first_op >= end]
     if len(lins) != 2 or type(lins[0].input_ref) is not Ref or type(lins[0].output_ref) is not Ref:
         return None
-    norm = next((c for c in _below(trace, lay.call) if c.role == "norm" and c.first_op >= end
-                 and c.output_ref == lins[0].input_ref), None)
+    norm = next(
+        (
+            c
+            for c in _below(trace, lay.call)
+            if c.role == "norm" and c.first_op >= end and c.output_ref == lins[0].input_ref
+        ),
+        None,
+    )
     # The up projection's output goes straight into an activation (a module, or an activation op),
     # so that it is the activation's input (`hook_pre`).
     up = lins[0].output_ref
-    activated = any(c.input_ref == up and c.role != "norm" and c.class_name not in WEIGHT_LAYOUT
-                    for c in _below(trace, lay.call)) or \
-        any(op.name in ACTIVATION_OPS and op.inputs and op.inputs[0] == up
-            for op in trace.ops[lins[0].end_op : lins[1].first_op])
+    activated = any(
+        c.input_ref == up and c.role != "norm" and c.class_name not in WEIGHT_LAYOUT
+        for c in _below(trace, lay.call)
+    ) or any(
+        op.name in ACTIVATION_OPS and op.inputs and op.inputs[0] == up
+        for op in trace.ops[lins[0].end_op : lins[1].first_op]
+    )
     return None if norm is None or not activated else (norm, lins[0], lins[1])
 
 
@@ -288,7 +355,9 @@ def _attn_out_proj(trace: Trace, layer: int) -> ModuleCall | None:
     attn = lay.attention
     if attn is None or type(attn.output_ref) is not Ref:
         return None
-    return next((c for c in _weighted_below(trace, lay.call) if c.input_ref == attn.output_ref), None)
+    return next(
+        (c for c in _weighted_below(trace, lay.call) if c.input_ref == attn.output_ref), None
+    )
 
 
 def _post_ln_block(trace: Trace, layer: int) -> ModuleCall | None:
@@ -303,7 +372,12 @@ def _scaled_embed_block(trace: Trace) -> ModuleCall | None:
     added on the way."""
     structure = trace.structure
     token = structure.token_embed if structure is not None else None
-    if structure is None or token is None or not structure.layers or type(token.output_ref) is not Ref:
+    if (
+        structure is None
+        or token is None
+        or not structure.layers
+        or type(token.output_ref) is not Ref
+    ):
         return None
     first = structure.layers[0].call
     ref, scaled = first.input_ref, False
@@ -328,7 +402,9 @@ def _embed_norm(trace: Trace) -> ModuleCall | None:
     if trace.structure is None or not trace.structure.layers:
         return None
     ref = trace.structure.layers[0].call.input_ref
-    for _ in range(4):  # through the embedding's dropout (eval or not, the norm's output is what it passes on)
+    for _ in range(
+        4
+    ):  # through the embedding's dropout (eval or not, the norm's output is what it passes on)
         if type(ref) is not Ref:
             return None
         op = trace.ops[ref.op]
@@ -343,8 +419,11 @@ def _type_embed(trace: Trace) -> ModuleCall | None:
     token, pos = _token_embed(trace), _pos_embed(trace)
     if pos is None:
         return None
-    others = [c for c in _outside_layers(trace, "embedding")
-              if c is not pos and (token is None or c.address != token.address)]
+    others = [
+        c
+        for c in _outside_layers(trace, "embedding")
+        if c is not pos and (token is None or c.address != token.address)
+    ]
     return others[0] if len(others) == 1 else None
 
 
@@ -402,82 +481,244 @@ def check_targets(rows: tuple[Target, ...]) -> dict[str, Target]:
             raise TorchLensError(f"two targets are named {t.name!r}")
         bad = [r for r in t.roles if r not in ROLES]
         if not t.roles or bad:
-            raise TorchLensError(f"target {t.name!r} names roles {list(t.roles)}; each must be one of {', '.join(ROLES)}")
+            raise TorchLensError(
+                f"target {t.name!r} names roles {list(t.roles)}; each must be one of {', '.join(ROLES)}"
+            )
         by_name[t.name] = t
     return by_name
 
 
 #: target name -> its `Target` row, checked on import.
-TARGETS: dict[str, Target] = check_targets((
-    Target(name='block', find=lambda t, i: _layer(t, i).call, per_layer=True, roles=('block',),
-           absent="no block"),
-    Target(name='attention', find=lambda t, i: _sublayer(t, i, "attention"), per_layer=True, roles=('attention',),
-           absent="the block has no attention sublayer"),
-    Target(name='cross_attention', find=lambda t, i: _sublayer(t, i, "cross_attention"), per_layer=True, roles=('attention',),
-           absent="the block has no cross-attention sublayer"),
-    Target(name='mlp', find=lambda t, i: _sublayer(t, i, "mlp"), per_layer=True, roles=('mlp',),
-           absent="the block has no MLP sublayer: no single module of it maps each position through a nonlinearity "
-                  "after its token mixer (none does, or several do, such as a dense and a shared MLP side by side)"),
-    Target(name='ln1', find=lambda t, i: _norm_where(t, i, _feeds, "attention"), per_layer=True, roles=('norm',),
-           absent="no norm feeds the attention input (the block normalizes after its sublayers)"),
-    Target(name='ln2', find=lambda t, i: _norm_where(t, i, _feeds, "mlp") or _pre_ln_mlp(0)(t, i), per_layer=True, roles=('norm',),
-           absent="no norm feeds the MLP input (the block normalizes after its sublayers)"),
-    Target(name='attn_post_norm', find=lambda t, i: _norm_where(t, i, _follows, "attention"), per_layer=True, roles=('norm',),
-           absent="no norm is applied to the attention output (no sandwich norm)"),
-    Target(name='mlp_post_norm', find=lambda t, i: _norm_where(t, i, _follows, "mlp"), per_layer=True, roles=('norm',),
-           absent="no norm is applied to the MLP output (no sandwich norm)"),
-    Target(name='attn_out_final', find=_or_raw("attn_post_norm", "attention"), per_layer=True, roles=('norm', 'attention'),
-           absent="no attention sublayer whose output is added to the residual stream"),
-    Target(name='mlp_out_final', find=_or_raw("mlp_post_norm", "mlp"), per_layer=True, roles=('norm', 'mlp'),
-           absent="no MLP sublayer whose output is added to the residual stream"),
-    Target(name='attn_o', find=_attn_o, per_layer=True, roles=('other',),
-           absent="the attention has no output projection module"),
-    Target(name='mlp_gated', find=_mlp_gated, per_layer=True, roles=('mlp',),
-           absent=absent_reason(_GATED_BY)),
-    Target(name='token_embed', find=lambda t, i: _token_embed(t), per_layer=False, roles=('embedding',),
-           absent="no embedding module read the model's input ids"),
-    Target(name='pos_embed', find=lambda t, i: _pos_embed(t), per_layer=False, roles=('embedding',),
-           absent="no learned position embedding module ran (positions are rotary or absent), or it cannot be " "told from the other embeddings"),
-    Target(name='final_norm', find=lambda t, i: t.structure.final_norm, per_layer=False, roles=('norm',),
-           absent="no norm runs between the last block and the unembedding"),
-    Target(name='unembed', find=lambda t, i: t.structure.unembed, per_layer=False, roles=('unembed',),
-           absent="the model has no unembedding (lm_head) module"),
-    Target(name='post_ln1', find=lambda t, i: _post_ln(t, i, 0), per_layer=True, roles=('norm',),
-           absent="the block is not post-LN (no norm after the attention's residual add)"),
-    Target(name='post_ln2', find=lambda t, i: _post_ln(t, i, -1), per_layer=True, roles=('norm',),
-           absent="the block is not post-LN (its output is not a norm's output)"),
-    Target(name='post_ln_block', find=_post_ln_block, per_layer=True, roles=('block',),
-           absent="the block is not post-LN (its output is not a norm's output)"),
-    Target(name='attn_out_proj', find=_attn_out_proj, per_layer=True, roles=('other',),
-           absent="no output projection reads the attention's output outside it"),
-    Target(name='split_mlp_in', find=lambda t, i: _split_mlp(t, i, 0), per_layer=True, roles=('other',),
-           absent="no MLP split over two modules between the block's two norms"),
-    Target(name='split_mlp_out', find=lambda t, i: _split_mlp(t, i, -1), per_layer=True, roles=('other',),
-           absent="no MLP split over two modules between the block's two norms"),
-    Target(name='pre_ln_mlp_in', find=_pre_ln_mlp(1), per_layer=True, roles=('other',),
-           absent="the block is not pre-LN with an MLP held by no module of its own (a norm, then two " "weighted layers, all children of the block)"),
-    Target(name='pre_ln_mlp_out', find=_pre_ln_mlp(2), per_layer=True, roles=('other',),
-           absent="the block is not pre-LN with an MLP held by no module of its own"),
-    Target(name='type_embed', find=lambda t, i: _type_embed(t), per_layer=False, roles=('embedding',),
-           absent="no token-type embedding module ran"),
-    Target(name='embed_norm', find=lambda t, i: _embed_norm(t), per_layer=False, roles=('norm',),
-           absent="no norm outside the layers feeds the first block"),
-    Target(name='scaled_embed_block', find=lambda t, i: _scaled_embed_block(t), per_layer=False, roles=('block',),
-           absent="the first block does not read the token embedding scaled outside its module"),
-    Target(name='ln_cross', find=lambda t, i: _norm_where(t, i, _feeds, "cross_attention"), per_layer=True, roles=('norm',),
-           absent="no norm feeds the cross-attention input"),
-    Target(name='first_block', find=lambda t, i: _layer(t, 0).call if t.structure.layers else None, per_layer=False, roles=('block',),
-           absent="no block ran"),
-    Target(name='attn_residual', find=_residual_wrapper("attention"), per_layer=True, roles=('other',),
-           absent="no module between the block and its attention adds the residual"),
-    Target(name='cross_residual', find=_residual_wrapper("cross_attention"), per_layer=True, roles=('other',),
-           absent="no module between the block and its cross-attention adds the residual"),
-    Target(name='root', find=_root, per_layer=False, roles=('root',),
-           absent=""),
-))
+TARGETS: dict[str, Target] = check_targets(
+    (
+        Target(
+            name="block",
+            find=lambda t, i: _layer(t, i).call,
+            per_layer=True,
+            roles=("block",),
+            absent="no block",
+        ),
+        Target(
+            name="attention",
+            find=lambda t, i: _sublayer(t, i, "attention"),
+            per_layer=True,
+            roles=("attention",),
+            absent="the block has no attention sublayer",
+        ),
+        Target(
+            name="cross_attention",
+            find=lambda t, i: _sublayer(t, i, "cross_attention"),
+            per_layer=True,
+            roles=("attention",),
+            absent="the block has no cross-attention sublayer",
+        ),
+        Target(
+            name="mlp",
+            find=lambda t, i: _sublayer(t, i, "mlp"),
+            per_layer=True,
+            roles=("mlp",),
+            absent="the block has no MLP sublayer: no single module of it maps each position through a nonlinearity "
+            "after its token mixer (none does, or several do, such as a dense and a shared MLP side by side)",
+        ),
+        Target(
+            name="ln1",
+            find=lambda t, i: _norm_where(t, i, _feeds, "attention"),
+            per_layer=True,
+            roles=("norm",),
+            absent="no norm feeds the attention input (the block normalizes after its sublayers)",
+        ),
+        Target(
+            name="ln2",
+            find=lambda t, i: _norm_where(t, i, _feeds, "mlp") or _pre_ln_mlp(0)(t, i),
+            per_layer=True,
+            roles=("norm",),
+            absent="no norm feeds the MLP input (the block normalizes after its sublayers)",
+        ),
+        Target(
+            name="attn_post_norm",
+            find=lambda t, i: _norm_where(t, i, _follows, "attention"),
+            per_layer=True,
+            roles=("norm",),
+            absent="no norm is applied to the attention output (no sandwich norm)",
+        ),
+        Target(
+            name="mlp_post_norm",
+            find=lambda t, i: _norm_where(t, i, _follows, "mlp"),
+            per_layer=True,
+            roles=("norm",),
+            absent="no norm is applied to the MLP output (no sandwich norm)",
+        ),
+        Target(
+            name="attn_out_final",
+            find=_or_raw("attn_post_norm", "attention"),
+            per_layer=True,
+            roles=("norm", "attention"),
+            absent="no attention sublayer whose output is added to the residual stream",
+        ),
+        Target(
+            name="mlp_out_final",
+            find=_or_raw("mlp_post_norm", "mlp"),
+            per_layer=True,
+            roles=("norm", "mlp"),
+            absent="no MLP sublayer whose output is added to the residual stream",
+        ),
+        Target(
+            name="attn_o",
+            find=_attn_o,
+            per_layer=True,
+            roles=("other",),
+            absent="the attention has no output projection module",
+        ),
+        Target(
+            name="mlp_gated",
+            find=_mlp_gated,
+            per_layer=True,
+            roles=("mlp",),
+            absent=absent_reason(_GATED_BY),
+        ),
+        Target(
+            name="token_embed",
+            find=lambda t, i: _token_embed(t),
+            per_layer=False,
+            roles=("embedding",),
+            absent="no embedding module read the model's input ids",
+        ),
+        Target(
+            name="pos_embed",
+            find=lambda t, i: _pos_embed(t),
+            per_layer=False,
+            roles=("embedding",),
+            absent="no learned position embedding module ran (positions are rotary or absent), or it cannot be "
+            "told from the other embeddings",
+        ),
+        Target(
+            name="final_norm",
+            find=lambda t, i: t.structure.final_norm,
+            per_layer=False,
+            roles=("norm",),
+            absent="no norm runs between the last block and the unembedding",
+        ),
+        Target(
+            name="unembed",
+            find=lambda t, i: t.structure.unembed,
+            per_layer=False,
+            roles=("unembed",),
+            absent="the model has no unembedding (lm_head) module",
+        ),
+        Target(
+            name="post_ln1",
+            find=lambda t, i: _post_ln(t, i, 0),
+            per_layer=True,
+            roles=("norm",),
+            absent="the block is not post-LN (no norm after the attention's residual add)",
+        ),
+        Target(
+            name="post_ln2",
+            find=lambda t, i: _post_ln(t, i, -1),
+            per_layer=True,
+            roles=("norm",),
+            absent="the block is not post-LN (its output is not a norm's output)",
+        ),
+        Target(
+            name="post_ln_block",
+            find=_post_ln_block,
+            per_layer=True,
+            roles=("block",),
+            absent="the block is not post-LN (its output is not a norm's output)",
+        ),
+        Target(
+            name="attn_out_proj",
+            find=_attn_out_proj,
+            per_layer=True,
+            roles=("other",),
+            absent="no output projection reads the attention's output outside it",
+        ),
+        Target(
+            name="split_mlp_in",
+            find=lambda t, i: _split_mlp(t, i, 0),
+            per_layer=True,
+            roles=("other",),
+            absent="no MLP split over two modules between the block's two norms",
+        ),
+        Target(
+            name="split_mlp_out",
+            find=lambda t, i: _split_mlp(t, i, -1),
+            per_layer=True,
+            roles=("other",),
+            absent="no MLP split over two modules between the block's two norms",
+        ),
+        Target(
+            name="pre_ln_mlp_in",
+            find=_pre_ln_mlp(1),
+            per_layer=True,
+            roles=("other",),
+            absent="the block is not pre-LN with an MLP held by no module of its own (a norm, then two "
+            "weighted layers, all children of the block)",
+        ),
+        Target(
+            name="pre_ln_mlp_out",
+            find=_pre_ln_mlp(2),
+            per_layer=True,
+            roles=("other",),
+            absent="the block is not pre-LN with an MLP held by no module of its own",
+        ),
+        Target(
+            name="type_embed",
+            find=lambda t, i: _type_embed(t),
+            per_layer=False,
+            roles=("embedding",),
+            absent="no token-type embedding module ran",
+        ),
+        Target(
+            name="embed_norm",
+            find=lambda t, i: _embed_norm(t),
+            per_layer=False,
+            roles=("norm",),
+            absent="no norm outside the layers feeds the first block",
+        ),
+        Target(
+            name="scaled_embed_block",
+            find=lambda t, i: _scaled_embed_block(t),
+            per_layer=False,
+            roles=("block",),
+            absent="the first block does not read the token embedding scaled outside its module",
+        ),
+        Target(
+            name="ln_cross",
+            find=lambda t, i: _norm_where(t, i, _feeds, "cross_attention"),
+            per_layer=True,
+            roles=("norm",),
+            absent="no norm feeds the cross-attention input",
+        ),
+        Target(
+            name="first_block",
+            find=lambda t, i: _layer(t, 0).call if t.structure.layers else None,
+            per_layer=False,
+            roles=("block",),
+            absent="no block ran",
+        ),
+        Target(
+            name="attn_residual",
+            find=_residual_wrapper("attention"),
+            per_layer=True,
+            roles=("other",),
+            absent="no module between the block and its attention adds the residual",
+        ),
+        Target(
+            name="cross_residual",
+            find=_residual_wrapper("cross_attention"),
+            per_layer=True,
+            roles=("other",),
+            absent="no module between the block and its cross-attention adds the residual",
+        ),
+        Target(name="root", find=_root, per_layer=False, roles=("root",), absent=""),
+    )
+)
 
 
-def find_call(trace: Trace, target: str, layer: int | None, stack: str | None = None) -> tuple[ModuleCall | None, str]:
+def find_call(
+    trace: Trace, target: str, layer: int | None, stack: str | None = None
+) -> tuple[ModuleCall | None, str]:
     """The module call `target` names in `trace` at `layer` of the language-model stack (or of the
     stack of kind `stack`), or None and the reason."""
     row = TARGETS[target]
@@ -488,11 +729,15 @@ def find_call(trace: Trace, target: str, layer: int | None, stack: str | None = 
             return None, f"the model has no single {stack} stack"
         if layer is not None:
             layer = st.layers[layer]
-        if target == "final_norm":  # the stack's own, by `_analysis.structure`'s one final-norm rule
+        if (
+            target == "final_norm"
+        ):  # the stack's own, by `_analysis.structure`'s one final-norm rule
             return st.final_norm, "no norm reads the last layer's output"
     elif target == "final_norm" and (trace.structure is None or trace.structure.lm_stack is None):
-        return None, ("TorchLens found no language-model stack of layers in this trace, so no norm is the one "
-                      "between the last block and the unembedding")
+        return None, (
+            "TorchLens found no language-model stack of layers in this trace, so no norm is the one "
+            "between the last block and the unembedding"
+        )
     return finder(trace, layer), why
 
 

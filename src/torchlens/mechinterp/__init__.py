@@ -29,7 +29,12 @@ from torchlens._naming.results import (
 )
 from torchlens._naming.tables import Row, Table, TableError
 from torchlens.mechinterp._compare import Comparison, ComparisonReport, ToleranceError, compare
-from torchlens.mechinterp._translate import TRANSLATION_STATUSES, Translation, UnknownFamily, translate
+from torchlens.mechinterp._translate import (
+    TRANSLATION_STATUSES,
+    Translation,
+    UnknownFamily,
+    translate,
+)
 
 __all__ = [
     "resolve_alias",

@@ -10,9 +10,9 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from torchlens._core import html
 from torchlens._core.errors import LookupFailed, TorchLensError
 from torchlens._core.facet_spec import KERNEL_REBUILT
-from torchlens._core import html
 from torchlens._naming.diagnose import Candidate, diagnose
 from torchlens._naming.layouts import apply, conversions
 from torchlens._naming.resolver import resolve_alias
@@ -20,7 +20,14 @@ from torchlens._naming.results import AliasResolution
 from torchlens._trace import Trace
 from torchlens._tracing import trace as run_trace
 
-__all__ = ["compare", "Comparison", "ComparisonReport", "Candidate", "ToleranceError", "AUTO_FACTOR"]
+__all__ = [
+    "compare",
+    "Comparison",
+    "ComparisonReport",
+    "Candidate",
+    "ToleranceError",
+    "AUTO_FACTOR",
+]
 
 #: `tolerance="auto"`: a site's atol is this many times the trace's largest deviation from float64 there.
 AUTO_FACTOR = 4.0
@@ -28,7 +35,6 @@ AUTO_FACTOR = 4.0
 
 class ToleranceError(TorchLensError, ValueError):
     """`tolerance=` is not accepted, or `"auto"` lacks the model and inputs it reruns."""
-
 
 
 @dataclass(frozen=True)
@@ -108,15 +114,23 @@ class ComparisonReport(list):
         rows = [
             [
                 html.code(c.name),
-                '<span style="color:#2e7d32">yes</span>' if c.passed else '<span style="color:#c62828">no</span>',
+                '<span style="color:#2e7d32">yes</span>'
+                if c.passed
+                else '<span style="color:#c62828">no</span>',
                 html.esc(_err(c)) if c.max_abs_error is not None else "",
                 html.esc(c.status),
-                html.nowrap(html.code(_site(c))) + (f" <small>[{html.esc(c.layout)}]</small>" if c.layout != "as is" else ""),
-                (f"<b>{html.esc(c.explanation)}</b><br/>" if c.explanation else "") + html.esc(c.hint),
+                html.nowrap(html.code(_site(c)))
+                + (f" <small>[{html.esc(c.layout)}]</small>" if c.layout != "as is" else ""),
+                (f"<b>{html.esc(c.explanation)}</b><br/>" if c.explanation else "")
+                + html.esc(c.hint),
             ]
             for c in self
         ]
-        return html.table(["name", "ok", "max |diff|", "status", "site", "hint"], rows, note=_summary(self) if self else "")
+        return html.table(
+            ["name", "ok", "max |diff|", "status", "site", "hint"],
+            rows,
+            note=_summary(self) if self else "",
+        )
 
 
 def _site(c: Comparison) -> str:
@@ -134,10 +148,15 @@ def _summary(report: ComparisonReport) -> str:
     return f"{len(report)} compared: {len(report) - failed} agree, {failed} do not"
 
 
-def _layouts(ref: Tensor, engine_shape: tuple[int, ...], facet: str, broadcasts: bool = True) -> list[tuple[str, Tensor]]:
+def _layouts(
+    ref: Tensor, engine_shape: tuple[int, ...], facet: str, broadcasts: bool = True
+) -> list[tuple[str, Tensor]]:
     """The TorchLens tensor in each layout `compare` accepts (`_naming.layouts`) that gives the engine's shape."""
-    return [(c.label, apply(ref, c.steps)) for c in conversions(tuple(ref.shape), tuple(engine_shape), facet,
-                                                                  broadcasts=broadcasts) if c.accepted]
+    return [
+        (c.label, apply(ref, c.steps))
+        for c in conversions(tuple(ref.shape), tuple(engine_shape), facet, broadcasts=broadcasts)
+        if c.accepted
+    ]
 
 
 def _diff(engine: Tensor, ref: Tensor, facet: str) -> tuple[float, Tensor]:
@@ -229,20 +248,31 @@ def compare(
         ToleranceError: `tolerance` is not None or `"auto"`, or `"auto"` lacks `model`/`inputs`.
     """
     if tolerance not in (None, "auto"):
-        raise ToleranceError(f"tolerance={tolerance!r} is not accepted: pass None (use atol/rtol) or 'auto' "
-                             "(per-site tolerances from a float64 rerun of a copy of model=).")
+        raise ToleranceError(
+            f"tolerance={tolerance!r} is not accepted: pass None (use atol/rtol) or 'auto' "
+            "(per-site tolerances from a float64 rerun of a copy of model=)."
+        )
     if tolerance == "auto" and (not isinstance(model, nn.Module) or inputs is None):
-        raise ToleranceError("tolerance='auto' reruns the model in float64: pass model= (the traced module; "
-                             "a deep copy is run) and inputs= (a tensor, a tuple of positional arguments or a "
-                             "dict of keyword arguments).")
+        raise ToleranceError(
+            "tolerance='auto' reruns the model in float64: pass model= (the traced module; "
+            "a deep copy is run) and inputs= (a tensor, a tuple of positional arguments or a "
+            "dict of keyword arguments)."
+        )
     report = ComparisonReport()
-    resolved = [(name, value, resolve_alias(trace, name, generation=generation))
-                for name, value in engine_values.items()]
-    tolerances = (_auto_tolerances(trace, resolved, model, inputs)
-                  if tolerance == "auto" and isinstance(model, nn.Module) else {})
+    resolved = [
+        (name, value, resolve_alias(trace, name, generation=generation))
+        for name, value in engine_values.items()
+    ]
+    tolerances = (
+        _auto_tolerances(trace, resolved, model, inputs)
+        if tolerance == "auto" and isinstance(model, nn.Module)
+        else {}
+    )
     for name, value, res in resolved:
         tol = tolerances.get(name, (atol, rtol, None, ""))
-        if tol[0] is None:  # no float64 value at this site: the given atol/rtol, and the row says why
+        if (
+            tol[0] is None
+        ):  # no float64 value at this site: the given atol/rtol, and the row says why
             tol = (atol, rtol, None, tol[3])
         report.append(_compare_one(trace, name, value, res, tol, editable, generation, explain))
     return report
@@ -284,7 +314,9 @@ def _rerun(model: nn.Module, inputs: Any, dtype: torch.dtype, sites: set[tuple[s
     twin = copy.deepcopy(model).to(dtype)
     args, kwargs = _cast_inputs(inputs, dtype)
     with torch.no_grad():
-        return run_trace(twin, *args, save=lambda address, facet: (address, facet) in sites, **kwargs)
+        return run_trace(
+            twin, *args, save=lambda address, facet: (address, facet) in sites, **kwargs
+        )
 
 
 def _auto_tolerances(trace: Trace, resolved, model: nn.Module, inputs: Any) -> dict[str, tuple]:
@@ -310,21 +342,37 @@ def _auto_tolerances(trace: Trace, resolved, model: nn.Module, inputs: Any) -> d
     for name, (address, facet, ref_dtype, coarse) in wanted.items():
         try:
             exact = runs[torch.float64].modules[address].facets[facet].double()
-            near = (trace if coarse == ref_dtype else runs[coarse]).modules[address].facets[facet].double()
+            near = (
+                (trace if coarse == ref_dtype else runs[coarse])
+                .modules[address]
+                .facets[facet]
+                .double()
+            )
         except LookupFailed as exc:
-            out[name] = (None, None, None, f"tolerance='auto' unavailable here, atol/rtol used: the rerun has no "
-                                           f"tensor at {address}:{facet} ({exc})")
+            out[name] = (
+                None,
+                None,
+                None,
+                f"tolerance='auto' unavailable here, atol/rtol used: the rerun has no "
+                f"tensor at {address}:{facet} ({exc})",
+            )
             continue
         if near.shape != exact.shape:
             continue
         d = (near - exact).abs()
-        finite = torch.isfinite(exact) & torch.isfinite(near) & (exact.abs() < torch.finfo(torch.float32).max / 4)
+        finite = (
+            torch.isfinite(exact)
+            & torch.isfinite(near)
+            & (exact.abs() < torch.finfo(torch.float32).max / 4)
+        )
         dev = float(d[finite].max()) if bool(finite.any()) else 0.0
         out[name] = (AUTO_FACTOR * dev, torch.finfo(coarse).eps, str(coarse)[6:], "")
     return out
 
 
-def _compare_one(trace, name, value, res: AliasResolution, tol, editable, generation, explain) -> Comparison:
+def _compare_one(
+    trace, name, value, res: AliasResolution, tol, editable, generation, explain
+) -> Comparison:
     atol, rtol, auto_dtype, auto_note = tol
     hints = [auto_note] if auto_note else []
     engine, rest, tuple_hint = _engine_tensor(value)
@@ -335,29 +383,61 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
         explanation, candidates = "", cast(tuple, ())
         if not passed and explain and engine.is_floating_point() and engine.numel() > 1:
             try:
-                explanation, candidates = diagnose(trace, engine, res.module_address if res.readable else None,
-                                                   res.facet if res.readable else None,
-                                                   generation or res.generation, atol, rtol, rest)
+                explanation, candidates = diagnose(
+                    trace,
+                    engine,
+                    res.module_address if res.readable else None,
+                    res.facet if res.readable else None,
+                    generation or res.generation,
+                    atol,
+                    rtol,
+                    rest,
+                )
             except Exception as exc:  # the row's verdict stands; say why it has no explanation
                 explanation = f"no explanation: the search failed ({type(exc).__name__}: {exc})"
-        return Comparison(name, status, res.module_address, res.facet, tuple(engine.shape), ref_shape, layout,
-                          err, passed, "; ".join(hints + ([hint] if hint else [])), explanation, candidates,
-                          (atol, rtol))
+        return Comparison(
+            name,
+            status,
+            res.module_address,
+            res.facet,
+            tuple(engine.shape),
+            ref_shape,
+            layout,
+            err,
+            passed,
+            "; ".join(hints + ([hint] if hint else [])),
+            explanation,
+            candidates,
+            (atol, rtol),
+        )
 
     if not res.readable:
-        return row(res.status, False, f"no readable TorchLens site: {res.reason} {res.remedy}".strip())
+        return row(
+            res.status, False, f"no readable TorchLens site: {res.reason} {res.remedy}".strip()
+        )
     if editable and res.status == "reconstructed_read_only":
-        return row(res.status, False, "not compared: editable=True, and TorchLens only reconstructs this site "
-                   "(read-only): an engine writing it "
-                   "edits a tensor the eager model never materializes; trace with attn_implementation='eager'")
+        return row(
+            res.status,
+            False,
+            "not compared: editable=True, and TorchLens only reconstructs this site "
+            "(read-only): an engine writing it "
+            "edits a tensor the eager model never materializes; trace with attn_implementation='eager'",
+        )
     assert res.tensor is not None and res.facet is not None  # a readable resolution has both
     ref = res.tensor.detach().cpu()
     if engine.dtype != ref.dtype:
-        hints.append(f"dtypes differ (engine {str(engine.dtype)[6:]}, TorchLens {str(ref.dtype)[6:]})")
+        hints.append(
+            f"dtypes differ (engine {str(engine.dtype)[6:]}, TorchLens {str(ref.dtype)[6:]})"
+        )
     options = _layouts(ref, engine.shape, res.facet)
     if not options:
-        return row(res.status, False, f"shapes do not line up under any layout conversion "
-                   f"(engine {list(engine.shape)}, TorchLens {list(ref.shape)})", tuple(ref.shape))
+        return row(
+            res.status,
+            False,
+            f"shapes do not line up under any layout conversion "
+            f"(engine {list(engine.shape)}, TorchLens {list(ref.shape)})",
+            tuple(ref.shape),
+        )
     best: tuple[str, float, Tensor, Tensor] | None = None
     for label, t in options:
         err, d = _diff(engine, t, res.facet)
@@ -370,7 +450,9 @@ def _compare_one(trace, name, value, res: AliasResolution, tol, editable, genera
     hint = ""
     if not passed:
         hint = _mismatch_hint(trace, res, d, atol, rtol, scale, engine, t)
-        if auto_dtype is not None:  # the precision is accounted for: keep only a hint about something else
+        if (
+            auto_dtype is not None
+        ):  # the precision is accounted for: keep only a hint about something else
             note = f"tolerance='auto' at {auto_dtype} precision: atol {atol:.2g}, rtol {rtol:.2g}"
             hint = note if hint.startswith("half-precision") else f"{note}; {hint}"
     return row(res.status, passed, hint, tuple(ref.shape), label, err)
@@ -393,18 +475,27 @@ def _equals_facet(trace, res: AliasResolution, facet: str, engine: Tensor, atol,
     return False
 
 
-def _mismatch_hint(trace, res: AliasResolution, d: Tensor, atol, rtol, scale, engine: Tensor, ref: Tensor) -> str:
+def _mismatch_hint(
+    trace, res: AliasResolution, d: Tensor, atol, rtol, scale, engine: Tensor, ref: Tensor
+) -> str:
     bad = d > atol + rtol * scale
     if res.facet == "normalized" and _equals_facet(trace, res, "output", engine, atol, rtol):
-        return ("the engine's tensor is this norm's output, after the gain and bias: TransformerLens 2.x hooks "
-                "hook_normalized there on an unfolded LayerNorm (fold_ln=False); TorchLens's normalized is the "
-                "tensor before the gain, which a folded model (fold_ln=True) hooks")
+        return (
+            "the engine's tensor is this norm's output, after the gain and bias: TransformerLens 2.x hooks "
+            "hook_normalized there on an unfolded LayerNorm (fold_ln=False); TorchLens's normalized is the "
+            "tensor before the gain, which a folded model (fold_ln=True) hooks"
+        )
     if res.status == "reconstructed_read_only":
         if res.facet in KERNEL_REBUILT:
             return "TorchLens rebuilt this site from a fused kernel's inputs; compare an eager-attention copy to be sure"
-        return "TorchLens computed this site from recorded tensors; check the engine's convention for it" + (
-            f" ({res.note})" if res.note else "")
-    if engine.dtype in (torch.bfloat16, torch.float16) or ref.dtype in (torch.bfloat16, torch.float16):
+        return (
+            "TorchLens computed this site from recorded tensors; check the engine's convention for it"
+            + (f" ({res.note})" if res.note else "")
+        )
+    if engine.dtype in (torch.bfloat16, torch.float16) or ref.dtype in (
+        torch.bfloat16,
+        torch.float16,
+    ):
         return "half-precision run: loosen atol/rtol to the engine's precision"
     if bad.dim() >= 2 and ref.dim() >= 2:
         per_pos = bad.flatten(0, -2).any(-1) if bad.dim() > 2 else bad.any(-1)

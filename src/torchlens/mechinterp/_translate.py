@@ -21,8 +21,15 @@ from dataclasses import dataclass
 
 from torchlens import testing
 from torchlens._core.errors import close_matches
-from torchlens._naming.resolver import (GENERATIONS, _canonical_index, _for_trace, _n_layers, _status, _tables,
-                                        resolve_alias)
+from torchlens._naming.resolver import (
+    GENERATIONS,
+    _canonical_index,
+    _for_trace,
+    _n_layers,
+    _status,
+    _tables,
+    resolve_alias,
+)
 from torchlens._naming.results import AliasError, AliasResolution, MalformedAlias, UnknownAlias
 from torchlens._naming.tables import Row, Table
 from torchlens._trace import Trace
@@ -33,11 +40,11 @@ __all__ = ["TRANSLATION_STATUSES", "Translation", "UnknownFamily", "translate"]
 #: What each status of a [`Translation`][torchlens.mechinterp.Translation] means.
 TRANSLATION_STATUSES = {
     "same_site": "the names read the same site: without a model, their rows name the same target and facet, so "
-                 "they read one site on every model; on a trace, both resolve to the same module call and facet",
+    "they read one site on every model; on a trace, both resolve to the same module call and facet",
     "depends_on_family": "without a model the tables cannot settle it: the names read the same site on some model "
-                         "families and not on others (the reason says when); pass family= or trace= for an answer",
+    "families and not on others (the reason says when); pass family= or trace= for an answer",
     "no_name": "the other generation has no name for the site: no row names its target and facet, or, on a trace, "
-               "no name resolves to it",
+    "no name resolves to it",
     "no_site": "the name reads no TorchLens site (in the tables, or on this trace), so there is nothing to translate",
 }
 
@@ -45,12 +52,17 @@ TRANSLATION_STATUSES = {
 #: post-sublayer norm where the block has one, else the sublayer itself; a gated MLP is the MLP).
 #: `tests/test_translate.py` checks the set against every family of `torchlens.testing.FAMILIES`:
 #: it is exactly the pairs of targets some family's trace finds on one module call.
-SHARED_MODULES = frozenset({
-    frozenset({"attention", "attn_out_final"}), frozenset({"attn_post_norm", "attn_out_final"}),
-    frozenset({"mlp", "mlp_out_final"}), frozenset({"mlp_post_norm", "mlp_out_final"}),
-    frozenset({"mlp", "mlp_gated"}), frozenset({"mlp_gated", "mlp_out_final"}),
-    frozenset({"block", "first_block"}),
-})
+SHARED_MODULES = frozenset(
+    {
+        frozenset({"attention", "attn_out_final"}),
+        frozenset({"attn_post_norm", "attn_out_final"}),
+        frozenset({"mlp", "mlp_out_final"}),
+        frozenset({"mlp_post_norm", "mlp_out_final"}),
+        frozenset({"mlp", "mlp_gated"}),
+        frozenset({"mlp_gated", "mlp_out_final"}),
+        frozenset({"block", "first_block"}),
+    }
+)
 
 
 class UnknownFamily(AliasError, ValueError):
@@ -97,8 +109,10 @@ class Translation:
     def __repr__(self) -> str:
         on = f", family={self.family!r}" if self.family else ""
         also = f", also on some families: {list(self.also)}" if self.also else ""
-        return (f"Translation({self.name!r} {self.from_generation} -> {self.to_generation}: "
-                f"{list(self.names)} [{self.status}]{also}{on})")
+        return (
+            f"Translation({self.name!r} {self.from_generation} -> {self.to_generation}: "
+            f"{list(self.names)} [{self.status}]{also}{on})"
+        )
 
     def __str__(self) -> str:
         names = ", ".join(self.names) if self.names else "(no name)"
@@ -130,7 +144,9 @@ def _parse(query: str, table: Table) -> tuple[Row, str | None]:
         text = match.group(1)
         canonical = _canonical_index(text)
         if text != canonical:
-            raise MalformedAlias(f"{query!r}: write the layer as {canonical} (ASCII digits, no leading zeros).")
+            raise MalformedAlias(
+                f"{query!r}: write the layer as {canonical} (ASCII digits, no leading zeros)."
+            )
         if canonical.startswith("-") and not table.negative_layers:
             raise MalformedAlias(f"{query!r}: {table.generation} layer indices are non-negative.")
         return row, canonical
@@ -146,12 +162,22 @@ def _unknown(query: str, table: Table) -> UnknownAlias:
     digits = re.findall(r"-?[0-9]+", query)
     layer = digits[0] if digits else "0"
     hits = close_matches(query, [_fill(r, layer) for r in table.rows], n=3)
-    others = [t.generation for t in GENERATIONS.values() if t is not table
-              and any(r.pattern.match(query) or (t.absent_once and query == r.bare) for r in t.rows)]
-    elsewhere = (f" It is a name of {' and '.join(others)}: pass from_generation={others[0]!r}." if others else "")
+    others = [
+        t.generation
+        for t in GENERATIONS.values()
+        if t is not table
+        and any(r.pattern.match(query) or (t.absent_once and query == r.bare) for r in t.rows)
+    ]
+    elsewhere = (
+        f" It is a name of {' and '.join(others)}: pass from_generation={others[0]!r}."
+        if others
+        else ""
+    )
     hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
-    return UnknownAlias(f"{query!r} is not a name in {table.generation}.{elsewhere}{hint} "
-                        f"List its names with torchlens.mechinterp.table({table.generation!r}).")
+    return UnknownAlias(
+        f"{query!r} is not a name in {table.generation}.{elsewhere}{hint} "
+        f"List its names with torchlens.mechinterp.table({table.generation!r})."
+    )
 
 
 def _site_words(row: Row) -> str:
@@ -160,18 +186,34 @@ def _site_words(row: Row) -> str:
 
 def _from_tables(query: str, src: Table, dst: Table) -> Translation:
     if src.generation == "interp-engine" and query.startswith("path."):
-        return Translation(query, src.generation, dst.generation, "depends_on_family", (), "",
-                           "a path. address names a module of one particular model; pass family= or trace=")
+        return Translation(
+            query,
+            src.generation,
+            dst.generation,
+            "depends_on_family",
+            (),
+            "",
+            "a path. address names a module of one particular model; pass family= or trace=",
+        )
     row, layer_text = _parse(query, src)
     layer = None if layer_text is None or layer_text.startswith("-") else int(layer_text)
     answer = functools.partial(Translation, query, src.generation, dst.generation, layer=layer)
     if row.facet is None:
-        return answer("no_site", (), "", f"TorchLens has no site for {src.generation}'s {row.name}: {row.note}")
+        return answer(
+            "no_site",
+            (),
+            "",
+            f"TorchLens has no site for {src.generation}'s {row.name}: {row.note}",
+        )
     site = _site_words(row)
     if layer_text is not None and layer_text.startswith("-") and not dst.negative_layers:
-        return answer("depends_on_family", (), site,
-                      f"layer {layer_text} counts from the last layer, and {dst.generation} needs the layer's number, "
-                      f"which depends on the model's depth; pass family= or trace=")
+        return answer(
+            "depends_on_family",
+            (),
+            site,
+            f"layer {layer_text} counts from the last layer, and {dst.generation} needs the layer's number, "
+            f"which depends on the model's depth; pass family= or trace=",
+        )
     same, maybe, why = [], [], []
     for other in dst.rows:
         if other.facet is None or other.stack != row.stack:
@@ -181,34 +223,64 @@ def _from_tables(query: str, src: Table, dst: Table) -> Translation:
                 same.append(other)
             else:
                 maybe.append(other)
-                why.append(f"where {row.target} has no {row.facets[0]}, {src.generation} reads "
-                           f"{_or(row.or_else)} and {dst.generation}'s {other.name} reads {_or(other.or_else)}")
+                why.append(
+                    f"where {row.target} has no {row.facets[0]}, {src.generation} reads "
+                    f"{_or(row.or_else)} and {dst.generation}'s {other.name} reads {_or(other.or_else)}"
+                )
         elif other.target == row.target and set(other.facets) & set(row.facets):
             maybe.append(other)
-            why.append(f"{dst.generation}'s {other.name} reads {_facets(other)} of {row.target}, "
-                       f"{src.generation}'s {row.name} {_facets(row)}")
-        elif frozenset({other.target, row.target}) in SHARED_MODULES and set(other.facets) & set(row.facets):
+            why.append(
+                f"{dst.generation}'s {other.name} reads {_facets(other)} of {row.target}, "
+                f"{src.generation}'s {row.name} {_facets(row)}"
+            )
+        elif frozenset({other.target, row.target}) in SHARED_MODULES and set(other.facets) & set(
+            row.facets
+        ):
             maybe.append(other)
-            why.append(f"{row.target} and {other.target} are one module on some models and two on others")
-        elif row.or_else is not None and row.or_else[0] == other.target and row.or_else[1] in other.facets:
+            why.append(
+                f"{row.target} and {other.target} are one module on some models and two on others"
+            )
+        elif (
+            row.or_else is not None
+            and row.or_else[0] == other.target
+            and row.or_else[1] in other.facets
+        ):
             maybe.append(other)
-            why.append(f"{src.generation} reads {_or(row.or_else)} on models where {row.target} has no "
-                       f"{row.facets[0]}")
-        elif other.or_else is not None and other.or_else[0] == row.target and other.or_else[1] in row.facets:
+            why.append(
+                f"{src.generation} reads {_or(row.or_else)} on models where {row.target} has no "
+                f"{row.facets[0]}"
+            )
+        elif (
+            other.or_else is not None
+            and other.or_else[0] == row.target
+            and other.or_else[1] in row.facets
+        ):
             maybe.append(other)
-            why.append(f"{dst.generation}'s {other.name} reads {site} on models where {other.target} has no "
-                       f"{other.facets[0]}")
-    names = lambda rows: tuple(dict.fromkeys(_fill(r, _layer_for(row, r, layer_text)) for r in rows))  # noqa: E731
+            why.append(
+                f"{dst.generation}'s {other.name} reads {site} on models where {other.target} has no "
+                f"{other.facets[0]}"
+            )
+    names = lambda rows: tuple(
+        dict.fromkeys(_fill(r, _layer_for(row, r, layer_text)) for r in rows)
+    )
     if same:
-        reason = (f"{'its row and theirs name' if len(same) == 1 else 'their rows and its row name'} the same target "
-                  f"and facet ({site}), so they read one site on every model")
+        reason = (
+            f"{'its row and theirs name' if len(same) == 1 else 'their rows and its row name'} the same target "
+            f"and facet ({site}), so they read one site on every model"
+        )
         if maybe:
-            reason += f"; on some families {', '.join(names(maybe))} read it too: " + "; ".join(dict.fromkeys(why))
+            reason += f"; on some families {', '.join(names(maybe))} read it too: " + "; ".join(
+                dict.fromkeys(why)
+            )
         return answer("same_site", names(same), site, reason, names(maybe))
     if maybe:
-        return answer("depends_on_family", names(maybe), site,
-                      f"no {dst.generation} row names {site}; these read the same site on some families: "
-                      + "; ".join(dict.fromkeys(why)))
+        return answer(
+            "depends_on_family",
+            names(maybe),
+            site,
+            f"no {dst.generation} row names {site}; these read the same site on some families: "
+            + "; ".join(dict.fromkeys(why)),
+        )
     return answer("no_name", (), site, f"no {dst.generation} row names {site} ({row.meaning})")
 
 
@@ -232,7 +304,11 @@ def _layer_for(row: Row, other: Row, layer_text: str | None) -> str | None:
 
 def _key(r: AliasResolution) -> tuple | None:
     """The site a resolution reads (module, call, facet), or None when it reads none."""
-    if r.module_address is None or r.facet is None or r.status in ("structurally_absent", "ambiguous"):
+    if (
+        r.module_address is None
+        or r.facet is None
+        or r.status in ("structurally_absent", "ambiguous")
+    ):
         return None
     return (r.module_address, r.call, r.facet)
 
@@ -248,20 +324,20 @@ def names_by_site(trace: Trace, generation: str) -> dict[tuple, list[AliasResolu
     for row in table.rows:
         if row.facet is None:
             continue
-        for layer in (range(_n_layers(trace, row)) if row.per_layer else [None]):
+        for layer in range(_n_layers(trace, row)) if row.per_layer else [None]:
             r = _status(trace, table, row, layer, _fill(row, layer), force=False)
             if (key := _key(r)) is not None:
                 out.setdefault(key, []).append(r)
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _family_trace(family: str) -> Trace:
     """A trace of `torchlens.testing.build(family)` on five tokens, every tensor saved (built once per process)."""
     return run_trace(testing.build(family), testing.token_ids(length=5), save="all")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _family_sites(family: str, generation: str) -> dict[tuple, list[AliasResolution]]:
     return names_by_site(_family_trace(family), generation)
 
@@ -272,24 +348,47 @@ def _address(key: tuple) -> str:
 
 def _on_trace(query: str, src: Table, dst: Table, trace: Trace, family: str | None) -> Translation:
     r = resolve_alias(trace, query, generation=src.generation)
-    answer = functools.partial(Translation, query, src.generation, dst.generation, layer=r.layer, family=family,
-                               site_status=r.status)
+    answer = functools.partial(
+        Translation,
+        query,
+        src.generation,
+        dst.generation,
+        layer=r.layer,
+        family=family,
+        site_status=r.status,
+    )
     key = _key(r)
     if key is None:
         return answer("no_site", (), "", r.reason)
-    sites = _family_sites(family, dst.generation) if family else names_by_site(trace, dst.generation)
+    sites = (
+        _family_sites(family, dst.generation) if family else names_by_site(trace, dst.generation)
+    )
     found = tuple(dict.fromkeys(o.query for o in sites.get(key, [])))
     where = f"on {family}" if family else "on this trace"
     if found:
-        return answer("same_site", found, _address(key),
-                      f"{'it resolves' if len(found) == 1 else 'they resolve'} to {_address(key)} {where}, as "
-                      f"{query} does")
-    return answer("no_name", (), _address(key), f"{query} reads {_address(key)} {where}, and no {dst.generation} "
-                  f"name resolves to it")
+        return answer(
+            "same_site",
+            found,
+            _address(key),
+            f"{'it resolves' if len(found) == 1 else 'they resolve'} to {_address(key)} {where}, as "
+            f"{query} does",
+        )
+    return answer(
+        "no_name",
+        (),
+        _address(key),
+        f"{query} reads {_address(key)} {where}, and no {dst.generation} name resolves to it",
+    )
 
 
-def translate(name: str, *, from_generation: str, to_generation: str, trace: Trace | None = None,
-              family: str | None = None) -> Translation:
+def translate(
+    name: str,
+    *,
+    from_generation: str,
+    to_generation: str,
+    trace: Trace | None = None,
+    family: str | None = None,
+) -> Translation:
     """Another generation's name for the site one name reads.
 
     Without `trace` or `family`, the answer comes from the naming tables: the rows of
@@ -337,7 +436,9 @@ def translate(name: str, *, from_generation: str, to_generation: str, trace: Tra
     src = _generation(from_generation, "from_generation")
     dst = _generation(to_generation, "to_generation")
     if not isinstance(name, str) or not name.strip():
-        raise UnknownAlias(f"a name must be a non-empty string, got {name!r}; pass e.g. 'blocks.0.hook_resid_pre'.")
+        raise UnknownAlias(
+            f"a name must be a non-empty string, got {name!r}; pass e.g. 'blocks.0.hook_resid_pre'."
+        )
     query = name.strip()
     if family is not None:
         if trace is not None:
@@ -345,8 +446,10 @@ def translate(name: str, *, from_generation: str, to_generation: str, trace: Tra
         if family not in testing.FAMILIES:
             hits = close_matches(str(family), testing.FAMILIES)
             hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
-            raise UnknownFamily(f"unknown family {family!r}.{hint} Families (torchlens.testing.FAMILIES): "
-                                f"{', '.join(testing.FAMILIES)}.")
+            raise UnknownFamily(
+                f"unknown family {family!r}.{hint} Families (torchlens.testing.FAMILIES): "
+                f"{', '.join(testing.FAMILIES)}."
+            )
         return _on_trace(query, src, dst, _family_trace(family), family)
     if trace is not None:
         return _on_trace(query, src, dst, trace, None)

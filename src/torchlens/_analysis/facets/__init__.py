@@ -27,26 +27,22 @@ are served or refused, on the first read of any of them (see `FacetSite`).
 
 from __future__ import annotations
 
-
-from __future__ import annotations
-
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchlens._analysis.graph import Graph
 from torchlens._analysis.facets.attention import attention_facets
 from torchlens._analysis.facets.block import block_facets
 from torchlens._analysis.facets.common import io_ref, make_site
-from torchlens._core.facet_spec import EVERY_MODULE, SPECS, FacetSpecError
 from torchlens._analysis.facets.mlp import mlp_facets
 from torchlens._analysis.facets.norm import norm_facets
+from torchlens._analysis.graph import Graph
 from torchlens._core import ops as _ops
+from torchlens._core.facet_spec import EVERY_MODULE, SPECS, FacetSpecError
 from torchlens._core.records import ModuleCall, OpRecord, Ref
 from torchlens._core.sites import FacetSite
-
 
 # -- the whole trace ---------------------------------------------------------------------------
 
@@ -105,14 +101,25 @@ def _logits_site(g: Graph, root: ModuleCall, unembed: ModuleCall) -> FacetSite |
         if unembed.output_ref.op in g.ancestors(root.output_ref, unembed.output_ref.op) and all(
             g.ops[i].name in _ops.LOGIT_MAP_OPS for i in between
         ):
-            return make_site(g, "logits", r_ref, note="model output, computed elementwise from the unembedding output")
+            return make_site(
+                g,
+                "logits",
+                r_ref,
+                note="model output, computed elementwise from the unembedding output",
+            )
     return make_site(g, "logits", u_ref, note="unembedding output")
 
 
-def _root_facets(g: Graph, root: ModuleCall, calls: list[ModuleCall], structure: Any) -> dict[str, FacetSite]:
+def _root_facets(
+    g: Graph, root: ModuleCall, calls: list[ModuleCall], structure: Any
+) -> dict[str, FacetSite]:
     """`logits` (from the unembedding) and `final_norm_input` (from `_analysis.structure`'s one final-norm rule)."""
     sites = {}
-    unembed = structure.unembed if structure is not None else next((c for c in calls if c.role == "unembed"), None)
+    unembed = (
+        structure.unembed
+        if structure is not None
+        else next((c for c in calls if c.role == "unembed"), None)
+    )
     norm = structure.final_norm if structure is not None else None
     # a root facet read from a module that ran several times (once per decoding step) would be one
     # of its calls without saying which: none is served (the module's calls are)
@@ -149,8 +156,13 @@ def _embedding_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
             return {}
         ref, note = x_ref, "the module's input (it ran no embedding op)"
     else:
-        ref, note = (lookup.inputs[0] if lookup.inputs else None), "the index tensor of the embedding op"
-        if ref is None:  # a tensor from outside the forward: the module's own input, if it is that tensor
+        ref, note = (
+            (lookup.inputs[0] if lookup.inputs else None),
+            "the index tensor of the embedding op",
+        )
+        if (
+            ref is None
+        ):  # a tensor from outside the forward: the module's own input, if it is that tensor
             xm = g.meta(x_ref)
             ref = x_ref if xm is not None and tuple(xm[0]) == tuple(lookup.shape[:-1]) else None
             note = "the index tensor of the embedding op (the module's input)"
@@ -162,11 +174,20 @@ def _embedding_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
             sites["indices"] = site
     elif g.meta(x_ref) is not None:
         xm = g.meta(x_ref)
-        sites["indices"] = FacetSite("indices", "refused", xm[0], xm[1], note=(
-            f"the indices the lookup read were not found as an integer tensor (the module was given a "
-            f"{str(xm[1]).replace('torch.', '')} tensor first, which is not what it looked up)"))
+        sites["indices"] = FacetSite(
+            "indices",
+            "refused",
+            xm[0],
+            xm[1],
+            note=(
+                f"the indices the lookup read were not found as an integer tensor (the module was given a "
+                f"{str(xm[1]).replace('torch.', '')} tensor first, which is not what it looked up)"
+            ),
+        )
     if lookup is not None:
-        sites["lookup"] = make_site(g, "lookup", Ref(lookup.index, 0), note="the embedding lookup op")
+        sites["lookup"] = make_site(
+            g, "lookup", Ref(lookup.index, 0), note="the embedding lookup op"
+        )
     return sites
 
 
@@ -183,5 +204,7 @@ FINDERS: dict[str, Callable[..., dict[str, FacetSite]]] = {
 }
 _SPEC_ROLES = {r for f in SPECS for r in f.roles if r != EVERY_MODULE}
 if _SPEC_ROLES != set(FINDERS):
-    raise FacetSpecError(f"the facet rows name roles {sorted(_SPEC_ROLES)} and facet rules exist for "
-                         f"{sorted(FINDERS)}: every role with facets needs one rule")
+    raise FacetSpecError(
+        f"the facet rows name roles {sorted(_SPEC_ROLES)} and facet rules exist for "
+        f"{sorted(FINDERS)}: every role with facets needs one rule"
+    )

@@ -9,15 +9,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchlens._analysis.graph import Graph
 from torchlens._analysis.facets.common import fits, held, io_ref, make_site, refused, wide
 from torchlens._analysis.facets.rebuild import mha_facets, reconstruct
+from torchlens._analysis.graph import Graph
 from torchlens._core import ops as _ops
 from torchlens._core import roles as _roles
 from torchlens._core.pending import Pending
 from torchlens._core.records import ModuleCall, Ref
 from torchlens._core.sites import FacetSite
-
 
 # -- attention ---------------------------------------------------------------------------------
 
@@ -33,14 +32,27 @@ def _head_split(g: Graph, kernel_ref: Ref, lo: int, d_head: int) -> tuple[Ref, i
     up = g.ancestors(kernel_ref, lo)
     for i in sorted(up, reverse=True):
         op = g.ops[i]
-        if op.name in _ops.RESHAPE_OPS and len(op.shape) == 5 and op.inputs:  # grouped q|k|v view [B, T, g, m, d]
+        if (
+            op.name in _ops.RESHAPE_OPS and len(op.shape) == 5 and op.inputs
+        ):  # grouped q|k|v view [B, T, g, m, d]
             src = g.meta(op.inputs[0])
-            if (src is not None and len(src[0]) == 3 and src[0][:2] == tuple(op.shape[:2])
-                    and op.shape[2] * op.shape[3] * op.shape[4] == src[0][2] and op.shape[4] == d_head):
-                for j in sorted(j for j in up if j > i):  # the slice of the group's heads this input took
+            if (
+                src is not None
+                and len(src[0]) == 3
+                and src[0][:2] == tuple(op.shape[:2])
+                and op.shape[2] * op.shape[3] * op.shape[4] == src[0][2]
+                and op.shape[4] == d_head
+            ):
+                for j in sorted(
+                    j for j in up if j > i
+                ):  # the slice of the group's heads this input took
                     sh = tuple(g.ops[j].shapes[up[j]])
-                    if g.ops[j].name == "__getitem__" and sh[:3] == tuple(op.shape[:3]) and sh[-1] == d_head and (
-                            (len(sh) == 5 and sh[3] < op.shape[3]) or len(sh) == 4):  # a slice, or one index of m
+                    if (
+                        g.ops[j].name == "__getitem__"
+                        and sh[:3] == tuple(op.shape[:3])
+                        and sh[-1] == d_head
+                        and ((len(sh) == 5 and sh[3] < op.shape[3]) or len(sh) == 4)
+                    ):  # a slice, or one index of m
                         return Ref(j, up[j]), 0
             continue
         if op.name not in _ops.RESHAPE_OPS or len(op.shape) != 4 or not op.inputs:
@@ -61,8 +73,13 @@ def _head_split(g: Graph, kernel_ref: Ref, lo: int, d_head: int) -> tuple[Ref, i
         else:  # one view holds every head (Falcon's multi-query q|k|v): the slice taking this input's heads
             for j in sorted(j for j in up if j > i):
                 sh = tuple(g.ops[j].shapes[up[j]])
-                if (g.ops[j].name in _ops.SPLIT_OPS | _ops.INDEX_OPS and len(sh) == 4 and sh[:2] == tuple(op.shape[:2])
-                        and sh[3] == d_head and sh[2] < op.shape[2]):
+                if (
+                    g.ops[j].name in _ops.SPLIT_OPS | _ops.INDEX_OPS
+                    and len(sh) == 4
+                    and sh[:2] == tuple(op.shape[:2])
+                    and sh[3] == d_head
+                    and sh[2] < op.shape[2]
+                ):
                     return Ref(j, up[j]), 0
         return Ref(i, 0), offset
     return None
@@ -95,7 +112,14 @@ def _pre_scale_source(g: Graph, split_ref: Ref, kids: list[ModuleCall]) -> Any:
     op = g.op(src)
     if op is None or op.name not in _ops.SCALE_OPS or len(op.inputs) != 1:
         return None
-    proj = next((k for k in kids if k.output_ref == op.inputs[0] and hasattr(g.modules[k.address], "weight")), None)
+    proj = next(
+        (
+            k
+            for k in kids
+            if k.output_ref == op.inputs[0] and hasattr(g.modules[k.address], "weight")
+        ),
+        None,
+    )
     if proj is None or g.meta(op.inputs[0]) is None or g.meta(op.inputs[0])[0] != g.meta(src)[0]:
         return None
     return op.inputs[0]
@@ -109,7 +133,13 @@ def _path_math(g: Graph, start: int, ref: Ref) -> list[str]:
     is the sign; reshapes, transposes, the KV-cache concatenation and GQA expansion are not.
     """
     up = g.ancestors(ref, start + 1)
-    return sorted({g.ops[i].name for i in up if g.ops[i].name in _ops.MUL_OPS or g.ops[i].name in _ops.NORM_OPS})
+    return sorted(
+        {
+            g.ops[i].name
+            for i in up
+            if g.ops[i].name in _ops.MUL_OPS or g.ops[i].name in _ops.NORM_OPS
+        }
+    )
 
 
 def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str, FacetSite]:
@@ -139,8 +169,14 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
             frontier = [c for c in nxt if g.ops[c].name in _ops.PASS_THROUGH_OPS | _ops.RESHAPE_OPS]
             for c in nxt:
                 sh = tuple(g.ops[c].shape)
-                if (key_slice is None and g.ops[c].name in _ops.INDEX_OPS and p_meta is not None
-                        and len(sh) == len(p_meta[0]) and sh[:-1] == p_meta[0][:-1] and sh[-1] < p_meta[0][-1]):
+                if (
+                    key_slice is None
+                    and g.ops[c].name in _ops.INDEX_OPS
+                    and p_meta is not None
+                    and len(sh) == len(p_meta[0])
+                    and sh[:-1] == p_meta[0][:-1]
+                    and sh[-1] < p_meta[0][-1]
+                ):
                     key_slice = c
                     frontier.append(c)
         if key_slice is not None:
@@ -148,10 +184,22 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
         if z_op is not None:
             z_ref = Ref(z_op, 0)
             zs = tuple(g.ops[z_op].shape)
-            if p_meta is not None and len(p_meta[0]) == 4 and len(zs) == 3 and zs[0] == p_meta[0][0] * p_meta[0][1]:
+            if (
+                p_meta is not None
+                and len(p_meta[0]) == 4
+                and len(zs) == 3
+                and zs[0] == p_meta[0][0] * p_meta[0][1]
+            ):
                 # pattern @ v ran on merged [batch * heads] rows: z is the view that splits them back
-                z_ref = next((Ref(c, 0) for c in g.consumers.get(z_op, []) if g.ops[c].name in _ops.RESHAPE_OPS
-                              and tuple(g.ops[c].shape) == tuple(p_meta[0][:3]) + (zs[2],)), z_ref)
+                z_ref = next(
+                    (
+                        Ref(c, 0)
+                        for c in g.consumers.get(z_op, [])
+                        if g.ops[c].name in _ops.RESHAPE_OPS
+                        and tuple(g.ops[c].shape) == tuple(p_meta[0][:3]) + (zs[2],)
+                    ),
+                    z_ref,
+                )
             iv = _ops.MATMUL_OPERANDS.get(g.ops[z_op].name, (0, 1))[1]
             v_ref = next((r for r in g.ops[z_op].inputs[iv : iv + 1]), None)
         # q and k: the matmul upstream of the scores.
@@ -171,7 +219,9 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
         z_ref = Ref(fused.index, 0)
         q_ref, k_ref, v_ref = (fused.inputs + (None, None, None))[:3]
         packed = gqa_packed(g, q_ref)
-        if packed is not None:  # the kernel saw [b, kv_heads, n_rep * T, d]: unpack to [b, heads, T, ...]
+        if (
+            packed is not None
+        ):  # the kernel saw [b, kv_heads, n_rep * T, d]: unpack to [b, heads, T, ...]
             q_ref, unpacked = packed
         reconstruct(g, fused, sites, unpacked)
     if z_ref is not None:
@@ -180,8 +230,10 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
             z = sites["z"]
             z.shape = unpacked + (z.shape[-1],)
             z.tensor = None if held(z) is None else held(z).reshape(z.shape)
-            z.note = ("the kernel output, head-major: the kernel ran on the query packed as [batch, kv_heads, "
-                      "heads per kv head * query, d_head] (GQA single-token decode), unpacked by the inverse reshape")
+            z.note = (
+                "the kernel output, head-major: the kernel ran on the query packed as [batch, kv_heads, "
+                "heads per kv head * query, d_head] (GQA single-token decode), unpacked by the inverse reshape"
+            )
         if fused is None:
             sites.update(_check_z(g, sites.get("pattern"), v_ref, sites["z"]))
     qm = g.meta(q_ref)
@@ -192,7 +244,11 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
         if type(ref) is not Ref:
             continue
         found = _head_split(g, ref, call.first_op, d_head)
-        site = None if found is None else make_site(g, name, found[0], note="projection viewed per head")
+        site = (
+            None
+            if found is None
+            else make_site(g, name, found[0], note="projection viewed per head")
+        )
         if site is None:
             sites.update(_unsplit(g, call, name, ref))
             continue
@@ -213,15 +269,21 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
             start = unscaled.op
         if site.shape[-1] != d_head:
             site.shape = site.shape[:-1] + (d_head,)
-            site.tensor = None if site.tensor is None else site.tensor[..., offset : offset + d_head]
-        if len(site.shape) == 5:  # grouped layout (Falcon's new one): heads are groups x heads per group
+            site.tensor = (
+                None if site.tensor is None else site.tensor[..., offset : offset + d_head]
+            )
+        if (
+            len(site.shape) == 5
+        ):  # grouped layout (Falcon's new one): heads are groups x heads per group
             site.shape = site.shape[:2] + (site.shape[2] * site.shape[3], site.shape[4])
             site.tensor = None if site.tensor is None else site.tensor.reshape(site.shape)
             site.note = "projection viewed per head (grouped q|k|v layout: group-major heads)"
         sites[name] = site
         math = _path_math(g, start, ref) if name in ("q", "k") else []
         if math:
-            sites["rot_" + name] = _rot_site(g, "rot_" + name, _before_cache(g, start, ref), site.shape, math)
+            sites["rot_" + name] = _rot_site(
+                g, "rot_" + name, _before_cache(g, start, ref), site.shape, math
+            )
     sites = _head_guard(sites)
     sites.update(_result_site(g, call, kids, sites.get("z")))
     return {k: v for k, v in sites.items() if v is not None}
@@ -238,20 +300,36 @@ def _unsplit(g: Graph, call: ModuleCall, name: str, ref: Ref) -> dict[str, Facet
     """
     op = g.op(ref)
     how = "" if op is None else f" (it reaches the kernel from op #{op.index} {op.name})"
-    reason = (f"the model computes {name}{how}, but not as one projection viewed per head: it is cut from a "
-              f"fused projection or put together from parts, and that split is not proven from the data flow, "
-              f"so {name} per head is not served")
+    reason = (
+        f"the model computes {name}{how}, but not as one projection viewed per head: it is cut from a "
+        f"fused projection or put together from parts, and that split is not proven from the data flow, "
+        f"so {name} per head is not served"
+    )
     out = refused((name,), reason)
     if name in ("q", "k"):
         math = _path_math(g, call.first_op - 1, ref)
-        out.update(refused(("rot_" + name,), (
-            f"{name} is not found per head (see {name}), so its transform before the kernel"
-            + (f" ({', '.join(math)})" if math else "") + " cannot be served as rot_" + name)))
+        out.update(
+            refused(
+                ("rot_" + name,),
+                (
+                    f"{name} is not found per head (see {name}), so its transform before the kernel"
+                    + (f" ({', '.join(math)})" if math else "")
+                    + " cannot be served as rot_"
+                    + name
+                ),
+            )
+        )
     return out
 
 
-def _sink_columns(g: Graph, call: ModuleCall, sites: dict[str, FacetSite | None], scores_ref: Any,
-                  pattern_ref: Ref, key_slice: int) -> None:
+def _sink_columns(
+    g: Graph,
+    call: ModuleCall,
+    sites: dict[str, FacetSite | None],
+    scores_ref: Any,
+    pattern_ref: Ref,
+    key_slice: int,
+) -> None:
     """Scores and pattern of a softmax over more columns than there are keys (GPT-OSS's attention
     sinks: softmax over `cat([scores, sink])`, then the sink column dropped before `@ v`).
 
@@ -264,22 +342,46 @@ def _sink_columns(g: Graph, call: ModuleCall, sites: dict[str, FacetSite | None]
     n = g.ops[key_slice].shape[-1]
     s_meta = g.meta(scores_ref)
     up = g.ancestors(scores_ref, call.first_op) if type(scores_ref) is Ref else {}
-    cat = next((i for i in sorted(up, reverse=True) if g.ops[i].name in ("cat", "concat", "concatenate")
-                and s_meta is not None and tuple(g.ops[i].shape) == s_meta[0] and g.ops[i].inputs
-                and (m := g.meta(g.ops[i].inputs[0])) is not None and m[0] == s_meta[0][:-1] + (n,)), None)
+    cat = next(
+        (
+            i
+            for i in sorted(up, reverse=True)
+            if g.ops[i].name in ("cat", "concat", "concatenate")
+            and s_meta is not None
+            and tuple(g.ops[i].shape) == s_meta[0]
+            and g.ops[i].inputs
+            and (m := g.meta(g.ops[i].inputs[0])) is not None
+            and m[0] == s_meta[0][:-1] + (n,)
+        ),
+        None,
+    )
     if cat is None or s_meta is None:
-        sites.update(refused(("scores", "pattern"), (
-            f"the softmax runs over {s_meta[0][-1] if s_meta else '?'} columns but {n} of them multiply v, and "
-            f"which columns are keys was not found in the data flow")))
+        sites.update(
+            refused(
+                ("scores", "pattern"),
+                (
+                    f"the softmax runs over {s_meta[0][-1] if s_meta else '?'} columns but {n} of them multiply v, and "
+                    f"which columns are keys was not found in the data flow"
+                ),
+            )
+        )
         return
-    note = ("the softmax's first {n} columns, the keys (the softmax also covers {k} column(s) that are not keys, "
-            "e.g. attention sinks, whose weight is not in the pattern: rows sum below 1)").format(
-                n=n, k=s_meta[0][-1] - n)
+    note = (
+        f"the softmax's first {n} columns, the keys (the softmax also covers {s_meta[0][-1] - n} column(s) that are not keys, "
+        "e.g. attention sinks, whose weight is not in the pattern: rows sum below 1)"
+    )
     pattern = make_site(g, "pattern", Ref(key_slice, 0), note="weights that multiply v: " + note)
     scores_full = g.value(scores_ref)
-    scores = FacetSite("scores", "real", s_meta[0][:-1] + (n,), s_meta[1],
-                       None if scores_full is None else scores_full[..., :n], scores_ref.op if type(scores_ref) is Ref
-                       else None, None, "input of the softmax, " + note)
+    scores = FacetSite(
+        "scores",
+        "real",
+        s_meta[0][:-1] + (n,),
+        s_meta[1],
+        None if scores_full is None else scores_full[..., :n],
+        scores_ref.op if type(scores_ref) is Ref else None,
+        None,
+        "input of the softmax, " + note,
+    )
     sites["scores"], sites["pattern"] = scores, pattern
     soft_out = g.value(pattern_ref)
     if soft_out is None or held(pattern) is None:
@@ -289,7 +391,11 @@ def _sink_columns(g: Graph, call: ModuleCall, sites: dict[str, FacetSite | None]
     def run(inputs: list) -> tuple:
         p, full = inputs
         if not torch.equal(p, full[..., :n].to(p.dtype)):
-            return {}, None, f"the weights that multiply v are not the softmax's first {n} columns (the keys)"
+            return (
+                {},
+                None,
+                f"the weights that multiply v are not the softmax's first {n} columns (the keys)",
+            )
         return {}, 0.0, None
 
     Pending(run, [held(pattern), soft_out], [scores, pattern])
@@ -309,18 +415,29 @@ def _head_guard(sites: dict[str, FacetSite | None]) -> dict[str, FacetSite | Non
     q = sites.get("q")
     if q is None or len(q.shape) != 4:
         return sites
-    bad = [n for n in ("scores", "pattern", "z") if sites.get(n) is not None and len(sites[n].shape) == 4
-           and (sites[n].shape[1], sites[n].shape[2]) != (q.shape[2], q.shape[1])]
+    bad = [
+        n
+        for n in ("scores", "pattern", "z")
+        if sites.get(n) is not None
+        and len(sites[n].shape) == 4
+        and (sites[n].shape[1], sites[n].shape[2]) != (q.shape[2], q.shape[1])
+    ]
     if not bad:
         return sites
     n = bad[0]
-    reason = (f"the kernel's head and query axes {list(sites[n].shape[1:3])} are not the {q.shape[2]} heads x "
-              f"{q.shape[1]} positions found for the query projection: either the kernel ran on a regrouped query "
-              f"that is not unpacked here, or the projection's head split was misread, and TorchLens cannot tell "
-              f"which, so nothing with a head axis is served ([b, h] could read another head's values)")
+    reason = (
+        f"the kernel's head and query axes {list(sites[n].shape[1:3])} are not the {q.shape[2]} heads x "
+        f"{q.shape[1]} positions found for the query projection: either the kernel ran on a regrouped query "
+        f"that is not unpacked here, or the projection's head split was misread, and TorchLens cannot tell "
+        f"which, so nothing with a head axis is served ([b, h] could read another head's values)"
+    )
     out = dict(sites)
     per_head = ("q", "k", "v", "rot_q", "rot_k")
-    out.update(refused(tuple(f for f in _HEAD_AXIS_FACETS + per_head if f in sites or f == "result"), reason))
+    out.update(
+        refused(
+            tuple(f for f in _HEAD_AXIS_FACETS + per_head if f in sites or f == "result"), reason
+        )
+    )
     return out
 
 
@@ -338,7 +455,12 @@ def gqa_packed(g: Graph, q_ref: Any) -> tuple[Ref, tuple[int, int, int]] | None:
         kernel's results to; None when the kernel's query is not such a reshape.
     """
     op = g.op(q_ref)
-    if op is None or op.name not in _ops.RESHAPE_OPS or not op.inputs or type(op.inputs[0]) is not Ref:
+    if (
+        op is None
+        or op.name not in _ops.RESHAPE_OPS
+        or not op.inputs
+        or type(op.inputs[0]) is not Ref
+    ):
         return None
     src, out = g.meta(op.inputs[0]), g.meta(q_ref)
     if src is None or out is None or len(src[0]) != 4 or len(out[0]) != 4:
@@ -349,7 +471,9 @@ def gqa_packed(g: Graph, q_ref: Any) -> tuple[Ref, tuple[int, int, int]] | None:
     return op.inputs[0], (b, h, t)
 
 
-def _check_z(g: Graph, pattern: FacetSite | None, v_ref: Any, z: FacetSite | None) -> dict[str, FacetSite]:
+def _check_z(
+    g: Graph, pattern: FacetSite | None, v_ref: Any, z: FacetSite | None
+) -> dict[str, FacetSite]:
     """Refuse `z` unless `pattern @ v` equals it (it does not when dropout ran between them).
     The check is deferred to the first read of `z`."""
     if z is None or held(z) is None:
@@ -370,7 +494,11 @@ def _check_z(g: Graph, pattern: FacetSite | None, v_ref: Any, z: FacetSite | Non
             return {}, None, f"pattern @ v could not be formed ({exc})"
         tol = _ops.reconstruction_tolerance(dtype) * max(1.0, float(v.abs().max()))
         if not err <= tol:
-            return {}, err, f"pattern @ v differs from z by {err:.3g} (> {tol:.3g}), e.g. dropout ran between them"
+            return (
+                {},
+                err,
+                f"pattern @ v differs from z by {err:.3g} (> {tol:.3g}), e.g. dropout ran between them",
+            )
         return {}, err, None
 
     Pending(run, [held(pattern), v, held(z)], [z])
@@ -399,19 +527,31 @@ def _before_cache(g: Graph, start: int, ref: Ref) -> Ref:
     return ref
 
 
-def _rot_site(g: Graph, name: str, kernel_ref: Ref, shape: tuple[int, ...], math: list[str]) -> FacetSite | None:
+def _rot_site(
+    g: Graph, name: str, kernel_ref: Ref, shape: tuple[int, ...], math: list[str]
+) -> FacetSite | None:
     m = g.meta(kernel_ref)
     if m is None or len(m[0]) != 4:
         return None
     t = g.value(kernel_ref)
     kv = shape[2]
     if t is not None:
-        if t.shape[1] != kv and t.shape[1] % kv == 0:  # GQA-expanded kernel input: one copy per kv head
+        if (
+            t.shape[1] != kv and t.shape[1] % kv == 0
+        ):  # GQA-expanded kernel input: one copy per kv head
             t = t[:, :: t.shape[1] // kv]
         t = t.transpose(1, 2)
-    return FacetSite(name, "real", (m[0][0], m[0][2], kv, m[0][3]), m[1], t, kernel_ref.op, None,
-                     f"attention kernel input, token-major: the projection after {', '.join(math)} "
-                     "(RoPE, a QK-norm or a scale)")
+    return FacetSite(
+        name,
+        "real",
+        (m[0][0], m[0][2], kv, m[0][3]),
+        m[1],
+        t,
+        kernel_ref.op,
+        None,
+        f"attention kernel input, token-major: the projection after {', '.join(math)} "
+        "(RoPE, a QK-norm or a scale)",
+    )
 
 
 def _per_head_weight(w: Tensor, layout: str, d_out: int, h: int, dh: int) -> Tensor:
@@ -419,11 +559,15 @@ def _per_head_weight(w: Tensor, layout: str, d_out: int, h: int, dh: int) -> Ten
     return w.view(d_out, h, dh) if layout == "out_in" else w.view(h, dh, d_out).permute(2, 0, 1)
 
 
-def _result_site(g: Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSite | None) -> dict[str, FacetSite]:
+def _result_site(
+    g: Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSite | None
+) -> dict[str, FacetSite]:
     """Per-head contribution to the output projection: z split by head times that head's W_O."""
     if z is None or z.op is None:
         return {}
-    proj = next((k for k in kids if k.first_op > z.op and hasattr(g.modules[k.address], "weight")), None)
+    proj = next(
+        (k for k in kids if k.first_op > z.op and hasattr(g.modules[k.address], "weight")), None
+    )
     if proj is None:
         return {}
     module = g.modules[proj.address]
@@ -435,7 +579,9 @@ def _result_site(g: Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSit
     if layout is None or out_m is None:
         return {}
     d_out = out_m[0][-1]
-    site = FacetSite("result", "computed", (b, t, h, d_out), z.dtype, note="z per head times W_O per head")
+    site = FacetSite(
+        "result", "computed", (b, t, h, d_out), z.dtype, note="z per head times W_O per head"
+    )
     zt = held(z)
     if zt is None:
         return {"result": site}
@@ -458,7 +604,11 @@ def _result_site(g: Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSit
         err = float(total.abs_().max())
         tol = _ops.reconstruction_tolerance(actual.dtype) * max(1.0, float(actual.abs().max()))
         if not err <= tol:
-            return {}, err, f"the sum over heads plus bias differs from the output projection by {err:.3g} (> {tol:.3g})"
+            return (
+                {},
+                err,
+                f"the sum over heads plus bias differs from the output projection by {err:.3g} (> {tol:.3g})",
+            )
         if zt.dtype in (torch.bfloat16, torch.float16):
             # Half precision: the tolerance above is floored at 1, looser than small outputs
             # themselves, so a wrong W_O layout could pass it. Check the layout once more in
@@ -469,8 +619,14 @@ def _result_site(g: Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSit
             err32 = float(exact.sub_(actual.float()).abs_().max())
             tol32 = _ops.reconstruction_tolerance(actual.dtype) * float(actual.abs().max())
             if not err32 <= tol32:
-                return {}, err, (f"the sum over heads plus bias, in float32, differs from the output "
-                                 f"projection by {err32:.3g} (> {tol32:.3g}, its scale)")
+                return (
+                    {},
+                    err,
+                    (
+                        f"the sum over heads plus bias, in float32, differs from the output "
+                        f"projection by {err32:.3g} (> {tol32:.3g}, its scale)"
+                    ),
+                )
         return {"result": result}, err, None
 
     # Its own check (sum over heads + bias = the output projection) decides, not z's pattern @ v:
@@ -478,5 +634,3 @@ def _result_site(g: Graph, call: ModuleCall, kids: list[ModuleCall], z: FacetSit
     # save="all" and save=["result"] give result the same status.
     Pending(run, [zt, module.weight.detach(), actual, bias], [site])
     return {"result": site}
-
-

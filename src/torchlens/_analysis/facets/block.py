@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from torchlens._analysis.graph import Graph
 from torchlens._analysis.facets.common import held, io_ref, make_site, wide
 from torchlens._analysis.facets.mlp import weighted
+from torchlens._analysis.graph import Graph
 from torchlens._core import ops as _ops
 from torchlens._core import roles as _roles
 from torchlens._core.facet_spec import tokens_flattened
 from torchlens._core.pending import Pending
 from torchlens._core.records import ModuleCall, Ref
 from torchlens._core.sites import FacetSite
-
 
 # -- blocks ------------------------------------------------------------------------------------
 
@@ -32,7 +30,12 @@ def block_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str
     mlp = next((k for k in kids if k.role == "mlp"), None)
     if mlp is None and attn is not None:
         mlp = _split_mlp_norm(g, call, kids, attn)
-    if attn is None or mlp is None or type(attn.output_ref) is not Ref or type(mlp.input_ref) is not Ref:
+    if (
+        attn is None
+        or mlp is None
+        or type(attn.output_ref) is not Ref
+        or type(mlp.input_ref) is not Ref
+    ):
         return sites
     # Ops downstream of the attention output and upstream of the MLP input: the residual add.
     down = {attn.output_ref.op}
@@ -41,16 +44,26 @@ def block_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str
             down.add(i)
     up = g.ancestors(mlp.input_ref, attn.end_op)
     adds = [
-        i for i in down & set(up)
-        if g.ops[i].name in _ops.ADD_OPS and g.ops[i].module == call.address and g.ops[i].call == call.index
+        i
+        for i in down & set(up)
+        if g.ops[i].name in _ops.ADD_OPS
+        and g.ops[i].module == call.address
+        and g.ops[i].call == call.index
     ]
     if adds:
-        sites["resid_mid"] = make_site(g, "resid_mid", Ref(_pick_resid_mid(g, attn, adds), 0), note="residual add after attention")
+        sites["resid_mid"] = make_site(
+            g,
+            "resid_mid",
+            Ref(_pick_resid_mid(g, attn, adds), 0),
+            note="residual add after attention",
+        )
         sites.update(_check_resid_mid(g, call, sites, kids, attn, mlp))
     return sites
 
 
-def _split_mlp_norm(g: Graph, call: ModuleCall, kids: list[ModuleCall], attn: ModuleCall) -> ModuleCall | None:
+def _split_mlp_norm(
+    g: Graph, call: ModuleCall, kids: list[ModuleCall], attn: ModuleCall
+) -> ModuleCall | None:
     """Where the block holds its MLP's layers itself (OPT: `final_layer_norm`, `fc1`, `fc2`), the
     norm child whose output the first weighted layer after the attention reads: the MLP branch
     starts there, so `resid_mid` is the residual add before it. None for a post-LN block (its
@@ -96,7 +109,9 @@ def _contribution(g: Graph, ref: Any, outs: dict[Ref, ModuleCall]) -> tuple[Ref,
     return None
 
 
-def _add_chain(g: Graph, call: ModuleCall, end: Any, start: Any, kids: list[ModuleCall]) -> list | None:
+def _add_chain(
+    g: Graph, call: ModuleCall, end: Any, start: Any, kids: list[ModuleCall]
+) -> list | None:
     """The residual adds from `start` to `end` in this block call, as `(add operand, sublayer
     output, scaled)` per add: `end = start + Σ operand`, each operand a sublayer output of `kids`
     (see `_contribution`). None where `end` is not reached from `start` by such adds alone."""
@@ -106,15 +121,23 @@ def _add_chain(g: Graph, call: ModuleCall, end: Any, start: Any, kids: list[Modu
         if ref == start:
             return terms if terms else None
         op = g.op(ref)
-        if (op is None or op.name not in _ops.ADD_OPS or op.module != call.address or op.call != call.index
-                or len(op.inputs) != 2 or any(type(r) is not Ref for r in op.inputs)):
+        if (
+            op is None
+            or op.name not in _ops.ADD_OPS
+            or op.module != call.address
+            or op.call != call.index
+            or len(op.inputs) != 2
+            or any(type(r) is not Ref for r in op.inputs)
+        ):
             return None
         for res, con in (op.inputs, op.inputs[::-1]):
             # A cast to the dtype a tensor already has returns the tensor itself, recorded as an op
             # (inside the next norm): the residual operand is then that op's output.
             res = g.source(res, _ops.CAST_OPS)
             found = _contribution(g, con, outs)
-            if found is not None and (res == start or (g.op(res) is not None and g.op(res).name in _ops.ADD_OPS)):
+            if found is not None and (
+                res == start or (g.op(res) is not None and g.op(res).name in _ops.ADD_OPS)
+            ):
                 terms.append((con, *found))
                 ref = res
                 break
@@ -124,7 +147,11 @@ def _add_chain(g: Graph, call: ModuleCall, end: Any, start: Any, kids: list[Modu
 
 
 def _check_resid_mid(
-    g: Graph, call: ModuleCall, sites: dict[str, FacetSite], kids: list[ModuleCall], attn: ModuleCall,
+    g: Graph,
+    call: ModuleCall,
+    sites: dict[str, FacetSite],
+    kids: list[ModuleCall],
+    attn: ModuleCall,
     mlp: ModuleCall,
 ) -> dict[str, FacetSite]:
     """Refuse `resid_mid` unless resid_pre + the attention branch = resid_mid and resid_mid + the
@@ -154,8 +181,15 @@ def _check_resid_mid(
     mlp_branch = [k for k in kids if k.first_op >= mlp.first_op]
     mid_ref = Ref(mid.op, 0) if mid.op is not None else None
     sides = []  # per side: ("chain", [(operand, output, scaled)]) or ("any", [branch outputs])
-    for start, end, branch in ((io_ref(g, call, "in"), mid_ref, attn_branch), (mid_ref, io_ref(g, call, "out"), mlp_branch)):
-        chain = None if type(end) is not Ref or type(start) is not Ref else _add_chain(g, call, end, start, branch)
+    for start, end, branch in (
+        (io_ref(g, call, "in"), mid_ref, attn_branch),
+        (mid_ref, io_ref(g, call, "out"), mlp_branch),
+    ):
+        chain = (
+            None
+            if type(end) is not Ref or type(start) is not Ref
+            else _add_chain(g, call, end, start, branch)
+        )
         if chain is not None:
             terms = [(g.value(c), g.value(v), scaled) for c, v, scaled in chain]
             if all(v is not None and (c is not None or not scaled) for c, v, scaled in terms):
@@ -166,18 +200,26 @@ def _check_resid_mid(
     layout = []
     for kind, items in sides:
         flat = [t for item in items for t in (item[:2] if kind == "chain" else (item,))]
-        layout.append((kind, len(inputs), len(flat), [item[2] for item in items] if kind == "chain" else None))
+        layout.append(
+            (kind, len(inputs), len(flat), [item[2] for item in items] if kind == "chain" else None)
+        )
         inputs.extend(flat)
 
     def run(inputs: list) -> tuple:
         pre_t, mid_t, post_t = inputs[:3]
         worst, why = 0.0, None
         for (kind, at, n, scaled), base, target, label in zip(
-                layout, (pre_t, mid_t), (mid_t, post_t), ("resid_pre + attention branch = resid_mid",
-                                                          "resid_mid + MLP branch = resid_post")):
+            layout,
+            (pre_t, mid_t),
+            (mid_t, post_t),
+            ("resid_pre + attention branch = resid_mid", "resid_mid + MLP branch = resid_post"),
+        ):
             part = inputs[at : at + n]
-            err, bad = (_chain_error(base, target, part, scaled) if kind == "chain"
-                        else _branch_error(base, target, part))
+            err, bad = (
+                _chain_error(base, target, part, scaled)
+                if kind == "chain"
+                else _branch_error(base, target, part)
+            )
             worst = max(worst, err)
             if bad is not None and why is None:
                 why = f"{label} does not hold: {bad}"
@@ -204,7 +246,9 @@ def _excess(diff: Tensor, tol: Tensor) -> tuple[float, float]:
     return (float("inf") if m != m else m), (float("inf") if over != over else over)
 
 
-def _chain_error(base: Tensor, target: Tensor, part: list, scaled: list) -> tuple[float, str | None]:
+def _chain_error(
+    base: Tensor, target: Tensor, part: list, scaled: list
+) -> tuple[float, str | None]:
     """`target = base + Σ operands` to the roundings, and each operand its sublayer output (times
     the fitted constant where a constant scales it)."""
     operands = []
@@ -213,14 +257,24 @@ def _chain_error(base: Tensor, target: Tensor, part: list, scaled: list) -> tupl
         if c is None:  # not kept: unscaled, so the operand is the output itself
             c = v
         if c.numel() != v.numel():
-            return float("inf"), f"an added operand has {c.numel()} values and its sublayer output {v.numel()}"
+            return float(
+                "inf"
+            ), f"an added operand has {c.numel()} values and its sublayer output {v.numel()}"
         v = v.reshape(c.shape)
         if is_scaled:
             v64, c64 = v.double(), c.double()
-            s = float((c64 * v64).sum() / (v64 * v64).sum().clamp_min(torch.finfo(torch.float64).tiny))
-            err, over = _excess(c64 - s * v64, _rounding(c.dtype, c) + torch.finfo(torch.float64).eps * (s * v64).abs())
+            s = float(
+                (c64 * v64).sum() / (v64 * v64).sum().clamp_min(torch.finfo(torch.float64).tiny)
+            )
+            err, over = _excess(
+                c64 - s * v64,
+                _rounding(c.dtype, c) + torch.finfo(torch.float64).eps * (s * v64).abs(),
+            )
             if over > 0:
-                return err, f"an added operand is not {s:.4g} times its sublayer's output (off by {err:.3g})"
+                return (
+                    err,
+                    f"an added operand is not {s:.4g} times its sublayer's output (off by {err:.3g})",
+                )
         else:
             err, over = _excess(wide(c) - wide(v).to(wide(c).dtype), _rounding(c.dtype, c))
             if over > 0:
@@ -244,8 +298,12 @@ def _branch_error(base: Tensor, target: Tensor, outs: list) -> tuple[float, str 
         if v is not None and tokens_flattened(v.shape, target.shape):
             v = v.reshape(target.shape)  # a branch run on flattened tokens (OPT's MLP)
         if v is not None and v.shape == target.shape:
-            err, over = _excess(wide(base) + wide(v) - wide(target), _rounding(target.dtype, base, v))
+            err, over = _excess(
+                wide(base) + wide(v) - wide(target), _rounding(target.dtype, base, v)
+            )
             errors.append(err)
             if over <= 0:
                 return err, None
-    return min(errors), f"no branch output makes it hold (off by {min(errors):.3g}, more than one add can round)"
+    return min(
+        errors
+    ), f"no branch output makes it hold (off by {min(errors):.3g}, more than one add can round)"

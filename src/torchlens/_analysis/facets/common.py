@@ -23,7 +23,9 @@ def wide(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float64 else t.float()
 
 
-def make_site(g: Graph, name: str, ref: Any, kind: str = "real", note: str = "") -> FacetSite | None:
+def make_site(
+    g: Graph, name: str, ref: Any, kind: str = "real", note: str = ""
+) -> FacetSite | None:
     if type(ref) is Dropped:
         return FacetSite(name, "refused", ref.shape, ref.dtype, note=ref.reason)
     m = g.meta(ref)
@@ -32,7 +34,9 @@ def make_site(g: Graph, name: str, ref: Any, kind: str = "real", note: str = "")
     value = g.value(ref)
     if value is None and g.dropped and type(ref) is Ref and ref in g.dropped:
         return FacetSite(name, "refused", m[0], m[1], note=g.dropped[ref])
-    return FacetSite(name, kind, m[0], m[1], value, ref.op if type(ref) is Ref else None, None, note)
+    return FacetSite(
+        name, kind, m[0], m[1], value, ref.op if type(ref) is Ref else None, None, note
+    )
 
 
 def io_ref(g: Graph, call: ModuleCall, which: str) -> Any:
@@ -59,7 +63,10 @@ def refused(names: tuple[str, ...], reason: str) -> dict[str, FacetSite]:
 
 def fits(t: Tensor, other: Tensor) -> bool:
     """Whether `t op= other` gives what `t op other` does: same dtype, and `other` broadcasts to `t`'s shape."""
-    return torch.result_type(t, other) == t.dtype and torch.broadcast_shapes(t.shape, other.shape) == t.shape
+    return (
+        torch.result_type(t, other) == t.dtype
+        and torch.broadcast_shapes(t.shape, other.shape) == t.shape
+    )
 
 
 def largest(diff: Tensor, rows: Tensor) -> float:
@@ -70,6 +77,6 @@ def largest(diff: Tensor, rows: Tensor) -> float:
     if not bool(rows.all()):
         diff.masked_fill_(~rows, 0)
     m = float(diff.max())  # a NaN anywhere makes the max NaN
-    return float("inf") if m != m else float(torch.finfo(diff.dtype).max) if m == float("inf") else m
-
-
+    return (
+        float("inf") if m != m else float(torch.finfo(diff.dtype).max) if m == float("inf") else m
+    )

@@ -3,18 +3,16 @@ weights and checked against its output."""
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor, nn
 
-from torchlens._analysis.graph import Graph
 from torchlens._analysis.facets.common import held, io_ref, make_site, wide
+from torchlens._analysis.graph import Graph
 from torchlens._core import ops as _ops
 from torchlens._core import roles as _roles
 from torchlens._core.pending import Pending
 from torchlens._core.records import ModuleCall, OpRecord, Ref
 from torchlens._core.sites import FacetSite
-
 
 # -- norms -------------------------------------------------------------------------------------
 
@@ -45,7 +43,9 @@ def _n_normalized(module: nn.Module) -> int:
     return len(shape) if isinstance(shape, (tuple, list, torch.Size)) and shape else 1
 
 
-def _normalize(x: Tensor, kind: str, eps: float, n_dims: int, groups: int | None) -> tuple[Tensor, Tensor | None]:
+def _normalize(
+    x: Tensor, kind: str, eps: float, n_dims: int, groups: int | None
+) -> tuple[Tensor, Tensor | None]:
     """The norm's input centred (unless RMS) and divided by its RMS/std over its last `n_dims`
     dimensions (over each of `groups` groups for GroupNorm), in float32; and the inverse divisor
     (None for GroupNorm, whose statistics are per group, not per position)."""
@@ -61,8 +61,9 @@ def _normalize(x: Tensor, kind: str, eps: float, n_dims: int, groups: int | None
     return centred * inv, inv
 
 
-def _affine_error(normalized: Tensor, out: Tensor, w: Tensor | None, b: Tensor | None, kind: str,
-                  tol: float = 0.0) -> float:
+def _affine_error(
+    normalized: Tensor, out: Tensor, w: Tensor | None, b: Tensor | None, kind: str, tol: float = 0.0
+) -> float:
     """How far `normalized * gain + bias` is from the norm's output, for the gain the model uses.
 
     The gain is the module's weight `w`, or `1 + w` (Gemma's RMSNorm stores the offset), or
@@ -74,7 +75,9 @@ def _affine_error(normalized: Tensor, out: Tensor, w: Tensor | None, b: Tensor |
     gains = [None] if w is None else [wide(w), 1 + wide(w)]
     errors = []
     for gain in gains:
-        y = n + bias if gain is None else (n * (gain.view(shape) if shape else gain)).add_(bias)  # new tensors
+        y = (
+            n + bias if gain is None else (n * (gain.view(shape) if shape else gain)).add_(bias)
+        )  # new tensors
         errors.append(float(y.sub_(o).abs_().max()) if o.numel() else 0.0)
         if errors[-1] <= tol:
             break
@@ -104,13 +107,21 @@ def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
     sites: dict[str, FacetSite] = {}
     if rsqrt is not None:
         sites[inv_name] = make_site(g, inv_name, Ref(rsqrt.index, 0), note="the norm's rsqrt op")
-        mul = next((c for c in g.consumers.get(rsqrt.index, []) if g.ops[c].name in _ops.MUL_OPS), None)
+        mul = next(
+            (c for c in g.consumers.get(rsqrt.index, []) if g.ops[c].name in _ops.MUL_OPS), None
+        )
         if mul is not None:
             n_ref = g.follow(Ref(mul, 0), _ops.CAST_OPS)
-            sites["normalized"] = make_site(g, "normalized", n_ref, note="input times the rsqrt, before the gain")
+            sites["normalized"] = make_site(
+                g, "normalized", n_ref, note="input times the rsqrt, before the gain"
+            )
     x, out = g.value(x_ref), g.value(out_ref)
     compute = any(sites.get(n) is None for n in names[:2])
-    n_dims, eps, groups = _n_normalized(module), _roles.norm_eps(module), getattr(module, "num_groups", None)
+    n_dims, eps, groups = (
+        _n_normalized(module),
+        _roles.norm_eps(module),
+        getattr(module, "num_groups", None),
+    )
     if compute:
         note = "computed from the norm's input over its normalized shape (the norm ran as one fused op)"
         dims = range(len(xm[0]) - n_dims, len(xm[0]))
@@ -120,7 +131,9 @@ def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
             sites[inv_name] = FacetSite(inv_name, "computed", stat_shape, torch.float32, note=note)
     if kind != "group":
         inv_site = sites[inv_name]
-        sites["scale"] = FacetSite("scale", "computed", inv_site.shape, inv_site.dtype, note=f"1 / {inv_name}")
+        sites["scale"] = FacetSite(
+            "scale", "computed", inv_site.shape, inv_site.dtype, note=f"1 / {inv_name}"
+        )
     if (x if compute else held(sites["normalized"])) is None:
         # Nothing is served, so nothing needs checking; a written-out norm whose product was not
         # kept still serves its rsqrt, and the scale from it.
@@ -140,11 +153,18 @@ def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
     # ops' outputs and its output. A norm that casts to float32 (Gemma's RMSNorm) computes in
     # float32 in a float64 model, and a tolerance taken from the float64 output refuses it there
     # while the same norm passes in float32.
-    floats = [d for d in (xm[1], om[1], *(d for op in ops for d in op.dtypes)) if d.is_floating_point]
+    floats = [
+        d for d in (xm[1], om[1], *(d for op in ops for d in op.dtypes)) if d.is_floating_point
+    ]
     precision = max(floats, key=lambda d: torch.finfo(d).eps) if floats else om[1]
-    inputs = [x if compute else None, out, w, b,
-              None if compute or kind == "group" else held(sites[inv_name]),
-              None if compute else held(sites["normalized"])]
+    inputs = [
+        x if compute else None,
+        out,
+        w,
+        b,
+        None if compute or kind == "group" else held(sites[inv_name]),
+        None if compute else held(sites["normalized"]),
+    ]
 
     def run(inputs: list) -> tuple:
         x, out, w, b, inv, normalized = inputs
@@ -159,10 +179,12 @@ def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
         tol = _ops.reconstruction_tolerance(precision) * max(1.0, float(out.abs().max()))
         err = _affine_error(normalized, out, w, b, kind, tol)
         if not err <= tol:
-            return {}, err, f"normalized * gain + bias differs from the norm's output by {err:.3g} (> {tol:.3g})"
+            return (
+                {},
+                err,
+                f"normalized * gain + bias differs from the norm's output by {err:.3g} (> {tol:.3g})",
+            )
         return values, err, None
 
     Pending(run, inputs, list(sites.values()))
     return sites
-
-

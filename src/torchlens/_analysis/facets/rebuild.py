@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchlens._analysis.graph import Graph
 from torchlens._analysis.facets.common import fits, largest, refused, wide
+from torchlens._analysis.graph import Graph
 from torchlens._core import ops as _ops
 from torchlens._core.pending import Pending
 from torchlens._core.records import OpRecord
@@ -29,6 +29,7 @@ class _In:
 
 def _pack(args: tuple, kwargs: dict, inputs: list) -> tuple[tuple, dict]:
     """`args` and `kwargs` with each tensor moved into `inputs` (appended) and marked by an `_In`."""
+
     def put(a: Any) -> Any:
         if isinstance(a, Tensor):
             inputs.append(a)
@@ -40,14 +41,19 @@ def _pack(args: tuple, kwargs: dict, inputs: list) -> tuple[tuple, dict]:
 
 def _unpack(args: tuple, kwargs: dict, inputs: list) -> tuple[tuple, dict]:
     """The arguments `_pack` marked, with the tensors read back from `inputs`."""
+
     def get(a: Any) -> Any:
         return inputs[a.i] if type(a) is _In else a
 
     return tuple(get(a) for a in args), {k: get(v) for k, v in kwargs.items()}
 
 
-def reconstruct(g: Graph, fused: OpRecord, sites: dict[str, FacetSite],
-                 unpacked: tuple[int, int, int] | None = None) -> None:
+def reconstruct(
+    g: Graph,
+    fused: OpRecord,
+    sites: dict[str, FacetSite],
+    unpacked: tuple[int, int, int] | None = None,
+) -> None:
     """Scores and pattern of a fused attention kernel, rebuilt from its recorded inputs and
     checked against its output on first read (see `FacetSite`).
 
@@ -70,12 +76,16 @@ def reconstruct(g: Graph, fused: OpRecord, sites: dict[str, FacetSite],
     if fused.extra is None or fused.tensor is None:
         return
     stale = fused.extra.get("stale")
-    if stale is not None:  # a kept argument was written after the kernel ran, by code the capture could not see
+    if (
+        stale is not None
+    ):  # a kept argument was written after the kernel ran, by code the capture could not see
         sites.update(refused(("scores", "pattern"), f"not rebuilt: {stale}"))
         return
     why = sdpa_unsupported(sdpa_bound(fused.extra["args"], fused.extra["kwargs"]))
     if why is not None:  # refused with the reason (not "not saved": save= is not what is missing)
-        sites.update(refused(("scores", "pattern"), f"not rebuilt: {why}; trace in eval mode to get them"))
+        sites.update(
+            refused(("scores", "pattern"), f"not rebuilt: {why}; trace in eval mode to get them")
+        )
         return
     inputs: list = []
     args, kwargs = _pack(fused.extra["args"], fused.extra["kwargs"], inputs)
@@ -107,14 +117,24 @@ def mha_facets(g: Graph, op: OpRecord, h: int | None) -> dict[str, FacetSite]:
     note = "rebuilt from multi_head_attention_forward's inputs, checked against its output"
     dh = e // h
     shapes = {
-        "q": (b, t, h, dh), "k": (b, s_len, h, dh), "v": (b, s_len, h, dh), "scores": (b, h, t, s_len),
-        "pattern": (b, h, t, s_len), "z": (b, h, t, dh), "result": (b, t, h, e),
+        "q": (b, t, h, dh),
+        "k": (b, s_len, h, dh),
+        "v": (b, s_len, h, dh),
+        "scores": (b, h, t, s_len),
+        "pattern": (b, h, t, s_len),
+        "z": (b, h, t, dh),
+        "result": (b, t, h, e),
     }
-    sites = {n: FacetSite(n, "reconstructed", shapes[n], dtype, op=op.index, note=note) for n in _MHA_FACETS}
+    sites = {
+        n: FacetSite(n, "reconstructed", shapes[n], dtype, op=op.index, note=note)
+        for n in _MHA_FACETS
+    }
     if op.tensor is None or op.extra is None:
         return sites
     stale = op.extra.get("stale")
-    if stale is not None:  # a kept argument was written after the op ran, by code the capture could not see
+    if (
+        stale is not None
+    ):  # a kept argument was written after the op ran, by code the capture could not see
         return refused(_MHA_FACETS, f"not rebuilt: {stale}")
     why = _mha_unsupported(_mha_bound(op.extra["args"], op.extra["kwargs"]))
     if why is not None:
@@ -135,10 +155,31 @@ def mha_facets(g: Graph, op: OpRecord, h: int | None) -> dict[str, FacetSite]:
 
 
 _MHA_ARGS = (
-    "query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
-    "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
-    "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight",
-    "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal",
+    "query",
+    "key",
+    "value",
+    "embed_dim_to_check",
+    "num_heads",
+    "in_proj_weight",
+    "in_proj_bias",
+    "bias_k",
+    "bias_v",
+    "add_zero_attn",
+    "dropout_p",
+    "out_proj_weight",
+    "out_proj_bias",
+    "training",
+    "key_padding_mask",
+    "need_weights",
+    "attn_mask",
+    "use_separate_proj_weight",
+    "q_proj_weight",
+    "k_proj_weight",
+    "v_proj_weight",
+    "static_k",
+    "static_v",
+    "average_attn_weights",
+    "is_causal",
 )
 
 
@@ -207,7 +248,9 @@ def rebuild_mha(args: tuple, kwargs: dict, out: Tensor) -> tuple[dict[str, Tenso
     softmax = torch.softmax(scores, dim=-1)
     w_o, b_o = a["out_proj_weight"], a.get("out_proj_bias")
     want = wide(out.transpose(0, 1))
-    tol = _ops.reconstruction_tolerance(query.dtype) * max(1.0, float(want.nan_to_num(0.0).abs().max()))
+    tol = _ops.reconstruction_tolerance(query.dtype) * max(
+        1.0, float(want.nan_to_num(0.0).abs().max())
+    )
     # A query row with no visible key has no softmax (NaN); the op gives NaN there (the step-by-step
     # path) or uses no weights (the fused one: zero). Both readings are checked on every row; the
     # pattern served is the one the op's output proves.
@@ -227,7 +270,15 @@ def rebuild_mha(args: tuple, kwargs: dict, out: Tensor) -> tuple[dict[str, Tenso
             break
     assert best is not None  # candidates is never empty
     err, pattern, z, result = best
-    facets = {"q": q, "k": k, "v": v, "scores": scores, "pattern": pattern, "z": z, "result": result}
+    facets = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "scores": scores,
+        "pattern": pattern,
+        "z": z,
+        "result": result,
+    }
     return facets, err, tol
 
 
@@ -246,7 +297,9 @@ def sdpa_unsupported(bound: dict[str, Any]) -> str | None:
     return None
 
 
-def rebuild_attention(args: tuple, kwargs: dict, out: Tensor) -> tuple[Tensor, Tensor, float, float]:
+def rebuild_attention(
+    args: tuple, kwargs: dict, out: Tensor
+) -> tuple[Tensor, Tensor, float, float]:
     """Recompute `scaled_dot_product_attention`'s scores and pattern, eager-style.
 
     Scores are `q @ k^T * scale` in the input dtype, masked with the dtype's minimum (as
@@ -295,8 +348,14 @@ def rebuild_attention(args: tuple, kwargs: dict, out: Tensor) -> tuple[Tensor, T
             scores = scores + mask
     if causal or bool_mask:  # else every key is visible and nothing is filled
         hidden = ~visible
-        scores = scores.masked_fill_(hidden, fill) if fits(scores, hidden) else scores.masked_fill(hidden, fill)
-    pattern = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+        scores = (
+            scores.masked_fill_(hidden, fill)
+            if fits(scores, hidden)
+            else scores.masked_fill(hidden, fill)
+        )
+    pattern = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(
+        q.dtype
+    )
     # Query rows without a visible key ([..., query, 1]): the softmax has no answer there (uniform
     # over masked scores, or NaN), and kernels differ. Where the kernel's output row is exactly
     # zero, it used no weights: that row of the pattern is zero. Every row is then checked; a row
@@ -310,10 +369,11 @@ def rebuild_attention(args: tuple, kwargs: dict, out: Tensor) -> tuple[Tensor, T
         if bool(zero.any()):
             pattern = pattern.masked_fill(zero, 0)
     z = torch.matmul(pattern, v)
-    checked = ~(empty & z.isnan().all(-1, keepdim=True) & out.isnan().all(-1, keepdim=True)) if bool(
-        empty.any()) else empty.logical_not()
+    checked = (
+        ~(empty & z.isnan().all(-1, keepdim=True) & out.isnan().all(-1, keepdim=True))
+        if bool(empty.any())
+        else empty.logical_not()
+    )
     err = largest(torch.sub(wide(z), wide(out)).abs_(), checked)
     tol = _ops.reconstruction_tolerance(q.dtype) * max(1.0, float(v.abs().max()))
     return scores, pattern, err, tol
-
-

@@ -152,7 +152,9 @@ class Table:
 
 
 def _row_error(table: Table, row: Row, what: str) -> TableError:
-    return TableError(f"naming table {table.title!r} ({table.generation}), row {row.name!r}: {what}")
+    return TableError(
+        f"naming table {table.title!r} ({table.generation}), row {row.name!r}: {what}"
+    )
 
 
 def check_table(table: Table) -> None:
@@ -169,32 +171,52 @@ def check_table(table: Table) -> None:
     seen: dict[str, Row] = {}
     for row in table.rows:
         if row.name in seen:
-            raise _row_error(table, row, "the name appears twice in this generation; give each name one row.")
+            raise _row_error(
+                table, row, "the name appears twice in this generation; give each name one row."
+            )
         seen[row.name] = row
         if (row.target is None) != (row.facet is None):
-            raise _row_error(table, row, f"target={row.target!r} and facet={row.facet!r}: a row names both (a "
-                             f"site) or neither (no TorchLens site, with the reason in its note).")
+            raise _row_error(
+                table,
+                row,
+                f"target={row.target!r} and facet={row.facet!r}: a row names both (a "
+                f"site) or neither (no TorchLens site, with the reason in its note).",
+            )
         if row.stack not in STACKS:
             raise _row_error(table, row, f"stack={row.stack!r} is not one of {list(STACKS)}.")
         if row.target is None:
             if row.or_else is not None:
-                raise _row_error(table, row, "or_else gives a second site to a row that has none; give the row its site.")
+                raise _row_error(
+                    table,
+                    row,
+                    "or_else gives a second site to a row that has none; give the row its site.",
+                )
             continue
-        sites = [(row.target, row.facets)] + ([(row.or_else[0], (row.or_else[1],))] if row.or_else else [])
+        sites = [(row.target, row.facets)] + (
+            [(row.or_else[0], (row.or_else[1],))] if row.or_else else []
+        )
         for target, facets in sites:
             _check_site(table, row, target, facets)
     for name in table.unmapped or {}:
         if name in seen:
-            raise TableError(f"naming table {table.title!r} ({table.generation}): {name!r} is both a row and "
-                             f"an unmapped name; keep one.")
+            raise TableError(
+                f"naming table {table.title!r} ({table.generation}): {name!r} is both a row and "
+                f"an unmapped name; keep one."
+            )
     for row in table.rows:
         for other in table.rows:
             if other is row:
                 continue
-            hit = next((n for n in other.spellings(table.absent_once) if row.pattern.match(n)), None)
+            hit = next(
+                (n for n in other.spellings(table.absent_once) if row.pattern.match(n)), None
+            )
             if hit is not None:
-                raise _row_error(table, row, f"its pattern also matches {hit!r}, a name of row {other.name!r}; "
-                                 f"a name must read one row.")
+                raise _row_error(
+                    table,
+                    row,
+                    f"its pattern also matches {hit!r}, a name of row {other.name!r}; "
+                    f"a name must read one row.",
+                )
 
 
 #: A page slug and a distribution name: lowercase words joined by `-`.
@@ -211,24 +233,36 @@ def _check_metadata(table: Table) -> None:
     given = [name for name in _METADATA if getattr(table, name)]
     if given and len(given) < len(_METADATA):
         missing = [name for name in _METADATA if name not in given]
-        raise TableError(f"{where}: gives {', '.join(given)} but not {', '.join(missing)}; a table of "
-                         f"GENERATIONS gives all of {', '.join(_METADATA)}, a by_kind table none.")
+        raise TableError(
+            f"{where}: gives {', '.join(given)} but not {', '.join(missing)}; a table of "
+            f"GENERATIONS gives all of {', '.join(_METADATA)}, a by_kind table none."
+        )
     if not given and table.names:
-        raise TableError(f"{where}: names={table.names!r} without a heading; a by_kind table has no metadata.")
+        raise TableError(
+            f"{where}: names={table.names!r} without a heading; a by_kind table has no metadata."
+        )
     if given:
         for name, pattern in (("slug", _SLUG), ("library", _SLUG), ("checked", _RELEASE)):
             if not pattern.fullmatch(getattr(table, name)):
-                raise TableError(f"{where}: {name}={getattr(table, name)!r} is not of the form {pattern.pattern}.")
+                raise TableError(
+                    f"{where}: {name}={getattr(table, name)!r} is not of the form {pattern.pattern}."
+                )
         series = re.fullmatch(r"(\d+)\.x", table.generation)
         if series and table.checked.split(".")[0] != series.group(1):
-            raise TableError(f"{where}: checked={table.checked!r} is not a {table.generation} release.")
+            raise TableError(
+                f"{where}: checked={table.checked!r} is not a {table.generation} release."
+            )
     for kind, sub in table.by_kind:
         if sub.generation != table.generation:
-            raise TableError(f"{where}: its {kind} table {sub.title!r} is of generation {sub.generation!r}; a "
-                             f"by_kind table is read under its parent's generation.")
+            raise TableError(
+                f"{where}: its {kind} table {sub.title!r} is of generation {sub.generation!r}; a "
+                f"by_kind table is read under its parent's generation."
+            )
         if any(getattr(sub, name) for name in (*_METADATA, "names")):
-            raise TableError(f"{where}: its {kind} table {sub.title!r} has metadata of its own; it is read under "
-                             f"the parent's (leave heading, slug, library, checked and names empty).")
+            raise TableError(
+                f"{where}: its {kind} table {sub.title!r} has metadata of its own; it is read under "
+                f"the parent's (leave heading, slug, library, checked and names empty)."
+            )
 
 
 def _check_site(table: Table, row: Row, target: str, facets: tuple[str, ...]) -> None:
@@ -236,16 +270,27 @@ def _check_site(table: Table, row: Row, target: str, facets: tuple[str, ...]) ->
     if target not in TARGETS:
         hits = close_matches(target, TARGETS)
         hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
-        raise _row_error(table, row, f"target {target!r} is not a target.{hint} "
-                         f"Targets: {', '.join(sorted(TARGETS))}.")
+        raise _row_error(
+            table,
+            row,
+            f"target {target!r} is not a target.{hint} Targets: {', '.join(sorted(TARGETS))}.",
+        )
     roles = TARGETS[target].roles
     for facet in facets:
         if facet not in ALL_FACETS:
             hits = close_matches(facet, ALL_FACETS)
             hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
-            raise _row_error(table, row, f"facet {facet!r} is not a facet TorchLens produces, so the name would "
-                             f"always read as structurally_absent.{hint} Facets: {', '.join(sorted(ALL_FACETS))}.")
+            raise _row_error(
+                table,
+                row,
+                f"facet {facet!r} is not a facet TorchLens produces, so the name would "
+                f"always read as structurally_absent.{hint} Facets: {', '.join(sorted(ALL_FACETS))}.",
+            )
         have = BY_NAME[facet].roles
         if EVERY_MODULE not in have and not set(have) & set(roles):
-            raise _row_error(table, row, f"facet {facet!r} belongs to {list(have)} modules, but target "
-                             f"{target!r} finds a {' or '.join(roles)} module.")
+            raise _row_error(
+                table,
+                row,
+                f"facet {facet!r} belongs to {list(have)} modules, but target "
+                f"{target!r} finds a {' or '.join(roles)} module.",
+            )

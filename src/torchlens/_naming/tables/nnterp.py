@@ -10,23 +10,66 @@ from torchlens._naming.tables import Row, Table
 
 ROWS = (
     Row(name="layers_input[{L}]", target="block", facet="resid_pre", meaning="decoder layer input"),
-    Row(name="attentions_input[{L}]", target="attention", facet="input", meaning="attention input (normed residual)", note="nnterp reads the first keyword tensor when the attention is called with keywords only"),
-    Row(name="attention_probabilities[{L}]", target="attention", facet="pattern", meaning="attention softmax output", note="nnterp needs enable_attention_probs=True (eager attention) to read it"),
-    Row(name="attentions_output[{L}]", target="attention", facet="output", meaning="attention output (element 0)"),
+    Row(
+        name="attentions_input[{L}]",
+        target="attention",
+        facet="input",
+        meaning="attention input (normed residual)",
+        note="nnterp reads the first keyword tensor when the attention is called with keywords only",
+    ),
+    Row(
+        name="attention_probabilities[{L}]",
+        target="attention",
+        facet="pattern",
+        meaning="attention softmax output",
+        note="nnterp needs enable_attention_probs=True (eager attention) to read it",
+    ),
+    Row(
+        name="attentions_output[{L}]",
+        target="attention",
+        facet="output",
+        meaning="attention output (element 0)",
+    ),
     Row(name="mlps_input[{L}]", target="mlp", facet="input", meaning="MLP input (normed residual)"),
     Row(name="mlps_output[{L}]", target="mlp", facet="output", meaning="MLP output"),
-    Row(name="layers_output[{L}]", target="block", facet="resid_post", meaning="decoder layer output (element 0)"),
-    Row(name="input_ids", target="token_embed", facet="indices", meaning="token ids entering the embedding"),
-    Row(name="token_embeddings", target="token_embed", facet="output", meaning="token embedding (no position embedding)"),
-    Row(name="embed_tokens.output", target="token_embed", facet="output", meaning="token embedding module output"),
-    Row(name="logits", target="root", facet="logits", meaning="logits the model returns (nnterp reads output.logits)", note="after any step that follows the unembedding (Gemma-2's final logit softcap); lm_head.output is "
-        "the unembedding's own output"),
-    Row(name="lm_head.output", target="unembed", facet="output", meaning="unembedding module output"),
+    Row(
+        name="layers_output[{L}]",
+        target="block",
+        facet="resid_post",
+        meaning="decoder layer output (element 0)",
+    ),
+    Row(
+        name="input_ids",
+        target="token_embed",
+        facet="indices",
+        meaning="token ids entering the embedding",
+    ),
+    Row(
+        name="token_embeddings",
+        target="token_embed",
+        facet="output",
+        meaning="token embedding (no position embedding)",
+    ),
+    Row(
+        name="embed_tokens.output",
+        target="token_embed",
+        facet="output",
+        meaning="token embedding module output",
+    ),
+    Row(
+        name="logits",
+        target="root",
+        facet="logits",
+        meaning="logits the model returns (nnterp reads output.logits)",
+        note="after any step that follows the unembedding (Gemma-2's final logit softcap); lm_head.output is "
+        "the unembedding's own output",
+    ),
+    Row(
+        name="lm_head.output", target="unembed", facet="output", meaning="unembedding module output"
+    ),
 )
 
-_FINAL_NORM = (
-    "nnterp standardizes no norm names, so the nnterp table has no row for {name}. "
-)
+_FINAL_NORM = "nnterp standardizes no norm names, so the nnterp table has no row for {name}. "
 
 UNMAPPED = {
     "ln_final.input": _FINAL_NORM.format(name="ln_final.input")
@@ -44,6 +87,15 @@ UNMAPPED = {
 }
 
 TABLE = Table(
-    "nnterp", "nnterp 1.3 StandardizedTransformer accessors", ROWS, unmapped=UNMAPPED, negative_layers=True,
-    decoder_only=True, heading="nnterp", slug="nnterp", library="nnterp", checked="1.3.0", names="accessors",
+    "nnterp",
+    "nnterp 1.3 StandardizedTransformer accessors",
+    ROWS,
+    unmapped=UNMAPPED,
+    negative_layers=True,
+    decoder_only=True,
+    heading="nnterp",
+    slug="nnterp",
+    library="nnterp",
+    checked="1.3.0",
+    names="accessors",
 )

@@ -17,14 +17,29 @@ from torchlens._naming.tables import Row
 _ALIASES = (
     ("hook_resid_pre", "block", "resid_pre", "residual entering the block"),
     ("hook_resid_post", "block", "resid_post", "residual leaving the block"),
-    ("hook_attn_out", "attention", "output", "self-attention output (its contribution to the residual)"),
+    (
+        "hook_attn_out",
+        "attention",
+        "output",
+        "self-attention output (its contribution to the residual)",
+    ),
     ("hook_mlp_out", "mlp", "output", "MLP output (its contribution to the residual)"),
 )
 
 
 def _moved(row: Row, name: str, stack: str | None, target: str | None = None) -> Row:
-    facet = "output" if target in ("attn_residual", "cross_residual") else row.facet  # a wrapper's output
-    return Row(name=name, target=target or row.target, facet=facet, meaning=row.meaning, note=row.note, in_report=row.in_report, stack=stack)
+    facet = (
+        "output" if target in ("attn_residual", "cross_residual") else row.facet
+    )  # a wrapper's output
+    return Row(
+        name=name,
+        target=target or row.target,
+        facet=facet,
+        meaning=row.meaning,
+        note=row.note,
+        in_report=row.in_report,
+        stack=stack,
+    )
 
 
 def encoder_decoder_rows(rows: tuple[Row, ...]) -> tuple[Row, ...]:
@@ -38,23 +53,61 @@ def encoder_decoder_rows(rows: tuple[Row, ...]) -> tuple[Row, ...]:
         elif not r.per_layer:
             out.append(r)
     for r in layer_rows:  # encoder: ln1, attn, ln2, mlp as in a decoder-only block
-        out.append(_moved(r, r.name.replace("blocks.{L}.", "encoder_blocks.{L}."), "encoder",
-                          "attn_residual" if r.name.endswith(".hook_mlp_in") else None))
+        out.append(
+            _moved(
+                r,
+                r.name.replace("blocks.{L}.", "encoder_blocks.{L}."),
+                "encoder",
+                "attn_residual" if r.name.endswith(".hook_mlp_in") else None,
+            )
+        )
     for r in layer_rows:
-        rest = r.name[len("blocks.{L}."):]
+        rest = r.name[len("blocks.{L}.") :]
         if rest.startswith("attn."):
-            out.append(_moved(r, "decoder_blocks.{L}.self_attn." + rest[len("attn."):], "decoder"))
+            out.append(_moved(r, "decoder_blocks.{L}.self_attn." + rest[len("attn.") :], "decoder"))
             if r.target == "attention":
-                out.append(_moved(r, "decoder_blocks.{L}.cross_attn." + rest[len("attn."):], "decoder",
-                                  "cross_attention"))
+                out.append(
+                    _moved(
+                        r,
+                        "decoder_blocks.{L}.cross_attn." + rest[len("attn.") :],
+                        "decoder",
+                        "cross_attention",
+                    )
+                )
         elif rest.startswith("ln2."):
-            out.append(_moved(r, "decoder_blocks.{L}.ln2." + rest[len("ln2."):], "decoder", "ln_cross"))
-            out.append(_moved(r, "decoder_blocks.{L}.ln3." + rest[len("ln2."):], "decoder"))
+            out.append(
+                _moved(r, "decoder_blocks.{L}.ln2." + rest[len("ln2.") :], "decoder", "ln_cross")
+            )
+            out.append(_moved(r, "decoder_blocks.{L}.ln3." + rest[len("ln2.") :], "decoder"))
         else:  # T5 adds each residual inside the sublayer wrapper: the MLP's input residual is its output
-            out.append(_moved(r, "decoder_blocks.{L}." + rest, "decoder",
-                              "cross_residual" if rest == "hook_mlp_in" else None))
+            out.append(
+                _moved(
+                    r,
+                    "decoder_blocks.{L}." + rest,
+                    "decoder",
+                    "cross_residual" if rest == "hook_mlp_in" else None,
+                )
+            )
     for prefix, stack in (("encoder_blocks", "encoder"), ("decoder_blocks", "decoder")):
         for name, target, facet, meaning in _ALIASES:
-            out.append(Row(name=f"{prefix}.{{L}}.{name}", target=target, facet=facet, meaning=meaning, note="a block alias of the bridge", stack=stack))
-    out.append(Row(name="decoder_blocks.{L}.hook_cross_attn_out", target="cross_attention", facet="output", meaning="cross-attention output (its contribution to the residual)", note="a block alias of the bridge", stack="decoder"))
+            out.append(
+                Row(
+                    name=f"{prefix}.{{L}}.{name}",
+                    target=target,
+                    facet=facet,
+                    meaning=meaning,
+                    note="a block alias of the bridge",
+                    stack=stack,
+                )
+            )
+    out.append(
+        Row(
+            name="decoder_blocks.{L}.hook_cross_attn_out",
+            target="cross_attention",
+            facet="output",
+            meaning="cross-attention output (its contribution to the residual)",
+            note="a block alias of the bridge",
+            stack="decoder",
+        )
+    )
     return tuple(out)
