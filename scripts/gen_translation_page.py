@@ -49,18 +49,7 @@ GENERATIONS = tuple(mi.GENERATIONS)
 #: family -> the word of the serving page's column header for its vLLM model.
 VLLM_FAMILIES = {"gpt2": "GPT-2", "llama": "Llama", "qwen3": "Qwen3"}
 #: The families' titles, as the other pages write them.
-TITLES = {
-    "gpt2": "GPT-2",
-    "gpt2_upcast": "GPT-2, reorder_and_upcast_attn",
-    "llama": "Llama",
-    "gpt_neox": "GPT-NeoX",
-    "gpt_neox_sequential": "GPT-NeoX, sequential residual",
-    "gemma2": "Gemma-2",
-    "qwen3": "Qwen3",
-    "phi3": "Phi-3",
-    "olmo2": "OLMo-2",
-    "mistral": "Mistral",
-}
+TITLES = {name: f.title for name, f in testing.FAMILIES.items()}
 
 
 @dataclass
@@ -115,7 +104,8 @@ def _rank(facet: str) -> int:
 
 def family_sites(family: str) -> tuple[tl.Trace, list[Site], dict[str, list[str]]]:
     """The family's sites at layer 0 and the global ones, with every generation's names; and the names with no site."""
-    trace = tl.trace(testing.build(family), testing.token_ids(length=5), save="all")
+    args, kwargs = testing.inputs(family)
+    trace = tl.trace(testing.build(family), *args, save="all", **kwargs)
     trace.check()
     block0 = trace.blocks[0] if trace.blocks else None
     sites: dict[tuple, Site] = {}
@@ -129,11 +119,12 @@ def family_sites(family: str) -> tuple[tl.Trace, list[Site], dict[str, list[str]
                 key = (_template(address, block0), facet)
                 if key not in sites:
                     record = trace.modules[address].calls[call or 0]
-                    site = record.facets.sites[facet]
+                    # a refused facet has no site: it is placed with its module's output
+                    site = record.facets.sites.get(facet)
                     # forward order: an op's output where it was made; a derived facet with its module's output
                     where = (
                         site.op
-                        if site.kind == "real" and site.op is not None
+                        if site is not None and site.kind == "real" and site.op is not None
                         else record.end_op - 1
                     )
                     sites[key] = Site(
@@ -174,21 +165,18 @@ def family_section(family: str, vllm: dict[str, dict[str, str]]) -> list[str]:
     title = TITLES.get(family, family)
     legacy_only = all(set(s.names["4.x"]) <= set(s.names["3.x"]) for s in sites)
     column = next((c for c in vllm if VLLM_FAMILIES.get(family, "\0") in c), None)
-    headers = [
-        "site",
-        "status",
-        "2.x",
-        "3.x, besides the 4.x names" if legacy_only else "3.x",
-        "4.x",
-        "nnterp",
-        "interp-engine",
-    ] + (["vLLM hook"] if column else [])
     block = trace.blocks[0][:-1] + "{L}" if trace.blocks else "(none)"
+    tl_headers = ["site", "2.x", "3.x, besides the 4.x names" if legacy_only else "3.x", "4.x"]
+    other_headers = ["site", "status", "nnterp", "interp-engine"] + (
+        ["vLLM hook"] if column else []
+    )
     lines = [
         f"## {title}",
         "",
         f'`testing.build("{family}")`: `{spec.model}`, {len(trace.blocks)} layers; block `{{L}}` is '
-        f"`{block}`. {len(sites)} sites have a name in some generation."
+        f"`{block}`, and a site inside it is written from it (`{{L}}.mlp` is `{block}.mlp`). "
+        f"{len(sites)} sites have a name in some generation: the first table gives TransformerLens's "
+        f"names, the second each site's status and the other libraries' names for it."
         + (
             f" The vLLM column is the hook of the [serving-engines recipe](../guides/serving-engines.md) "
             f"for vLLM's {VLLM_FAMILIES[family]} model (module names inside `{block}` are relative to it)."
@@ -196,33 +184,36 @@ def family_section(family: str, vllm: dict[str, dict[str, str]]) -> list[str]:
             else ""
         ),
         "",
-        "| " + " | ".join(headers) + " |",
-        "|" + "---|" * len(headers),
     ]
+    tl_rows, other_rows = [], []
     for s in sites:
         legacy = (
             [n for n in s.names["3.x"] if n not in s.names["4.x"]]
             if legacy_only
             else s.names["3.x"]
         )
-        cells = [
-            f"`{s.address}`<br>`{s.facet}`",
-            _status(s.status),
-            _code(s.names["2.x"]),
-            _code(legacy),
-            _code(s.names["4.x"]),
-            _code(s.names["nnterp"]),
-            _code(s.names["interp-engine"]),
-        ]
+        address = (
+            "{L}" + s.address[len(block) :]
+            if trace.blocks and (s.address == block or s.address.startswith(block + "."))
+            else s.address
+        )
+        site = f"`{address}`<br>`{s.facet}`"
+        tl_rows.append([site, _code(s.names["2.x"]), _code(legacy), _code(s.names["4.x"])])
+        cells = [site, _status(s.status), _code(s.names["nnterp"]), _code(s.names["interp-engine"])]
         if column:
             hooks = list(
                 dict.fromkeys(vllm[column][n] for n in s.names["3.x"] if n in vllm[column])
             )
             cells.append("<br>".join(hooks) if hooks else "—")
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        other_rows.append(cells)
+    # the tl-translation class sets the tables a size smaller (docs/stylesheets/extra.css)
+    for headers, rows in ((tl_headers, tl_rows), (other_headers, other_rows)):
+        lines += ['<div class="tl-translation" markdown>', ""]
+        lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |" for cells in rows]
+        lines += ["", "</div>", ""]
     lines += [
-        "",
-        f"Names with no site on {title} (the [alias tables](index.md) give each one's reason):",
+        f"Names with no site on {title} (each generation's own table, listed [here](index.md), gives each one's reason):",
         "",
     ]
     for generation in GENERATIONS:

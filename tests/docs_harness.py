@@ -20,6 +20,7 @@ import functools
 import importlib.util
 import json
 import linecache
+import logging
 import os
 import pathlib
 import pprint
@@ -380,9 +381,11 @@ class DocItem(MarkdownInlinePythonItem):
         # block's code at its page lines, not the page's Markdown.
         source, filename = self.test_definition.source, str(self.path)
         linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-        self.runner.runtest(
-            self.test_definition, namespace, asyncio_runner=asyncio
-        )  # asyncio.run: top-level await
+        with _ConfigWarnings() as warned:
+            self.runner.runtest(
+                self.test_definition, namespace, asyncio_runner=asyncio
+            )  # asyncio.run: top-level await
+        self.config_warnings = warned.messages
         if self.header:
             self._check(namespace)
 
@@ -560,7 +563,6 @@ def pytest_collect_file(file_path: pathlib.Path, parent: pytest.Collector):
 
 def _forget_warnings_given_once() -> None:
     """Let transformers give its once-per-process warnings again: each block runs as a script of its own."""
-    import logging
 
     forget = getattr(getattr(logging.Logger, "warning_once", None), "cache_clear", None)
     if forget is not None and "transformers" in sys.modules:
@@ -572,13 +574,39 @@ def _forget_warnings_given_once() -> None:
 CONFIG_WARNING = re.compile(r"^\[transformers\] Model config: .*$", re.M)
 
 
+class _ConfigWarnings(logging.Handler):
+    """The `CONFIG_WARNING` messages transformers logs while a block runs, read from its logger.
+
+    transformers' own handler writes to the `sys.stderr` of the moment transformers was imported,
+    which is not the stream pytest captures for a later block (in a nested pytest run, say), so
+    the block's captured stderr is not enough to see them.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = f"[transformers] {record.getMessage()}"
+        if CONFIG_WARNING.match(line):
+            self.messages.append(line)
+
+    def __enter__(self) -> _ConfigWarnings:
+        logging.getLogger("transformers").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("transformers").removeHandler(self)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Fail a block that passed but made transformers warn about its model config (:data:`CONFIG_WARNING`)."""
     report = yield
     if isinstance(item, DocItem) and call.when == "call" and report.passed:
         stderr = "".join(text for name, text in report.sections if name == "Captured stderr call")
-        if warned := CONFIG_WARNING.findall(stderr):
+        warned = CONFIG_WARNING.findall(stderr) + getattr(item, "config_warnings", [])
+        if warned:
             report.outcome = "failed"
             report.longrepr = (
                 f"{item.where}: transformers warned about the example's model config (set the ids "

@@ -27,7 +27,8 @@ PAIRS = [(a, b) for a, b in itertools.permutations(GENERATIONS, 2)]
 @functools.cache
 def family_trace(family: str) -> tl.Trace:
     """A trace built here, not through translate's cache: the reference side of every check."""
-    return tl.trace(testing.build(family), testing.token_ids(length=5), save="all")
+    args, kwargs = testing.inputs(family)
+    return tl.trace(testing.build(family), *args, save="all", **kwargs)
 
 
 def names_of(generation: str, trace: tl.Trace) -> list[str]:
@@ -71,7 +72,7 @@ def expected(family: str, name: str, source: str, target: str) -> tuple[str, lis
 
 @pytest.mark.parametrize("family", list(testing.FAMILIES))
 def test_every_answer_on_every_family_is_what_resolving_both_names_gives(family):
-    checked = 0
+    checked, statuses = 0, set()
     for source, target in PAIRS:
         for name in sites(family, source):
             got = mi.translate(name, from_generation=source, to_generation=target, family=family)
@@ -85,7 +86,9 @@ def test_every_answer_on_every_family_is_what_resolving_both_names_gives(family)
             )
             assert got.family == family and got.reason
             checked += 1
-    assert checked > 1000
+            statuses.add(got.status)
+    # Not vacuous: every family reads some name of one generation under another's name.
+    assert checked > 200 and "same_site" in statuses, (checked, statuses)
 
 
 def test_a_trace_passed_in_gives_the_answers_of_its_family():

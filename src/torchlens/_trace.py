@@ -124,7 +124,7 @@ class Trace:
             DrawSpecError: an option is not accepted (the message says what is); `DrawingTooLarge`
                 (a subclass) when the drawing has more than `max_nodes` nodes.
             LookupFailed: a `highlight=` or `focus=` name that no naming table knows, with close matches.
-            LayoutEngineMissing: pygraphviz is not installed (`pip install 'torchlens[draw]'`).
+            LayoutEngineMissing: pygraphviz is not installed (`pip install -e '.[draw]'` in the checkout).
         """
         return _draw.draw(
             self,

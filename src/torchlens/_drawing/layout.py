@@ -71,8 +71,8 @@ def pygraphviz_module():
     except ImportError as exc:
         raise LayoutEngineMissing(
             "Trace.draw lays the graph out with Graphviz through pygraphviz, which is not installed here "
-            f"({exc}). Install it with pip install 'torchlens[draw]' (pygraphviz's wheels ship Graphviz, so no "
-            "system package is needed)."
+            f"({exc}). In the TorchLens checkout, install the draw extra (pip install -e '.[draw]'), "
+            "or install pygraphviz itself: its wheels ship Graphviz, so no system package is needed."
         ) from None
     return pygraphviz
 

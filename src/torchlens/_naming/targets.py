@@ -99,6 +99,18 @@ def _follows(n: ModuleCall, s: ModuleCall) -> bool:
     return type(s.output_ref) is Ref and n.input_ref == s.output_ref
 
 
+def _sandwich_norm(trace: Trace, layer: int, which: str) -> ModuleCall | None:
+    """The norm applied to the sublayer's output, when that norm's output is the sublayer's
+    contribution: added to the stream the sublayer read (Gemma-2, OLMo-2). A norm that reads the
+    sublayer's output after the sublayer added the stream itself (BLOOM's attention returns the
+    residual sum, and `post_attention_layernorm` is the MLP's input norm) normalizes the stream,
+    not a contribution, and is no post-sublayer norm."""
+    norm = _norm_where(trace, layer, _follows, which)
+    if norm is None or not _added_to_residual(trace, layer, norm, _sublayer(trace, layer, which)):
+        return None
+    return norm
+
+
 def _added_to_residual(
     trace: Trace, layer: int, sub: ModuleCall, reads: ModuleCall | None = None
 ) -> bool:
@@ -536,17 +548,17 @@ TARGETS: dict[str, Target] = check_targets(
         ),
         Target(
             name="attn_post_norm",
-            find=lambda t, i: _norm_where(t, i, _follows, "attention"),
+            find=lambda t, i: _sandwich_norm(t, i, "attention"),
             per_layer=True,
             roles=("norm",),
-            absent="no norm is applied to the attention output (no sandwich norm)",
+            absent="no norm is applied to the attention output before it joins the residual stream (no sandwich norm)",
         ),
         Target(
             name="mlp_post_norm",
-            find=lambda t, i: _norm_where(t, i, _follows, "mlp"),
+            find=lambda t, i: _sandwich_norm(t, i, "mlp"),
             per_layer=True,
             roles=("norm",),
-            absent="no norm is applied to the MLP output (no sandwich norm)",
+            absent="no norm is applied to the MLP output before it joins the residual stream (no sandwich norm)",
         ),
         Target(
             name="attn_out_final",

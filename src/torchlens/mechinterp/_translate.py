@@ -61,6 +61,13 @@ SHARED_MODULES = frozenset(
         frozenset({"mlp", "mlp_gated"}),
         frozenset({"mlp_gated", "mlp_out_final"}),
         frozenset({"block", "first_block"}),
+        # one norm feeds both sublayers of a parallel block (GPT-J, Phi, CodeGen, Falcon)
+        frozenset({"ln1", "ln2"}),
+        # a post-LN encoder's last block is its last norm's block (BERT, RoBERTa, ELECTRA)
+        frozenset({"block", "post_ln_block"}),
+        frozenset({"first_block", "post_ln_block"}),
+        # DistilBERT's norm after the attention's residual add is the one its MLP reads
+        frozenset({"ln2", "post_ln1"}),
     }
 )
 
@@ -260,6 +267,12 @@ def _from_tables(query: str, src: Table, dst: Table) -> Translation:
                 f"{dst.generation}'s {other.name} reads {site} on models where {other.target} has no "
                 f"{other.facets[0]}"
             )
+        elif row.or_else is not None and row.or_else == other.or_else:
+            maybe.append(other)
+            why.append(
+                f"on models with neither {row.target}:{row.facets[0]} nor {other.target}:"
+                f"{other.facets[0]}, both read {_or(row.or_else)}"
+            )
     names = lambda rows: tuple(
         dict.fromkeys(_fill(r, _layer_for(row, r, layer_text)) for r in rows)
     )
@@ -333,8 +346,10 @@ def names_by_site(trace: Trace, generation: str) -> dict[tuple, list[AliasResolu
 
 @functools.cache
 def _family_trace(family: str) -> Trace:
-    """A trace of `torchlens.testing.build(family)` on five tokens, every tensor saved (built once per process)."""
-    return run_trace(testing.build(family), testing.token_ids(length=5), save="all")
+    """A trace of `torchlens.testing.build(family)` on `testing.inputs(family)` (five tokens, or an
+    image), every tensor saved (built once per process)."""
+    args, kwargs = testing.inputs(family)
+    return run_trace(testing.build(family), *args, save="all", **kwargs)
 
 
 @functools.cache
