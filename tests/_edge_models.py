@@ -154,6 +154,16 @@ CONFIGS: dict[str, tuple[Callable[[], Any], Callable[[], type]]] = {
         ),
         lambda: tf.MiniCPM3ForCausalLM,
     ),
+    # further architectures of the same kind (issue 22, item 4): Granite with sliding-window
+    # attention, and HyperCLOVAX, which scales its sandwich norms' outputs before the add
+    "graniteswa": (
+        lambda: tf.GraniteSWAConfig(**_LL, residual_multiplier=0.3, sliding_window=4),
+        lambda: tf.GraniteSWAForCausalLM,
+    ),
+    "hyperclovax": (
+        lambda: tf.HyperCLOVAXConfig(**_LL, residual_multiplier=0.4, head_dim=8),
+        lambda: tf.HyperCLOVAXForCausalLM,
+    ),
     # an MoE feed_forward whose output is reshaped before the add
     "llama4": (
         lambda: tf.Llama4TextConfig(

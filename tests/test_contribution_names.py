@@ -2,16 +2,20 @@
 
 TransformerLens 2.x `blocks.L.hook_attn_out` / `blocks.L.hook_mlp_out` read "the attention's /
 MLP's contribution to the residual": the tensor the block adds to the residual stream for that
-sublayer. Today they are `structurally_absent` unless the sublayer's output is itself an operand
-of the add, so they are missing where the model scales or reshapes the output on the way:
+sublayer. Where the model changes the sublayer's output on the way, that tensor is no module's
+output, and TorchLens serves it as the sublayer's `contribution` facet (the add's operand, an op
+output):
 
-- Granite: `residual + out * residual_multiplier`, for both sublayers.
-- MiniCPM3 (no other test uses it): `residual + out * (scale_depth / sqrt(n_layers))`.
+- Granite: `residual + out * residual_multiplier`, for both sublayers; GraniteSWA (its
+  sliding-window variant, no other test uses it) the same.
+- MiniCPM3: `residual + out * (scale_depth / sqrt(n_layers))`.
 - Llama-4: `residual + feed_forward(x).view(residual.shape)`.
+- HyperCLOVAX (no other test uses it): `residual + post_norm(out) * residual_multiplier`, so the
+  contribution is the sandwich norm's output, scaled; the facet is the norm's.
 
-Ground truth: plain forward hooks on `self_attn` and on the MLP module (`testing.hooked_outputs`),
-with the model's own scale or reshape applied by hand (the same elementwise product of the same
-float32 values, so equal to one rounding).
+Ground truth: plain forward hooks on the module whose output the block changes
+(`testing.hooked_outputs`), with the model's own scale or reshape applied by hand from its config
+(the same elementwise product of the same float32 values, so equal to one rounding).
 """
 
 from __future__ import annotations
@@ -27,37 +31,22 @@ import torchlens as tl
 import torchlens.mechinterp as mi
 from torchlens import testing
 
-#: arch -> (sublayer -> its module under model.layers.N, the residual scale of a sublayer's output)
+#: arch -> (sublayer -> the module under model.layers.N whose output the block changes, the
+#: residual scale of that output)
 ARCHS = {
     "granite": ({"attn": "self_attn", "mlp": "mlp"}, lambda cfg: cfg.residual_multiplier),
+    "graniteswa": ({"attn": "self_attn", "mlp": "mlp"}, lambda cfg: cfg.residual_multiplier),
     "minicpm3": (
         {"attn": "self_attn", "mlp": "mlp"},
         lambda cfg: cfg.scale_depth / math.sqrt(cfg.num_hidden_layers),
     ),
     "llama4": ({"attn": "self_attn", "mlp": "feed_forward"}, lambda cfg: 1.0),
+    "hyperclovax": (
+        {"attn": "post_norm1", "mlp": "post_norm2"},
+        lambda cfg: cfg.residual_multiplier,
+    ),
 }
-#: Not served yet (issue 22, item 4, open): the block adds `scale * out` or `out.view(...)`, a tensor
-#: no module returns, so serving it needs a block facet for the added operand (the resid_mid check's
-#: add chain already finds and checks it). Until then these names are absent, which is honest, and
-#: each case is a strict xfail: it fails the suite the day the facet lands without this list shrinking.
-NOT_YET = {
-    ("granite", "attn"),
-    ("granite", "mlp"),
-    ("minicpm3", "attn"),
-    ("minicpm3", "mlp"),
-    ("llama4", "mlp"),
-}
-CASES = [
-    pytest.param(
-        a,
-        s,
-        marks=pytest.mark.xfail(strict=True, reason="the added operand is not a served facet yet"),
-    )
-    if (a, s) in NOT_YET
-    else (a, s)
-    for a in ARCHS
-    for s in ("attn", "mlp")
-]
+CASES = [(a, s) for a in ARCHS for s in ("attn", "mlp")]
 LAYERS = 2
 
 
@@ -68,9 +57,7 @@ def traced(arch: str):
     return model, args, kwargs, tl.trace(model, *args, **kwargs, save="all")
 
 
-@pytest.mark.parametrize(
-    "arch,sub", CASES, ids=[f"{a}-{s}" for a in ARCHS for s in ("attn", "mlp")]
-)
+@pytest.mark.parametrize("arch,sub", CASES, ids=[f"{a}-{s}" for a, s in CASES])
 def test_contribution_is_served_where_the_block_adds_it(arch, sub):
     model, args, kwargs, trace = traced(arch)
     modules, scale_of = ARCHS[arch]
@@ -96,16 +83,30 @@ def test_contribution_is_served_where_the_block_adds_it(arch, sub):
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.parametrize("arch,sub", sorted(NOT_YET), ids=[f"{a}-{s}" for a, s in sorted(NOT_YET)])
-def test_a_contribution_not_served_yet_is_absent_not_wrong(arch, sub):
-    """Until the added operand is a facet, the name must not be served at all (never the unscaled
-    output as `real`)."""
-    _, _, _, trace = traced(arch)
-    for i in range(LAYERS):
-        r = mi.resolve_alias(trace, f"blocks.{i}.hook_{sub}_out", generation="2.x")
-        assert r.status not in ("real", "reconstructed_read_only"), (
-            r.status,
-            r.module_address,
-            r.facet,
-        )
-        assert r.reason, "an absent name says why"
+def test_a_contribution_whose_check_fails_is_refused_never_the_unscaled_output():
+    """A served tensor written in place after the trace makes the contribution's check refuse; the
+    name is then refused, and is never answered with the sublayer's `output` (another tensor)."""
+    model = em.build("granite")
+    args, kwargs = em.inputs("granite")
+    trace = tl.trace(model, *args, **kwargs, save="all")
+    trace.modules["model.layers.0.self_attn"].facets["output"].mul_(2.0)
+    r = mi.resolve_alias(trace, "blocks.0.hook_attn_out", generation="2.x")
+    assert (r.status, r.module_address, r.facet) == (
+        "refused",
+        "model.layers.0.self_attn",
+        "contribution",
+    ), (r.status, r.facet, r.reason)
+    assert "written after the trace returned" in r.reason
+
+
+def test_where_the_block_adds_the_output_as_it_is_there_is_no_contribution_facet():
+    """GPT-2 and Gemma-2 (a sandwich norm, no constant) add what the module returns: hook_attn_out
+    reads the module's `output`, and no `contribution` facet is made beside it."""
+    for family, module in (
+        ("gpt2", "transformer.h.0.attn"),
+        ("gemma2", "model.layers.0.post_attention_layernorm"),
+    ):
+        trace = tl.trace(testing.build(family), testing.token_ids(length=5), save="all")
+        r = mi.resolve_alias(trace, "blocks.0.hook_attn_out", generation="2.x")
+        assert (r.module_address, r.facet, r.status) == (module, "output", "real"), family
+        assert not any("contribution" in rec.facets.sites for rec in trace.modules.values())

@@ -107,7 +107,9 @@ def test_every_facet_has_the_layout_its_row_gives(build):
                     row.axes,
                 )
                 checked.add(name)
-    absent = (
+    # `contribution` exists only where a block changes a sublayer's output before adding it
+    # (tests/test_contribution_names.py checks its layout there); Llama and GPT-2 add it as it is.
+    absent = {"contribution"} | (
         {"inv_std"} if build is _llama else {"inv_rms", "pre_linear", "gated_out", "rot_q", "rot_k"}
     )
     assert checked == set(spec.ALL_FACETS) - {"input", "output"} - absent
@@ -192,6 +194,7 @@ def test_facets_keeps_its_shape():
         "pattern",
         "z",
         "result",
+        "contribution",
     ]
     assert spec.FACETS["block"]["resid_pre"].startswith("[batch, pos, d_model] ")
     assert spec.ALL_FACETS == {n for t in spec.FACETS.values() for n in t}

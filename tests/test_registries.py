@@ -288,6 +288,11 @@ ALLOWED = {
     ): "one cross-section for the eager pattern gradients: learned positions (GPT-2), rotary "
     "grouped-query attention (Llama), softcapped scores (Gemma-2) and an encoder (BERT)",
     (
+        "tests/test_why_page.py",
+        "PEERS",
+    ): "the libraries the Why TorchLens page sets beside TorchLens, upstream TorchLens among "
+    "them (no engine the runs read): the page's column headers",
+    (
         "tests/test_diagnosis.py",
         "PATHS",
     ): "norm and projection addresses of the softcap/residual diagnosis "

@@ -379,6 +379,20 @@ SPECS: tuple[FacetSpec, ...] = (
         "training mode it holds the dropped-out tensor",
     ),
     FacetSpec(
+        name="contribution",
+        roles=("attention", "mlp", "norm"),
+        axes=("batch", "pos", "d_model"),
+        heads_axis=None,
+        kv_heads=False,
+        source="op",
+        absent="the block adds the sublayer's output to the residual stream as it is (then that "
+        "output is the contribution), or not through one add",
+        prose="what the block's residual add takes from the sublayer (or from the norm applied to "
+        "its output), where the model changes that output on the way: times a constant (Granite's "
+        "`residual_multiplier`, MiniCPM3's depth scale) or reshaped (Llama-4); checked to be the "
+        "output times one constant",
+    ),
+    FacetSpec(
         name="down_out",
         roles=("mlp",),
         axes=("batch", "pos", "d_model"),

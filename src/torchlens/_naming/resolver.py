@@ -399,15 +399,17 @@ def _status_of_site(
                 f"read trace.modules[{address!r}].calls[i].facets[{row.facets[0]!r}] for the call you mean",
             )
         call = rec.calls[0]
-    sites = call.facets.sites
-    facet = next((f for f in row.facets if f in sites), None)
+    # The first of the row's facets the call has, served or refused: a refused one is reported
+    # as refused, never replaced by a later facet of the row (another tensor).
+    sites, refusals = call.facets.sites, getattr(call.facets, "refused", {})
+    facet = next((f for f in row.facets if f in sites or f in refusals), None)
     while (
-        force and facet is not None and not sites[facet].checked
+        force and facet in sites and not sites[facet].checked
     ):  # the status rests on its check: run it
         call.facets.check(facet)
-        sites = call.facets.sites
-        facet = next((f for f in row.facets if f in sites), None)
-    refused = getattr(call.facets, "refused", {}).get(row.facets[0]) if facet is None else None
+        sites, refusals = call.facets.sites, getattr(call.facets, "refused", {})
+        facet = next((f for f in row.facets if f in sites or f in refusals), None)
+    refused = refusals.get(facet) if facet is not None and facet not in sites else None
     if refused is not None:  # TorchLens derived it, but its check against the model failed
         # A fused kernel's pattern is a real softmax op under eager attention; nn.MultiheadAttention
         # runs as one op (multi_head_attention_forward) in any capture, so there no capture serves it.
@@ -415,19 +417,19 @@ def _status_of_site(
             op.name == "multi_head_attention_forward"
             for op in trace.ops[call.first_op : call.end_op]
         )
-        if row.facets[0] in KERNEL_REBUILT and not mha:
+        if facet in KERNEL_REBUILT and not mha:
             return res(
                 "needs_capture",
                 address,
-                row.facets[0],
-                f"{row.facets[0]} is not served: {refused}.",
+                facet,
+                f"{facet} is not served: {refused}.",
                 "trace a copy of the model loaded with attn_implementation='eager'",
             )
         return res(
             "refused",
             address,
-            row.facets[0],
-            f"{row.facets[0]} is not served: {refused}.",
+            facet,
+            f"{facet} is not served: {refused}.",
             _refusal_remedy(refused, address),
         )
     if facet is None:

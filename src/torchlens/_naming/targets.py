@@ -26,6 +26,7 @@ from torchlens._core.ops import (
     CAST_OPS,
     FUSED_ATTENTION_OPS,
     PASS_THROUGH_OPS,
+    RESHAPE_OPS,
     SCALE_OPS,
     SOFTMAX_OPS,
 )
@@ -101,20 +102,23 @@ def _follows(n: ModuleCall, s: ModuleCall) -> bool:
 
 def _sandwich_norm(trace: Trace, layer: int, which: str) -> ModuleCall | None:
     """The norm applied to the sublayer's output, when that norm's output is the sublayer's
-    contribution: added to the stream the sublayer read (Gemma-2, OLMo-2). A norm that reads the
+    contribution: added (as it is, or times a constant: HyperCLOVAX) to the stream the sublayer
+    read (Gemma-2, OLMo-2). A norm that reads the
     sublayer's output after the sublayer added the stream itself (BLOOM's attention returns the
     residual sum, and `post_attention_layernorm` is the MLP's input norm) normalizes the stream,
     not a contribution, and is no post-sublayer norm."""
     norm = _norm_where(trace, layer, _follows, which)
-    if norm is None or not _added_to_residual(trace, layer, norm, _sublayer(trace, layer, which)):
+    if _added_to_residual(trace, layer, norm, _sublayer(trace, layer, which)) is None:
         return None
     return norm
 
 
 def _added_to_residual(
-    trace: Trace, layer: int, sub: ModuleCall, reads: ModuleCall | None = None
-) -> bool:
-    """Whether the call's output is a summand of what the layer adds to its residual stream.
+    trace: Trace, layer: int, sub: ModuleCall | None, reads: ModuleCall | None = None
+) -> str | None:
+    """Whether the call's output is a summand of what the layer adds to its residual stream:
+    `"as_is"`, `"changed"` (the model reshapes it, or multiplies it by a constant, on the way:
+    Llama-4, Granite, MiniCPM3), or None (it is not).
 
     Followed through casts, dropout and other sums (GPT-J adds attention and MLP outputs first),
     the output must meet an add whose other operand is the stream the sublayer read (a tensor its
@@ -124,24 +128,36 @@ def _added_to_residual(
     contribution (Gemma-4 normalizes its MLP's and its experts' normed outputs once more before
     the add).
     """
+    if sub is None or type(sub.output_ref) is not Ref:
+        return None
     block = _layer(trace, layer).call
     reads = reads or sub
-    if type(sub.output_ref) is not Ref:
-        return False
-    refs = {sub.output_ref}
+    refs, changed = {sub.output_ref}, set()
     for op in trace.ops[sub.end_op : block.end_op]:
         hit = [r for r in op.inputs if r in refs]
         if not hit:
             continue
+        out = Ref(op.index, 0)
         if op.name in ADD_OPS:
             if any(_holds_stream(trace, r, reads.input_ref) for r in op.inputs if r not in refs):
-                return True
-            refs.add(Ref(op.index, 0))
+                return "changed" if any(r in changed for r in hit) else "as_is"
+            refs.add(out)
         elif (
             op.name in PASS_THROUGH_OPS and op.inputs[0] in refs
         ):  # (`y.type_as(x)` passes y on, not x)
-            refs.add(Ref(op.index, 0))
-    return False
+            refs.add(out)
+            if op.inputs[0] in changed:
+                changed.add(out)
+        elif op.name in SCALE_OPS | RESHAPE_OPS and len(op.inputs) == 1 and op.inputs[0] in refs:
+            # a product with a Python number, or a view: the only tensor argument is ours
+            refs.add(out)
+            changed.add(out)
+    return None
+
+
+def _has_facet(call: ModuleCall | None, facet: str) -> bool:
+    facets = call.facets if call is not None else None
+    return facets is not None and (facet in facets.sites or facet in facets.refused)
 
 
 def _holds_stream(trace: Trace, ref, read, depth: int = 4) -> bool:
@@ -175,8 +191,14 @@ def _computed_from(trace: Trace, src, dst) -> bool:
 
 def _contribution(which: str) -> Callable[[Trace, int], ModuleCall | None]:
     def find(trace: Trace, layer: int) -> ModuleCall | None:
+        """The sublayer, where its output is what the layer adds to the stream, or the model changes
+        it on the way and TorchLens found the changed tensor: its `contribution` facet (served
+        or refused), which the names of the contribution read first."""
         sub = _sublayer(trace, layer, which)
-        return sub if sub is not None and _added_to_residual(trace, layer, sub) else None
+        how = _added_to_residual(trace, layer, sub)
+        if how == "changed" and not _has_facet(sub, "contribution"):
+            return None
+        return sub if how is not None else None
 
     return find
 
@@ -260,14 +282,16 @@ def _mlp_gated(trace: Trace, layer: int) -> ModuleCall | None:
 
 def _or_raw(norm_target: str, which: str) -> Callable[[Trace, int], ModuleCall | None]:
     """The norm applied to the sublayer's output when that norm's output is what the layer adds
-    to the residual stream (a sandwich norm), else the sublayer itself when its output is."""
+    to the residual stream (a sandwich norm; or that output times a constant, with the norm's
+    `contribution` facet found), else the sublayer itself when its output is."""
 
     def find(trace: Trace, layer: int) -> ModuleCall | None:
         norm = TARGETS[norm_target].find(trace, layer)
-        if norm is not None and _added_to_residual(
-            trace, layer, norm, _sublayer(trace, layer, which)
-        ):
+        how = _added_to_residual(trace, layer, norm, _sublayer(trace, layer, which))
+        if how == "as_is" or (how == "changed" and _has_facet(norm, "contribution")):
             return norm
+        if how == "changed":  # the changed norm output is the contribution, and it was not found
+            return None
         return _contribution(which)(trace, layer)
 
     return find

@@ -64,6 +64,7 @@ def derive(
     """
     g = Graph(ops, calls, modules)
     out: list[dict[str, FacetSite]] = []
+    side: dict[int, dict[str, FacetSite]] = {}  # call id -> facets a block found for its sublayer
     for call in calls:
         kids = g.kids.get(id(call), [])
         sites: dict[str, FacetSite] = {}
@@ -72,13 +73,17 @@ def derive(
             if s:
                 sites[name] = s
         finder = FINDERS.get(call.role)
-        if finder is not None:
+        if call.role == "block":
+            sites.update(block_facets(g, call, kids, side))
+        elif finder is not None:
             sites.update(finder(g, call, kids, calls, structure))
+        out.append(sites)
+    for call, sites in zip(calls, out):
+        sites.update(side.get(id(call), {}))
         if keep is not None:
             for name, s in sites.items():
                 if s.saved and not keep(call.address, name):
                     s.tensor = None
-        out.append(sites)
     return out
 
 

@@ -20,7 +20,14 @@ from torchlens._core.sites import FacetSite
 # -- blocks ------------------------------------------------------------------------------------
 
 
-def block_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str, FacetSite]:
+def block_facets(
+    g: Graph,
+    call: ModuleCall,
+    kids: list[ModuleCall],
+    side: dict[int, dict[str, FacetSite]] | None = None,
+) -> dict[str, FacetSite]:
+    """The block call's facets; where `side` is given, the `contribution` facets of its attention
+    and MLP calls go there too, by `id` of the call (see `_contributions`)."""
     sites = {}
     for name, which in (("resid_pre", "in"), ("resid_post", "out")):
         s = make_site(g, name, io_ref(g, call, which), note=f"block {which}put")
@@ -58,7 +65,99 @@ def block_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str
             note="residual add after attention",
         )
         sites.update(_check_resid_mid(g, call, sites, kids, attn, mlp))
+        if side is not None:
+            for sub, site in _contributions(g, call, sites, kids, attn, mlp):
+                side.setdefault(id(sub), {})["contribution"] = site
     return sites
+
+
+def _contributions(
+    g: Graph,
+    call: ModuleCall,
+    sites: dict[str, FacetSite],
+    kids: list[ModuleCall],
+    attn: ModuleCall,
+    mlp: ModuleCall,
+) -> list[tuple[ModuleCall, FacetSite]]:
+    """The tensor each residual add of the block takes from its attention or its MLP, where the
+    model changes the sublayer's output on the way (a product with a constant: Granite's
+    `residual_multiplier`, MiniCPM3's `scale_depth / sqrt(n_layers)`; a reshape: Llama-4's
+    `.view(residual.shape)`), so the sublayer's `output` is not what the stream receives.
+
+    Only where the side is one add (resid_pre + one operand = resid_mid, resid_mid + one operand
+    = resid_post) and the operand comes from the attention or MLP call itself, or from the norm
+    applied to its output (a sandwich norm, then the constant: HyperCLOVAX); the facet is then
+    that call's. Each site is the
+    add's operand, an op output, checked (on first read) to be the sublayer's output reshaped
+    or times one constant, and served only while `resid_mid`'s check holds.
+    """
+    mid = sites.get("resid_mid")
+    if mid is None or mid.op is None:
+        return []
+    outs = {io_ref(g, k, "out"): k for k in kids if type(io_ref(g, k, "out")) is Ref}
+    mid_ref = Ref(mid.op, 0)
+    found = []
+    for start, end, lo, hi in (
+        (io_ref(g, call, "in"), mid_ref, attn.first_op, mlp.first_op),
+        (mid_ref, io_ref(g, call, "out"), mlp.first_op, call.end_op),
+    ):
+        if type(start) is not Ref or type(end) is not Ref:
+            continue
+        chain = _add_chain(g, call, end, start, list(outs.values()))
+        if chain is None or len(chain) != 1:
+            continue
+        operand, output, _ = chain[0]
+        sub = outs.get(output)
+        # the sublayer itself, or the norm applied to its output (HyperCLOVAX scales its post-norms')
+        if (
+            not _changed_on_the_way(g, operand, output)
+            or sub is None
+            or sub.role not in ("attention", "mlp", "norm")
+            or not lo <= sub.first_op < hi
+        ):
+            continue
+        site = make_site(g, "contribution", operand, note="what the residual add takes from it")
+        if site is None or site.tensor is None or g.value(output) is None:
+            continue
+        Pending(_proportional, [site.tensor, g.value(output)], [site], after=(mid,))
+        found.append((sub, site))
+    return found
+
+
+def _changed_on_the_way(g: Graph, operand: Any, output: Any) -> bool:
+    """Whether a product with a constant or a reshape lies between the sublayer output and the
+    add's operand (`_contribution`'s walk): dropout and casts alone leave the output as it is."""
+    ref = operand
+    while type(ref) is Ref and ref != output:
+        op = g.op(ref)
+        if op is None or not op.inputs:
+            return False
+        if op.name in _ops.SCALE_OPS | _ops.RESHAPE_OPS:
+            return True
+        ref = op.inputs[0]
+    return False
+
+
+def _proportional(inputs: list) -> tuple:
+    """`inputs` = (the operand, the sublayer output): the operand must be the output, reshaped,
+    times one constant, to the roundings of one product in the operand's dtype."""
+    operand, output = inputs
+    if operand.numel() != output.numel():
+        return {}, None, "it holds a different number of values than the sublayer's output"
+    a = operand.reshape(output.shape).double()
+    b = output.double()
+    scale = float((a * b).sum() / (b * b).sum()) if bool((b != 0).any()) else 1.0
+    tol = torch.finfo(operand.dtype).eps * (b.abs() * abs(scale)) + torch.finfo(operand.dtype).tiny
+    err = float(((a - scale * b).abs() - tol).max()) if a.numel() else 0.0
+    if err > 0:
+        return (
+            {},
+            err,
+            (
+                f"it is not the sublayer's output times one constant (off by {err:.3g} beyond one rounding)"
+            ),
+        )
+    return {}, 0.0, None
 
 
 def _split_mlp_norm(

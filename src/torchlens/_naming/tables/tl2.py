@@ -190,9 +190,10 @@ ROWS = (
     Row(
         name="blocks.{L}.hook_attn_out",
         target="attn_out_final",
-        facet="output",
+        facet=("contribution", "output"),
         meaning="attention's contribution to the residual",
-        note="after the post-attention norm on sandwich-norm families (Gemma-2, OLMo-2)",
+        note="after the post-attention norm on sandwich-norm families (Gemma-2, OLMo-2); times the "
+        "residual multiplier where the block scales it (Granite, MiniCPM3)",
     ),
     Row(
         name="blocks.{L}.hook_resid_mid",
@@ -254,9 +255,10 @@ ROWS = (
     Row(
         name="blocks.{L}.hook_mlp_out",
         target="mlp_out_final",
-        facet="output",
+        facet=("contribution", "output"),
         meaning="MLP's contribution to the residual",
-        note="after the post-MLP norm on sandwich-norm families",
+        note="after the post-MLP norm on sandwich-norm families; times the residual multiplier, or "
+        "reshaped, where the block changes it before the add (Granite, Llama-4)",
         or_else=("pre_ln_mlp_out", "output"),
     ),
     Row(
