@@ -506,7 +506,7 @@ def test_gpt2_small_unrolled_is_within_the_default_limit():
 
 def test_without_the_layout_engine_the_error_says_how_to_install_it(gpt2, monkeypatch):
     monkeypatch.setitem(sys.modules, "pygraphviz", None)
-    with pytest.raises(_draw.LayoutEngineMissing, match=r"torchlens\[draw\]"):
+    with pytest.raises(_draw.LayoutEngineMissing, match=r"pip install -e .\.\[draw\]."):
         gpt2.draw()
 
 
