@@ -9,7 +9,9 @@
 - [`compare`][torchlens.mechinterp.compare]`(trace, {name: tensor})`: check another
   engine's tensors against the trace, converting layouts, with a hint for each mismatch. It
   returns a [`ComparisonReport`][torchlens.mechinterp.ComparisonReport]; `tolerance=` errors
-  are [`ToleranceError`][torchlens.mechinterp.ToleranceError]s.
+  are [`ToleranceError`][torchlens.mechinterp.ToleranceError]s. With `of="grad"` it checks
+  gradients against a trace taken with `grads=`; a bad `of=` is a
+  [`CompareSpecError`][torchlens.mechinterp.CompareSpecError].
 
 `torchlens.mechinterp.compare` is the function; the code behind it lives in an internal
 module, so no submodule shares its name.
@@ -28,7 +30,13 @@ from torchlens._naming.results import (
     UnknownGeneration,
 )
 from torchlens._naming.tables import Row, Table, TableError
-from torchlens.mechinterp._compare import Comparison, ComparisonReport, ToleranceError, compare
+from torchlens.mechinterp._compare import (
+    CompareSpecError,
+    Comparison,
+    ComparisonReport,
+    ToleranceError,
+    compare,
+)
 from torchlens.mechinterp._translate import (
     TRANSLATION_STATUSES,
     Translation,
@@ -48,6 +56,7 @@ __all__ = [
     "Comparison",
     "ComparisonReport",
     "ToleranceError",
+    "CompareSpecError",
     "Candidate",
     "AliasResolution",
     "AliasReport",

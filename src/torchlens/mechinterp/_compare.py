@@ -19,6 +19,7 @@ from torchlens._naming.resolver import resolve_alias
 from torchlens._naming.results import AliasResolution
 from torchlens._trace import Trace
 from torchlens._tracing import trace as run_trace
+from torchlens.mechinterp._grad_diagnosis import diagnose_grad
 
 __all__ = [
     "compare",
@@ -26,11 +27,17 @@ __all__ = [
     "ComparisonReport",
     "Candidate",
     "ToleranceError",
+    "CompareSpecError",
     "AUTO_FACTOR",
 ]
 
 #: `tolerance="auto"`: a site's atol is this many times the trace's largest deviation from float64 there.
 AUTO_FACTOR = 4.0
+
+
+class CompareSpecError(TorchLensError, ValueError):
+    """`compare`'s `of=` is not `"value"` or `"grad"`, or `of="grad"` cannot be served: the trace
+    was taken without `grads=`, or `tolerance="auto"` was asked with it."""
 
 
 class ToleranceError(TorchLensError, ValueError):
@@ -184,8 +191,17 @@ def compare(
     model: nn.Module | None = None,
     inputs: Tensor | tuple | Mapping[str, Any] | None = None,
     explain: bool = True,
+    of: str = "value",
 ) -> ComparisonReport:
     """Compare tensors read from another engine with the trace's tensors at the same names.
+
+    With `of="grad"` the engine's tensors are gradients (what its backward hooks, or `.grad`
+    after `retain_grad()`, gave), compared with the trace's d loss / d each site
+    (`resolve_alias(trace, name).grad`; the trace must be taken with `grads=` and the same loss).
+    A `None` gradient fails its row and says why an engine gets one; a failed row's explanation
+    searches the trace's gradients (`mechinterp._grad_diagnosis`): all zeros, a constant multiple
+    (a loss's mean instead of its sum), summed over heads, another site's gradient, a residual
+    site's gradient without the residual path.
 
     Each name is resolved with [`resolve_alias`][torchlens.mechinterp.resolve_alias]. The
     TorchLens tensor is converted to the engine's layout when the shapes say how: a batch axis of
@@ -237,6 +253,8 @@ def compare(
         explain: search the trace to explain each failed row (default True). The search keeps a
             float32 copy of the trace's tensors of each shape it looks at, for as long as the
             trace lives; pass False to skip it.
+        of: `"value"` (default): the engine's tensors are activations; `"grad"`: they are
+            gradients of the loss the trace's `grads=` took.
 
     Returns:
         A [`ComparisonReport`][torchlens.mechinterp.ComparisonReport]: one row per name, in order;
@@ -246,7 +264,27 @@ def compare(
     Raises:
         AliasError: a name is not in any table (or breaks its grammar).
         ToleranceError: `tolerance` is not None or `"auto"`, or `"auto"` lacks `model`/`inputs`.
+        CompareSpecError: `of` is not `"value"` or `"grad"`; `of="grad"` on a trace taken without
+            `grads=`, or with `tolerance="auto"`.
     """
+    if of not in ("value", "grad"):
+        raise CompareSpecError(
+            f"of={of!r} is not accepted: pass 'value' (the engine's tensors are activations) or "
+            "'grad' (they are gradients of the loss the trace's grads= took)."
+        )
+    if of == "grad":
+        if tolerance is not None:
+            raise CompareSpecError(
+                "tolerance='auto' reruns the forward in float64 and has no gradient counterpart: "
+                "with of='grad' pass atol/rtol."
+            )
+        if all(call.grads is None for rec in trace.modules.values() for call in rec.calls):
+            raise CompareSpecError(
+                "of='grad' compares with the trace's gradients, and this trace was taken without "
+                "grads=: trace the model with tl.trace(model, *inputs, grads=loss_fn), loss_fn the "
+                "same loss the engine's backward used."
+            )
+        return _compare_grads(trace, engine_values, generation, atol, rtol, explain)
     if tolerance not in (None, "auto"):
         raise ToleranceError(
             f"tolerance={tolerance!r} is not accepted: pass None (use atol/rtol) or 'auto' "
@@ -276,6 +314,97 @@ def compare(
             tol = (atol, rtol, None, tol[3])
         report.append(_compare_one(trace, name, value, res, tol, editable, generation, explain))
     return report
+
+
+def _compare_grads(
+    trace: Trace,
+    engine_values: Mapping[str, Any],
+    generation: str | None,
+    atol: float,
+    rtol: float,
+    explain: bool,
+) -> ComparisonReport:
+    """`compare(..., of="grad")`: each engine gradient against `resolve_alias(...).grad`."""
+    report = ComparisonReport()
+    for name, value in engine_values.items():
+        res = resolve_alias(trace, name, generation=generation)
+        report.append(_compare_grad(trace, name, value, res, generation, atol, rtol, explain))
+    return report
+
+
+def _compare_grad(
+    trace: Trace,
+    name: str,
+    value: Any,
+    res: AliasResolution,
+    generation: str | None,
+    atol: float,
+    rtol: float,
+    explain: bool,
+) -> Comparison:
+    def row(passed, hint, engine_shape=(), ref_shape=None, layout="as is", err=None, why=("", ())):
+        return Comparison(
+            name,
+            res.status,
+            res.module_address,
+            res.facet,
+            engine_shape,
+            ref_shape,
+            layout,
+            err,
+            passed,
+            hint,
+            why[0],
+            why[1],
+            (atol, rtol),
+        )
+
+    if not res.readable:
+        return row(False, f"no readable TorchLens site: {res.reason} {res.remedy}".strip())
+    try:
+        ref = res.grad.detach().cpu()
+    except LookupFailed as exc:  # refused, not saved: the row says which
+        return row(False, f"TorchLens has no gradient here: {exc}")
+    if value is None:
+        return row(
+            False,
+            "the engine's gradient is None: its hook held a tensor no gradient reached, such as a "
+            "reshaped view the model never consumed (retain_grad() on it stays None), or a hook "
+            "that never ran in the backward",
+            ref_shape=tuple(ref.shape),
+        )
+    engine, _, tuple_hint = _engine_tensor(value)
+    hints = [tuple_hint] if tuple_hint else []
+
+    def why() -> tuple:
+        if not explain:
+            return "", ()
+        return diagnose_grad(trace, engine, res, ref, generation or res.generation, atol, rtol)
+
+    options = _layouts(ref, engine.shape, res.facet or "")
+    if not options:
+        hints.append(
+            f"shapes do not line up under any layout conversion (engine {list(engine.shape)}, "
+            f"TorchLens {list(ref.shape)})"
+        )
+        return row(False, "; ".join(hints), tuple(engine.shape), tuple(ref.shape), why=why())
+    best: tuple[str, float, Tensor, Tensor] | None = None
+    for lab, r in options:
+        e_max, diff = _diff(engine, r, "")
+        if best is None or e_max < best[1]:
+            best = (lab, e_max, r, diff)
+    assert best is not None  # options is not empty
+    label, err, t, d = best
+    passed = bool((d <= atol + rtol * t.float().abs()).all())
+    return row(
+        passed,
+        "; ".join(hints),
+        tuple(engine.shape),
+        tuple(ref.shape),
+        label,
+        err,
+        ("", ()) if passed else why(),
+    )
 
 
 def _engine_tensor(value: Any) -> tuple[Tensor, tuple, str]:
