@@ -77,6 +77,22 @@ def _close(e: Tensor, c: Tensor, atol: float, rtol: float) -> bool:
     return bool(((e.double() - c.double()).abs() <= atol + rtol * c.double().abs()).all())
 
 
+def _against(
+    e: Tensor,
+    t: Tensor,
+    site: str,
+    relation: str,
+    atol: float,
+    rtol: float,
+    factor: float | None = None,
+    address: str | None = None,
+    facet: str | None = None,
+) -> Candidate:
+    """The candidate `t` (already transformed) for the engine's gradient `e`."""
+    err, worst = _rel(e, t)
+    return Candidate(site, relation, err, worst, _close(e, t, atol, rtol), factor, address, facet)
+
+
 def _reduction(factor: float) -> str:
     inverse = 1.0 / factor if factor else float("inf")
     k = round(inverse)
@@ -132,14 +148,14 @@ def diagnose_grad(
             factor = float((e.double() * t.double()).sum()) / denom
             if abs(factor - 1.0) < 1e-6 or abs(factor) < 1e-12:  # no scale, or no tensor at all
                 continue
-            err, worst = _rel(e, factor * t)
             found.append(
-                Candidate(
+                _against(
+                    e,
+                    factor * t,
                     label(here),
                     _reduction(factor),
-                    err,
-                    worst,
-                    _close(e, factor * t, atol, rtol * abs(factor)),
+                    atol,
+                    rtol * abs(factor),
                     factor,
                     res.module_address,
                     res.facet,
@@ -148,36 +164,32 @@ def diagnose_grad(
         spec = BY_NAME.get(res.facet or "")
         if spec is not None and spec.heads_axis is not None and ref.dim() > spec.heads_axis:
             summed = ref.sum(spec.heads_axis)
-            for t in _fits(e, summed, None):
-                err, worst = _rel(e, t)
-                found.append(
-                    Candidate(
-                        label(here),
-                        "summed over the heads: one gradient for all heads instead of one per head",
-                        err,
-                        worst,
-                        _close(e, t, atol, rtol),
-                        None,
-                        res.module_address,
-                        res.facet,
-                    )
+            found += [
+                _against(
+                    e,
+                    t,
+                    label(here),
+                    "summed over the heads: one gradient for all heads instead of one per head",
+                    atol,
+                    rtol,
+                    address=res.module_address,
+                    facet=res.facet,
                 )
+                for t in _fits(e, summed, None)
+            ]
     everything = list(_grads(trace))
     by_key: dict[tuple, Tensor] = {(a, i, f): g for a, i, f, g in everything}
     for address, i, facet, g in everything:
         key = (address, i, facet)
         if key == here:
             continue
+        relation = (
+            f"the gradient of this module's {facet} instead of its {res.facet}"
+            if address == res.module_address
+            else ""
+        )
         for t in _fits(e, g, facet):
-            err, worst = _rel(e, t)
-            relation = ""
-            if address == res.module_address:
-                relation = f"the gradient of this module's {facet} instead of its {res.facet}"
-            found.append(
-                Candidate(
-                    label(key), relation, err, worst, _close(e, t, atol, rtol), None, address, facet
-                )
-            )
+            found.append(_against(e, t, label(key), relation, atol, rtol, None, address, facet))
             break
     for upstream, downstream in (("resid_pre", "resid_mid"), ("resid_mid", "resid_post")):
         if res.facet != upstream:
@@ -186,20 +198,20 @@ def diagnose_grad(
         b = by_key.get((res.module_address, res.call or 0, downstream))
         if a is None or b is None or a.shape != b.shape:
             continue
-        for t in _fits(e, a - b, upstream):
-            err, worst = _rel(e, t)
-            found.append(
-                Candidate(
-                    f"{label(here)} - {label((res.module_address, res.call or 0, downstream))}",
-                    "the gradient without the residual path: only what flows through the sublayer",
-                    err,
-                    worst,
-                    _close(e, t, atol, rtol),
-                    None,
-                    res.module_address,
-                    res.facet,
-                )
+        site = f"{label(here)} - {label((res.module_address, res.call or 0, downstream))}"
+        found += [
+            _against(
+                e,
+                t,
+                site,
+                "the gradient without the residual path: only what flows through the sublayer",
+                atol,
+                rtol,
+                address=res.module_address,
+                facet=res.facet,
             )
+            for t in _fits(e, a - b, upstream)
+        ]
     # An exact match on another named site outranks a fit, a site the generation names one it
     # does not (one tensor can be two sites: the last block's output is the final norm's input);
     # then by error.
