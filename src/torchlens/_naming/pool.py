@@ -483,13 +483,13 @@ class Found:
     entry: Entry | None
     label: str
     accepted: bool
-    steps: list
+    steps: tuple  # a layout conversion's steps (`layouts.conversions`)
     error: float
     max_abs: float
     matches: bool
     factor: float | None = None
     relation: str = ""
     site: str = ""
-    rank: int = 3
+    rank: tuple[int, int] | int = 3  # `diagnose._rank`'s, set on every candidate before sorting
     other: Entry | None = None  # the second term of a sum
     extra: str = ""  # a precision note added to the structural relation
