@@ -752,3 +752,25 @@ def test_every_stack_has_its_final_norm_by_the_one_rule():
         "text_model.encoder.layers": "text_model.final_layer_norm",
         "vision_model.encoder.layers": "vision_model.post_layernorm",
     }, finals
+
+
+def test_find_walks_the_module_tree_when_the_roles_carry_no_groups(monkeypatch):
+    """`find` reads the repeated-module groups `static_roles` found, and walks the module tree
+    itself when the roles carry none (`Roles.groups` is None until `static_roles` sets it): that
+    walk called `find`'s own local `groups` (unbound there: UnboundLocalError) instead of
+    `role_rules.groups`."""
+    import torchlens._tracing as tracing
+
+    torch.manual_seed(0)
+    model = SeqLM().eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    expected = tl.trace(model, ids).blocks
+    static_roles = tracing.static_roles
+
+    def without_groups(*args, **kwargs):
+        roles = static_roles(*args, **kwargs)
+        roles.groups = None
+        return roles
+
+    monkeypatch.setattr(tracing, "static_roles", without_groups)
+    assert tl.trace(model, ids).blocks == expected == ["body.0", "body.1", "body.2"]

@@ -200,8 +200,15 @@ def _takes(model: nn.Module, name: str) -> bool:
 def _reference_kwargs(gen: GenerationTrace, step: int, shift: int = 0) -> dict[str, Any]:
     """The keyword arguments of the full forward that step `step` is held against."""
     model = gen.model
+    assert model is not None  # `check_decode` refuses a generation that holds no model
     info = gen.info
-    ids = torch.cat([info[s].input_ids for s in range(step + 1)], dim=-1)
+    fed = [info[s].input_ids for s in range(step + 1)]
+    if any(t is None for t in fed):
+        raise GenerateSpecError(
+            f"step {step}: a step up to it was fed no input_ids (inputs_embeds), so the full forward "
+            "over the prefix cannot be rebuilt from the tokens."
+        )
+    ids = torch.cat([t for t in fed if t is not None], dim=-1)
     encdec = gen.encoder_decoder
     mask = info[step].attention_mask
     if mask is None or mask.dim() != 2 or mask.shape[-1] != ids.shape[-1]:
@@ -227,6 +234,7 @@ def _reference_kwargs(gen: GenerationTrace, step: int, shift: int = 0) -> dict[s
             kwargs["decoder_attention_mask"] = mask
         return kwargs
     kwargs = {"input_ids": ids, "attention_mask": mask, "use_cache": False}
+    assert mask is not None  # None only for an encoder-decoder, which returned above
     if _takes(model, "position_ids"):
         # padding's own positions are masked: their value (0 here, as generate sets it) changes nothing
         pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
@@ -546,9 +554,14 @@ def _key_hypotheses(
             )
         # scores that differ only in the step's own key columns: a stale slot read before the write
         try:
-            sd = step_trace.modules[r.module_address].calls[r.call].facets["scores"].detach().cpu()
-            sf = full.modules[r.module_address].calls[r.call].facets["scores"].detach().cpu()
-            lined = _align("scores", sd, sf, new)
+            step_facets = step_trace.modules[r.module_address].calls[r.call].facets
+            full_facets = full.modules[r.module_address].calls[r.call].facets
+            if step_facets is None or full_facets is None:
+                lined = None
+            else:
+                sd = step_facets["scores"].detach().cpu()
+                sf = full_facets["scores"].detach().cpu()
+                lined = _align("scores", sd, sf, new)
         except (LookupFailed, IndexError):
             lined = None
         if lined is not None and lined[0].shape[-1] == kr:
@@ -583,6 +596,7 @@ def _shift_hypotheses(
 ) -> tuple[str, list[Candidate]]:
     """Whether the step equals a full forward whose decode positions are shifted."""
     model = gen.model
+    assert model is not None  # `check_decode` refuses a generation that holds no model
     if gen.encoder_decoder or not _takes(model, "position_ids"):
         return "", []
     out = []

@@ -452,14 +452,16 @@ class _Session:
         )
 
     def pre_hook(self, module, args, kwargs=None):
-        if not self._ours():
+        capture = self.capture
+        if capture is None or not self._ours():
             return None
-        return self.capture.rec.pre_hook(module, args, kwargs)
+        return capture.rec.pre_hook(module, args, kwargs)
 
     def post_hook(self, module, args, *rest):
-        if not self._ours():
+        capture = self.capture
+        if capture is None or not self._ours():
             return None
-        return self.capture.rec.post_hook(module, args, *rest)
+        return capture.rec.post_hook(module, args, *rest)
 
     # -- opening and closing one capture ------------------------------------------------------
 
@@ -701,8 +703,11 @@ def trace_generate(
         )
     wrapper = compiled_module_class()
     if wrapper is not None and isinstance(model, wrapper):
-        model = model._orig_mod
-    if not callable(getattr(model, "generate", None)):
+        orig = model._orig_mod
+        assert isinstance(orig, nn.Module)  # torch.compile's wrapper holds the module it compiled
+        model = orig
+    generate = getattr(model, "generate", None)
+    if not callable(generate):
         raise GenerateSpecError(
             f"model: {type(model).__name__} has no generate method; trace_generate runs a model's own generate "
             f"(a transformers GenerationMixin model, such as AutoModelForCausalLM's). For one forward pass, use "
@@ -725,10 +730,9 @@ def trace_generate(
     store = parse_store(store)  # StoreSpecError before anything runs
     config = getattr(model, "config", None)
     encoder = None
-    if getattr(config, "is_encoder_decoder", False) and callable(
-        getattr(model, "get_encoder", None)
-    ):
-        encoder = model.get_encoder()
+    get_encoder = getattr(model, "get_encoder", None)
+    if getattr(config, "is_encoder_decoder", False) and callable(get_encoder):
+        encoder = get_encoder()
         if encoder not in names or encoder is model:
             encoder = None
     if encoder is not None and edits:
@@ -753,7 +757,7 @@ def trace_generate(
     session.install()
     try:
         args = () if input_ids is None else (input_ids,)
-        output = model.generate(*args, **generate_kwargs)
+        output = generate(*args, **generate_kwargs)
     except BaseException as exc:
         session.remove(exc)
         if hasattr(exc, "add_note"):

@@ -53,7 +53,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
@@ -68,8 +68,10 @@ if TYPE_CHECKING:
 
 try:
     import fcntl
+
+    _FLOCK = True
 except ImportError:  # no flock on this platform (Windows): saves and loads take no lock
-    fcntl = None
+    _FLOCK = False
 
 __all__ = ["TraceFileError", "save", "load", "FORMAT", "FORMAT_VERSION"]
 
@@ -393,7 +395,7 @@ class _Encoder:
         if v is Ellipsis:
             return {"ellipsis": True}
         if isinstance(v, tuple) and hasattr(v, "_fields") and type(v).__name__ == "Ref":
-            return {"ref": [v.op, v.slot]}
+            return {"ref": [v[0], v[1]]}  # a Ref's (op, slot)
         name = self.classes.get(type(v))
         if name is not None:
             return {"obj": self.record(v, name, where)}
@@ -413,7 +415,7 @@ class _Encoder:
                 type(k) is int and k in self.memo for k, _ in items
             ):  # keyed by id(record)
                 return {"id_keys": [[self.memo[k], self.enc(x, f"{where}[...]")] for k, x in items]}
-            out = {
+            out: dict[str, Any] = {
                 "items": [[self.enc(k, where), self.enc(x, f"{where}[{k!r}]")] for k, x in items]
             }
             if type(v) is not dict:
@@ -473,7 +475,8 @@ def _bytes(t: torch.Tensor) -> memoryview:
     if not t.numel():
         return memoryview(b"")
     # flat with stride 1: a contiguous tensor's size-1 dims may carry any stride
-    return memoryview(t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy())
+    flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy()
+    return memoryview(flat)  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only on Python 3.12+
 
 
 def _layout(
@@ -560,7 +563,7 @@ def _locked(path: str, exclusive: bool) -> Iterator[int | None]:
         yield None
         return
     try:
-        if fcntl is not None:
+        if _FLOCK:
             with contextlib.suppress(OSError):  # a file system without locks: go on unlocked
                 fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield fd
@@ -587,7 +590,7 @@ def _named_before(path: str) -> set[str]:
     return {n for n in names if _plain_name(n)}
 
 
-def _plain_name(name: Any) -> bool:
+def _plain_name(name: Any) -> TypeGuard[str]:
     """Whether `name` is a plain `*.safetensors` file name (no directory part)."""
     return (
         isinstance(name, str)
@@ -627,7 +630,7 @@ def _os_error(call: str, path: str, exc: OSError, what: str, had_trace: bool) ->
         errno.EPERM: "This process may not write there: save to a directory it may write to.",
         errno.EFBIG: "The file is larger than this process or file system allows (see `ulimit -f`).",
         errno.ENOTDIR: "A part of the path is a file, not a directory: save to another path.",
-    }.get(exc.errno, "")
+    }.get(exc.errno or 0, "")
     if getattr(errno, "EDQUOT", None) == exc.errno:
         remedy = "The disk quota is used up: free space there or save elsewhere."
     kept = (
@@ -998,8 +1001,9 @@ class _Decoder:
                     + "; the file is malformed or was edited."
                 )
             cls = self.classes[name]
-            self.built[n] = inst = object.__new__(cls)
-            renames = getattr(cls, "_persist_renames", {})
+            inst: Any = object.__new__(cls)
+            self.built[n] = inst
+            renames: dict[str, str] = getattr(cls, "_persist_renames", {})
             for f, value in fields.items():
                 v = self.dec(value)
                 if not kinds[f].ok(v):
@@ -1007,7 +1011,7 @@ class _Decoder:
                         f"torchlens.load: record {n} (a {name}) has {f} = {_show(v)}; a {name}'s {f} must be "
                         f"{kinds[f].words}. The file is malformed or was edited."
                     )
-                object.__setattr__(inst, renames.get(f, f), v)
+                object.__setattr__(inst, renames[f] if f in renames else f, v)
         return self.built[n]
 
     def dec(self, v: Any) -> Any:
@@ -1227,7 +1231,7 @@ def load(path: str | os.PathLike) -> Trace:
     with _locked(root, exclusive=False):  # a save into it waits until the files are read
         doc = _read_doc(doc_path)
         if doc.get("format_version") != FORMAT_VERSION:
-            theirs = doc.get("versions") if isinstance(doc.get("versions"), dict) else {}
+            theirs = v if isinstance(v := doc.get("versions"), dict) else {}
             ours = _versions()
             diffs = [
                 f"{k} {theirs.get(k)} there, {ours.get(k)} here"

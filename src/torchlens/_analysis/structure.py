@@ -59,6 +59,7 @@ from torch import nn
 
 from torchlens._analysis.graph import Graph
 from torchlens._analysis.role_rules import Roles
+from torchlens._analysis.role_rules import groups as repeated_groups
 from torchlens._core import ops as _ops
 from torchlens._core import roles as _roles
 from torchlens._core.persisted import persisted
@@ -419,10 +420,10 @@ def find(
         for a in named_blocks:
             by_holder.setdefault(a.rsplit(".", 1)[0] if "." in a else "", []).append(a)
         groups = [(h, [modules[a] for a in addrs]) for h, addrs in by_holder.items()]
+    elif roles.groups is not None:
+        groups = roles.groups
     else:
-        groups = (
-            roles.groups if getattr(roles, "groups", None) is not None else groups(model, names)
-        )
+        groups = repeated_groups(model, names)
     candidates: list[tuple[str, list[ModuleCall]]] = []
     mixed: set[str] = set()  # candidates whose layers are of several classes
     repeated_unchained: list[str] = []

@@ -85,6 +85,9 @@ from torchlens._core.records import Dropped, ModuleCall, OpRecord, Ref
 __all__ = ["Recorder"]
 
 _NO_HIDING = contextlib.nullcontext()
+#: one kept alias of a storage (`Recorder._cow`): an op's output slot, a rebuilt op's kept
+#: argument, or a module input/output a hook kept
+_Alias = tuple[int, int] | tuple[int, tuple[str, Any]] | tuple[ModuleCall, str]
 #: `Ref(op, slot)` without the Python-level `__new__` of a named tuple (once per recorded op).
 _new_ref = tuple.__new__
 
@@ -128,7 +131,9 @@ class Recorder(TorchFunctionMode):
         self.versions: dict[tuple[int, int], int] = {}  # (op, slot) -> version when saved
         #: (op, ("args", i) or ("kwargs", name)) -> version of a rebuilt op's kept argument
         self.arg_versions: dict[tuple[int, tuple[str, Any]], int] = {}
-        self._cow: dict[int, list[tuple[int, int]]] = {}
+        #: storage -> the aliases kept of it: (op, output slot), (op, kept argument's key) of a
+        #: rebuilt op, or (call, "_in" / "_out") a hook kept
+        self._cow: dict[int | None, list[_Alias]] = {}
         self._cow_upto = 0
         self._writes: dict[
             int, int
@@ -260,6 +265,7 @@ class Recorder(TorchFunctionMode):
         except BaseException as exc:
             self.op_failure = (exc, info[0])
             raise
+        outs: tuple[Tensor, ...]
         if isinstance(out, Tensor):
             outs = (out,)
         elif isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
@@ -338,7 +344,8 @@ class Recorder(TorchFunctionMode):
         writes = self._writes
         if not writes:  # no write seen yet (most forwards see none): no storage to look up
             return (version, 0)
-        return (version, writes.get(memory_key(t), 0))  # None (a sparse tensor) is never counted
+        key = memory_key(t)
+        return (version, 0 if key is None else writes.get(key, 0))  # a sparse tensor: never counted
 
     def _ref(self, t: Tensor):
         entry = self.producer.get(id(t))
@@ -394,13 +401,14 @@ class Recorder(TorchFunctionMode):
                 except RuntimeError:  # an inference tensor
                     stamp = (None, 0)
             if retain:
-                tensors = (o0.detach(),)
+                kept0 = o0.detach()
+                tensors: tuple[Tensor | None, ...] = (kept0,)
                 if (
                     stamp[0] is not None
                 ):  # a detached alias shares the counter: its version when saved
                     self.versions[idx, 0] = stamp[0]
                 if self.edges is not None and o0.requires_grad:
-                    self.edges.ops[idx, 0] = (self.edges.of(o0), tensors[0])
+                    self.edges.ops[idx, 0] = (self.edges.of(o0), kept0)
             else:
                 tensors = (None,)
             first = _new_ref(Ref, (idx, 0))
@@ -409,14 +417,15 @@ class Recorder(TorchFunctionMode):
         else:
             stamps = [self._stamp(o) for o in outs]
             if retain:
-                tensors = tuple([o.detach() for o in outs])
+                kept = tuple([o.detach() for o in outs])
+                tensors = kept
                 for slot, stamp in enumerate(stamps):
                     if stamp[0] is not None:  # as above
                         self.versions[idx, slot] = stamp[0]
                 if self.edges is not None:
                     for slot, o in enumerate(outs):
                         if o.requires_grad:
-                            self.edges.ops[idx, slot] = (self.edges.of(o), tensors[slot])
+                            self.edges.ops[idx, slot] = (self.edges.of(o), kept[slot])
             else:
                 tensors = (None,) * len(outs)
             for slot, (o, stamp) in enumerate(zip(outs, stamps)):
@@ -495,13 +504,13 @@ class Recorder(TorchFunctionMode):
             if ptr:  # every empty tensor has pointer 0: a write into one changes no other
                 writes[ptr] = writes.get(ptr, 0) + 1
         ops, cow = self.ops, self._cow
-        for i in range(self._cow_upto, len(ops)):
-            for slot, t in enumerate(ops[i].tensors):
+        for n in range(self._cow_upto, len(ops)):
+            for out_slot, t in enumerate(ops[n].tensors):
                 if t is not None:
-                    cow.setdefault(memory_key(t), []).append((i, slot))
-            if ops[i].extra is not None:
-                for key, t in arg_slots(ops[i].extra):
-                    cow.setdefault(memory_key(t), []).append((i, key))
+                    cow.setdefault(memory_key(t), []).append((n, out_slot))
+            if ops[n].extra is not None:
+                for key, t in arg_slots(ops[n].extra):
+                    cow.setdefault(memory_key(t), []).append((n, key))
         self._cow_upto = len(ops)
         for call, attr in self._hook_aliases[self._hook_upto :]:
             cow.setdefault(memory_key(getattr(call, attr)), []).append((call, attr))
@@ -511,6 +520,7 @@ class Recorder(TorchFunctionMode):
         for ptr in ptrs:
             for i, slot in cow.pop(ptr, ()):
                 if isinstance(i, ModuleCall):  # a module input/output alias kept by a hook
+                    assert isinstance(slot, str)  # its side, "_in" or "_out"
                     copy = getattr(i, slot).clone()
                     if self.edges is not None:
                         self.edges.moved(getattr(i, slot), copy)
@@ -530,6 +540,7 @@ class Recorder(TorchFunctionMode):
                     else:
                         self.arg_versions[i, slot] = new._version
                     continue
+                assert isinstance(slot, int)  # an op's output slot
                 tensors = list(ops[i].tensors)
                 tensors[slot] = tensors[slot].clone()
                 ops[i].tensors = tuple(tensors)
@@ -664,9 +675,9 @@ class Recorder(TorchFunctionMode):
             retained=retained,
         )
         if parent is None:  # the root: its tensor inputs become `input` ops
-            for t in tensor_args(args, kwargs):
-                if self._ref(t) is None:
-                    self.add_external(t, call)
+            for x in tensor_args(args, kwargs):
+                if self._ref(x) is None:
+                    self.add_external(x, call)
         t = args[0] if args and isinstance(args[0], Tensor) else None
         if t is None and not args:
             t = next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
@@ -683,9 +694,9 @@ class Recorder(TorchFunctionMode):
         self._quiet = True
         try:
             if self.edits is not None and self.edits.hook_out and output is not None and self.stack:
-                call = self.stack[-1]
-                edits = self.edits.hook_out.get((call.address, call.index))
-                if edits and call.address == self.names[module]:
+                top = self.stack[-1]
+                edits = self.edits.hook_out.get((top.address, top.index))
+                if edits and top.address == self.names[module]:
                     output = replace_first(output, lambda t: self._edit_hooked(edits, t))
                     changed = True
             t = output if type(output) is Tensor else first_tensor(output)
@@ -742,6 +753,8 @@ class Recorder(TorchFunctionMode):
         # A tensor with no storage of its own (sparse, a wrapper subclass) is not written: it stays
         # in memory, version-checked, like one whose counter moved.
         found: list[tuple[Holding, dict, Any]] = []
+        versions: dict[Any, int]  # (op, slot), (op, argument key) or (id(call), side) -> version
+        key: tuple[Any, Any]
         for h in held:
             if storage_ptr(h.tensor) is None:
                 self._kept_in_memory = True
@@ -793,8 +806,8 @@ class Recorder(TorchFunctionMode):
                 bad.append(i)
         dropped = []  # module inputs/outputs the hooks kept, written the same way: not served
         for call, side in self._hook_aliases:
-            t, version = getattr(call, side), self._hook_versions.get((id(call), side))
-            if isinstance(t, Tensor) and version is not None and t._version != version:
+            t, hook_version = getattr(call, side), self._hook_versions.get((id(call), side))
+            if isinstance(t, Tensor) and hook_version is not None and t._version != hook_version:
                 what = f"{call.address or '<root>'} {'input' if side == '_in' else 'output'}"
                 setattr(
                     call,

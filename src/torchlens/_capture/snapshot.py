@@ -32,6 +32,8 @@ from torchlens._core.holdings import Holding, held_tensors, storage_ptr
 from torchlens._core.pending import _RUN_LOCK
 
 if TYPE_CHECKING:
+    from torch.autograd.graph import Node
+
     from torchlens._capture.recorder import Recorder
 
 __all__ = ["Guarded", "arm_guards", "snapshot"]
@@ -277,7 +279,9 @@ def _live_key(t: Tensor, live: set[int]) -> Any:
     return ptr if ptr in live else None
 
 
-def _live_storages(rec: Recorder, model: nn.Module, reachable: Any) -> tuple[set[int], set[int]]:
+def _live_storages(
+    rec: Recorder, model: nn.Module, reachable: Any
+) -> tuple[set[int], set[int] | frozenset[int]]:
     """The storages (data pointers) the caller can still write into: the model's parameters and
     buffers, every tensor in `reachable` (through tuples, lists and mappings), and every recorded
     tensor still alive, but those that only the autograd graph holds; and, apart, the storages of
@@ -361,11 +365,12 @@ def _calibrate() -> Any:
         probe = [ref()]
         counts = []
         for t in probe:
-            counts.append((_refs(t), t._use_count()))
+            assert t is not None  # z's graph saved y, so the weak reference is alive
+            counts.append((_refs(t), t._use_count()))  # type: ignore[attr-defined]  # torch's stubs lack Tensor._use_count
         del t
         others = [held_saved[0]]
         for t in others:
-            counts.append((_refs(t), t._use_count()))
+            counts.append((_refs(t), t._use_count()))  # type: ignore[attr-defined]  # as above
         del t
         (graph_only, uc), (with_list, uc2) = counts
         del z, zz, probe, others
@@ -391,7 +396,7 @@ def _autograd_holders(alive: list[Tensor]) -> tuple[set[int], frozenset[int] | s
     answer is empty; where a node's saved tensors cannot be read, nothing is autograd-only and
     every storage is guarded (`EVERY_STORAGE`).
     """
-    roots = [t.grad_fn for t in alive if t.grad_fn is not None]
+    roots: list[Node | None] = [t.grad_fn for t in alive if t.grad_fn is not None]
     if not roots:
         return set(), set()
     base = _NO_PYTHON_HOLDER[0]
@@ -403,7 +408,7 @@ def _autograd_holders(alive: list[Tensor]) -> tuple[set[int], frozenset[int] | s
     owners: dict[int, int] = {}  # id -> C++ owners besides its Python object
     if base is not False:
         for t in alive:
-            use = t._use_count()
+            use = t._use_count()  # type: ignore[attr-defined]  # torch's stubs lack Tensor._use_count
             if use > 1 and _refs(t) == base:
                 owners[id(t)] = use - 1
     found = dict.fromkeys(owners, 0)

@@ -80,7 +80,7 @@ def get_arg(extra: dict, key: tuple[str, Any]) -> Any:
     return extra[key[0]][key[1]]
 
 
-def set_arg(extra: dict, key: tuple[str, Any], value: torch.Tensor) -> None:
+def set_arg(extra: dict, key: tuple[str, Any], value: torch.Tensor | None) -> None:
     """Replace the kept argument `key` (an `arg_slots` key) of a rebuilt op by `value`."""
     part, k = key
     if part == "args":
@@ -104,8 +104,9 @@ class Holding(NamedTuple):
     key: Any
     tensor: torch.Tensor
 
-    def put(self, new: torch.Tensor) -> None:
-        """Hold `new` here instead of `tensor` (same values; a copy, a move, a mapped view)."""
+    def put(self, new: torch.Tensor | None) -> None:
+        """Hold `new` here instead of `tensor` (same values; a copy, a move, a mapped view), or
+        None (the tensor is dropped)."""
         holder, key = self.holder, self.key
         if isinstance(holder, list):
             holder[key] = new

@@ -183,7 +183,7 @@ def sums(pool: Pool, e, norm_e, mean_e, atol, rtol, found, shape):
         s_ = a.tensor.reshape(e.shape).float() + b.tensor.reshape(e.shape).float()
         err, mx = rel(e, s_, norm_e)
         if err < NEAR:
-            found.append(Found(a, "as is", True, [], err, mx, within(e, s_, atol, rtol), other=b))
+            found.append(Found(a, "as is", True, (), err, mx, within(e, s_, atol, rtol), other=b))
 
 
 def scalar_path(pool: Pool, expected: Entry, cand: Entry) -> float | None:
@@ -215,6 +215,8 @@ def scalar_path(pool: Pool, expected: Entry, cand: Entry) -> float | None:
 
 def patterns(pool: Pool, expected: Entry, e, norm_e, atol, rtol, found, shape, vis):
     """softmax(U) for each op U a few steps before the module's scores, with and without the mask."""
+    if expected.module is None:  # an op's output: no module, so no scores site
+        return
     scores = pool.site.get((expected.module, "scores"))
     if scores is None or scores.op is None:
         return
@@ -283,6 +285,8 @@ def patterns(pool: Pool, expected: Entry, e, norm_e, atol, rtol, found, shape, v
 def qk_patterns(pool: Pool, expected: Entry, e, norm_e, atol, rtol, found, shape, vis, generation):
     """softmax(a·q·kᵀ) from the module's q/k facets: without the mask, or without RoPE."""
     mod = expected.module
+    if mod is None:  # an op's output: no module, so no scores site
+        return
     scores = pool.site.get((mod, "scores"))
     if scores is None:
         return

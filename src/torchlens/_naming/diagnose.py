@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -198,7 +198,7 @@ def diagnose(
                 group,
                 ordered,
                 e,
-                inverse(e, c_shape, list(steps)).reshape(-1),
+                inverse(e, c_shape, steps).reshape(-1),
                 norm_e,
                 atol,
                 rtol,
@@ -229,14 +229,14 @@ def diagnose(
 
     named = names_in(pool, generation)[0] if generation is not None else {}
     for f in found:
-        if f.other is not None:
+        if f.entry is not None and f.other is not None:  # a sum (`sums`) has both terms
             f.site = (
                 f"{label_of(pool, f.entry, generation)} + {label_of(pool, f.other, generation)}"
             )
             f.relation = "the sum of two sites"
         if f.entry is not None:
             f.relation = f.relation or relation(pool, expected, f.entry, f.label, f.accepted)
-            if not f.site and _same_value(pool, f.entry, expected):
+            if not f.site and expected is not None and _same_value(pool, f.entry, expected):
                 f.site = label_of(
                     pool, expected, generation
                 )  # the site's own name for its own tensor
@@ -251,6 +251,7 @@ def diagnose(
         if f.extra:
             f.relation = f.extra if f.relation in ("", SAME) else f"{f.relation}; {f.extra}"
         if "{site}" in f.relation:
+            assert expected is not None  # written only by `tuple_elements`, given the site
             f.relation = f.relation.replace("{site}", label_of(pool, expected, generation))
         if not (math.isfinite(f.error) and math.isfinite(f.max_abs)):
             f.matches = False  # an infinite or NaN difference explains nothing
@@ -269,24 +270,25 @@ def diagnose(
     seen: set = set()
     for f in found:
         e_ = f.entry
+        seen_key: tuple[Any, ...]
         if e_ is None:
-            key = (f.site, f.relation)
+            seen_key = (f.site, f.relation)
         else:
             ident = (
                 ("op", through(trace, e_.op))
                 if e_.op is not None
                 else ("site", e_.module, e_.facet)
             )
-            key = (
+            seen_key = (
                 ident,
                 f.label,
                 None if f.factor is None else round(f.factor, 3),
                 f.other is not None,
                 bool(f.extra),
             )
-        if key in seen:
+        if seen_key in seen:
             continue
-        seen.add(key)
+        seen.add(seen_key)
         cands.append(
             Candidate(
                 f.site,
@@ -332,7 +334,7 @@ def _rank(
         and f.factor is None
         and not f.extra
         and f.other is None
-        and not (pool is not None and _same_value(pool, f.entry, expected))
+        and not (pool is not None and f.entry is not None and _same_value(pool, f.entry, expected))
     ):
         quality = 3
     elif not r or r == SAME:

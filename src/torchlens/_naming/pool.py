@@ -15,6 +15,7 @@ from torchlens._core.errors import TorchLensError
 from torchlens._core.ops import ADD_OPS, PASS_THROUGH_OPS, RESHAPE_OPS
 from torchlens._core.records import Ref
 from torchlens._naming.resolver import alias_report
+from torchlens._naming.results import AliasReport
 
 if TYPE_CHECKING:
     from torchlens._trace import Trace
@@ -53,10 +54,12 @@ class Entry:
 
     @property
     def norm(self) -> float:
+        assert self.group is not None  # read once `Pool.group` has grouped the entry's shape
         return float(self.group.norms[self.row])
 
     @property
     def mean(self) -> float:
+        assert self.group is not None  # read once `Pool.group` has grouped the entry's shape
         return float(self.group.means[self.row])
 
 
@@ -124,7 +127,9 @@ class Pool:
 
     @property
     def trace(self) -> Trace:
-        return self._trace()
+        trace = self._trace()
+        assert trace is not None  # `POOLS` holds a pool only while its trace is alive
+        return trace
 
     def _add(self, t, module, facet, op, slot, kind, order) -> Entry:
         e = Entry(
@@ -156,15 +161,18 @@ def pool_of(trace: Trace) -> Pool:
 # -- names in the user's generation ----------------------------------------------------------------
 
 
-def names_in(pool: Pool, generation: str) -> tuple[dict[tuple[str, str], str], dict[int, str]]:
-    """(module, facet) -> name and op -> name, for the names of `generation` that read a site."""
+def names_in(
+    pool: Pool, generation: str
+) -> tuple[dict[tuple[str, str], str], dict[tuple[int, tuple[int, ...]], str]]:
+    """(module, facet) -> name and (op, shape) -> name, for the names of `generation` that read
+    a site (the op is the one it copies, `through`)."""
     if generation not in pool.names:
         by_site: dict[tuple[str, str], str] = {}
-        by_op: dict[int, str] = {}
+        by_op: dict[tuple[int, tuple[int, ...]], str] = {}
         try:
             rows = alias_report(pool.trace, generation=generation)
         except TorchLensError:  # a trace the generation cannot describe: TorchLens names only
-            rows = []
+            rows = AliasReport()
         for r in rows:
             if not r.readable or r.module_address is None or r.facet is None:
                 continue
@@ -290,6 +298,7 @@ def relation(pool: Pool, expected: Entry | None, cand: Entry, label: str, accept
     if (
         cand.facet is not None
         and expected.facet is not None
+        and expected.module is not None
         and lx is not None
         and lc is not None
         and lx != lc
@@ -301,6 +310,7 @@ def relation(pool: Pool, expected: Entry | None, cand: Entry, label: str, accept
             )
     if (
         not words
+        and cand.facet is not None
         and cand.module == expected.module
         and {cand.facet, expected.facet} in ({"q", "rot_q"}, {"k", "rot_k"})
     ):
@@ -318,6 +328,7 @@ def relation(pool: Pool, expected: Entry | None, cand: Entry, label: str, accept
         elif norm_x is not None and norm_x[1] is not None and through(trace, norm_x[1]) == c_src:
             raw = (
                 cand.facet == "output"
+                and cand.module is not None
                 and cand.module in trace.modules
                 and trace.modules[cand.module].role in ("attention", "mlp")
             )
@@ -419,17 +430,23 @@ def short(pool: Pool, address: str) -> str:
 def label_of(pool: Pool, e: Entry, generation: str | None) -> str:
     if generation is not None:
         by_site, by_op = names_in(pool, generation)
-        if e.kind == "facet" and (e.module, e.facet) in by_site:
+        if (
+            e.kind == "facet"
+            and e.module is not None
+            and e.facet is not None
+            and (e.module, e.facet) in by_site
+        ):
             return by_site[(e.module, e.facet)]
         alias = (
             (through(pool.trace, e.op), tuple(e.tensor.shape))
             if e.op is not None and e.slot == 0
             else None
         )
-        if alias in by_op:
+        if alias is not None and alias in by_op:
             return by_op[alias]
     if e.kind == "facet":
         return f"{e.module or '<root>'}:{e.facet}"
+    assert e.op is not None  # an "op" entry is an op's output (`Pool._add`)
     op = pool.trace.ops[e.op]
     slot = f" (output {e.slot})" if e.slot else ""
     return f"op #{op.index} {op.name}{slot} in {op.module or '<root>'}"
@@ -466,13 +483,13 @@ class Found:
     entry: Entry | None
     label: str
     accepted: bool
-    steps: list
+    steps: tuple  # a layout conversion's steps (`layouts.conversions`)
     error: float
     max_abs: float
     matches: bool
     factor: float | None = None
     relation: str = ""
     site: str = ""
-    rank: int = 3
+    rank: tuple[int, int] | int = 3  # `diagnose._rank`'s, set on every candidate before sorting
     other: Entry | None = None  # the second term of a sum
     extra: str = ""  # a precision note added to the structural relation

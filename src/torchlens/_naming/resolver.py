@@ -108,7 +108,7 @@ def _layers_counted(trace: Trace, row: Row | None) -> str:
 def _for_trace(table: Table, trace: Trace) -> Table:
     """The table to read on `trace`: a kind-specific one of `table.by_kind`, else `table` itself."""
     kind = trace.structure.kind if trace.structure is not None else None
-    return dict(table.by_kind).get(kind, table)
+    return dict(table.by_kind).get(kind, table) if kind is not None else table
 
 
 def _patterns(table: Table) -> list[tuple[re.Pattern, Row]]:
@@ -377,6 +377,7 @@ def _status_of_site(
                     "name the blocks: trace(model, ..., roles={'<holder address>.*': 'block'})",
                 )
             return res("structurally_absent", None, row.facets[0], "per-layer name without a layer")
+        assert row.target is not None  # a row with a facet names its target (`Row`)
         call, why = targets.find_call(trace, row.target, layer, row.stack)
         if call is None:
             return res("structurally_absent", None, row.facets[0], f"{why}.")
@@ -401,13 +402,15 @@ def _status_of_site(
         call = rec.calls[0]
     # The first of the row's facets the call has, served or refused: a refused one is reported
     # as refused, never replaced by a later facet of the row (another tensor).
-    sites, refusals = call.facets.sites, getattr(call.facets, "refused", {})
+    facet_map = call.facets
+    assert facet_map is not None  # every call of a trace holds its FacetMap (`_assemble`)
+    sites, refusals = facet_map.sites, getattr(facet_map, "refused", {})
     facet = next((f for f in row.facets if f in sites or f in refusals), None)
     while (
-        force and facet in sites and not sites[facet].checked
+        force and facet is not None and facet in sites and not sites[facet].checked
     ):  # the status rests on its check: run it
-        call.facets.check(facet)
-        sites, refusals = call.facets.sites, getattr(call.facets, "refused", {})
+        facet_map.check(facet)
+        sites, refusals = facet_map.sites, getattr(facet_map, "refused", {})
         facet = next((f for f in row.facets if f in sites or f in refusals), None)
     refused = refusals.get(facet) if facet is not None and facet not in sites else None
     if refused is not None:  # TorchLens derived it, but its check against the model failed
@@ -622,7 +625,9 @@ def _same_tensor_key(trace: Trace, r: AliasResolution) -> tuple:
     ambiguous.
     """
     if r.module_address is not None and r.facet is not None and r.readable:
-        site = trace.modules[r.module_address].calls[r.call or 0].facets.sites[r.facet]
+        facet_map = trace.modules[r.module_address].calls[r.call or 0].facets
+        assert facet_map is not None  # every call of a trace holds its FacetMap (`_assemble`)
+        site = facet_map.sites[r.facet]
         if site.op is not None and site.kind == "real":
             return ("op", site.op, tuple(site.shape))
     return ("site", r.module_address, r.call, r.facet)

@@ -128,7 +128,7 @@ def _root_facets(
     norm = structure.final_norm if structure is not None else None
     # a root facet read from a module that ran several times (once per decoding step) would be one
     # of its calls without saying which: none is served (the module's calls are)
-    ran = {}
+    ran: dict[str, int] = {}
     for c in calls:
         ran[c.address] = ran.get(c.address, 0) + 1
     unembed = unembed if unembed is not None and ran[unembed.address] == 1 else None
@@ -177,8 +177,7 @@ def _embedding_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
         site = make_site(g, "indices", ref, note=note)
         if site is not None:
             sites["indices"] = site
-    elif g.meta(x_ref) is not None:
-        xm = g.meta(x_ref)
+    elif (xm := g.meta(x_ref)) is not None:
         sites["indices"] = FacetSite(
             "indices",
             "refused",

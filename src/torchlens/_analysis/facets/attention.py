@@ -4,7 +4,7 @@ heads is the output projection)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -99,8 +99,8 @@ def _pre_norm_source(g: Graph, split_ref: Ref, kids: list[ModuleCall]) -> Any:
     if norm is None:
         return None
     ref = io_ref(g, norm, "in")
-    m = g.meta(ref)
-    return ref if m is not None and m[0] == g.meta(src)[0] else None
+    m, src_m = g.meta(ref), g.meta(src)
+    return ref if m is not None and src_m is not None and m[0] == src_m[0] else None
 
 
 def _pre_scale_source(g: Graph, split_ref: Ref, kids: list[ModuleCall]) -> Any:
@@ -120,7 +120,8 @@ def _pre_scale_source(g: Graph, split_ref: Ref, kids: list[ModuleCall]) -> Any:
         ),
         None,
     )
-    if proj is None or g.meta(op.inputs[0]) is None or g.meta(op.inputs[0])[0] != g.meta(src)[0]:
+    proj_m, src_m = g.meta(op.inputs[0]), g.meta(src)
+    if proj is None or proj_m is None or src_m is None or proj_m[0] != src_m[0]:
         return None
     return op.inputs[0]
 
@@ -149,7 +150,7 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
         return mha_facets(g, mha, getattr(g.modules[call.address], "num_heads", None))
     fused = next((op for op in ops if op.name in _ops.FUSED_ATTENTION_OPS), None)
     soft = next((op for op in ops if op.name in _ops.SOFTMAX_OPS), None)
-    sites: dict[str, FacetSite] = {}
+    sites: dict[str, FacetSite | None] = {}  # None for a site not found, dropped at the end
     z_ref = q_ref = k_ref = v_ref = unpacked = None
     if soft is not None and fused is None:
         scores_ref = soft.inputs[0]
@@ -223,13 +224,16 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
             packed is not None
         ):  # the kernel saw [b, kv_heads, n_rep * T, d]: unpack to [b, heads, T, ...]
             q_ref, unpacked = packed
-        reconstruct(g, fused, sites, unpacked)
+        rebuilt: dict[str, FacetSite] = {}
+        reconstruct(g, fused, rebuilt, unpacked)
+        sites.update(rebuilt)
     if z_ref is not None:
         sites["z"] = make_site(g, "z", z_ref, note="pattern @ v, head-major")
-        if unpacked is not None and sites["z"] is not None:
-            z = sites["z"]
+        z = sites["z"]
+        if unpacked is not None and z is not None:
             z.shape = unpacked + (z.shape[-1],)
-            z.tensor = None if held(z) is None else held(z).reshape(z.shape)
+            zt = held(z)
+            z.tensor = None if zt is None else zt.reshape(z.shape)
             z.note = (
                 "the kernel output, head-major: the kernel ran on the query packed as [batch, kv_heads, "
                 "heads per kv head * query, d_head] (GQA single-token decode), unpacked by the inverse reshape"
@@ -249,7 +253,7 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
             if found is None
             else make_site(g, name, found[0], note="projection viewed per head")
         )
-        if site is None:
+        if found is None or site is None:
             sites.update(_unsplit(g, call, name, ref))
             continue
         split_ref, offset = found
@@ -403,8 +407,11 @@ def _sink_columns(
 
 _HEAD_AXIS_FACETS = ("scores", "pattern", "z", "result")
 
+#: the sites `_head_guard` is given, with or without the None of a site not found
+_Site = TypeVar("_Site", FacetSite, "FacetSite | None")
 
-def _head_guard(sites: dict[str, FacetSite | None]) -> dict[str, FacetSite | None]:
+
+def _head_guard(sites: dict[str, _Site]) -> dict[str, _Site]:
     """Refuse scores, pattern, z and result when their head axis does not hold the query's heads.
 
     `q` is `[batch, pos, heads, d_head]` (found from the head split of the projection); `z`,
@@ -416,17 +423,16 @@ def _head_guard(sites: dict[str, FacetSite | None]) -> dict[str, FacetSite | Non
     if q is None or len(q.shape) != 4:
         return sites
     bad = [
-        n
+        s
         for n in ("scores", "pattern", "z")
-        if sites.get(n) is not None
-        and len(sites[n].shape) == 4
-        and (sites[n].shape[1], sites[n].shape[2]) != (q.shape[2], q.shape[1])
+        if (s := sites.get(n)) is not None
+        and len(s.shape) == 4
+        and (s.shape[1], s.shape[2]) != (q.shape[2], q.shape[1])
     ]
     if not bad:
         return sites
-    n = bad[0]
     reason = (
-        f"the kernel's head and query axes {list(sites[n].shape[1:3])} are not the {q.shape[2]} heads x "
+        f"the kernel's head and query axes {list(bad[0].shape[1:3])} are not the {q.shape[2]} heads x "
         f"{q.shape[1]} positions found for the query projection: either the kernel ran on a regrouped query "
         f"that is not unpacked here, or the projection's head split was misread, and TorchLens cannot tell "
         f"which, so nothing with a head axis is served ([b, h] could read another head's values)"
@@ -576,7 +582,8 @@ def _result_site(
         return {}
     b, h, t, dh = z.shape
     out_m = g.meta(io_ref(g, proj, "out"))
-    if layout is None or out_m is None:
+    weight = getattr(module, "weight", None)
+    if layout is None or out_m is None or not isinstance(weight, Tensor):
         return {}
     d_out = out_m[0][-1]
     site = FacetSite(
@@ -632,5 +639,5 @@ def _result_site(
     # Its own check (sum over heads + bias = the output projection) decides, not z's pattern @ v:
     # z is the tensor the projection read even where dropout makes z's own check fail, so
     # save="all" and save=["result"] give result the same status.
-    Pending(run, [zt, module.weight.detach(), actual, bias], [site])
+    Pending(run, [zt, weight.detach(), actual, bias], [site])
     return {"result": site}

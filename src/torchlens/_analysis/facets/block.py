@@ -215,7 +215,8 @@ def _add_chain(
     output, scaled)` per add: `end = start + Σ operand`, each operand a sublayer output of `kids`
     (see `_contribution`). None where `end` is not reached from `start` by such adds alone."""
     outs = {io_ref(g, k, "out"): k for k in kids if type(io_ref(g, k, "out")) is Ref}
-    terms, ref = [], end
+    terms: list[tuple[Any, ...]] = []
+    ref = end
     for _ in range(8):
         if ref == start:
             return terms if terms else None
@@ -235,7 +236,7 @@ def _add_chain(
             res = g.source(res, _ops.CAST_OPS)
             found = _contribution(g, con, outs)
             if found is not None and (
-                res == start or (g.op(res) is not None and g.op(res).name in _ops.ADD_OPS)
+                res == start or ((res_op := g.op(res)) is not None and res_op.name in _ops.ADD_OPS)
             ):
                 terms.append((con, *found))
                 ref = res
@@ -279,7 +280,9 @@ def _check_resid_mid(
     attn_branch = [k for k in kids if attn.first_op <= k.first_op < mlp.first_op]
     mlp_branch = [k for k in kids if k.first_op >= mlp.first_op]
     mid_ref = Ref(mid.op, 0) if mid.op is not None else None
-    sides = []  # per side: ("chain", [(operand, output, scaled)]) or ("any", [branch outputs])
+    sides: list[
+        tuple[str, list[Any]]
+    ] = []  # per side: ("chain", [(operand, output, scaled)]) or ("any", [branch outputs])
     for start, end, branch in (
         (io_ref(g, call, "in"), mid_ref, attn_branch),
         (mid_ref, io_ref(g, call, "out"), mlp_branch),
@@ -295,8 +298,8 @@ def _check_resid_mid(
                 sides.append(("chain", terms))
                 continue
         sides.append(("any", [g.value(io_ref(g, k, "out")) for k in branch]))
-    inputs = [held(pre), held(mid), held(post)]
-    layout = []
+    inputs: list[Tensor | None] = [held(pre), held(mid), held(post)]
+    layout: list[tuple[str, int, int, list[Any] | None]] = []
     for kind, items in sides:
         flat = [t for item in items for t in (item[:2] if kind == "chain" else (item,))]
         layout.append(
@@ -314,11 +317,11 @@ def _check_resid_mid(
             ("resid_pre + attention branch = resid_mid", "resid_mid + MLP branch = resid_post"),
         ):
             part = inputs[at : at + n]
-            err, bad = (
-                _chain_error(base, target, part, scaled)
-                if kind == "chain"
-                else _branch_error(base, target, part)
-            )
+            if kind == "chain":
+                assert scaled is not None  # a chain side's layout carries its `scaled` flags
+                err, bad = _chain_error(base, target, part, scaled)
+            else:
+                err, bad = _branch_error(base, target, part)
             worst = max(worst, err)
             if bad is not None and why is None:
                 why = f"{label} does not hold: {bad}"
@@ -333,7 +336,9 @@ def _rounding(dtype, *terms: Tensor) -> Tensor:
     rounding per add (each at most epsilon times the magnitudes added), twice over, plus the
     dtype's smallest normal number (a subnormal result)."""
     info = torch.finfo(dtype if dtype.is_floating_point else torch.float32)
-    mag = sum(wide(t).abs() for t in terms)
+    mag = wide(terms[0]).abs()  # every caller sums one term or more
+    for t in terms[1:]:
+        mag = mag + wide(t).abs()
     return mag.mul_(2 * info.eps * max(1, len(terms) - 1)).add_(info.tiny)
 
 

@@ -3,7 +3,7 @@ precision checks compute in."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -23,9 +23,18 @@ def wide(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float64 else t.float()
 
 
+@overload
+def make_site(
+    g: Graph, name: str, ref: Ref | Dropped, kind: str = "real", note: str = ""
+) -> FacetSite: ...
+@overload
+def make_site(
+    g: Graph, name: str, ref: Any, kind: str = "real", note: str = ""
+) -> FacetSite | None: ...
 def make_site(
     g: Graph, name: str, ref: Any, kind: str = "real", note: str = ""
 ) -> FacetSite | None:
+    """A site for the tensor `ref` names; None when it names none (a `Ref` or `Dropped` always does)."""
     if type(ref) is Dropped:
         return FacetSite(name, "refused", ref.shape, ref.dtype, note=ref.reason)
     m = g.meta(ref)

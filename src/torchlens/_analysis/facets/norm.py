@@ -51,6 +51,8 @@ def _normalize(
     (None for GroupNorm, whose statistics are per group, not per position)."""
     xf = wide(x)
     if kind == "group":
+        if groups is None:  # group_norm ran in a module that does not say its number of groups
+            raise ValueError("the norm ran group_norm but has no num_groups")
         g = xf.reshape(xf.shape[0], groups, -1)
         g = g - g.mean(-1, keepdim=True)
         inv = torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
@@ -173,6 +175,7 @@ def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
             normalized, inv = _normalize(x, kind, eps, n_dims, groups)
             values["normalized"] = normalized = normalized.to(x.dtype)
             if kind != "group":
+                assert inv is not None  # `_normalize` returns the inverse divisor but for "group"
                 values[inv_name] = inv
         if kind != "group":
             values["scale"] = torch.reciprocal(inv)
