@@ -110,3 +110,44 @@ def test_where_the_block_adds_the_output_as_it_is_there_is_no_contribution_facet
         r = mi.resolve_alias(trace, "blocks.0.hook_attn_out", generation="2.x")
         assert (r.module_address, r.facet, r.status) == (module, "output", "real"), family
         assert not any("contribution" in rec.facets.sites for rec in trace.modules.values())
+
+
+def test_the_contribution_is_found_whatever_save_keeps():
+    """Where the facet is must not depend on save=: an edit's locating pass keeps nothing, and a
+    selection keeps the block's input only sometimes. The values a selection keeps are those of
+    save="all"."""
+    model = em.build("granite")
+    args, kwargs = em.inputs("granite")
+    full = traced("granite")[3]
+    for save in ("none", ["contribution"], ["resid_post"]):
+        trace = tl.trace(model, *args, **kwargs, save=save)
+        for i in range(LAYERS):
+            for sub in ("self_attn", "mlp"):
+                facets = trace.modules[f"model.layers.{i}.{sub}"].calls[0].facets
+                assert "contribution" in facets.sites, (save, i, sub)
+                if save == ["contribution"]:
+                    want = full.modules[f"model.layers.{i}.{sub}"].facets["contribution"]
+                    assert torch.equal(facets["contribution"], want), (i, sub)
+
+
+@pytest.mark.parametrize("arch", ["granite", "llama4", "hyperclovax"])
+def test_an_edit_of_the_contribution_is_the_edit_plain_hooks_make(arch):
+    """Zeroing 2.x hook_attn_out / hook_mlp_out through edit= zeroes what the block adds, as a
+    forward hook zeroing the module whose output the block changes (times any constant is 0)."""
+    model = em.build(arch)
+    args, kwargs = em.inputs(arch)
+    modules = ARCHS[arch][0]
+    for sub in ("attn", "mlp"):
+        edited = tl.trace(
+            model, *args, **kwargs, save="none", edit={f"blocks.0.hook_{sub}_out": torch.zeros_like}
+        )
+        target = model.get_submodule(f"model.layers.0.{modules[sub]}")
+        hook = target.register_forward_hook(
+            lambda m, a, out: (out[0] * 0, *out[1:]) if isinstance(out, tuple) else out * 0
+        )
+        try:
+            with torch.no_grad():
+                want = model(*args, **kwargs).logits
+        finally:
+            hook.remove()
+        assert torch.equal(edited.output.logits.detach(), want), (arch, sub)

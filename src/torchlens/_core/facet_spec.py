@@ -113,6 +113,8 @@ class FacetSpec:
             facets are found at all); the resolver's `structurally_absent` reason.
         remedy: for a facet that is not always an op output, what to edit instead (empty for
             the facets an edit can always replace).
+        found_in: roles beyond `roles` whose calls run the ops the facet is found from (a
+            sublayer's `contribution` is an op of its block); capture keeps their op outputs too.
         prose: what the tensor is, in one or two sentences (Markdown: code in backticks).
     """
 
@@ -127,6 +129,7 @@ class FacetSpec:
     hooks: tuple[tuple[str, str], ...] = ()
     absent: str = ""
     remedy: str = ""
+    found_in: tuple[str, ...] = ()
 
     @property
     def layout(self) -> str:
@@ -159,8 +162,9 @@ class FacetSpec:
     @property
     def retain(self) -> tuple[str, ...]:
         """The roles whose calls capture must keep the op outputs of to serve the facet: none
-        for an `"io"` facet (its `hooks` serve it), the reporting roles for every other one."""
-        return () if self.source == "io" else self.roles
+        for an `"io"` facet (its `hooks` serve it), the reporting roles (and `found_in`) for
+        every other one."""
+        return () if self.source == "io" else self.roles + self.found_in
 
 
 _ROPE = "nothing transforms the {what} between the projection and the kernel (no RoPE)"
@@ -381,6 +385,7 @@ SPECS: tuple[FacetSpec, ...] = (
     FacetSpec(
         name="contribution",
         roles=("attention", "mlp", "norm"),
+        found_in=("block",),
         axes=("batch", "pos", "d_model"),
         heads_axis=None,
         kv_heads=False,

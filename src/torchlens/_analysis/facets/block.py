@@ -97,9 +97,11 @@ def _contributions(
     outs = {io_ref(g, k, "out"): k for k in kids if type(io_ref(g, k, "out")) is Ref}
     mid_ref = Ref(mid.op, 0)
     found = []
+    # The call's own refs, not the tensors its hooks kept: where the facet is must not depend on
+    # what save= holds (the block's input is an op outside it, kept only by some selections).
     for start, end, lo, hi in (
-        (io_ref(g, call, "in"), mid_ref, attn.first_op, mlp.first_op),
-        (mid_ref, io_ref(g, call, "out"), mlp.first_op, call.end_op),
+        (call.input_ref, mid_ref, attn.first_op, mlp.first_op),
+        (mid_ref, call.output_ref, mlp.first_op, call.end_op),
     ):
         if type(start) is not Ref or type(end) is not Ref:
             continue
@@ -117,9 +119,15 @@ def _contributions(
         ):
             continue
         site = make_site(g, "contribution", operand, note="what the residual add takes from it")
-        if site is None or site.tensor is None or g.value(output) is None:
+        if site is None:
             continue
-        Pending(_proportional, [site.tensor, g.value(output)], [site], after=(mid,))
+        # The site is there whatever save= keeps (an edit's locating pass keeps nothing); its
+        # tensor is served only with its check, which needs the sublayer's output too.
+        if site.tensor is not None:
+            if g.value(output) is None:
+                site.tensor = None
+            else:
+                Pending(_proportional, [site.tensor, g.value(output)], [site], after=(mid,))
         found.append((sub, site))
     return found
 
