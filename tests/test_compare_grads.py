@@ -134,3 +134,20 @@ def test_a_trace_without_grads_says_how_to_take_one():
     trace = tl.trace(testing.build("gpt2"), testing.token_ids(1, 6))
     with pytest.raises(mi.CompareSpecError, match="grads=loss_fn"):
         mi.compare(trace, {"blocks.0.hook_resid_post": torch.zeros(1, 6, 32)}, of="grad")
+
+
+def test_trace_grad_is_the_gradient_counterpart_of_trace_getitem():
+    """`trace.grad(name)` reads the site `trace[name]` reads, and gives the tensor hooks' gradient."""
+    trace, grads = setting()
+    want = grads["transformer.h.0"][1]
+    for name in ("blocks.0.hook_resid_post", "layers_output[0]", "transformer.h.0:resid_post"):
+        assert trace.grad(name).shape == trace[name].shape, name
+        assert torch.allclose(trace.grad(name), want, rtol=1e-5, atol=1e-7), name
+    with pytest.raises(tl.LookupFailed, match="takes a name"):
+        trace.grad(3)
+
+
+def test_trace_grad_on_a_trace_without_grads_says_so():
+    trace = tl.trace(testing.build("gpt2"), testing.token_ids(1, 6))
+    with pytest.raises(tl.NoGradients):
+        trace.grad("blocks.0.hook_resid_post")

@@ -158,6 +158,33 @@ class Trace:
         if ":" in name:
             address, facet = name.rsplit(":", 1)
             return self.modules[address.strip()].facets[facet.strip()]
+        return self._resolved(name).tensor  # the call the name's layer ran
+
+    def grad(self, name: str) -> torch.Tensor:
+        """The gradient counterpart of `trace[name]`: d loss / d the tensor at that site, in a
+        trace taken with `grads=`.
+
+        The name is read as `trace[name]` reads it: `"address:facet"` is
+        `trace.modules[address].grads[facet]`, and any other library's name is resolved with
+        [`resolve_alias`][torchlens.mechinterp.resolve_alias] (its `.grad`).
+
+        Raises:
+            LookupFailed: what `trace[name]` raises for the name, and `NoGradients` (the trace
+                was taken without `grads=`), `GradNotFound` (the site's gradient is not served;
+                the reason says why) or `GradNotSaved` (`save=` did not keep the site).
+        """
+        if not isinstance(name, str):
+            raise LookupFailed(
+                f"trace.grad(...) takes a name (a str): 'address:facet' or another library's hook "
+                f"name, not {type(name).__name__} {name!r}."
+            )
+        if ":" in name:
+            address, facet = name.rsplit(":", 1)
+            return self.modules[address.strip()].grads[facet.strip()]
+        return self._resolved(name).grad
+
+    def _resolved(self, name: str) -> Any:
+        """`resolve_alias(self, name)`, raising `AliasError` where the name reads no site."""
         r = resolve_alias(self, name)
         if (
             r.module_address is None
@@ -168,7 +195,7 @@ class Trace:
             raise AliasError(
                 f"{name!r} has no site to read in this trace ({r.status}): {r.reason}{remedy}"
             )
-        return r.tensor  # the call the name's layer ran (a block run twice is two layers)
+        return r
 
     def check(self) -> dict[tuple[str, int, str], str]:
         """Run every pending check of the trace now, rather than on first read.
