@@ -24,7 +24,7 @@ from torchlens._core.facet_spec import (
     tokens_flattened,
 )
 
-__all__ = ["Conversion", "apply", "conversions", "inverse", "norm_factor"]
+__all__ = ["Conversion", "apply", "conversions", "fitting", "inverse", "norm_factor"]
 
 
 class Conversion(NamedTuple):
@@ -140,6 +140,17 @@ def conversions(
         ):
             found.append(Conversion("repeated per head", True, (("per_head", e_shape),)))
     return found
+
+
+def fitting(
+    t: Tensor, e_shape: tuple[int, ...], facet: str | None, *, broadcasts: bool = False
+) -> list[tuple[str, Tensor]]:
+    """`t` (a site's tensor) in each accepted conversion that gives `e_shape`, with its label."""
+    return [
+        (c.label, apply(t, c.steps))
+        for c in conversions(tuple(t.shape), tuple(e_shape), facet, broadcasts=broadcasts)
+        if c.accepted
+    ]
 
 
 def apply(t: Tensor, steps: tuple) -> Tensor:

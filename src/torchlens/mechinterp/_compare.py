@@ -14,7 +14,7 @@ from torchlens._core import html
 from torchlens._core.errors import LookupFailed, TorchLensError
 from torchlens._core.facet_spec import KERNEL_REBUILT
 from torchlens._naming.diagnose import Candidate, diagnose
-from torchlens._naming.layouts import apply, conversions
+from torchlens._naming.layouts import fitting
 from torchlens._naming.resolver import resolve_alias
 from torchlens._naming.results import AliasResolution
 from torchlens._trace import Trace
@@ -159,11 +159,21 @@ def _layouts(
     ref: Tensor, engine_shape: tuple[int, ...], facet: str, broadcasts: bool = True
 ) -> list[tuple[str, Tensor]]:
     """The TorchLens tensor in each layout `compare` accepts (`_naming.layouts`) that gives the engine's shape."""
-    return [
-        (c.label, apply(ref, c.steps))
-        for c in conversions(tuple(ref.shape), tuple(engine_shape), facet, broadcasts=broadcasts)
-        if c.accepted
-    ]
+    return fitting(ref, tuple(engine_shape), facet, broadcasts=broadcasts)
+
+
+def _closest(
+    engine: Tensor, options: list[tuple[str, Tensor]], facet: str
+) -> tuple[str, float, Tensor, Tensor]:
+    """Of the layouts `options` (not empty), the one nearest the engine's tensor: its label, the
+    largest difference, the converted tensor and the elementwise differences."""
+    best: tuple[str, float, Tensor, Tensor] | None = None
+    for label, t in options:
+        err, d = _diff(engine, t, facet)
+        if best is None or err < best[1]:
+            best = (label, err, t, d)
+    assert best is not None  # options is not empty
+    return best
 
 
 def _diff(engine: Tensor, ref: Tensor, facet: str) -> tuple[float, Tensor]:
@@ -388,13 +398,7 @@ def _compare_grad(
             f"TorchLens {list(ref.shape)})"
         )
         return row(False, "; ".join(hints), tuple(engine.shape), tuple(ref.shape), why=why())
-    best: tuple[str, float, Tensor, Tensor] | None = None
-    for lab, r in options:
-        e_max, diff = _diff(engine, r, "")
-        if best is None or e_max < best[1]:
-            best = (lab, e_max, r, diff)
-    assert best is not None  # options is not empty
-    label, err, t, d = best
+    label, err, t, d = _closest(engine, options, "")
     passed = bool((d <= atol + rtol * t.float().abs()).all())
     return row(
         passed,
@@ -567,13 +571,7 @@ def _compare_one(
             f"(engine {list(engine.shape)}, TorchLens {list(ref.shape)})",
             tuple(ref.shape),
         )
-    best: tuple[str, float, Tensor, Tensor] | None = None
-    for label, t in options:
-        err, d = _diff(engine, t, res.facet)
-        if best is None or err < best[1]:
-            best = (label, err, t, d)
-    assert best is not None  # options is not empty
-    label, err, t, d = best
+    label, err, t, d = _closest(engine, options, res.facet)
     scale = t.float().abs().nan_to_num(posinf=0.0, neginf=0.0)
     passed = bool((d <= atol + rtol * scale).all())
     hint = ""

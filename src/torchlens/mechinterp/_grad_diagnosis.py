@@ -26,7 +26,7 @@ from torch import Tensor
 
 from torchlens._core.facet_spec import BY_NAME
 from torchlens._naming.diagnose import Candidate
-from torchlens._naming.layouts import apply, conversions
+from torchlens._naming.layouts import fitting
 from torchlens._naming.results import AliasResolution
 from torchlens._trace import Trace
 from torchlens.mechinterp._translate import names_by_site
@@ -62,9 +62,8 @@ def _grads(trace: Trace) -> Iterator[tuple[str, int, str, Tensor]]:
 
 def _fits(engine: Tensor, ref: Tensor, facet: str | None) -> Iterator[Tensor]:
     """`ref` in each accepted layout with the engine's shape."""
-    for c in conversions(tuple(ref.shape), tuple(engine.shape), facet, broadcasts=False):
-        if c.accepted:
-            yield apply(ref, c.steps)
+    for _, t in fitting(ref, tuple(engine.shape), facet):
+        yield t
 
 
 def _rel(e: Tensor, c: Tensor) -> tuple[float, float]:
