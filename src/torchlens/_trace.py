@@ -150,15 +150,7 @@ class Trace:
                 (`ModuleNotFoundInTrace`, `FacetNotFound`, `UnknownAlias`, ...), a facet `save=`
                 did not keep (`FacetNotSaved`), or a name with no site in this trace (`AliasError`).
         """
-        if not isinstance(name, str):
-            raise LookupFailed(
-                f"trace[...] takes a name (a str): 'address:facet' or another library's hook name, "
-                f"not {type(name).__name__} {name!r}; the ops are trace.ops[i]."
-            )
-        if ":" in name:
-            address, facet = name.rsplit(":", 1)
-            return self.modules[address.strip()].facets[facet.strip()]
-        return self._resolved(name).tensor  # the call the name's layer ran
+        return self._read(name, "trace[...]", "; the ops are trace.ops[i]", grad=False)
 
     def grad(self, name: str) -> torch.Tensor:
         """The gradient counterpart of `trace[name]`: d loss / d the tensor at that site, in a
@@ -173,15 +165,22 @@ class Trace:
                 was taken without `grads=`), `GradNotFound` (the site's gradient is not served;
                 the reason says why) or `GradNotSaved` (`save=` did not keep the site).
         """
+        return self._read(name, "trace.grad(...)", "", grad=True)
+
+    def _read(self, name: Any, call: str, hint: str, *, grad: bool) -> torch.Tensor:
+        """The value (or, with `grad`, the gradient) at a name's site: `"address:facet"` read
+        from the module's facets (gradients), any other name resolved in every generation."""
         if not isinstance(name, str):
             raise LookupFailed(
-                f"trace.grad(...) takes a name (a str): 'address:facet' or another library's hook "
-                f"name, not {type(name).__name__} {name!r}."
+                f"{call} takes a name (a str): 'address:facet' or another library's hook name, "
+                f"not {type(name).__name__} {name!r}{hint}."
             )
         if ":" in name:
             address, facet = name.rsplit(":", 1)
-            return self.modules[address.strip()].grads[facet.strip()]
-        return self._resolved(name).grad
+            record = self.modules[address.strip()]
+            return (record.grads if grad else record.facets)[facet.strip()]
+        resolved = self._resolved(name)  # the call the name's layer ran
+        return resolved.grad if grad else resolved.tensor
 
     def _resolved(self, name: str) -> Any:
         """`resolve_alias(self, name)`, raising `AliasError` where the name reads no site."""

@@ -3,7 +3,7 @@ tensors among an op's arguments, the tensor a module output stands for, and repl
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -53,7 +53,12 @@ def plain_tensors(args: tuple, kwargs: dict) -> bool:
 
 def all_plain(args: tuple, kwargs: dict) -> bool:
     """`plain_tensors(args, kwargs)` without building the list (once per module call)."""
-    for a in args:
+    return _all_plain(args) and (not kwargs or _all_plain(kwargs.values()))
+
+
+def _all_plain(values: Iterable[Any]) -> bool:
+    """No value, nor an element of a list or tuple value, is a tensor subclass."""
+    for a in values:
         if isinstance(a, Tensor):
             if type(a) is not Tensor:
                 return False
@@ -61,15 +66,6 @@ def all_plain(args: tuple, kwargs: dict) -> bool:
             for x in a:
                 if isinstance(x, Tensor) and type(x) is not Tensor:
                     return False
-    if kwargs:
-        for a in kwargs.values():
-            if isinstance(a, Tensor):
-                if type(a) is not Tensor:
-                    return False
-            elif isinstance(a, (list, tuple)):
-                for x in a:
-                    if isinstance(x, Tensor) and type(x) is not Tensor:
-                        return False
     return True
 
 

@@ -118,6 +118,26 @@ class ModuleNotFoundInTrace(LookupFailed):
         super().__init__(msg)
 
 
+def _no_facet(
+    address: str, facet: str, known: Iterable[str], role: str | None, reason: str, *, gradient: bool
+) -> str:
+    """The message of a facet (or its gradient) that a module does not serve: the reason where
+    there is one, else the close matches and the names the module has."""
+    known = list(known)
+    # "other" is the role of a module with no known role: "the other module" would read as a
+    # second module.
+    what = f"the {role} module" if role and role != "other" else "the module"
+    if reason:
+        if gradient:
+            return f"no gradient for facet {facet!r} of {what} {address!r}: {reason}."
+        return f"{what} {address!r} has no facet {facet!r}: {reason}."
+    missing = f"{what} {address!r} has no facet {facet!r}" + (
+        ", so no gradient of it" if gradient else ""
+    )
+    listed = "gradients" if gradient else "facets"
+    return f"{missing}.{_suggest(facet, known)} Its {listed} are: {', '.join(known) or '(none)'}."
+
+
 class FacetNotFound(LookupFailed):
     """A facet name does not exist on this module."""
 
@@ -129,19 +149,8 @@ class FacetNotFound(LookupFailed):
         role: str | None = None,
         reason: str = "",
     ):
-        known = list(known)
         self.address, self.facet = address, facet
-        # "other" is the role of a module with no known role: "the other module" would read as a
-        # second module.
-        what = f"the {role} module" if role and role != "other" else "the module"
-        if reason:
-            msg = f"{what} {address!r} has no facet {facet!r}: {reason}."
-        else:
-            msg = (
-                f"{what} {address!r} has no facet {facet!r}.{_suggest(facet, known)}"
-                f" Its facets are: {', '.join(known) or '(none)'}."
-            )
-        super().__init__(msg)
+        super().__init__(_no_facet(address, facet, known, role, reason, gradient=False))
 
 
 class FacetNotSaved(LookupFailed):
@@ -188,17 +197,8 @@ class GradNotFound(FacetNotFound):
         role: str | None = None,
         reason: str = "",
     ):
-        known = list(known)
         self.address, self.facet = address, facet
-        what = f"the {role} module" if role and role != "other" else "the module"
-        if reason:
-            msg = f"no gradient for facet {facet!r} of {what} {address!r}: {reason}."
-        else:
-            msg = (
-                f"{what} {address!r} has no facet {facet!r}, so no gradient of it.{_suggest(facet, known)}"
-                f" Its gradients are: {', '.join(known) or '(none)'}."
-            )
-        LookupFailed.__init__(self, msg)
+        LookupFailed.__init__(self, _no_facet(address, facet, known, role, reason, gradient=True))
 
 
 class GradNotSaved(FacetNotSaved):

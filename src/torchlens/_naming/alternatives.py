@@ -84,12 +84,17 @@ def roundings(found, expected, e, norm_e, engine_dtype, pool, shape, vis):
 def tuple_elements(expected: Entry, alternatives, shape, engine, norm_e, atol, rtol, found):
     """Another element of the engine's tuple is the site, or the elements sum to it."""
 
-    def as_site(t: Tensor):
+    def as_site(t: Tensor, relation: str, site: str) -> Found | None:
+        """`t`, in an accepted layout of the site, equal to the site within the tolerance."""
         for label, accepted, steps in conversions(
             tuple(expected.tensor.shape), tuple(t.shape), expected.facet
         ):
             if accepted:
-                return apply(expected.tensor, steps).float(), label, steps
+                ref = apply(expected.tensor, steps).float()
+                err, mx = rel(t, ref, float(torch.linalg.vector_norm(t, dtype=torch.float64)))
+                if not within(t, ref, atol, rtol):
+                    return None
+                return Found(None, label, True, steps, err, mx, True, relation=relation, site=site)
         return None
 
     total = engine.detach().cpu().float()
@@ -103,45 +108,25 @@ def tuple_elements(expected: Entry, alternatives, shape, engine, norm_e, atol, r
             total = total + a
         else:
             summable = False
-        hit = as_site(a)
-        if hit is None:
-            continue
-        ref, label, steps = hit
-        err, mx = rel(a, ref, float(torch.linalg.vector_norm(a, dtype=torch.float64)))
-        if within(a, ref, atol, rtol):
-            found.append(
-                Found(
-                    None,
-                    label,
-                    True,
-                    steps,
-                    err,
-                    mx,
-                    True,
-                    relation="is {site}: the wrong tuple element was read",
-                    site=f"element {i} of the engine's tuple",
-                )
-            )
+        hit = as_site(
+            a,
+            "is {site}: the wrong tuple element was read",
+            f"element {i} of the engine's tuple",
+        )
+        if hit is not None:
+            found.append(hit)
             return
-    hit = as_site(total) if summable else None
+    hit = (
+        as_site(
+            total,
+            "is {site}: the engine returns (output, residual) and the residual was not added",
+            "the sum of the engine's tuple elements",
+        )
+        if summable
+        else None
+    )
     if hit is not None:
-        ref, label, steps = hit
-        err, mx = rel(total, ref, float(torch.linalg.vector_norm(total, dtype=torch.float64)))
-        if within(total, ref, atol, rtol):
-            found.append(
-                Found(
-                    None,
-                    label,
-                    True,
-                    steps,
-                    err,
-                    mx,
-                    True,
-                    relation="is {site}: the engine returns (output, residual) and the residual was "
-                    "not added",
-                    site="the sum of the engine's tuple elements",
-                )
-            )
+        found.append(hit)
 
 
 def sums(pool: Pool, e, norm_e, mean_e, atol, rtol, found, shape):
