@@ -22,3 +22,17 @@ def write_or_check(outputs: dict[Path, str], check: bool, root: Path, rerun: str
         print(f"stale generated files (run {rerun}):", *stale, sep="\n  ")
         return 1
     return 0
+
+
+def splice(page: Path, text: str, begin: str, end: str, section: str) -> str:
+    """`text` (the page at `page`) with the part from the line `begin` to the line `end` replaced
+    by `section` (which starts with `begin` and ends with `end`); the rest is written by hand.
+
+    Raises:
+        SystemExit: the page lacks one of the markers.
+    """
+    if begin not in text or end not in text:
+        raise SystemExit(f"{page}: missing the generated-section markers")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return head + section + tail

@@ -28,7 +28,7 @@ import torchlens.mechinterp as mi
 from torchlens import testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _outputs import write_or_check
+from _outputs import splice, write_or_check
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ROOT / "docs" / "aliases"
@@ -136,11 +136,7 @@ def render(page: Path, generation: str, traces: dict[str, tl.Trace]) -> str:
         if page.exists()
         else f"# {mi.GENERATIONS[generation].heading}\n\n{BEGIN}\n{END}\n"
     )
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{page}: missing the generated-section markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return head + generated_section(generation, traces) + tail
+    return splice(page, text, BEGIN, END, generated_section(generation, traces))
 
 
 def main(argv: list[str] | None = None) -> int:

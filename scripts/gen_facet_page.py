@@ -21,11 +21,11 @@ from pathlib import Path
 from torchlens._core import facet_spec as spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _outputs import write_or_check
+from _outputs import splice, write_or_check
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "guides" / "facets.md"
-BEGIN = "<!-- BEGIN GENERATED: scripts/gen_facet_page.py; edit the rows in src/torchlens/_facet_spec.py -->"
+BEGIN = "<!-- BEGIN GENERATED: scripts/gen_facet_page.py; edit the rows in src/torchlens/_core/facet_spec.py -->"
 END = "<!-- END GENERATED -->"
 
 #: The heading of each role's table, in the order the rows list the roles.
@@ -116,11 +116,7 @@ def generated_section() -> str:
 
 def render(text: str) -> str:
     """`text` (the page) with its generated part replaced by the current rows."""
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{PAGE}: missing the generated-section markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return head + generated_section() + tail
+    return splice(PAGE, text, BEGIN, END, generated_section())
 
 
 def main(argv: list[str] | None = None) -> int:

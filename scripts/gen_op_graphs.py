@@ -37,7 +37,7 @@ from torchlens import testing
 sys.path.insert(
     0, str(Path(__file__).resolve().parent)
 )  # this script's siblings, also when a test loads it by path
-from _outputs import write_or_check
+from _outputs import splice, write_or_check
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "assets" / "op-graphs"
@@ -270,11 +270,7 @@ def render_page(section: str) -> str:
     text = (
         PAGE.read_text(encoding="utf-8") if PAGE.exists() else f"# The op graph\n\n{BEGIN}\n{END}\n"
     )
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{PAGE}: missing the generated-section markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return head + section + tail
+    return splice(PAGE, text, BEGIN, END, section)
 
 
 def outputs() -> dict[Path, str]:

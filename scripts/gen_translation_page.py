@@ -35,7 +35,7 @@ from torchlens._core.facet_spec import SPECS
 from torchlens.mechinterp._translate import names_by_site
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _outputs import write_or_check
+from _outputs import splice, write_or_check
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "aliases" / "translation.md"
@@ -242,11 +242,7 @@ def generated_section(families=None) -> str:
 
 def render(families=None) -> str:
     text = PAGE.read_text(encoding="utf-8")
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{PAGE}: missing the generated-section markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return head + generated_section(families) + tail
+    return splice(PAGE, text, BEGIN, END, generated_section(families))
 
 
 def main(argv: list[str] | None = None) -> int:
