@@ -6,8 +6,9 @@ step), plain forward hooks registered inside `model.generate` (a module's output
 and edits made by returning a changed output), and, for the decode check, models with a cache bug
 planted in their decode path (`tests/cache_bugs.py`), which the check must find and name.
 
-Tests internals: `torchlens._decode.AUTO_FACTOR` against `torchlens.mechinterp._compare.AUTO_FACTOR`,
-`torchlens._capture.compiled.CompiledRunsEagerly` (its depth after a failed call).
+Tests internals: `torchlens._generation.decode_sites.AUTO_FACTOR` against
+`torchlens.mechinterp._compare.AUTO_FACTOR`, `torchlens._capture.compiled.CompiledRunsEagerly` (its
+depth after a failed call).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from transformers import DynamicCache
 import torchlens as tl
 from torchlens import GenerateSpecError, testing
 from torchlens._capture.compiled import CompiledRunsEagerly
-from torchlens._decode import AUTO_FACTOR
+from torchlens._generation.decode_sites import AUTO_FACTOR
 from torchlens.mechinterp._compare import AUTO_FACTOR as COMPARE_FACTOR
 
 IDS = testing.token_ids(batch=3, length=6, seed=3, vocab=60) + 3

@@ -42,10 +42,11 @@ from torchlens._core.grad_sites import GradMap
 from torchlens._core.records import ModuleCall, ModuleMap, ModuleRecord, OpRecord, Ref
 from torchlens._core.sites import FacetMap, FacetSite
 from torchlens._core.version import __version__ as __version__
-from torchlens._decode import DecodeReport, DecodeRow, StepVerdict
 from torchlens._draw import Drawing
 from torchlens._edits import EditRecord
-from torchlens._generate import GenerationTrace, StepInfo, trace_generate
+from torchlens._generation.decode_report import DecodeReport, DecodeRow, StepVerdict
+from torchlens._generation.generate import trace_generate
+from torchlens._generation.result import GenerationTrace, StepInfo
 from torchlens._persist import TraceFileError, load
 from torchlens._trace import Trace
 from torchlens._tracing import trace

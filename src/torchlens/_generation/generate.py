@@ -1,0 +1,202 @@
+"""`torchlens.trace_generate`: a model's own `generate`, with every forward call it makes traced.
+
+The arguments are checked first (`torchlens._generation.arguments`), the hooks that capture each
+forward call are installed (`torchlens._generation.session`), `generate` runs unchanged, and the
+steps are returned as a `GenerationTrace`. Nothing is patched. Every hook is removed and every
+open capture closed before `trace_generate` returns or raises, also when `generate` raises in the
+middle of a step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from torchlens._analysis.role_rules import parse_roles, static_roles
+from torchlens._analysis.selection import parse_save
+from torchlens._capture.compiled import compiled_module_class
+from torchlens._capture.stores import parse_store
+from torchlens._core.errors import GenerateSpecError, TorchLensError
+from torchlens._generation.arguments import check_settings, split_edits, step_set
+from torchlens._generation.result import GenerationTrace
+from torchlens._generation.session import Session
+
+__all__ = ["trace_generate"]
+
+
+def _sequences(output: Any) -> Tensor:
+    if isinstance(output, Tensor):
+        return output
+    seq = (
+        output.get("sequences")
+        if isinstance(output, Mapping)
+        else getattr(output, "sequences", None)
+    )
+    if not isinstance(seq, Tensor):
+        raise TorchLensError(
+            f"model.generate returned {type(output).__name__}, which holds no `sequences` tensor."
+        )
+    return seq
+
+
+def trace_generate(
+    model: nn.Module,
+    input_ids: Tensor | None = None,
+    *,
+    save: str | Sequence[str] | Callable[[str, str], bool] = "all",
+    edit: Mapping[str | tuple, Callable[[Tensor], Tensor] | Tensor] | None = None,
+    steps: int | range | Sequence[int] | None = None,
+    roles: Mapping[str, str] | None = None,
+    store: str | os.PathLike | None = None,
+    **generate_kwargs: Any,
+) -> GenerationTrace:
+    """Run `model.generate(input_ids, **generate_kwargs)` once, every forward call it makes traced.
+
+    The model's own `generate` runs, unchanged: greedy decoding, or sampling (`do_sample=True`)
+    with the seed you set before the call, so `.sequences` is what `model.generate` returns for
+    the same arguments and seed. Each forward call `generate` makes is captured as one
+    [`Trace`][torchlens.Trace]: `.steps[0]` is the prefill over the prompt, `.steps[i]` the
+    `i`-th decode forward, whose positions are the one new token per row and whose attention
+    reads the cached keys. Left-padded batches (`attention_mask=`), the Hugging Face cache
+    classes (`cache_implementation="static"`, a sliding-window model's cache) and
+    encoder-decoder models (T5, BART: `steps[0]` holds the encoder's call too) are traced as they run.
+
+    Args:
+        model: a module with a `generate` method (a Hugging Face `GenerationMixin` model).
+        input_ids: the prompt, `[batch, length]` (left-padded with an `attention_mask` for prompts
+            of different lengths).
+        save: what each kept step keeps, as for [`trace`][torchlens.trace] (`"all"`, `"none"`, a
+            facet or module name or a list of them, a predicate).
+        edit: sites to replace as the model computes them, as for `trace`: `{key: fn}` edits the
+            site at every step; `{(step, key): fn}` (`step` an int, a range or a tuple of ints)
+            only at those steps. `fn` receives the site's tensor of that step (`[batch, 1, ...]` at
+            a decode step). Each edited step runs one locating pass first, on a copy of its cache.
+        steps: which steps keep tensors under `save=` (an int, a range or a list of step numbers);
+            the others keep records only (`save="none"`). Default: every step.
+        roles: as for `trace`.
+        store: as for `trace`; a directory gets one subdirectory per step (`step-0000`, ...).
+        **generate_kwargs: passed to `model.generate` as given (`max_new_tokens`,
+            `attention_mask`, `do_sample`, `cache_implementation`, `return_dict_in_generate`, ...).
+
+    Returns:
+        A [`GenerationTrace`][torchlens.GenerationTrace].
+
+    Raises:
+        GenerateSpecError: `model` has no `generate`; beam search (`num_beams` > 1), assisted or
+            chunked-prefill generation; `max_new_tokens=0`; a `steps=` or an `edit=` step outside
+            the generation (before `generate` runs when the settings bound the steps, else after it
+            stopped).
+        SaveSpecError, EditSpecError, NotEditable, StoreSpecError, RoleSpecError: as for `trace`.
+        Exception: whatever `generate` raises propagates, with a note naming the op and module
+            where a traced forward raised; nothing TorchLens installed is left behind.
+
+    Examples:
+        >>> import torch, torchlens as tl
+        >>> from torchlens import testing
+        >>> model = testing.build("llama")
+        >>> gen = tl.trace_generate(model, testing.token_ids(length=4), max_new_tokens=3, do_sample=False)
+        >>> len(gen.steps), gen.steps[1]["model.layers.0:resid_post"].shape
+        (3, torch.Size([1, 1, 32]))
+        >>> gen.steps[2]["model.layers.0.self_attn:pattern"].shape  # 1 new query over 6 keys
+        torch.Size([1, 4, 1, 6])
+    """
+    if not isinstance(model, nn.Module):
+        raise GenerateSpecError(
+            f"model: trace_generate() needs a torch.nn.Module with a generate method, got "
+            f"{type(model).__name__}."
+        )
+    wrapper = compiled_module_class()
+    if wrapper is not None and isinstance(model, wrapper):
+        orig = model._orig_mod
+        assert isinstance(orig, nn.Module)  # torch.compile's wrapper holds the module it compiled
+        model = orig
+    generate = getattr(model, "generate", None)
+    if not callable(generate):
+        raise GenerateSpecError(
+            f"model: {type(model).__name__} has no generate method; trace_generate runs a model's own generate "
+            f"(a transformers GenerationMixin model, such as AutoModelForCausalLM's). For one forward pass, use "
+            f"torchlens.trace(model, ...)."
+        )
+    prompt_length = int(input_ids.shape[-1]) if isinstance(input_ids, Tensor) else None
+    limit = check_settings(model, generate_kwargs, prompt_length)
+    keep_steps = step_set(steps, "steps", limit)
+    given, edits = split_edits(edit, limit)
+    names: dict[nn.Module, str] = {}
+    aliases: dict[str, str] = {}
+    for addr, m in model.named_modules(remove_duplicate=False):
+        if m in names:
+            aliases[addr] = names[m]
+        else:
+            names[m] = addr
+    static = static_roles(model, names, parse_roles(roles, list(names.values())))
+    spec_keep = parse_save(save, names.values(), aliases)
+    spec_none = parse_save("none", names.values(), aliases)
+    store = parse_store(store)  # StoreSpecError before anything runs
+    config = getattr(model, "config", None)
+    encoder = None
+    get_encoder = getattr(model, "get_encoder", None)
+    if getattr(config, "is_encoder_decoder", False) and callable(get_encoder):
+        encoder = get_encoder()
+        if encoder not in names or encoder is model:
+            encoder = None
+    if encoder is not None and edits:
+        raise GenerateSpecError(
+            f"edit=: trace_generate does not edit an encoder-decoder model's generation yet ({type(model).__name__}: "
+            f"step 0 spans the encoder's call and the decoder's first forward, which one locating pass cannot place "
+            f"an edit in). Trace it without edit=, or edit one forward with torchlens.trace(..., edit=...)."
+        )
+    session = Session(
+        model,
+        names,
+        aliases,
+        static,
+        spec_keep,
+        spec_none,
+        keep_steps,
+        store,
+        edits,
+        roles,
+        encoder,
+    )
+    session.install()
+    try:
+        args = () if input_ids is None else (input_ids,)
+        output = generate(*args, **generate_kwargs)
+    except BaseException as exc:
+        session.remove(exc)
+        if hasattr(exc, "add_note"):
+            where = (
+                session.where
+                or f"generate itself, between forward calls ({len(session.steps)} steps done)"
+            )
+            exc.add_note(
+                f"torchlens: trace_generate raised in {where}; every hook it installed is removed"
+            )
+        raise
+    session.remove()
+    ran = len(session.steps)
+    if keep_steps is not None and max(keep_steps, default=-1) >= ran:
+        raise GenerateSpecError(
+            f"steps={steps!r}: step {max(keep_steps)} never ran: generation stopped after {ran} forward calls "
+            f"(steps 0..{ran - 1}; an end-of-sequence token or a stopping criterion ended it early)."
+        )
+    for key, wanted, _ in edits:
+        if wanted is not None and not any(s < ran for s in wanted):
+            raise GenerateSpecError(
+                f"edit= key for {key!r} at steps {sorted(wanted)}: none of them ran: generation stopped after {ran} "
+                f"forward calls (steps 0..{ran - 1})."
+            )
+    return GenerationTrace(
+        session.steps,
+        session.info,
+        output,
+        _sequences(output),
+        input_ids,
+        encoder is not None,
+        {s: a for s, a in session.applied.items() if a},
+        model,
+        {"input_ids": input_ids, "kwargs": dict(generate_kwargs), "save": save, "roles": roles},
+    )
