@@ -24,7 +24,7 @@ from torchlens._core.pending import seal_checks
 from torchlens._edits import check_inputs, plan_edits
 from torchlens._trace import Trace
 
-__all__ = ["trace"]
+__all__ = ["trace", "finish", "annotate"]
 
 
 def trace(
@@ -182,7 +182,7 @@ def trace(
         ):
             output = model(*args, **kwargs)
     except BaseException as exc:
-        _annotate(exc, rec)
+        annotate(exc, rec)
         raise
     finally:
         for h in handles:
@@ -195,7 +195,7 @@ def trace(
             loss = loss_of(grads, output, loss_name)
         if not caller_grad:  # the caller asked for no graph: the output it gets holds none
             output = _detached(output)
-    return _finish(
+    return finish(
         rec,
         model,
         names,
@@ -211,7 +211,7 @@ def trace(
     )
 
 
-def _finish(
+def finish(
     rec: Recorder,
     model: nn.Module,
     names: dict,
@@ -336,7 +336,7 @@ def _locate(model: nn.Module, args: tuple, kwargs: dict, edit: Any, roles: Any):
     return plan_edits(located, edit)
 
 
-def _annotate(exc: BaseException, rec: Recorder) -> None:
+def annotate(exc: BaseException, rec: Recorder) -> None:
     if rec.failure is not None and rec.failure[0] is exc:  # the hooks unwound the stack already
         where = " > ".join(rec.failure[1]) or "<outside any module>"
     else:

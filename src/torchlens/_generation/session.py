@@ -44,9 +44,7 @@ from torchlens._capture.stores import DirectoryStore
 from torchlens._edits import plan_edits
 from torchlens._generation.result import StepInfo
 from torchlens._trace import Trace
-from torchlens._tracing import _annotate as annotate
-from torchlens._tracing import _finish as finish
-from torchlens._tracing import trace
+from torchlens._tracing import annotate, finish, trace
 
 __all__ = ["Session"]
 
