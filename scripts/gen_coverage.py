@@ -47,7 +47,7 @@ def render(results: list[zoo.FamilyResult]) -> str:
         "|---|---|",
         "| structure | the stacks, layer counts, model kind, language-model stack, attention / cross-attention / "
         "MLP of every layer, final norm, unembedding and token embedding written by hand in each family's row of "
-        "`src/torchlens/testing.py` |",
+        "`src/torchlens/testing/_rows.py` |",
         "| hooks | every layer's `resid_pre`/`resid_post` and its sublayers' `output`: plain forward hooks on the "
         "traced forward, bit for bit |",
         "| hidden_states | layer i's `resid_pre` (Mamba: `resid_post`): `output_hidden_states[i]` of the same forward, "

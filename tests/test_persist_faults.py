@@ -28,8 +28,8 @@ import pytest
 import torch
 
 import torchlens as tl
-from torchlens import _persist
 from torchlens import testing as _models
+from torchlens._persist import schema, tensor_files
 
 IDS = _models.token_ids(length=6)
 OTHER = _models.token_ids(length=6, seed=1)
@@ -418,7 +418,7 @@ def test_a_tensor_files_header_that_disagrees_with_trace_json_is_refused(tmp_pat
             return (
                 {
                     "shape": e["shape"],
-                    "dtype": str(_persist._TORCH_DTYPES[e["dtype"]]).removeprefix("torch."),
+                    "dtype": str(tensor_files.TORCH_DTYPES[e["dtype"]]).removeprefix("torch."),
                 }
                 if k == key
                 else {}
@@ -650,15 +650,15 @@ def test_saves_and_loads_in_threads_see_whole_traces(tmp_path, traces):
 
 
 def test_the_stored_fields_are_the_record_classes_fields():
-    """`_persist._FIELDS` names exactly each record's fields (a dataclass's fields, a class's
+    """`_persist.schema.FIELDS` names exactly each record's fields (a dataclass's fields, a class's
     slots or `_PERSISTED`, the attributes `Trace.__init__` and `ModuleMap.__init__` set), and no
     stored field is a method or a property without a setter."""
-    classes = _persist._record_classes()
-    assert set(_persist._FIELDS) == set(classes)
+    classes = schema.record_classes()
+    assert set(schema.FIELDS) == set(classes)
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     trace = tl.trace(model, torch.ones(1, 2))
     for name, cls in classes.items():
-        fields = set(_persist._FIELDS[name])
+        fields = set(schema.FIELDS[name])
         if dataclasses.is_dataclass(cls):
             want = {f.name for f in dataclasses.fields(cls)}
         elif hasattr(cls, "_PERSISTED"):
