@@ -61,7 +61,7 @@ __all__ = ["AUTO_FACTOR", "DecodeReport", "DecodeRow", "StepVerdict", "check_dec
 
 #: How far from the full forward a decode step may be, in units of the full forward's own distance
 #: from float64 at the site: the factor `compare(tolerance="auto")` uses
-#: (`mechinterp._compare.AUTO_FACTOR`; a test keeps the two equal).
+#: (`mechinterp._auto_tolerance.AUTO_FACTOR`; a test keeps the two equal).
 AUTO_FACTOR = 4
 #: The shifts of the decode positions tried when explaining a step that differs.
 SHIFTS = (1, -1, 2, -2)
