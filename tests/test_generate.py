@@ -7,8 +7,8 @@ and edits made by returning a changed output), and, for the decode check, models
 planted in their decode path (`tests/cache_bugs.py`), which the check must find and name.
 
 Tests internals: `torchlens._generation.decode_sites.AUTO_FACTOR` against
-`torchlens.mechinterp._compare.AUTO_FACTOR`, `torchlens._capture.compiled.CompiledRunsEagerly` (its
-depth after a failed call).
+`torchlens.mechinterp._auto_tolerance.AUTO_FACTOR`, `torchlens._capture.compiled.CompiledRunsEagerly`
+(its depth after a failed call).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torchlens as tl
 from torchlens import GenerateSpecError, testing
 from torchlens._capture.compiled import CompiledRunsEagerly
 from torchlens._generation.decode_sites import AUTO_FACTOR
-from torchlens.mechinterp._compare import AUTO_FACTOR as COMPARE_FACTOR
+from torchlens.mechinterp._auto_tolerance import AUTO_FACTOR as COMPARE_FACTOR
 
 IDS = testing.token_ids(batch=3, length=6, seed=3, vocab=60) + 3
 MASK = torch.ones_like(IDS)

@@ -8,8 +8,8 @@ trace says it can read is compared, and the test asserts that nothing readable w
 Models are random-init from small configs (seeded), traced on the CPU; everything is cached
 per module so the file runs in a few seconds.
 
-Tests internals: `torchlens._naming.resolver._n_layers`, which a planted resolver bug (one
-layer too few) replaces to show that the report-count test can fail.
+Tests internals: `torchlens._naming.resolver.n_layers` (from `_naming.layer_index`), which a
+planted resolver bug (one layer too few) replaces to show that the report-count test can fail.
 """
 
 from __future__ import annotations
@@ -218,8 +218,8 @@ def _planted_absent_once(monkeypatch):
 
 def _planted_layer_count(monkeypatch):
     """A resolver bug: per-layer names count one layer too few."""
-    real = resolver._n_layers
-    monkeypatch.setattr(resolver, "_n_layers", lambda trace, row=None: max(real(trace, row) - 1, 0))
+    real = resolver.n_layers
+    monkeypatch.setattr(resolver, "n_layers", lambda trace, row=None: max(real(trace, row) - 1, 0))
     return "2.x"
 
 

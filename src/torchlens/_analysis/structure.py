@@ -2,7 +2,7 @@
 
 This one module decides which module calls play which role. It is read by the facet code
 (`facets.derive` asks it for the final norm and the unembedding) and by the name resolver
-(`_naming.targets` asks it for layers and sublayers), so both sides agree on every rule.
+(`_naming.finders` asks it for layers and sublayers), so both sides agree on every rule.
 
 Roles are found in two passes:
 

@@ -20,7 +20,7 @@ __all__ = ["AUTO_FACTOR", "align", "compare_sites", "diff"]
 
 #: How far from the full forward a decode step may be, in units of the full forward's own distance
 #: from float64 at the site: the factor `compare(tolerance="auto")` uses
-#: (`mechinterp._compare.AUTO_FACTOR`; a test keeps the two equal).
+#: (`mechinterp._auto_tolerance.AUTO_FACTOR`; a test keeps the two equal).
 AUTO_FACTOR = 4
 _MASKED = torch.finfo(torch.float32).min / 2
 

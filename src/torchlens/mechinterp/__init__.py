@@ -30,13 +30,8 @@ from torchlens._naming.results import (
     UnknownGeneration,
 )
 from torchlens._naming.tables import Row, Table, TableError
-from torchlens.mechinterp._compare import (
-    CompareSpecError,
-    Comparison,
-    ComparisonReport,
-    ToleranceError,
-    compare,
-)
+from torchlens.mechinterp._compare import CompareSpecError, ToleranceError, compare
+from torchlens.mechinterp._comparison import Comparison, ComparisonReport
 from torchlens.mechinterp._translate import (
     TRANSLATION_STATUSES,
     Translation,

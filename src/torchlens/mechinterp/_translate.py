@@ -21,16 +21,10 @@ from dataclasses import dataclass
 
 from torchlens import testing
 from torchlens._core.errors import close_matches
-from torchlens._naming.resolver import (
-    GENERATIONS,
-    _canonical_index,
-    _for_trace,
-    _n_layers,
-    _status,
-    _tables,
-    resolve_alias,
-)
+from torchlens._naming.layer_index import canonical_index, n_layers
+from torchlens._naming.resolver import GENERATIONS, for_trace, resolve_alias, tables_of
 from torchlens._naming.results import AliasError, AliasResolution, MalformedAlias, UnknownAlias
+from torchlens._naming.site_status import resolve_row
 from torchlens._naming.tables import Row, Table
 from torchlens._trace import Trace
 from torchlens._tracing import trace as run_trace
@@ -128,7 +122,7 @@ class Translation:
 
 def _generation(value: str, what: str) -> Table:
     try:
-        return _tables(value)[0]
+        return tables_of(value)[0]
     except AliasError as error:
         raise type(error)(f"{what}: {error}") from None
 
@@ -149,7 +143,7 @@ def _parse(query: str, table: Table) -> tuple[Row, str | None]:
         if not row.per_layer:
             return row, None
         text = match.group(1)
-        canonical = _canonical_index(text)
+        canonical = canonical_index(text)
         if text != canonical:
             raise MalformedAlias(
                 f"{query!r}: write the layer as {canonical} (ASCII digits, no leading zeros)."
@@ -332,13 +326,13 @@ def names_by_site(trace: Trace, generation: str) -> dict[tuple, list[AliasResolu
     Each per-layer name is instantiated at every layer of its stack; nothing is computed (the
     resolutions of sites whose checks are pending say so; `resolve_alias` runs a site's check).
     """
-    table = _for_trace(GENERATIONS[generation], trace)
+    table = for_trace(GENERATIONS[generation], trace)
     out: dict[tuple, list[AliasResolution]] = {}
     for row in table.rows:
         if row.facet is None:
             continue
-        for layer in range(_n_layers(trace, row)) if row.per_layer else [None]:
-            r = _status(trace, table, row, layer, _fill(row, layer), force=False)
+        for layer in range(n_layers(trace, row)) if row.per_layer else [None]:
+            r = resolve_row(trace, table, row, layer, _fill(row, layer), force=False)
             if (key := _key(r)) is not None:
                 out.setdefault(key, []).append(r)
     return out

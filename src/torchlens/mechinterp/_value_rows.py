@@ -1,0 +1,150 @@
+"""`compare`'s row for an activation: the engine's tensor against the trace's at the name's site,
+in the nearest accepted layout, with a hint and, for a failed row, what the tensor equals
+(`_naming.diagnose`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import cast
+
+import torch
+from torch import Tensor
+
+from torchlens._core.facet_spec import KERNEL_REBUILT
+from torchlens._naming.diagnose import diagnose
+from torchlens._naming.results import AliasResolution
+from torchlens.mechinterp._comparison import Comparison
+from torchlens.mechinterp._lineup import closest, diff, engine_tensor, layouts
+
+
+def value_row(
+    trace, name, value, res: AliasResolution, tol, editable, generation, explain
+) -> Comparison:
+    """`compare`'s row for one engine tensor against the tensor `res` resolves to.
+
+    `tol` is `(atol, rtol, dtype name or None, note)`: the dtype name where `tolerance="auto"`
+    set atol and rtol, the note where it could not.
+    """
+    atol, rtol, auto_dtype, auto_note = tol
+    hints = [auto_note] if auto_note else []
+    engine, rest, tuple_hint = engine_tensor(value)
+    if tuple_hint:
+        hints.append(tuple_hint)
+
+    def row(status, passed, hint, ref_shape=None, layout="as is", err=None):
+        explanation, candidates = "", cast(tuple, ())
+        if not passed and explain and engine.is_floating_point() and engine.numel() > 1:
+            try:
+                explanation, candidates = diagnose(
+                    trace,
+                    engine,
+                    res.module_address if res.readable else None,
+                    res.facet if res.readable else None,
+                    generation or res.generation,
+                    atol,
+                    rtol,
+                    rest,
+                )
+            except Exception as exc:  # the row's verdict stands; say why it has no explanation
+                explanation = f"no explanation: the search failed ({type(exc).__name__}: {exc})"
+        return Comparison(
+            name,
+            status,
+            res.module_address,
+            res.facet,
+            tuple(engine.shape),
+            ref_shape,
+            layout,
+            err,
+            passed,
+            "; ".join(hints + ([hint] if hint else [])),
+            explanation,
+            candidates,
+            (atol, rtol),
+        )
+
+    if not res.readable:
+        return row(
+            res.status, False, f"no readable TorchLens site: {res.reason} {res.remedy}".strip()
+        )
+    if editable and res.status == "reconstructed_read_only":
+        return row(
+            res.status,
+            False,
+            "not compared: editable=True, and TorchLens only reconstructs this site "
+            "(read-only): an engine writing it "
+            "edits a tensor the eager model never materializes; trace with attn_implementation='eager'",
+        )
+    assert res.tensor is not None and res.facet is not None  # a readable resolution has both
+    ref = res.tensor.detach().cpu()
+    if engine.dtype != ref.dtype:
+        hints.append(
+            f"dtypes differ (engine {str(engine.dtype)[6:]}, TorchLens {str(ref.dtype)[6:]})"
+        )
+    options = layouts(ref, engine.shape, res.facet)
+    if not options:
+        return row(
+            res.status,
+            False,
+            f"shapes do not line up under any layout conversion "
+            f"(engine {list(engine.shape)}, TorchLens {list(ref.shape)})",
+            tuple(ref.shape),
+        )
+    label, err, t, d = closest(engine, options, res.facet)
+    scale = t.float().abs().nan_to_num(posinf=0.0, neginf=0.0)
+    passed = bool((d <= atol + rtol * scale).all())
+    hint = ""
+    if not passed:
+        hint = _mismatch_hint(trace, res, d, atol, rtol, scale, engine, t)
+        if (
+            auto_dtype is not None
+        ):  # the precision is accounted for: keep only a hint about something else
+            note = f"tolerance='auto' at {auto_dtype} precision: atol {atol:.2g}, rtol {rtol:.2g}"
+            hint = note if hint.startswith("half-precision") else f"{note}; {hint}"
+    return row(res.status, passed, hint, tuple(ref.shape), label, err)
+
+
+def _equals_facet(trace, res: AliasResolution, facet: str, engine: Tensor, atol, rtol) -> bool:
+    """Whether the engine tensor equals another facet of the same module (in some layout)."""
+    try:
+        # AliasResolution.tensor reads the call the alias names (a block object run for several layers)
+        other = replace(res, facet=facet, trace=trace).tensor
+    except Exception:  # the module has no such facet, or it was not kept
+        return False
+    if not isinstance(other, Tensor):
+        return False
+    other = other.detach().cpu()
+    for _, t in layouts(other, engine.shape, facet, broadcasts=False):
+        err, d = diff(engine, t, facet)
+        if bool((d <= atol + rtol * t.float().abs().nan_to_num(posinf=0.0, neginf=0.0)).all()):
+            return True
+    return False
+
+
+def _mismatch_hint(
+    trace, res: AliasResolution, d: Tensor, atol, rtol, scale, engine: Tensor, ref: Tensor
+) -> str:
+    bad = d > atol + rtol * scale
+    if res.facet == "normalized" and _equals_facet(trace, res, "output", engine, atol, rtol):
+        return (
+            "the engine's tensor is this norm's output, after the gain and bias: TransformerLens 2.x hooks "
+            "hook_normalized there on an unfolded LayerNorm (fold_ln=False); TorchLens's normalized is the "
+            "tensor before the gain, which a folded model (fold_ln=True) hooks"
+        )
+    if res.status == "reconstructed_read_only":
+        if res.facet in KERNEL_REBUILT:
+            return "TorchLens rebuilt this site from a fused kernel's inputs; compare an eager-attention copy to be sure"
+        return (
+            "TorchLens computed this site from recorded tensors; check the engine's convention for it"
+            + (f" ({res.note})" if res.note else "")
+        )
+    if engine.dtype in (torch.bfloat16, torch.float16) or ref.dtype in (
+        torch.bfloat16,
+        torch.float16,
+    ):
+        return "half-precision run: loosen atol/rtol to the engine's precision"
+    if bad.dim() >= 2 and ref.dim() >= 2:
+        per_pos = bad.flatten(0, -2).any(-1) if bad.dim() > 2 else bad.any(-1)
+        if 0 < int(per_pos.sum()) < per_pos.numel() // 2:
+            return "only some positions differ: check padding and the attention mask on both sides"
+    return "a different tensor: the engine's hook may sit before/after another op (dropout, norm, cast) or a fused kernel"
