@@ -726,7 +726,8 @@ def test_the_op_graph_check_can_fail(page, origin):
     page.evaluate(
         "const imgs = document.querySelectorAll('.tl-opgraph img');"
         "imgs[0].style.width = (imgs[0].naturalWidth / 2) + 'px';"
-        "imgs[1].style.position = 'relative'; imgs[1].style.left = '2000px'; true"
+        "imgs[1].style.position = 'relative'; imgs[1].style.left = '2000px';"
+        "imgs[1].closest('.tl-opgraph').style.overflowX = 'visible'; true"
     )
     problems = page.evaluate(OP_GRAPH_PROBLEMS_JS)
     assert any(p.startswith("scaled: ") for p in problems), problems
@@ -746,13 +747,14 @@ def test_the_op_graph_check_can_fail(page, origin):
 
 
 def test_the_layout_check_can_fail(page, origin):
-    """The layout check sees a clipped code block and a word broken in the middle."""
+    """The layout check sees a clipped code block, a word broken in the middle (between two letters,
+    not after a `.` or `_`) and inline code sticking out of its paragraph."""
     page.open(origin)
     page.evaluate(
         "const a = document.createElement('pre'); a.style.overflowX = 'auto'; a.style.width = '200px';"
         "a.textContent = 'x'.repeat(400);"
         "const b = document.createElement('p'); b.style.width = '60px'; b.style.wordBreak = 'break-all';"
-        "b.textContent = 'blocks.0.hook_resid_post';"
+        "b.textContent = 'hookresidpost';"
         "const c = document.createElement('p'); c.style.width = '80px';"
         "c.innerHTML = 'see <code>trace.modules.facets.resid_post</code>';"
         "document.querySelector('article.md-content__inner').append(a, b, c); true"
@@ -760,7 +762,7 @@ def test_the_layout_check_can_fail(page, origin):
     problems = layout_problems(page, 1280)
     assert any(p.startswith("clipped: <pre") for p in problems), problems
     assert any(
-        p.startswith("broken:") and "hook_resid_post" in p.replace(" / ", "") for p in problems
+        p.startswith("broken:") and "hookresidpost" in p.replace(" / ", "") for p in problems
     ), problems
     assert any(p.startswith("clipped: <code>") and "sticks out" in p for p in problems), problems
 
@@ -779,7 +781,7 @@ def test_the_phone_layout_check_can_fail(page, origin):
             "const t = document.querySelector('table[data-cards]'); t.removeAttribute('data-cards');"
             "const a = document.createElement('pre'); a.style.overflowX = 'auto';"
             "a.textContent = 'x'.repeat(400);"
-            "const b = document.createElement('div'); b.style.overflowX = 'hidden';"
+            "const b = document.createElement('div'); b.style.overflowX = 'hidden'; b.style.whiteSpace = 'nowrap';"
             "b.textContent = 'y'.repeat(400);"
             "document.querySelector('article.md-content__inner').append(a, b); true"
         )
