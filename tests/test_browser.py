@@ -4,8 +4,11 @@ The test builds the site with `mkdocs build` into a temporary folder, serves it 
 with `http.server` in a thread, and drives headless Chromium over the DevTools protocol (a
 websocket, through `websocket-client`). For each page it checks that no script threw, nothing
 called `console.error`, no file of the site itself failed to load, and the page shows what it
-is for. It then types names into Material's search box (`resolve_alias`, hook names as readers paste
-them), also on the site opened from disk (file://), and checks what it finds.
+is for. At a phone's width (390 px) and at 1280 and 1920 px it checks that no page is wider than
+the window, no table hides a column, nothing cuts text off and no word breaks in the middle, and
+that the block diagrams' text is legible. It then types names into Material's search box
+(`resolve_alias`, hook names as readers paste them), also on the site opened from disk (file://),
+and checks what it finds.
 
 Screenshots of every page land in `build/screenshots/*.png` (look at them after a change to the
 theme, the CSS or the diagrams).
