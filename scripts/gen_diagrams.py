@@ -301,10 +301,6 @@ def build(slug: str) -> Diagram:
             row.names.setdefault(generation, []).extend(
                 n for n in ns if n not in row.names.get(generation, [])
             )
-    if three_x_adds:
-        for row in drawn.values():
-            four = set(row.names.get("4.x", []))
-            row.names["3.x"] = [n for n in row.names.get("3.x", []) if n not in four]
     # Modules of block 0 that play a role must all be placed.
     placed = {b.address for box in _all_boxes(diagram) for b in _walk(box)}
     missing = [
@@ -336,6 +332,10 @@ FS_SMALL = 11  # shapes, class names, notes
 #: The SVG's own size is the drawing's size times this, so a browser with the room shows its
 #: 12 px names at 15 px (a narrower window still scales the whole image down to fit).
 SCALE = 1.25
+#: The widest a drawing may be: the site's content column is 998 px wide in a 1280 px window, so a
+#: drawing at most this wide, scaled to the column, shows its 11 px text at 11 px or more
+#: (tests/test_browser.py measures it there).
+MAX_WIDTH = 990
 CW = 0.62 * FS  # width of one character, a little over what monospace fonts use
 CW_SMALL = 0.62 * FS_SMALL
 LH = 15  # line height of a name cell
@@ -345,7 +345,8 @@ GAP = 16  # between boxes of one branch (room for an arrow)
 STREAM_X = 26
 BOX_X = 60
 INDENT = 12
-COL_PAD = 18
+NAME_GAP = 16  # between a name and its generation marks
+SLOT_PAD = 10  # between two generation marks
 
 COLORS = {
     "ink": "#1f2328",
@@ -368,6 +369,12 @@ COLORS = {
     "real_line": "#3949ab",
     "derived": "#fff4d6",
     "derived_line": "#b7791f",
+    # the generation marks beside a name: TransformerLens, nnterp, interp-engine
+    "2.x": "#3949ab",
+    "3.x": "#3949ab",
+    "4.x": "#3949ab",
+    "nnterp": "#2e7d32",
+    "interp-engine": "#8e24aa",
 }
 
 
@@ -392,6 +399,16 @@ def _wrap(text: str, width: int) -> list[str]:
         else:
             lines.append(word)
     return lines
+
+
+def _name_lines(row: FacetRow) -> list[tuple[str, list[str]]]:
+    """The names that resolve to `row`'s facets, each once, with the generations it is a name in;
+    in the order of `GENERATIONS`, then of each generation's report."""
+    lines: dict[str, list[str]] = {}
+    for g in GENERATIONS:
+        for name in row.names.get(g, []):
+            lines.setdefault(name, []).append(g)
+    return list(lines.items())
 
 
 def _relative(address: str, parent: str) -> str:
@@ -437,7 +454,12 @@ class Canvas:
 
 
 class Layout:
-    """Places the diagram top to bottom; every facet row spans the name columns on the right."""
+    """Places the diagram top to bottom. Beside each facet row, one line per name that resolves to
+    the facet, each followed by the generations it is a name in, each generation in its own slot
+    (a column one can read down); the names column is as wide as the longest name."""
+
+    #: The names column's heading, under each band.
+    NAME_HEADING = ("name", "in the generations marked")
 
     def __init__(self, d: Diagram):
         self.d = d
@@ -445,25 +467,32 @@ class Layout:
         self.cols = list(GENERATIONS)
         rows = [r for b in _all_boxes(d) for r in b.rows()]
         self.diag_w = self._diagram_width()
+        self.name_x = self.diag_w + 24
+        heading = _tw(self.NAME_HEADING[1], CW_SMALL)
+        widest = max([heading] + [_tw(n) for r in rows for n, _ in _name_lines(r)])
+        x = self.name_x + widest + NAME_GAP
         self.col_x: dict[str, int] = {}
-        x = self.diag_w + 24
         for g in self.cols:
-            widest = max(
-                [_tw(self._heading(g)[0], CW), _tw(self._heading(g)[1], CW_SMALL)]
-                + [_tw(n) for r in rows for n in r.names.get(g, [])]
-            )
             self.col_x[g] = x
-            x += widest + COL_PAD
-        self.width = x + 6
+            x += _tw(g, CW) + SLOT_PAD
+        self.width = x - SLOT_PAD + 10
+        if self.width > MAX_WIDTH:
+            raise SystemExit(
+                f"{d.slug}: the diagram is {self.width} wide, more than MAX_WIDTH = {MAX_WIDTH}"
+            )
         self.y = 0
         self.row_y: dict[int, tuple[int, int]] = {}  # id(row) -> (top, bottom)
         self.box_y: dict[int, tuple[int, int]] = {}  # id(box) -> (top, bottom)
         self.zebra = 0
 
-    def _heading(self, g: str) -> tuple[str, str]:
+    def _key(self, g: str) -> str:
+        """What generation `g`'s mark stands for, in the drawing's key."""
+        table = mi.GENERATIONS[g]
         if g == "3.x" and self.d.three_x_adds_to_four_x:
-            return mi.GENERATIONS[g].heading, "legacy names; + every 4.x name"
-        return mi.GENERATIONS[g].heading, mi.GENERATIONS[g].names
+            return (
+                f"{table.heading}: its legacy names and every 4.x name (a bridge cache holds both)"
+            )
+        return f"{table.heading}: {table.names}" if table.names else table.heading
 
     def _diagram_width(self) -> int:
         widest = 0
@@ -494,25 +523,26 @@ class Layout:
         """A section heading across the whole width, with the column headings."""
         c = self.c
         x = STREAM_X + 16
-        lines = (
-            _wrap(subtitle, int((self.col_x[self.cols[0]] - x - 12) / CW_SMALL)) if subtitle else []
-        )
-        h = 26 + 13 * max(1, len(lines)) + 1
+        lines = _wrap(subtitle, int((self.name_x - x - 12) / CW_SMALL)) if subtitle else []
+        title_lines = _wrap(title, int((self.name_x - x - 12) / (0.62 * 13)))
+        h = 13 + 16 * len(title_lines) + 13 * max(1, len(lines)) + 1
         c.rect(0, self.y, self.width, h, "band", layer="back")
-        c.text(x, self.y + 17, title, size=13, weight="bold")
+        for i, line in enumerate(title_lines):
+            c.text(x, self.y + 17 + 16 * i, line, size=13, weight="bold")
+        below = self.y + 17 + 16 * (len(title_lines) - 1)
         for i, line in enumerate(lines):
-            c.text(x, self.y + 33 + 13 * i, line, size=FS_SMALL, color="muted")
+            c.text(x, below + 16 + 13 * i, line, size=FS_SMALL, color="muted")
+        c.text(self.name_x, self.y + 17, self.NAME_HEADING[0], weight="bold")
+        c.text(self.name_x, self.y + 33, self.NAME_HEADING[1], size=FS_SMALL, color="muted")
         for g in self.cols:
-            top, sub = self._heading(g)
-            c.text(self.col_x[g], self.y + 17, top, weight="bold")
-            c.text(self.col_x[g], self.y + 33, sub, size=FS_SMALL, color="muted")
+            c.text(self.col_x[g], self.y + 17, g, weight="bold", color=g)
         self.y += h + 8
         self.zebra = 0
 
     def facet_row(self, row: FacetRow, x: int, stream: bool = False):
         c = self.c
-        n = max([1] + [len(row.names.get(g, [])) for g in self.cols])
-        h = n * LH + 2 * PAD
+        lines = _name_lines(row)
+        h = max(1, len(lines)) * LH + 2 * PAD
         top = self.y
         if self.zebra % 2:
             c.rect(0, top, self.width, h, "zebra", layer="back")
@@ -537,15 +567,16 @@ class Layout:
         sx = chip_x + chip_w + 8
         c.text(sx, mid + 4, _shape(row.shape), size=FS_SMALL, color="muted")
         lead_from = sx + _tw(_shape(row.shape), CW_SMALL) + 6
-        lead_to = self.col_x[self.cols[0]] - 8
+        lead_to = self.name_x - 8
         if lead_to > lead_from:
             c.line([(lead_from, mid), (lead_to, mid)], color="faint", width=1, dash=True)
-        for g in self.cols:
-            names = row.names.get(g, [])
-            if not names:
-                c.text(self.col_x[g], mid + 4, "–", color="faint")
-            for i, name in enumerate(names):
-                c.text(self.col_x[g], top + PAD + LH * i + LH // 2 + 5, name)
+        if not lines:
+            c.text(self.name_x, mid + 4, "–", color="faint")
+        for i, (name, generations) in enumerate(lines):
+            y = top + PAD + LH * i + LH // 2 + 5
+            c.text(self.name_x, y, name)
+            for g in generations:
+                c.text(self.col_x[g], y, g, size=FS_SMALL, color=g)
         self.row_y[id(row)] = (top, top + h)
         self.y += h
 
@@ -640,16 +671,18 @@ class Layout:
         self.y = 0
         title = f"{d.title}: decoder block 0 and the names that read each facet"
         c.text(10, 22, title, size=16, weight="bold")
-        c.text(
-            10,
-            42,
+        about = (
             f"{t.model_class}, {n_layers} layers, random weights, eager attention, "
-            f"{N_TOKENS} tokens; names from alias_report on this trace (layer 0 and global names)",
-            size=FS_SMALL,
-            color="muted",
+            f"{N_TOKENS} tokens; names from alias_report on this trace (layer 0 and global names)"
         )
-        self.legend(54)
-        self.y = 80
+        self.y = 42
+        for line in _wrap(about, int((self.width - 20) / CW_SMALL)):
+            c.text(10, self.y, line, size=FS_SMALL, color="muted")
+            self.y += 14
+        self.legend(self.y + 4)
+        self.y += 26
+        self.key()
+        self.y += 10
 
         # embeddings
         self.band("Embedding", "the residual stream starts here")
@@ -759,32 +792,55 @@ class Layout:
 
         # footer: names with no site here
         absent = ", ".join(f"{g} {d.absent.get(g, 0)}" for g in GENERATIONS)
-        c.text(
-            10,
-            self.y + 14,
+        footer = (
             f"Names of layer 0 and global names with no site on this model (not drawn): {absent}. "
-            "The alias-table pages list them with the reason.",
-            size=FS_SMALL,
-            color="muted",
+            "The alias-table pages list them with the reason."
         )
-        self.y += 26
+        for line in _wrap(footer, int((self.width - 20) / CW_SMALL)):
+            c.text(10, self.y + 14, line, size=FS_SMALL, color="muted")
+            self.y += 14
+        self.y += 12
         return self.svg()
 
     def legend(self, y: int):
+        """The drawing's symbols, left to right, on as many lines as the width needs (each line
+        26 high; `self.y` ends below the last)."""
         c = self.c
+        items = [
+            ("chip", "real", "a tensor an op produced"),
+            ("chip", "derived", "computed or reconstructed, read-only"),
+            ("text", None, "a = b: two facets of one tensor"),
+            ("arrow", None, "residual stream"),
+        ]
         x = 10
-        c.rect(x, y - 9, 46, 18, "real", "real_line", rx=9, layer="front")
-        c.text(x + 7, y + 4, "facet")
-        c.text(x + 54, y + 4, "a tensor an op produced", size=FS_SMALL, color="muted")
-        x += 54 + _tw("a tensor an op produced", CW_SMALL) + 24
-        c.rect(x, y - 9, 46, 18, "derived", "derived_line", rx=9, dash=True, layer="front")
-        c.text(x + 7, y + 4, "facet")
-        c.text(x + 54, y + 4, "computed or reconstructed, read-only", size=FS_SMALL, color="muted")
-        x += 54 + _tw("computed or reconstructed, read-only", CW_SMALL) + 24
-        c.text(x, y + 4, "a = b: two facets of one tensor", size=FS_SMALL, color="muted")
-        x += _tw("a = b: two facets of one tensor", CW_SMALL) + 24
-        c.line([(x, y), (x + 30, y)], arrow=True)
-        c.text(x + 38, y + 4, "residual stream", size=FS_SMALL, color="muted")
+        for kind, fill, note in items:
+            lead = 54 if kind == "chip" else 38 if kind == "arrow" else 0
+            w = lead + _tw(note, CW_SMALL)
+            if x > 10 and x + w > self.width - 10:
+                x, y = 10, y + 26
+                self.y += 26
+            if kind == "chip":
+                line = f"{fill}_line"
+                c.rect(x, y - 9, 46, 18, fill, line, rx=9, dash=fill == "derived", layer="front")
+                c.text(x + 7, y + 4, "facet")
+            elif kind == "arrow":
+                c.line([(x, y), (x + 30, y)], arrow=True)
+            c.text(x + lead, y + 4, note, size=FS_SMALL, color="muted")
+            x += w + 24
+
+    def key(self):
+        """What each generation mark beside a name stands for, one line each."""
+        c = self.c
+        for g in self.cols:
+            self.y += 15
+            c.text(10, self.y, g, size=FS_SMALL, color=g, weight="bold")
+            c.text(
+                10 + _tw("interp-engine", CW_SMALL) + 10,
+                self.y,
+                self._key(g),
+                size=FS_SMALL,
+                color="muted",
+            )
 
     def svg(self) -> str:
         w, h = self.width, self.y
@@ -837,8 +893,6 @@ def page_section(diagrams: list[Diagram]) -> str:
             for row in box.rows():
                 for g in GENERATIONS:
                     counts[g] += len(row.names.get(g, []))
-        if d.three_x_adds_to_four_x:
-            counts["3.x"] += counts["4.x"]
         drawn = ", ".join(f"{g} {counts[g]}" for g in GENERATIONS)
         lines += [
             f"## {d.title}",

@@ -23,6 +23,12 @@ left as it is):
   ``tests/doc_outputs.json`` (written by the pytest plugin ``tests/doc_outputs.py``). An
   output is only shown under a block whose code still hashes to the recorded hash, so an
   edited block shows nothing until the next test run.
+
+``on_post_page`` marks where a long name may wrap on a narrow screen: a ``<wbr>`` after each
+``.``, ``_``, ``/`` and ``:`` inside a long word of the page's article, outside code blocks
+(``blocks.0.`` / ``hook_resid_post``, never ``hook_re`` / ``sid_post``). Inline code does not wrap
+at all where the column is wide enough (``docs/stylesheets/extra.css``). It runs after the search
+plugin has read the page, so the search index holds the names unbroken.
 """
 
 from __future__ import annotations
@@ -324,6 +330,42 @@ def on_page_markdown(markdown, page, config, files):
     if note is None:
         return markdown
     return _insert_after_title(markdown, note)
+
+
+_ARTICLE = re.compile(r"(<article\b[^>]*>)(.*?)(</article>)", re.S)
+_VERBATIM_OR_TAG_OR_ENTITY = re.compile(
+    r"<(pre|script|style)\b.*?</\1>|<[^>]*>|&[#\w]+;", re.S | re.I
+)
+#: A run of text long enough to need a place to wrap on a phone's column.
+_LONG_WORD = re.compile(r"\S{12,}")
+#: After these characters a long name may wrap, where more of the name follows.
+_WRAP_AFTER = re.compile(r"([._/:])(?=[^\s])")
+
+
+def wrappable_names(page_html: str) -> str:
+    """``page_html`` with a ``<wbr>`` after each ``.``, ``_``, ``/`` and ``:`` inside a long word
+    of its article's text (12 characters or more without a space, in prose, headings, tables or
+    inline code); code blocks, tags, character references and everything outside the article are
+    left as they are."""
+
+    def text(segment: str) -> str:
+        return _LONG_WORD.sub(lambda word: _WRAP_AFTER.sub(r"\1<wbr>", word.group(0)), segment)
+
+    def article(match: re.Match) -> str:
+        body, out, done = match.group(2), [], 0
+        for markup in _VERBATIM_OR_TAG_OR_ENTITY.finditer(body):
+            out.append(text(body[done : markup.start()]))
+            out.append(markup.group(0))
+            done = markup.end()
+        out.append(text(body[done:]))
+        return match.group(1) + "".join(out) + match.group(3)
+
+    return _ARTICLE.sub(article, page_html, count=1)
+
+
+def on_post_page(output, page, config):
+    """Let long names wrap at their dots and underscores on a narrow screen."""
+    return wrappable_names(output)
 
 
 def on_post_build(config):

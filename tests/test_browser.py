@@ -4,8 +4,11 @@ The test builds the site with `mkdocs build` into a temporary folder, serves it 
 with `http.server` in a thread, and drives headless Chromium over the DevTools protocol (a
 websocket, through `websocket-client`). For each page it checks that no script threw, nothing
 called `console.error`, no file of the site itself failed to load, and the page shows what it
-is for. It then types names into Material's search box (`resolve_alias`, hook names as readers paste
-them), also on the site opened from disk (file://), and checks what it finds.
+is for. At a phone's width (390 px) and at 1280 and 1920 px it checks that no page is wider than
+the window, no table hides a column, nothing cuts text off and no word breaks in the middle, and
+that the block diagrams' text is legible. It then types names into Material's search box
+(`resolve_alias`, hook names as readers paste them), also on the site opened from disk (file://),
+and checks what it finds.
 
 Screenshots of every page land in `build/screenshots/*.png` (look at them after a change to the
 theme, the CSS or the diagrams).
@@ -36,8 +39,11 @@ from docs_harness import ci_is_on
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHOTS = REPO / "build" / "screenshots"
 VIEWPORT = {"width": 1280, "height": 900}
-#: The window widths every page is checked at for clipped and mid-word-broken text.
-WIDTHS = (1280, 1920)
+#: The window widths every page is checked at for clipped and mid-word-broken text: a phone's, and
+#: two desktop windows.
+WIDTHS = (390, 1280, 1920)
+#: A window at most this wide is a phone's: a code block or a drawing may scroll inside its box.
+PHONE_MAX = 600
 
 #: screenshot name -> (path under the site, JavaScript returning a truthy value when the page
 #: shows what it is for)
@@ -69,7 +75,7 @@ PAGES = {
         "guides/diagrams/",
         "document.querySelectorAll('.tl-diagram img').length === 8"
         " && Array.from(document.querySelectorAll('.tl-diagram img'))"
-        "      .every(i => i.complete && i.naturalWidth > 1000)",
+        "      .every(i => i.complete && i.naturalWidth > 500)",
     ),
 }
 
@@ -247,14 +253,18 @@ class Page:
         return errors, external
 
 
-#: Returns a list of problems a reader would see in the page's content column:
-#: - "clipped": an element whose content is wider than its box and is cut off or needs a sideways
-#:   scroll (a code block, a table's scroll wrapper), inline code that sticks out of its paragraph,
-#:   or a page that scrolls sideways;
+#: Returns a list of problems a reader would see in the page's content column, given `narrow`
+#: (whether the window is a phone's, narrower than `PHONE_MAX` px):
+#: - "clipped": content a reader cannot see whole: a page wider than the window (it scrolls
+#:   sideways); an element that cuts its content off (overflow hidden); an element that scrolls
+#:   sideways (a table's scroll wrapper: a column out of sight), except, on a phone, a code block or
+#:   a drawing scrolling inside its own box; inline code that sticks out of its paragraph;
 #: - "broken": a word (a run of non-space characters) that the browser split across two lines
-#:   anywhere but after a hyphen, a slash or a dash.
+#:   anywhere but after a hyphen, a slash, a dash, a `.`, `_` or `:` (where a dotted name may
+#:   wrap: "blocks.0." / "hook_resid_post") or before an opening bracket; in a code block, anywhere
+#:   next to punctuation (where the browser's line breaking wraps code), never between two letters.
 LAYOUT_PROBLEMS_JS = r"""
-(() => {
+((narrow) => {
   const problems = [];
   const root = document.querySelector('article.md-content__inner') || document.body;
   const say = el => {
@@ -264,11 +274,14 @@ LAYOUT_PROBLEMS_JS = r"""
   const doc = document.documentElement;
   if (doc.scrollWidth > doc.clientWidth + 1) problems.push(`clipped: the page scrolls sideways (${doc.scrollWidth} > ${doc.clientWidth} px)`);
   const visible = el => el.getClientRects().length > 0 && getComputedStyle(el).visibility !== 'hidden';
+  const ownScroll = el => narrow && el.matches('pre, pre > code, .tl-diagram, .tl-opgraph');
   for (const el of root.querySelectorAll('*')) {
     if (!visible(el)) continue;
     const style = getComputedStyle(el);
     if (!['auto', 'scroll', 'hidden', 'clip'].includes(style.overflowX)) continue;
-    if (el.scrollWidth > el.clientWidth + 1) problems.push(`clipped: ${say(el)} (${el.scrollWidth} > ${el.clientWidth} px)`);
+    if (el.scrollWidth <= el.clientWidth + 1) continue;
+    if (['auto', 'scroll'].includes(style.overflowX) && ownScroll(el)) continue;
+    problems.push(`clipped: ${say(el)} (${el.scrollWidth} > ${el.clientWidth} px)`);
   }
   for (const el of root.querySelectorAll(':not(pre) > code')) {
     if (!visible(el) || el.closest('.tl-diagram')) continue;
@@ -276,7 +289,7 @@ LAYOUT_PROBLEMS_JS = r"""
     if (box && el.getBoundingClientRect().right > box.getBoundingClientRect().right + 1)
       problems.push(`clipped: ${say(el)} sticks out of ${say(box)}`);
   }
-  const allowed = /[-\/\u2013\u2014]$/;
+  const allowedBefore = /[-\/\u2013\u2014._:]$/, allowedAfter = /^[(\[{]/;
   const range = document.createRange();
   const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
   for (let node = walker.nextNode(); node; node = walker.nextNode()) {
@@ -297,14 +310,23 @@ LAYOUT_PROBLEMS_JS = r"""
         if (firstTop === null) firstTop = r.top;
         else if (r.top - firstTop > 4) { breakAt = i; break; }
       }
-      if (breakAt > 0 && allowed.test(m[0].slice(0, breakAt))) continue;
+      const before = m[0].slice(0, breakAt), after = m[0].slice(breakAt);
+      if (breakAt > 0 && (allowedBefore.test(before) || allowedAfter.test(after))) continue;
+      // a code block wraps where the browser's line breaking allows: next to punctuation
+      if (breakAt > 0 && node.parentElement.closest('pre') && (/\W$/.test(before) || /^\W/.test(after))) continue;
       const where = node.parentElement.closest('td,th,li,p,pre,h1,h2,h3,h4,h5,div') || node.parentElement;
       problems.push(`broken: "${m[0].slice(0, breakAt)} / ${m[0].slice(breakAt)}" in ${say(where)}`);
     }
   }
   return problems;
-})()
+})(NARROW)
 """
+
+
+def layout_problems(page: Page, width: int) -> list[str]:
+    """`LAYOUT_PROBLEMS_JS` on the page shown at `width` px."""
+    narrow = "true" if width <= PHONE_MAX else "false"
+    return page.evaluate(LAYOUT_PROBLEMS_JS.replace("})(NARROW)", f"}})({narrow})"))
 
 
 def _site_pages(site: pathlib.Path) -> list[str]:
@@ -547,7 +569,7 @@ def test_no_clipped_or_broken_text(page, site, origin, width):
             page.tools.pump(0.2)
             name = (path.strip("/").replace("/", "-") or "home") + f"@{width}"
             page.screenshot("layout-" + name, full_page=path.startswith("aliases/"))
-            problems = page.evaluate(LAYOUT_PROBLEMS_JS)
+            problems = layout_problems(page, width)
             if problems:
                 found[path or "/"] = problems
     finally:
@@ -560,7 +582,8 @@ def test_no_clipped_or_broken_text(page, site, origin, width):
 
 #: Returns the problems of the op-graph drawings on the page as a reader sees them:
 #: - "scaled": an image shown smaller than its own size (its 11 px text would be smaller);
-#: - "clipped": an image that sticks out of the window or of its container;
+#: - "clipped": an image that sticks out of the window or of its container (in a window narrower
+#:   than the drawing, the drawing scrolls sideways inside its box, and that box must fit the window);
 #: - "overlap": two images on top of each other, or, inside one drawing laid out by the browser
 #:   with its own fonts, two text lines whose boxes intersect or a line that sticks out of its
 #:   node or box title.
@@ -573,8 +596,13 @@ OP_GRAPH_PROBLEMS_JS = r"""
   imgs.forEach((img, k) => {
     const r = rects[k], name = img.getAttribute('src');
     if (r.width < img.naturalWidth - 0.5) problems.push(`scaled: ${name} shown ${r.width} px wide, drawn ${img.naturalWidth}`);
-    const box = img.parentElement.getBoundingClientRect();
-    if (r.left < -0.5 || r.right > view + 0.5 || r.right > box.right + 0.5 || r.left < box.left - 0.5)
+    const frame = img.closest('.tl-opgraph') || img.parentElement;
+    const box = img.parentElement.getBoundingClientRect(), framed = frame.getBoundingClientRect();
+    if (['auto', 'scroll'].includes(getComputedStyle(frame).overflowX) && frame.scrollWidth > frame.clientWidth + 1) {
+      // wider than the window: the drawing scrolls sideways inside its own box, which must fit the window
+      if (framed.left < -0.5 || framed.right > view + 0.5)
+        problems.push(`clipped: the box of ${name} spans ${framed.left}..${framed.right}, window 0..${view}`);
+    } else if (r.left < -0.5 || r.right > view + 0.5 || r.right > box.right + 0.5 || r.left < box.left - 0.5)
       problems.push(`clipped: ${name} spans ${r.left}..${r.right}, window 0..${view}, container ${box.left}..${box.right}`);
     for (let j = 0; j < k; j++) {
       const o = rects[j];
@@ -625,6 +653,74 @@ def test_op_graph_drawings_are_shown_whole_and_legible(page, origin, width):
     assert not problems, f"at {width} px:\n" + "\n".join(problems[:20])
 
 
+#: The smallest text a block diagram may show, in CSS pixels, at every width in `WIDTHS`.
+MIN_DIAGRAM_TEXT_PX = 11
+
+#: Returns, for each block diagram on the page, its file, the size its smallest text is shown at
+#: (the smallest `font-size` of its SVG times the width it is shown at over its viewBox's width),
+#: and where its box lies against the window.
+DIAGRAM_TEXT_JS = r"""
+(async () => {
+  const view = document.documentElement.clientWidth, found = [];
+  for (const img of document.querySelectorAll('.tl-diagram img')) {
+    const svg = new DOMParser().parseFromString(await (await fetch(img.src)).text(), 'image/svg+xml').documentElement;
+    const viewBoxWidth = Number(svg.getAttribute('viewBox').trim().split(/[\s,]+/)[2]);
+    const sizes = Array.from(svg.querySelectorAll('text')).map(t => parseFloat(t.getAttribute('font-size') || svg.getAttribute('font-size')));
+    const frame = img.closest('.tl-diagram').getBoundingClientRect();
+    found.push({name: img.getAttribute('src'), smallest: Math.min(...sizes) * img.getBoundingClientRect().width / viewBoxWidth,
+                left: frame.left, right: frame.right, view});
+  }
+  return found;
+})()
+"""
+
+
+def _diagram_problems(found: list[dict]) -> list[str]:
+    problems = []
+    for d in found:
+        if d["smallest"] < MIN_DIAGRAM_TEXT_PX - 0.05:
+            problems.append(f"{d['name']}: its smallest text is shown at {d['smallest']:.1f} px")
+        if d["left"] < -0.5 or d["right"] > d["view"] + 0.5:
+            problems.append(
+                f"{d['name']}: its box spans {d['left']}..{d['right']}, window 0..{d['view']}"
+            )
+    return problems
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_block_diagrams_text_is_legible(page, origin, width):
+    """Issue 27, item 9: fitted to the column at 1280 px, the diagrams' text was about 8 px. At
+    every width their smallest text is shown at `MIN_DIAGRAM_TEXT_PX` or more (on a phone a
+    diagram keeps its own size and scrolls sideways in its box, which fits the window)."""
+    page.resize(width)
+    try:
+        page.open(origin + "guides/diagrams/")
+        assert page.wait_until(PAGES["diagrams"][1], timeout=20)
+        found = page.evaluate(DIAGRAM_TEXT_JS)
+        page.evaluate("document.querySelector('.tl-diagram').scrollIntoView()")
+        page.screenshot(f"diagrams@{width}")
+    finally:
+        page.resize(VIEWPORT["width"])
+    assert len(found) == 8, found
+    problems = _diagram_problems(found)
+    assert not problems, f"at {width} px:\n" + "\n".join(problems)
+
+
+def test_the_diagram_text_check_can_fail(page, origin):
+    """A diagram shown at half its width has text below the minimum; one pushed out of the window
+    is outside it."""
+    page.open(origin + "guides/diagrams/")
+    page.wait_until(PAGES["diagrams"][1], timeout=20)
+    page.evaluate(
+        "const boxes = document.querySelectorAll('.tl-diagram');"
+        "boxes[0].querySelector('img').style.width = (boxes[0].querySelector('img').naturalWidth / 2.5) + 'px';"
+        "boxes[1].style.marginLeft = '3000px'; true"
+    )
+    problems = _diagram_problems(page.evaluate(DIAGRAM_TEXT_JS))
+    assert any("smallest text" in p for p in problems), problems
+    assert any("its box spans" in p for p in problems), problems
+
+
 def test_the_op_graph_check_can_fail(page, origin):
     """The drawing check sees a scaled-down drawing, one that sticks out of the window, and two text
     lines drawn on top of each other."""
@@ -633,7 +729,8 @@ def test_the_op_graph_check_can_fail(page, origin):
     page.evaluate(
         "const imgs = document.querySelectorAll('.tl-opgraph img');"
         "imgs[0].style.width = (imgs[0].naturalWidth / 2) + 'px';"
-        "imgs[1].style.position = 'relative'; imgs[1].style.left = '2000px'; true"
+        "imgs[1].style.position = 'relative'; imgs[1].style.left = '2000px';"
+        "imgs[1].closest('.tl-opgraph').style.overflowX = 'visible'; true"
     )
     problems = page.evaluate(OP_GRAPH_PROBLEMS_JS)
     assert any(p.startswith("scaled: ") for p in problems), problems
@@ -653,20 +750,52 @@ def test_the_op_graph_check_can_fail(page, origin):
 
 
 def test_the_layout_check_can_fail(page, origin):
-    """The layout check sees a clipped code block and a word broken in the middle."""
+    """The layout check sees a clipped code block, a word broken in the middle (between two letters,
+    not after a `.` or `_`) and inline code sticking out of its paragraph."""
     page.open(origin)
     page.evaluate(
         "const a = document.createElement('pre'); a.style.overflowX = 'auto'; a.style.width = '200px';"
         "a.textContent = 'x'.repeat(400);"
         "const b = document.createElement('p'); b.style.width = '60px'; b.style.wordBreak = 'break-all';"
-        "b.textContent = 'blocks.0.hook_resid_post';"
+        "b.textContent = 'hookresidpost';"
         "const c = document.createElement('p'); c.style.width = '80px';"
         "c.innerHTML = 'see <code>trace.modules.facets.resid_post</code>';"
         "document.querySelector('article.md-content__inner').append(a, b, c); true"
     )
-    problems = page.evaluate(LAYOUT_PROBLEMS_JS)
+    problems = layout_problems(page, 1280)
     assert any(p.startswith("clipped: <pre") for p in problems), problems
     assert any(
-        p.startswith("broken:") and "hook_resid_post" in p.replace(" / ", "") for p in problems
+        p.startswith("broken:") and "hookresidpost" in p.replace(" / ", "") for p in problems
     ), problems
     assert any(p.startswith("clipped: <code>") and "sticks out" in p for p in problems), problems
+
+
+def test_the_phone_layout_check_can_fail(page, origin):
+    """At a phone's width a code block may scroll inside its own box, but a table that scrolls
+    sideways (a column out of sight), a box that cuts its content off and a page wider than the
+    window are caught; a wide table is shown as cards, which fit."""
+    page.resize(390)
+    try:
+        page.open(origin + "aliases/nnterp/")
+        page.wait_until(PAGES["alias-table-nnterp"][1], timeout=10)
+        assert page.evaluate("document.querySelectorAll('table[data-cards]').length") >= 1
+        assert layout_problems(page, 390) == []
+        page.evaluate(
+            "const t = document.querySelector('table[data-cards]'); t.removeAttribute('data-cards');"
+            "const a = document.createElement('pre'); a.style.overflowX = 'auto';"
+            "a.textContent = 'x'.repeat(400);"
+            "const b = document.createElement('div'); b.style.overflowX = 'hidden'; b.style.whiteSpace = 'nowrap';"
+            "b.textContent = 'y'.repeat(400);"
+            "document.querySelector('article.md-content__inner').append(a, b); true"
+        )
+        problems = layout_problems(page, 390)
+        assert any("md-typeset__scrollwrap" in p for p in problems), problems
+        assert any(p.startswith("clipped: <div") and "yyyy" in p for p in problems), problems
+        assert not any(p.startswith("clipped: <pre") for p in problems), problems
+        page.evaluate(
+            "const w = document.createElement('p'); w.style.width = '800px'; w.textContent = 'wide';"
+            "document.querySelector('article.md-content__inner').append(w); true"
+        )
+        assert any("the page scrolls sideways" in p for p in layout_problems(page, 390))
+    finally:
+        page.resize(VIEWPORT["width"])

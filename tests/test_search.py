@@ -179,3 +179,16 @@ def test_the_default_separator_finds_none_of_them(index):
     ):
         where = found_in(index, query, DEFAULT_SEPARATOR)
         assert not any(w.startswith("aliases/") for w in where), (query, where[:5])
+
+
+def test_names_are_whole_in_the_index_and_may_wrap_on_the_page(site, index):
+    """On a phone a long name wraps after its dots and underscores, at a `<wbr>` that
+    scripts/mkdocs_hooks.py adds to the built page after the search plugin read it: the index holds
+    every name whole."""
+    page = (site / "aliases" / "tl-2x" / "index.html").read_text(encoding="utf-8")
+    assert "blocks.<wbr>{L}.<wbr>hook_<wbr>mlp_<wbr>out" in page
+    blocks = re.findall(r"<pre\b.*?</pre>", page, re.S)  # code blocks are left as they are
+    assert blocks and not any("<wbr>" in block for block in blocks)
+    text = "\n".join(doc["text"] for doc in index["docs"])
+    assert "wbr" not in text
+    assert "blocks.{L}.hook_mlp_out" in text
