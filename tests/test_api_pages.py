@@ -4,7 +4,8 @@ The site is built once (`mkdocs build` into a temporary directory) and each API 
 read: no documented object has two anchors, each Returns section is one row (one value, its
 description whole), no page names or links to an underscore module (`torchlens._...`), no dunder
 method is listed, the entry points come before the results and the results before the errors,
-and no named parameter of an entry point is typed `Any`.
+no named parameter of an entry point is typed `Any`, and no doctest is rendered as quoted prose
+(an `Example:` admonition instead of an `Examples:` section turns each `>>>` into a quote).
 """
 
 from __future__ import annotations
@@ -85,6 +86,19 @@ def any_parameters(page: str) -> list[str]:
     return found
 
 
+def quoted_doctests(page: str) -> list[str]:
+    """Doctest lines the page shows as nested quotes instead of code."""
+    return [
+        " ".join(_text(m.group(1)).split())[:80]
+        for m in re.finditer(r"<blockquote>\s*<blockquote>(.*?)</blockquote>", page, re.S)
+    ]
+
+
+def test_no_doctest_is_rendered_as_a_quote(api):
+    for name, page in api.items():
+        assert not quoted_doctests(page), (name, quoted_doctests(page))
+
+
 def test_no_object_has_two_anchors(api):
     for name, page in api.items():
         assert not duplicate_anchors(page), (name, duplicate_anchors(page))
@@ -154,9 +168,12 @@ def test_the_checks_catch_what_they_look_for():
         '<tr class="doc-section-item"><td>a</td></tr><tr class="doc-section-item"><td>b</td></tr></tbody></table>'
         '<p>see <code>torchlens._core.records</code></p><h3 id="torchlens.FacetSite.__getstate__">x</h3>'
         '<div class="doc-signature highlight">trace(model: Module, save: Any = "all", *args: Any)</div>'
+        "<details><blockquote>\n<blockquote>\n<blockquote><p>import torchlens as tl</p>"
+        "</blockquote></blockquote></blockquote></details>"
     )
     assert duplicate_anchors(page) == ["torchlens.Ref"]
     assert len(broken_returns(page)) == 1
     assert private_references(page) == ["torchlens._core"]
     assert dunders(page) == ["torchlens.FacetSite.__getstate__"]
     assert any_parameters(page) == ["trace: save"]
+    assert quoted_doctests(page) == ["import torchlens as tl"]

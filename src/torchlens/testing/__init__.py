@@ -23,7 +23,7 @@ module holds both:
 `transformers` is imported inside the functions that need it; importing this module needs only
 torch.
 
-Example:
+Examples:
     >>> import torchlens as tl
     >>> from torchlens import testing
     >>> model = testing.build("llama")
