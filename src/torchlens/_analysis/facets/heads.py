@@ -1,7 +1,8 @@
-"""The per-head facets of an attention: `q`, `k` and `v` from the head split of their projections,
-`rot_q`/`rot_k` (the transform between the projection and the kernel: RoPE, a QK-norm, a scale),
-the refusals where the split is not found, and the guard that refuses every facet with a head
-axis when the kernel's heads are not the query's."""
+"""The per-head facets of an attention: `q`, `k` and `v` from the head split of their projections
+(`head_split`), `rot_q`/`rot_k` (the projection after what transforms it on the way to the kernel:
+RoPE, a QK-norm, a scale; read before a KV cache joins cached keys), the refusals where the split
+is not found (`unsplit`), a query the kernel read GQA-packed (`gqa_packed`), and the guard that
+refuses every facet with a head axis when the kernel's heads are not the query's (`head_guard`)."""
 
 from __future__ import annotations
 
