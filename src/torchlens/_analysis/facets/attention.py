@@ -1,15 +1,27 @@
-"""Attention facets found in the data flow: `q`, `k`, `v` (from the head split), `rot_q`/`rot_k`,
-`scores`, `pattern`, `z` (checked: pattern @ v) and the per-head `result` (checked: the sum over
-heads is the output projection)."""
+"""Attention facets found in the data flow: `attention_facets` finds `scores`, `pattern` and `z`
+from the softmax or the fused kernel, and `q`, `k`, `v`, `rot_q`/`rot_k` through the head split
+(`torchlens._analysis.facets.heads`); `z` is checked as pattern @ v
+(`torchlens._analysis.facets.pattern_checks`), and the per-head `result` here (checked: the sum
+over heads is the output projection)."""
 
 from __future__ import annotations
-
-from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
-from torchlens._analysis.facets.common import fits, held, io_ref, make_site, refused, wide
+from torchlens._analysis.facets.common import fits, held, io_ref, make_site, wide
+from torchlens._analysis.facets.heads import (
+    before_cache,
+    gqa_packed,
+    head_guard,
+    head_split,
+    path_math,
+    pre_norm_source,
+    pre_scale_source,
+    rot_site,
+    unsplit,
+)
+from torchlens._analysis.facets.pattern_checks import check_z, sink_columns
 from torchlens._analysis.facets.rebuild import mha_facets, reconstruct
 from torchlens._analysis.graph import Graph
 from torchlens._core import ops as _ops
@@ -17,130 +29,6 @@ from torchlens._core import roles as _roles
 from torchlens._core.pending import Pending
 from torchlens._core.records import ModuleCall, Ref
 from torchlens._core.sites import FacetSite
-
-# -- attention ---------------------------------------------------------------------------------
-
-
-def _head_split(g: Graph, kernel_ref: Ref, lo: int, d_head: int) -> tuple[Ref, int] | None:
-    """Find the per-head view of a projection upstream of an attention kernel input.
-
-    Returns the Ref of the reshape that gave the projection a head axis ([B, T, n, m] from
-    [B, T, n*m]; for a grouped layout [B, T, g, m, d], the slice of it this input took) and the
-    offset into its last axis where this input's d_head columns start
-    (non-zero only for fused per-head qkv layouts such as GPT-NeoX's).
-    """
-    up = g.ancestors(kernel_ref, lo)
-    for i in sorted(up, reverse=True):
-        op = g.ops[i]
-        if (
-            op.name in _ops.RESHAPE_OPS and len(op.shape) == 5 and op.inputs
-        ):  # grouped q|k|v view [B, T, g, m, d]
-            src = g.meta(op.inputs[0])
-            if (
-                src is not None
-                and len(src[0]) == 3
-                and src[0][:2] == tuple(op.shape[:2])
-                and op.shape[2] * op.shape[3] * op.shape[4] == src[0][2]
-                and op.shape[4] == d_head
-            ):
-                for j in sorted(
-                    j for j in up if j > i
-                ):  # the slice of the group's heads this input took
-                    sh = tuple(g.ops[j].shapes[up[j]])
-                    if (
-                        g.ops[j].name == "__getitem__"
-                        and sh[:3] == tuple(op.shape[:3])
-                        and sh[-1] == d_head
-                        and ((len(sh) == 5 and sh[3] < op.shape[3]) or len(sh) == 4)
-                    ):  # a slice, or one index of m
-                        return Ref(j, up[j]), 0
-            continue
-        if op.name not in _ops.RESHAPE_OPS or len(op.shape) != 4 or not op.inputs:
-            continue
-        src = g.meta(op.inputs[0])
-        if src is None or len(src[0]) != 3 or src[0][:2] != tuple(op.shape[:2]):
-            continue
-        if op.shape[2] * op.shape[3] != src[0][2] or op.shape[3] % d_head:
-            continue
-        offset = 0
-        if op.shape[3] != d_head:  # fused per-head q|k|v: find which chunk this input took
-            splits = [j for j in up if g.ops[j].name in _ops.SPLIT_OPS and j > i]
-            # Each chunk must be one head wide ([B, T, H, 3 * d_head] cut into d_head columns, GPT-NeoX);
-            # CodeGen's [B, T, mp, 3 * local] holds groups of heads there, not heads.
-            if not splits or g.ops[min(splits)].shapes[up[min(splits)]][-1] != d_head:
-                continue
-            offset = up[min(splits)] * d_head
-        else:  # one view holds every head (Falcon's multi-query q|k|v): the slice taking this input's heads
-            for j in sorted(j for j in up if j > i):
-                sh = tuple(g.ops[j].shapes[up[j]])
-                if (
-                    g.ops[j].name in _ops.SPLIT_OPS | _ops.INDEX_OPS
-                    and len(sh) == 4
-                    and sh[:2] == tuple(op.shape[:2])
-                    and sh[3] == d_head
-                    and sh[2] < op.shape[2]
-                ):
-                    return Ref(j, up[j]), 0
-        return Ref(i, 0), offset
-    return None
-
-
-def _pre_norm_source(g: Graph, split_ref: Ref, kids: list[ModuleCall]) -> Any:
-    """The input of a norm child whose output the head split views, else None.
-
-    A QK-norm applied to the flat projection before the head view (OLMo-2) sits between the
-    projection and the reshape; `q`/`k` are the projection output, so the split must look
-    through the norm to its input.
-    """
-    src = g.ops[split_ref.op].inputs[0]
-    if type(src) is not Ref:
-        return None
-    norm = next((k for k in kids if k.role == "norm" and k.output_ref == src), None)
-    if norm is None:
-        return None
-    ref = io_ref(g, norm, "in")
-    m, src_m = g.meta(ref), g.meta(src)
-    return ref if m is not None and src_m is not None and m[0] == src_m[0] else None
-
-
-def _pre_scale_source(g: Graph, split_ref: Ref, kids: list[ModuleCall]) -> Any:
-    """The projection output, when the head view reads it multiplied by a constant (OPT's `q_proj(x) * scaling`).
-
-    `q` is the projection viewed per head; the scaled tensor is what the scores' matmul reads.
-    """
-    src = g.ops[split_ref.op].inputs[0]
-    op = g.op(src)
-    if op is None or op.name not in _ops.SCALE_OPS or len(op.inputs) != 1:
-        return None
-    proj = next(
-        (
-            k
-            for k in kids
-            if k.output_ref == op.inputs[0] and hasattr(g.modules[k.address], "weight")
-        ),
-        None,
-    )
-    proj_m, src_m = g.meta(op.inputs[0]), g.meta(src)
-    if proj is None or proj_m is None or src_m is None or proj_m[0] != src_m[0]:
-        return None
-    return op.inputs[0]
-
-
-def _path_math(g: Graph, start: int, ref: Ref) -> list[str]:
-    """The names of the ops that transform values between op `start` and `ref` (RoPE, QK-norm, a
-    scale), not just move them; empty when there are none.
-
-    RoPE multiplies by cos/sin and a norm multiplies by its scale, so a product on the path
-    is the sign; reshapes, transposes, the KV-cache concatenation and GQA expansion are not.
-    """
-    up = g.ancestors(ref, start + 1)
-    return sorted(
-        {
-            g.ops[i].name
-            for i in up
-            if g.ops[i].name in _ops.MUL_OPS or g.ops[i].name in _ops.NORM_OPS
-        }
-    )
 
 
 def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str, FacetSite]:
@@ -181,7 +69,7 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
                     key_slice = c
                     frontier.append(c)
         if key_slice is not None:
-            _sink_columns(g, call, sites, scores_ref, pattern_ref, key_slice)
+            sink_columns(g, call, sites, scores_ref, pattern_ref, key_slice)
         if z_op is not None:
             z_ref = Ref(z_op, 0)
             zs = tuple(g.ops[z_op].shape)
@@ -239,33 +127,33 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
                 "heads per kv head * query, d_head] (GQA single-token decode), unpacked by the inverse reshape"
             )
         if fused is None:
-            sites.update(_check_z(g, sites.get("pattern"), v_ref, sites["z"]))
+            sites.update(check_z(g, sites.get("pattern"), v_ref, sites["z"]))
     qm = g.meta(q_ref)
     if qm is None:
-        return _head_guard({k: v for k, v in sites.items() if v is not None})
+        return head_guard({k: v for k, v in sites.items() if v is not None})
     d_head = qm[0][-1]
     for name, ref in (("q", q_ref), ("k", k_ref), ("v", v_ref)):
         if type(ref) is not Ref:
             continue
-        found = _head_split(g, ref, call.first_op, d_head)
+        found = head_split(g, ref, call.first_op, d_head)
         site = (
             None
             if found is None
             else make_site(g, name, found[0], note="projection viewed per head")
         )
         if found is None or site is None:
-            sites.update(_unsplit(g, call, name, ref))
+            sites.update(unsplit(g, call, name, ref))
             continue
         split_ref, offset = found
         start = split_ref.op
-        pre_norm = _pre_norm_source(g, split_ref, kids)
+        pre_norm = pre_norm_source(g, split_ref, kids)
         if pre_norm is not None:  # QK-norm on the flat projection (OLMo-2): q is the norm's input
             t = g.value(pre_norm)
             site.tensor = None if t is None else t.reshape(site.shape)
             site.op = pre_norm.op if type(pre_norm) is Ref else None
             site.note = "projection viewed per head, before the QK-norm"
             start = pre_norm.op if type(pre_norm) is Ref else start
-        elif (unscaled := _pre_scale_source(g, split_ref, kids)) is not None:
+        elif (unscaled := pre_scale_source(g, split_ref, kids)) is not None:
             t = g.value(unscaled)
             site.tensor = None if t is None else t.reshape(site.shape)
             site.op = unscaled.op
@@ -283,281 +171,14 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
             site.tensor = None if site.tensor is None else site.tensor.reshape(site.shape)
             site.note = "projection viewed per head (grouped q|k|v layout: group-major heads)"
         sites[name] = site
-        math = _path_math(g, start, ref) if name in ("q", "k") else []
+        math = path_math(g, start, ref) if name in ("q", "k") else []
         if math:
-            sites["rot_" + name] = _rot_site(
-                g, "rot_" + name, _before_cache(g, start, ref), site.shape, math
+            sites["rot_" + name] = rot_site(
+                g, "rot_" + name, before_cache(g, start, ref), site.shape, math
             )
-    sites = _head_guard(sites)
+    sites = head_guard(sites)
     sites.update(_result_site(g, call, kids, sites.get("z")))
     return {k: v for k, v in sites.items() if v is not None}
-
-
-def _unsplit(g: Graph, call: ModuleCall, name: str, ref: Ref) -> dict[str, FacetSite]:
-    """Refusals, with the true reason, for a kernel input whose per-head projection was not found.
-
-    The model computes the tensor (the kernel reads it), so "the module does not compute it" would
-    be false: its projection is not one weight's output viewed per head (q, k and v cut from one
-    fused projection, or k concatenated from parts, as in multi-head latent attention), and the
-    cut is not proven here. For q and k, a transform on the way (RoPE) cannot be told from the
-    rest either, so `rot_q`/`rot_k` are refused too, never called absent for want of RoPE.
-    """
-    op = g.op(ref)
-    how = "" if op is None else f" (it reaches the kernel from op #{op.index} {op.name})"
-    reason = (
-        f"the model computes {name}{how}, but not as one projection viewed per head: it is cut from a "
-        f"fused projection or put together from parts, and that split is not proven from the data flow, "
-        f"so {name} per head is not served"
-    )
-    out = refused((name,), reason)
-    if name in ("q", "k"):
-        math = _path_math(g, call.first_op - 1, ref)
-        out.update(
-            refused(
-                ("rot_" + name,),
-                (
-                    f"{name} is not found per head (see {name}), so its transform before the kernel"
-                    + (f" ({', '.join(math)})" if math else "")
-                    + " cannot be served as rot_"
-                    + name
-                ),
-            )
-        )
-    return out
-
-
-def _sink_columns(
-    g: Graph,
-    call: ModuleCall,
-    sites: dict[str, FacetSite | None],
-    scores_ref: Any,
-    pattern_ref: Ref,
-    key_slice: int,
-) -> None:
-    """Scores and pattern of a softmax over more columns than there are keys (GPT-OSS's attention
-    sinks: softmax over `cat([scores, sink])`, then the sink column dropped before `@ v`).
-
-    The spec's `[batch, heads, query, key]` holds keys only, so `pattern` is the index op's output
-    (the weights that multiply v; its rows sum below 1, the rest is the sinks' mass) and `scores`
-    the softmax input's first columns, when the softmax input comes from a `cat` whose first part
-    has exactly that many columns. Served only once the pattern is shown, on first read, to equal
-    those first columns of the softmax output; refused when the key columns cannot be told.
-    """
-    n = g.ops[key_slice].shape[-1]
-    s_meta = g.meta(scores_ref)
-    up = g.ancestors(scores_ref, call.first_op) if type(scores_ref) is Ref else {}
-    cat = next(
-        (
-            i
-            for i in sorted(up, reverse=True)
-            if g.ops[i].name in ("cat", "concat", "concatenate")
-            and s_meta is not None
-            and tuple(g.ops[i].shape) == s_meta[0]
-            and g.ops[i].inputs
-            and (m := g.meta(g.ops[i].inputs[0])) is not None
-            and m[0] == s_meta[0][:-1] + (n,)
-        ),
-        None,
-    )
-    if cat is None or s_meta is None:
-        sites.update(
-            refused(
-                ("scores", "pattern"),
-                (
-                    f"the softmax runs over {s_meta[0][-1] if s_meta else '?'} columns but {n} of them multiply v, and "
-                    f"which columns are keys was not found in the data flow"
-                ),
-            )
-        )
-        return
-    note = (
-        f"the softmax's first {n} columns, the keys (the softmax also covers {s_meta[0][-1] - n} column(s) that are not keys, "
-        "e.g. attention sinks, whose weight is not in the pattern: rows sum below 1)"
-    )
-    pattern = make_site(g, "pattern", Ref(key_slice, 0), note="weights that multiply v: " + note)
-    scores_full = g.value(scores_ref)
-    scores = FacetSite(
-        "scores",
-        "real",
-        s_meta[0][:-1] + (n,),
-        s_meta[1],
-        None if scores_full is None else scores_full[..., :n],
-        scores_ref.op if type(scores_ref) is Ref else None,
-        None,
-        "input of the softmax, " + note,
-    )
-    sites["scores"], sites["pattern"] = scores, pattern
-    soft_out = g.value(pattern_ref)
-    if soft_out is None or held(pattern) is None:
-        scores.tensor = pattern.tensor = None  # the key columns cannot be shown, so not served
-        return
-
-    def run(inputs: list) -> tuple:
-        p, full = inputs
-        if not torch.equal(p, full[..., :n].to(p.dtype)):
-            return (
-                {},
-                None,
-                f"the weights that multiply v are not the softmax's first {n} columns (the keys)",
-            )
-        return {}, 0.0, None
-
-    Pending(run, [held(pattern), soft_out], [scores, pattern])
-
-
-_HEAD_AXIS_FACETS = ("scores", "pattern", "z", "result")
-
-#: the sites `_head_guard` is given, with or without the None of a site not found
-_Site = TypeVar("_Site", FacetSite, "FacetSite | None")
-
-
-def _head_guard(sites: dict[str, _Site]) -> dict[str, _Site]:
-    """Refuse scores, pattern, z and result when their head axis does not hold the query's heads.
-
-    `q` is `[batch, pos, heads, d_head]` (found from the head split of the projection); `z`,
-    `scores` and `pattern` are `[batch, heads, query, ...]`. A kernel that ran on a regrouped
-    query (kv heads times heads per group as its head and query axes) that TorchLens could not
-    unpack would serve another head's values at `[b, h]`, so nothing with that axis is served.
-    """
-    q = sites.get("q")
-    if q is None or len(q.shape) != 4:
-        return sites
-    bad = [
-        s
-        for n in ("scores", "pattern", "z")
-        if (s := sites.get(n)) is not None
-        and len(s.shape) == 4
-        and (s.shape[1], s.shape[2]) != (q.shape[2], q.shape[1])
-    ]
-    if not bad:
-        return sites
-    reason = (
-        f"the kernel's head and query axes {list(bad[0].shape[1:3])} are not the {q.shape[2]} heads x "
-        f"{q.shape[1]} positions found for the query projection: either the kernel ran on a regrouped query "
-        f"that is not unpacked here, or the projection's head split was misread, and TorchLens cannot tell "
-        f"which, so nothing with a head axis is served ([b, h] could read another head's values)"
-    )
-    out = dict(sites)
-    per_head = ("q", "k", "v", "rot_q", "rot_k")
-    out.update(
-        refused(
-            tuple(f for f in _HEAD_AXIS_FACETS + per_head if f in sites or f == "result"), reason
-        )
-    )
-    return out
-
-
-def gqa_packed(g: Graph, q_ref: Any) -> tuple[Ref, tuple[int, int, int]] | None:
-    """Whether the kernel's query is a GQA-packed reshape of a per-head query, and how to unpack.
-
-    Hugging Face's sdpa path for one decode token (`pack_gqa`) reshapes the query from
-    `[b, heads, T, d]` to `[b, kv_heads, heads / kv_heads * T, d]`, so the kernel reads kv heads x
-    heads per group as its head and query axes. When that reshape is the op producing the kernel's
-    query, it is a pure regrouping (the same elements in the same order), and reshaping the kernel's
-    `[b, kv_heads, n_rep * T, x]` results back to `[b, heads, T, x]` is its exact inverse.
-
-    Returns:
-        The Ref of the unpacked query and `(b, heads, T)`, the leading shape to reshape the
-        kernel's results to; None when the kernel's query is not such a reshape.
-    """
-    op = g.op(q_ref)
-    if (
-        op is None
-        or op.name not in _ops.RESHAPE_OPS
-        or not op.inputs
-        or type(op.inputs[0]) is not Ref
-    ):
-        return None
-    src, out = g.meta(op.inputs[0]), g.meta(q_ref)
-    if src is None or out is None or len(src[0]) != 4 or len(out[0]) != 4:
-        return None
-    (b, h, t, d), (b2, kv, rows, d2) = src[0], out[0]
-    if (b, d) != (b2, d2) or kv >= h or h % kv or rows != (h // kv) * t:
-        return None
-    return op.inputs[0], (b, h, t)
-
-
-def _check_z(
-    g: Graph, pattern: FacetSite | None, v_ref: Any, z: FacetSite | None
-) -> dict[str, FacetSite]:
-    """Refuse `z` unless `pattern @ v` equals it (it does not when dropout ran between them).
-    The check is deferred to the first read of `z`."""
-    if z is None or held(z) is None:
-        return {}
-    v = g.value(v_ref)
-    if pattern is None or held(pattern) is None or v is None:
-        z.tensor = None  # cannot be checked, so not served
-        return {}
-    dtype = z.dtype
-
-    def run(inputs: list) -> tuple:
-        p, v, zt = inputs
-        if v.shape[-3] != p.shape[-3] and v.dim() == 4 and p.shape[-3] % v.shape[-3] == 0:
-            v = v.repeat_interleave(p.shape[-3] // v.shape[-3], dim=-3)
-        try:
-            err = float((wide(torch.matmul(p.to(v.dtype), v)) - wide(zt)).abs().max())
-        except RuntimeError as exc:
-            return {}, None, f"pattern @ v could not be formed ({exc})"
-        tol = _ops.reconstruction_tolerance(dtype) * max(1.0, float(v.abs().max()))
-        if not err <= tol:
-            return (
-                {},
-                err,
-                f"pattern @ v differs from z by {err:.3g} (> {tol:.3g}), e.g. dropout ran between them",
-            )
-        return {}, err, None
-
-    Pending(run, [held(pattern), v, held(z)], [z])
-    return {}
-
-
-def _before_cache(g: Graph, start: int, ref: Ref) -> Ref:
-    """The tensor of this forward's positions on its way into a KV cache, where the path from the
-    projection (op `start`) to the kernel input `ref` joins cached keys to it (`_core.ops.CACHE_JOIN_OPS`:
-    a concatenation, a write into a static cache's buffer); `ref` itself where it joins none.
-
-    With a cache the kernel reads every cached position, but `rot_k`, like `k`, is a facet of the
-    positions the forward computed: the joining op's input computed from the projection.
-    """
-    up = g.ancestors(ref, start + 1)
-    for i in sorted(up):
-        op = g.ops[i]
-        if op.name not in _ops.CACHE_JOIN_OPS:
-            continue
-        flat = [r for r in op.inputs if type(r) is Ref]
-        ours = [r for r in flat if r.op == start or start in g.ancestors(r, start)]
-        if len(ours) == 1 and len(op.inputs) >= 2:
-            mine = g.meta(ours[0])
-            if mine is not None and len(mine[0]) == 4:
-                return ours[0]
-    return ref
-
-
-def _rot_site(
-    g: Graph, name: str, kernel_ref: Ref, shape: tuple[int, ...], math: list[str]
-) -> FacetSite | None:
-    m = g.meta(kernel_ref)
-    if m is None or len(m[0]) != 4:
-        return None
-    t = g.value(kernel_ref)
-    kv = shape[2]
-    if t is not None:
-        if (
-            t.shape[1] != kv and t.shape[1] % kv == 0
-        ):  # GQA-expanded kernel input: one copy per kv head
-            t = t[:, :: t.shape[1] // kv]
-        t = t.transpose(1, 2)
-    return FacetSite(
-        name,
-        "real",
-        (m[0][0], m[0][2], kv, m[0][3]),
-        m[1],
-        t,
-        kernel_ref.op,
-        None,
-        f"attention kernel input, token-major: the projection after {', '.join(math)} "
-        "(RoPE, a QK-norm or a scale)",
-    )
 
 
 def _per_head_weight(w: Tensor, layout: str, d_out: int, h: int, dh: int) -> Tensor:
