@@ -254,7 +254,8 @@ def _finish(
         result = assemble(rec, model, names, aliases, roles, capture, output, overwritten)
         if loss is not None:
             assert rec.edges is not None
-            found = backward(loss, rec.edges, rec.ops, rec.calls)
+            modules = {addr: m for m, addr in names.items()}
+            found = backward(loss, rec.edges, rec.ops, rec.calls, modules)
             grad_maps(rec.calls, found, loss_name)
             rec.edges = loss = None  # the graph is held no longer than the caller's output holds it
         snapshot(rec, model, call)  # after assembly: only what the trace keeps is copied
