@@ -76,9 +76,14 @@ class Plan:
     z: FacetSite | None = None
 
 
-def _edge(ref: Any, edges: Edges) -> tuple[Any, Tensor] | None:
-    """The (edge, tensor) the recorder kept for the op output `ref` names, or None."""
-    return edges.ops.get((ref.op, ref.slot)) if type(ref) is Ref else None
+def _edge(ref: Any, alias: Any, edges: Edges) -> tuple[Any, Tensor] | None:
+    """The (edge, tensor) the recorder kept for a call's input or output: the op output `ref`
+    names, else the `alias` its hook kept; None when neither was kept with its edge."""
+    found = edges.ops.get((ref.op, ref.slot)) if type(ref) is Ref else None
+    if found is None and isinstance(alias, Tensor):
+        edge = edges.alias(alias)
+        found = None if edge is None else (edge, alias)
+    return found
 
 
 def norm_plan(
@@ -87,9 +92,12 @@ def norm_plan(
     edges: Edges,
     ops: list[OpRecord],
     module: nn.Module | None,
+    io: tuple[Any, Any] | None,
 ) -> Plan | str:
-    """The plan of a norm call's derived gradients (`sites`), or why there is none."""
-    out, x = _edge(call.output_ref, edges), _edge(call.input_ref, edges)
+    """The plan of a norm call's derived gradients (`sites`), or why there is none; `io` is the
+    input and output aliases the call's hooks kept (`_analysis.grads.backward`)."""
+    x_alias, out_alias = io or (None, None)
+    out, x = _edge(call.output_ref, out_alias, edges), _edge(call.input_ref, x_alias, edges)
     if module is None:
         return "the norm's module is not known to the trace, so its gain is not known"
     if out is None:
@@ -195,6 +203,7 @@ def result_plan(
     kids: list[ModuleCall],
     edges: Edges,
     modules: dict[str, nn.Module],
+    io: dict[int, tuple[Any, Any]],
 ) -> Plan | str:
     """The plan of an attention call's per-head `result` gradient, or why there is none.
 
@@ -207,7 +216,7 @@ def result_plan(
     )
     if proj is None:
         return "no output projection with a weight is found after z"
-    out = _edge(proj.output_ref, edges)
+    out = _edge(proj.output_ref, io.get(id(proj), (None, None))[1], edges)
     if out is None:
         return (
             "the output projection's output was not kept with its gradient edge (or does not "

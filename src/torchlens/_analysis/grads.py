@@ -90,11 +90,14 @@ def backward(
     ops: list[OpRecord],
     calls: list[ModuleCall],
     modules: dict[str, nn.Module],
+    io: dict[int, tuple[Any, Any]],
 ) -> dict[int, Any]:
     """d loss / d each kept facet's tensor: `id(site)` -> `(gradient, unused)` for a real facet,
     `(gradient, unused, check error, note)` for a derived one, or a str saying why there is none.
     One `torch.autograd.grad` over the edges the sites stand on; a norm's derived gradients take
-    one more, from the norm's output to its input, for their check (`_analysis.derived_grads`)."""
+    one more, from the norm's output to its input, for their check (`_analysis.derived_grads`).
+    `modules` maps addresses to modules (their weights), `io` each call's id to the input and
+    output aliases its hooks kept (None where the op's output was kept instead)."""
     found: dict[int, Any] = {}
     wanted: dict[
         int, tuple[Any, Tensor]
@@ -116,7 +119,7 @@ def backward(
     for call in calls:
         if call.facets is None:
             continue
-        planned = _derived_plans(call, kids, edges, ops, modules, derived, found, wanted)
+        planned = _derived_plans(call, kids, edges, ops, modules, io, derived, found, wanted)
         for site in call.facets._sites.values():
             if id(site) in planned:
                 continue
@@ -203,6 +206,7 @@ def _derived_plans(
     edges: Edges,
     ops: list[OpRecord],
     modules: dict[str, nn.Module],
+    io: dict[int, tuple[Any, Any]],
     derived: list[tuple[str, _derived.Plan]],
     found: dict[int, Any],
     wanted: dict[int, tuple[Any, Tensor]],
@@ -213,16 +217,20 @@ def _derived_plans(
     assert call.facets is not None
     sites = call.facets._sites
     plans: list[tuple[str, Any, dict[str, FacetSite]]] = []
+    done: set[int] = set()  # a derivable site not kept: its gradient is not kept either
     if call.role == "norm":
         norm = {
-            n: s
-            for n, s in sites.items()
-            if n in _derived.NORM_DERIVED and s.kind == "computed" and s.saved
+            n: s for n, s in sites.items() if n in _derived.NORM_DERIVED and s.kind == "computed"
         }
+        done.update(id(s) for s in norm.values())
+        norm = {n: s for n, s in norm.items() if s.saved}
         if norm:
             module = modules.get(call.address)
-            plans.append(("norm", _derived.norm_plan(call, norm, edges, ops, module), norm))
+            plan = _derived.norm_plan(call, norm, edges, ops, module, io.get(id(call)))
+            plans.append(("norm", plan, norm))
     result = sites.get("result")
+    if call.role == "attention" and result is not None and result.kind == "computed":
+        done.add(id(result))
     if (
         call.role == "attention"
         and result is not None
@@ -234,11 +242,10 @@ def _derived_plans(
             f"the check needs autograd's gradient at z, whose value is not served ({refused})"
             if refused is not None
             else _derived.result_plan(
-                call, result, sites.get("z"), kids.get(id(call), []), edges, modules
+                call, result, sites.get("z"), kids.get(id(call), []), edges, modules, io
             )
         )
         plans.append(("result", plan, {"result": result}))
-    done: set[int] = set()
     for what, plan, planned in plans:
         done.update(id(s) for s in planned.values())
         if isinstance(plan, str):
