@@ -379,3 +379,42 @@ def test_result_without_z_kept_says_to_keep_it():
     assert t.modules["transformer.h.0.attn"].grads["result"].shape == (1, 7, 2, 32)
     t = tl.trace(build("gpt2"), IDS, grads=loss_fn, save=["scale"])
     assert t.modules["transformer.h.0.ln_1"].grads["scale"].shape == (1, 7, 1)
+
+
+def test_group_norm_normalized_grad_equals_the_written_out_norm():
+    """A GroupNorm (per-group statistics, a per-channel gain): `normalized`'s gradient is served
+    and equals d loss / d the written-out group normalization's output."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.norm, self.out = nn.Linear(8, 12), nn.GroupNorm(3, 12), nn.Linear(12, 4)
+            with torch.no_grad():
+                self.norm.weight.uniform_(0.5, 2.0)
+                self.norm.bias.uniform_(-1.0, 1.0)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.norm(self.inp(x))))
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(5, 8)
+
+    def loss(out):
+        return (out**2).sum()
+
+    t = tl.trace(model, x, grads=loss)
+    got = t.modules["norm"].grads["normalized"]
+    seen = {}
+
+    def written_out(h):
+        grouped = h.reshape(5, 3, -1)
+        centred = grouped - grouped.mean(-1, keepdim=True)
+        scale = (centred.pow(2).mean(-1, keepdim=True) + model.norm.eps).sqrt()
+        normalized = (centred / scale).reshape(5, 12)
+        normalized.retain_grad()
+        seen["normalized"] = normalized
+        return normalized * model.norm.weight + model.norm.bias
+
+    model.norm.forward = written_out
+    loss(model(x)).backward()
+    assert _close(got, seen["normalized"].grad, torch.float32)

@@ -140,6 +140,7 @@ def norm_grads(plan: Plan, g_out: Tensor | None) -> dict[str, Any] | str:
         dx = got
     precision = norm_precision([x.dtype, *(d for op in plan.ops for d in op.dtypes), out.dtype])
     wide = torch.float64
+    dims: tuple[int, ...]
     with torch.enable_grad():
         x64 = x.detach().to(wide, copy=True).requires_grad_(True)
         if kind == "group":
