@@ -64,9 +64,10 @@ _ZEROS = "zeros: the loss does not depend on {what} (not on any path to it); "
 
 @dataclass
 class Plan:
-    """What one call's derivation needs: the (edge, tensor) pairs whose gradients the backward
-    takes (`grad_of`, the norm's or the output projection's output), the norm's input edge
-    (`x`, norms), the module whose weights it reads, the call's ops, and the sites it serves."""
+    """What one call's derivation needs: the sites it serves; `grad_of`, the (edge, tensor) of
+    the output whose gradient the one backward takes (the norm's, or the output projection's);
+    the module whose weights it reads; the call's ops (norms); `x`, the (edge, tensor) of the
+    norm's input (norms); `z`, the site whose gradient checks the result (attention)."""
 
     sites: dict[str, FacetSite]
     grad_of: tuple[Any, Tensor]
