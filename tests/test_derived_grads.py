@@ -273,7 +273,7 @@ def test_derived_grads_equal_float64_finite_differences(family, addr, facet, whe
                 write_out_norms(model, {(addr, "scale"): (idx, d)})
             else:
                 per_head_results(model, family, {where[1]: (idx, d)})
-            vals.append(float(loss_fn(model(IDS))))  # with autograd on: the retain_grad()s
+            vals.append(float(loss_fn(model(IDS)).detach()))  # autograd on: the retain_grad()s
         fd = (vals[0] - vals[1]) / (2 * step)
         if where[1] == "inv":  # d loss / d inv = d loss / d scale · d scale / d inv = -scale² · ...
             scale = t.modules[addr].facets["scale"][idx]
