@@ -315,7 +315,8 @@ def test_grads_match_float64_finite_differences(family):
 
 
 def test_real_facets_of_every_kind_are_served():
-    """Which facets have gradients, and why the others do not (derived ones, token ids)."""
+    """Which facets have gradients (the derived per-head result's is derived and checked:
+    `tests/test_derived_grads.py`), and why the others do not (token ids, a misspelling)."""
     t = tl.trace(build("llama", "eager"), testing.token_ids(1, 7), grads=loss_fn)
     attn = t.modules["model.layers.0.self_attn"].grads
     assert set(attn) == {
@@ -328,11 +329,10 @@ def test_real_facets_of_every_kind_are_served():
         "scores",
         "pattern",
         "z",
+        "result",
         "output",
     }
-    assert "derived" in attn.refused["result"]
-    with pytest.raises(tl.GradNotFound, match="derived"):
-        attn["result"]
+    assert {n for n, s in attn.sites.items() if s.kind != "real"} == {"result"}
     with pytest.raises(tl.GradNotFound, match="int64"):
         t.modules["model.embed_tokens"].grads["indices"]
     with pytest.raises(tl.GradNotFound, match="no facet 'patern'.*pattern"):

@@ -251,10 +251,15 @@ def finish(
         if rec.spill is not None:  # what was held after the last block goes to the directory too
             rec.write_spill()
         overwritten = rec.check_versions()
+        # the module inputs and outputs the hooks kept as aliases, which assembly releases: a
+        # derived gradient finds its edges there where no op output was kept (`save=` a facet)
+        io = {id(c): (c._in, c._out) for c in rec.calls} if loss is not None else {}
         result = assemble(rec, model, names, aliases, roles, capture, output, overwritten)
         if loss is not None:
             assert rec.edges is not None
-            found = backward(loss, rec.edges, rec.ops, rec.calls)
+            modules = {addr: m for m, addr in names.items()}
+            found = backward(loss, rec.edges, rec.ops, rec.calls, modules, io)
+            io.clear()
             grad_maps(rec.calls, found, loss_name)
             rec.edges = loss = None  # the graph is held no longer than the caller's output holds it
         snapshot(rec, model, call)  # after assembly: only what the trace keeps is copied

@@ -11,8 +11,14 @@ stand on, and `grad_maps` gives every call a `GradMap` beside its `FacetMap`:
   facet is an element of the tensor the model used, and its gradient is that element's;
 - a facet on no path to the loss gets zeros (the loss does not depend on it), said in its note;
 - a facet whose value is refused or not kept has its gradient refused or not kept alike;
-- a derived facet (computed or reconstructed: no op of the model produced it) is refused with
-  the reason, as is a tensor that does not require grad (token ids, a mask).
+- a derived facet (computed or reconstructed: no op of the model produced it) gets a gradient
+  derived from autograd's gradients where the model did run an op, served only where a relation
+  the model fixes checks it against autograd's own gradients: the pattern and scores rebuilt
+  under a fused attention kernel (`_kernel_grads`: checked at the kernel's value and query), a
+  norm's `normalized`, `inv_std` / `inv_rms` and `scale`, and attention's per-head `result`
+  (`_analysis.derived_grads`: checked at the norm's input through the norm, and at z); any
+  other derived facet is refused with the reason, as is a tensor that does not require grad
+  (token ids, a mask).
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from torchlens._analysis import derived_grads as _derived
 from torchlens._analysis.facets.rebuild import sdpa_bound
 from torchlens._capture.edges import Edges
 from torchlens._core import ops as _ops
@@ -34,10 +41,10 @@ from torchlens._core.sites import FacetSite
 
 __all__ = ["loss_of", "backward", "grad_maps"]
 
-#: why a derived facet has no gradient (yet)
+#: why a derived facet without a derivation of its gradient has none
 _DERIVED = (
     "it is {kind} (no op of the model produced it: TorchLens derived it), so autograd has no gradient "
-    "at it in the model's forward; the gradient of a derived facet is not served"
+    "at it in the model's forward, and no checked derivation of its gradient exists for this facet"
 )
 
 
@@ -78,10 +85,19 @@ def loss_of(loss_fn: Callable[[Any], Any], output: Any, name: str) -> Tensor:
 
 
 def backward(
-    loss: Tensor, edges: Edges, ops: list[OpRecord], calls: list[ModuleCall]
+    loss: Tensor,
+    edges: Edges,
+    ops: list[OpRecord],
+    calls: list[ModuleCall],
+    modules: dict[str, nn.Module],
+    io: dict[int, tuple[Any, Any]],
 ) -> dict[int, Any]:
-    """d loss / d each kept facet's tensor: `id(site)` -> the gradient (a tensor), or a str
-    saying why there is none. One `torch.autograd.grad` over the edges the sites stand on."""
+    """d loss / d each kept facet's tensor: `id(site)` -> `(gradient, unused)` for a real facet,
+    `(gradient, unused, check error, note)` for a derived one, or a str saying why there is none.
+    One `torch.autograd.grad` over the edges the sites stand on; a norm's derived gradients take
+    one more, from the norm's output to its input, for their check (`_analysis.derived_grads`).
+    `modules` maps addresses to modules (their weights), `io` each call's id to the input and
+    output aliases its hooks kept (None where the op's output was kept instead)."""
     found: dict[int, Any] = {}
     wanted: dict[
         int, tuple[Any, Tensor]
@@ -95,10 +111,18 @@ def backward(
     kernels: dict[
         int, dict[str, FacetSite]
     ] = {}  # fused attention op -> its rebuilt scores / pattern sites
+    derived: list[tuple[str, _derived.Plan]] = []  # ("norm" or "result", its plan)
+    kids: dict[int, list[ModuleCall]] = {}  # id(call) -> the calls it made
+    for call in calls:
+        if call.parent is not None:
+            kids.setdefault(id(call.parent), []).append(call)
     for call in calls:
         if call.facets is None:
             continue
+        planned = _derived_plans(call, kids, edges, ops, modules, io, derived, found, wanted)
         for site in call.facets._sites.values():
+            if id(site) in planned:
+                continue
             t = site.__dict__.get("tensor")
             if (
                 site.kind == "reconstructed"
@@ -161,10 +185,77 @@ def backward(
         bound, (_, z), (_, q), (_, v) = plan
         got = [grads[id(x)] for x in (z, q, v)]
         dz, dq, dv = [torch.zeros_like(x) if g is None else g for g, x in zip(got, (z, q, v))]
-        derived = _kernel_grads(sites, bound, dz, dq, dv)
+        kernel = _kernel_grads(sites, bound, dz, dq, dv)
         for name, site in sites.items():
-            found[id(site)] = derived if isinstance(derived, str) else derived[name]
+            found[id(site)] = kernel if isinstance(kernel, str) else kernel[name]
+    for what, dplan in derived:
+        g_out = grads[id(dplan.grad_of[1])]
+        if what == "norm":
+            out = _derived.norm_grads(dplan, g_out)
+        else:
+            assert dplan.z is not None
+            out = _derived.result_grads(dplan, g_out, found.get(id(dplan.z)))
+        for name, site in dplan.sites.items():
+            found[id(site)] = out if isinstance(out, str) else out[name]
     return found
+
+
+def _derived_plans(
+    call: ModuleCall,
+    kids: dict[int, list[ModuleCall]],
+    edges: Edges,
+    ops: list[OpRecord],
+    modules: dict[str, nn.Module],
+    io: dict[int, tuple[Any, Any]],
+    derived: list[tuple[str, _derived.Plan]],
+    found: dict[int, Any],
+    wanted: dict[int, tuple[Any, Tensor]],
+) -> set[int]:
+    """Plan the derived gradients of one call (a norm's statistics, attention's per-head
+    `result`): each plan goes to `derived` and the edge it needs to `wanted`; a site that cannot
+    be planned gets its reason in `found`. Returns the ids of the sites dealt with."""
+    assert call.facets is not None
+    sites = call.facets._sites
+    plans: list[tuple[str, Any, dict[str, FacetSite]]] = []
+    done: set[int] = set()  # a derivable site not kept: its gradient is not kept either
+    if call.role == "norm":
+        norm = {
+            n: s for n, s in sites.items() if n in _derived.NORM_DERIVED and s.kind == "computed"
+        }
+        done.update(id(s) for s in norm.values())
+        norm = {n: s for n, s in norm.items() if s.saved}
+        if norm:
+            module = modules.get(call.address)
+            plan = _derived.norm_plan(call, norm, edges, ops, module, io.get(id(call)))
+            plans.append(("norm", plan, norm))
+    result = sites.get("result")
+    if call.role == "attention" and result is not None and result.kind == "computed":
+        done.add(id(result))
+    if (
+        call.role == "attention"
+        and result is not None
+        and result.kind == "computed"
+        and result.saved
+    ):
+        refused = call.facets.refused.get("z")
+        plan = (
+            f"the check needs autograd's gradient at z, whose value is not served ({refused})"
+            if refused is not None
+            else _derived.result_plan(
+                call, result, sites.get("z"), kids.get(id(call), []), edges, modules, io
+            )
+        )
+        plans.append(("result", plan, {"result": result}))
+    for what, plan, planned in plans:
+        done.update(id(s) for s in planned.values())
+        if isinstance(plan, str):
+            for s in planned.values():
+                found[id(s)] = plan
+            continue
+        edge, h = plan.grad_of
+        wanted.setdefault(id(h), (edge, h))
+        derived.append((what, plan))
+    return done
 
 
 def _kernel_plan(i: int, op: OpRecord, edges: Edges) -> Any:
@@ -190,7 +281,7 @@ def _kernel_grads(
     """d loss / d the rebuilt pattern and scores of one fused kernel: dP = dZ Vᵀ per head (z = P V)
     and dS = P ⊙ (dP - rowsum(dP ⊙ P)) (P = softmax(S)), served when autograd's own gradients at
     the kernel's value and query agree: Pᵀ dZ (summed over a GQA group) = d loss / d v and
-    scale · dS K = d loss / d q. Returns name -> (gradient, False) with the check error set, or why not."""
+    scale · dS K = d loss / d q. Returns name -> (gradient, False, check error, note), or why not."""
     if "pattern" not in sites:
         return "the derivation needs the pattern, which save= did not keep beside the scores"
     p = sites["pattern"].tensor  # runs the value's rebuild and its check
@@ -228,9 +319,16 @@ def _kernel_grads(
             )
         errs.append(err)
     out = {}
-    for name, g in (("pattern", dP), ("scores", dS)):
+    check = (
+        "; checked: autograd's gradients at the kernel's value (Pᵀ·dZ) and query (scale·dS·K) agree"
+    )
+    for name, g, how in (
+        ("pattern", dP, "derived: dZ·Vᵀ per head"),
+        ("scores", dS, "derived: the softmax's VJP of dZ·Vᵀ"),
+    ):
         if name in sites:
-            out[name] = (g.to(sites[name].dtype).reshape(sites[name].shape), False, max(errs))
+            site = sites[name]
+            out[name] = (g.to(site.dtype).reshape(site.shape), False, max(errs), how + check)
     return out
 
 
@@ -343,15 +441,8 @@ def grad_maps(calls: list[ModuleCall], found: dict[int, Any], loss: str) -> None
                 sites[name] = FacetSite(
                     name, "real", s.shape, s.dtype, None, s.op, None, "not kept"
                 )
-            elif len(got) == 3:  # derived through the rebuild, checked
-                g, _, err = got
-                note = (
-                    "derived: dZ·Vᵀ per head"
-                    if name == "pattern"
-                    else "derived: the softmax's VJP of dZ·Vᵀ"
-                ) + (
-                    "; checked: autograd's gradients at the kernel's value (Pᵀ·dZ) and query (scale·dS·K) agree"
-                )
+            elif len(got) == 4:  # derived, checked
+                g, _, err, note = got
                 sites[name] = FacetSite(name, "computed", s.shape, s.dtype, g, s.op, err, note)
             else:
                 g, unused = got

@@ -5,9 +5,10 @@ A trace taken with `grads=loss_fn` gives every module call a `grads` map next to
 the same keys, the same call rules (`ModuleRecord.grads` of a module that ran once, else
 `calls[i].grads`), the same statuses and refusals. Its sites are `FacetSite`s: `kind` says how
 the gradient was obtained (`"real"`: autograd's gradient at the tensor the model used there;
-`"computed"` / `"reconstructed"`: the vector-Jacobian product through the same rebuild that
-gives the facet's value, checked against the model's own gradients, on first read like the
-value's check), `check_error` the largest difference in that check, `note` how.
+`"computed"`: for a derived facet, derived from autograd's gradients where the model did run
+an op (a fused kernel's rebuilt pattern and scores, a norm's `normalized` and statistics, the
+per-head `result`) and checked against the model's own gradients when the trace is taken),
+`check_error` the largest difference in that check, `note` how.
 """
 
 from __future__ import annotations

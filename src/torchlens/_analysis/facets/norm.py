@@ -63,27 +63,66 @@ def _normalize(
     return centred * inv, inv
 
 
-def _affine_error(
+def _affine_errors(
     normalized: Tensor, out: Tensor, w: Tensor | None, b: Tensor | None, kind: str, tol: float = 0.0
-) -> float:
-    """How far `normalized * gain + bias` is from the norm's output, for the gain the model uses.
+) -> list[tuple[Tensor | None, float]]:
+    """`(gain, error)` for each gain a norm may apply: how far `normalized * gain + bias` is from
+    the norm's output, in order, up to the first within `tol`.
 
     The gain is the module's weight `w`, or `1 + w` (Gemma's RMSNorm stores the offset), or
-    1 without a weight; the smallest error over those is returned (the first within `tol`).
+    None (1) without a weight; for GroupNorm it is shaped to broadcast over the channel axis.
     """
     n, o = wide(normalized), wide(out)
     shape = (-1,) + (1,) * (n.dim() - 2) if kind == "group" else None
     bias = 0 if b is None else (wide(b).view(shape) if shape else wide(b))
     gains = [None] if w is None else [wide(w), 1 + wide(w)]
-    errors = []
+    found: list[tuple[Tensor | None, float]] = []
     for gain in gains:
-        y = (
-            n + bias if gain is None else (n * (gain.view(shape) if shape else gain)).add_(bias)
-        )  # new tensors
-        errors.append(float(y.sub_(o).abs_().max()) if o.numel() else 0.0)
-        if errors[-1] <= tol:
+        gain = gain.view(shape) if shape and gain is not None else gain
+        y = n + bias if gain is None else (n * gain).add_(bias)  # new tensors
+        found.append((gain, float(y.sub_(o).abs_().max()) if o.numel() else 0.0))
+        if found[-1][1] <= tol:
             break
-    return min(errors)
+    return found
+
+
+def _affine_error(
+    normalized: Tensor, out: Tensor, w: Tensor | None, b: Tensor | None, kind: str, tol: float = 0.0
+) -> float:
+    """How far `normalized * gain + bias` is from the norm's output, for the gain the model uses:
+    the smallest error over the gains `_affine_errors` tries (the first within `tol`)."""
+    return min(err for _, err in _affine_errors(normalized, out, w, b, kind, tol))
+
+
+def affine_gain(
+    normalized: Tensor, out: Tensor, w: Tensor | None, b: Tensor | None, kind: str
+) -> tuple[Tensor | None, float]:
+    """The gain the norm applies after normalizing, and how far `normalized * gain + bias` is from
+    its output with it: the module's weight, `1 + weight` (Gemma) or None (no weight), whichever
+    fits best, in float32 (float64 for float64 tensors), shaped to broadcast over `normalized`."""
+    return min(_affine_errors(normalized, out, w, b, kind), key=lambda found: found[1])
+
+
+def norm_form(module: nn.Module, ops: list[OpRecord]) -> tuple[str, float, int, int | None]:
+    """What a norm call computes: `(kind, eps, n_dims, groups)`: `"rms"`, `"std"` or `"group"`
+    (what it divides by, from the ops it ran), the epsilon under its square root, how many
+    trailing dimensions it normalizes over, and its number of groups (GroupNorm, else None)."""
+    return (
+        _norm_kind(module, ops),
+        _roles.norm_eps(module),
+        _n_normalized(module),
+        getattr(module, "num_groups", None),
+    )
+
+
+def norm_precision(dtypes: list[torch.dtype]) -> torch.dtype:
+    """The precision a norm computed in: the least precise floating dtype among its input's,
+    its ops' outputs' and its output's `dtypes` (the last one when none is floating).
+
+    A norm that casts to float32 (Gemma's RMSNorm) computes in float32 in a float64 model, and a
+    tolerance taken from the float64 output would refuse it there while it passes in float32."""
+    floats = [d for d in dtypes if d.is_floating_point]
+    return max(floats, key=lambda d: torch.finfo(d).eps) if floats else dtypes[-1]
 
 
 def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
@@ -102,7 +141,7 @@ def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
     if xm is None or om is None or xm[0] != om[0]:
         return {}
     ops = g.ops[call.first_op : call.end_op]
-    kind = _norm_kind(module, ops)
+    kind, eps, n_dims, groups = norm_form(module, ops)
     inv_name = "inv_rms" if kind == "rms" else "inv_std"
     names = ("normalized",) if kind == "group" else ("normalized", inv_name, "scale")
     rsqrt = next((op for op in ops if op.name == "rsqrt"), None) if kind != "group" else None
@@ -119,11 +158,6 @@ def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
             )
     x, out = g.value(x_ref), g.value(out_ref)
     compute = any(sites.get(n) is None for n in names[:2])
-    n_dims, eps, groups = (
-        _n_normalized(module),
-        _roles.norm_eps(module),
-        getattr(module, "num_groups", None),
-    )
     if compute:
         note = "computed from the norm's input over its normalized shape (the norm ran as one fused op)"
         dims = range(len(xm[0]) - n_dims, len(xm[0]))
@@ -151,14 +185,7 @@ def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
     w, b = getattr(module, "weight", None), getattr(module, "bias", None)
     w = w.detach() if isinstance(w, Tensor) else None
     b = b.detach() if isinstance(b, Tensor) else None
-    # The precision the norm computed in: the least precise floating dtype among its input, its
-    # ops' outputs and its output. A norm that casts to float32 (Gemma's RMSNorm) computes in
-    # float32 in a float64 model, and a tolerance taken from the float64 output refuses it there
-    # while the same norm passes in float32.
-    floats = [
-        d for d in (xm[1], om[1], *(d for op in ops for d in op.dtypes)) if d.is_floating_point
-    ]
-    precision = max(floats, key=lambda d: torch.finfo(d).eps) if floats else om[1]
+    precision = norm_precision([xm[1], *(d for op in ops for d in op.dtypes), om[1]])
     inputs = [
         x if compute else None,
         out,
