@@ -6,7 +6,8 @@ of `tests/fixtures/engine_runs.py`, and the engines, their titles and pins are t
 implementation and naming generation, writes the full record (names, reasons, largest
 differences, installed versions) to `build/verified.json`, and renders the page from the parts
 of it that do not change between machines (with the intervention-parity table, from the engine
-blocks of docs/guides/interventions.md that the same environment runs execute): no date and no
+blocks of docs/guides/interventions.md that the same environment runs execute, and the
+gradient-parity table, from the engine blocks of docs/guides/engine-gradients.md): no date and no
 floating-point differences appear on the page, so a fresh run reproduces it byte for byte.
 
 Usage:
@@ -134,6 +135,12 @@ def collect(runs: list[er.Run] | None = None) -> dict:
         if any(run.engine == engine for run in runs)
         for r in er.env_interventions(engine)
     ]
+    record["gradients"] = [
+        r
+        for engine in er.GRADIENT_ENGINES
+        if any(run.engine == engine for run in runs)
+        for r in er.gradients(engine)
+    ]
     if any(r.engine == "transformer-lens" for r in runs):
         record["transformer_lens"] = {
             f"{f}/{i}": {
@@ -258,6 +265,8 @@ def render(record: dict) -> str:
 
     if record.get("interventions"):
         out += _interventions_section(record["interventions"])
+    if record.get("gradients"):
+        out += _gradients_section(record["gradients"])
     out += [FINDINGS.strip(), ""]
     if "transformer_lens" in record:
         out += _tl_section(record["transformer_lens"])
@@ -381,6 +390,55 @@ def _interventions_section(rows: list[dict]) -> list[str]:
     return out
 
 
+GRADIENTS = """
+## Gradient parity
+
+The engine blocks of the [Engines' gradients guide](engine-gradients.md), run as the page runs
+them (TransformerLens 2.x and nnterp in their engine environments): the gradients of one loss
+(the difference of two logits at the last position) are read through the engine's own mechanism
+and each is checked with `compare(..., of="grad")` (`atol=1e-05`, `rtol=1e-04`) against
+`torchlens.trace(model, ids, grads=loss)` of the same weights: d loss / d the tensor the model
+used at that site. **compared** counts every name the engine read that TorchLens serves a
+gradient for; **not served** counts the names it read where TorchLens serves none (a derived
+facet such as GPT-2's LayerNorm `hook_normalized`, the token ids), left out.
+"""
+
+
+def _gradients_section(rows: list[dict]) -> list[str]:
+    out = [
+        GRADIENTS.strip(),
+        "",
+        "| engine | model | gradients read with | compared | matched | not served |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {_engine(r['engine'])} | {r['model']} | {r['read']} "
+            f"| {r['compared']} | {r['matched']} | {r['not_served']} |"
+        )
+    compared = sum(r["compared"] for r in rows)
+    matched = sum(r["matched"] for r in rows)
+    out += ["", f"In all: {compared} gradients compared in {len(rows)} runs, {matched} agree.", ""]
+    groups: dict[tuple[str, str, str, str], set[str]] = {}
+    for r in rows:
+        for name, why in r["failed"].items():
+            key = (_engine(r["engine"]), r["model"], r["read"], _pattern(why) or "-")
+            groups.setdefault(key, set()).add(_pattern(name))
+    if groups:
+        out += [
+            "The gradients that do not agree, per layer with `{L}`, and `compare`'s explanation "
+            "(the guide's sections say why each engine gets them):",
+            "",
+            "| engine | model | gradients read with | names | compare says |",
+            "|---|---|---|---|---|",
+        ]
+        for (engine, model, read, why), names in groups.items():
+            listed = ", ".join(f"`{n}`" for n in sorted(names))
+            out.append(f"| {engine} | {model} | {read} | {listed} | {why} |")
+        out.append("")
+    return out
+
+
 def _tl_section(tl: dict) -> list[str]:
     first = next(iter(tl.values()))
     out = [
@@ -424,6 +482,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{r['engine']}/{r['family']}/{r['impl']}/{r['generation']}: {r['mismatched']}"
         for r in record["runs"]
         if r["mismatched"] or r["compared"] != len(r["expected"])
+    ]
+    bad += [
+        f"gradients {r['engine']}/{r['model']} ({r['read']}): counts do not add up: {r}"
+        for r in record["gradients"]
+        if not r["compared"] or r["matched"] + len(r["failed"]) != r["compared"]
     ]
     bad += [
         f"intervention {r['engine']}/{r['model']} at {r['site']}: {r}"

@@ -151,3 +151,27 @@ def test_trace_grad_on_a_trace_without_grads_says_so():
     trace = tl.trace(testing.build("gpt2"), testing.token_ids(1, 6))
     with pytest.raises(tl.NoGradients):
         trace.grad("blocks.0.hook_resid_post")
+
+
+def test_a_hook_on_a_copy_only_the_norm_consumes_misses_the_residual_path():
+    """The TransformerLens 4.x bridge's backward hook at `blocks.L.ln2.hook_in` sits on the
+    output of a hook point that only the norm consumes; the residual add uses the tensor before
+    it. Made here the same way with plain PyTorch: a pre-hook hands ln_2 a copy of its input and
+    a tensor hook on the copy takes its gradient, which is d loss / d resid_mid without what the
+    residual path carries."""
+    trace, _ = setting()
+    model = testing.build("gpt2")
+    got = {}
+
+    def pre(module, args):
+        copy = args[0].clone()
+        copy.register_hook(lambda g: got.setdefault("g", g))
+        return (copy, *args[1:])
+
+    model.transformer.h[0].ln_2.register_forward_pre_hook(pre)
+    loss_fn(model(testing.token_ids(1, 6))).backward()
+    report = mi.compare(trace, {"blocks.0.ln2.hook_in": got["g"]}, generation="3.x", of="grad")
+    explained = _explained(report)
+    assert "without the residual path" in explained, explained
+    # 3.x names resid_post by the block's hook_out
+    assert "blocks.0.hook_resid_mid - blocks.0.hook_out" in explained, explained

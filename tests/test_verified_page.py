@@ -139,12 +139,30 @@ def _varied_record(gen) -> dict:
         }
         for m in ("Llama", "Qwen3")
     ]
+    gradients = [
+        {
+            "engine": e,
+            "model": m,
+            "read": "backward hooks",
+            "compared": 12,
+            "matched": 10,
+            "not_served": 1,
+            "failed": {
+                f"blocks.{i}.ln{k}.hook_in": f"equals the gradient at blocks.{i}.hook_in - x"
+                for i in (1, 0)
+                for k in (2, 1)
+            },
+        }
+        for e in ("transformer-lens", "nnsight")
+        for m in ("Llama", "GPT-2")
+    ]
     return {
         "pinned": gen.pins(),
         "env_pinned": gen.env_pins(),
         "tolerance": {"atol": 1e-6, "rtol": 1e-6},
         "runs": runs,
         "interventions": interventions,
+        "gradients": gradients,
         "transformer_lens": {
             "gpt2/eager": {
                 "cache_keys": 3,
@@ -192,6 +210,7 @@ def test_render_is_deterministic_across_processes(gen, tmp_path):
     assert (
         "(GPT-2, Llama)" in first["page"]
         and "### TransformerLens flag-gated hooks" in first["page"]
+        and "`blocks.{L}.ln1.hook_in`, `blocks.{L}.ln2.hook_in`" in first["page"]
     )
 
 
@@ -277,3 +296,52 @@ def test_intervention_records_come_from_the_interventions_page():
         assert source.startswith(f"# migration-test: tool={engine} ") and "PARITY" in source
         page_lines = er.INTERVENTIONS_PAGE.read_text(encoding="utf-8").splitlines()
         assert page_lines[line - 1] == source.splitlines()[0]
+
+
+def test_gradient_table_moves_with_the_counts(gen):
+    """The gradient-parity table shows each run's counts, and each failed name (per layer) with
+    compare's explanation."""
+    row = {
+        "engine": "transformer-lens",
+        "model": "GPT-2",
+        "read": "backward hooks",
+        "compared": 81,
+        "matched": 79,
+        "not_served": 12,
+        "failed": {
+            "blocks.0.ln2.hook_in": "equals the gradient at blocks.0.hook_resid_mid - blocks.0.hook_out",
+            "blocks.1.ln2.hook_in": "equals the gradient at blocks.1.hook_resid_mid - blocks.1.hook_out",
+        },
+    }
+    record = {
+        "pinned": gen.pins(),
+        "tolerance": {"atol": 1e-6, "rtol": 1e-6},
+        "runs": [],
+        "gradients": [row],
+    }
+    page = gen.render(record)
+    assert "| TransformerLens 4.x bridge | GPT-2 | backward hooks | 81 | 79 | 12 |" in page
+    assert (
+        "| TransformerLens 4.x bridge | GPT-2 | backward hooks | `blocks.{L}.ln2.hook_in` "
+        "| equals the gradient at blocks.{L}.hook_resid_mid - blocks.{L}.hook_out |"
+    ) in page
+    for change in (
+        {"matched": 80},
+        {"not_served": 0},
+        {"failed": {"blocks.0.ln1.hook_in": "x"}},
+        {"read": "retain_grad()"},
+    ):
+        assert gen.render({**record, "gradients": [{**row, **change}]}) != page, change
+    assert "## Gradient parity" not in gen.render({**record, "gradients": []})
+
+
+def test_gradient_records_come_from_the_engine_gradients_page():
+    """Each engine with gradient parity has blocks on the page, and each binds GRADS."""
+    assert er.GRADIENT_ENGINES
+    page_lines = er.GRADIENTS_PAGE.read_text(encoding="utf-8").splitlines()
+    for engine in er.GRADIENT_ENGINES:
+        blocks = er.tool_blocks(er.GRADIENTS_PAGE, engine)
+        assert blocks, engine
+        for source, line in blocks:
+            assert source.startswith(f"# migration-test: tool={engine} ") and "GRADS" in source
+            assert page_lines[line - 1] == source.splitlines()[0]

@@ -12,7 +12,9 @@ trace's own gradients (`trace.modules[address].calls[i].grads`), in the classes 
 4. the gradient of another site: the same module's other facets (before instead of after a norm:
    the norm's input for its output), the same facet at the neighbouring layer, any other site;
 5. a residual site's gradient without the residual path: `d/d resid_pre - d/d resid_mid`, only
-   what flows through the sublayer.
+   what flows through the sublayer; also at a site that reads the same tensor under another
+   module's name (a norm's input is the block's `resid_mid`), as a hook on a copy that only the
+   norm consumes gives it (the TransformerLens 4.x bridge's backward hook at `ln2.hook_in`).
 
 Candidates are ranked by relative error; an exact match on another named site outranks a scale
 fit (a factor of 1 is no scale).
@@ -74,6 +76,11 @@ def _rel(e: Tensor, c: Tensor) -> tuple[float, float]:
 
 def _close(e: Tensor, c: Tensor, atol: float, rtol: float) -> bool:
     return bool(((e.double() - c.double()).abs() <= atol + rtol * c.double().abs()).all())
+
+
+def _same(x: Tensor, y: Tensor) -> bool:
+    """Whether two gradients are the same values (one tensor read under two names)."""
+    return x.shape == y.shape and bool((x == y).all())
 
 
 def _against(
@@ -190,14 +197,16 @@ def diagnose_grad(
         for t in _fits(e, g, facet):
             found.append(_against(e, t, label(key), relation, atol, rtol, None, address, facet))
             break
-    for upstream, downstream in (("resid_pre", "resid_mid"), ("resid_mid", "resid_post")):
-        if res.facet != upstream:
+    for (address, i, facet), a in by_key.items():
+        downstream = {"resid_pre": "resid_mid", "resid_mid": "resid_post"}.get(facet)
+        b = by_key.get((address, i, downstream)) if downstream else None
+        if b is None or a.shape != b.shape:
             continue
-        a = by_key.get(here)
-        b = by_key.get((res.module_address, res.call or 0, downstream))
-        if a is None or b is None or a.shape != b.shape:
+        # the site itself, or its tensor under another module's name (a norm's input is the
+        # block's resid_mid: a hook on a copy only the norm consumes misses the residual path)
+        if (address, i, facet) != here and (ref is None or not _same(ref, a)):
             continue
-        site = f"{label(here)} - {label((res.module_address, res.call or 0, downstream))}"
+        site = f"{label((address, i, facet))} - {label((address, i, downstream))}"
         found += [
             _against(
                 e,
@@ -206,10 +215,10 @@ def diagnose_grad(
                 "the gradient without the residual path: only what flows through the sublayer",
                 atol,
                 rtol,
-                address=res.module_address,
-                facet=res.facet,
+                address=address,
+                facet=facet,
             )
-            for t in _fits(e, a - b, upstream)
+            for t in _fits(e, a - b, facet)
         ]
     # An exact match on another named site outranks a fit, a site the generation names one it
     # does not (one tensor can be two sites: the last block's output is the final norm's input);
