@@ -302,8 +302,9 @@ class DirectoryStore:
         return placed
 
 
-#: safetensors' dtype names; any other dtype is written as its bytes (U8).
-_DTYPE_NAMES = {
+#: torch dtype -> its safetensors name, the dtypes of this torch that safetensors names. A directory
+#: store writes a tensor of any other dtype as its bytes (U8); `Trace.save` leaves it out, with a note.
+SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -315,6 +316,15 @@ _DTYPE_NAMES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+for _name, _code in (
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+):
+    if isinstance(getattr(torch, _name, None), torch.dtype):
+        SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
 
 
 def _save_file(tensors: dict[str, torch.Tensor], file: str) -> None:
@@ -324,7 +334,7 @@ def _save_file(tensors: dict[str, torch.Tensor], file: str) -> None:
     offset, parts = 0, []
     # widest elements first: every tensor then starts at a multiple of its element size
     for name, t in sorted(tensors.items(), key=lambda kv: -kv[1].element_size()):
-        dtype = _DTYPE_NAMES.get(t.dtype)
+        dtype = SAFETENSORS_DTYPES.get(t.dtype)
         raw = (
             t.contiguous().view(torch.uint8)
             if dtype is not None

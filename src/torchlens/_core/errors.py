@@ -141,6 +141,9 @@ def _no_facet(
 class FacetNotFound(LookupFailed):
     """A facet name does not exist on this module."""
 
+    #: whether the lookup asked for the facet's gradient (`GradNotFound`)
+    _gradient = False
+
     def __init__(
         self,
         address: str,
@@ -150,7 +153,9 @@ class FacetNotFound(LookupFailed):
         reason: str = "",
     ):
         self.address, self.facet = address, facet
-        super().__init__(_no_facet(address, facet, known, role, reason, gradient=False))
+        LookupFailed.__init__(
+            self, _no_facet(address, facet, known, role, reason, gradient=self._gradient)
+        )
 
 
 class FacetNotSaved(LookupFailed):
@@ -189,16 +194,7 @@ class GradNotFound(FacetNotFound):
     gradient is refused (not differentiable, not in the autograd graph, a derivation whose check
     failed); the message gives the reason."""
 
-    def __init__(
-        self,
-        address: str,
-        facet: str,
-        known: Iterable[str],
-        role: str | None = None,
-        reason: str = "",
-    ):
-        self.address, self.facet = address, facet
-        LookupFailed.__init__(self, _no_facet(address, facet, known, role, reason, gradient=True))
+    _gradient = True
 
 
 class GradNotSaved(FacetNotSaved):

@@ -46,25 +46,10 @@ class GradMap(FacetMap):
     #: the `FacetMap` of the same call: a gradient is served only while its value is
     _values: FacetMap | None = None
 
-    def _not_found(self, name: Any) -> GradNotFound:
-        if not isinstance(name, str):
-            return GradNotFound(
-                self.address,
-                repr(name),
-                self._sites,
-                self.role,
-                f"gradients are looked up by facet name (a str), not by {type(name).__name__}",
-            )
-        if name in self.refused:
-            return GradNotFound(
-                self.address,
-                name,
-                self._sites,
-                self.role,
-                f"it is not served: {self.refused[name]}",
-            )
-        reason = "" if self.ran else "it did not run in this forward pass, so it has no facets"
-        return GradNotFound(self.address, name, self._sites, self.role, reason)
+    _missing = GradNotFound
+
+    def _bad_key(self, name: Any) -> str:
+        return f"gradients are looked up by facet name (a str), not by {type(name).__name__}"
 
     def __getitem__(self, name: str) -> torch.Tensor:
         site = self._sites.get(name) if isinstance(name, str) else None

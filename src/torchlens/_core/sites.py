@@ -285,26 +285,24 @@ class FacetMap(Mapping):
         """The facets whose check has not run yet (computes nothing)."""
         return [n for n, s in self._sites.items() if s._pending is not None]
 
+    #: the error of a name this map does not serve (`GradMap`: `GradNotFound`)
+    _missing: type[FacetNotFound] = FacetNotFound
+
+    def _bad_key(self, name: Any) -> str:
+        return (
+            f"facets are looked up by name (a str), not by {type(name).__name__}; "
+            f"its facets are: {', '.join(self._sites) or '(none)'}"
+        )
+
     def _not_found(self, name: Any) -> FacetNotFound:
         if not isinstance(name, str):
-            return FacetNotFound(
-                self.address,
-                repr(name),
-                self._sites,
-                self.role,
-                f"facets are looked up by name (a str), not by {type(name).__name__}; "
-                f"its facets are: {', '.join(self._sites) or '(none)'}",
-            )
+            reason = self._bad_key(name)
+            return self._missing(self.address, repr(name), self._sites, self.role, reason)
         if name in self.refused:
-            return FacetNotFound(
-                self.address,
-                name,
-                self._sites,
-                self.role,
-                f"it is not served: {self.refused[name]}",
-            )
-        reason = "" if self.ran else "it did not run in this forward pass, so it has no facets"
-        return FacetNotFound(self.address, name, self._sites, self.role, reason)
+            reason = f"it is not served: {self.refused[name]}"
+        else:
+            reason = "" if self.ran else "it did not run in this forward pass, so it has no facets"
+        return self._missing(self.address, name, self._sites, self.role, reason)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         site = self._sites.get(name) if isinstance(name, str) else None

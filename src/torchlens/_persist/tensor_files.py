@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from torchlens._capture.stores import SAFETENSORS_DTYPES
 from torchlens._persist.format import CHUNK, FORMAT, TraceFileError, plain_name
 from torchlens._persist.schema import is_shape
 
@@ -21,27 +22,7 @@ _INLINE = 1 << 20  # a tensor this small is digested at once; a larger one in a 
 _MAX_HEADER = 100 << 20  # the largest safetensors header read (safetensors' own limit)
 
 #: torch dtype -> its safetensors name; a tensor of any other dtype is left out on save, with a note.
-ST_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-for _name, _code in (
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-):
-    if isinstance(getattr(torch, _name, None), torch.dtype):
-        ST_DTYPES[getattr(torch, _name)] = _code
+ST_DTYPES = SAFETENSORS_DTYPES
 
 #: safetensors dtype name -> torch dtype (the names `ST_DTYPES` writes)
 TORCH_DTYPES = {code: dt for dt, code in ST_DTYPES.items()}
