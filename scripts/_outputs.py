@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -36,3 +38,16 @@ def splice(page: Path, text: str, begin: str, end: str, section: str) -> str:
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     return head + section + tail
+
+
+def main(
+    doc: str, outputs: Callable[[], dict[Path, str]], root: Path, rerun: str, argv: list[str] | None
+) -> int:
+    """A generator's command line: `--check` reports the stale files among `outputs()`, else they
+    are written. `doc` is the script's docstring (its first line is the help's description)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument(
+        "--check", action="store_true", help="report stale files instead of writing them"
+    )
+    args = parser.parse_args(argv)
+    return write_or_check(outputs(), args.check, root, rerun)

@@ -46,7 +46,7 @@ from torchlens import FACETS, testing
 sys.path.insert(
     0, str(Path(__file__).resolve().parent)
 )  # this script's siblings, also when a test loads it by path
-from _outputs import write_or_check
+from _outputs import splice, write_or_check
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -920,11 +920,7 @@ def render_page(diagrams: list[Diagram]) -> str:
         if PAGE.exists()
         else f"# Block diagrams\n\n{BEGIN}\n{END}\n"
     )
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{PAGE}: missing the generated-section markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return head + page_section(diagrams) + tail
+    return splice(PAGE, text, BEGIN, END, page_section(diagrams))
 
 
 def render(slug: str) -> str:

@@ -14,14 +14,14 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from torchlens._core import facet_spec as spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _outputs import splice, write_or_check
+from _outputs import main as run
+from _outputs import splice
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "guides" / "facets.md"
@@ -120,16 +120,12 @@ def render(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--check", action="store_true", help="report a stale page instead of writing it"
-    )
-    args = parser.parse_args(argv)
-    return write_or_check(
-        {PAGE: render(PAGE.read_text(encoding="utf-8"))},
-        args.check,
+    return run(
+        __doc__,
+        lambda: {PAGE: render(PAGE.read_text(encoding="utf-8"))},
         ROOT,
         "python scripts/gen_facet_page.py",
+        argv,
     )
 
 

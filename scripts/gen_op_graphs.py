@@ -27,7 +27,6 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -37,7 +36,8 @@ from torchlens import testing
 sys.path.insert(
     0, str(Path(__file__).resolve().parent)
 )  # this script's siblings, also when a test loads it by path
-from _outputs import splice, write_or_check
+from _outputs import main as run
+from _outputs import splice
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "assets" / "op-graphs"
@@ -310,12 +310,7 @@ def outputs() -> dict[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--check", action="store_true", help="report stale files instead of writing them"
-    )
-    args = parser.parse_args(argv)
-    return write_or_check(outputs(), args.check, ROOT, "python scripts/gen_op_graphs.py")
+    return run(__doc__, outputs, ROOT, "python scripts/gen_op_graphs.py", argv)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from dataclasses import dataclass
@@ -35,7 +34,8 @@ from torchlens._core.facet_spec import SPECS
 from torchlens.mechinterp._translate import names_by_site
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _outputs import splice, write_or_check
+from _outputs import main as run
+from _outputs import splice
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "aliases" / "translation.md"
@@ -246,13 +246,8 @@ def render(families=None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--check", action="store_true", help="report a stale page instead of writing it"
-    )
-    args = parser.parse_args(argv)
-    return write_or_check(
-        {PAGE: render()}, args.check, ROOT, "python scripts/gen_translation_page.py"
+    return run(
+        __doc__, lambda: {PAGE: render()}, ROOT, "python scripts/gen_translation_page.py", argv
     )
 
 
