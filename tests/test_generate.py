@@ -8,7 +8,8 @@ planted in their decode path (`tests/cache_bugs.py`), which the check must find 
 
 Tests internals: `torchlens._generation.decode_sites.AUTO_FACTOR` against
 `torchlens.mechinterp._auto_tolerance.AUTO_FACTOR`, `torchlens._capture.compiled.CompiledRunsEagerly`
-(its depth after a failed call).
+(its depth after a failed call), `torchlens._edits.plan_edits` and `EditPlan` (a plan moved one op
+off, which `EditPlan.check_placed` must refuse).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformers import DynamicCache
 import torchlens as tl
 from torchlens import GenerateSpecError, testing
 from torchlens._capture.compiled import CompiledRunsEagerly
+from torchlens._edits import EditPlan, plan_edits
 from torchlens._generation.decode_sites import AUTO_FACTOR
 from torchlens.mechinterp._auto_tolerance import AUTO_FACTOR as COMPARE_FACTOR
 
@@ -542,6 +544,24 @@ def test_bad_encoder_decoder_edits_are_refused_saying_what_is_accepted_and_leave
             model, ENCDEC_IDS[:1], edit={(3, f"{dec}.0:resid_post"): lambda x: x}, **kwargs
         )
     _nothing_installed(model)
+
+
+def test_a_plan_moved_one_op_off_is_refused_by_the_placement_check():
+    """The check each edited step passes (the step's own trace finds every edited site at the op
+    replaced) can fail: the same plan, its ops moved one position on, is refused."""
+    model = testing.build("llama")
+    key = {"model.layers.0.self_attn:q": lambda q: q * 0}
+    located = tl.trace(model, IDS[:1], save="none")
+    edited = tl.trace(model, IDS[:1], save="none", edit=key)
+    plan = plan_edits(located, key)
+    plan.check_placed(edited)
+    moved = EditPlan()
+    moved.merge_hooks(plan)
+    moved.merge_ops(plan, 1)
+    with pytest.raises(
+        tl.EditSpecError, match=r"replaced the op\(s\) at position\(s\) \[\d+\], but the edited"
+    ):
+        moved.check_placed(edited)
 
 
 def _full_prefix(model, gen, step, addresses):
