@@ -8,7 +8,8 @@ planted in their decode path (`tests/cache_bugs.py`), which the check must find 
 
 Tests internals: `torchlens._generation.decode_sites.AUTO_FACTOR` against
 `torchlens.mechinterp._auto_tolerance.AUTO_FACTOR`, `torchlens._capture.compiled.CompiledRunsEagerly`
-(its depth after a failed call).
+(its depth after a failed call), `torchlens._edits.plan_edits` and `EditPlan` (a plan moved one op
+off, which `EditPlan.check_placed` must refuse).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformers import DynamicCache
 import torchlens as tl
 from torchlens import GenerateSpecError, testing
 from torchlens._capture.compiled import CompiledRunsEagerly
+from torchlens._edits import EditPlan, plan_edits
 from torchlens._generation.decode_sites import AUTO_FACTOR
 from torchlens.mechinterp._auto_tolerance import AUTO_FACTOR as COMPARE_FACTOR
 
@@ -340,6 +342,226 @@ def test_an_edit_at_every_step_and_one_at_a_named_step_equal_forward_hooks_insid
     assert gen.steps[2].edits[1].where.startswith("op #")
     with pytest.raises(GenerateSpecError, match="edit="):
         gen.check_decode()
+
+
+# Per family: the encoder's and decoder's block prefixes and the self-attention's query projection
+# (module path under a block), for the encoder-decoder edits below.
+ENCDEC = {
+    "t5": ("encoder.block", "decoder.block", "layer.0.SelfAttention", "q"),
+    "bart": ("model.encoder.layers", "model.decoder.layers", "self_attn", "q_proj"),
+}
+ENCDEC_KWARGS = dict(
+    max_new_tokens=5, do_sample=False, eos_token_id=None, decoder_start_token_id=0, pad_token_id=0
+)
+ENCDEC_IDS = testing.token_ids(batch=2, length=6, seed=5, vocab=60) + 3
+
+
+def _zero_head_0(module, args, out):
+    """A forward hook on a query projection: head 0's 8 columns zeroed."""
+    out = out.clone()
+    out[..., :8] = 0
+    return out
+
+
+def _hooked_encdec_generate(model, family, kwargs):
+    """The same edits as the test's `edit=`, made by plain forward hooks inside `model.generate`:
+    the encoder's block 0 output halved and its block 1 queries' head 0 zeroed (its one call), the
+    decoder's block 1 output scaled by 1.5 at every forward, the decoder's block 0 queries' head 0
+    zeroed at forwards 0 and 2; with the outputs of encoder block 1 and both decoder blocks seen
+    after the edits, per call."""
+    enc, dec, attn, q = ENCDEC[family]
+    modules = dict(model.named_modules())
+    forwards = {"n": -1}
+    seen = {a: [] for a in (f"{enc}.1", f"{dec}.0", f"{dec}.1")}
+
+    def count(module, args, kwargs):  # the model's own calls: one per decoder forward
+        forwards["n"] += 1
+
+    def scale(by):
+        def hook(module, args, out):
+            return (out[0] * by,) + tuple(out[1:]) if isinstance(out, tuple) else out * by
+
+        return hook
+
+    def at_forwards_0_and_2(module, args, out):
+        return _zero_head_0(module, args, out) if forwards["n"] in (0, 2) else None
+
+    def keep(address):
+        def hook(module, args, out):
+            seen[address].append((out[0] if isinstance(out, tuple) else out).detach().clone())
+
+        return hook
+
+    hooks = [
+        model.register_forward_pre_hook(count, with_kwargs=True),
+        modules[f"{enc}.0"].register_forward_hook(scale(0.5)),
+        modules[f"{enc}.1.{attn}.{q}"].register_forward_hook(_zero_head_0),
+        modules[f"{dec}.1"].register_forward_hook(scale(1.5)),
+        modules[f"{dec}.0.{attn}.{q}"].register_forward_hook(at_forwards_0_and_2),
+    ]
+    hooks += [modules[a].register_forward_hook(keep(a)) for a in seen]  # after the edits: sees them
+    try:
+        out = model.generate(ENCDEC_IDS, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, seen
+
+
+def _zero_head_0_q(q):  # TorchLens's q: [batch, pos, heads, d_head]
+    q[:, :, 0] = 0
+    return q
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_encoder_decoder_edits_equal_forward_hooks_inside_generate(family):
+    """An encoder site edited in the encoder's one call (a module output and a query head), a
+    decoder site at every decoder forward and one at named steps: the sequences and every step's
+    saved sites equal those of plain forward hooks making the same edits inside `generate`."""
+    model = testing.build(family)
+    enc, dec, attn, q = ENCDEC[family]
+    kwargs = dict(ENCDEC_KWARGS, return_dict_in_generate=True, output_logits=True)
+    plain = model.generate(ENCDEC_IDS, **kwargs)
+    want, seen = _hooked_encdec_generate(model, family, kwargs)
+    gen = tl.trace_generate(
+        model,
+        ENCDEC_IDS,
+        save=["resid_post"],
+        edit={
+            f"{enc}.0:resid_post": lambda x: x * 0.5,
+            (f"{enc}.1.{attn}", "q"): _zero_head_0_q,
+            f"{dec}.1:resid_post": lambda x: x * 1.5,
+            ((0, 2), f"{dec}.0.{attn}:q"): _zero_head_0_q,
+        },
+        **kwargs,
+    )
+    _nothing_installed(model)
+    assert torch.equal(gen.sequences, want.sequences)
+    for mine, theirs, unedited in zip(gen.output.logits, want.logits, plain.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
+        assert not torch.allclose(theirs, unedited)  # the edits change every step's logits
+    assert len(gen.steps) == len(seen[f"{dec}.1"]) == 5 and len(seen[f"{enc}.1"]) == 1
+    torch.testing.assert_close(
+        gen.steps[0][f"{enc}.1:resid_post"], seen[f"{enc}.1"][0], atol=0, rtol=0
+    )
+    for step, t in enumerate(gen.steps):
+        for block in (f"{dec}.0", f"{dec}.1"):
+            torch.testing.assert_close(t[f"{block}:resid_post"], seen[block][step], atol=0, rtol=0)
+    assert [len(s.edits) for s in gen.steps] == [4, 1, 2, 1, 1]
+    assert all(r.applied == 1 for s in gen.steps for r in s.edits)
+    assert gen.edits[0][:2] == (f"{enc}.0:resid_post", (f"{enc}.1.{attn}", "q"))
+    assert [r.where.startswith("op #") for r in gen.steps[0].edits] == [False, True, False, True]
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_encoder_decoder_edits_by_another_librarys_names_equal_forward_hooks(family):
+    """TransformerLens 2.x's `HookedEncoderDecoder` names, resolved once on the encoder-decoder
+    trace (a decoder forward's own trace is of the decoder-only kind, where `decoder.0` names
+    nothing), edit the encoder's block 1 and the decoder's block 0 as forward hooks do."""
+    model = testing.build(family)
+    enc, dec, _, _ = ENCDEC[family]
+    modules = dict(model.named_modules())
+    kwargs = dict(ENCDEC_KWARGS, return_dict_in_generate=True, output_logits=True)
+
+    def add(by):
+        def hook(module, args, out):
+            return (out[0] + by,) + tuple(out[1:]) if isinstance(out, tuple) else out + by
+
+        return hook
+
+    hooks = [
+        modules[f"{enc}.1"].register_forward_hook(add(1.0)),
+        modules[f"{dec}.0"].register_forward_hook(add(-1.0)),
+    ]
+    try:
+        want = model.generate(ENCDEC_IDS, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    plain = model.generate(ENCDEC_IDS, **kwargs)
+    gen = tl.trace_generate(
+        model,
+        ENCDEC_IDS,
+        save="none",
+        edit={
+            "encoder.1.hook_resid_post": lambda x: x + 1.0,
+            "decoder.0.hook_resid_post": lambda x: x - 1.0,
+        },
+        **kwargs,
+    )
+    _nothing_installed(model)
+    assert torch.equal(gen.sequences, want.sequences)
+    for mine, theirs, unedited in zip(gen.output.logits, want.logits, plain.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
+        assert not torch.allclose(theirs, unedited)
+    assert [[r.module_address for r in s.edits] for s in gen.steps] == [
+        [f"{enc}.1", f"{dec}.0"]
+    ] + [[f"{dec}.0"]] * 4
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_bad_encoder_decoder_edits_are_refused_saying_what_is_accepted_and_leave_nothing(family):
+    model = testing.build(family)
+    enc, dec, _, _ = ENCDEC[family]
+    for steps in (2, range(0, 3)):
+        with pytest.raises(
+            GenerateSpecError,
+            match=r"runs in the encoder .* once, in step 0.*Key an encoder site without a step .* or at step 0",
+        ):
+            tl.trace_generate(
+                model,
+                ENCDEC_IDS,
+                edit={(steps, f"{enc}.0:resid_post"): lambda x: x},
+                **ENCDEC_KWARGS,
+            )
+        _nothing_installed(model)
+    shared = (
+        "shared" if family == "t5" else "model.shared"
+    )  # the tied embedding's holder, never called
+    with pytest.raises(
+        GenerateSpecError, match=rf"'{shared}:output': {shared} runs neither in the encoder's call"
+    ):
+        tl.trace_generate(
+            model, ENCDEC_IDS, edit={f"{shared}:output": lambda x: x}, **ENCDEC_KWARGS
+        )
+    _nothing_installed(model)
+    with pytest.raises(
+        GenerateSpecError, match=r"step 7 is outside the generation, .* \(steps 0..4"
+    ):
+        tl.trace_generate(
+            model, ENCDEC_IDS, edit={(7, f"{dec}.0:resid_post"): lambda x: x}, **ENCDEC_KWARGS
+        )
+    _nothing_installed(model)
+    # the first new token ends the generation as an end-of-sequence token: step 3 never runs
+    first = model.generate(ENCDEC_IDS[:1], **ENCDEC_KWARGS)
+    kwargs = dict(ENCDEC_KWARGS, eos_token_id=int(first[0, 1]))
+    assert len(tl.trace_generate(model, ENCDEC_IDS[:1], save="none", **kwargs).steps) == 1
+    with pytest.raises(
+        GenerateSpecError,
+        match=r"steps \[3\]: none of them ran: generation stopped after 1 .*\(steps 0..0\)",
+    ):
+        tl.trace_generate(
+            model, ENCDEC_IDS[:1], edit={(3, f"{dec}.0:resid_post"): lambda x: x}, **kwargs
+        )
+    _nothing_installed(model)
+
+
+def test_a_plan_moved_one_op_off_is_refused_by_the_placement_check():
+    """The check each edited step passes (the step's own trace finds every edited site at the op
+    replaced) can fail: the same plan, its ops moved one position on, is refused."""
+    model = testing.build("llama")
+    key = {"model.layers.0.self_attn:q": lambda q: q * 0}
+    located = tl.trace(model, IDS[:1], save="none")
+    edited = tl.trace(model, IDS[:1], save="none", edit=key)
+    plan = plan_edits(located, key)
+    plan.check_placed(edited)
+    moved = EditPlan()
+    moved.merge_hooks(plan)
+    moved.merge_ops(plan, 1)
+    with pytest.raises(
+        tl.EditSpecError, match=r"replaced the op\(s\) at position\(s\) \[\d+\], but the edited"
+    ):
+        moved.check_placed(edited)
 
 
 def _full_prefix(model, gen, step, addresses):

@@ -37,7 +37,7 @@ from torchlens._core.facet_spec import HOOK_SIDES, REMEDIES
 from torchlens._core.persisted import persisted
 from torchlens._naming.resolver import resolve_alias
 
-__all__ = ["EditPlan", "EditRecord", "plan_edits"]
+__all__ = ["EditPlan", "EditRecord", "check_inputs", "plan_edits", "resolve_key"]
 
 #: Facets served by a module's hooks (facet -> 'in'/'out') and what to edit instead of a facet no
 #: single op produces: both from the facet rows (`torchlens._core.facet_spec`).
@@ -141,6 +141,76 @@ class EditPlan:
     ops: dict[int, _Edit] = field(default_factory=dict)
     records: list[EditRecord] = field(default_factory=list)
 
+    def move_calls(self, calls: Callable[[str, int], int | None]) -> None:
+        """Renumber the module calls this plan names, for a plan located on one forward and applied
+        to part of another capture: call `i` of `address` becomes `calls(address, i)`, and the
+        sites of a call it maps to None are dropped (with a record left without calls)."""
+
+        def moved(table: dict[tuple[str, int], list[_Edit]]) -> dict[tuple[str, int], list[_Edit]]:
+            out = {}
+            for (address, i), edits in table.items():
+                n = calls(address, i)
+                if n is not None:
+                    out[address, n] = edits
+            return out
+
+        self.hook_in, self.hook_out = moved(self.hook_in), moved(self.hook_out)
+        ops = {}
+        for position, edit in self.ops.items():
+            n = calls(edit.op_module, edit.op_call)
+            if n is not None:
+                edit.op_call = n
+                ops[position] = edit
+        self.ops = ops
+        for r in self.records:
+            r.calls = tuple(n for i in r.calls if (n := calls(r.module_address, i)) is not None)
+        self.records = [r for r in self.records if r.calls]
+
+    def merge_hooks(self, part: EditPlan) -> None:
+        """Add `part`'s hook edits and records to this plan (its op edits go in with `merge_ops`,
+        once their shift is known)."""
+        for mine, theirs in ((self.hook_in, part.hook_in), (self.hook_out, part.hook_out)):
+            for where, edits in theirs.items():
+                mine.setdefault(where, []).extend(edits)
+        self.records.extend(part.records)
+
+    def merge_ops(self, part: EditPlan, shift: int) -> None:
+        """Add `part`'s op edits to this plan, each op position moved by `shift` (after
+        `merge_hooks` of the same part)."""
+        for position, edit in part.ops.items():
+            if position + shift in self.ops:
+                raise EditSpecError(
+                    f"edit= keys {self.ops[position + shift].record.key!r} and {edit.record.key!r} replace the "
+                    f"same op #{position + shift}; give one edit per op."
+                )
+            self.ops[position + shift] = edit
+
+    def check_placed(self, trace: Any) -> None:
+        """Raise unless every op this plan replaced is the op `trace` (the edited forward's own
+        trace) finds the edited site at: the locating pass and the edited forward agree on where
+        each edited site is."""
+        edited = [i for i, op in enumerate(trace.ops) if op.name == "edited"]
+        for r in self.records:
+            planned = sorted(p for p, e in self.ops.items() if e.record is r)
+            if not planned:
+                continue
+            found = []
+            for c in r.calls:
+                site = trace.modules[r.module_address].calls[c].facets.sites.get(r.facet)
+                index = getattr(site, "op", None)
+                found.append(
+                    None
+                    if index is None or getattr(site, "kind", None) != "real"
+                    else index - sum(1 for i in edited if i < index)
+                )
+            if None in found or sorted(p for p in found if p is not None) != planned:
+                raise EditSpecError(
+                    f"the edit {r.key!r} of {r.module_address or '<root>'}:{r.facet} replaced the op(s) at "
+                    f"position(s) {planned}, but the edited forward's trace finds that site at {found}: the "
+                    f"locating pass and the edited forward disagree on where the site is, so the step is not "
+                    f"served."
+                )
+
     def check_applied(self) -> None:
         """Raise if a planned edit did not run in the edited forward (the forward took another path)."""
         for r in self.records:
@@ -152,8 +222,14 @@ class EditPlan:
                 )
 
 
-def _resolve_key(trace: Any, key: Any) -> tuple[str, str, int | None]:
-    """(module address, facet, call or None) a key names in the locating trace."""
+def resolve_key(trace: Any, key: Any) -> tuple[str, str, int | None]:
+    """(module address, facet, call or None) an `edit=` key names in `trace`.
+
+    Raises:
+        EditSpecError: the key names no single site (a bare module address, a structurally
+            absent or ambiguous alias, a key of another type).
+        LookupFailed: the lookup's own error for an unknown module or alias (close matches).
+    """
     if isinstance(key, tuple):
         if not (
             2 <= len(key) <= 3
@@ -300,7 +376,7 @@ def plan_edits(trace: Any, edit: Any) -> EditPlan:
                 f"edit= value for {key!r} is {type(value).__name__}: give a function fn(value) -> tensor "
                 f"(e.g. lambda x: x * 0) or a tensor of the site's shape."
             )
-        address, facet, only = _resolve_key(trace, key)
+        address, facet, only = resolve_key(trace, key)
         rec = trace.modules[address]
         if not rec.calls:
             raise EditSpecError(

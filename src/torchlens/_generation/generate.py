@@ -74,6 +74,10 @@ def trace_generate(
             site at every step; `{(step, key): fn}` (`step` an int, a range or a tuple of ints)
             only at those steps. `fn` receives the site's tensor of that step (`[batch, 1, ...]` at
             a decode step). Each edited step runs one locating pass first, on a copy of its cache.
+            On an encoder-decoder model, an encoder site is edited in the encoder's one call
+            (step 0; key it without a step or at step 0), a decoder site at every decoder forward
+            (or at the steps its key names); the keys are resolved before the encoder runs, on one
+            full forward of the model.
         steps: which steps keep tensors under `save=` (an int, a range or a list of step numbers);
             the others keep records only (`save="none"`). Default: every step.
         roles: as for `trace`.
@@ -88,7 +92,7 @@ def trace_generate(
         GenerateSpecError: `model` has no `generate`; beam search (`num_beams` > 1), assisted or
             chunked-prefill generation; `max_new_tokens=0`; a `steps=` or an `edit=` step outside
             the generation (before `generate` runs when the settings bound the steps, else after it
-            stopped).
+            stopped); an encoder site keyed to a decode step.
         SaveSpecError, EditSpecError, NotEditable, StoreSpecError, RoleSpecError: as for `trace`.
         Exception: whatever `generate` raises propagates, with a note naming the op and module
             where a traced forward raised; nothing TorchLens installed is left behind.
@@ -142,12 +146,6 @@ def trace_generate(
         encoder = get_encoder()
         if encoder not in names or encoder is model:
             encoder = None
-    if encoder is not None and edits:
-        raise GenerateSpecError(
-            f"edit=: trace_generate does not edit an encoder-decoder model's generation yet ({type(model).__name__}: "
-            f"step 0 spans the encoder's call and the decoder's first forward, which one locating pass cannot place "
-            f"an edit in). Trace it without edit=, or edit one forward with torchlens.trace(..., edit=...)."
-        )
     session = Session(
         model,
         names,

@@ -20,7 +20,11 @@ per forward call:
 
 `edit=` is planned per step, as `trace` plans it: each edited step first runs one locating pass
 (`save="none"`) on a deep copy of the cache the step receives (so the real cache is updated once),
-with the RNG state restored after it, and the edited forward then checks every op it replaces.
+with the RNG state restored after it, and the edited forward then checks every op it replaces; the
+step's trace must find each edited site at the op replaced. An encoder-decoder model's edits are
+resolved once, before the encoder's call, and placed in two parts at step 0 (the encoder's call,
+the decoder's first forward), each moved onto the step's capture when its first module is entered
+(`torchlens._generation.encdec_edits`).
 """
 
 from __future__ import annotations
@@ -41,7 +45,14 @@ from torchlens._capture.accelerate import accelerate_hooks
 from torchlens._capture.compiled import CompiledRunsEagerly
 from torchlens._capture.recorder import Recorder
 from torchlens._capture.stores import DirectoryStore
-from torchlens._edits import plan_edits
+from torchlens._edits import EditPlan, plan_edits
+from torchlens._generation.encdec_edits import (
+    decoder_sites,
+    encoder_plan,
+    given_keys,
+    input_ops,
+    resolve_keys,
+)
 from torchlens._generation.result import StepInfo
 from torchlens._trace import Trace
 from torchlens._tracing import annotate, finish, trace
@@ -85,6 +96,9 @@ class _Capture:
         self.active = False  # the recorder's mode is on
         self.kind = "step"  # "encoder" from an encoder's call to the decoder's first forward
         self.keep = True  # the step keeps tensors (steps=)
+        #: an encoder-decoder step's part still to place: (its first module, its plan, the position
+        #: its ops count from in the locating trace), merged once that module is entered
+        self.part: tuple[nn.Module, EditPlan, int] | None = None
 
     def enter(self) -> None:
         try:
@@ -164,6 +178,8 @@ class Session:
         self.applied: dict[int, tuple] = {}
         self.handles: list[Any] = []
         self.where: str | None = None  # the part of a step under way, for an error's note
+        #: an encoder-decoder model's `edit=` entries, resolved before the encoder's call
+        self.encdec_keys: list | None = None
 
     # -- installing --------------------------------------------------------------------------
 
@@ -215,7 +231,20 @@ class Session:
         capture = self.capture
         if capture is None or not self._ours():
             return None
-        return capture.rec.pre_hook(module, args, kwargs)
+        part = capture.part
+        if part is None or module is not part[0]:
+            return capture.rec.pre_hook(module, args, kwargs)
+        # The first module of an encoder-decoder step's part: its hook edits go in before its
+        # call is entered (they may edit its input), its op edits once the recorder has entered it
+        # (and recorded a root's inputs), counted from there.
+        capture.part = None
+        plan = capture.edit_plan
+        assert plan is not None  # an encoder-decoder step with edits holds a plan from its opening
+        plan.merge_hooks(part[1])
+        out = capture.rec.pre_hook(module, args, kwargs)
+        here = len(capture.rec.ops) - sum(1 for op in capture.rec.ops if op.name == "edited")
+        plan.merge_ops(part[1], here - part[2])
+        return out
 
     def post_hook(self, module, args, *rest):
         capture = self.capture
@@ -230,9 +259,20 @@ class Session:
         model's encoder call, which step 0 then covers together with the first decoder forward."""
         step = len(self.steps)
         keep = self.keep_steps is None or step in self.keep_steps
-        wanted = self._edits_at(step)
         self.where = f"locating the edit= keys of step {step}"
-        edit_plan = self._locate(args, kwargs, wanted) if wanted else None
+        part = None
+        if self.encoder is None:
+            wanted = self._edits_at(step)
+            edit_plan = plan_edits(self._located(args, kwargs), wanted) if wanted else None
+            applied = tuple(wanted)
+        elif encoder:  # step 0's encoder call: every key resolved, the encoder's sites located
+            edit_plan, part, applied = self._locate_encoder(module, args, kwargs)
+        else:  # a decoder forward after step 0
+            wanted = decoder_sites(self.encdec_keys or [], step)
+            edit_plan = plan_edits(self._located(args, kwargs), wanted) if wanted else None
+            if edit_plan is not None:
+                given_keys(edit_plan, self.encdec_keys or [])
+            applied = tuple(r.key for r in edit_plan.records) if edit_plan is not None else ()
         self.where = f"step {step} ({'the prefill' if step == 0 else f'decode forward {step}'})"
         store = self.store
         if isinstance(store, DirectoryStore):  # one directory per step
@@ -250,7 +290,8 @@ class Session:
         capture.top = module
         capture.kind = "encoder" if encoder else "step"
         capture.keep = keep
-        self.applied[step] = tuple(wanted)
+        capture.part = part
+        self.applied[step] = applied
         if not encoder:  # before the recorder's mode is on: this bookkeeping is no op of the step
             self._note_step(args, kwargs, keep)
         capture.enter()
@@ -283,8 +324,9 @@ class Session:
     def _edits_at(self, step: int) -> dict:
         return {key: value for key, steps, value in self.edits if steps is None or step in steps}
 
-    def _locate(self, args, kwargs, wanted: dict):
-        """The edit plan of one step: a `save="none"` trace of the same call on a copy of its cache."""
+    def _located(self, args, kwargs) -> Trace:
+        """The locating pass of one forward call: a `save="none"` trace of the model on the same
+        arguments, on a copy of its cache, the RNG state restored after it."""
         name, cache = _cache_of(kwargs)
         located_kwargs = dict(kwargs)
         if cache is not None:
@@ -293,18 +335,58 @@ class Session:
         self.locating = True
         try:
             with torch.random.fork_rng(devices=devices):
-                located = trace(
-                    self.model, *args, save="none", roles=self.roles_arg, **located_kwargs
-                )
+                return trace(self.model, *args, save="none", roles=self.roles_arg, **located_kwargs)
         finally:
             self.locating = False
-        return plan_edits(located, wanted)
+
+    def _locate_encoder(self, module, args, kwargs) -> tuple[EditPlan | None, Any, tuple]:
+        """Step 0 of an encoder-decoder generation with `edit=`, before the encoder runs: one full
+        forward of the model on the encoder's arguments (and a one-token decoder input) resolves
+        every key and locates the encoder's sites. Returns the step's plan (empty until each part
+        is placed), the encoder's part and the keys it applies."""
+        if not self.edits:
+            return None, None, ()
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
+        start = getattr(
+            getattr(self.model, "generation_config", None), "decoder_start_token_id", None
+        )
+        decoder_ids = torch.full(
+            (tensors[0].shape[0], 1),
+            start if isinstance(start, int) else 0,
+            dtype=torch.long,
+            device=tensors[0].device,
+        )
+        located = self._located(args, dict(kwargs, decoder_input_ids=decoder_ids, use_cache=False))
+        encoder = self.names[module]
+        self.encdec_keys = resolve_keys(located, encoder, self.edits)
+        plan, first = encoder_plan(located, encoder, self.encdec_keys)
+        part = (module, plan, first) if plan is not None else None
+        applied = tuple(r.key for r in plan.records) if plan is not None else ()
+        return EditPlan(), part, applied
+
+    def _locate_first_decoder(self, capture: _Capture, module, args, kwargs) -> None:
+        """Step 0's decoder forward, after the encoder's call: its sites located as a later step's
+        are, its module calls numbered past the encoder's, placed once the model is entered."""
+        wanted = decoder_sites(self.encdec_keys or [], 0)
+        if not wanted:
+            return
+        self.where = "locating the edit= keys of step 0 (the decoder's first forward)"
+        located = self._located(args, kwargs)
+        plan = plan_edits(located, wanted)
+        given_keys(plan, self.encdec_keys or [])
+        counts = dict(capture.rec.call_counts)
+        plan.move_calls(lambda address, i: i + counts.get(address, 0))
+        capture.part = (module, plan, input_ops(located))
+        self.applied[0] = tuple(dict.fromkeys([*self.applied[0], *(r.key for r in plan.records)]))
+        self.where = "step 0 (the prefill)"
 
     def open_root(self, module, args, kwargs):
         if self.locating or threading.get_ident() != self.thread:
             return None
         capture = self.capture
         if capture is not None and not capture.active:  # after the encoder: step 0 goes on
+            if self.encdec_keys is not None:
+                self._locate_first_decoder(capture, module, args, kwargs)
             self._note_step(args, kwargs, capture.keep)
             capture.resume()
             return None
@@ -359,7 +441,12 @@ class Session:
             return None
         self.capture = None
         capture.exit()
-        self.steps.append(self._assemble(capture, module, args, kwargs, output))
+        if capture.edit_plan is not None and not capture.edit_plan.records:
+            capture.edit_plan = None  # an encoder-decoder step none of the keys edits
+        step = self._assemble(capture, module, args, kwargs, output)
+        if capture.edit_plan is not None:
+            capture.edit_plan.check_placed(step)
+        self.steps.append(step)
         self.where = None
         return None
 
