@@ -175,3 +175,36 @@ def test_a_hook_on_a_copy_only_the_norm_consumes_misses_the_residual_path():
     assert "without the residual path" in explained, explained
     # 3.x names resid_post by the block's hook_out
     assert "blocks.0.hook_resid_mid - blocks.0.hook_out" in explained, explained
+
+
+def test_a_norm_folded_into_centered_weights_loses_the_mean_of_its_gradient():
+    """TransformerLens's `fold_ln` folds a LayerNorm's weight into the layer that reads it and
+    centers that layer's weights over the features: the forward is unchanged (the normalized
+    vector has mean zero), but a hook on the normalized tensor then gets d loss / d normalized
+    without its mean over the features. Made here with plain PyTorch: GPT-2's final norm written
+    out, its output read by an unembedding with the weight folded in and centered, and a tensor
+    hook on the normalized vector."""
+    trace, _ = setting()
+    model = testing.build("gpt2")
+    ln, head = model.transformer.ln_f, model.lm_head
+    folded = ln.weight[:, None] * head.weight.T  # [d_model, vocab]
+    folded = folded - folded.mean(0, keepdim=True)
+    bias = ln.bias @ head.weight.T
+    got = {}
+
+    def forward(x):
+        mu = x.mean(-1, keepdim=True)
+        normalized = (x - mu) / torch.sqrt(((x - mu) ** 2).mean(-1, keepdim=True) + ln.eps)
+        normalized.register_hook(lambda g: got.setdefault("g", g))
+        return normalized
+
+    ln.forward = forward
+    head.forward = lambda n: n @ folded + bias
+    ids = testing.token_ids(1, 6)
+    out = model(ids)
+    with torch.no_grad():  # the folded model is the same function
+        assert torch.allclose(out.logits, testing.build("gpt2")(ids).logits, atol=1e-5)
+    loss_fn(out).backward()
+    report = mi.compare(trace, {"ln_final.hook_normalized": got["g"]}, generation="2.x", of="grad")
+    explained = _explained(report)
+    assert "mean over the features removed" in explained, explained

@@ -14,7 +14,11 @@ trace's own gradients (`trace.modules[address].calls[i].grads`), in the classes 
 5. a residual site's gradient without the residual path: `d/d resid_pre - d/d resid_mid`, only
    what flows through the sublayer; also at a site that reads the same tensor under another
    module's name (a norm's input is the block's `resid_mid`), as a hook on a copy that only the
-   norm consumes gives it (the TransformerLens 4.x bridge's backward hook at `ln2.hook_in`).
+   norm consumes gives it (the TransformerLens 4.x bridge's backward hook at `ln2.hook_in`);
+6. a norm's `normalized` gradient with its mean over the features removed: the engine folded the
+   norm's weights into the layers that read it and centered them (TransformerLens's `fold_ln`
+   does), which leaves the forward unchanged (the normalized vector has mean zero) but drops the
+   gradient's component along the all-ones direction.
 
 Candidates are ranked by relative error; an exact match on another named site outranks a scale
 fit (a factor of 1 is no scale).
@@ -167,6 +171,24 @@ def diagnose_grad(
                     res.facet,
                 )
             )
+        if res.facet == "normalized" and ref.dim() and ref.shape[-1] > 1:
+            centered = ref - ref.double().mean(-1, keepdim=True).to(ref.dtype)
+            found += [
+                _against(
+                    e,
+                    t,
+                    label(here),
+                    "with its mean over the features removed: the engine folded the norm's "
+                    "weights into the layers that read it and centered them (as TransformerLens's "
+                    "fold_ln does), so no change along the all-ones direction reaches the loss; "
+                    "the two agree on every change that keeps the normalized vector's mean zero",
+                    atol,
+                    rtol,
+                    address=res.module_address,
+                    facet=res.facet,
+                )
+                for t in _fits(e, centered, res.facet)
+            ]
         spec = BY_NAME.get(res.facet or "")
         if spec is not None and spec.heads_axis is not None and ref.dim() > spec.heads_axis:
             summed = ref.sum(spec.heads_axis)
