@@ -399,8 +399,8 @@ them (TransformerLens 2.x and nnterp in their engine environments): the gradient
 and each is checked with `compare(..., of="grad")` (`atol=1e-05`, `rtol=1e-04`) against
 `torchlens.trace(model, ids, grads=loss)` of the same weights: d loss / d the tensor the model
 used at that site. **compared** counts every name the engine read that TorchLens serves a
-gradient for; **not served** counts the names it read where TorchLens serves none (a derived
-facet such as GPT-2's LayerNorm `hook_normalized`, the token ids), left out.
+gradient for; **not served** counts the names it read where TorchLens serves none (the token
+ids, Llama's rotary cos and sin), left out.
 """
 
 
