@@ -24,7 +24,7 @@ from torchlens._core.pending import seal_checks
 from torchlens._edits import check_inputs, plan_edits
 from torchlens._trace import Trace
 
-__all__ = ["trace", "finish", "annotate"]
+__all__ = ["trace", "finish", "annotate", "module_names"]
 
 
 def trace(
@@ -135,13 +135,7 @@ def trace(
         inner = model._orig_mod
         assert isinstance(inner, nn.Module)
         model = inner
-    names: dict[nn.Module, str] = {}
-    aliases: dict[str, str] = {}
-    for addr, m in model.named_modules(remove_duplicate=False):
-        if m in names:
-            aliases[addr] = names[m]
-        else:
-            names[m] = addr
+    names, aliases = module_names(model)
     roles = static_roles(model, names, parse_roles(roles, list(names.values())))
     spec = parse_save(save, names.values(), aliases)
     store_to = parse_store(store)
@@ -209,6 +203,19 @@ def trace(
         loss,
         loss_name,
     )
+
+
+def module_names(model: nn.Module) -> tuple[dict[nn.Module, str], dict[str, str]]:
+    """Each module's canonical address (the first `named_modules` gives it), and every other
+    address of a shared module -> its canonical address."""
+    names: dict[nn.Module, str] = {}
+    aliases: dict[str, str] = {}
+    for addr, m in model.named_modules(remove_duplicate=False):
+        if m in names:
+            aliases[addr] = names[m]
+        else:
+            names[m] = addr
+    return names, aliases
 
 
 def finish(

@@ -15,7 +15,7 @@ Every hypothesis that was tested is a `Candidate` of the step, matched or not, w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torchlens._core.errors import LookupFailed
 from torchlens._generation.decode_reference import reference_kwargs, rerun, takes
@@ -31,6 +31,19 @@ __all__ = ["SHIFTS", "key_hypotheses", "shift_hypotheses"]
 
 #: The shifts of the decode positions tried when explaining a step that differs.
 SHIFTS = (1, -1, 2, -2)
+
+
+def _on_pattern(r: Any, what: str, mass: float, matches: bool) -> Candidate:
+    """A hypothesis about row `r`'s pattern: `what` the step's keys are, `mass` the weight on them."""
+    return Candidate(
+        f"{r.module_address}:pattern",
+        what,
+        mass,
+        mass,
+        matches,
+        module_address=r.module_address,
+        facet="pattern",
+    )
 
 
 def _pattern_pair(step_trace: Trace, full: Trace, call, new: int):
@@ -85,7 +98,7 @@ def key_hypotheses(
         kd = a.shape[-1]
         extra = (a64 > tol) & (b64 <= tol)  # attended, but masked by the full forward
         missing = (b64 > tol) & (a64 <= tol)  # attended by the full forward, not by the step
-        site = f"{r.module_address}:pattern"
+
         if bool(extra.any()):
             cols = [int(c) for c in extra.nonzero()[:, -1].tolist()]
             rows_b = sorted({int(x) for x in extra.nonzero()[:, 0].tolist()})
@@ -105,14 +118,11 @@ def key_hypotheses(
                     f"and the full forward masks: a padded row's cache is not masked at decode"
                 )
                 out.append(
-                    Candidate(
-                        site,
+                    _on_pattern(
+                        r,
                         "keys the full forward masks: padding of a row (the attention mask's 0s)",
                         mass,
-                        mass,
                         True,
-                        module_address=r.module_address,
-                        facet="pattern",
                     )
                 )
                 return text, out
@@ -123,15 +133,7 @@ def key_hypotheses(
                     f"is not applied at decode (a window applied on the prefill only)"
                 )
                 out.append(
-                    Candidate(
-                        site,
-                        f"keys outside the sliding window of {window}",
-                        mass,
-                        mass,
-                        True,
-                        module_address=r.module_address,
-                        facet="pattern",
-                    )
+                    _on_pattern(r, f"keys outside the sliding window of {window}", mass, True)
                 )
                 return text, out
             if kd > kr and all(c >= kr for c in cols):
@@ -139,27 +141,11 @@ def key_hypotheses(
                     f"the step gives weight (up to {mass:.3g}) to slot(s) {_positions(cols)} of its cache buffer, past "
                     f"the {kr} positions of the prefix: the unused slots of a static cache are not masked"
                 )
-                out.append(
-                    Candidate(
-                        site,
-                        "unused slots of a static cache",
-                        mass,
-                        mass,
-                        True,
-                        module_address=r.module_address,
-                        facet="pattern",
-                    )
-                )
+                out.append(_on_pattern(r, "unused slots of a static cache", mass, True))
                 return text, out
             out.append(
-                Candidate(
-                    site,
-                    f"keys the full forward masks (positions {_positions(cols)})",
-                    mass,
-                    mass,
-                    False,
-                    module_address=r.module_address,
-                    facet="pattern",
+                _on_pattern(
+                    r, f"keys the full forward masks (positions {_positions(cols)})", mass, False
                 )
             )
         own = set(range(prefix - new, prefix))
@@ -172,26 +158,15 @@ def key_hypotheses(
                     f"gives them weight up to {mass:.3g}): it read the cache before writing this step's keys into it"
                 )
                 out.append(
-                    Candidate(
-                        site,
-                        "the step's own keys missing from the keys it read",
-                        mass,
-                        mass,
-                        True,
-                        module_address=r.module_address,
-                        facet="pattern",
-                    )
+                    _on_pattern(r, "the step's own keys missing from the keys it read", mass, True)
                 )
                 return text, out
             out.append(
-                Candidate(
-                    site,
+                _on_pattern(
+                    r,
                     f"keys the step did not attend to (positions {_positions(cols)})",
                     mass,
-                    mass,
                     False,
-                    module_address=r.module_address,
-                    facet="pattern",
                 )
             )
         # scores that differ only in the step's own key columns: a stale slot read before the write

@@ -23,6 +23,7 @@ from torchlens._core.errors import GenerateSpecError, TorchLensError
 from torchlens._generation.arguments import check_settings, split_edits, step_set
 from torchlens._generation.result import GenerationTrace
 from torchlens._generation.session import Session
+from torchlens._tracing import module_names
 
 __all__ = ["trace_generate"]
 
@@ -128,13 +129,7 @@ def trace_generate(
     limit = check_settings(model, generate_kwargs, prompt_length)
     keep_steps = step_set(steps, "steps", limit)
     given, edits = split_edits(edit, limit)
-    names: dict[nn.Module, str] = {}
-    aliases: dict[str, str] = {}
-    for addr, m in model.named_modules(remove_duplicate=False):
-        if m in names:
-            aliases[addr] = names[m]
-        else:
-            names[m] = addr
+    names, aliases = module_names(model)
     static = static_roles(model, names, parse_roles(roles, list(names.values())))
     spec_keep = parse_save(save, names.values(), aliases)
     spec_none = parse_save("none", names.values(), aliases)
