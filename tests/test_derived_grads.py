@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
+from test_grads import build as grads_build
+from test_grads import loss_fn
 from torch import nn
 
 import torchlens as tl
@@ -37,23 +38,8 @@ FAMILIES = {
 
 
 def build(family: str, dtype=torch.float32, impl: str = "eager") -> nn.Module:
-    if family == "bert":
-        cfg = transformers.BertConfig(
-            vocab_size=testing.VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=64,
-        )
-        return testing.from_config(cfg, transformers.BertForMaskedLM, impl, dtype)
-    return testing.build(family, impl, dtype)
-
-
-def loss_fn(out):
-    """A logit difference at the last position plus a log-sum-exp elsewhere."""
-    logits = out.logits
-    return logits[0, -1, 3] - logits[0, -1, 5] + 0.1 * logits[0, 2].logsumexp(-1)
+    """The family's tiny seeded model (BERT as a masked LM), as the gradient tests build it."""
+    return grads_build(family, impl, dtype)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, scale: float = 0.0) -> bool:
