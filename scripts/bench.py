@@ -455,9 +455,10 @@ def time_modes(
     return samples
 
 
-def saved_bytes(trace) -> int:
+def saved_bytes(trace, with_output: bool = False) -> int:
     """Bytes of distinct tensor storage a TorchLens trace keeps alive (op outputs, facets and,
-    for a trace taken with `grads=`, the facets' gradients)."""
+    for a trace taken with `grads=`, the facets' gradients); `with_output` adds the model's return
+    value the trace holds (`trace.output`: the logits, the KV cache), counted once."""
     seen, total = set(), 0
     tensors = [t for op in trace.ops for t in op.tensors if t is not None]
     tensors += [
@@ -475,6 +476,8 @@ def saved_bytes(trace) -> int:
         for s in c.grads.sites.values()
         if isinstance(s.__dict__.get("tensor"), torch.Tensor)
     ]
+    if with_output:
+        tensors += _tensors_in(trace.output)
     for t in tensors:
         st = t.untyped_storage()
         if st.data_ptr() not in seen:
@@ -503,7 +506,9 @@ def _trim() -> bool:
         return False
 
 
-def _measure_memory(fn, warm, trace_type=None, grad: bool = False) -> dict:
+def _measure_memory(
+    fn, warm, trace_type=None, grad: bool = False, with_output: bool = False
+) -> dict:
     with torch.set_grad_enabled(grad):
         warm()
         warm()
@@ -518,6 +523,8 @@ def _measure_memory(fn, warm, trace_type=None, grad: bool = False) -> dict:
         out["held_trimmed_bytes"] = _status("VmRSS") - base
     if trace_type is not None and isinstance(result, trace_type):
         out["kept_bytes"] = saved_bytes(result)
+        if with_output:
+            out["kept_with_output_bytes"] = saved_bytes(result, with_output=True)
     return out
 
 
@@ -1003,7 +1010,7 @@ def gradient_memory_child(name: str, mode: str) -> dict:
     import torchlens as tl
 
     fn, warm = gradient_modes(name, [mode])[mode]
-    return _measure_memory(fn, warm, tl.Trace, mode not in TORCHLENS_GRAD_MODES)
+    return _measure_memory(fn, warm, tl.Trace, mode not in TORCHLENS_GRAD_MODES, with_output=True)
 
 
 def gradient_bench(name: str, rounds: int, memory: bool = True, modes=None) -> dict:
@@ -1039,9 +1046,7 @@ def gradient_bench(name: str, rounds: int, memory: bool = True, modes=None) -> d
                 f"by {diff:.3g} (largest element {scale:.3g}): the modes would not compare equal work"
             )
     cpu: dict[str, list[float]] = {}
-    samples = time_modes(
-        {_timed_name(m): made[m][0] for m in wanted}, rounds, SETTLE[0], cpu
-    )
+    samples = time_modes({_timed_name(m): made[m][0] for m in wanted}, rounds, SETTLE[0], cpu)
     base = _timed_name("fb")
     rows = {}
     for m in wanted:
@@ -1061,8 +1066,10 @@ def gradient_bench(name: str, rounds: int, memory: bool = True, modes=None) -> d
     if memory:
         for m in wanted:
             rows[m].update(_child(sys.executable, f"gradient_memory_child({name!r}, {m!r})"))
-    for m, r in rows.items():
-        mem = f"  peak +{r['peak_growth_bytes'] / 2**20:8.1f} MiB" if "peak_growth_bytes" in r else ""
+    for r in rows.values():
+        mem = (
+            f"  peak +{r['peak_growth_bytes'] / 2**20:8.1f} MiB" if "peak_growth_bytes" in r else ""
+        )
         mem += f"  kept {r['kept_bytes'] / 2**20:8.1f} MiB" if "kept_bytes" in r else ""
         mem += f"  error: {r['error']}" if "error" in r else ""
         print(
