@@ -59,6 +59,20 @@ Modes:
         `save="all"` less than `floor_keep`, on the same model in the same rounds.
     pypi: PyPI `torchlens` 2.36.1 `trace(model, ids)` (its default saves every layer's output).
 
+Gradients (`--gradients MODEL...`, its own JSON and its own section of the page): every model's
+weights frozen, the loss the logsumexp of the last position's logits (`last_logsumexp`).
+    fb: the plain forward and backward, `loss(model(ids)).backward()`, with the embeddings' outputs
+        made autograd leaves (`_embedding_leaves`): the backward runs down to the embeddings and
+        writes no parameter's `.grad`, the work TorchLens's backward does for `save="all"`.
+    fb_hooks: the same with a tensor hook (`register_hook`) keeping each block output's gradient:
+        the reference every other mode's gradient at the middle block's output is checked against
+        before the timed rounds (the run stops on a mismatch).
+    grad_all, grad_resid_post: `trace(model, ids, save=..., grads=loss)` under `torch.no_grad()`.
+    tl_bwd: TransformerLens 4.x, the bridge's caching hooks for every hook point forward and
+        backward (`get_caching_hooks(incl_bwd=True)` under `bridge.hooks(...)`).
+    nnsight_grad: nnsight, every block's output read in the trace and its `.grad` saved inside
+        `with loss.backward():`.
+
 The working tree may be in flux; to measure one commit, export it and say which:
 
     git archive HEAD src | tar -x -C build/bench-src
@@ -70,6 +84,8 @@ Usage:
     python scripts/bench.py --models tiny L12-T128 --modes none resid_post --threads 1   # a few modes
     python scripts/bench.py --profile L12-T1024 --json build/profile.json   # where save="all" spends
     python scripts/bench.py --models tiny --threads 1 --grad on --modes all tl_cache   # autograd only
+    python scripts/bench.py --gradients L12-T128 L12-T1024 --threads 1 --mmap-threshold 65536 \
+        --json build/gradients.json                                  # trace(..., grads=)
 """
 
 from __future__ import annotations

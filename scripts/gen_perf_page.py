@@ -8,6 +8,8 @@ Usage:
     python scripts/bench.py --json build/bench.json
     python scripts/bench.py --profile L12-T1024 --json build/profile.json
     python scripts/gen_perf_page.py --run build/bench.json --profile build/profile.json
+    python scripts/bench.py --gradients L12-T128 L12-T1024 --threads 1 --json build/gradients.json
+    python scripts/gen_perf_page.py --gradients build/gradients.json
     python scripts/gen_perf_page.py --check   # exit 1 if the page or a chart differs from the data
 """
 
