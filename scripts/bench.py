@@ -84,8 +84,7 @@ Usage:
     python scripts/bench.py --models tiny L12-T128 --modes none resid_post --threads 1   # a few modes
     python scripts/bench.py --profile L12-T1024 --json build/profile.json   # where save="all" spends
     python scripts/bench.py --models tiny --threads 1 --grad on --modes all tl_cache   # autograd only
-    python scripts/bench.py --gradients L12-T128 L12-T1024 --threads 1 --mmap-threshold 65536 \
-        --json build/gradients.json                                  # trace(..., grads=)
+    python scripts/bench.py --gradients L12-T128 L12-T1024 --threads 1 --json build/gradients.json
 """
 
 from __future__ import annotations
