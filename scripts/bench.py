@@ -59,6 +59,20 @@ Modes:
         `save="all"` less than `floor_keep`, on the same model in the same rounds.
     pypi: PyPI `torchlens` 2.36.1 `trace(model, ids)` (its default saves every layer's output).
 
+Gradients (`--gradients MODEL...`, its own JSON and its own section of the page): every model's
+weights frozen, the loss the logsumexp of the last position's logits (`last_logsumexp`).
+    fb: the plain forward and backward, `loss(model(ids)).backward()`, with the embeddings' outputs
+        made autograd leaves (`_embedding_leaves`): the backward runs down to the embeddings and
+        writes no parameter's `.grad`, the work TorchLens's backward does for `save="all"`.
+    fb_hooks: the same with a tensor hook (`register_hook`) keeping each block output's gradient:
+        the reference every other mode's gradient at the middle block's output is checked against
+        before the timed rounds (the run stops on a mismatch).
+    grad_all, grad_resid_post: `trace(model, ids, save=..., grads=loss)` under `torch.no_grad()`.
+    tl_bwd: TransformerLens 4.x, the bridge's caching hooks for every hook point forward and
+        backward (`get_caching_hooks(incl_bwd=True)` under `bridge.hooks(...)`).
+    nnsight_grad: nnsight, every block's output read in the trace and its `.grad` saved inside
+        `with loss.backward():`.
+
 The working tree may be in flux; to measure one commit, export it and say which:
 
     git archive HEAD src | tar -x -C build/bench-src
@@ -70,6 +84,7 @@ Usage:
     python scripts/bench.py --models tiny L12-T128 --modes none resid_post --threads 1   # a few modes
     python scripts/bench.py --profile L12-T1024 --json build/profile.json   # where save="all" spends
     python scripts/bench.py --models tiny --threads 1 --grad on --modes all tl_cache   # autograd only
+    python scripts/bench.py --gradients L12-T128 L12-T1024 --threads 1 --json build/gradients.json
 """
 
 from __future__ import annotations
@@ -323,6 +338,20 @@ def _nnsight(name: str):
 def _tl_cache(name: str):
     """TransformerLens 4.x's bridge booted from its own copy of the same random-init model:
     `(run_with_cache, the bridge's forward, the booted copy)`."""
+    bridge, model, ids = _boot_bridge(name)
+
+    def run():  # in the caller's grad mode
+        return bridge.run_with_cache(ids)
+
+    def plain():
+        return bridge(ids)
+
+    return run, plain, model
+
+
+def _boot_bridge(name: str):
+    """`(bridge, the booted copy, ids)`: TransformerLens 4.x's `TransformerBridge` booted from its
+    own copy of the model `build(name)` gives (`boot_transformers(..., hf_model=copy)`)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformer_lens.model_bridge import TransformerBridge
 
@@ -340,14 +369,7 @@ def _tl_cache(name: str):
     with tempfile.TemporaryDirectory() as tokdir, contextlib.redirect_stdout(sys.stderr):
         tok.save_pretrained(tokdir)  # boot reloads the tokenizer from its name_or_path
         bridge = TransformerBridge.boot_transformers(tokdir, hf_model=model, device="cpu")
-
-    def run():  # in the caller's grad mode
-        return bridge.run_with_cache(ids)
-
-    def plain():
-        return bridge(ids)
-
-    return run, plain, model
+    return bridge, model, ids
 
 
 def _store_dir() -> str:
@@ -448,8 +470,10 @@ def time_modes(
     return samples
 
 
-def saved_bytes(trace) -> int:
-    """Bytes of distinct tensor storage a TorchLens trace keeps alive (op outputs and facets)."""
+def saved_bytes(trace, with_output: bool = False) -> int:
+    """Bytes of distinct tensor storage a TorchLens trace keeps alive (op outputs, facets and,
+    for a trace taken with `grads=`, the facets' gradients); `with_output` adds the model's return
+    value the trace holds (`trace.output`: the logits, the KV cache), counted once."""
     seen, total = set(), 0
     tensors = [t for op in trace.ops for t in op.tensors if t is not None]
     tensors += [
@@ -459,6 +483,16 @@ def saved_bytes(trace) -> int:
         for s in c.facets.sites.values()
         if s.tensor is not None
     ]
+    tensors += [  # with grads=: the gradients it keeps (a derived one once it has been computed)
+        s.__dict__.get("tensor")
+        for r in trace.modules.values()
+        for c in r.calls
+        if c.grads is not None
+        for s in c.grads.sites.values()
+        if isinstance(s.__dict__.get("tensor"), torch.Tensor)
+    ]
+    if with_output:
+        tensors += _tensors_in(trace.output)
     for t in tensors:
         st = t.untyped_storage()
         if st.data_ptr() not in seen:
@@ -487,7 +521,9 @@ def _trim() -> bool:
         return False
 
 
-def _measure_memory(fn, warm, trace_type=None, grad: bool = False) -> dict:
+def _measure_memory(
+    fn, warm, trace_type=None, grad: bool = False, with_output: bool = False
+) -> dict:
     with torch.set_grad_enabled(grad):
         warm()
         warm()
@@ -502,6 +538,8 @@ def _measure_memory(fn, warm, trace_type=None, grad: bool = False) -> dict:
         out["held_trimmed_bytes"] = _status("VmRSS") - base
     if trace_type is not None and isinstance(result, trace_type):
         out["kept_bytes"] = saved_bytes(result)
+        if with_output:
+            out["kept_with_output_bytes"] = saved_bytes(result, with_output=True)
     return out
 
 
@@ -830,6 +868,240 @@ def generation_bench(
     return out
 
 
+# -- gradients: trace(..., grads=) against a plain forward and backward -------------------------
+
+#: The gradient modes, in the order they run each round.
+GRADIENT_MODES = ["fb", "fb_hooks", "grad_all", "grad_resid_post", "tl_bwd", "nnsight_grad"]
+GRADIENT_LABELS = {
+    "fb": "plain forward + backward",
+    "fb_hooks": "forward + backward, a tensor hook keeping each block output's gradient",
+    "grad_all": "TorchLens save='all', grads=loss",
+    "grad_resid_post": "TorchLens save=['resid_post'], grads=loss",
+    "tl_bwd": "TransformerLens 4.3 caching hooks with backward hooks (every hook point)",
+    "nnsight_grad": "nnsight, every block output's .grad saved",
+}
+#: The TorchLens gradient modes: called under `torch.no_grad()`, as the Gradients guide calls
+#: them (`grads=` turns autograd on for the trace's own forward); every other mode runs with it on.
+TORCHLENS_GRAD_MODES = ("grad_all", "grad_resid_post")
+#: How far a mode's gradient at the checked block output may be from the hook baseline's, relative
+#: to the largest element there (TransformerLens runs eager attention, GPT-2 here sdpa).
+GRAD_CHECK_RTOL = 1e-4
+
+
+def last_logsumexp(out) -> torch.Tensor:
+    """The loss of every gradient mode: the logsumexp of the last position's logits."""
+    logits = getattr(out, "logits", out)
+    return logits[0, -1].logsumexp(-1)
+
+
+@contextlib.contextmanager
+def _embedding_leaves(model):
+    """While the block runs, the output of each of `model`'s `nn.Embedding`s is made an autograd
+    leaf: with frozen weights nothing else requires grad, so a backward of the loss goes through
+    every layer down to the embeddings (as TorchLens's backward for `save='all'` does) and writes
+    no parameter's `.grad`."""
+
+    def leaf(mod, args, out):
+        return out if out.requires_grad else out.requires_grad_()
+
+    handles = [
+        m.register_forward_hook(leaf) for m in model.modules() if isinstance(m, torch.nn.Embedding)
+    ]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def forward_backward(model, ids, blocks=()) -> dict:
+    """`last_logsumexp(model(ids)).backward()` with autograd on, the weights frozen and the
+    embeddings' outputs the leaves; with `blocks`, a forward hook on each registers a tensor hook
+    keeping the gradient at its output (returned by block index)."""
+    kept: dict[int, torch.Tensor] = {}
+    handles = []
+    for i, block in enumerate(blocks):
+
+        def keep(mod, args, out, i=i):
+            out.register_hook(lambda g: kept.__setitem__(i, g))
+
+        handles.append(block.register_forward_hook(keep))
+    try:
+        with torch.enable_grad(), _embedding_leaves(model):
+            last_logsumexp(model(ids)).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return kept
+
+
+def _tl_bwd(name: str):
+    """TransformerLens 4.x: the bridge's caching hooks for every hook point, forward and backward
+    (`get_caching_hooks(incl_bwd=True)`, what `run_with_cache(incl_bwd=True)` adds), over a forward
+    and a backward of the loss: `(run, the bridge's plain forward and backward)`."""
+    bridge, _model, ids = _boot_bridge(name)
+    bridge.requires_grad_(False)
+
+    def run():
+        cache, fwd, bwd = bridge.get_caching_hooks(incl_bwd=True)
+        with (
+            torch.enable_grad(),
+            _embedding_leaves(bridge),
+            bridge.hooks(fwd_hooks=fwd, bwd_hooks=bwd),
+        ):
+            last_logsumexp(bridge(ids)).backward()
+        return cache
+
+    return run, lambda: forward_backward(bridge, ids)
+
+
+def _nnsight_grad(name: str):
+    """nnsight on its own copy of the model: every block's output read in the trace, and its
+    `.grad` saved inside `with loss.backward():` (latest block first, as nnsight requires)."""
+    from nnsight import NNsight
+
+    model, ids = build(name)
+    model.requires_grad_(False)
+    engine = NNsight(model)
+    n = model.config.n_layer
+
+    def run():
+        with torch.enable_grad(), _embedding_leaves(model), engine.trace(ids):
+            outs = [engine.transformer.h[i].output for i in range(n)]
+            loss = last_logsumexp(engine.output)
+            saved = list().save()
+            with loss.backward():
+                for i in reversed(range(n)):
+                    saved.append(outs[i].grad.save())
+        return saved[::-1]
+
+    return run, lambda: forward_backward(model, ids)
+
+
+def gradient_modes(name: str, wanted: list[str]) -> dict:
+    """`mode -> (run, the plain forward and backward of the model run uses)` for the gradient
+    modes in `wanted`; every model's weights are frozen, as interpretability code has them."""
+    import torchlens as tl
+
+    model, ids = build(name)
+    model.requires_grad_(False)
+    blocks = list(model.transformer.h)
+
+    def fb():
+        return forward_backward(model, ids)
+
+    def trace(save):
+        return lambda: tl.trace(model, ids, save=save, grads=last_logsumexp)
+
+    fns = {
+        "fb": (fb, fb),
+        "fb_hooks": (lambda: forward_backward(model, ids, blocks), fb),
+        "grad_all": (trace("all"), fb),
+        "grad_resid_post": (trace(["resid_post"]), fb),
+    }
+    if "tl_bwd" in wanted:
+        fns["tl_bwd"] = _tl_bwd(name)
+    if "nnsight_grad" in wanted:
+        fns["nnsight_grad"] = _nnsight_grad(name)
+    return {m: fns[m] for m in wanted}
+
+
+def _block_grad(mode: str, result, k: int) -> torch.Tensor:
+    """The gradient a mode's result holds at block `k`'s output."""
+    if mode in TORCHLENS_GRAD_MODES:
+        return result.modules[f"transformer.h.{k}"].grads["resid_post"]
+    if mode == "tl_bwd":
+        return result[f"blocks.{k}.hook_out_grad"]
+    return result[k]  # fb_hooks, nnsight_grad
+
+
+def _timed_name(mode: str) -> str:
+    return mode if mode in TORCHLENS_GRAD_MODES else mode + GRAD
+
+
+def gradient_memory_child(name: str, mode: str) -> dict:
+    """In a fresh process: how far one run of gradient mode `mode` raises the peak resident set,
+    after two plain forwards and backwards of the model it uses."""
+    import torchlens as tl
+
+    fn, warm = gradient_modes(name, [mode])[mode]
+    return _measure_memory(fn, warm, tl.Trace, mode not in TORCHLENS_GRAD_MODES, with_output=True)
+
+
+def gradient_bench(name: str, rounds: int, memory: bool = True, modes=None) -> dict:
+    """Each gradient mode on `name`: first its gradient at the middle block's output checked
+    against the tensor-hook baseline's (a mismatch stops the run: the modes must do the same
+    work), then interleaved timed rounds in one process (median, paired ratio to the plain forward
+    and backward, wall and CPU), then, with `memory`, each mode once more in a fresh process."""
+    import warnings
+
+    warnings.filterwarnings("ignore", module="nnsight")
+    wanted = [m for m in GRADIENT_MODES if not modes or m in modes or m in ("fb", "fb_hooks")]
+    print(
+        f"gradients {name}: {', '.join(wanted)}; {rounds} rounds, "
+        f"{torch.get_num_threads()} torch thread(s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    load_before = _loadavg()
+    made = gradient_modes(name, wanted)
+    k = spec(name)["n_layer"] // 2
+    ref = made["fb_hooks"][0]()[k]
+    checks = {}
+    for m in wanted:
+        if m in ("fb", "fb_hooks"):
+            continue
+        with torch.set_grad_enabled(m not in TORCHLENS_GRAD_MODES):
+            g = _block_grad(m, made[m][0](), k).detach().reshape(ref.shape)
+        diff, scale = (g - ref).abs().max().item(), ref.abs().max().item()
+        checks[m] = {"max_abs_diff": diff, "ref_max_abs": scale}
+        if not diff <= GRAD_CHECK_RTOL * scale:
+            raise SystemExit(
+                f"{m}: the gradient at transformer.h.{k}'s output differs from the hook baseline's "
+                f"by {diff:.3g} (largest element {scale:.3g}): the modes would not compare equal work"
+            )
+    cpu: dict[str, list[float]] = {}
+    samples = time_modes({_timed_name(m): made[m][0] for m in wanted}, rounds, SETTLE[0], cpu)
+    base = _timed_name("fb")
+    rows = {}
+    for m in wanted:
+        t = _timed_name(m)
+        rows[m] = {
+            "label": GRADIENT_LABELS[m],
+            "median_s": statistics.median(samples[t]),
+            "ratio": _paired_ratio(samples[t], samples[base]),
+            "cpu_median_s": statistics.median(cpu[t]),
+            "cpu_ratio": _paired_ratio(cpu[t], cpu[base]),
+            "samples": samples[t],
+            "cpu_samples": cpu[t],
+        }
+        if m in checks:
+            rows[m]["check"] = checks[m]
+    del made
+    if memory:
+        for m in wanted:
+            rows[m].update(_child(sys.executable, f"gradient_memory_child({name!r}, {m!r})"))
+    for r in rows.values():
+        mem = (
+            f"  peak +{r['peak_growth_bytes'] / 2**20:8.1f} MiB" if "peak_growth_bytes" in r else ""
+        )
+        mem += f"  kept {r['kept_bytes'] / 2**20:8.1f} MiB" if "kept_bytes" in r else ""
+        mem += f"  error: {r['error']}" if "error" in r else ""
+        print(
+            f"  {r['label']:72s} {r['median_s'] * 1e3:10.2f} ms  {r['ratio']:5.2f}x  "
+            f"cpu {r['cpu_ratio']:5.2f}x{mem}",
+            file=sys.stderr,
+        )
+    return {
+        "spec": spec(name),
+        "rounds": rounds,
+        "checked_at": f"transformer.h.{k}",
+        "modes": rows,
+        "load_before": load_before,
+        "load_after": _loadavg(),
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Benchmark TorchLens capture side by side.")
     parser.add_argument("--json", help="write the results here")
@@ -901,10 +1173,57 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--new-tokens", type=int, default=32, help="new tokens per generation (default 32)"
     )
+    parser.add_argument(
+        "--gradients",
+        metavar="MODEL",
+        nargs="+",
+        help="benchmark trace(..., grads=) on each MODEL (e.g. L12-T128 L12-T1024) against a plain "
+        "forward and backward, TransformerLens's backward hooks and nnsight's .grad, print the "
+        "JSON and exit",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="with --gradients: mark the JSON as a smoke run (few rounds, small models, not the "
+        "measurement; the Performance page says so)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads[0])
     MMAP_THRESHOLD[0] = args.mmap_threshold
     SETTLE[0] = args.settle
+    if args.gradients:
+        import torchlens as tl
+
+        if args.modes and set(args.modes) - set(GRADIENT_MODES):
+            raise SystemExit(
+                f"unknown gradient mode(s) {sorted(set(args.modes) - set(GRADIENT_MODES))}: "
+                f"use {', '.join(GRADIENT_MODES)}"
+            )
+        out = {
+            "machine": {
+                "cpus": os.cpu_count(),
+                "torch_threads": torch.get_num_threads(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "torchlens": tl.__version__,
+                "torchlens_commit": os.environ.get("BENCH_COMMIT"),
+                "load_at_start": _loadavg(),
+                "mmap_threshold": MMAP_THRESHOLD[0],
+            },
+            "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "smoke": args.smoke,
+            "models": {},
+        }
+        for name in args.gradients:
+            rounds = args.rounds or (21 if name == "tiny" else 5)
+            out["models"][name] = gradient_bench(name, rounds, not args.no_memory, args.modes)
+            if args.json:  # after every model, so a run that dies keeps what it measured
+                os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+                with open(args.json, "w") as f:
+                    json.dump(out, f, indent=1)
+        print(json.dumps(out, indent=1))
+        return 0
     if args.generation:
         g = generation_bench(
             args.generation,

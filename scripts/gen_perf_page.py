@@ -8,6 +8,8 @@ Usage:
     python scripts/bench.py --json build/bench.json
     python scripts/bench.py --profile L12-T1024 --json build/profile.json
     python scripts/gen_perf_page.py --run build/bench.json --profile build/profile.json
+    python scripts/bench.py --gradients L12-T128 L12-T1024 --threads 1 --json build/gradients.json
+    python scripts/gen_perf_page.py --gradients build/gradients.json
     python scripts/gen_perf_page.py --check   # exit 1 if the page or a chart differs from the data
 """
 
@@ -32,6 +34,9 @@ PROFILE = ASSETS / "performance-profile.json"
 GENERATION = ASSETS / "performance-generation.json"
 #: The issue's targets for trace_generate, as ratios to model.generate.
 GENERATION_TARGETS = {"gen_resid_post": 1.2, "gen_all": 1.5}
+#: A `bench.py --gradients MODEL... --json ...` run: trace(..., grads=) against a plain forward and
+#: backward, TransformerLens's backward hooks and nnsight's `.grad`.
+GRADIENTS = ASSETS / "performance-gradients.json"
 
 #: Text after this line in docs/performance.md is written by hand and kept when the page is regenerated.
 APPENDED = "<!-- hand-written below: kept by gen_perf_page.py -->"
@@ -871,6 +876,154 @@ def generation_section(gen: dict) -> str:
     return "\n".join(lines)
 
 
+#: The issue's targets for `trace(..., grads=)`, as ratios to a plain forward and backward.
+GRADIENT_TARGETS = {"grad_all": 1.3, "grad_resid_post": 1.1}
+#: The models the gradient targets name (GPT-2 small at 128 and 1024 tokens).
+GRADIENT_TARGET_MODELS = ("L12-T128", "L12-T1024")
+
+
+def _grad_row(mode: str, row: dict) -> str:
+    check = row.get("check")
+    diff = (
+        "reference"
+        if mode == "fb_hooks"
+        else "—"
+        if check is None
+        else f"{check['max_abs_diff']:.1e} (of {check['ref_max_abs']:.2g})"
+    )
+    if "error" in row:
+        mem = ["failed", "", ""]
+    else:
+        held = row.get("held_trimmed_bytes", row.get("held_bytes"))
+        kept = row.get("kept_with_output_bytes", row.get("kept_bytes"))
+        mem = [
+            _mib(row["peak_growth_bytes"]) if "peak_growth_bytes" in row else "—",
+            _mib(held) if held is not None else "—",
+            _mib(kept) if kept is not None else "—",
+        ]
+    return (
+        f"| {_label(row['label'])} | {_fmt_time(row['median_s'])} | {row['ratio']:.2f}× | "
+        f"{row['cpu_ratio']:.2f}× | {diff} | " + " | ".join(mem) + " |"
+    )
+
+
+def _gradient_targets(models: dict) -> list[str]:
+    """The gradient targets, each met or not in this run: time on both the wall-clock and the CPU
+    ratio (met only if both are within), peak memory against the plain forward and backward's
+    peak plus what the trace keeps."""
+    rows = []
+    for name in GRADIENT_TARGET_MODELS:
+        if name not in models:
+            rows.append(
+                f"| every target on {_title(name, _spec(name))} | not measured | **not met** |"
+            )
+            continue
+        modes, title = models[name]["modes"], _title(name, models[name]["spec"])
+        fb = modes["fb"]
+        for mode, limit in GRADIENT_TARGETS.items():
+            r = modes.get(mode)
+            if r is None:
+                continue
+            ok = r["ratio"] <= limit and r["cpu_ratio"] <= limit
+            rows.append(
+                f"| {_label(r['label'])} at most {limit:g}× a plain forward and backward, {title} "
+                f"| {r['ratio']:.2f}× (cpu {r['cpu_ratio']:.2f}×) | {'met' if ok else '**not met**'} |"
+            )
+            kept = r.get("kept_with_output_bytes", r.get("kept_bytes"))
+            if "peak_growth_bytes" in r and "peak_growth_bytes" in fb and kept is not None:
+                limit_b = fb["peak_growth_bytes"] + kept
+                rows.append(
+                    f"| {_label(r['label'])} peak at most the plain forward and backward's "
+                    f"({_mib(fb['peak_growth_bytes'])} MiB) plus what the trace keeps "
+                    f"({_mib(kept)} MiB), {title} | {_mib(r['peak_growth_bytes'])} MiB "
+                    f"| {'met' if r['peak_growth_bytes'] <= limit_b else '**not met**'} |"
+                )
+    return rows
+
+
+def gradients_section(data: dict) -> str:
+    """The Gradients section: each gradient mode's time and memory beside a plain forward and
+    backward, TransformerLens's backward hooks and nnsight's `.grad`, the gradient check that
+    makes them equal work, and the targets, all from one `bench.py --gradients` run."""
+    m = data["machine"]
+    names = list(data["models"])
+    lines = [
+        "## Gradients",
+        "",
+    ]
+    if data.get("smoke"):
+        lines += [
+            '!!! warning "Smoke run, not the measurement"',
+            "    These figures come from a smoke run of the benchmark (few rounds, "
+            + ", ".join(f"`{n}`" for n in names)
+            + ") on a loaded machine, committed so that the section renders; they are not the",
+            "    measurement the targets ask for. Regenerate with "
+            "`python scripts/bench.py --gradients L12-T128 L12-T1024 --threads 1 "
+            "--mmap-threshold 65536 --json build/gradients.json` and "
+            "`python scripts/gen_perf_page.py --gradients build/gradients.json`.",
+            "",
+        ]
+    lines += [
+        "`tl.trace(model, ids, save=..., grads=loss)` against a plain forward and backward of the same",
+        "loss on the same model, and the peers' ways of keeping gradients, measured in one run",
+        f"(`python scripts/bench.py --gradients {' '.join(names)}`, started {data.get('started', '?')}):",
+        f"{m['cpus']} CPU cores, {m['torch_threads']} torch thread(s), load average "
+        f"{m['load_at_start'][0]:.2f} at the start"
+        + (f", TorchLens commit `{m['torchlens_commit']}`" if m.get("torchlens_commit") else "")
+        + ".",
+        "",
+        "- The loss of every mode is the logsumexp of the last position's logits.",
+        "- Every model's weights are frozen (`requires_grad_(False)`), as interpretability code has",
+        "  them. The baseline, *plain forward + backward*, is `loss(model(ids)).backward()` with the",
+        "  outputs of the token and position embeddings made autograd leaves by a forward hook: the",
+        "  backward then runs through every layer down to the embeddings and writes no parameter's",
+        "  `.grad`, the work TorchLens's backward does for `save='all'` (it takes the gradient at every",
+        "  kept tensor and at no weight). Unfrozen weights would add every weight's gradient to the",
+        "  baseline, work no mode here needs.",
+        "- TorchLens is called under `torch.no_grad()`, as the Gradients guide calls it (`grads=` turns",
+        "  autograd on for the trace's own forward). With `save=['resid_post']` its backward stops at",
+        "  the first block's output, the earliest tensor it keeps.",
+        "- TransformerLens 4.3: the bridge's caching hooks for every hook point, forward and backward",
+        "  (`get_caching_hooks(incl_bwd=True)` under `bridge.hooks(...)`, what",
+        "  `run_with_cache(incl_bwd=True)` adds), on the bridge booted from its own copy of the model",
+        "  (eager attention); its ratio is to the plain forward and backward of the unbooted model.",
+        "- nnsight 0.8.1: every block's output read in `model.trace(ids)` and its `.grad` saved inside",
+        "  `with loss.backward():`, on its own copy of the model.",
+        "- Same work: before the timed rounds, each mode's gradient at the middle block's output is",
+        "  compared with a tensor hook's (`register_hook`, the second row) and the run stops on a",
+        "  difference above 1e-4 of the largest element; the *check* column is that difference.",
+        "- Time: interleaved rounds after a warm-up, median; ratios are paired per round, wall-clock and",
+        "  CPU time. Memory: each mode once more in a fresh process, after two plain forwards and",
+        "  backwards (*peak*, *held* as above); *kept* is the storage a trace keeps, its gradients and",
+        "  its `output` (the logits) included.",
+        "",
+    ]
+    for name in names:
+        model = data["models"][name]
+        lines += [
+            f"### {_title(name, model['spec'])}, {model['rounds']} rounds",
+            "",
+            f"Checked at `{model['checked_at']}`'s output.",
+            "",
+            "| Mode | Median | × fwd+bwd | × fwd+bwd (CPU) | check: max difference | Peak MiB "
+            "| Held MiB | Kept MiB |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        lines += [_grad_row(mode, row) for mode, row in model["modes"].items()]
+        lines.append("")
+    lines += [
+        "### Targets",
+        "",
+        "Checked in this run. A time target is met only if both the wall-clock and the CPU-time ratio",
+        "are within it.",
+        "",
+        "| target | this run | |",
+        "|---|---:|---|",
+    ]
+    lines += _gradient_targets(data["models"]) + [""]
+    return "\n".join(lines)
+
+
 def outputs(run: dict, profile: dict | None) -> dict[Path, str]:
     run = dict(run)  # a run cut short lists models it never measured: leave those out, and say so
     planned = [n for key in ("table", "token_sweep", "layer_sweep") for n in run.get(key, [])]
@@ -883,6 +1036,8 @@ def outputs(run: dict, profile: dict | None) -> dict[Path, str]:
     page = render(run, profile, list(charts))
     if GENERATION.exists():
         page += "\n" + generation_section(json.loads(GENERATION.read_text()))
+    if GRADIENTS.exists():
+        page += "\n" + gradients_section(json.loads(GRADIENTS.read_text()))
     if PAGE.exists():  # a hand-written section appended after the marker is kept as it is
         old = PAGE.read_text(encoding="utf-8")
         if APPENDED in old:
@@ -899,11 +1054,18 @@ def main(argv: list[str] | None = None) -> int:
         "--generation", help="a bench.py --generation --json result to copy and render"
     )
     parser.add_argument(
+        "--gradients", help="a bench.py --gradients --json result to copy and render"
+    )
+    parser.add_argument(
         "--check", action="store_true", help="report stale files instead of writing them"
     )
     args = parser.parse_args(argv)
-    if args.check and (args.run or args.profile or args.generation):
-        parser.error("--check renders the committed data; it takes no --run/--profile/--generation")
+    if args.check and (args.run or args.profile or args.generation or args.gradients):
+        parser.error(
+            "--check renders the committed data; it takes no --run/--profile/--generation/--gradients"
+        )
+    if args.gradients:
+        shutil.copyfile(args.gradients, GRADIENTS)
     if args.generation:
         shutil.copyfile(args.generation, GENERATION)
     if args.run:

@@ -191,3 +191,101 @@ def test_a_run_with_both_grad_modes_gets_their_tables_and_issue_28s_targets(gen,
     assert line.endswith("| met |" if r <= t else "| **not met** |")
     modes["all+grad"]["grad_over_no_grad"] += 0.5
     assert gen.outputs(graded, profile)[gen.PAGE] != page
+
+
+# -- the gradients bench (`bench.py --gradients`) and its section -------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return script_modules.load("bench")
+
+
+@pytest.fixture(scope="module")
+def tiny_gradients(bench):
+    """One real `bench.py --gradients tiny` run: every mode, one round, no memory children."""
+    return bench.gradient_bench("tiny", 1, memory=False)
+
+
+def test_every_gradient_mode_is_checked_against_a_tensor_hook(bench, tiny_gradients):
+    """Before timing, the bench compares each mode's gradient at the middle block's output with a
+    `register_hook` gradient: every mode but the two hook-based baselines carries that check."""
+    modes = tiny_gradients["modes"]
+    assert list(modes) == bench.GRADIENT_MODES
+    for mode in ("grad_all", "grad_resid_post", "tl_bwd", "nnsight_grad"):
+        check = modes[mode]["check"]
+        assert check["ref_max_abs"] > 0
+        assert check["max_abs_diff"] <= bench.GRAD_CHECK_RTOL * check["ref_max_abs"], mode
+    assert "check" not in modes["fb"] and "check" not in modes["fb_hooks"]
+
+
+def test_a_mode_with_a_wrong_gradient_stops_the_gradient_bench(bench, monkeypatch):
+    """A mode whose gradient is another block's (here: TorchLens's at block 0 served as block 1's)
+    stops the run with the difference, instead of being timed as if it did the same work."""
+    right = bench._block_grad
+
+    def off_by_one(mode, result, k):
+        return right(mode, result, k - 1 if mode == "grad_resid_post" else k)
+
+    monkeypatch.setattr(bench, "_block_grad", off_by_one)
+    with pytest.raises(SystemExit, match=r"grad_resid_post: the gradient at transformer\.h\.1"):
+        bench.gradient_bench("tiny", 1, memory=False, modes=["grad_resid_post"])
+
+
+def _gradient_data(tiny: dict, smoke: bool = False) -> dict:
+    """A `bench.py --gradients` JSON around the tiny run, filed under the first target model's
+    name with memory figures added (the renderer's logic is what these tests change)."""
+    model = copy.deepcopy(tiny)
+    for row in model["modes"].values():
+        row.update(peak_growth_bytes=100 * 2**20, held_bytes=2**20)
+    for mode in ("grad_all", "grad_resid_post"):
+        model["modes"][mode]["kept_with_output_bytes"] = 50 * 2**20
+    return {
+        "machine": {"cpus": 2, "torch_threads": 1, "load_at_start": [1.0, 1.0, 1.0]},
+        "started": "2026-01-01 00:00 UTC",
+        "smoke": smoke,
+        "models": {"L12-T128": model},
+    }
+
+
+def test_the_gradients_section_shows_the_runs_numbers_and_checks_its_targets(gen, tiny_gradients):
+    data = _gradient_data(tiny_gradients)
+    page = gen.gradients_section(data)
+    modes = data["models"]["L12-T128"]["modes"]
+    for row in modes.values():
+        assert f"{row['ratio']:.2f}×" in page and f"{row['cpu_ratio']:.2f}×" in page
+    assert f"{modes['tl_bwd']['check']['max_abs_diff']:.1e}" in page
+    assert "Smoke run" not in page
+    assert "| every target on GPT-2 small, 1024 tokens | not measured | **not met** |" in page
+
+    def target(page: str, mode: str, what: str) -> str:
+        label = gen._label(modes[mode]["label"])
+        return next(ln for ln in page.splitlines() if ln.startswith(f"| {label} {what}"))
+
+    for mode, limit in gen.GRADIENT_TARGETS.items():
+        for wall, cpu, verdict in (
+            (limit - 0.01, limit - 0.01, "| met |"),
+            (limit + 0.01, limit - 0.01, "| **not met** |"),
+            (limit - 0.01, limit + 0.01, "| **not met** |"),
+        ):
+            modes[mode].update(ratio=wall, cpu_ratio=cpu)
+            assert target(gen.gradients_section(data), mode, "at most").endswith(verdict)
+        for peak, verdict in ((150, "| met |"), (151, "| **not met** |")):
+            modes[mode]["peak_growth_bytes"] = peak * 2**20  # plain 100 MiB + kept 50 MiB
+            assert target(gen.gradients_section(data), mode, "peak").endswith(verdict)
+
+
+def test_a_smoke_run_is_labelled_and_the_section_follows_the_committed_file(
+    gen, data, tiny_gradients, tmp_path, monkeypatch
+):
+    run, profile = data
+    assert "Smoke run, not the measurement" in gen.gradients_section(
+        _gradient_data(tiny_gradients, smoke=True)
+    )
+    path = tmp_path / "performance-gradients.json"
+    monkeypatch.setattr(gen, "GRADIENTS", path)
+    assert "## Gradients" not in gen.outputs(run, profile)[gen.PAGE]
+    path.write_text(json.dumps(_gradient_data(tiny_gradients)))
+    assert (
+        gen.gradients_section(_gradient_data(tiny_gradients)) in gen.outputs(run, profile)[gen.PAGE]
+    )
