@@ -381,6 +381,7 @@ class DocItem(MarkdownInlinePythonItem):
         # block's code at its page lines, not the page's Markdown.
         source, filename = self.test_definition.source, str(self.path)
         linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+        _forget_nnsight_source(filename)
         with _ConfigWarnings() as warned:
             self.runner.runtest(
                 self.test_definition, namespace, asyncio_runner=asyncio
@@ -559,6 +560,20 @@ def pytest_collect_file(file_path: pathlib.Path, parent: pytest.Collector):
     if parent.config.option.markdowndocs and file_path.suffix == ".md":
         kept.append(DocPage.from_parent(parent, path=file_path))
     return kept
+
+
+def _forget_nnsight_source(filename: str) -> None:
+    """Drop what nnsight remembers of `filename`'s source. nnsight reads a file once per process
+    and caches the `with` blocks it parsed at each line (also a line where it found none); every
+    block of a page shares the page's file name but has its own source, so a page with several
+    blocks run in one process would have nnsight read another block's lines."""
+    globals_ = sys.modules.get("nnsight.tracing.globals")
+    if globals_ is None:
+        return
+    getattr(globals_, "SOURCES", {}).pop(filename, None)
+    blocks = getattr(globals_, "BLOCKS", {})
+    for key in [k for k in blocks if k and k[0] == filename]:
+        del blocks[key]
 
 
 def _forget_warnings_given_once() -> None:

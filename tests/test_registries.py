@@ -288,6 +288,12 @@ ALLOWED = {
     ): "one cross-section for the eager pattern gradients: learned positions (GPT-2), rotary "
     "grouped-query attention (Llama), softcapped scores (Gemma-2) and an encoder (BERT)",
     (
+        "tests/test_derived_grads.py",
+        "FAMILIES",
+    ): "per family, which norm facets are derived there (LayerNorm's three on GPT-2 and BERT, "
+    "RMSNorm's scale on Llama and Gemma-2) and where its output projection sits: ground truth "
+    "only this test reads, the same cross-section as test_grads'",
+    (
         "tests/test_why_page.py",
         "PEERS",
     ): "the libraries the Why TorchLens page sets beside TorchLens, upstream TorchLens among "
