@@ -4,7 +4,7 @@ caches), their difference, and each site's tolerance from a float64 rerun."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -150,6 +150,26 @@ def _site_name(call, facet: str) -> str:
     return f"{call.address or '<root>'}:{facet}" + (f" (call {call.index})" if call.index else "")
 
 
+def _unmatched(
+    step: int, name: str, call: Any, facet: str, dec: Tensor, ref_shape: tuple | None, why: str
+) -> DecodeRow:
+    """The failed row of a site the full forward cannot be compared at, with why."""
+    return DecodeRow(
+        step,
+        name,
+        call.address,
+        call.index,
+        facet,
+        tuple(dec.shape),
+        ref_shape,
+        "",
+        None,
+        False,
+        None,
+        why,
+    )
+
+
 def compare_sites(
     step: int,
     step_trace: Trace,
@@ -174,17 +194,12 @@ def compare_sites(
             ref = full.modules[call.address].calls[call.index].facets[facet].detach().cpu()
         except (LookupFailed, IndexError) as exc:
             rows.append(
-                DecodeRow(
+                _unmatched(
                     step,
                     name,
-                    call.address,
-                    call.index,
+                    call,
                     facet,
-                    tuple(dec.shape),
-                    None,
-                    "",
-                    None,
-                    False,
+                    dec,
                     None,
                     f"the full forward has no tensor here ({exc})",
                 )
@@ -192,23 +207,8 @@ def compare_sites(
             continue
         lined = align(facet, dec, ref, new)
         if lined is None:
-            rows.append(
-                DecodeRow(
-                    step,
-                    name,
-                    call.address,
-                    call.index,
-                    facet,
-                    tuple(dec.shape),
-                    tuple(ref.shape),
-                    "",
-                    None,
-                    False,
-                    None,
-                    "the shapes do not line up (step "
-                    f"{list(dec.shape)}, full forward {list(ref.shape)})",
-                )
-            )
+            why = f"the shapes do not line up (step {list(dec.shape)}, full forward {list(ref.shape)})"
+            rows.append(_unmatched(step, name, call, facet, dec, tuple(ref.shape), why))
             continue
         a, b, layout = lined
         key = (call.address, call.index, facet)
