@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from torchlens._analysis.facets import derive
+from torchlens._analysis.graph import Graph
 from torchlens._analysis.role_rules import Roles
 from torchlens._analysis.selection import CapturePlan
 from torchlens._analysis.structure import find as find_structure
@@ -66,8 +67,9 @@ def assemble(
     check_compiled(rec, modules)
     drop_overwritten(rec, overwritten)
     with torch.no_grad():
-        structure = find_structure(rec.ops, rec.calls, modules, roles, model, names)
-        sites = derive(rec.ops, rec.calls, modules, None, structure)
+        flow = Graph(rec.ops, rec.calls, modules)  # one data-flow graph for both steps
+        structure = find_structure(rec.ops, rec.calls, modules, roles, model, names, flow)
+        sites = derive(rec.ops, rec.calls, modules, None, structure, flow)
     plan.trim(rec.ops, rec.calls, sites)
     records = module_records(names, aliases, roles, rec.calls, sites)
     plan.check_kept(rec.calls)

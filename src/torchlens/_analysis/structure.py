@@ -183,6 +183,7 @@ def find(
     roles: Roles,
     model: nn.Module,
     names: dict[nn.Module, str],
+    flow: Graph | None = None,
 ) -> Structure:
     """Find the structure of one recorded forward; set each call's role and `roles` accordingly.
 
@@ -193,12 +194,15 @@ def find(
             to the settled roles.
         model: the root module.
         names: module -> canonical address.
+        flow: the `Graph` of `ops` and `calls`, when the caller has built it (assembly builds
+            one and hands it to `facets.derive` too); else it is built here.
 
     Returns:
         The `Structure`.
     """
     overrides = roles.overrides
-    flow = Graph(ops, calls)
+    if flow is None:
+        flow = Graph(ops, calls)
     calls_of: dict[str, list[ModuleCall]] = {}
     for c in calls:
         calls_of.setdefault(c.address, []).append(c)

@@ -56,13 +56,15 @@ def derive(
     modules: dict[str, nn.Module],
     keep: Callable[[str, str], bool] | None,
     structure: Any = None,
+    graph: Graph | None = None,
 ) -> list[dict[str, FacetSite]]:
     """The facet sites of every call, in the order of `calls`; tensors dropped where `keep` says no.
 
     Nothing is computed here beyond cheap views: derived facets and the expensive checks are left
     pending on their sites, each holding the tensors it will compute from (`FacetSite._inputs`).
+    `graph` is the `Graph` of `ops`, `calls` and `modules` when the caller has built it.
     """
-    g = Graph(ops, calls, modules)
+    g = graph if graph is not None else Graph(ops, calls, modules)
     out: list[dict[str, FacetSite]] = []
     side: dict[int, dict[str, FacetSite]] = {}  # call id -> facets a block found for its sublayer
     for call in calls:
