@@ -23,6 +23,7 @@ engines, torch or transformers installed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import re
@@ -34,6 +35,7 @@ sys.path.insert(
     0, str(ROOT / "tests")
 )  # the engine runs (fixtures), also when a test loads this by path
 from fixtures import engine_runs as er  # noqa: E402
+from fixtures.decode_parity import decode_rows  # noqa: E402
 from fixtures.engines import ENGINES  # noqa: E402
 
 from torchlens import testing  # noqa: E402
@@ -141,6 +143,7 @@ def collect(runs: list[er.Run] | None = None) -> dict:
         if any(run.engine == engine for run in runs)
         for r in er.gradients(engine)
     ]
+    record["decode"] = [dataclasses.asdict(r) for r in decode_rows()]
     if any(r.engine == "transformer-lens" for r in runs):
         record["transformer_lens"] = {
             f"{f}/{i}": {
@@ -267,6 +270,8 @@ def render(record: dict) -> str:
         out += _interventions_section(record["interventions"])
     if record.get("gradients"):
         out += _gradients_section(record["gradients"])
+    if record.get("decode"):
+        out += _decode_section(record["decode"])
     out += [FINDINGS.strip(), ""]
     if "transformer_lens" in record:
         out += _tl_section(record["transformer_lens"])
@@ -459,6 +464,48 @@ def _tl_section(tl: dict) -> list[str]:
     return out
 
 
+DECODE = """
+## Decode parity
+
+Each engine's cached decode path, held step by step against `torchlens.trace_generate` of the same
+weights (the engine's decoding step `i` against `trace_generate`'s step `i` of the same prompt),
+site by site. The rows are the executed decode blocks of the [Generation guide](generation.md) and
+the [serving-engines page](serving-engines.md#sixteen-decoding-steps-of-a-batch-against-trace_generate),
+read from the `expected=` value each block's test asserts on every run (`tests/fixtures/decode_parity.py`):
+the counts are those of the last passing run, and a change to any of them fails that page's test
+before it reaches this table. **steps** is the decoding steps compared per request (the prefill,
+where it is compared, not counted); **tokens equal** says whether the engine's greedy tokens equal
+TorchLens's (in bfloat16, where near ties may flip, the blocks make TorchLens take the engine's
+tokens: **forced**). Tolerances are each block's: float32 `atol=1e-5`, `rtol=1e-5`; bfloat16 the
+serving page's derivation from the precision.
+"""
+
+
+def _decode_section(rows: list[dict]) -> list[str]:
+    out = [
+        DECODE.strip(),
+        "",
+        "| engine | model | dtype | check | steps | sites compared | mismatched | tokens equal |",
+        "|---|---|---|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        tokens = "forced" if r["tokens"] is None else ("yes" if r["tokens"] else "**no**")
+        out.append(
+            f"| {r['engine']} | {r['model']} | {r['dtype']} | {r['check']} | {r['steps']} "
+            f"| {r['sites']} | {r['mismatched']} | {tokens} |"
+        )
+    sites = sum(r["sites"] for r in rows)
+    bad = sum(r["mismatched"] for r in rows)
+    engines = len({r["engine"] for r in rows})
+    out += [
+        "",
+        f"In all: {sites} site comparisons in {len(rows)} decode checks of {engines} engines, "
+        f"{sites - bad} within tolerance.",
+        "",
+    ]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -492,6 +539,11 @@ def main(argv: list[str] | None = None) -> int:
         f"intervention {r['engine']}/{r['model']} at {r['site']}: {r}"
         for r in record["interventions"]
         if r["matched"] != r["compared"] or not r["logits"] or r.get("caught") is False
+    ]
+    bad += [
+        f"decode {r['engine']}/{r['model']}/{r['dtype']} ({r['check']}): {r['mismatched']} mismatched"
+        for r in record["decode"]
+        if r["mismatched"] or r["tokens"] is False
     ]
     if bad:
         print("gen_verified: comparisons failed:\n  " + "\n  ".join(bad), file=sys.stderr)

@@ -8,6 +8,7 @@ comparison that moves a count makes this test fail until the page is regenerated
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import pathlib
@@ -163,6 +164,21 @@ def _varied_record(gen) -> dict:
         "runs": runs,
         "interventions": interventions,
         "gradients": gradients,
+        "decode": [
+            {
+                "engine": e,
+                "model": m,
+                "dtype": d,
+                "check": "c",
+                "steps": 16,
+                "sites": 24,
+                "mismatched": 0,
+                "tokens": None if d == "bfloat16" else True,
+            }
+            for e in ("vLLM", "nnsight `generate`")
+            for m in ("Qwen3", "GPT-2")
+            for d in ("float32", "bfloat16")
+        ],
         "transformer_lens": {
             "gpt2/eager": {
                 "cache_keys": 3,
@@ -345,3 +361,103 @@ def test_gradient_records_come_from_the_engine_gradients_page():
         for source, line in blocks:
             assert source.startswith(f"# migration-test: tool={engine} ") and "GRADS" in source
             assert page_lines[line - 1] == source.splitlines()[0]
+
+
+# -- decode parity: read from the executed decode blocks of the guides ---------------------------
+
+
+def _decode_section_of(page: str) -> str:
+    start = page.index("## Decode parity")
+    end = page.find("\n## ", start + 1)
+    return page[start : end if end >= 0 else len(page)].strip()
+
+
+def test_decode_section_matches_the_pages_blocks(gen):
+    """The committed page's decode-parity table is what the guides' decode blocks assert now, so an
+    edited `expected=` makes the page stale even where no engine is installed."""
+    from fixtures.decode_parity import decode_rows
+
+    rows = [dataclasses.asdict(r) for r in decode_rows()]
+    fresh = "\n".join(gen._decode_section(rows)).strip()
+    assert _decode_section_of(gen.PAGE.read_text(encoding="utf-8")) == fresh
+    assert {r["engine"].split(" ")[0] for r in rows} >= {"vLLM", "nnsight", "TransformerLens", "HF"}
+    assert all(r["sites"] > 0 and r["steps"] > 0 for r in rows)
+
+
+def _copy_pages(tmp_path: pathlib.Path) -> pathlib.Path:
+    from fixtures.decode_parity import DECODE_CHECKS
+
+    for page in {c.page for c in DECODE_CHECKS}:
+        target = tmp_path / page
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text((REPO / page).read_text(encoding="utf-8"), encoding="utf-8")
+    return tmp_path
+
+
+def test_decode_rows_follow_the_blocks_expected_values(tmp_path):
+    """A count changed in a block's header moves the row; a value of another shape, a block of
+    another tool, or a section that is gone is an error naming the page."""
+    from fixtures.decode_parity import decode_rows
+
+    root = _copy_pages(tmp_path)
+    page = root / "docs/guides/serving-engines.md"
+    text = page.read_text(encoding="utf-8")
+    before = [r for r in decode_rows(root) if r.engine == "vLLM" and r.dtype == "float32"]
+    planted = "expected={'Llama': (16, [3], True, 1150, [(0, 3, 'blocks.0.hook_q')]), "
+    assert text.count("expected={'Llama': (16, [3], True, 1152, []), ") == 1
+    page.write_text(text.replace("expected={'Llama': (16, [3], True, 1152, []), ", planted))
+    after = [r for r in decode_rows(root) if r.engine == "vLLM" and r.dtype == "float32"]
+    assert (before[0].sites, before[0].mismatched) == (1152, 0)
+    assert (after[0].sites, after[0].mismatched) == (1150, 1)
+    assert after[1:] == before[1:]
+
+    page.write_text(
+        text.replace(
+            "expected={'Llama': (16, [3], True, 1152, []), ", "expected={'Llama': (16, 3), "
+        )
+    )
+    with pytest.raises(ValueError, match=r"serving-engines\.md:\d+: expected=.*shape"):
+        decode_rows(root)
+    page.write_text(
+        text.replace(
+            "tool=vllm expected={'Llama': (16, [3]", "tool=nnsight expected={'Llama': (16, [3]"
+        )
+    )
+    with pytest.raises(ValueError, match="tool=nnsight, the decode check expects tool=vllm"):
+        decode_rows(root)
+    page.write_text(text.replace("## Sixteen decoding steps in bfloat16", "## bfloat16 decoding"))
+    with pytest.raises(LookupError, match="no section `## Sixteen decoding steps in bfloat16`"):
+        decode_rows(root)
+
+
+def test_decode_rows_refuse_a_block_that_says_a_comparison_failed(tmp_path):
+    """A block whose expected value holds a failed all-agree flag is not counted as 0 mismatches."""
+    from fixtures.decode_parity import decode_rows
+
+    root = _copy_pages(tmp_path)
+    page = root / "docs/guides/generation.md"
+    text = page.read_text(encoding="utf-8")
+    old = "expected=(True, 8, [36, 36, 36, 36, 36, 36, 36, 36], True)"
+    assert old in text
+    page.write_text(text.replace(old, old[:-5] + "False)"))
+    with pytest.raises(ValueError, match="a comparison failed"):
+        decode_rows(root)
+
+
+def test_decode_section_renders_counts_and_failures(gen):
+    row = {
+        "engine": "vLLM",
+        "model": "Llama",
+        "dtype": "float32",
+        "check": "c",
+        "steps": 16,
+        "sites": 100,
+        "mismatched": 0,
+        "tokens": True,
+    }
+    page = "\n".join(gen._decode_section([row, {**row, "dtype": "bfloat16", "tokens": None}]))
+    assert "| vLLM | Llama | float32 | c | 16 | 100 | 0 | yes |" in page
+    assert "| vLLM | Llama | bfloat16 | c | 16 | 100 | 0 | forced |" in page
+    assert "200 site comparisons in 2 decode checks of 1 engines, 200 within tolerance" in page
+    bad = "\n".join(gen._decode_section([{**row, "mismatched": 3, "tokens": False}]))
+    assert "| 3 | **no** |" in bad and "97 within tolerance" in bad
