@@ -67,6 +67,11 @@ weights frozen, the loss the logsumexp of the last position's logits (`last_logs
     fb_hooks: the same with a tensor hook (`register_hook`) keeping each block output's gradient:
         the reference every other mode's gradient at the middle block's output is checked against
         before the timed rounds (the run stops on a mismatch).
+    fb_unfrozen: the floor of the design that makes the frozen weights require grad for the
+        forward (TorchLens's `grads=` before its first activations became the leaves): every
+        floating parameter requires grad during the forward, then one `torch.autograd.grad` of
+        the loss with respect to the embeddings' outputs (no weight gradient asked for). Not
+        checked against the hooks (its gradients are at the embeddings).
     grad_all, grad_resid_post: `trace(model, ids, save=..., grads=loss)` under `torch.no_grad()`.
     tl_bwd: TransformerLens 4.x, the bridge's caching hooks for every hook point forward and
         backward (`get_caching_hooks(incl_bwd=True)` under `bridge.hooks(...)`).
@@ -871,15 +876,27 @@ def generation_bench(
 # -- gradients: trace(..., grads=) against a plain forward and backward -------------------------
 
 #: The gradient modes, in the order they run each round.
-GRADIENT_MODES = ["fb", "fb_hooks", "grad_all", "grad_resid_post", "tl_bwd", "nnsight_grad"]
+GRADIENT_MODES = [
+    "fb",
+    "fb_hooks",
+    "fb_unfrozen",
+    "grad_all",
+    "grad_resid_post",
+    "tl_bwd",
+    "nnsight_grad",
+]
 GRADIENT_LABELS = {
     "fb": "plain forward + backward",
+    "fb_unfrozen": "forward + backward, weights made to require grad for the forward (a floor)",
     "fb_hooks": "forward + backward, a tensor hook keeping each block output's gradient",
     "grad_all": "TorchLens save='all', grads=loss",
     "grad_resid_post": "TorchLens save=['resid_post'], grads=loss",
     "tl_bwd": "TransformerLens 4.3 caching hooks with backward hooks (every hook point)",
     "nnsight_grad": "nnsight, every block output's .grad saved",
 }
+#: The modes not checked against the hook baseline: the baselines themselves, and the unfrozen
+#: floor, whose gradients are at the embeddings' outputs (the end points `fb`'s backward has).
+UNCHECKED_GRADIENT_MODES = ("fb", "fb_hooks", "fb_unfrozen")
 #: The TorchLens gradient modes: called under `torch.no_grad()`, as the Gradients guide calls
 #: them (`grads=` turns autograd on for the trace's own forward); every other mode runs with it on.
 TORCHLENS_GRAD_MODES = ("grad_all", "grad_resid_post")
@@ -933,6 +950,34 @@ def forward_backward(model, ids, blocks=()) -> dict:
         for h in handles:
             h.remove()
     return kept
+
+
+def forward_backward_unfrozen(model, ids) -> tuple:
+    """The floor of a design that makes every frozen weight require grad for the forward (as
+    TorchLens's `grads=` did before its first activations became the leaves): the forward with
+    every floating parameter requiring grad, then one `torch.autograd.grad` of the loss with
+    respect to the embeddings' outputs only (the same end points as `forward_backward`; no
+    weight's gradient is asked for, none is written). What the weights requiring grad costs over
+    `forward_backward` is autograd saving every weight's other operand (a linear's input) in the
+    forward for a weight gradient nobody takes."""
+    outs: list[torch.Tensor] = []
+    handles = [
+        m.register_forward_hook(lambda mod, args, out: outs.append(out))
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding)
+    ]
+    frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
+    try:
+        for p in frozen:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            loss = last_logsumexp(model(ids))
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+        for h in handles:
+            h.remove()
+    return torch.autograd.grad(loss, outs)
 
 
 def _tl_bwd(name: str):
@@ -996,6 +1041,7 @@ def gradient_modes(name: str, wanted: list[str]) -> dict:
     fns = {
         "fb": (fb, fb),
         "fb_hooks": (lambda: forward_backward(model, ids, blocks), fb),
+        "fb_unfrozen": (lambda: forward_backward_unfrozen(model, ids), fb),
         "grad_all": (trace("all"), fb),
         "grad_resid_post": (trace(["resid_post"]), fb),
     }
@@ -1049,7 +1095,7 @@ def gradient_bench(name: str, rounds: int, memory: bool = True, modes=None) -> d
     ref = made["fb_hooks"][0]()[k]
     checks = {}
     for m in wanted:
-        if m in ("fb", "fb_hooks"):
+        if m in UNCHECKED_GRADIENT_MODES:
             continue
         with torch.set_grad_enabled(m not in TORCHLENS_GRAD_MODES):
             g = _block_grad(m, made[m][0](), k).detach().reshape(ref.shape)

@@ -544,3 +544,238 @@ def test_edit_gives_the_gradient_of_the_edited_forward():
     assert torch.allclose(
         t.modules["transformer.h.1"].grads["resid_pre"], seen["next"], rtol=1e-5, atol=1e-7
     )
+
+
+# -- where the graph starts: frozen parameters stay frozen, the first activations require grad ---
+
+
+def _embedding_leaves(model):
+    """Forward hooks making each `nn.Embedding`'s output an autograd leaf (a plain forward's way
+    of taking gradients down to the embeddings with frozen weights); returns the handles."""
+    return [
+        m.register_forward_hook(lambda mod, a, out: out.detach().requires_grad_())
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding)
+    ]
+
+
+def test_parameters_stay_frozen_during_the_traced_forward():
+    """A frozen model's parameters do not require grad while the traced forward runs (seen by the
+    test's own pre-hooks), yet every block's input and output does, as the embeddings' outputs do."""
+    model = build("gpt2", "eager").requires_grad_(False)
+    seen: list = []
+    handles = [
+        m.register_forward_pre_hook(
+            lambda mod, a: seen.extend(p.requires_grad for p in mod.parameters(recurse=False))
+        )
+        for m in model.modules()
+    ]
+    flows: list = []
+    for m in [model.transformer.wte, model.transformer.wpe, *model.transformer.h]:
+        handles.append(
+            m.register_forward_hook(lambda mod, a, out: flows.append(_first(out).requires_grad))
+        )
+    try:
+        with torch.no_grad():
+            t = tl.trace(model, testing.token_ids(1, 7), grads=loss_fn)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(seen) >= len(list(model.parameters()))  # each seen (the tied one twice)
+    assert not any(seen)
+    assert flows == [True] * 4
+    assert t.modules["transformer.h.0"].grads["resid_pre"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("family,impl", [("gpt2", "eager"), ("llama", "sdpa")])
+def test_forward_saves_what_a_plain_forward_from_the_embeddings_saves(family, impl):
+    """The traced forward saves for backward exactly the tensors (shape, dtype) a plain forward
+    saves whose embeddings' outputs are the autograd leaves (weights frozen): no linear's input is
+    saved for a weight gradient that nobody asks for. Seen by `saved_tensors_hooks` while the root
+    module runs (not the loss)."""
+    ids = testing.token_ids(1, 7)
+
+    def saved(model, run):
+        got: list = []
+        on = [False]
+
+        def pack(x):
+            if on[0]:
+                got.append((tuple(x.shape), x.dtype))
+            return x
+
+        hs = [
+            model.register_forward_pre_hook(lambda m, a: on.__setitem__(0, True)),
+            model.register_forward_hook(lambda m, a, o: on.__setitem__(0, False)),
+        ]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                run()
+        finally:
+            for h in hs:
+                h.remove()
+        return sorted(got, key=repr)
+
+    plain = build(family, impl).requires_grad_(False)
+    leaves = _embedding_leaves(plain)
+    try:
+        with torch.enable_grad():
+            want = saved(plain, lambda: loss_fn(plain(ids)).backward())
+    finally:
+        for h in leaves:
+            h.remove()
+    model = build(family, impl).requires_grad_(False)
+    got = saved(model, lambda: tl.trace(model, ids, save=["resid_post"], grads=loss_fn))
+    assert want and got == want
+
+
+def test_first_activation_written_in_place():
+    """A model that writes its embedding's output in place runs under grads= as it does plainly
+    (the output it gets requires grad but is no leaf), and the gradients are the ones the weights
+    give: loss = Σ W (2·e) + b, so d loss / d e = 2·Σ_rows W at every position."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            x.mul_(2.0)
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    model = Scaled().requires_grad_(False)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        plain = model(ids)
+        t = tl.trace(model, ids, grads=lambda out: out.sum())
+    assert torch.equal(t.output, plain)
+    want = (2.0 * model.lin.weight.sum(0)).expand(1, 3, 4)
+    assert torch.allclose(t.modules["emb"].grads["output"], want, rtol=1e-6, atol=0)
+    assert torch.allclose(
+        t.modules["lin"].grads["input"], model.lin.weight.sum(0).expand(1, 3, 4), rtol=1e-6, atol=0
+    )
+    assert not any(p.requires_grad or p.grad is not None for p in model.parameters())
+
+
+class _LearnedPositions(torch.nn.Module):
+    """A module whose output is computed from its parameter alone (no input on its path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, n: int):
+        return self.weight[:n] * 1.0
+
+
+class _WithPositions(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.pos = _LearnedPositions()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.lin(self.emb(ids) + self.pos(ids.shape[1]))
+
+
+def test_tensor_of_frozen_parameters_alone_is_refused_with_the_reason():
+    """A site computed from frozen parameters alone is on no autograd graph: its gradient is
+    refused saying why and how to get it; with that parameter unfrozen it is served, equal to a
+    tensor hook's. Every site on the input's path keeps its gradient (tensor hooks, unfrozen copy)."""
+    torch.manual_seed(0)
+    model = _WithPositions()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    truth: dict = {}
+
+    def watch(name):
+        def hook(m, a, o):
+            o.register_hook(lambda g: truth.__setitem__(name, g.clone()))
+
+        return hook
+
+    hs = [getattr(model, n).register_forward_hook(watch(n)) for n in ("emb", "pos", "lin")]
+    (model(ids) ** 2).sum().backward()
+    for h in hs:
+        h.remove()
+    model.zero_grad(set_to_none=True)
+
+    def loss(out):
+        return (out**2).sum()
+
+    model.requires_grad_(False)
+    t = tl.trace(model, ids, grads=loss)
+    with pytest.raises(tl.GradNotFound, match="frozen parameters alone.*requires_grad_"):
+        t.modules["pos"].grads["output"]
+    assert torch.allclose(t.modules["emb"].grads["output"], truth["emb"], rtol=1e-6, atol=0)
+    assert torch.allclose(t.modules["lin"].grads["output"], truth["lin"], rtol=1e-6, atol=0)
+    model.pos.requires_grad_(True)
+    u = tl.trace(model, ids, grads=loss)
+    assert torch.allclose(u.modules["pos"].grads["output"], truth["pos"], rtol=1e-6, atol=0)
+    assert model.pos.weight.grad is None and not model.emb.weight.requires_grad
+
+
+def test_image_input_grads_match_tensor_hooks():
+    """A frozen ViT on pixel values (no embedding lookup: the patch convolution reads the input
+    with its weight): every module input and output gradient equals a tensor hook's on an
+    unfrozen copy."""
+
+    def logit_diff(out):
+        return out.logits[0, 1] - out.logits[0, 2]
+
+    (pixels,), _ = testing.inputs("vit")
+    truth = hook_grads(testing.build("vit"), pixels, logit_diff)
+    with torch.no_grad():
+        t = tl.trace(testing.build("vit").requires_grad_(False), pixels, grads=logit_diff)
+    compared = 0
+    for addr, rec in t.modules.items():
+        for i, call in enumerate(rec.calls):
+            for facet in ("input", "output"):
+                want = truth[(addr, facet)][i]
+                if want is None or facet not in call.grads.sites:
+                    continue
+                assert _close(call.grads[facet], want, torch.float32), (addr, facet)
+                compared += 1
+    assert compared >= 20
+
+
+@pytest.mark.parametrize("family,impl", [("gpt2", "sdpa"), ("llama", "sdpa"), ("gpt2", "eager")])
+def test_padding_mask_is_not_made_to_require_grad(family, impl):
+    """With a padded attention mask, the mask reaches attention not requiring grad (it reads no
+    parameter), as it does with the weights unfrozen, and the logits are bit-identical to the
+    model's plain forward. The test's own function mode, outside the trace's, sees every op."""
+    ids = testing.token_ids(1, 7)
+    mask = torch.ones(1, 7, dtype=torch.long)
+    mask[0, :2] = 0
+    masks: list = []
+
+    class _Masks(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", "")
+            if name == "scaled_dot_product_attention":
+                m = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+                masks.append(m is not None and m.requires_grad)
+            if name in ("__add__", "add") and len(args) == 2:  # eager: scores + mask
+                b = args[1]
+                if isinstance(b, torch.Tensor) and b.dim() == 4 and b.shape[1] == 1:
+                    masks.append(b.requires_grad)
+            return func(*args, **kwargs)
+
+    model = build(family, impl).requires_grad_(False)
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask).logits
+        with _Masks():
+            t = tl.trace(model, ids, attention_mask=mask, grads=loss_fn)
+    assert masks and not any(masks)
+    assert torch.equal(t.output.logits, plain)
+    assert (
+        t.modules[next(a for a, r in t.modules.items() if r.role == "block")]
+        .grads["resid_post"]
+        .abs()
+        .sum()
+        > 0
+    )

@@ -209,14 +209,16 @@ def tiny_gradients(bench):
 
 def test_every_gradient_mode_is_checked_against_a_tensor_hook(bench, tiny_gradients):
     """Before timing, the bench compares each mode's gradient at the middle block's output with a
-    `register_hook` gradient: every mode but the two hook-based baselines carries that check."""
+    `register_hook` gradient: every mode but the two hook-based baselines and the unfrozen floor
+    (whose gradients are at the embeddings' outputs) carries that check."""
     modes = tiny_gradients["modes"]
     assert list(modes) == bench.GRADIENT_MODES
     for mode in ("grad_all", "grad_resid_post", "tl_bwd", "nnsight_grad"):
         check = modes[mode]["check"]
         assert check["ref_max_abs"] > 0
         assert check["max_abs_diff"] <= bench.GRAD_CHECK_RTOL * check["ref_max_abs"], mode
-    assert "check" not in modes["fb"] and "check" not in modes["fb_hooks"]
+    assert not any("check" in modes[m] for m in ("fb", "fb_hooks", "fb_unfrozen"))
+    assert modes["fb_unfrozen"]["median_s"] > 0
 
 
 def test_a_mode_with_a_wrong_gradient_stops_the_gradient_bench(bench, monkeypatch):

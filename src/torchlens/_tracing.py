@@ -73,10 +73,13 @@ def trace(
             to find each site's hook or op; see [Interventions](../guides/interventions.md).
         grads: a loss function `loss_fn(output) -> scalar tensor` of the model's return value.
             The forward then runs with autograd on (also when the caller is under
-            `torch.no_grad()`, and with frozen parameters: they require grad during the forward
-            only), and one backward of the loss gives, for every kept facet, d loss / d the
-            tensor the model used there: `trace.modules[address].grads[facet]`, with the same
-            keys, call rules and refusals as `facets`. No parameter's `.grad` is written. See
+            `torch.no_grad()`), and one backward of the loss gives, for every kept facet,
+            d loss / d the tensor the model used there: `trace.modules[address].grads[facet]`,
+            with the same keys, call rules and refusals as `facets`. Frozen parameters stay
+            frozen: the output of an op that reads one together with the input (an embedding's
+            lookup) is where autograd's graph starts, so every activation requires grad as it
+            would with the parameters unfrozen, and a tensor computed from frozen parameters
+            alone gets its gradient refused, saying so. No parameter's `.grad` is written. See
             [Gradients](../guides/gradients.md).
         **kwargs: keyword inputs of the forward.
 
@@ -159,12 +162,7 @@ def trace(
     )
     handles = []
     caller_grad = torch.is_grad_enabled()
-    frozen: list[nn.Parameter] = []
     try:
-        if (
-            grads is not None
-        ):  # the trace's own forward records the autograd graph, frozen weights included
-            frozen = _unfreeze(names)
         for m in names:
             handles.append(m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True))
             handles.append(m.register_forward_hook(rec.post_hook, always_call=True))
@@ -181,8 +179,6 @@ def trace(
     finally:
         for h in handles:
             h.remove()
-        for p in frozen:
-            p.requires_grad_(False)
     loss = None
     if grads is not None:
         with torch.enable_grad():
@@ -297,28 +293,6 @@ def _check_grads(grads: Any) -> str:
             "trace outside the inference_mode block, or under torch.no_grad() instead."
         )
     return getattr(grads, "__name__", None) or type(grads).__name__
-
-
-def _unfreeze(names: dict[nn.Module, str]) -> list[nn.Parameter]:
-    """Make every floating-point parameter that does not require grad require it, for the traced
-    forward only (restored by the caller); the one backward asks for the sites' gradients only,
-    so no parameter gradient is computed or written to `.grad`."""
-    frozen: list[nn.Parameter] = []
-    seen: set[int] = set()
-    for m in names:
-        for p in m._parameters.values():
-            if (
-                p is not None
-                and id(p) not in seen
-                and not p.requires_grad
-                and p.is_floating_point()
-            ):
-                seen.add(id(p))
-                if p.is_inference():
-                    continue  # made under inference_mode: it cannot require grad
-                p.requires_grad_(True)
-                frozen.append(p)
-    return frozen
 
 
 def _detached(output: Any) -> Any:

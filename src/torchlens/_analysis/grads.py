@@ -36,7 +36,7 @@ from torchlens._capture.edges import Edges
 from torchlens._core import ops as _ops
 from torchlens._core.errors import GradientError
 from torchlens._core.grad_sites import GradMap
-from torchlens._core.records import ModuleCall, OpRecord
+from torchlens._core.records import ModuleCall, OpRecord, Ref
 from torchlens._core.sites import FacetSite
 
 __all__ = ["loss_of", "backward", "grad_maps"]
@@ -45,6 +45,15 @@ __all__ = ["loss_of", "backward", "grad_maps"]
 _DERIVED = (
     "it is {kind} (no op of the model produced it: TorchLens derived it), so autograd has no gradient "
     "at it in the model's forward, and no checked derivation of its gradient exists for this facet"
+)
+
+
+#: why a tensor computed from frozen parameters alone has no gradient
+_FROZEN_ONLY = (
+    "its tensor is a frozen parameter of the model or is computed from frozen parameters alone (no "
+    "input on its path): grads= leaves the parameters frozen, and autograd's graph starts at the "
+    "first ops that read a parameter together with the input, so it does not reach this tensor; "
+    "make the parameters it is computed from require grad (requires_grad_(True)) to have its gradient"
 )
 
 
@@ -111,6 +120,12 @@ def backward(
     kernels: dict[
         int, dict[str, FacetSite]
     ] = {}  # fused attention op -> its rebuilt scores / pattern sites
+    frozen = {  # the memory of the frozen parameters, which no graph reaches (`_FROZEN_ONLY`)
+        _storage(p)
+        for m in modules.values()
+        for p in m._parameters.values()
+        if p is not None and not p.requires_grad
+    }
     derived: list[tuple[str, _derived.Plan]] = []  # ("norm" or "result", its plan)
     kids: dict[int, list[ModuleCall]] = {}  # id(call) -> the calls it made
     for call in calls:
@@ -138,7 +153,7 @@ def backward(
                 continue
             if not isinstance(t, Tensor):
                 continue  # not kept: its gradient is not kept either
-            base = _base_of(site, t, edges, ops, by_storage)
+            base = _base_of(site, t, edges, ops, by_storage, frozen)
             if isinstance(base, str):
                 found[id(site)] = base
                 continue
@@ -338,8 +353,10 @@ def _base_of(
     edges: Edges,
     ops: list[OpRecord],
     by_storage: dict[int, list[tuple[Any, Tensor]]],
+    frozen: set[int],
 ) -> Any:
-    """The (edge, tensor) the site's tensor `t` is, or is a view of, or why there is none."""
+    """The (edge, tensor) the site's tensor `t` is, or is a view of, or why there is none
+    (`frozen`: the memory of the model's frozen parameters)."""
     candidates: list[tuple[Any, Tensor]] = []
     if site.op is not None:
         for slot in range(len(ops[site.op].shapes)):
@@ -360,14 +377,38 @@ def _base_of(
     if not t.dtype.is_floating_point and not t.dtype.is_complex:
         return f"its tensor is {t.dtype}, which has no gradient"
     if not candidates:
+        if _from_parameters(site, t, ops, frozen):
+            return _FROZEN_ONLY
         return (
-            "its tensor does not require grad: nothing it is computed from requires grad (no parameter and "
-            "no input that requires grad on its path)"
+            "its tensor does not require grad: nothing it is computed from requires grad (no input that "
+            "requires grad, and no parameter together with the input, on its path)"
         )
     return (
         "its tensor is not the tensor the model used there nor a view of it (a copy rearranged from it), so "
         "which element's gradient is which cannot be told"
     )
+
+
+def _from_parameters(site: FacetSite, t: Tensor, ops: list[OpRecord], frozen: set[int]) -> bool:
+    """Whether the site's tensor is a frozen parameter (or a view of one), or the output of an op
+    computed from frozen parameters alone: a tensor `grads=` puts on no autograd graph, where the
+    parameters themselves would require grad (`_capture.op_recorder.OpRecorder._grad_leaves`)."""
+    if _storage(t) in frozen:
+        return True
+    if site.op is None:
+        return False
+    seen: dict[int, bool] = {}
+
+    def only_params(i: int) -> bool:
+        if i not in seen:
+            seen[i] = False  # a cycle cannot occur; this only stops a repeated walk
+            refs = ops[i].inputs
+            seen[i] = bool(refs) and all(
+                isinstance(r, str) or (isinstance(r, Ref) and only_params(r.op)) for r in refs
+            )
+        return seen[i]
+
+    return only_params(site.op)
 
 
 def _storage(t: Tensor) -> int:

@@ -61,6 +61,9 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
         #: this recorder was entered: the recorder's own bookkeeping is then hidden from it.
         self.nested = False
         self.edits = edits
+        #: with `grads=`: id -> weak reference of each op output computed from frozen parameters
+        #: alone (`_grad_leaves`)
+        self._frozen_only: dict[int, Any] = {}
         #: `edited` ops recorded so far: an op's position in the forward (as the locating pass
         #: numbered it) is its index minus these.
         self._n_edited = 0
@@ -160,6 +163,8 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
             outs = tuple(o for o in out if isinstance(o, Tensor))
         else:
             return out
+        if self.edges is not None and not mutated and not outs[0].requires_grad:
+            out, outs = self._grad_leaves(out, outs, ins)
         if self.edits is not None and self.edits.ops and not mutated and isinstance(out, Tensor):
             with self.hidden():
                 refs = tuple([self._ref(t) for t in ins])
@@ -173,6 +178,63 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
         else:
             self._record(info[0], outs, ins, mutated, args, kwargs, refs)
         return out
+
+    # -- grads= leaves -------------------------------------------------------------------------
+
+    def _grad_leaves(self, out: Any, outs: tuple, ins: list) -> tuple[Any, tuple]:
+        """With `grads=`, where autograd's graph of the forward starts: `(out, outs)` of an op whose
+        output does not require grad, with its floating outputs made to require grad where the
+        rule below says so.
+
+        The rule: grad mode is on at the op, and its tensor inputs include both a frozen floating
+        parameter (or a tensor computed from frozen parameters alone) and something else (token
+        ids, a model input, a buffer, a tensor computed without a parameter). Such an output (an
+        embedding's lookup, a first layer on a model input) is exactly one that would require grad
+        if the frozen parameters were made to: so the tensors that require grad are the ones they
+        would be, from the first activations on, while the parameters stay frozen (so autograd
+        saves no operand for a weight's gradient, which nobody asks for). A mask or other constant
+        computed without a parameter is left as it is (it would not require grad either); an op on
+        frozen parameters alone is noted in `_frozen_only`, not made to require grad (its output is
+        not an activation, and making it require grad would save the other operand of every op
+        that reads it as a weight). In-place ops are not considered.
+
+        Each output made to require grad is handed to the model as a non-view alias of an autograd
+        leaf (`aten._unsafe_view`: same memory and values, a new tensor), so the model may still
+        write it in place as it could write the op's output; the leaf's `.grad` is never written
+        (the one backward asks `torch.autograd.grad` for the sites only).
+        """
+        if not torch.is_grad_enabled():  # the model's own no_grad region: no graph there either
+            return out, outs
+        frozen = other = False
+        params, derived = self.param_names, self._frozen_only
+        for t in ins:
+            if t.is_inference():  # cannot require grad, as a parameter made there could not
+                continue
+            entry = derived.get(id(t))
+            if (entry is not None and entry() is t) or (
+                (isinstance(t, torch.nn.Parameter) or id(t) in params)
+                and not t.requires_grad
+                and t.is_floating_point()
+            ):
+                frozen = True
+            else:
+                other = True
+        if not frozen:
+            return out, outs
+        if not other:
+            for o in outs:
+                if o.is_floating_point() or o.is_complex():
+                    derived[id(o)] = weakref.ref(o)
+            return out, outs
+        with self.hidden():
+            made = tuple([_leaf_alias(o) for o in outs])
+        if isinstance(out, Tensor):
+            return made[0], made
+        swap = {id(o): m for o, m in zip(outs, made)}
+        items = [swap.get(id(x), x) if isinstance(x, Tensor) else x for x in out]
+        if isinstance(out, list):
+            return items, made
+        return (tuple(items) if type(out) is tuple else type(out)(items)), made
 
     # -- edits ---------------------------------------------------------------------------------
 
@@ -339,3 +401,12 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
             self._record("input", (t,), (), False)
         finally:
             self.stack.pop()
+
+
+def _leaf_alias(o: Tensor) -> Tensor:
+    """`o`, made to require grad as an autograd leaf's non-view alias (`OpRecorder._grad_leaves`);
+    `o` itself where it cannot or need not be (not floating, an inference tensor)."""
+    if o.requires_grad or not (o.is_floating_point() or o.is_complex()) or o.is_inference():
+        return o
+    leaf = o.detach().requires_grad_()
+    return torch.ops.aten._unsafe_view(leaf, leaf.shape)
