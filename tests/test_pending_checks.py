@@ -247,3 +247,72 @@ def test_a_fused_kernel_run_under_autocast_is_rebuilt_in_the_dtype_it_computed_i
         assert "pattern" in facets and not facets.refused, facets.refused
         assert facets.sites["pattern"].dtype == facets["pattern"].dtype == torch.bfloat16
         torch.testing.assert_close(facets["pattern"].float(), ref[i].float(), rtol=0, atol=1e-2)
+
+
+# -- weights the pending checks read, shared between traces while they hold the same bits ------
+
+
+def _result_by_hand(z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """GPT-2's per-head attention result (`[batch, pos, head, d_model]`) from the traced z
+    (`[batch, head, pos, d_head]`, as its attention computed it) and the output projection's
+    weight as it was (`Conv1D`: `x @ w`): head h's slice of w's rows."""
+    d_head = z.shape[-1]
+    return torch.stack(
+        [z[:, h] @ w[h * d_head : (h + 1) * d_head] for h in range(z.shape[1])], dim=2
+    )
+
+
+def _weight_inputs(t, attn: str) -> list[torch.Tensor]:
+    """The copies of the output projection's weight the pending `result` check of `attn` holds."""
+    site = t.modules[attn].facets._sites["result"]
+    assert site._inputs is not None  # not read yet
+    return [x for x in site._inputs if isinstance(x, torch.Tensor) and x.shape == (32, 32)]
+
+
+def test_traces_alive_together_share_the_weight_copy_a_check_reads():
+    """Two traces of an unchanged model hold one copy of the weight their pending checks read (the
+    steps of a generation each used to hold their own), and both serve the value recomputed by
+    hand from the weight."""
+    model = seeded_gpt2()
+    attn = "transformer.h.1.attn"
+    w = model.transformer.h[1].attn.c_proj.weight.detach().clone()
+    t1, t2 = tl.trace(model, IDS), tl.trace(model, IDS)
+    (c1,), (c2,) = _weight_inputs(t1, attn), _weight_inputs(t2, attn)
+    assert c1 is c2 and c1.data_ptr() != w.data_ptr()
+    assert c1.data_ptr() != model.transformer.h[1].attn.c_proj.weight.data_ptr()
+    for t in (t1, t2):
+        expected = _result_by_hand(t[attn + ":z"].double(), w.double())
+        assert torch.allclose(t[attn + ":result"].double(), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["in place", "through .data", "-0.0 for 0.0"])
+def test_a_weight_changed_between_traces_gets_a_copy_of_its_own(how):
+    """A weight changed between two traces, even where no version counter sees it (`.data`), or
+    only in its bits (a zero's sign), is copied again: each trace's derived facet is computed from
+    the weight its own forward read, checked against the same recomputation by hand."""
+    model = seeded_gpt2()
+    attn = "transformer.h.1.attn"
+    weight = model.transformer.h[1].attn.c_proj.weight
+    if how == "-0.0 for 0.0":
+        with torch.no_grad():
+            weight[0, 0] = 0.0
+    before = weight.detach().clone()
+    t1 = tl.trace(model, IDS)
+    with torch.no_grad():
+        if how == "in place":
+            weight.mul_(0.5)
+        elif how == "through .data":
+            version = weight._version
+            weight.data.mul_(0.5)
+            assert weight._version == version  # the counter did not move
+        else:
+            weight[0, 0] = -0.0
+    after = weight.detach().clone()
+    t2 = tl.trace(model, IDS)
+    (c1,), (c2,) = _weight_inputs(t1, attn), _weight_inputs(t2, attn)
+    assert c1 is not c2
+    assert torch.equal(c1.view(torch.int32), before.view(torch.int32))
+    assert torch.equal(c2.view(torch.int32), after.view(torch.int32))
+    for t, w in ((t1, before), (t2, after)):
+        expected = _result_by_hand(t[attn + ":z"].double(), w.double())
+        assert torch.allclose(t[attn + ":result"].double(), expected, atol=1e-5)

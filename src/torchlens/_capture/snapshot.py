@@ -99,7 +99,10 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
                 guarded.setdefault(ptr, []).append(h)
     copied = 0
     for key, items in groups.items():
-        copied += _copy_group(key, items)
+        if type(key) is int and all(isinstance(h.holder, list) for h in items):
+            copied += _share_copies(items)  # weights only pending checks read (see there)
+        else:
+            copied += _copy_group(key, items)
     if guarded:
         rec.guarded = [Guarded(items) for items in guarded.values()]
     return copied
@@ -143,6 +146,81 @@ def _copy_group(key: Any, items: list[Holding]) -> int:
             memo[id(t)] = c
         h.put(c)
     return copied
+
+
+#: The copies `_share_copies` made, by where their source was: (device, storage pointer, storage
+#: offset, shape, strides, dtype) -> the copy, held weakly (an entry goes when the last trace
+#: holding its copy does).
+_SHARED: weakref.WeakValueDictionary[tuple, Tensor] = weakref.WeakValueDictionary()
+try:  # `_same_bits`'s faster comparison on the CPU; torch does not require numpy
+    import numpy as _numpy
+except ImportError:  # pragma: no cover - numpy is installed wherever the tests run
+    _numpy = None  # type: ignore[assignment]
+#: An integer dtype of each element size, to compare two tensors' bits (`_same_bits`).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _share_copies(items: list[Holding]) -> int:
+    """`_copy_group` for a storage only pending checks' input lists hold (a weight a derived facet
+    is computed from: an attention output projection for the per-head results, a norm's gain):
+    each tensor is replaced by a copy, which is an earlier trace's copy of the same tensor where
+    one is alive and holds exactly its bits now, else a new one. The bytes copied.
+
+    Sharing is safe there: a pending check's inputs are never served (a check computes new tensors
+    from them, from copies of its own, `pending._placed`), so nothing reached through one trace can
+    write into the copy another trace holds. The steps of a generation each hold the weights their
+    checks read: one copy serves them all while the weights do not change, instead of one per step.
+    A copy is reused only when its bits equal the tensor's (an integer view of both, so a -0.0 for
+    a 0.0 or another NaN payload is a change): whatever changed the weight in between (even a write
+    no version counter sees, through `.data` or numpy), the copy holds what the forward read.
+    """
+    copied = 0
+    memo: dict[int, Tensor] = {}
+    for h in items:
+        t = h.tensor
+        c = memo.get(id(t))
+        if c is None:
+            key = (
+                t.device,
+                storage_ptr(t),
+                t.storage_offset(),
+                tuple(t.shape),
+                t.stride(),
+                t.dtype,
+            )
+            c = _SHARED.get(key)
+            if c is None or not _same_bits(t, c):
+                c = t.clone()
+                copied += t.numel() * t.element_size()
+                _SHARED[key] = c
+            memo[id(t)] = c
+        h.put(c)
+    return copied
+
+
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    """Whether `a` and `b` hold the same bits, element for element (False when that cannot be told).
+
+    On the CPU, with numpy installed, numpy compares the integer views (about twice as fast as
+    `torch.equal`, which builds an elementwise result first); elsewhere `torch.equal` does.
+    """
+    if (
+        a.dtype != b.dtype
+        or a.shape != b.shape
+        or a.device != b.device
+        or a.layout != torch.strided
+    ):
+        return False
+    as_int = _BITS.get(a.element_size())
+    if as_int is None or a.is_quantized:
+        return False
+    try:
+        a, b = a.detach().view(as_int), b.detach().view(as_int)
+        if a.device.type == "cpu" and _numpy is not None:
+            return bool(_numpy.array_equal(a.numpy(), b.numpy()))
+        return torch.equal(a, b)
+    except (RuntimeError, TypeError):  # a dtype that cannot be viewed as an integer one
+        return False
 
 
 class Guarded:
