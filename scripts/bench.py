@@ -846,12 +846,25 @@ def generation_modes(name: str, new_tokens: int) -> dict:
     }
 
 
+def generation_memory_child(name: str, new_tokens: int, mode: str) -> dict:
+    """In a fresh process: how far one run of generation `mode` raises the peak resident set, and
+    what its result holds right after the call (`_measure_memory`, `model.generate` the warm-up),
+    before anything reads it: a step's pending checks still hold their inputs then (the weights a
+    derived facet is computed from among them), which `saved_bytes` cannot count without running
+    the checks."""
+    fns = generation_modes(name, new_tokens)
+    with torch.no_grad():  # the Generation guide's calls; trace_generate runs its forwards so too
+        return _measure_memory(fns[mode], fns["generate"])
+
+
 def generation_bench(
-    name: str, new_tokens: int, rounds: int, modes: list[str] | None = None
+    name: str, new_tokens: int, rounds: int, modes: list[str] | None = None, memory: bool = True
 ) -> dict:
     """Time each generation mode in one process (interleaved rounds, median, paired ratio to
     `model.generate`), then, for the TorchLens modes, the bytes each step's trace keeps: the
-    memory grows linearly in the steps (a decode step's pattern is one query row per new token)."""
+    memory grows linearly in the steps (a decode step's pattern is one query row per new token).
+    With `memory`, each mode's peak and held resident memory, each in a fresh process
+    (`generation_memory_child`)."""
     import warnings
 
     warnings.filterwarnings("ignore", module="nnsight")
@@ -870,6 +883,11 @@ def generation_bench(
             with torch.no_grad():
                 gen = fns[mode]()
             out["modes"][mode]["kept_bytes_per_step"] = [saved_bytes(t) for t in gen.steps]
+    if memory:
+        for mode in out["modes"]:
+            out["modes"][mode].update(
+                _child(sys.executable, f"generation_memory_child({name!r}, {new_tokens}, {mode!r})")
+            )
     return out
 
 
@@ -1276,6 +1294,7 @@ def main(argv=None) -> int:
             args.new_tokens,
             args.rounds or 5,
             [m for m in args.modes] if args.modes else None,
+            not args.no_memory,
         )
         g["machine"] = {
             "cpus": os.cpu_count(),

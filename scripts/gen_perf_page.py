@@ -841,6 +841,7 @@ def generation_section(gen: dict) -> str:
         "| Mode | Median | × generate | Target | Kept: prefill | Kept: step 1 | Kept: last step | Growth per step |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    memory = [m for m, row in gen["modes"].items() if "peak_growth_bytes" in row or "error" in row]
     for mode, row in gen["modes"].items():
         target = GENERATION_TARGETS.get(mode)
         met = (
@@ -858,6 +859,27 @@ def generation_section(gen: dict) -> str:
             + " | ".join(cells)
             + " |"
         )
+    if memory:
+        lines += [
+            "",
+            "Memory, each mode in a fresh process after two warm-up calls of `model.generate` (`bench.py`'s",
+            "`generation_memory_child`): **peak** is how far the call raised the peak resident set, **held**",
+            "what its result holds right after the call, before anything is read. Held counts what the",
+            "*kept* columns cannot: a step's pending checks hold their inputs until a facet of theirs is read",
+            "(the weights a derived facet is computed from among them, one copy for all the steps while the",
+            "weights do not change).",
+            "",
+            "| Mode | Peak | Held |",
+            "| --- | ---: | ---: |",
+        ]
+        for mode in memory:
+            row = gen["modes"][mode]
+            if "error" in row:
+                cells = ["failed", "failed"]
+            else:
+                held = row.get("held_trimmed_bytes", row["held_bytes"])
+                cells = [f"{_mib(row['peak_growth_bytes'])} MiB", f"{_mib(held)} MiB"]
+            lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
     nn = gen["modes"].get("nnsight_generate")
     lines += [
         "",

@@ -291,3 +291,37 @@ def test_a_smoke_run_is_labelled_and_the_section_follows_the_committed_file(
     assert (
         gen.gradients_section(_gradient_data(tiny_gradients)) in gen.outputs(run, profile)[gen.PAGE]
     )
+
+
+def test_the_generation_section_shows_each_modes_memory_when_measured(gen):
+    """A generation run with memory rows gets the peak and held table from its numbers (a changed
+    figure changes the page); the committed file without them renders no such table."""
+    run = {
+        "model": "L12-T128",
+        "new_tokens": 4,
+        "rounds": 3,
+        "machine": {"cpus": 2, "torch_threads": 1, "load_at_start": [0.5, 0.5, 0.5]},
+        "modes": {
+            "generate": {"label": "model.generate", "median_s": 1.0, "ratio": 1.0},
+            "gen_all": {
+                "label": "TorchLens trace_generate save='all'",
+                "median_s": 2.0,
+                "ratio": 2.0,
+                "kept_bytes_per_step": [3 * 2**20, 2**20, 2**20 + 4096, 2**20 + 8192],
+                "peak_growth_bytes": 150 * 2**20,
+                "held_bytes": 120 * 2**20,
+                "held_trimmed_bytes": 102 * 2**20,
+            },
+            "nnsight_generate": {"label": "nnsight", "median_s": 1.1, "ratio": 1.1, "error": "x"},
+        },
+    }
+    page = gen.generation_section(run)
+    assert "| Mode | Peak | Held |" in page
+    assert "| TorchLens trace_generate save='all' | 150 MiB | 102 MiB |" in page
+    assert "| nnsight | failed | failed |" in page
+    run["modes"]["gen_all"]["held_trimmed_bytes"] = 511 * 2**20
+    assert "| 150 MiB | 511 MiB |" in gen.generation_section(run)
+    for row in run["modes"].values():
+        for k in ("peak_growth_bytes", "held_bytes", "held_trimmed_bytes", "error"):
+            row.pop(k, None)
+    assert "| Mode | Peak | Held |" not in gen.generation_section(run)
