@@ -57,6 +57,10 @@ Modes:
         that also keeps a reference to every op output (the memory `save="all"` must hold, with
         none of the bookkeeping). `save="none"` cannot cost less than `floor_pass`, nor
         `save="all"` less than `floor_keep`, on the same model in the same rounds.
+    floor_record: (only when named with `--modes`) a mode and module hooks that record each op's
+        function, argument ids, output id, shape and dtype, and the module running, and nothing
+        else: the least any capture that records the op graph and the module calls in Python
+        does, with no reference resolved, no version taken, nothing kept or assembled.
     pypi: PyPI `torchlens` 2.36.1 `trace(model, ids)` (its default saves every layer's output).
 
 Gradients (`--gradients MODEL...`, its own JSON and its own section of the page): every model's
@@ -136,6 +140,7 @@ LABELS = {
     "floor_pass": "floor: a torch function mode passing every op through",
     "floor_keep": "floor: a torch function mode keeping every op output",
     "floor_copy": "floor: keeping every op output, copying what the caller holds",
+    "floor_record": "floor: recording every op and module call in Python, nothing else",
 }
 #: The suffix of a mode run with autograd on (`all+grad`), and how its label says so.
 GRAD = "+grad"
@@ -297,6 +302,50 @@ def floor_forward(model, ids, keep: bool, copy: bool = False):
     return mode.kept
 
 
+class _RecordMode(torch.overrides.TorchFunctionMode):
+    """The floor of recording the op graph in Python: for each op with a tensor output, one tuple
+    (function, the ids of its tensor arguments, its output's id, shape and dtype, the module
+    running), appended to a list; nothing else (no references resolved, no versions, no tensor
+    kept, nothing assembled)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+        self.stack: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            ins = [id(a) for a in args if isinstance(a, torch.Tensor)]
+            where = self.stack[-1] if self.stack else None
+            self.ops.append((func, ins, id(out), out.shape, out.dtype, where))
+        return out
+
+
+def record_forward(model, run):
+    """`run()` under `_RecordMode`, with a pre- and a post-hook on every module keeping the stack
+    of module calls and a list of them: the least any capture that records every op and module
+    call of a forward in Python does (`floor_record`, `floor_record_generate`). Returns the mode."""
+    mode, handles = _RecordMode(), []
+
+    def pre(module, args):
+        mode.stack.append(module)
+
+    def post(module, args, out):
+        mode.stack.pop()
+
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post))
+    try:
+        with mode:
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return mode
+
+
 def _tensors_in(value, depth: int = 0) -> list:
     """The tensors in a model output (tensors, containers, `ModelOutput`s and a KV cache's layers)."""
     if isinstance(value, torch.Tensor):
@@ -403,6 +452,7 @@ def make_modes(name: str, wanted: list[str], with_plain: bool = False) -> dict:
         "floor_pass": lambda: floor_forward(model, ids, keep=False),
         "floor_keep": lambda: floor_forward(model, ids, keep=True),
         "floor_copy": lambda: floor_forward(model, ids, keep=True, copy=True),
+        "floor_record": lambda: record_forward(model, lambda: model(ids)),
     }
     booted = None
     if any(m.endswith("_booted") or m == "tl_cache" for m in wanted):
@@ -797,13 +847,21 @@ def run_model(
 # -- generation: trace_generate against model.generate ----------------------------------------
 
 #: The generation modes, in the order they run each round.
-GENERATION_MODES = ["generate", "gen_resid_post", "gen_all", "gen_none", "nnsight_generate"]
+GENERATION_MODES = [
+    "generate",
+    "gen_resid_post",
+    "gen_all",
+    "gen_none",
+    "nnsight_generate",
+    "floor_record_generate",
+]
 GENERATION_LABELS = {
     "generate": "model.generate (no_grad)",
     "gen_resid_post": "TorchLens trace_generate save=['resid_post']",
     "gen_all": "TorchLens trace_generate save='all'",
     "gen_none": "TorchLens trace_generate save='none'",
     "nnsight_generate": "nnsight generate, every block's output saved at every step",
+    "floor_record_generate": "floor: generate with every op and module call recorded in Python",
 }
 
 
@@ -843,6 +901,9 @@ def generation_modes(name: str, new_tokens: int) -> dict:
         "gen_all": lambda: tl.trace_generate(model, ids, save="all", **kwargs),
         "gen_none": lambda: tl.trace_generate(model, ids, save="none", **kwargs),
         "nnsight_generate": nnsight_generate,
+        "floor_record_generate": lambda: record_forward(
+            model, lambda: model.generate(ids, **kwargs)
+        ),
     }
 
 
