@@ -1,7 +1,8 @@
 """`trace(..., grads=loss_fn)` on derived facets: a norm's `normalized`, `inv_std` and `scale` (on
 a norm that runs as one fused op), an RMSNorm's `scale`, and attention's per-head `result`. Their
-gradients are derived and checked at trace time; every one served here is checked against ground
-truth from outside TorchLens, and planted models whose backward breaks the relation are refused.
+gradients are derived and checked on first read (`tests/test_lazy_grads.py`); every one served
+here is checked against ground truth from outside TorchLens, and planted models whose backward
+breaks the relation are refused.
 
 Ground truth:
 
