@@ -23,8 +23,8 @@ stand on, and `grad_maps` gives every call a `GradMap` beside its `FacetMap`:
 A derived gradient is pending when `trace` returns, as a derived facet's value is: its site holds
 what the derivation computes from (autograd's gradients, the forward's tensors, the weights it
 reads) in a `_core.pending.Pending`, and the derivation and its check run on the first read of
-any gradient of its group (or `GradMap.check` / `Trace.check`); a failed check refuses them then,
-with the reason. The snapshot, a store and the sealing of pending checks treat those inputs as
+any gradient of its group (or `GradMap.check`; `Trace.save` runs them all); a failed check
+refuses them then, with the reason. The snapshot, a store and the sealing of pending checks treat those inputs as
 they treat the facet values' (`_core.holdings.held_tensors` walks the gradient maps too).
 """
 
@@ -209,7 +209,7 @@ def backward(
         bound, (_, z), (_, q), (_, v) = plan
         got = [grads[id(x)] for x in (z, q, v)]
         dz, dq, dv = [torch.zeros_like(x) if g is None else g for g, x in zip(got, (z, q, v))]
-        kernel = _kernel_grads(sites, ops[i], bound, dz, dq, dv)
+        kernel = _kernel_grads(sites, ops[i], bound, z, dz, dq, dv)
         for name, site in sites.items():
             found[id(site)] = kernel if isinstance(kernel, str) else (kernel, name)
     for what, dplan in derived:
@@ -300,27 +300,31 @@ def _kernel_plan(i: int, op: OpRecord, edges: Edges) -> Any:
 
 
 def _kernel_grads(
-    sites: dict[str, FacetSite], op: OpRecord, bound: dict, dz: Tensor, dq: Tensor, dv: Tensor
+    sites: dict[str, FacetSite],
+    op: OpRecord,
+    bound: dict,
+    out: Tensor,
+    dz: Tensor,
+    dq: Tensor,
+    dv: Tensor,
 ) -> _derived.Deferred | str:
-    """d loss / d the rebuilt pattern and scores of one fused kernel (`op`, its arguments `bound`):
-    dP = dZ Vᵀ per head (z = P V) and dS = P ⊙ (dP - rowsum(dP ⊙ P)) (P = softmax(S)), served
-    when autograd's own gradients at the kernel's value and query agree: Pᵀ dZ (summed over a GQA
-    group) = d loss / d v and scale · dS K = d loss / d q. Derived and checked on first read, from
-    the kernel's kept arguments and output (P rebuilt from them as the pattern's value is, and
-    checked the same way), so a later write into the served pattern cannot change it; or why not."""
+    """d loss / d the rebuilt pattern and scores of one fused kernel (`op`, its arguments `bound`,
+    its output `out`): dP = dZ Vᵀ per head (z = P V) and dS = P ⊙ (dP - rowsum(dP ⊙ P))
+    (P = softmax(S)), served when autograd's own gradients at the kernel's value and query agree:
+    Pᵀ dZ (summed over a GQA group) = d loss / d v and scale · dS K = d loss / d q. Derived and
+    checked on first read, from the kernel's kept arguments and output (P rebuilt from them as the
+    pattern's value is, and checked the same way), so a later write into the served pattern cannot
+    change it; or why not."""
     pattern = sites.get("pattern")
     if pattern is None:
         return "the derivation needs the pattern, which save= did not keep beside the scores"
-    value_inputs = pattern._inputs
-    if op.extra is None or value_inputs is None or pattern._pending is None:
-        return "the pattern, which the derivation needs, is not served"
+    assert op.extra is not None  # `_kernel_plan` refuses a kernel without its kept arguments
     inputs: list = []
     args, kwargs = _pack(op.extra["args"], op.extra["kwargs"], inputs)
-    if len(inputs) + 1 != len(value_inputs) or any(
-        a is not b for a, b in zip(inputs, value_inputs)
-    ):  # the pattern's rebuild reads other tensors: the derivation cannot rebuild it alike
-        return "the pattern, which the derivation needs, is not served"
-    inputs.append(value_inputs[-1])  # the kernel's output, which the rebuild is checked against
+    # the kernel's output, which the rebuild is checked against: the one the pattern's own
+    # rebuild reads while that is pending, else the one the gradient edge was kept for
+    value_inputs = pattern._inputs
+    inputs.append(value_inputs[-1] if value_inputs else out.detach())
     n = len(inputs)
     inputs += [dz, dq, dv]
     p_shape = tuple(pattern.shape)
