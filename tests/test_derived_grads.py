@@ -1,7 +1,8 @@
 """`trace(..., grads=loss_fn)` on derived facets: a norm's `normalized`, `inv_std` and `scale` (on
 a norm that runs as one fused op), an RMSNorm's `scale`, and attention's per-head `result`. Their
-gradients are derived and checked at trace time; every one served here is checked against ground
-truth from outside TorchLens, and planted models whose backward breaks the relation are refused.
+gradients are derived and checked on first read (`tests/test_lazy_grads.py`); every one served
+here is checked against ground truth from outside TorchLens, and planted models whose backward
+breaks the relation are refused.
 
 Ground truth:
 
@@ -175,10 +176,12 @@ def test_norm_grads_equal_the_written_out_norm(family, dtype):
         for i, call in enumerate(t.modules[addr].calls):
             derived = {n for n, s in call.grads.sites.items() if s.kind == "computed"}
             assert derived == served, (addr, derived, call.grads.refused)
+            assert set(call.grads.pending) == derived  # derived and checked on first read
             for name in derived:
                 site = call.grads.site(name)
-                assert site.check_error is not None and "checked" in site.note
+                assert "checked" in site.note
                 got, want = call.grads[name], seen[addr][i][name].grad
+                assert site.checked and site.check_error is not None
                 assert got.shape == want.shape and got.dtype == call.facets.site(name).dtype
                 assert _close(got, want, dtype, _summands(seen[addr][i], name)), (addr, name)
 
@@ -198,8 +201,9 @@ def test_result_grads_equal_a_per_head_output_projection(family, dtype):
     for layer, addr in enumerate(attns):
         grads = t.modules[addr].grads
         site = grads.site("result")
-        assert site.kind == "computed" and site.check_error is not None
+        assert site.kind == "computed" and grads.pending == ["result"]
         assert _close(grads["result"], seen[layer].grad, dtype), addr
+        assert site.check_error is not None and grads.pending == []
     by_name = t.grad("blocks.1.attn.hook_result")
     assert torch.equal(by_name, t.modules[attns[1]].grads["result"])
 

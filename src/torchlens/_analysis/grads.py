@@ -19,6 +19,13 @@ stand on, and `grad_maps` gives every call a `GradMap` beside its `FacetMap`:
   (`_analysis.derived_grads`: checked at the norm's input through the norm, and at z); any
   other derived facet is refused with the reason, as is a tensor that does not require grad
   (token ids, a mask).
+
+A derived gradient is pending when `trace` returns, as a derived facet's value is: its site holds
+what the derivation computes from (autograd's gradients, the forward's tensors, the weights it
+reads) in a `_core.pending.Pending`, and the derivation and its check run on the first read of
+any gradient of its group (or `GradMap.check`; `Trace.save` runs them all); a failed check
+refuses them then, with the reason. The snapshot, a store and the sealing of pending checks treat those inputs as
+they treat the facet values' (`_core.holdings.held_tensors` walks the gradient maps too).
 """
 
 from __future__ import annotations
@@ -31,11 +38,12 @@ import torch
 from torch import Tensor, nn
 
 from torchlens._analysis import derived_grads as _derived
-from torchlens._analysis.facets.rebuild import sdpa_bound
+from torchlens._analysis.facets.rebuild import _pack, _unpack, rebuild_attention, sdpa_bound
 from torchlens._capture.edges import Edges
 from torchlens._core import ops as _ops
 from torchlens._core.errors import GradientError
 from torchlens._core.grad_sites import GradMap
+from torchlens._core.pending import Pending
 from torchlens._core.records import ModuleCall, OpRecord, Ref
 from torchlens._core.sites import FacetSite
 
@@ -102,7 +110,8 @@ def backward(
     io: dict[int, tuple[Any, Any]],
 ) -> dict[int, Any]:
     """d loss / d each kept facet's tensor: `id(site)` -> `(gradient, unused)` for a real facet,
-    `(gradient, unused, check error, note)` for a derived one, or a str saying why there is none.
+    `(derivation, facet name)` for a derived one (a `_analysis.derived_grads.Deferred`, run on
+    first read), or a str saying why there is none.
     One `torch.autograd.grad` over the edges the sites stand on; a norm's derived gradients take
     one more, from the norm's output to its input, for their check (`_analysis.derived_grads`).
     `modules` maps addresses to modules (their weights), `io` each call's id to the input and
@@ -169,7 +178,7 @@ def backward(
             continue
         for edge, h in plan[1:4]:
             wanted.setdefault(id(h), (edge, h))
-        kernel_plans.append((sites, plan))
+        kernel_plans.append((i, sites, plan))
     if not wanted:
         return found
     keys = list(wanted)
@@ -196,13 +205,13 @@ def backward(
             )
             continue
         found[id(site)] = (mapped, unused)
-    for sites, plan in kernel_plans:
+    for i, sites, plan in kernel_plans:
         bound, (_, z), (_, q), (_, v) = plan
         got = [grads[id(x)] for x in (z, q, v)]
         dz, dq, dv = [torch.zeros_like(x) if g is None else g for g, x in zip(got, (z, q, v))]
-        kernel = _kernel_grads(sites, bound, dz, dq, dv)
+        kernel = _kernel_grads(sites, ops[i], bound, z, dz, dq, dv)
         for name, site in sites.items():
-            found[id(site)] = kernel if isinstance(kernel, str) else kernel[name]
+            found[id(site)] = kernel if isinstance(kernel, str) else (kernel, name)
     for what, dplan in derived:
         g_out = grads[id(dplan.grad_of[1])]
         if what == "norm":
@@ -211,7 +220,7 @@ def backward(
             assert dplan.z is not None
             out = _derived.result_grads(dplan, g_out, found.get(id(dplan.z)))
         for name, site in dplan.sites.items():
-            found[id(site)] = out if isinstance(out, str) else out[name]
+            found[id(site)] = out if isinstance(out, str) else (out, name)
     return found
 
 
@@ -291,60 +300,102 @@ def _kernel_plan(i: int, op: OpRecord, edges: Edges) -> Any:
 
 
 def _kernel_grads(
-    sites: dict[str, FacetSite], bound: dict, dz: Tensor, dq: Tensor, dv: Tensor
-) -> Any:
-    """d loss / d the rebuilt pattern and scores of one fused kernel: dP = dZ Vᵀ per head (z = P V)
-    and dS = P ⊙ (dP - rowsum(dP ⊙ P)) (P = softmax(S)), served when autograd's own gradients at
-    the kernel's value and query agree: Pᵀ dZ (summed over a GQA group) = d loss / d v and
-    scale · dS K = d loss / d q. Returns name -> (gradient, False, check error, note), or why not."""
-    if "pattern" not in sites:
+    sites: dict[str, FacetSite],
+    op: OpRecord,
+    bound: dict,
+    out: Tensor,
+    dz: Tensor,
+    dq: Tensor,
+    dv: Tensor,
+) -> _derived.Deferred | str:
+    """d loss / d the rebuilt pattern and scores of one fused kernel (`op`, its arguments `bound`,
+    its output `out`): dP = dZ Vᵀ per head (z = P V) and dS = P ⊙ (dP - rowsum(dP ⊙ P))
+    (P = softmax(S)), served when autograd's own gradients at the kernel's value and query agree:
+    Pᵀ dZ (summed over a GQA group) = d loss / d v and scale · dS K = d loss / d q. Derived and
+    checked on first read, from the kernel's kept arguments and output (P rebuilt from them as the
+    pattern's value is, and checked the same way), so a later write into the served pattern cannot
+    change it; or why not."""
+    pattern = sites.get("pattern")
+    if pattern is None:
         return "the derivation needs the pattern, which save= did not keep beside the scores"
-    p = sites["pattern"].tensor  # runs the value's rebuild and its check
-    if p is None or sites["pattern"]._refusal is not None:
-        return "the pattern, which the derivation needs, is not served"
-    q, k, v = bound["query"], bound["key"], bound["value"]
-    if p.shape[:-2] != q.shape[:-2] or p.shape[-2] != q.shape[-2] or p.shape[-1] != k.shape[-2]:
-        return (
-            "the kernel ran in a packed layout (GQA decode), for which the derivation is not served"
-        )
-    w = torch.float64 if dz.dtype == torch.float64 else torch.float32
-    heads, kv = q.shape[-3], v.shape[-3]
-    if heads % kv:
-        return f"{heads} query heads do not group over {kv} value heads"
-    rep = heads // kv
-    P, dZ = p.to(w), dz.to(w)
-    V, K = v.to(w).repeat_interleave(rep, dim=-3), k.to(w).repeat_interleave(rep, dim=-3)
-    dP = dZ @ V.transpose(-1, -2)
-    dS = P * (dP - (dP * P).sum(-1, keepdim=True))
-    dV_pred = P.transpose(-1, -2) @ dZ
-    dV_pred = dV_pred.unflatten(-3, (kv, rep)).sum(-3)
-    scale = bound.get("scale")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    dQ_pred = scale * (dS @ K)
-    tol_rel = _ops.reconstruction_tolerance(dz.dtype)
-    errs = []
-    for name, pred, real in (("value", dV_pred, dv), ("query", dQ_pred, dq)):
-        real = real.to(w)
-        err = float((pred - real).abs().max()) if real.numel() else 0.0
-        tol = tol_rel * max(float(real.abs().max()) if real.numel() else 0.0, 1e-30)
-        if not err <= tol:
+    assert op.extra is not None  # `_kernel_plan` refuses a kernel without its kept arguments
+    inputs: list = []
+    args, kwargs = _pack(op.extra["args"], op.extra["kwargs"], inputs)
+    # the kernel's output, which the rebuild is checked against: the one the pattern's own
+    # rebuild reads while that is pending, else the one the gradient edge was kept for
+    value_inputs = pattern._inputs
+    inputs.append(value_inputs[-1] if value_inputs else out.detach())
+    n = len(inputs)
+    inputs += [dz, dq, dv]
+    p_shape = tuple(pattern.shape)
+    shapes = {name: (site.dtype, site.shape) for name, site in sites.items()}
+    scale_arg = bound.get("scale")
+
+    def run(inputs: list) -> tuple:
+        if pattern._refusal is not None:  # its value's own check ran and failed
+            return {}, None, "the pattern, which the derivation needs, is not served"
+        a, kw = _unpack(args, kwargs, inputs)
+        try:
+            _, p, err, tol = rebuild_attention(a, kw, inputs[n - 1])
+        except ValueError:
+            err, tol = float("nan"), 0.0
+        if not err <= tol:  # the pattern's value is refused by this very check
+            return {}, None, "the pattern, which the derivation needs, is not served"
+        p = p.reshape(p_shape)
+        dz, dq, dv = inputs[n:]
+        b = sdpa_bound(a, kw)
+        q, k, v = b["query"], b["key"], b["value"]
+        if p.shape[:-2] != q.shape[:-2] or p.shape[-2] != q.shape[-2] or p.shape[-1] != k.shape[-2]:
             return (
-                f"derived as dZ·Vᵀ per head, but autograd's gradient at the kernel's {name} differs from the one "
-                f"the derivation implies by {err:.3g} (> {tol:.3g}), so it is not served"
+                {},
+                None,
+                "the kernel ran in a packed layout (GQA decode), for which the derivation is not served",
             )
-        errs.append(err)
-    out = {}
+        w = torch.float64 if dz.dtype == torch.float64 else torch.float32
+        heads, kv = q.shape[-3], v.shape[-3]
+        if heads % kv:
+            return {}, None, f"{heads} query heads do not group over {kv} value heads"
+        rep = heads // kv
+        P, dZ = p.to(w), dz.to(w)
+        V, K = v.to(w).repeat_interleave(rep, dim=-3), k.to(w).repeat_interleave(rep, dim=-3)
+        dP = dZ @ V.transpose(-1, -2)
+        dS = P * (dP - (dP * P).sum(-1, keepdim=True))
+        dV_pred = P.transpose(-1, -2) @ dZ
+        dV_pred = dV_pred.unflatten(-3, (kv, rep)).sum(-3)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale_arg is None else float(scale_arg)
+        dQ_pred = scale * (dS @ K)
+        tol_rel = _ops.reconstruction_tolerance(dz.dtype)
+        errs = []
+        for name, pred, real in (("value", dV_pred, dv), ("query", dQ_pred, dq)):
+            real = real.to(w)
+            e = float((pred - real).abs().max()) if real.numel() else 0.0
+            t = tol_rel * max(float(real.abs().max()) if real.numel() else 0.0, 1e-30)
+            if not e <= t:
+                return (
+                    {},
+                    None,
+                    f"derived as dZ·Vᵀ per head, but autograd's gradient at the kernel's {name} differs "
+                    f"from the one the derivation implies by {e:.3g} (> {t:.3g}), so it is not served",
+                )
+            errs.append(e)
+        values = {"pattern": dP, "scores": dS}
+        return (
+            {
+                name: values[name].to(dtype).reshape(shape)
+                for name, (dtype, shape) in shapes.items()
+            },
+            max(errs),
+            None,
+        )
+
     check = (
         "; checked: autograd's gradients at the kernel's value (Pᵀ·dZ) and query (scale·dS·K) agree"
     )
-    for name, g, how in (
-        ("pattern", dP, "derived: dZ·Vᵀ per head"),
-        ("scores", dS, "derived: the softmax's VJP of dZ·Vᵀ"),
-    ):
-        if name in sites:
-            site = sites[name]
-            out[name] = (g.to(site.dtype).reshape(site.shape), False, max(errs), how + check)
-    return out
+    how = {
+        "pattern": "derived: dZ·Vᵀ per head",
+        "scores": "derived: the softmax's VJP of dZ·Vᵀ",
+    }
+    return _derived.Deferred(run, inputs, {name: how[name] + check for name in sites})
 
 
 def _base_of(
@@ -464,7 +515,9 @@ def _view_like(g: Tensor, h: Tensor, t: Tensor) -> Tensor | None:
 
 
 def grad_maps(calls: list[ModuleCall], found: dict[int, Any], loss: str) -> None:
-    """Give each call its `GradMap`: the same keys as its facets, refusals and unsaved alike."""
+    """Give each call its `GradMap`: the same keys as its facets, refusals and unsaved alike; a
+    derived gradient's site is pending (`_core.pending.Pending`), its derivation run on first
+    read."""
     for call in calls:
         facets = call.facets
         if facets is None:
@@ -474,6 +527,7 @@ def grad_maps(calls: list[ModuleCall], found: dict[int, Any], loss: str) -> None
             sites[name] = FacetSite(
                 name, "refused", (), torch.float32, note=f"its value is not served ({reason})"
             )
+        deferred: dict[int, tuple[_derived.Deferred, list[FacetSite]]] = {}
         for name, s in facets._sites.items():
             got = found.get(id(s))
             if isinstance(got, str):
@@ -482,9 +536,13 @@ def grad_maps(calls: list[ModuleCall], found: dict[int, Any], loss: str) -> None
                 sites[name] = FacetSite(
                     name, "real", s.shape, s.dtype, None, s.op, None, "not kept"
                 )
-            elif len(got) == 4:  # derived, checked
-                g, _, err, note = got
-                sites[name] = FacetSite(name, "computed", s.shape, s.dtype, g, s.op, err, note)
+            elif isinstance(got[0], _derived.Deferred):  # derived: checked on first read
+                how, key = got
+                site = FacetSite(
+                    name, "computed", s.shape, s.dtype, None, s.op, None, how.notes[key]
+                )
+                deferred.setdefault(id(how), (how, []))[1].append(site)
+                sites[name] = site
             else:
                 g, unused = got
                 note = (
@@ -493,6 +551,8 @@ def grad_maps(calls: list[ModuleCall], found: dict[int, Any], loss: str) -> None
                     else "autograd's gradient at the tensor the model used"
                 )
                 sites[name] = FacetSite(name, "real", s.shape, s.dtype, g, s.op, None, note)
+        for how, group in deferred.values():
+            Pending(how.fn, how.inputs, group)  # before the map, which becomes its owner
         gm = GradMap(call.address, call.role, sites, ran=facets.ran)
         gm.loss = loss
         gm._values = facets

@@ -7,8 +7,10 @@ the same keys, the same call rules (`ModuleRecord.grads` of a module that ran on
 the gradient was obtained (`"real"`: autograd's gradient at the tensor the model used there;
 `"computed"`: for a derived facet, derived from autograd's gradients where the model did run
 an op (a fused kernel's rebuilt pattern and scores, a norm's `normalized` and statistics, the
-per-head `result`) and checked against the model's own gradients when the trace is taken),
-`check_error` the largest difference in that check, `note` how.
+per-head `result`) and checked against the model's own gradients), `check_error` the largest
+difference in that check, `note` how. A derived gradient is pending until first read, as a
+derived facet value is (`FacetSite`): its derivation and check run then, and a failed check
+refuses it then, with the reason (`refused`, `pending`).
 """
 
 from __future__ import annotations

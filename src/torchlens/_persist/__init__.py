@@ -18,8 +18,10 @@ directory holds the old trace or the new one, never a mix. Saves and loads of on
 processes take a lock on it (an advisory `flock`, where the platform has one), so a load never
 sees a save's clean-up half done.
 
-Saving runs every pending facet check first ([`Trace.check`][torchlens.Trace.check]), so the file
-holds each facet's final tensor and status and a loaded trace has no pending check.
+Saving runs every pending facet check first ([`Trace.check`][torchlens.Trace.check]), and the
+derivation of every pending gradient of a trace taken with `grads=` (`GradMap.check`), so the file
+holds each facet's and each gradient's final tensor and status and a loaded trace has no pending
+check.
 
 Loading reads only JSON and safetensors, so a trace file cannot run code: no pickle is ever
 opened, JSON names classes only from a fixed list of TorchLens record types, each record's

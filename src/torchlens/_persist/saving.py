@@ -59,6 +59,10 @@ def save(trace: Any, path: str | os.PathLike, model: Any = None) -> list[str]:
     # Every pending facet check runs first, so the file holds final tensors and statuses and a
     # loaded trace has nothing left to compute (it has no model to compute from).
     trace.check()
+    for rec in trace.modules.values():  # and the derived gradients of a trace taken with grads=
+        for call_ in rec.calls:
+            if getattr(call_, "grads", None) is not None:
+                call_.grads.check()
     enc = Encoder(record_classes())
     # Every module call first, so that dicts keyed by id(call) find their keys.
     for rec in trace.modules.values():
