@@ -174,3 +174,23 @@ def test_save_derives_them_first_and_keeps_a_refusal(tmp_path):
         assert _close(u.modules[addr].grads["result"], results[layer].grad, torch.float32)
     got = u.modules["transformer.h.1.ln_1"].grads["normalized"]
     assert _close(got, norms["transformer.h.1.ln_1"][0]["normalized"].grad, torch.float32)
+
+
+def test_trace_check_runs_the_pending_gradients_too_and_reports_their_refusals():
+    """`Trace.check()` leaves no site pending, gradients included, and names a gradient whose
+    derivation its check refused (a write into the tensor it is derived from, after the trace)."""
+    model = testing.build("gpt2")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    t = tl.trace(model, ids, grads=lambda out: out.logits[0, -1].logsumexp(-1))
+    waiting = sum(len(c.grads.pending) for r in t.modules.values() for c in r.calls if c.grads)
+    assert waiting > 0 and t.pending >= waiting
+    norm = next(a for a in t.by_role("norm"))
+    fresh = tl.trace(model, ids, grads=lambda out: out.logits[0, -1].logsumexp(-1))
+    t.modules[norm].grads["output"].mul_(2.0)  # a write into a gradient the derivation reads
+    refused = t.check()
+    assert t.pending == 0
+    gradient_keys = [k for k in refused if k[2].endswith(" (gradient)")]
+    assert (norm, 0, "normalized (gradient)") in gradient_keys
+    assert "written after the trace returned" in refused[(norm, 0, "normalized (gradient)")]
+    assert all(k[2] not in ("input (gradient)", "indices (gradient)") for k in gradient_keys)
+    assert fresh.check() == {} and fresh.pending == 0

@@ -201,12 +201,15 @@ class Trace:
 
         Derived facets (rebuilt attention patterns, per-head results, norm statistics) and the
         expensive checks of real ones (`z`, `resid_mid`) run lazily; see
-        [`FacetSite`][torchlens.FacetSite]. After `check()` no site is pending, every
+        [`FacetSite`][torchlens.FacetSite]. So do the derived gradients of a trace taken with
+        `grads=`. After `check()` no site is pending, values and gradients alike, every
         `check_error` is set, and each `FacetMap.refused` is final. `Trace.save` runs it.
 
         Returns:
             Every facet the trace does not serve because its check failed or could not run, as
-            `(module address, call index, facet) -> reason`; empty when every check held.
+            `(module address, call index, facet) -> reason`, and every gradient refused so, as
+            `(module address, call index, "<facet> (gradient)") -> reason`; empty when every
+            check held.
         """
         refused = {}
         for rec in self.modules.values():
@@ -214,16 +217,25 @@ class Trace:
                 if call.facets is not None:
                     for facet, why in call.facets.check().items():
                         refused[(call.address, call.index, facet)] = why
+                if call.grads is not None:
+                    waiting = set(
+                        call.grads.pending
+                    )  # a gradient refused at trace time is not a check's
+                    for facet, why in call.grads.check().items():
+                        if facet in waiting:
+                            refused[(call.address, call.index, f"{facet} (gradient)")] = why
         return refused
 
     @property
     def pending(self) -> int:
-        """How many facet sites still wait for their check (computes nothing)."""
+        """How many facet sites, and gradient sites of a `grads=` trace, still wait for their
+        check (computes nothing)."""
         return sum(
-            len(c.facets.pending)
+            len(m.pending)
             for rec in self.modules.values()
             for c in rec.calls
-            if c.facets is not None
+            for m in (c.facets, c.grads)
+            if m is not None
         )
 
     def by_role(self, role: str) -> list[str]:
