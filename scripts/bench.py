@@ -181,6 +181,9 @@ IN_PROCESS = [
     "all_booted",
 ]
 
+#: In-process modes a run has only when `--modes` names them (not on the page).
+ONLY_NAMED = ["floor_record"]
+
 #: The side-by-side table: every mode.
 TABLE_MODELS = ["tiny", "L12-T128", "L12-T1024", "L12-T2048"]
 #: The scaling plots: fewer modes, more sizes.
@@ -771,7 +774,9 @@ def run_model(
     pypi_python: str | None,
     grads: tuple[bool, ...] = (False, True),
 ) -> dict:
-    timed = [m + (GRAD if g else "") for g in grads for m in modes if m in IN_PROCESS]
+    timed = [
+        m + (GRAD if g else "") for g in grads for m in modes if m in IN_PROCESS or m in ONLY_NAMED
+    ]
     if "plain" in modes and False not in grads:
         timed.insert(
             0, "plain"
@@ -1394,8 +1399,9 @@ def main(argv=None) -> int:
         unknown = sorted(set(args.modes) - set(LABELS))
         if unknown:
             raise SystemExit(f"unknown mode(s) {unknown}: use {', '.join(LABELS)}")
+        named = [m for m in ONLY_NAMED if m in args.modes]  # run only when asked for
         plan = {
-            n: ["plain"] + [m for m in modes if m in args.modes and m != "plain"]
+            n: ["plain"] + [m for m in modes if m in args.modes and m != "plain"] + named
             for n, modes in plan.items()
         }
     for n, modes in plan.items():  # the booted modes are read against the booted model's forward
@@ -1405,7 +1411,7 @@ def main(argv=None) -> int:
         ):
             plan[n] = modes + ["plain_booted"]
     labels = dict(LABELS)
-    labels.update({m + GRAD: label(m + GRAD) for m in IN_PROCESS})
+    labels.update({m + GRAD: label(m + GRAD) for m in IN_PROCESS + ONLY_NAMED})
     results = {
         "machine": {
             "cpus": os.cpu_count(),
