@@ -518,8 +518,15 @@ def test_search_and_links_work_on_the_site_opened_from_disk(page, site):
     assert any("/aliases/" in link for link in links[:3]), links[:5]
     page.tools.events.clear()
     page.evaluate("document.querySelector('.md-search-result__item > a').click()")
+    # Wait for the result's page itself: the home page, still shown while the click's navigation
+    # starts, is complete and ends with /index.html too (a loaded machine lost that race once).
+    facets_link = (
+        "Array.from(document.querySelectorAll('a.md-nav__link'))"
+        ".some(a => a.textContent.trim() === 'Facets')"
+    )
     page.wait_until(
-        "document.readyState === 'complete' && location.pathname.endsWith('/index.html')",
+        "document.readyState === 'complete' && location.pathname.includes('/aliases/') && "
+        + facets_link,
         timeout=10,
     )
     assert "/aliases/" in page.evaluate("location.pathname")
