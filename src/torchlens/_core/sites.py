@@ -182,9 +182,16 @@ def forward_order(names) -> list[str]:
     """Facet names in forward order: `input`, then the order `FACETS` lists them in (the order
     a forward computes them: `resid_pre`, `resid_mid`, `resid_post`; `q`, `k`, `v`, ...), then
     names `FACETS` does not list, then `output`."""
+    return list(_order(tuple(names)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _order(names: tuple[str, ...]) -> tuple[str, ...]:
+    """`forward_order` of one tuple of names, kept: a trace sorts the same few facet sets once
+    per module call, so each distinct set is sorted once."""
     rank = _facet_rank()
     last = rank["output"] - 1
-    return sorted(names, key=lambda name: rank.get(name, last))
+    return tuple(sorted(names, key=lambda name: rank.get(name, last)))
 
 
 @functools.lru_cache(maxsize=1)
@@ -229,7 +236,7 @@ class FacetMap(Mapping):
         self.role = role
         self.refused = {n: s.note for n, s in sites.items() if s.kind == "refused"}
         served = {n: s for n, s in sites.items() if s.kind != "refused"} if self.refused else sites
-        self._sites = {n: served[n] for n in forward_order(served)}
+        self._sites = {n: served[n] for n in _order(tuple(served))}
         self.ran = ran
         for s in self._sites.values():
             if s._pending is not None:
