@@ -89,6 +89,7 @@ The working tree may be in flux; to measure one commit, export it and say which:
 
 Usage:
     python scripts/bench.py --json build/bench.json                  # the full run
+    python scripts/bench.py --json build/bench.json --resume         # go on with it after a cut
     python scripts/bench.py --models tiny --rounds 3                 # a quick look
     python scripts/bench.py --models tiny L12-T128 --modes none resid_post --threads 1   # a few modes
     python scripts/bench.py --profile L12-T1024 --json build/profile.json   # where save="all" spends
@@ -1232,6 +1233,42 @@ def gradient_bench(name: str, rounds: int, memory: bool = True, modes=None) -> d
     }
 
 
+#: What a resumed run must share with the run it goes on with: its figures then come from the same
+#: code under the same conditions, one model per process either way.
+RESUME_KEYS = ("torchlens_commit", "torch", "transformers", "cpus", "settle")
+
+
+def resumed(path: str | None, fresh: dict) -> dict:
+    """The run in `path` to go on with, checked against the one about to start (`fresh`): the same
+    commit, library versions, machine size, grad modes and thread counts, else SystemExit. Its
+    measured models are kept; each start after the first is listed in `resumed`."""
+    if not path or not os.path.exists(path):
+        raise SystemExit(f"--resume needs the run to go on with, in --json (got {path!r})")
+    with open(path) as f:
+        old = json.load(f)
+    if "by_threads" not in old:
+        raise SystemExit(f"{path} is not a bench.py table run (no by_threads)")
+    differs = [
+        f"{k}: {old['machine'].get(k)!r} there, {fresh['machine'].get(k)!r} now"
+        for k in RESUME_KEYS
+        if old["machine"].get(k) != fresh["machine"].get(k)
+    ]
+    if fresh["machine"].get("torchlens_commit") is None:
+        differs.append("no BENCH_COMMIT set: a resumed run must name the commit it measures")
+    for k in ("grad_modes", "threads"):
+        if old.get(k) != fresh.get(k):
+            differs.append(f"{k}: {old.get(k)!r} there, {fresh.get(k)!r} now")
+    if differs:
+        raise SystemExit(f"cannot resume {path}: " + "; ".join(differs))
+    out = dict(fresh, started=old["started"], by_threads=old["by_threads"])
+    out["machine"] = dict(fresh["machine"], load_at_start=old["machine"]["load_at_start"])
+    out["resumed"] = [*old.get("resumed", []), fresh["started"]]
+    first = str(fresh["threads"][0])
+    out["models"] = out["by_threads"].setdefault(first, {})
+    out["labels"] = {**old.get("labels", {}), **fresh["labels"]}
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Benchmark TorchLens capture side by side.")
     parser.add_argument("--json", help="write the results here")
@@ -1316,6 +1353,14 @@ def main(argv=None) -> int:
         action="store_true",
         help="with --gradients: mark the JSON as a smoke run (few rounds, small models, not the "
         "measurement; the Performance page says so)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on with the run in --json: keep each model it measured (every mode of a model "
+        "runs in one process, so a model is the unit a run can be cut at) and measure the rest; "
+        "refused unless that run measured the same commit (BENCH_COMMIT), grad modes and thread "
+        "counts",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads[0])
@@ -1437,6 +1482,9 @@ def main(argv=None) -> int:
         "by_threads": {},
     }
 
+    if args.resume:
+        results = resumed(args.json, results)
+
     def cost(name):
         return spec(name)["tokens"] * spec(name)["n_layer"]
 
@@ -1448,6 +1496,8 @@ def main(argv=None) -> int:
         for name in sorted(
             plan, key=cost
         ):  # cheapest first: a run cut short keeps the small models
+            if name in models:  # measured before the run was resumed
+                continue
             modes = plan[name]
             rounds = args.rounds or (21 if name == "tiny" else 7 if cost(name) <= 12 * 128 else 5)
             # memory does not depend on the thread count: measured with the first count only

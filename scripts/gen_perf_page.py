@@ -611,7 +611,14 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
         f"{m['torch_threads']} torch thread(s); Python {m['python']}, torch {m['torch']}, transformers "
         f"{m['transformers']}, TorchLens {m['torchlens']}"
         + (f" at commit `{m['torchlens_commit']}`" if m.get("torchlens_commit") else "")
-        + ".",
+        + "."
+        + (
+            f" The run was cut and resumed ({', '.join(run['resumed'])}; `bench.py --resume`): every"
+            " model was measured whole in one process, and every start measured the same commit with"
+            " the same library versions."
+            if run.get("resumed")
+            else ""
+        ),
         "- Models: random-weight GPT-2s built from a config with a fixed seed, float32; `tiny` is 2 layers,",
         "  d_model 32, 4 tokens; the others have GPT-2 small's width (d_model 768, 12 heads, vocabulary",
         "  50257) with the layers and tokens named. GPT-2 runs its default `sdpa` attention; the",

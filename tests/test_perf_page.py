@@ -15,6 +15,7 @@ import xml.dom.minidom
 
 import pytest
 import script_modules
+import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gen_perf_page.py"
@@ -325,3 +326,36 @@ def test_the_generation_section_shows_each_modes_memory_when_measured(gen):
         for k in ("peak_growth_bytes", "held_bytes", "held_trimmed_bytes", "error"):
             row.pop(k, None)
     assert "| Mode | Peak | Held |" not in gen.generation_section(run)
+
+
+# -- a run cut at a model and resumed (`bench.py --resume`) ------------------------------------
+
+
+def test_a_resumed_run_keeps_what_it_measured_and_measures_the_rest(
+    bench, tmp_path, monkeypatch, request
+):
+    """`--resume` goes on with the run in `--json`: a model it measured is kept as measured (not
+    run again), the others are measured, and the start is listed; a run of another commit, or
+    with other grad modes, is refused with what differs."""
+    threads = torch.get_num_threads()  # bench.main sets the count it measures with
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    out = tmp_path / "run.json"
+    quick = ["--rounds", "1", "--no-memory", "--threads", "1", "--grad", "off", "--modes", "all"]
+    monkeypatch.setenv("BENCH_COMMIT", "abc1234")
+    assert bench.main(["--json", str(out), "--models", "tiny", *quick]) == 0
+    first = json.loads(out.read_text())
+    assert list(first["models"]) == ["tiny"] and "resumed" not in first
+    args = ["--json", str(out), "--models", "tiny", "L2-T128", *quick, "--resume"]
+    assert bench.main(args) == 0
+    second = json.loads(out.read_text())
+    assert sorted(second["models"]) == ["L2-T128", "tiny"]
+    assert second["models"]["tiny"] == first["models"]["tiny"]  # kept, not measured again
+    assert second["started"] == first["started"] and len(second["resumed"]) == 1
+    assert second["models"]["L2-T128"]["modes"]["all"]["ratio"] > 0
+    monkeypatch.setenv("BENCH_COMMIT", "def5678")
+    with pytest.raises(SystemExit, match="torchlens_commit: 'abc1234' there, 'def5678' now"):
+        bench.main(args)
+    monkeypatch.setenv("BENCH_COMMIT", "abc1234")
+    with pytest.raises(SystemExit, match="grad_modes"):
+        bench.main([*args[:-5], "--grad", "on", "--modes", "all", "--resume"])
+    assert json.loads(out.read_text()) == second  # a refused resume writes nothing
