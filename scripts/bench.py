@@ -1235,7 +1235,7 @@ def gradient_bench(name: str, rounds: int, memory: bool = True, modes=None) -> d
 
 #: What a resumed run must share with the run it goes on with: its figures then come from the same
 #: code under the same conditions, one model per process either way.
-RESUME_KEYS = ("torchlens_commit", "torch", "transformers", "cpus", "settle")
+RESUME_KEYS = ("torchlens_commit", "torch", "transformers", "cpus", "settle", "mmap_threshold")
 
 
 def resumed(path: str | None, fresh: dict) -> dict:
@@ -1470,6 +1470,7 @@ def main(argv=None) -> int:
             "device": "cpu",
             "load_at_start": _loadavg(),
             "settle": SETTLE[0],
+            "mmap_threshold": MMAP_THRESHOLD[0],
         },
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "table": [n for n in TABLE_MODELS if n in plan],

@@ -631,7 +631,14 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
         "- Memory: each mode runs once more in a fresh process, after two plain forwards of the same",
         "  model and a `malloc_trim`: *peak* is the growth of the peak resident set (VmHWM) during the",
         "  run, *held* what is still resident while the result is alive (after another `malloc_trim`),",
-        "  *kept* the bytes of tensor storage a TorchLens trace references.",
+        "  *kept* the bytes of tensor storage a TorchLens trace references."
+        + (
+            f" The memory processes ran with `MALLOC_MMAP_THRESHOLD_={m['mmap_threshold']}`"
+            " (`--mmap-threshold`): large tensors are mapped and unmapped, so a peak does not depend"
+            " on how the heap was reused before."
+            if m.get("mmap_threshold")
+            else ""
+        ),
         f"- **Load caveat**: the machine was shared with other jobs during the run (1-minute load average "
         f"{min(loads):.1f} to {max(loads):.1f} on {m['cpus']} cores"
         + (
