@@ -608,7 +608,13 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
         "## How it was measured",
         "",
         f"- Run started {run.get('started', '?')} on {m['cpus']} CPU cores, no GPU (`{m['device']}`), "
-        f"{m['torch_threads']} torch thread(s); Python {m['python']}, torch {m['torch']}, transformers "
+        + (
+            f"{m['torch_threads']} torch thread(s)"
+            if len(run.get("threads") or [1]) == 1
+            else f"{' and '.join(map(str, run['threads']))} torch threads (a whole pass over the models"
+            f" each; the tables before the per-thread sections show {m['torch_threads']})"
+        )
+        + f"; Python {m['python']}, torch {m['torch']}, transformers "
         f"{m['transformers']}, TorchLens {m['torchlens']}"
         + (f" at commit `{m['torchlens_commit']}`" if m.get("torchlens_commit") else "")
         + "."
@@ -644,7 +650,7 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
         + (
             "; one torch thread was used because two threads under that load made a forward up to 100x "
             "slower"
-            if m["torch_threads"] == 1
+            if (run.get("threads") or [m["torch_threads"]]) == [1]
             else ""
         )
         + "). Ratios from few rounds under load move by tens of percent between runs; read them as"
