@@ -313,6 +313,7 @@ class _TracesAnotherModel(nn.Module):
 
 
 def test_trace_of_another_model_while_an_outer_trace_runs():
+    gpt2()  # built before the traces: its building ops are no part of either forward
     nested, plain = _TracesAnotherModel(True), _TracesAnotherModel(False)
     outer = torchlens.trace(nested, IDS)
     reference = torchlens.trace(plain, IDS)
@@ -326,6 +327,47 @@ def test_trace_of_another_model_while_an_outer_trace_runs():
         )
     assert torch.equal(nested.inner.output.logits, gpt2_logits())
     assert_nothing_left(gpt2())
+
+
+class _TracesWithGrads(nn.Module):
+    """A frozen GPT-2 run by a `grads=` trace of its own (`nested`), or plainly."""
+
+    def __init__(self, nested: bool):
+        super().__init__()
+        self.model = testing.build("gpt2").requires_grad_(False)
+        self.nested = nested
+        self.inner: torchlens.Trace | None = None
+
+    def forward(self, ids):
+        if not self.nested:  # the loss's ops run in the forward either way: they are user code
+            out = self.model(ids)
+            _last_logsumexp(out)
+            return out.logits
+        self.inner = torchlens.trace(self.model, ids, save=["resid_post"], grads=_last_logsumexp)
+        return self.inner.output.logits
+
+
+def _last_logsumexp(out) -> Tensor:
+    return out.logits[0, -1].logsumexp(-1)
+
+
+def test_outer_trace_follows_the_data_flow_through_an_inner_grads_trace():
+    """An inner `grads=` trace hands the model an autograd leaf's alias of the embeddings'
+    outputs (frozen weights stay frozen); the outer trace reads that alias as the embedding op's
+    output, so its data flow is the plain forward's, op for op."""
+    nested, plain = _TracesWithGrads(True), _TracesWithGrads(False)
+    outer = torchlens.trace(nested, IDS)
+    reference = torchlens.trace(plain, IDS)
+    assert_same_trace(outer, reference)
+    embeddings = [i for i, op in enumerate(outer.ops) if op.name == "embedding"]
+    assert len(embeddings) == 2  # token and position embeddings
+    for i in embeddings:  # each is read by a later op of the forward, as without the inner trace
+        assert any(Ref(i, 0) in op.inputs for op in outer.ops[i + 1 :]), outer.ops[i]
+    assert (
+        nested.inner is not None
+        and nested.inner.modules["transformer.h.0"].grads["resid_post"] is not None
+    )
+    assert_nothing_left(nested)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ _FROZEN_ONLY = (
 
 
 def loss_of(loss_fn: Callable[[Any], Any], output: Any, name: str) -> Tensor:
-    """`loss_fn(output)`, checked: a floating-point scalar tensor on the autograd graph.
+    """`loss_fn(output)`, checked: a one-element floating-point tensor on the autograd graph
+    (`torch.autograd.grad` takes it as it is, whatever its shape).
 
     Raises:
         GradientError: the loss function raised, or returned something else.
@@ -98,7 +99,7 @@ def loss_of(loss_fn: Callable[[Any], Any], output: Any, name: str) -> Tensor:
             "parameter of the model and no input requires grad along a path to it (integer outputs, or a loss "
             "computed from a detached tensor)."
         )
-    return loss.reshape(())
+    return loss
 
 
 def backward(

@@ -228,6 +228,12 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
             return out, outs
         with self.hidden():
             made = tuple([_leaf_alias(o) for o in outs])
+        if self.nested:  # an outer trace reads the alias as the op output it stands for
+            for mode in _modes_below():
+                if isinstance(mode, OpRecorder) and mode is not self:
+                    for o, alias in zip(outs, made):
+                        if alias is not o:
+                            mode.same_tensor(alias, o)
         if isinstance(out, Tensor):
             return made[0], made
         swap = {id(o): m for o, m in zip(outs, made)}
@@ -235,6 +241,15 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
         if isinstance(out, list):
             return items, made
         return (tuple(items) if type(out) is tuple else type(out)(items)), made
+
+    def same_tensor(self, alias: Tensor, t: Tensor) -> None:
+        """Record that `alias` stands for `t` (the same memory and values, made where this
+        recorder could not see it: an inner trace's `grads=` leaf alias), so an op that reads
+        `alias` reads the op that produced `t`; nothing when this recorder did not see `t` made."""
+        entry = self.producer.get(id(t))
+        if entry is not None and entry[1]() is t:
+            with torch._C.DisableTorchFunction():
+                self.producer[id(alias)] = (entry[0], weakref.ref(alias), self._stamp(alias))
 
     # -- edits ---------------------------------------------------------------------------------
 
@@ -401,6 +416,11 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
             self._record("input", (t,), (), False)
         finally:
             self.stack.pop()
+
+
+def _modes_below() -> list[Any]:
+    """The torch function modes on the stack now: inside a mode's handler, the ones below it."""
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
 
 
 def _leaf_alias(o: Tensor) -> Tensor:
