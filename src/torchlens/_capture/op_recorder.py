@@ -50,6 +50,12 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
         self.stack: list[ModuleCall] = []
         #: id(tensor) -> (the Ref it is, a weak reference to it, its `_stamp` when recorded)
         self.producer: dict[int, tuple[Ref, Any, Any]] = {}
+        #: torch.Size -> the `(size,)` tuple every one-output op of that shape shares as its
+        #: `OpRecord.shapes`: a trace keeps a few dozen shapes, not two objects per op (which
+        #: the garbage collector would scan for as long as the trace lives)
+        self._shapes: dict[torch.Size, tuple[torch.Size]] = {}
+        #: torch.dtype -> the `(dtype,)` tuple shared the same way as `OpRecord.dtypes`
+        self._dtypes: dict[torch.dtype, tuple[torch.dtype]] = {}
         self._kinds: dict[
             Any, tuple[str, int]
         ] = {}  # torch function -> `classify` answer, this trace
@@ -362,7 +368,16 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
                 tensors = (None,)
             first = _new_ref(Ref, (idx, 0))
             producer[id(o0)] = (first, weakref.ref(o0), stamp)
-            shapes, dtypes = (o0.shape,), (o0.dtype,)
+            shape, dtype = o0.shape, o0.dtype
+            try:
+                shapes = self._shapes.get(shape)
+                if shapes is None:
+                    shapes = self._shapes[shape] = (shape,)
+            except TypeError:  # a symbolic size does not hash
+                shapes = (shape,)
+            dtypes = self._dtypes.get(dtype)
+            if dtypes is None:
+                dtypes = self._dtypes[dtype] = (dtype,)
         else:
             stamps = [self._stamp(o) for o in outs]
             if retain:
