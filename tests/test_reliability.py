@@ -1491,3 +1491,24 @@ def test_op_classification_cache_stays_bounded():
     info = _ops._cached.cache_info()
     assert info.maxsize == 4096 and info.currsize <= 4096, info
     assert _ops.classify(torch.Tensor.add_) == ("add_", _ops.INPLACE)
+
+
+def test_traces_share_the_immutable_parts_of_their_op_records():
+    """Op records keep no object per op that another could stand for: every trace's `Ref(i, 0)`
+    is one shared pair, and one-output ops of one shape share their `shapes` tuple (objects the
+    garbage collector would otherwise scan for as long as each trace lives). The values are the
+    ones the ops returned."""
+    t1, t2 = torchlens.trace(gpt2(), IDS, save="none"), torchlens.trace(gpt2(), IDS, save="none")
+    assert op_rows(t1) == op_rows(t2)
+    for a, b in zip(t1.ops, t2.ops):
+        for x, y in zip(a.inputs, b.inputs):
+            if isinstance(x, Ref) and x.slot == 0:
+                assert x is y and x == Ref(x.op, 0)
+    one = [op for op in t1.ops if len(op.shapes) == 1]
+    assert len({id(op.shapes) for op in one}) == len({op.shapes for op in one}) < len(one)
+    with torch.no_grad():
+        out = gpt2()(IDS, output_hidden_states=True)
+    adds = [op for op in t1.ops if op.module == "transformer.h.0" and op.name == "add"]
+    assert len(adds) == 2  # the block's two residual additions
+    for op in adds:  # each shape is the one the op's output had
+        assert op.shapes == (out.hidden_states[0].shape,) and type(op.shapes[0]) is torch.Size

@@ -27,6 +27,22 @@ __all__ = ["OpRecorder"]
 _NO_HIDING = contextlib.nullcontext()
 #: `Ref(op, slot)` without the Python-level `__new__` of a named tuple (once per recorded op).
 _new_ref = tuple.__new__
+#: `Ref(i, 0)` for the first op positions, made once and shared by every trace: a `Ref` is an
+#: immutable pair, and a trace otherwise keeps one per op, each an object the garbage collector
+#: scans for as long as the trace lives (a generation keeps one trace per step).
+_FIRST_REFS: list[Ref] = []
+#: Positions past this get a `Ref` of their own (the shared list stays under about 1 MiB).
+_FIRST_REFS_MAX = 1 << 14
+
+
+def _first_ref(idx: int) -> Ref:
+    """`Ref(idx, 0)`, the shared one where `idx < _FIRST_REFS_MAX`."""
+    if idx >= _FIRST_REFS_MAX:
+        return _new_ref(Ref, (idx, 0))
+    refs = _FIRST_REFS
+    while len(refs) <= idx:  # appends only: a concurrent trace at worst makes a duplicate pair
+        refs.append(_new_ref(Ref, (len(refs), 0)))
+    return refs[idx]
 
 
 class OpRecorder(KeptAliases, TorchFunctionMode):
@@ -366,7 +382,7 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
                     self.edges.ops[idx, 0] = (self.edges.of(o0), kept0)
             else:
                 tensors = (None,)
-            first = _new_ref(Ref, (idx, 0))
+            first = _FIRST_REFS[idx] if idx < len(_FIRST_REFS) else _first_ref(idx)
             producer[id(o0)] = (first, weakref.ref(o0), stamp)
             shape, dtype = o0.shape, o0.dtype
             try:
@@ -392,10 +408,11 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
                             self.edges.ops[idx, slot] = (self.edges.of(o), kept[slot])
             else:
                 tensors = (None,) * len(outs)
+            first = _first_ref(idx)
             for slot, (o, stamp) in enumerate(zip(outs, stamps)):
-                producer[id(o)] = (_new_ref(Ref, (idx, slot)), weakref.ref(o), stamp)
+                ref = first if slot == 0 else _new_ref(Ref, (idx, slot))
+                producer[id(o)] = (ref, weakref.ref(o), stamp)
             o0 = outs[0]
-            first = _new_ref(Ref, (idx, 0))
             shapes, dtypes = tuple([o.shape for o in outs]), tuple([o.dtype for o in outs])
         extra = None
         if retain and name in REBUILT_OPS:
