@@ -1504,6 +1504,10 @@ def test_traces_share_the_immutable_parts_of_their_op_records():
         for x, y in zip(a.inputs, b.inputs):
             if isinstance(x, Ref) and x.slot == 0:
                 assert x is y and x == Ref(x.op, 0)
+    single = [op.inputs for op in t1.ops if len(op.inputs) == 1 and isinstance(op.inputs[0], Ref)]
+    assert single and all(  # an op reading op i's first output alone shares one inputs tuple
+        len({id(i) for i in single if i == key}) == 1 for key in set(single) if key[0].slot == 0
+    )
     one = [op for op in t1.ops if len(op.shapes) == 1]
     assert len({id(op.shapes) for op in one}) == len({op.shapes for op in one}) < len(one)
     with torch.no_grad():

@@ -9,6 +9,7 @@ it and appends an `OpRecord`. A tensor used again after an in-place write change
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from typing import Any
 
@@ -31,6 +32,9 @@ _new_ref = tuple.__new__
 #: immutable pair, and a trace otherwise keeps one per op, each an object the garbage collector
 #: scans for as long as the trace lives (a generation keeps one trace per step).
 _FIRST_REFS: list[Ref] = []
+#: `(Ref(i, 0),)`, the inputs of an op that reads op `i`'s first output alone, shared the same way.
+_FIRST_INPUTS: list[tuple[Ref]] = []
+_FIRST_LOCK = threading.Lock()
 #: Positions past this get a `Ref` of their own (the shared list stays under about 1 MiB).
 _FIRST_REFS_MAX = 1 << 14
 
@@ -39,10 +43,12 @@ def _first_ref(idx: int) -> Ref:
     """`Ref(idx, 0)`, the shared one where `idx < _FIRST_REFS_MAX`."""
     if idx >= _FIRST_REFS_MAX:
         return _new_ref(Ref, (idx, 0))
-    refs = _FIRST_REFS
-    while len(refs) <= idx:  # appends only: a concurrent trace at worst makes a duplicate pair
-        refs.append(_new_ref(Ref, (len(refs), 0)))
-    return refs[idx]
+    with _FIRST_LOCK:  # traces in other threads grow the lists too: each entry is its index's
+        while len(_FIRST_REFS) <= idx:
+            ref = _new_ref(Ref, (len(_FIRST_REFS), 0))
+            _FIRST_INPUTS.append((ref,))
+            _FIRST_REFS.append(ref)
+    return _FIRST_REFS[idx]
 
 
 class OpRecorder(KeptAliases, TorchFunctionMode):
@@ -353,6 +359,10 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
             found.append(
                 self._ref(t)
             )  # stale (a `written_in_place` op first), or not its producer's
+        if len(found) == 1:  # one input: op i's first output is one shared tuple (`_FIRST_INPUTS`)
+            r = found[0]
+            if type(r) is Ref and not r[1] and r[0] < len(_FIRST_INPUTS):
+                return _FIRST_INPUTS[r[0]]
         return tuple(found)
 
     def _record(self, name, outs, ins, mutated, args=(), kwargs=None, refs=None):
