@@ -1400,6 +1400,7 @@ def main(argv=None) -> int:
         print(json.dumps(out, indent=1))
         return 0
     if args.generation:
+        load, started = _loadavg(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         g = generation_bench(
             args.generation,
             args.new_tokens,
@@ -1410,8 +1411,10 @@ def main(argv=None) -> int:
         g["machine"] = {
             "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
-            "load_at_start": _loadavg(),
+            "load_at_start": load,
+            "torchlens_commit": os.environ.get("BENCH_COMMIT"),
         }
+        g["started"] = started
         print(json.dumps(g, indent=1))
         if args.json:
             with open(args.json, "w") as f:

@@ -856,7 +856,10 @@ def generation_section(gen: dict) -> str:
         f"(one prefill and {gen['new_tokens'] - 1} decode forwards), {gen['rounds']} interleaved rounds in one process "
         f"(`python scripts/bench.py --generation {gen['model']} --new-tokens {gen['new_tokens']}`), "
         f"{m['cpus']} CPU cores, {m['torch_threads']} torch thread(s), load average {m['load_at_start'][0]:.2f} at "
-        "the start. Ratios are paired per round, to `model.generate` under `no_grad`.",
+        "the start"
+        + (f", started {gen['started']}" if gen.get("started") else "")
+        + (f", TorchLens commit `{m['torchlens_commit']}`" if m.get("torchlens_commit") else "")
+        + ". Ratios are paired per round, to `model.generate` under `no_grad`.",
         "",
         "| Mode | Median | × generate | Target | Kept: prefill | Kept: step 1 | Kept: last step | Growth per step |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
