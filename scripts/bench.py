@@ -1263,8 +1263,6 @@ def resumed(path: str | None, fresh: dict) -> dict:
     out = dict(fresh, started=old["started"], by_threads=old["by_threads"])
     out["machine"] = dict(fresh["machine"], load_at_start=old["machine"]["load_at_start"])
     out["resumed"] = [*old.get("resumed", []), fresh["started"]]
-    first = str(fresh["threads"][0])
-    out["models"] = out["by_threads"].setdefault(first, {})
     out["labels"] = {**old.get("labels", {}), **fresh["labels"]}
     return out
 

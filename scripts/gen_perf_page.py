@@ -594,6 +594,7 @@ def grad_sections(run: dict) -> list[str]:
 
 def render(run: dict, profile: dict | None, charts: list[str]) -> str:
     m = run["machine"]
+    threads = run.get("threads") or [m["torch_threads"]]  # a run before --threads ran one count
     loads = [run["models"][n].get("load_before") for n in run["models"]] + [
         run["models"][n].get("load_after") for n in run["models"]
     ]
@@ -610,8 +611,8 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
         f"- Run started {run.get('started', '?')} on {m['cpus']} CPU cores, no GPU (`{m['device']}`), "
         + (
             f"{m['torch_threads']} torch thread(s)"
-            if len(run.get("threads") or [1]) == 1
-            else f"{' and '.join(map(str, run['threads']))} torch threads (a whole pass over the models"
+            if len(threads) == 1
+            else f"{' and '.join(map(str, threads))} torch threads (a whole pass over the models"
             f" each; the tables before the per-thread sections show {m['torch_threads']})"
         )
         + f"; Python {m['python']}, torch {m['torch']}, transformers "
@@ -650,7 +651,7 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
         + (
             "; one torch thread was used because two threads under that load made a forward up to 100x "
             "slower"
-            if (run.get("threads") or [m["torch_threads"]]) == [1]
+            if threads == [1]
             else ""
         )
         + "). Ratios from few rounds under load move by tens of percent between runs; read them as"

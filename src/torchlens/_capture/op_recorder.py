@@ -257,7 +257,7 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
         with self.hidden():
             made = tuple([_leaf_alias(o) for o in outs])
         if self.nested:  # an outer trace reads the alias as the op output it stands for
-            for mode in _modes_below():
+            for mode in torch.overrides._get_current_function_mode_stack():  # those below this one
                 if isinstance(mode, OpRecorder) and mode is not self:
                     for o, alias in zip(outs, made):
                         if alias is not o:
@@ -458,11 +458,6 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
             self._record("input", (t,), (), False)
         finally:
             self.stack.pop()
-
-
-def _modes_below() -> list[Any]:
-    """The torch function modes on the stack now: inside a mode's handler, the ones below it."""
-    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
 
 
 def _leaf_alias(o: Tensor) -> Tensor:
