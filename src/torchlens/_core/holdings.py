@@ -138,6 +138,11 @@ class Holding(NamedTuple):
         return getattr(holder, key)
 
 
+#: `Holding(holder, key, tensor)` without the Python-level `__new__` a `NamedTuple` adds (the
+#: walks below make one per tensor a trace holds, several hundred per trace)
+_new_holding = tuple.__new__
+
+
 def held_tensors(
     ops: Iterable[Any], calls: Iterable[Any] = (), hooks: Iterable[tuple[Any, str]] = ()
 ) -> list[Holding]:
@@ -145,18 +150,19 @@ def held_tensors(
     (their stored tensors, and the inputs of their pending checks, each list once) and by the
     module input/output aliases `hooks` names (`(call, "_in" or "_out")`), in that order."""
     found: list[Holding] = []
+    new = _new_holding
     for op in ops:
         for slot, t in enumerate(
             op._tensors
         ):  # as held: a guarded output is not resolved by this walk
             if t is not None:
-                found.append(Holding(op, slot, t))
+                found.append(new(Holding, (op, slot, t)))
         if op.extra is not None:
-            found += [Holding(op.extra, key, t) for key, t in arg_slots(op.extra)]
+            found += [new(Holding, (op.extra, key, t)) for key, t in arg_slots(op.extra)]
     for call, side in hooks:
         t = getattr(call, side)
         if isinstance(t, torch.Tensor):
-            found.append(Holding(call, side, t))
+            found.append(new(Holding, (call, side, t)))
     lists: set[int] = set()
     for call in calls:
         # a call's facets, and the gradients of a trace taken with `grads=` (`ModuleCall.grads`)
@@ -170,15 +176,16 @@ def _site_holdings(facets: Any, lists: set[int]) -> list[Holding]:
     """The stored tensors of a facet map's sites and the inputs of their pending checks (each
     list once: `lists` holds the ids of the lists seen)."""
     found: list[Holding] = []
+    new, tensor = _new_holding, torch.Tensor
     for site in facets._sites.values():
         t = site.__dict__.get("tensor")
-        if isinstance(t, torch.Tensor):
-            found.append(Holding(site, "tensor", t))
+        if isinstance(t, tensor):
+            found.append(new(Holding, (site, "tensor", t)))
         inputs = site._inputs
         if inputs is not None and id(inputs) not in lists:
             lists.add(id(inputs))
             found += [
-                Holding(inputs, i, x) for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)
+                new(Holding, (inputs, i, x)) for i, x in enumerate(inputs) if isinstance(x, tensor)
             ]
     return found
 
