@@ -592,6 +592,20 @@ def grad_sections(run: dict) -> list[str]:
     return lines
 
 
+def _cut_passes(run: dict) -> str:
+    """The words for thread counts whose pass over the models the run has not finished."""
+    cut = run.get("missing_by_threads") or {}
+    parts = []
+    for t, missing in cut.items():
+        done = list(run.get("by_threads", {}).get(t, {}))
+        parts.append(
+            f"; the {t}-thread pass has not measured {', '.join(missing)} yet (the run was stopped"
+            " for time; `bench.py --resume` goes on with it model by model), so its sections below"
+            + (f" show only {', '.join(done)}" if done else " are not there yet")
+        )
+    return "".join(parts)
+
+
 def render(run: dict, profile: dict | None, charts: list[str]) -> str:
     m = run["machine"]
     threads = run.get("threads") or [m["torch_threads"]]  # a run before --threads ran one count
@@ -614,6 +628,7 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
             if len(threads) == 1
             else f"{' and '.join(map(str, threads))} torch threads (a whole pass over the models"
             f" each; the tables before the per-thread sections show {m['torch_threads']})"
+            + _cut_passes(run)
         )
         + f"; Python {m['python']}, torch {m['torch']}, transformers "
         f"{m['transformers']}, TorchLens {m['torchlens']}"
@@ -1082,6 +1097,15 @@ def outputs(run: dict, profile: dict | None) -> dict[Path, str]:
     run = dict(run)  # a run cut short lists models it never measured: leave those out, and say so
     planned = [n for key in ("table", "token_sweep", "layer_sweep") for n in run.get(key, [])]
     run["missing"] = sorted({n for n in planned if n not in run["models"]})
+    # a later thread count's pass cut short (the run is resumed model by model): what it lacks
+    # (the first count's missing models are `missing`; a count not begun has measured none)
+    by_threads = run.get("by_threads") or {}
+    later = [str(t) for t in (run.get("threads") or [])[1:]]
+    run["missing_by_threads"] = {
+        t: missing
+        for t in later
+        if (missing := [n for n in dict.fromkeys(planned) if n not in by_threads.get(t, {})])
+    }
     for key in ("table", "token_sweep", "layer_sweep"):
         run[key] = [n for n in run.get(key, []) if n in run["models"]]
     run["models"] = {n: _pypi_checked(m) for n, m in run["models"].items()}

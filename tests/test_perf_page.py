@@ -194,6 +194,34 @@ def test_a_run_with_both_grad_modes_gets_their_tables_and_issue_28s_targets(gen,
     assert gen.outputs(graded, profile)[gen.PAGE] != page
 
 
+def test_a_second_thread_pass_cut_short_names_what_it_has_not_measured(gen, data):
+    """A run of two thread counts whose second pass was stopped part way (`bench.py --resume` goes
+    on with it later) says which models that pass has and has not measured, instead of claiming a
+    whole pass at each count; a finished pass says nothing of the kind."""
+    run, profile = data
+    cut = copy.deepcopy(run)
+    cut["threads"] = [1, 2]
+    first = cut["table"][0]
+    cut["by_threads"] = {"1": cut["models"], "2": {first: copy.deepcopy(cut["models"][first])}}
+    line = next(
+        ln for ln in gen.outputs(cut, profile)[gen.PAGE].splitlines() if "Run started" in ln
+    )
+    planned = [n for k in ("table", "token_sweep", "layer_sweep") for n in cut[k]]
+    rest = [n for n in dict.fromkeys(planned) if n != first]
+    assert f"the 2-thread pass has not measured {', '.join(rest)} yet" in line
+    assert f"its sections below show only {first}" in line
+    cut["by_threads"]["2"] = {}  # stopped before its first model
+    line = next(
+        ln for ln in gen.outputs(cut, profile)[gen.PAGE].splitlines() if "Run started" in ln
+    )
+    assert "its sections below are not there yet" in line
+    cut["by_threads"]["2"] = copy.deepcopy(cut["models"])  # finished
+    line = next(
+        ln for ln in gen.outputs(cut, profile)[gen.PAGE].splitlines() if "Run started" in ln
+    )
+    assert "has not measured" not in line and "a whole pass over the models each" in line
+
+
 # -- the gradients bench (`bench.py --gradients`) and its section -------------------------------
 
 
