@@ -533,9 +533,11 @@ def grad_sections(run: dict) -> list[str]:
     lines += [
         "### When to wrap a trace in `torch.no_grad()`",
         "",
-        "A trace with autograd on keeps the graph the forward builds (as `model(ids)` does) and lets",
-        "you call `.backward()` through the served tensors; wrap it in `torch.no_grad()` when you only",
-        "read values. What that saved in this run (first thread count, median times):",
+        "A trace with autograd on builds the forward's autograd graph, as `model(ids)` does, and",
+        "`trace.output` holds it, so you can call `.backward()` from the output. The served facets and op",
+        "outputs are detached either way; `grads=` gives gradients at them. Wrap the call in",
+        "`torch.no_grad()` when you only read values. What that saved in this run (first thread count,",
+        "median times):",
         "",
     ]
     for name in names:
