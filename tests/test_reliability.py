@@ -16,7 +16,9 @@ Every test states what must hold whatever the model does:
 Ground truth comes from plain forwards and plain PyTorch hooks, never from TorchLens. The models
 are tiny random-init ones (`torchlens.testing`), except the GPT-2-small-shaped memory model.
 
-Tests internals: `torchlens._core.ops`'s op-classification cache (that it stays bounded).
+Tests internals: `torchlens._core.ops`'s op-classification cache (that it stays bounded), and
+`torchlens._core.holdings.trace_holdings` (every tensor a trace holds, read without running a
+check or resolving a guard).
 """
 
 from __future__ import annotations
@@ -1425,6 +1427,33 @@ def test_trace_freed_without_cycle_collection(gpt2_small):
         assert len(saved) > 500
         refs = [weakref.ref(tr)] + [weakref.ref(t) for t in saved]
         del tr, saved
+        alive = sum(r() is not None for r in refs)
+        assert alive == 0, f"{alive} of {len(refs)} objects still alive"
+    finally:
+        gc.enable()
+    assert_nothing_left(model)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd on"])
+def test_a_trace_dropped_unread_frees_its_tensors_without_cycle_collection(grad):
+    """A trace dropped before anything is read from it (its derived facets' checks still pending,
+    with autograd on its guarded outputs still unresolved) frees every tensor it holds at once,
+    with the cycle collector off: neither a pending check nor a guard keeps a reference cycle
+    with the sites and ops it serves (their memory used to wait for the collector's next pass
+    over cycles, 82 MiB of GPT-2 small at 128 tokens under no_grad, 172 MiB with autograd on)."""
+    from torchlens._core.holdings import trace_holdings
+
+    model = testing.build("gpt2")
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.set_grad_enabled(grad):
+            tr = torchlens.trace(model, IDS, save="all")
+        assert tr.pending > 0, "no check is pending: the test needs some"
+        held = [h.tensor for h in trace_holdings(tr)]  # reads nothing: runs no check, no guard
+        assert len(held) > 100
+        refs = [weakref.ref(tr)] + [weakref.ref(t) for t in held if t is not IDS]
+        del tr, held
         alive = sum(r() is not None for r in refs)
         assert alive == 0, f"{alive} of {len(refs)} objects still alive"
     finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,17 +29,24 @@ class Pending:
     named keeps the tensor it holds), the check's largest difference (or None), and the reason
     the check failed (None when it held). `after` are sites whose own check must hold first: if
     one of them is refused, so are these sites, with that reason.
+
+    Each site holds its check; the check refers back to its sites and to the `FacetMap` that owns
+    them (`owner`) only weakly. So a check forms no reference cycle with them, and the tensors it
+    computes from are freed with the last site that waits for it, when the caller drops the
+    trace, instead of at the garbage collector's next pass over cycles (81.9 MiB of a dropped
+    `save="all"` trace of GPT-2 small at 128 tokens waited for it when the references were
+    strong). A site nothing holds any more needs no value: a check that runs skips it.
     """
 
-    __slots__ = ("fn", "inputs", "sites", "owner", "after", "marks")
+    __slots__ = ("fn", "inputs", "_sites", "_owner", "after", "marks", "__weakref__")
 
     def __init__(
         self, fn: Any, inputs: list, sites: list[FacetSite], after: tuple[FacetSite, ...] = ()
     ):
         self.fn = fn
         self.inputs = inputs
-        self.sites = sites
-        self.owner: FacetMap | None = None
+        self._sites = [weakref.ref(s) for s in sites]
+        self._owner: weakref.ref[FacetMap] | None = None
         self.after = after
         # What each input held when the trace was returned (`seal`), so a write after the trace
         # (into a tensor the caller was served, which may share memory with an input) is caught.
@@ -46,6 +54,21 @@ class Pending:
         self.marks: list | None = None
         for s in sites:
             s._pending, s._inputs = self, inputs
+
+    @property
+    def sites(self) -> list[FacetSite]:
+        """The sites this check computes and checks that are still alive."""
+        return [s for s in (r() for r in self._sites) if s is not None]
+
+    @property
+    def owner(self) -> FacetMap | None:
+        """The `FacetMap` that lists the sites (a failed check moves them to its `refused`), or
+        None before one does, or once it is gone."""
+        return None if self._owner is None else self._owner()
+
+    @owner.setter
+    def owner(self, facets: FacetMap | None) -> None:
+        self._owner = None if facets is None else weakref.ref(facets)
 
     def seal(self, split: set) -> None:
         """Record what each input holds now, the state the forward left it in.
@@ -102,7 +125,8 @@ class Pending:
                         values, error = {}, None
                         refusal = f"it could not be computed: {type(exc).__name__}: {exc}"
             self.fn, self.inputs = None, []
-            for s in self.sites:
+            sites = self.sites
+            for s in sites:
                 s._pending = s._inputs = None
                 if error is not None:
                     s.check_error = error
@@ -111,8 +135,9 @@ class Pending:
                     s.__dict__["tensor"] = None
                 elif s.name in values:
                     s.__dict__["tensor"] = values[s.name]
-            if refusal is not None and self.owner is not None:
-                self.owner._refuse(self.sites, refusal)
+            owner = self.owner
+            if refusal is not None and owner is not None:
+                owner._refuse(sites, refusal)
 
     def _written(self) -> str | None:
         """Why the check must not run: an input no longer holds what the forward left in it."""
@@ -139,10 +164,9 @@ class Pending:
 
     def discard(self, site: FacetSite) -> None:
         """`site` no longer waits for this check (its tensor was dropped)."""
-        if site in self.sites:
-            self.sites.remove(site)
+        self._sites = [r for r in self._sites if r() is not None and r() is not site]
         site._pending = site._inputs = None
-        if not self.sites:
+        if not self._sites:
             self.fn, self.inputs = None, []
 
 

@@ -77,6 +77,7 @@ class OpRecord:
         "mutated",
         "extra",
         "_guard",
+        "__weakref__",  # a `_capture.snapshot.Guarded` group refers back to its ops weakly
     )
 
     def __init__(
