@@ -594,6 +594,23 @@ def grad_sections(run: dict) -> list[str]:
     return lines
 
 
+def _collections(profile: dict) -> str:
+    """What the garbage collector did during the profiled call (a profile that recorded it)."""
+    passes = profile.get("collections")
+    if not passes:
+        return ""
+    done = [(g, n, s) for g, (n, s) in sorted(passes.items()) if n]
+    said = (
+        "; ".join(f"generation {g}: {n} ({s * 1000:.1f} ms)" for g, n, s in done)
+        if done
+        else "none"
+    )
+    return (
+        " (the heap was collected first; the collector's passes during the call, charged by"
+        f" cProfile to whatever function was allocating when each began: {said})"
+    )
+
+
 def _cut_passes(run: dict) -> str:
     """The words for thread counts whose pass over the models the run has not finished."""
     cut = run.get("missing_by_threads") or {}
@@ -772,14 +789,16 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
         lines += [
             "## Where the time goes",
             "",
-            f"One `trace(save='all')` on {profile['model']} under cProfile ({profile['profiled_s']:.1f} s "
-            f"profiled; plain forward {profile['plain_s']:.1f} s unprofiled"
+            f"One `trace(save='all')` on {profile['model']} under cProfile ({profile['profiled_s']:.2f} s "
+            f"profiled; plain forward {profile['plain_s']:.2f} s unprofiled"
+            + (", autograd on" if profile.get("grad") else "")
             + (
                 f", commit `{profile['torchlens_commit']}`"
                 if profile.get("torchlens_commit")
                 else ""
             )
-            + "), TorchLens functions by cumulative time:",
+            + "), TorchLens functions by cumulative time:"
+            + _collections(profile),
             "",
             "| cumulative | own | calls | function |",
             "|---:|---:|---:|---|",

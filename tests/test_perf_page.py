@@ -222,6 +222,34 @@ def test_a_second_thread_pass_cut_short_names_what_it_has_not_measured(gen, data
     assert "has not measured" not in line and "a whole pass over the models each" in line
 
 
+def test_the_profile_says_what_the_garbage_collector_did_during_it(gen, data):
+    """A profile that recorded the collector's passes (`bench.py --profile`) says how many ran per
+    generation and for how long, since cProfile charges each to an unrelated function; one that
+    saw none says so; an older profile without the record says nothing of it."""
+    run, profile = data
+    base = dict(
+        profile or {},
+        model="L12-T128",
+        profiled_s=0.67,
+        plain_s=0.49,
+        grad=True,
+        torchlens_commit="abc1234",
+        rows=[{"cumulative_s": 0.66, "own_s": 0.0, "calls": 1, "function": "_tracing.py:30 trace"}],
+    )
+
+    def header(p: dict) -> str:
+        page = gen.outputs(run, p)[gen.PAGE]
+        return next(ln for ln in page.splitlines() if ln.startswith("One `trace(save='all')`"))
+
+    seen = dict(base, collections={"0": [22, 0.002], "1": [1, 0.001], "2": [1, 0.151]})
+    line = header(seen)
+    assert "autograd on" in line and "commit `abc1234`" in line
+    assert "generation 0: 22 (2.0 ms); generation 1: 1 (1.0 ms); generation 2: 1 (151.0 ms)" in line
+    assert "passes during the call" in header(dict(base, collections={"0": [0, 0.0]}))
+    assert ": none)" in header(dict(base, collections={"0": [0, 0.0]}))
+    assert "collector" not in header(base)
+
+
 # -- the gradients bench (`bench.py --gradients`) and its section -------------------------------
 
 
