@@ -1285,6 +1285,8 @@ def resumed(path: str | None, fresh: dict) -> dict:
     if differs:
         raise SystemExit(f"cannot resume {path}: " + "; ".join(differs))
     out = dict(fresh, started=old["started"], by_threads=old["by_threads"])
+    if old.get("not_measured"):  # a model left out with its reason stays out
+        out["not_measured"] = dict(old["not_measured"])
     out["machine"] = dict(fresh["machine"], load_at_start=old["machine"]["load_at_start"])
     out["resumed"] = [*old.get("resumed", []), fresh["started"]]
     out["labels"] = {**old.get("labels", {}), **fresh["labels"]}
@@ -1383,6 +1385,15 @@ def main(argv=None) -> int:
         "runs in one process, so a model is the unit a run can be cut at) and measure the rest; "
         "refused unless that run measured the same commit (BENCH_COMMIT), grad modes and thread "
         "counts",
+    )
+    parser.add_argument(
+        "--not-measured",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("MODEL", "REASON"),
+        help="leave MODEL of the plan unmeasured at every thread count, and record why (e.g. its "
+        "process outgrew the machine's memory); the Performance page lists it with the reason",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads[0])
@@ -1510,6 +1521,12 @@ def main(argv=None) -> int:
 
     if args.resume:
         results = resumed(args.json, results)
+    for name, why in args.not_measured:  # kept in the plan's lists, so the page names it
+        if name not in plan:
+            raise SystemExit(
+                f"--not-measured {name}: not a model of this run's plan ({', '.join(plan)})"
+            )
+        results.setdefault("not_measured", {})[name] = why
 
     def cost(name):
         return spec(name)["tokens"] * spec(name)["n_layer"]
@@ -1522,8 +1539,8 @@ def main(argv=None) -> int:
         for name in sorted(
             plan, key=cost
         ):  # cheapest first: a run cut short keeps the small models
-            if name in models:  # measured before the run was resumed
-                continue
+            if name in models or name in results.get("not_measured", {}):
+                continue  # measured before the run was resumed, or left out with the reason
             modes = plan[name]
             rounds = args.rounds or (21 if name == "tiny" else 7 if cost(name) <= 12 * 128 else 5)
             # memory does not depend on the thread count: measured with the first count only

@@ -718,11 +718,20 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
                 cells.append("memory only")
         if any_cell:
             lines.append(f"| {_label(run['labels'][mode])} | " + " | ".join(cells) + " |")
-    if run.get("missing"):
+    why = run.get("not_measured") or {}
+    stopped = [n for n in run.get("missing", []) if n not in why]
+    if stopped:
         lines += [
             "",
             "Planned but not measured (the run was stopped before them, for time): "
-            + ", ".join(f"{n} ({_title(n, _spec(n))})" for n in run["missing"])
+            + ", ".join(f"{n} ({_title(n, _spec(n))})" for n in stopped)
+            + ".",
+        ]
+    if why:
+        lines += [
+            "",
+            "Planned but left out of this run, with the reason: "
+            + "; ".join(f"{n} ({_title(n, _spec(n))}): {why[n]}" for n in why)
             + ".",
         ]
     rounds = ", ".join(
@@ -1125,7 +1134,13 @@ def outputs(run: dict, profile: dict | None) -> dict[Path, str]:
     run["missing_by_threads"] = {
         t: missing
         for t in later
-        if (missing := [n for n in dict.fromkeys(planned) if n not in by_threads.get(t, {})])
+        if (
+            missing := [
+                n
+                for n in dict.fromkeys(planned)
+                if n not in by_threads.get(t, {}) and n not in (run.get("not_measured") or {})
+            ]
+        )
     }
     for key in ("table", "token_sweep", "layer_sweep"):
         run[key] = [n for n in run.get(key, []) if n in run["models"]]

@@ -222,6 +222,35 @@ def test_a_second_thread_pass_cut_short_names_what_it_has_not_measured(gen, data
     assert "has not measured" not in line and "a whole pass over the models each" in line
 
 
+def test_a_model_left_out_with_a_reason_is_not_measured_and_the_page_says_why(
+    bench, gen, data, tmp_path, monkeypatch, request
+):
+    """`--not-measured MODEL REASON` leaves the model unmeasured at every thread count, keeps the
+    reason through a resume, and the page names it with that reason (not as stopped for time),
+    and not as missing from a later thread count's pass; an unknown model is refused."""
+    threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    out = tmp_path / "run.json"
+    quick = ["--rounds", "1", "--no-memory", "--grad", "off", "--modes", "all"]
+    monkeypatch.setenv("BENCH_COMMIT", "abc1234")
+    why = "its process outgrew the memory"
+    args = ["--json", str(out), "--models", "tiny", "L2-T128", "--threads", "1", "2", *quick]
+    assert bench.main([*args, "--not-measured", "L2-T128", why]) == 0
+    run = json.loads(out.read_text())
+    assert run["not_measured"] == {"L2-T128": why}
+    assert [sorted(m) for m in run["by_threads"].values()] == [["tiny"], ["tiny"]]
+    assert bench.main([*args, "--resume"]) == 0  # the reason is kept: still not measured
+    resumed = json.loads(out.read_text())
+    assert resumed["not_measured"] == {"L2-T128": why}
+    assert [sorted(m) for m in resumed["by_threads"].values()] == [["tiny"], ["tiny"]]
+    with pytest.raises(SystemExit, match="--not-measured L99-T1: not a model of this run's plan"):
+        bench.main([*args, "--resume", "--not-measured", "L99-T1", why])
+    _, profile = data
+    page = gen.outputs(resumed, profile)[gen.PAGE]
+    assert "Planned but left out of this run, with the reason: L2-T128 (" in page and why in page
+    assert "stopped before them, for time" not in page and "has not measured" not in page
+
+
 def test_the_profile_says_what_the_garbage_collector_did_during_it(gen, data):
     """A profile that recorded the collector's passes (`bench.py --profile`) says how many ran per
     generation and for how long, since cProfile charges each to an unrelated function; one that
