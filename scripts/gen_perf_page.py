@@ -368,10 +368,13 @@ GRAD_MODES = [
     "modlist",
     "pattern",
     "qkvz",
+    "output",
     "tl_cache",
     "nnsight",
     "hooks",
     "floor_pass",
+    "floor_keep",
+    "floor_copy",
     "plain_booted",
     "all_booted",
 ]
@@ -806,8 +809,9 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
                 if profile.get("torchlens_commit")
                 else ""
             )
-            + "), TorchLens functions by cumulative time:"
-            + _collections(profile),
+            + "), TorchLens functions by cumulative time"
+            + _collections(profile)
+            + ":",
             "",
             "| cumulative | own | calls | function |",
             "|---:|---:|---:|---|",
@@ -863,7 +867,9 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
         "`APPENDED` in `scripts/gen_perf_page.py` names; the generator keeps it.",
         "",
         "Regenerate with `python scripts/bench.py --json build/bench.json`, `python scripts/bench.py",
-        "--profile L12-T1024 --json build/profile.json` and `python scripts/gen_perf_page.py --run",
+        f"--profile {(profile or {}).get('model', 'L12-T1024')}"
+        + (" --profile-grad" if (profile or {}).get("grad") else "")
+        + " --json build/profile.json` and `python scripts/gen_perf_page.py --run",
         "build/bench.json --profile build/profile.json`.",
         "",
     ]
