@@ -94,11 +94,16 @@ def _esc(s: str) -> str:
 
 def _label(s: str) -> str:
     """A mode's label for a table cell: `key=value` parts as inline code, which never breaks
-    inside (a browser would break `store=<directory>` after the `=`)."""
+    inside; a placeholder value (`store=<directory>`) is said in words after the code
+    (`store=` a directory), since on a phone a browser breaks the code after its `=`."""
     words = []
     for w in s.split(" "):
         comma = "," if w.endswith(",") else ""
-        words.append(f"`{w.rstrip(',')}`{comma}" if "=" in w else _esc(w))
+        key, _, value = w.rstrip(",").partition("=")
+        if value.startswith("<") and value.endswith(">"):
+            words.append(f"`{key}=` a {_esc(value[1:-1])}{comma}")
+        else:
+            words.append(f"`{w.rstrip(',')}`{comma}" if "=" in w else _esc(w))
     return " ".join(words)
 
 
