@@ -727,12 +727,11 @@ def render(run: dict, profile: dict | None, charts: list[str]) -> str:
         if any_cell:
             lines.append(f"| {_label(run['labels'][mode])} | " + " | ".join(cells) + " |")
     why = run.get("not_measured") or {}
-    stopped = [n for n in run.get("missing", []) if n not in why]
-    if stopped:
+    if run.get("missing"):
         lines += [
             "",
             "Planned but not measured (the run was stopped before them, for time): "
-            + ", ".join(f"{n} ({_title(n, _spec(n))})" for n in stopped)
+            + ", ".join(f"{n} ({_title(n, _spec(n))})" for n in run["missing"])
             + ".",
         ]
     if why:
@@ -1137,7 +1136,9 @@ def gradients_section(data: dict) -> str:
 def outputs(run: dict, profile: dict | None) -> dict[Path, str]:
     run = dict(run)  # a run cut short lists models it never measured: leave those out, and say so
     planned = [n for key in ("table", "token_sweep", "layer_sweep") for n in run.get(key, [])]
-    run["missing"] = sorted({n for n in planned if n not in run["models"]})
+    # what a pass did not measure, the models left out with a reason (`not_measured`) apart
+    planned = [n for n in dict.fromkeys(planned) if n not in (run.get("not_measured") or {})]
+    run["missing"] = sorted(n for n in planned if n not in run["models"])
     # a later thread count's pass cut short (the run is resumed model by model): what it lacks
     # (the first count's missing models are `missing`; a count not begun has measured none)
     by_threads = run.get("by_threads") or {}
@@ -1145,13 +1146,7 @@ def outputs(run: dict, profile: dict | None) -> dict[Path, str]:
     run["missing_by_threads"] = {
         t: missing
         for t in later
-        if (
-            missing := [
-                n
-                for n in dict.fromkeys(planned)
-                if n not in by_threads.get(t, {}) and n not in (run.get("not_measured") or {})
-            ]
-        )
+        if (missing := [n for n in planned if n not in by_threads.get(t, {})])
     }
     for key in ("table", "token_sweep", "layer_sweep"):
         run[key] = [n for n in run.get(key, []) if n in run["models"]]

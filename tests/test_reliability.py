@@ -23,6 +23,7 @@ check or resolving a guard).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import threading
@@ -1415,22 +1416,33 @@ def _saved_tensors(tr: torchlens.Trace) -> list[Tensor]:
     return out
 
 
+@contextlib.contextmanager
+def _cycle_collector_off():
+    """The cycle collector off (after a collection) inside the block, on again after it."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _assert_all_dead(refs: list[weakref.ref]) -> None:
+    alive = sum(r() is not None for r in refs)
+    assert alive == 0, f"{alive} of {len(refs)} objects still alive"
+
+
 def test_trace_freed_without_cycle_collection(gpt2_small):
     """The Trace and every tensor it saved die as soon as the last reference goes, with the
     cycle collector off: no reference cycle keeps a trace alive until the next collection."""
     model, ids = gpt2_small
-    gc.collect()
-    gc.disable()
-    try:
+    with _cycle_collector_off():
         tr = torchlens.trace(model, ids)
         saved = _saved_tensors(tr)
         assert len(saved) > 500
         refs = [weakref.ref(tr)] + [weakref.ref(t) for t in saved]
         del tr, saved
-        alive = sum(r() is not None for r in refs)
-        assert alive == 0, f"{alive} of {len(refs)} objects still alive"
-    finally:
-        gc.enable()
+        _assert_all_dead(refs)
     assert_nothing_left(model)
 
 
@@ -1444,9 +1456,7 @@ def test_a_trace_dropped_unread_frees_its_tensors_without_cycle_collection(grad)
     from torchlens._core.holdings import trace_holdings
 
     model = testing.build("gpt2")
-    gc.collect()
-    gc.disable()
-    try:
+    with _cycle_collector_off():
         with torch.set_grad_enabled(grad):
             tr = torchlens.trace(model, IDS, save="all")
         assert tr.pending > 0, "no check is pending: the test needs some"
@@ -1454,10 +1464,7 @@ def test_a_trace_dropped_unread_frees_its_tensors_without_cycle_collection(grad)
         assert len(held) > 100
         refs = [weakref.ref(tr)] + [weakref.ref(t) for t in held if t is not IDS]
         del tr, held
-        alive = sum(r() is not None for r in refs)
-        assert alive == 0, f"{alive} of {len(refs)} objects still alive"
-    finally:
-        gc.enable()
+        _assert_all_dead(refs)
     assert_nothing_left(model)
 
 

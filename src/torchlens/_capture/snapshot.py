@@ -276,7 +276,7 @@ class Guarded:
             if owner is None:
                 continue
             weak = _is_output(h) or h.key == "tensor"  # the holders given this group below
-            items.append((weakref.ref(h.holder) if weak else h.holder, weak, h.key, h.tensor))
+            items.append((weakref.ref(h.holder) if weak else h.holder, h.key, h.tensor))
             marks.append((id(t), t._version))
             found.append(owner if isinstance(owner, weakref.ref) else weakref.ref(owner))
             if h.key == "tensor":  # a site: its first read resolves the group
@@ -291,10 +291,8 @@ class Guarded:
         """`(holding, owner, mark)` for each armed item whose holder is still alive, its owner
         as held (a site's `FacetMap` may be gone while the site is not: then None)."""
         found = []
-        for (holder, weak, key, tensor), owner_ref, mark in zip(
-            self._items, self._owners, self.marks
-        ):
-            if weak:
+        for (holder, key, tensor), owner_ref, mark in zip(self._items, self._owners, self.marks):
+            if type(holder) is weakref.ref:  # an op or a site (a list or a dict is held as is)
                 holder = holder()
                 if holder is None:
                     continue
