@@ -350,6 +350,15 @@ def record_forward(model, run):
     return mode
 
 
+def _stored(site):
+    """The tensor a facet site holds now, computing nothing (`FacetSite._value`; an instance
+    dictionary's `"tensor"` in a TorchLens commit from before sites were slotted, which
+    `BENCH_COMMIT` may measure)."""
+    if hasattr(type(site), "_value"):
+        return site._value
+    return site.__dict__.get("tensor")
+
+
 def _tensors_in(value, depth: int = 0) -> list:
     """The tensors in a model output (tensors, containers, `ModelOutput`s and a KV cache's layers)."""
     if isinstance(value, torch.Tensor):
@@ -543,12 +552,12 @@ def saved_bytes(trace, with_output: bool = False) -> int:
         if s.tensor is not None
     ]
     tensors += [  # with grads=: the gradients it keeps (a derived one once it has been computed)
-        s.__dict__.get("tensor")
+        _stored(s)
         for r in trace.modules.values()
         for c in r.calls
         if c.grads is not None
         for s in c.grads.sites.values()
-        if isinstance(s.__dict__.get("tensor"), torch.Tensor)
+        if isinstance(_stored(s), torch.Tensor)
     ]
     if with_output:
         tensors += _tensors_in(trace.output)

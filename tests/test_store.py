@@ -40,8 +40,8 @@ def _held(trace):
     for rec in trace.modules.values():
         for call in rec.calls:
             for s in call.facets.sites.values():
-                if s.__dict__.get("tensor") is not None:
-                    out.append(s.__dict__["tensor"])
+                if s._value is not None:
+                    out.append(s._value)
                 if s._inputs is not None and id(s._inputs) not in lists:
                     lists.add(id(s._inputs))
                     out += [t for t in s._inputs if isinstance(t, torch.Tensor)]

@@ -148,7 +148,7 @@ def backward(
         for site in call.facets._sites.values():
             if id(site) in planned:
                 continue
-            t = site.__dict__.get("tensor")
+            t = site._value
             if (
                 site.kind == "reconstructed"
                 and site.name in ("scores", "pattern")

@@ -356,7 +356,7 @@ class Guarded:
                 elif h.key == "tensor":
                     reason = f"its tensor {GUARD_REASON}"
                     h.holder._refusal = reason
-                    h.holder.__dict__["tensor"] = None
+                    h.holder._value = None
                     if owner is not None:  # the site's `FacetMap`, while it is alive
                         owner._refuse([h.holder], reason)
             if dropped:

@@ -132,9 +132,9 @@ class Pending:
                     s.check_error = error
                 if refusal is not None:
                     s._refusal = refusal
-                    s.__dict__["tensor"] = None
+                    s._value = None
                 elif s.name in values:
-                    s.__dict__["tensor"] = values[s.name]
+                    s._value = values[s.name]
             owner = self.owner
             if refusal is not None and owner is not None:
                 owner._refuse(sites, refusal)

@@ -66,13 +66,40 @@ class FacetSite:
     # fingerprint of its values where a counter cannot tell), which refuses if one no longer
     # matches when it runs (a write after the trace, e.g. into a served facet). Both are
     # None once the check ran or the site was dropped. The stored tensor itself is
-    # `site.__dict__["tensor"]` (`tensor` is a property).
-    _pending: Pending | None = None
-    _inputs: list | None = None
-    _refusal: str | None = None  # why a deferred check refused this site, once it ran and failed
+    # `site._value` (`tensor` is a property).
+    #
+    # A site is a slotted object: a trace keeps several hundred of them per forward call (a
+    # generation one set per step), and an instance dictionary would be one more object per site
+    # for the garbage collector to scan for as long as the trace lives.
+    __slots__ = (
+        "name",
+        "kind",
+        "shape",
+        "dtype",
+        "_value",
+        "op",
+        "check_error",
+        "note",
+        "_pending",
+        "_inputs",
+        "_refusal",
+        "_guard",
+        "__weakref__",
+    )
+    _pending: Pending | None
+    _inputs: list | None
+    _refusal: str | None  # why a deferred check refused this site, once it ran and failed
     # the `_capture.snapshot.Guarded` group of a tensor on memory only the autograd graph shares,
     # copied on the first read instead of when the trace is returned; None otherwise
-    _guard: Any = None
+    _guard: Any
+
+    @classmethod
+    def _blank(cls) -> FacetSite:
+        """A site with no field set but the private ones (no check, no guard, nothing refused):
+        what `torchlens.load` fills in with the stored fields."""
+        site = object.__new__(cls)
+        site._pending = site._inputs = site._refusal = site._guard = site._value = None
+        return site
 
     def __init__(
         self,
@@ -85,11 +112,12 @@ class FacetSite:
         check_error: float | None = None,
         note: str = "",
     ):
+        self._pending = self._inputs = self._refusal = self._guard = None
         self.name = name
         self.kind = kind
         self.shape = shape
         self.dtype = dtype
-        self.tensor = tensor
+        self._value = tensor
         self.op = op
         self.check_error = check_error
         self.note = note
@@ -102,11 +130,11 @@ class FacetSite:
             self._pending.run()
         if self._guard is not None:
             self._check_guard()
-        return self.__dict__.get("tensor")
+        return self._value
 
     @tensor.setter
     def tensor(self, value: torch.Tensor | None) -> None:
-        self.__dict__["tensor"] = value
+        self._value = value
         if value is None and self._pending is not None:
             self._pending.discard(self)
 
@@ -131,9 +159,7 @@ class FacetSite:
     def saved(self) -> bool:
         """Whether the trace holds the tensor, or (a pending site) what it is computed from.
         Computes nothing; a pending site whose check then fails is no longer saved."""
-        return self._refusal is None and (
-            self._pending is not None or self.__dict__.get("tensor") is not None
-        )
+        return self._refusal is None and (self._pending is not None or self._value is not None)
 
     @property
     def read_only(self) -> bool:
@@ -147,9 +173,12 @@ class FacetSite:
             self._pending.run()
         if self._guard is not None:
             self._check_guard()
-        return {
-            k: v for k, v in self.__dict__.items() if k not in ("_pending", "_inputs", "_guard")
-        }
+        return {k: getattr(self, k) for k in _SITE_STATE}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._pending = self._inputs = self._guard = None
+        for k in _SITE_STATE:
+            setattr(self, k, state[k])
 
     #: The fields a saved trace stores (`Trace.save` runs the pending check first).
     _PERSISTED: tuple[str, ...] = (
@@ -176,6 +205,10 @@ class FacetSite:
         elif self.check_error is not None:
             how += f", check error {self.check_error:.2g}"
         return f"FacetSite({self.name}: {list(self.shape)} {dtype}, {how}, {'saved' if self.saved else 'not saved'})"
+
+
+#: What a pickled site holds: every slot but the pending check, its inputs and the guard.
+_SITE_STATE = ("name", "kind", "shape", "dtype", "_value", "op", "check_error", "note", "_refusal")
 
 
 def forward_order(names) -> list[str]:

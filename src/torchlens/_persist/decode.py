@@ -52,7 +52,8 @@ class Decoder:
                     + "; the file is malformed or was edited."
                 )
             cls = self.classes[name]
-            inst: Any = object.__new__(cls)
+            # a slotted record with private fields (`FacetSite`) makes its blank instance itself
+            inst: Any = cls._blank() if hasattr(cls, "_blank") else object.__new__(cls)
             self.built[n] = inst
             renames: dict[str, str] = getattr(cls, "_persist_renames", {})
             for f, value in fields.items():
@@ -194,6 +195,6 @@ def check_held(trace: Any, keys: dict[int, str]) -> None:
             ):
                 for name, site in fmap._sites.items() if fmap is not None else ():
                     in_range(site.op, f"{what} {name!r} of {whose}", len(ops))
-                    t = site.__dict__.get("tensor")
+                    t = site._value
                     if t is not None:
                         held(t, site.shape, site.dtype, f"{what} {name!r} of {whose}")

@@ -15,7 +15,7 @@ from torchlens._core.sites import FacetSite
 
 def held(site: FacetSite | None) -> Tensor | None:
     """The tensor `site` holds now, without running its pending check."""
-    return None if site is None else site.__dict__.get("tensor")
+    return None if site is None else site._value
 
 
 def wide(t: Tensor) -> Tensor:
