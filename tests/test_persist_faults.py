@@ -651,7 +651,7 @@ def test_saves_and_loads_in_threads_see_whole_traces(tmp_path, traces):
 
 def test_the_stored_fields_are_the_record_classes_fields():
     """`_persist.schema.FIELDS` names exactly each record's fields (a dataclass's fields, a class's
-    slots or `_PERSISTED`, the attributes `Trace.__init__` and `ModuleMap.__init__` set), and no
+    slots or `_PERSISTED`, the attributes `Trace.__init__` sets), and no
     stored field is a method or a property without a setter."""
     classes = schema.record_classes()
     assert set(schema.FIELDS) == set(classes)
@@ -666,7 +666,7 @@ def test_the_stored_fields_are_the_record_classes_fields():
         elif getattr(cls, "__slots__", None):
             want = set(cls.__slots__)
         else:
-            want = set(vars(trace if name == "Trace" else trace.modules))
+            want = set(vars(trace))  # Trace: the attributes its __init__ sets
         assert fields == want, name
         for f in fields:
             attr = getattr(cls, getattr(cls, "_persist_renames", {}).get(f, f), None)

@@ -8,7 +8,8 @@ The steps, in order (`assemble`):
 3. the structure (`_analysis.structure.find`: stacks, layers, final norm, unembedding; settles roles).
 4. the facets of every call (`_analysis.facets.derive`).
 5. `CapturePlan.trim` (`torchlens._analysis.selection`): what `save=` does not keep is dropped.
-6. `module_records`: one `ModuleRecord` per canonical address, its calls with their `FacetMap`.
+6. `module_records`: each call's `FacetMap`; the `ModuleMap`, whose `ModuleRecord`s (one per
+   canonical address, its calls) are made when it is first read.
 7. `CapturePlan.check_kept`: a selection that kept nothing in this forward raises.
 
 `note_edited_refusals` words the refusal of a site an edit broke, on an edited trace.
@@ -29,7 +30,7 @@ from torchlens._analysis.selection import CapturePlan
 from torchlens._analysis.structure import find as find_structure
 from torchlens._capture.compiled import check_compiled
 from torchlens._capture.recorder import Recorder
-from torchlens._core.records import ModuleMap, ModuleRecord
+from torchlens._core.records import ModuleMap
 from torchlens._core.sites import FacetMap
 from torchlens._trace import Trace
 
@@ -71,12 +72,12 @@ def assemble(
         structure = find_structure(rec.ops, rec.calls, modules, roles, model, names, flow)
         sites = derive(rec.ops, rec.calls, modules, None, structure, flow)
     plan.trim(rec.ops, rec.calls, sites)
-    records = module_records(names, aliases, roles, rec.calls, sites)
+    modules_map = module_records(names, aliases, roles, rec.calls, sites)
     plan.check_kept(rec.calls)
     blocks = [layer.call.address for layer in structure.layers]
     return Trace(
         rec.ops,
-        ModuleMap(records, aliases),
+        modules_map,
         output,
         blocks,
         type(model).__name__,
@@ -107,21 +108,15 @@ def module_records(
     roles: dict[str, str],
     calls: list,
     sites: list[dict],
-) -> dict[str, ModuleRecord]:
-    """One `ModuleRecord` per canonical address, holding its calls, each with its `FacetMap`;
-    the aliases the hooks kept during capture are released."""
-    alias_of: dict[str, list[str]] = {}
-    for a, canonical in aliases.items():
-        alias_of.setdefault(canonical, []).append(a)
-    records = {
-        addr: ModuleRecord(addr, type(m).__name__, roles[addr], [], tuple(alias_of.get(addr, ())))
-        for m, addr in names.items()
-    }
+) -> ModuleMap:
+    """The trace's `ModuleMap`: each call gets its `FacetMap` and the aliases the hooks kept during
+    capture are released, now; the `ModuleRecord`s, one per canonical address holding its calls,
+    are made on the map's first read (`ModuleMap.deferred`)."""
     for call, call_sites in zip(calls, sites):
         call.facets = FacetMap(call.address, call.role, call_sites)
         call._in = call._out = None
-        records[call.address].calls.append(call)
-    return records
+    layout = tuple([(addr, type(m).__name__, roles[addr]) for m, addr in names.items()])
+    return ModuleMap.deferred(layout, aliases, calls)
 
 
 def note_edited_refusals(result: Trace) -> None:

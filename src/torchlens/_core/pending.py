@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchlens._core.holdings import extent, storage_ptr, trace_calls, trace_holdings
+from torchlens._core.holdings import extent, held_tensors, storage_ptr
 
 if TYPE_CHECKING:
     from torchlens._core.sites import FacetMap, FacetSite
@@ -257,7 +257,8 @@ def seal_checks(trace: Any) -> None:
     lays out the storages it writes in one file, need no fingerprint.)
     """
     pendings: dict[int, Pending] = {}
-    for call in trace_calls(trace):
+    calls = trace.modules.every_call()  # the records of a trace not read yet are not made here
+    for call in calls:
         for facets in (
             call.facets,
             getattr(call, "grads", None),
@@ -282,7 +283,7 @@ def seal_checks(trace: Any) -> None:
     wanted.discard(
         None
     )  # a tensor without a storage of its own shares no counter with another dtype
-    saved = [h.tensor for h in trace_holdings(trace)]
+    saved = [h.tensor for h in held_tensors(trace.ops, calls)]
     first: dict[
         tuple[Any, int | None], torch.dtype
     ] = {}  # storage -> the dtype of the first tensor held there

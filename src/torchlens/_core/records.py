@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -13,7 +14,10 @@ from torchlens._core.errors import AmbiguousModuleCall, ModuleNotFoundInTrace, N
 from torchlens._core.persisted import persisted
 from torchlens._core.sites import FacetMap
 
-__all__ = ["Dropped", "ModuleCall", "ModuleMap", "ModuleRecord", "OpRecord", "Ref"]
+__all__ = ["Dropped", "ModuleCall", "ModuleMap", "ModuleRecord", "OpRecord", "Ref", "group_calls"]
+
+#: Held while a deferred `ModuleMap` makes its records.
+_GROUP_LOCK = threading.Lock()
 
 
 class Ref(NamedTuple):
@@ -280,9 +284,69 @@ class ModuleRecord:
 class ModuleMap(Mapping):
     """Module records by address. A missed lookup raises with close matches."""
 
+    #: The fields a saved trace stores (`_records` makes a deferred map's records first).
+    _PERSISTED: tuple[str, ...] = ("_records", "_aliases")
+    #: The records by address once made; None while a `deferred` map has not been read.
+    _made: dict[str, ModuleRecord] | None = None
+    #: What a `deferred` map makes its records from until then: `(layout, calls)`.
+    _source: tuple[tuple[tuple[str, str, str], ...], list[ModuleCall]] | None = None
+
     def __init__(self, records: dict[str, ModuleRecord], aliases: dict[str, str]):
-        self._records = records
+        self._made = records
         self._aliases = aliases
+
+    @classmethod
+    def deferred(
+        cls,
+        layout: tuple[tuple[str, str, str], ...],
+        aliases: dict[str, str],
+        calls: list[ModuleCall],
+    ) -> ModuleMap:
+        """A map whose records are made on its first read (`group_calls`): a trace that nobody
+        reads (most steps of a generation) keeps its calls, not one `ModuleRecord` and one list of
+        calls per module besides, objects the garbage collector would scan while the trace lives.
+        It holds no module of the model (the trace does not keep the model alive).
+
+        Args:
+            layout: `(address, class name, role)` of every module, canonical addresses only, in
+                the order the records list them (tuples of strings, which the collector stops
+                scanning once it has seen them).
+            aliases: other addresses of shared modules -> canonical address.
+            calls: every call of the forward; each has its `FacetMap` already.
+        """
+        m = cls.__new__(cls)
+        m._aliases = aliases
+        m._source = (layout, calls)
+        return m
+
+    @property
+    def _records(self) -> dict[str, ModuleRecord]:
+        made = self._made
+        if made is None:
+            with _GROUP_LOCK:  # two threads reading at once get the same records
+                made = self._made
+                if made is None:
+                    assert self._source is not None  # a map has records or what they are made from
+                    layout, calls = self._source
+                    made = self._made = group_calls(layout, self._aliases, calls)
+                    self._source = None
+        return made
+
+    @_records.setter
+    def _records(self, value: dict[str, ModuleRecord]) -> None:  # `torchlens.load` sets them
+        self._made, self._source = value, None
+
+    def every_call(self) -> list[ModuleCall]:
+        """Every module call of the trace, without making the records of a map not read yet (in
+        the order the calls started there; by address, as the records list them, otherwise)."""
+        if self._made is None and self._source is not None:
+            return list(self._source[1])
+        return [c for rec in self._records.values() for c in rec.calls]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For pickling and copying: the records, made first (a deferred map's source holds the
+        model's modules, which a copy of the trace must not)."""
+        return {"_made": self._records, "_aliases": self._aliases}
 
     def __getitem__(self, address: str) -> ModuleRecord:
         if not isinstance(address, str):
@@ -307,3 +371,26 @@ class ModuleMap(Mapping):
 
     def __repr__(self) -> str:
         return f"ModuleMap({len(self)} modules)"
+
+
+def group_calls(
+    layout: tuple[tuple[str, str, str], ...], aliases: dict[str, str], calls: list[ModuleCall]
+) -> dict[str, ModuleRecord]:
+    """One `ModuleRecord` per canonical address, in the order of `layout`, holding its calls (in
+    the order they started): what `ModuleMap` lists.
+
+    Args:
+        layout: `(address, class name, role)` of every module (`ModuleMap.deferred`).
+        aliases: other addresses of shared modules -> canonical address.
+        calls: every call of the forward.
+    """
+    alias_of: dict[str, list[str]] = {}
+    for a, canonical in aliases.items():
+        alias_of.setdefault(canonical, []).append(a)
+    records = {
+        addr: ModuleRecord(addr, cls, role, [], tuple(alias_of.get(addr, ())))
+        for addr, cls, role in layout
+    }
+    for call in calls:
+        records[call.address].calls.append(call)
+    return records
