@@ -29,26 +29,9 @@ __all__ = [
 ]
 
 
-#: The tensor types whose storage pointer `storage_ptr` works out from the tensor's own data pointer.
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
 def storage_ptr(t: torch.Tensor) -> int | None:
     """The data pointer of `t`'s storage, or None for a tensor with no storage of its own to point
-    to (a sparse tensor; a wrapper subclass, whose data lives in the tensors it wraps).
-
-    For a plain strided tensor with elements it is worked out from the tensor's data pointer
-    (`data_ptr() - storage_offset() * element_size()`, how torch places a strided tensor in its
-    storage), without `untyped_storage()`: torch keeps the Python storage object that call makes
-    alive for as long as the storage lives, one more object the garbage collector scans per
-    storage a trace holds (about 240 per decode step of a `save="all"` generation of GPT-2 small).
-    An empty tensor's data pointer is null whatever its offset, so it takes the general path.
-    """
-    if type(t) in _PLAIN_TYPES and t.layout == torch.strided and not t.is_nested and t.numel():
-        try:
-            return t.data_ptr() - int(t.storage_offset()) * t.element_size()
-        except RuntimeError:  # a tensor whose data cannot be pointed to (an XLA or lazy one)
-            pass
+    to (a sparse tensor; a wrapper subclass, whose data lives in the tensors it wraps)."""
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
