@@ -269,7 +269,11 @@ class FacetMap(Mapping):
         self.role = role
         self.refused = {n: s.note for n, s in sites.items() if s.kind == "refused"}
         served = {n: s for n, s in sites.items() if s.kind != "refused"} if self.refused else sites
-        self._sites = {n: served[n] for n in _order(tuple(served))}
+        names = tuple(served)
+        order = _order(names)
+        # the sites in forward order: the given dict itself when it is in that order already (it
+        # is this map's own from here on; `derive` hands each call's dict over)
+        self._sites = served if order == names else {n: served[n] for n in order}
         self.ran = ran
         for s in self._sites.values():
             if s._pending is not None:

@@ -67,21 +67,26 @@ def derive(
     g = graph if graph is not None else Graph(ops, calls, modules)
     out: list[dict[str, FacetSite]] = []
     side: dict[int, dict[str, FacetSite]] = {}  # call id -> facets a block found for its sublayer
+    no_kids: list[ModuleCall] = []  # read only, as every rule reads a call's kids
     for call in calls:
-        kids = g.kids.get(id(call), [])
+        kids = g.kids.get(id(call), no_kids)
         sites: dict[str, FacetSite] = {}
         for name, which, note in _IO_SITES:
-            s = make_site(g, name, io_ref(g, call, which), note=note)
+            s = make_site(g, name, io_ref(g, call, which), "real", note)
             if s:
                 sites[name] = s
-        finder = FINDERS.get(call.role)
-        if call.role == "block":
+        role = call.role
+        if role == "block":
             sites.update(block_facets(g, call, kids, side))
-        elif finder is not None:
-            sites.update(finder(g, call, kids, calls, structure))
+        else:
+            finder = FINDERS.get(role)
+            if finder is not None:
+                sites.update(finder(g, call, kids, calls, structure))
         out.append(sites)
     for call, sites in zip(calls, out):
-        sites.update(side.get(id(call), {}))
+        found = side.get(id(call))
+        if found:
+            sites.update(found)
         if keep is not None:
             for name, s in sites.items():
                 if s.saved and not keep(call.address, name):
