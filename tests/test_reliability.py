@@ -1485,12 +1485,12 @@ def test_trace_does_not_keep_the_model_alive(save):
 
 
 def test_an_unread_traces_module_records_are_made_on_first_read_from_the_models_modules():
-    """The records of a trace nobody has read are made on first read (`ModuleMap.deferred`): one
+    """The records of a trace nobody has read are made on first read (`ModuleMap._deferred`): one
     per address the model's `named_modules` gives, with its class and every call of it, and the
-    calls the finishing steps walk before that (`every_call`) are the same calls."""
+    calls the finishing steps walk before that (`_every_call`) are the same calls."""
     model = testing.build("gpt2")
     tr = torchlens.trace(model, IDS, save=["resid_post"])
-    unread = tr.modules.every_call()
+    unread = tr.modules._every_call()
     assert tr.modules._made is None  # nothing has read the map yet
     canonical: dict[int, str] = {}
     for addr, m in model.named_modules(remove_duplicate=False):

@@ -111,12 +111,12 @@ def module_records(
 ) -> ModuleMap:
     """The trace's `ModuleMap`: each call gets its `FacetMap` and the aliases the hooks kept during
     capture are released, now; the `ModuleRecord`s, one per canonical address holding its calls,
-    are made on the map's first read (`ModuleMap.deferred`)."""
+    are made on the map's first read (`ModuleMap._deferred`)."""
     for call, call_sites in zip(calls, sites):
         call.facets = FacetMap(call.address, call.role, call_sites)
         call._in = call._out = None
     layout = tuple([(addr, type(m).__name__, roles[addr]) for m, addr in names.items()])
-    return ModuleMap.deferred(layout, aliases, calls)
+    return ModuleMap._deferred(layout, aliases, calls)
 
 
 def note_edited_refusals(result: Trace) -> None:

@@ -257,7 +257,7 @@ def seal_checks(trace: Any) -> None:
     lays out the storages it writes in one file, need no fingerprint.)
     """
     pendings: dict[int, Pending] = {}
-    calls = trace.modules.every_call()  # the records of a trace not read yet are not made here
+    calls = trace.modules._every_call()  # the records of a trace not read yet are not made here
     for call in calls:
         for facets in (
             call.facets,

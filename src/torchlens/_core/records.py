@@ -286,9 +286,9 @@ class ModuleMap(Mapping):
 
     #: The fields a saved trace stores (`_records` makes a deferred map's records first).
     _PERSISTED: tuple[str, ...] = ("_records", "_aliases")
-    #: The records by address once made; None while a `deferred` map has not been read.
+    #: The records by address once made; None while a `_deferred` map has not been read.
     _made: dict[str, ModuleRecord] | None = None
-    #: What a `deferred` map makes its records from until then: `(layout, calls)`.
+    #: What a `_deferred` map makes its records from until then: `(layout, calls)`.
     _source: tuple[tuple[tuple[str, str, str], ...], list[ModuleCall]] | None = None
 
     def __init__(self, records: dict[str, ModuleRecord], aliases: dict[str, str]):
@@ -296,7 +296,7 @@ class ModuleMap(Mapping):
         self._aliases = aliases
 
     @classmethod
-    def deferred(
+    def _deferred(
         cls,
         layout: tuple[tuple[str, str, str], ...],
         aliases: dict[str, str],
@@ -336,7 +336,7 @@ class ModuleMap(Mapping):
     def _records(self, value: dict[str, ModuleRecord]) -> None:  # `torchlens.load` sets them
         self._made, self._source = value, None
 
-    def every_call(self) -> list[ModuleCall]:
+    def _every_call(self) -> list[ModuleCall]:
         """Every module call of the trace, without making the records of a map not read yet (in
         the order the calls started there; by address, as the records list them, otherwise)."""
         if self._made is None and self._source is not None:
@@ -344,8 +344,8 @@ class ModuleMap(Mapping):
         return [c for rec in self._records.values() for c in rec.calls]
 
     def __getstate__(self) -> dict[str, Any]:
-        """For pickling and copying: the records, made first (a deferred map's source holds the
-        model's modules, which a copy of the trace must not)."""
+        """For pickling and copying: the records, made first (a copy holds them, not what an
+        unread map would make them from)."""
         return {"_made": self._records, "_aliases": self._aliases}
 
     def __getitem__(self, address: str) -> ModuleRecord:
@@ -380,7 +380,7 @@ def group_calls(
     the order they started): what `ModuleMap` lists.
 
     Args:
-        layout: `(address, class name, role)` of every module (`ModuleMap.deferred`).
+        layout: `(address, class name, role)` of every module (`ModuleMap._deferred`).
         aliases: other addresses of shared modules -> canonical address.
         calls: every call of the forward.
     """
