@@ -1484,6 +1484,37 @@ def test_trace_does_not_keep_the_model_alive(save):
     assert trace_ref() is None
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["autograd on", "no_grad"])
+def test_deepcopy_of_a_trace_holds_the_forwards_values_on_its_own(grad):
+    """`copy.deepcopy(trace)` works in both grad modes (with autograd on the output holds tensors
+    autograd computed, which torch refuses to deep-copy): the copy's output and facets are the
+    plain forward's and forward hooks', and writing into the copy leaves the trace as it was."""
+    import copy
+
+    model = testing.build("gpt2")
+    block = "transformer.h.1"
+    kept = []
+    handle = model.get_submodule(block).register_forward_hook(
+        lambda m, a, o: kept.append((o[0] if isinstance(o, tuple) else o).detach().clone())
+    )
+    try:
+        with torch.no_grad():
+            logits = model(IDS).logits
+    finally:
+        handle.remove()
+    with torch.set_grad_enabled(grad):
+        tr = torchlens.trace(model, IDS, save=lambda address, facet: facet == "resid_post")
+    dup = copy.deepcopy(tr)
+    assert dup.output.logits is not tr.output.logits
+    assert torch.equal(dup.output.logits.detach(), logits)
+    assert torch.equal(dup[f"{block}:resid_post"], kept[0])
+    with torch.no_grad():
+        dup.output.logits.zero_()
+        dup[f"{block}:resid_post"].zero_()
+    assert torch.equal(tr.output.logits.detach(), logits)
+    assert torch.equal(tr[f"{block}:resid_post"], kept[0])
+
+
 def test_an_unread_traces_module_records_are_made_on_first_read_from_the_models_modules():
     """The records of a trace nobody has read are made on first read (`ModuleMap._deferred`): one
     per address the model's `named_modules` gives, with its class and every call of it, and the

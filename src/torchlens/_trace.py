@@ -3,7 +3,9 @@ the notebook table) and saved."""
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +64,23 @@ class Trace:
         self.save_spec = save
         self.structure = structure
         self.edits: tuple = ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Trace:
+        """`copy.deepcopy(trace)`: every record copied, as for any object. The model's output is
+        deep-copied too where torch allows; where it does not (with autograd on, `output` holds
+        tensors autograd computed, which torch refuses to deep-copy) it is copied as pickle copies
+        it: the same values, as tensors without autograd history."""
+        cls = type(self)
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        output = self.output
+        if id(output) not in memo:
+            try:
+                memo[id(output)] = copy.deepcopy(output, memo)
+            except RuntimeError:  # "Only Tensors created explicitly by the user ... deepcopy"
+                memo[id(output)] = pickle.loads(pickle.dumps(output))
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def save(self, path: str | os.PathLike, model: torch.nn.Module | None = None) -> list[str]:
         """Write this trace to the directory `path`, for [`torchlens.load`][torchlens.load].
