@@ -113,13 +113,18 @@ class OpRecord:
         #: shares (copied on the first read), or None
         self._guard = None
 
+    @classmethod
+    def _blank(cls) -> OpRecord:
+        """A record with no field set but the guard (none): what `torchlens.load` fills in with
+        the stored fields."""
+        op = object.__new__(cls)
+        op._guard = None
+        return op
+
     @property
     def tensors(self) -> tuple:
         """One entry per tensor output: the saved output, or None (see the class docstring)."""
-        try:
-            guard = self._guard
-        except AttributeError:  # made without `__init__` (a loaded trace)
-            guard = self._guard = None
+        guard = self._guard
         if guard is not None:
             for group in guard:  # copied if unwritten, else dropped with a warning
                 group.resolve()

@@ -52,7 +52,8 @@ class Decoder:
                     + "; the file is malformed or was edited."
                 )
             cls = self.classes[name]
-            # a slotted record with private fields (`FacetSite`) makes its blank instance itself
+            # a slotted record with private fields (`OpRecord`, `FacetSite`) makes its blank
+            # instance itself: those fields are not stored
             inst: Any = cls._blank() if hasattr(cls, "_blank") else object.__new__(cls)
             self.built[n] = inst
             renames: dict[str, str] = getattr(cls, "_persist_renames", {})
