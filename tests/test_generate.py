@@ -14,6 +14,8 @@ off, which `EditPlan.check_placed` must refuse).
 
 from __future__ import annotations
 
+import gc
+
 import cache_bugs
 import pytest
 import torch
@@ -48,6 +50,7 @@ def _hooks(model):
 
 
 def _nothing_installed(model, before=frozenset()):
+    assert gc.isenabled()  # paused for the call (`_capture.collector`), on again
     assert _hooks(model) <= set(before)
     assert torch._C._len_torch_function_stack() == 0
     assert CompiledRunsEagerly._depth == 0

@@ -82,7 +82,9 @@ def hook_state(model: nn.Module) -> list[tuple]:
 
 
 def assert_nothing_left(model: nn.Module | None = None, before: list | None = None) -> None:
-    """No hook, global hook or torch function mode of TorchLens remains."""
+    """No hook, global hook or torch function mode of TorchLens remains, and Python's garbage
+    collector is on again (a trace pauses it, `_capture.collector`)."""
+    assert gc.isenabled()
     assert torch._C._len_torch_function_stack() == 0
     assert not torch._C._is_torch_function_mode_enabled()
     for name in _GLOBAL_HOOK_DICTS:
@@ -1618,3 +1620,49 @@ def test_traces_share_the_immutable_parts_of_their_op_records():
     assert len(adds) == 2  # the block's two residual additions
     for op in adds:  # each shape is the one the op's output had
         assert op.shapes == (out.hidden_states[0].shape,) and type(op.shapes[0]) is torch.Size
+
+
+# ----------------------------------------------------------------------------------------------
+# The garbage collector, paused for the call
+# ----------------------------------------------------------------------------------------------
+
+
+def test_the_collector_is_off_during_the_trace_and_as_it_was_after():
+    """Inside the traced forward no collector pass runs (a forward hook sees it off); after the
+    trace, and after a nested trace inside a traced forward, it is on again; a collector the
+    caller turned off stays off."""
+    seen: list[bool] = []
+    inner: list = []
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.sub = nn.Linear(3, 3)
+
+        def forward(self, x):
+            seen.append(gc.isenabled())
+            if not inner:  # a trace inside the traced forward: the outer pause outlives it
+                inner.append(torchlens.trace(self.sub, x))
+                seen.append(gc.isenabled())
+            return self.lin(x)
+
+    model, x = Outer(), torch.ones(1, 3)
+    torchlens.trace(model, x)
+    assert seen == [False, False]
+    assert_nothing_left(model)
+    gc.disable()
+    try:
+        torchlens.trace(model, x)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert seen == [False, False, False]
+
+
+def test_the_collector_is_on_again_when_the_forward_raises():
+    model = _Flaky().eval()
+    model.stages[1].fail, model.stages[1].exc = "raise", _Boom("boom")
+    with pytest.raises(_Boom):
+        torchlens.trace(model, torch.ones(2, 3))
+    assert_nothing_left(model)

@@ -15,6 +15,7 @@ from torchlens._analysis.role_rules import parse_roles, static_roles
 from torchlens._analysis.selection import parse_save, plan_capture
 from torchlens._assemble import assemble, note_edited_refusals
 from torchlens._capture.accelerate import accelerate_hooks
+from torchlens._capture.collector import paused
 from torchlens._capture.compiled import CompiledRunsEagerly, compiled_module_class
 from torchlens._capture.recorder import Recorder
 from torchlens._capture.snapshot import arm_guards, snapshot
@@ -114,6 +115,13 @@ def trace(
         Python (same values, no compiled graph, not recorded in this trace). The stance that was
         set before is restored when the last running trace returns or raises.
 
+        Python's cyclic garbage collector is off for the call, in the whole process too (it
+        has one switch), and back to what it was when the last running trace returns or raises:
+        reference counting still frees at once everything not in a reference cycle, and a cycle
+        made meanwhile is freed by the first collection after the call. A trace makes thousands
+        of small objects, most gone before it returns; with the collector on, each pass during
+        the call would age them toward the full passes over every object of the process.
+
     Examples:
         >>> import torch, torchlens
         >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
@@ -128,77 +136,78 @@ def trace(
             f"trace() needs a torch.nn.Module as its first argument, got {type(model).__name__}."
         )
     loss_name = _check_grads(grads)
-    plan = None
-    if edit is not None:
-        plan = _locate(model, args, kwargs, edit, roles)
-    wrapper = compiled_module_class()
-    if wrapper is not None and isinstance(
-        model, wrapper
-    ):  # torch.compile(model): trace the eager model
-        inner = model._orig_mod
-        assert isinstance(inner, nn.Module)
-        model = inner
-    names, aliases = module_names(model)
-    roles = static_roles(model, names, parse_roles(roles, list(names.values())))
-    spec = parse_save(save, names.values(), aliases)
-    store_to = parse_store(store)
-    capture = plan_capture(spec, roles, {addr: m for m, addr in names.items()})
-    # `named_parameters` in one pass over the modules already listed: a shared (tied) weight
-    # keeps its first, canonical name
-    params: dict[int, str] = {}
-    for m, addr in names.items():
-        for n, p in m._parameters.items():
-            if p is not None:
-                params.setdefault(id(p), f"{addr}.{n}" if addr else n)
-    # A directory store writes as capture goes; "cpu" moves the tensors once the trace is assembled.
-    rec = Recorder(
-        names,
-        roles,
-        capture,
-        params,
-        plan,
-        store_to if isinstance(store_to, DirectoryStore) else None,
-        grads=grads is not None,
-    )
-    handles = []
-    caller_grad = torch.is_grad_enabled()
-    try:
-        for m in names:
-            handles.append(m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True))
-            handles.append(m.register_forward_hook(rec.post_hook, always_call=True))
-        with (
-            CompiledRunsEagerly(),
-            accelerate_hooks(names, rec) as dispatch,
+    with paused():  # see `_capture.collector`: no collector passes over what the trace makes
+        plan = None
+        if edit is not None:
+            plan = _locate(model, args, kwargs, edit, roles)
+        wrapper = compiled_module_class()
+        if wrapper is not None and isinstance(
+            model, wrapper
+        ):  # torch.compile(model): trace the eager model
+            inner = model._orig_mod
+            assert isinstance(inner, nn.Module)
+            model = inner
+        names, aliases = module_names(model)
+        roles = static_roles(model, names, parse_roles(roles, list(names.values())))
+        spec = parse_save(save, names.values(), aliases)
+        store_to = parse_store(store)
+        capture = plan_capture(spec, roles, {addr: m for m, addr in names.items()})
+        # `named_parameters` in one pass over the modules already listed: a shared (tied) weight
+        # keeps its first, canonical name
+        params: dict[int, str] = {}
+        for m, addr in names.items():
+            for n, p in m._parameters.items():
+                if p is not None:
+                    params.setdefault(id(p), f"{addr}.{n}" if addr else n)
+        # A directory store writes as capture goes; "cpu" moves the tensors once the trace is assembled.
+        rec = Recorder(
+            names,
+            roles,
+            capture,
+            params,
+            plan,
+            store_to if isinstance(store_to, DirectoryStore) else None,
+            grads=grads is not None,
+        )
+        handles = []
+        caller_grad = torch.is_grad_enabled()
+        try:
+            for m in names:
+                handles.append(m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True))
+                handles.append(m.register_forward_hook(rec.post_hook, always_call=True))
+            with (
+                CompiledRunsEagerly(),
+                accelerate_hooks(names, rec) as dispatch,
+                rec,
+                torch.enable_grad() if grads is not None else contextlib.nullcontext(),
+            ):
+                output = model(*args, **kwargs)
+        except BaseException as exc:
+            annotate(exc, rec)
+            raise
+        finally:
+            for h in handles:
+                h.remove()
+        loss = None
+        if grads is not None:
+            with torch.enable_grad():
+                loss = loss_of(grads, output, loss_name)
+            if not caller_grad:  # the caller asked for no graph: the output it gets holds none
+                output = _detached(output)
+        return finish(
             rec,
-            torch.enable_grad() if grads is not None else contextlib.nullcontext(),
-        ):
-            output = model(*args, **kwargs)
-    except BaseException as exc:
-        annotate(exc, rec)
-        raise
-    finally:
-        for h in handles:
-            h.remove()
-    loss = None
-    if grads is not None:
-        with torch.enable_grad():
-            loss = loss_of(grads, output, loss_name)
-        if not caller_grad:  # the caller asked for no graph: the output it gets holds none
-            output = _detached(output)
-    return finish(
-        rec,
-        model,
-        names,
-        aliases,
-        roles,
-        capture,
-        plan,
-        store_to,
-        dispatch,
-        (args, kwargs, output),
-        loss,
-        loss_name,
-    )
+            model,
+            names,
+            aliases,
+            roles,
+            capture,
+            plan,
+            store_to,
+            dispatch,
+            (args, kwargs, output),
+            loss,
+            loss_name,
+        )
 
 
 def module_names(model: nn.Module) -> tuple[dict[nn.Module, str], dict[str, str]]:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from torchlens._analysis.role_rules import parse_roles, static_roles
 from torchlens._analysis.selection import parse_save
+from torchlens._capture.collector import paused
 from torchlens._capture.compiled import compiled_module_class
 from torchlens._capture.stores import parse_store
 from torchlens._core.errors import GenerateSpecError, TorchLensError
@@ -98,6 +99,11 @@ def trace_generate(
         Exception: whatever `generate` raises propagates, with a note naming the op and module
             where a traced forward raised; nothing TorchLens installed is left behind.
 
+    Note:
+        Python's cyclic garbage collector is off while `generate` runs, as it is for a `trace`
+        call (see its note): the steps kept grow with every token, and no collection pass
+        scans them again and again meanwhile.
+
     Examples:
         >>> import torch, torchlens as tl
         >>> from torchlens import testing
@@ -157,7 +163,8 @@ def trace_generate(
     session.install()
     try:
         args = () if input_ids is None else (input_ids,)
-        output = generate(*args, **generate_kwargs)
+        with paused():  # see `_capture.collector`; the steps kept grow, and no pass rescans them
+            output = generate(*args, **generate_kwargs)
     except BaseException as exc:
         session.remove(exc)
         if hasattr(exc, "add_note"):
