@@ -102,6 +102,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import json
 import os
 import platform
@@ -265,6 +266,20 @@ def hooks_forward(model, ids):
     return kept
 
 
+@contextlib.contextmanager
+def _collector_off():
+    """Python's cyclic garbage collector off for a floor's call, and back as it was: a trace
+    pauses it (`torchlens._capture.collector`), so any capture design may, and a floor that kept
+    the collector's passes would not be the least such a capture pays."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 class _FloorMode(torch.overrides.TorchFunctionMode):
     """The floor of op capture: every torch function runs through the mode and nothing else is
     done, or (`keep`) a reference to each result is appended to a list."""
@@ -290,7 +305,7 @@ def floor_forward(model, ids, keep: bool, copy: bool = False):
     write by the caller changes: the floor of a `save="all"` that keeps that promise.
     """
     mode = _FloorMode(keep)
-    with mode:
+    with _collector_off(), mode:
         out = model(ids)
     if mode.kept is not None:
         mode.kept = [o.detach() if isinstance(o, torch.Tensor) else o for o in mode.kept]
@@ -342,7 +357,7 @@ def record_forward(model, run):
         handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(post))
     try:
-        with mode:
+        with _collector_off(), mode:
             run()
     finally:
         for h in handles:
