@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 import torchlens as tl
 from torchlens import GenerateSpecError, testing
+from torchlens._capture import collector
 from torchlens._capture.compiled import CompiledRunsEagerly
 from torchlens._edits import EditPlan, plan_edits
 from torchlens._generation.decode_sites import AUTO_FACTOR
@@ -50,7 +51,7 @@ def _hooks(model):
 
 
 def _nothing_installed(model, before=frozenset()):
-    assert gc.isenabled()  # paused for the call (`_capture.collector`), on again
+    assert gc.isenabled() and not collector._DEPTHS  # paused for the call, on again
     assert _hooks(model) <= set(before)
     assert torch._C._len_torch_function_stack() == 0
     assert CompiledRunsEagerly._depth == 0
@@ -130,6 +131,28 @@ def test_sequences_are_what_generate_returns_and_each_step_is_that_forward(famil
     for step, t in enumerate(gen.steps):
         for b in blocks:
             torch.testing.assert_close(t[f"{b}:resid_post"], seen[b][step], atol=0, rtol=0)
+
+
+def test_the_collector_is_off_at_every_step_and_between_them_and_on_after():
+    """`generate`'s own code between the forwards runs paused too (a logits processor sees it)."""
+    model = testing.build("gpt2")
+    at_steps, between = [], []
+    hook = model.transformer.register_forward_hook(lambda *_: at_steps.append(gc.isenabled()))
+
+    class Watch(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            between.append(gc.isenabled())
+            return scores
+
+    try:
+        gen = tl.trace_generate(
+            model, IDS, logits_processor=transformers.LogitsProcessorList([Watch()]), **GREEDY
+        )
+    finally:
+        hook.remove()
+    assert len(gen.steps) == 6
+    assert at_steps == [False] * 6 and between == [False] * 6
+    _nothing_installed(model)
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import os
 import pickle
 import threading
 import warnings
@@ -46,6 +47,7 @@ from torchlens import (
     TorchLensError,
     testing,
 )
+from torchlens._capture import collector
 
 _module_mod = torch.nn.modules.module
 _GLOBAL_HOOK_DICTS = (
@@ -84,7 +86,7 @@ def hook_state(model: nn.Module) -> list[tuple]:
 def assert_nothing_left(model: nn.Module | None = None, before: list | None = None) -> None:
     """No hook, global hook or torch function mode of TorchLens remains, and Python's garbage
     collector is on again (a trace pauses it, `_capture.collector`)."""
-    assert gc.isenabled()
+    assert gc.isenabled() and not collector._DEPTHS
     assert torch._C._len_torch_function_stack() == 0
     assert not torch._C._is_torch_function_mode_enabled()
     for name in _GLOBAL_HOOK_DICTS:
@@ -1666,3 +1668,107 @@ def test_the_collector_is_on_again_when_the_forward_raises():
     with pytest.raises(_Boom):
         torchlens.trace(model, torch.ones(2, 3))
     assert_nothing_left(model)
+
+
+def test_the_collector_gets_the_state_the_first_trace_found_when_the_forward_switches_it():
+    """The caller's state comes back both ways, whatever the forward did to the one switch."""
+
+    class Switch(nn.Module):
+        def __init__(self, to: bool):
+            super().__init__()
+            self.to, self.lin = to, nn.Linear(2, 2)
+
+        def forward(self, x):
+            (gc.enable if self.to else gc.disable)()
+            return self.lin(x)
+
+    torchlens.trace(Switch(False), torch.ones(1, 2))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        torchlens.trace(Switch(True), torch.ones(1, 2))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert_nothing_left()
+
+
+def test_traces_in_two_threads_share_one_pause_the_last_one_out_ends():
+    """Thread A's trace enters, then thread B's; A returns first: the collector stays off while
+    B's trace runs, and is on once B's returns."""
+    b_entered, a_done, b_go = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    class Wait(nn.Module):
+        def __init__(self, who: str):
+            super().__init__()
+            self.who, self.lin = who, nn.Linear(2, 2)
+
+        def forward(self, x):
+            if self.who == "a":
+                assert b_entered.wait(30)
+            else:
+                b_entered.set()
+                assert b_go.wait(30)
+                seen["b, after a returned"] = gc.isenabled()
+            return self.lin(x)
+
+    errors: list = []
+
+    def run(who):
+        try:
+            torchlens.trace(Wait(who), torch.ones(1, 2))
+        except BaseException as e:  # reported below
+            errors.append(e)
+        finally:
+            b_entered.set()
+
+    b = threading.Thread(target=run, args=("b",))
+    a = threading.Thread(target=run, args=("a",))
+    a.start()
+    b.start()
+    a.join(30)
+    a_done.set()
+    seen["between"] = gc.isenabled()
+    b_go.set()
+    b.join(30)
+    assert not errors, errors
+    assert seen == {"between": False, "b, after a returned": False}
+    assert_nothing_left()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+def test_a_process_forked_while_another_thread_traces_has_the_collector_on():
+    """The tracing thread does not exist in the child, so its trace never returns there: the
+    child gets the collector's state back at the fork (`collector._after_fork_in_child`)."""
+    inside, done = threading.Event(), threading.Event()
+
+    class Hold(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            inside.set()
+            assert done.wait(30)
+            return self.lin(x)
+
+    t = threading.Thread(target=lambda: torchlens.trace(Hold(), torch.ones(1, 2)))
+    t.start()
+    try:
+        assert inside.wait(30)
+        assert not gc.isenabled()  # the other thread's trace is running
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report and leave at once, running nothing else
+            os.write(write, b"1" if gc.isenabled() and not collector._DEPTHS else b"0")
+            os._exit(0)
+        os.close(write)
+        reported = os.read(read, 1)
+        os.close(read)
+        os.waitpid(pid, 0)
+    finally:
+        done.set()
+        t.join(30)
+    assert reported == b"1"
+    assert_nothing_left()

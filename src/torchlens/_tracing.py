@@ -116,11 +116,12 @@ def trace(
         set before is restored when the last running trace returns or raises.
 
         Python's cyclic garbage collector is off for the call, in the whole process too (it
-        has one switch), and back to what it was when the last running trace returns or raises:
-        reference counting still frees at once everything not in a reference cycle, and a cycle
-        made meanwhile is freed by the first collection after the call. A trace makes thousands
-        of small objects, most gone before it returns; with the collector on, each pass during
-        the call would age them toward the full passes over every object of the process.
+        has one switch), and set back to the state the first running trace found when the last
+        one returns or raises: reference counting still frees at once every object no reference
+        cycle holds, and what a cycle made meanwhile holds is freed by the first collection after
+        the call. A trace makes thousands of small objects, most gone before it returns; with the
+        collector on, each pass during the call would age them toward the full passes over every
+        object of the process.
 
     Examples:
         >>> import torch, torchlens

@@ -100,9 +100,11 @@ def trace_generate(
             where a traced forward raised; nothing TorchLens installed is left behind.
 
     Note:
-        Python's cyclic garbage collector is off while `generate` runs, as it is for a `trace`
-        call (see its note): the steps kept grow with every token, and no collection pass
-        scans them again and again meanwhile.
+        Python's cyclic garbage collector is off for the whole `generate` call, as it is for a
+        `trace` call (see its note): the steps kept grow with every token, and no collection
+        pass scans them again and again meanwhile. A model whose forward makes reference cycles
+        that hold tensors (none of `torchlens.testing`'s families does) keeps them until
+        `generate` returns, not one forward.
 
     Examples:
         >>> import torch, torchlens as tl
