@@ -109,9 +109,10 @@ def groups(model: nn.Module, names: dict[nn.Module, str]) -> list[tuple[str, lis
     two or more children of one class of any other module."""
     out = []
     for holder in names:  # every module of `model`, once each, in `model.modules()` order
-        kids = []
+        kids, seen = [], set()  # a module registered under two names counts once
         for m in holder._modules.values():
-            if m is not None and m not in kids:
+            if m is not None and id(m) not in seen:
+                seen.add(id(m))
                 kids.append(m)
         nonleaf = [m for m in kids if any(c is not None for c in m._modules.values())]
         if not nonleaf:
