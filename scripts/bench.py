@@ -270,7 +270,8 @@ def hooks_forward(model, ids):
 def _collector_off():
     """Python's cyclic garbage collector off for a floor's call, and back as it was: a trace
     pauses it (`torchlens._capture.collector`), so any capture design may, and a floor that kept
-    the collector's passes would not be the least such a capture pays."""
+    the collector's passes would not be the least such a capture pays. Not `paused` itself: this
+    script also measures commits whose source has no `torchlens._capture.collector`."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -535,8 +536,6 @@ def time_modes(
     with what the call returned still alive, as it would in a caller that keeps it, and is timed
     as part of the call.
     """
-    import gc
-
     samples: dict[str, list[float]] = {k: [] for k in fns}
     if cpu is not None:
         cpu.update({k: [] for k in fns})
@@ -549,7 +548,7 @@ def time_modes(
                 c0 = time.process_time()
                 t0 = time.perf_counter()
                 result = fn()
-                held = [result]  # see below
+                held = [result]  # a counted allocation with the result alive (see the docstring)
                 dt = time.perf_counter() - t0
                 dc = time.process_time() - c0
                 del result, held
@@ -703,8 +702,6 @@ def profile(name: str, top: int = 25, grad: bool = False) -> dict:
     allocating when it started, so one full pass (about 0.15 s with GPT-2 small's modules
     alive) would show as the own time of an unrelated function. A full collection runs before
     the profiled call, so a pass during it is the call's own."""
-    import gc
-
     import torchlens as tl
 
     model, ids = build(name)
