@@ -179,6 +179,31 @@ def test_a_write_through_another_dtype_of_a_copied_storage_is_caught():
         fm["inv_std"]
 
 
+def test_a_write_through_another_dtype_that_only_an_op_holds_is_caught():
+    """As above, with the other dtype held by an op output alone (no facet holds it): the op's
+    recorded dtype puts its storage among those looked up."""
+
+    class Stash(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(8)
+
+        def forward(self, x):
+            self.bits = x.view(torch.int32)  # kept on the module: the caller can reach it
+            return self.ln(x)
+
+    torch.manual_seed(0)
+    model, x = Stash().eval(), torch.randn(3, 8)
+    t = tl.trace(model, x)
+    fm = t.modules["ln"].facets
+    assert all(s.dtype != torch.int32 for s in fm.sites.values())  # metadata: runs no check
+    ints = [op.tensor for op in t.ops if op.tensor is not None and op.tensor.dtype == torch.int32]
+    assert ints, "the trace keeps the int32 view as an op output"
+    ints[0][0, 0].add_(1 << 20)  # changes the float bits the norm's input holds
+    with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
+        fm["inv_std"]
+
+
 def test_check_before_the_write_keeps_every_facet():
     model = seeded_gpt2()
     t = tl.trace(model, IDS)

@@ -8,11 +8,12 @@ import contextlib
 import functools
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchlens._core.holdings import extent, held_tensors, storage_ptr
+from torchlens._core.holdings import arg_slots, extent, held_tensors, storage_ptr
 
 if TYPE_CHECKING:
     from torchlens._core.sites import FacetMap, FacetSite
@@ -271,37 +272,34 @@ def seal_checks(trace: Any) -> None:
                     pendings.setdefault(id(pending), pending)
     if not pendings:
         return
-    # storage -> dtype -> the tensors the trace holds there in that dtype, for the storages the
-    # pending inputs are on; the byte extents are worked out only for a storage held in two
-    # dtypes or more (rare: most hold one)
-    wanted = {
-        storage_ptr(t)
-        for p in pendings.values()
-        for t in p.inputs
-        if isinstance(t, torch.Tensor) and not t.is_inference()
-    }
-    wanted.discard(
-        None
-    )  # a tensor without a storage of its own shares no counter with another dtype
-    saved = [h.tensor for h in held_tensors(trace.ops, calls)]
-    first: dict[
-        tuple[Any, int | None], torch.dtype
-    ] = {}  # storage -> the dtype of the first tensor held there
-    multi: set[tuple[Any, int | None]] = set()  # the storages held in a second dtype
-    for t in saved:
-        ptr = storage_ptr(t)
-        if ptr in wanted:
-            key = (t.device, ptr)
-            if first.setdefault(key, t.dtype) != t.dtype:
-                multi.add(key)
+    # (device, storage) -> the dtypes of the pending inputs there. A storage is held in two dtypes
+    # or more when its pending inputs have two, or when another tensor the trace holds there has a
+    # dtype they lack; the byte extents are worked out only for such a storage (rare: most hold
+    # one dtype).
+    wanted: dict[tuple[Any, int], set[torch.dtype]] = {}
+    for p in pendings.values():
+        for t in p.inputs:
+            if isinstance(t, torch.Tensor) and not t.is_inference():
+                ptr = storage_ptr(t)
+                if ptr is not None:  # without a storage of its own it shares no counter
+                    wanted.setdefault((t.device, ptr), set()).add(t.dtype)
+    multi: set[tuple[Any, int | None]] = {key for key, dtypes in wanted.items() if len(dtypes) > 1}
+    # A held tensor of a dtype every such storage's pending inputs have cannot add a second one,
+    # so its storage is not looked up: most of what a trace holds is of the pending inputs' dtype.
+    common = set.intersection(*wanted.values()) if wanted else set()
+    for t in _uncommon(trace.ops, calls, common):
+        key = (t.device, storage_ptr(t))
+        dtypes = wanted.get(key)  # type: ignore[arg-type]
+        if dtypes is not None and t.dtype not in dtypes:
+            multi.add(key)
     extents: dict[tuple[Any, int | None], dict[torch.dtype, list[tuple[int, int]]]] = {}
     if multi:
-        for t in saved:
+        for t in (h.tensor for h in held_tensors(trace.ops, calls)):
             key = (t.device, storage_ptr(t))
             if key in multi:
                 extents.setdefault(key, {}).setdefault(t.dtype, []).append(extent(t))
     split: set[int] = set()
-    for pending in pendings.values():
+    for pending in pendings.values() if extents else ():
         for t in pending.inputs:
             if not isinstance(t, torch.Tensor) or t.is_inference():
                 continue
@@ -318,6 +316,25 @@ def seal_checks(trace: Any) -> None:
                 split.add(id(t))
     for pending in pendings.values():
         pending.seal(split)
+
+
+def _uncommon(ops: list, calls: list, common: set[torch.dtype]) -> Iterator[torch.Tensor]:
+    """The tensors `held_tensors(ops, calls)` walks whose dtype is not in `common`, but for the
+    inputs of pending checks (`seal_checks` has their dtypes already): op outputs (an op whose
+    recorded dtypes are all common is passed over without reading its tensors), the arguments
+    kept for a rebuild, facets' stored tensors (and their gradients')."""
+    for op in ops:
+        if op.extra is not None:
+            yield from (t for _, t in arg_slots(op.extra) if t.dtype not in common)
+        if not all(d in common for d in op.dtypes):
+            yield from (t for t in op._tensors if t is not None and t.dtype not in common)
+    for call in calls:
+        for facets in (call.facets, getattr(call, "grads", None)):
+            if facets is not None:
+                for site in facets._sites.values():
+                    t = site._value
+                    if isinstance(t, torch.Tensor) and t.dtype not in common:
+                        yield t
 
 
 def no_autocast() -> contextlib.ExitStack:
