@@ -311,13 +311,18 @@ def test_traces_alive_together_share_the_weight_copy_a_check_reads():
         assert torch.allclose(t[attn + ":result"].double(), expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("compare", ["numpy", "torch.equal"])
+@pytest.mark.parametrize("compare", ["memcmp", "numpy", "torch.equal"])
 @pytest.mark.parametrize("how", ["in place", "through .data", "-0.0 for 0.0"])
 def test_a_weight_changed_between_traces_gets_a_copy_of_its_own(how, compare, monkeypatch):
     """A weight changed between two traces, even where no version counter sees it (`.data`), or
     only in its bits (a zero's sign), is copied again: each trace's derived facet is computed from
-    the weight its own forward read, checked against the same recomputation by hand. Both ways the
-    bits are compared (numpy from `_NUMPY_FROM` elements, `torch.equal` below) are run."""
+    the weight its own forward read, checked against the same recomputation by hand. Every way the
+    bits are compared (the C library's memcmp for contiguous CPU tensors; else numpy from
+    `_NUMPY_FROM` elements, `torch.equal` below) is run."""
+    if compare == "memcmp":
+        assert snapshot._memcmp is not None, "memcmp loads on the platforms the tests run on"
+    else:
+        monkeypatch.setattr(snapshot, "_memcmp", None)
     monkeypatch.setattr(snapshot, "_NUMPY_FROM", 0 if compare == "numpy" else 1 << 62)
     model = seeded_gpt2()
     attn = "transformer.h.1.attn"
