@@ -114,6 +114,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 
 import torch
 import transformers
@@ -364,6 +365,60 @@ def record_forward(model, run):
         for h in handles:
             h.remove()
     return mode
+
+
+class _KeepMode(_RecordMode):
+    """`_RecordMode` that also keeps every op's tensor output, detached, beside a weak reference
+    to the tensor the model got (`keep_generate`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs)
+        if isinstance(out, torch.Tensor):
+            self.kept.append((weakref.ref(out), out.detach()))
+        return out
+
+
+def keep_generate(model, run):
+    """`run()` under `_KeepMode` with `record_forward`'s module hooks, and at the end of each
+    forward call of the root (a prefill or a decode step) a copy of every kept output whose
+    memory the caller can still reach: the storage of a parameter, buffer or input, or of a
+    tensor the model made that is still alive (the KV cache, the logits). The least a capture pays
+    that keeps every op output of every step and keeps the promise that no later write changes
+    one (`floor_keep_generate`): nothing resolved, checked or assembled. Returns the steps' kept
+    tensors."""
+    mode, handles, steps = _KeepMode(), [], []
+
+    def pre(module, args):
+        mode.stack.append(module)
+
+    def post(module, args, out):
+        mode.stack.pop()
+
+    def step_end(module, args, kwargs, out):
+        with torch._C.DisableTorchFunction(), torch.no_grad():  # the floor's own calls: unrecorded
+            held = [*model.parameters(), *model.buffers(), *_tensors_in((args, kwargs))]
+            held += [t for ref, _ in mode.kept if (t := ref()) is not None]
+            live = {t.untyped_storage().data_ptr() for t in held}
+            steps.append(
+                [t.clone() if t.untyped_storage().data_ptr() in live else t for _, t in mode.kept]
+            )
+        mode.kept = []
+
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post))
+    handles.append(model.register_forward_hook(step_end, with_kwargs=True))
+    try:
+        with _collector_off(), mode:
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return steps
 
 
 def _stored(site):
@@ -912,6 +967,7 @@ GENERATION_MODES = [
     "gen_none",
     "nnsight_generate",
     "floor_record_generate",
+    "floor_keep_generate",
 ]
 GENERATION_LABELS = {
     "generate": "model.generate (no_grad)",
@@ -920,6 +976,9 @@ GENERATION_LABELS = {
     "gen_none": "TorchLens trace_generate save='none'",
     "nnsight_generate": "nnsight generate, every block's output saved at every step",
     "floor_record_generate": "floor: generate with every op and module call recorded in Python",
+    "floor_keep_generate": (
+        "floor: the same, every op output kept, those the caller can still reach copied at each step"
+    ),
 }
 
 
@@ -962,6 +1021,7 @@ def generation_modes(name: str, new_tokens: int) -> dict:
         "floor_record_generate": lambda: record_forward(
             model, lambda: model.generate(ids, **kwargs)
         ),
+        "floor_keep_generate": lambda: keep_generate(model, lambda: model.generate(ids, **kwargs)),
     }
 
 

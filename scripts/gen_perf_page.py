@@ -901,38 +901,63 @@ def _size(b: float) -> str:
     return f"{b / 1024:.1f} KiB" if b < MiB else f"{_mib(b)} MiB"
 
 
+#: The floor row each generation target is read against: recording every op and module call (what
+#: any step holding every op of its forward pays), and for `save='all'` also keeping every op output
+#: and copying those the caller can still reach at each step (what keeping them all pays).
+GENERATION_FLOORS = {
+    "gen_resid_post": "floor_record_generate",
+    "gen_all": "floor_keep_generate",
+}
+
+
 def _generation_floor(gen: dict) -> list[str]:
-    """What the floor row of a generation run leaves each target: every step of `trace_generate` is
-    a `Trace` holding every op of its forward, so recording every op and module call in Python (the
-    floor, nothing assembled) is a cost no design of it avoids; the rest of a target's margin, per
-    forward, is what finding each step's structure and facets may cost. Nothing without a floor row."""
-    floor = gen["modes"].get("floor_record_generate")
+    """What the floor rows of a generation run leave each target: every step of `trace_generate`
+    is a `Trace` holding every op of its forward, so recording every op and module call in Python
+    (nothing assembled) is a cost no design of it avoids, and `save='all'` also keeps every op
+    output, copying what the caller can still reach (`GENERATION_FLOORS`; a run without the
+    second floor reads `save='all'` against the first). The rest of a target's margin, per
+    forward, is what finding each step's structure and facets may cost. Nothing without a
+    floor row."""
     base = gen["modes"].get("generate")
-    if floor is None or base is None or "ratio" not in floor:
+    record = gen["modes"].get("floor_record_generate")
+    if base is None or record is None or "ratio" not in record:
         return []
     forwards = gen["new_tokens"]
     per_forward = base["median_s"] / forwards  # seconds of model.generate per forward call
-    parts = []
+    parts, floors_used = [], {}
     for mode, target in GENERATION_TARGETS.items():
         row = gen["modes"].get(mode)
+        floor_name = GENERATION_FLOORS[mode]
+        floor = gen["modes"].get(floor_name)
+        if floor is None or "ratio" not in floor:
+            floor_name, floor = "floor_record_generate", record
         if row is None or "ratio" not in row:
             continue
+        floors_used[floor_name] = floor
         margin = (target - floor["ratio"]) * per_forward * 1000
         spent = (row["ratio"] - floor["ratio"]) * per_forward * 1000
         name = row["label"].replace("TorchLens trace_generate ", "")
         parts.append(
-            f"`{name}`'s target of {target:g}× leaves {margin:.1f} ms a forward above the floor, "
-            f"where TorchLens spends {spent:.1f} ms"
+            f"`{name}`'s target of {target:g}× leaves {margin:.1f} ms a forward above its floor "
+            f"({floor['ratio']:.2f}×), where TorchLens spends {spent:.1f} ms"
             if margin > 0
-            else f"`{name}`'s target of {target:g}× is at or below the floor"
+            else f"`{name}`'s target of {target:g}× is at or below its floor ({floor['ratio']:.2f}×)"
         )
     if not parts:
         return []
+    what = {
+        "floor_record_generate": "every op and module call recorded in Python, nothing else: what any "
+        "capture whose steps hold every op pays first",
+        "floor_keep_generate": "the same, with every op output kept and those the caller can still "
+        "reach copied at each step: what keeping them all, unchanged by later writes, pays",
+    }
+    floors = "; ".join(f"{f['ratio']:.2f}× for {what[name]}" for name, f in floors_used.items())
     return [
         "",
-        f"Each step is a `Trace` with every op of its forward, so the floor row ({floor['ratio']:.2f}×: every "
-        "op and module call recorded in Python, nothing else) is what any such capture pays first. "
-        f"Per forward ({_fmt_time(per_forward)} of `model.generate` each): "
+        "Each step is a `Trace` with every op of its forward. The floor "
+        + ("rows" if len(floors_used) > 1 else "row")
+        + f" ({floors}) {'are' if len(floors_used) > 1 else 'is'} read against the targets. "
+        + f"Per forward ({_fmt_time(per_forward)} of `model.generate` each): "
         + "; ".join(parts)
         + ".",
     ]
