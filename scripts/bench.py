@@ -368,8 +368,9 @@ def record_forward(model, run):
 
 
 class _KeepMode(_RecordMode):
-    """`_RecordMode` that also keeps every op's tensor output, detached, beside a weak reference
-    to the tensor the model got (`keep_generate`)."""
+    """`_RecordMode` that also keeps every tensor an op returns (alone, or in a tuple or list, as a
+    `split` returns them), detached, beside a weak reference to the tensor the model got
+    (`keep_generate`)."""
 
     def __init__(self):
         super().__init__()
@@ -377,19 +378,49 @@ class _KeepMode(_RecordMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = super().__torch_function__(func, types, args, kwargs)
-        if isinstance(out, torch.Tensor):
-            self.kept.append((weakref.ref(out), out.detach()))
+        for t in (
+            (out,)
+            if isinstance(out, torch.Tensor)
+            else out
+            if isinstance(out, (tuple, list))
+            else ()
+        ):
+            if isinstance(t, torch.Tensor):
+                self.kept.append((weakref.ref(t), t.detach()))
         return out
+
+
+def _copied(kept: list, live: set) -> list:
+    """`kept` with each tensor whose storage is in `live` replaced by a copy: one copy of the
+    storage serves all its kept views where that costs no more than copying each (as
+    `torchlens._capture.snapshot` copies), else each view is copied."""
+    by_storage: dict[int, list] = {}
+    for t in kept:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in live:
+            by_storage.setdefault(ptr, []).append(t)
+    swap: dict[int, torch.Tensor] = {}
+    for views in by_storage.values():
+        storage = views[0].untyped_storage()
+        if len(views) > 1 and storage.nbytes() <= sum(v.numel() * v.element_size() for v in views):
+            new, bases = storage.clone(), {}
+            for v in views:
+                if v.dtype not in bases:
+                    bases[v.dtype] = torch.empty(0, dtype=v.dtype).set_(new, 0, (0,), (1,))
+                swap[id(v)] = bases[v.dtype].as_strided(v.size(), v.stride(), v.storage_offset())
+        else:
+            swap.update({id(v): v.clone() for v in views})
+    return [swap.get(id(t), t) for t in kept]
 
 
 def keep_generate(model, run):
     """`run()` under `_KeepMode` with `record_forward`'s module hooks, and at the end of each
     forward call of the root (a prefill or a decode step) a copy of every kept output whose
     memory the caller can still reach: the storage of a parameter, buffer or input, or of a
-    tensor the model made that is still alive (the KV cache, the logits). The least a capture pays
-    that keeps every op output of every step and keeps the promise that no later write changes
-    one (`floor_keep_generate`): nothing resolved, checked or assembled. Returns the steps' kept
-    tensors."""
+    tensor the model made that is still alive (the KV cache, the logits). The least a capture
+    pays that keeps every op output of every step and copies, once the step's forward is over,
+    what the caller could still write into (`floor_keep_generate`): nothing resolved, checked or
+    assembled, and no copy before a write during the forward. Returns the steps' kept tensors."""
     mode, handles, steps = _KeepMode(), [], []
 
     def pre(module, args):
@@ -403,9 +434,7 @@ def keep_generate(model, run):
             held = [*model.parameters(), *model.buffers(), *_tensors_in((args, kwargs))]
             held += [t for ref, _ in mode.kept if (t := ref()) is not None]
             live = {t.untyped_storage().data_ptr() for t in held}
-            steps.append(
-                [t.clone() if t.untyped_storage().data_ptr() in live else t for _, t in mode.kept]
-            )
+            steps.append(_copied([t for _, t in mode.kept], live))
         mode.kept = []
 
     for m in model.modules():
@@ -977,7 +1006,7 @@ GENERATION_LABELS = {
     "nnsight_generate": "nnsight generate, every block's output saved at every step",
     "floor_record_generate": "floor: generate with every op and module call recorded in Python",
     "floor_keep_generate": (
-        "floor: the same, every op output kept, those the caller can still reach copied at each step"
+        "floor: the same, every op output kept, those the caller can still reach copied after each forward"
     ),
 }
 

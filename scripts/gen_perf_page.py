@@ -948,8 +948,8 @@ def _generation_floor(gen: dict) -> list[str]:
     what = {
         "floor_record_generate": "every op and module call recorded in Python, nothing else: what any "
         "capture whose steps hold every op pays first",
-        "floor_keep_generate": "the same, with every op output kept and those the caller can still "
-        "reach copied at each step: what keeping them all, unchanged by later writes, pays",
+        "floor_keep_generate": "every op and module call recorded, every op output kept and those "
+        "the caller can still reach copied after each forward: what keeping them all pays",
     }
     floors = "; ".join(f"{f['ratio']:.2f}× for {what[name]}" for name, f in floors_used.items())
     return [

@@ -204,6 +204,40 @@ def test_a_write_through_another_dtype_that_only_an_op_holds_is_caught():
         fm["inv_std"]
 
 
+def test_a_write_through_another_dtype_that_only_a_facet_holds_is_caught():
+    """As above, with the other dtype held by a facet alone (the input the hook kept of a module
+    `save=` selects, read from a buffer's memory through a view no kept op holds): facets' own
+    tensors are looked at too."""
+
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(8)
+
+        def forward(self, bits, x):
+            return self.ln(x), bits
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("b", torch.randn(3, 8))
+            self.inner = Inner()
+
+        def forward(self, y):
+            return self.inner(self.b.view(torch.int32), self.b)[0] + y
+
+    torch.manual_seed(0)
+    model = Outer().eval()
+    t = tl.trace(model, torch.zeros(3, 8), save=["inner"])
+    bits = t.modules["inner"].facets["input"]
+    assert bits.dtype == torch.int32
+    assert not any(op.tensor is not None and op.tensor.dtype == torch.int32 for op in t.ops)
+    fm = t.modules["inner.ln"].facets
+    bits[0, 0].add_(1 << 20)  # changes the float bits the norm's input holds
+    with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
+        fm["inv_std"]
+
+
 def test_check_before_the_write_keeps_every_facet():
     model = seeded_gpt2()
     t = tl.trace(model, IDS)
@@ -312,11 +346,12 @@ def test_traces_alive_together_share_the_weight_copy_a_check_reads():
 
 
 @pytest.mark.parametrize("compare", ["memcmp", "numpy", "torch.equal"])
-@pytest.mark.parametrize("how", ["in place", "through .data", "-0.0 for 0.0"])
+@pytest.mark.parametrize("how", ["in place", "through .data", "-0.0 for 0.0", "its last element"])
 def test_a_weight_changed_between_traces_gets_a_copy_of_its_own(how, compare, monkeypatch):
     """A weight changed between two traces, even where no version counter sees it (`.data`), or
     only in its bits (a zero's sign), is copied again: each trace's derived facet is computed from
-    the weight its own forward read, checked against the same recomputation by hand. Every way the
+    the weight its own forward read, checked against the same recomputation by hand (a change to its
+    last element alone, through `.data`, is seen: every byte is compared). Every way the
     bits are compared (the C library's memcmp for contiguous CPU tensors; else numpy from
     `_NUMPY_FROM` elements, `torch.equal` below) is run."""
     if compare == "memcmp":
@@ -339,6 +374,8 @@ def test_a_weight_changed_between_traces_gets_a_copy_of_its_own(how, compare, mo
             version = weight._version
             weight.data.mul_(0.5)
             assert weight._version == version  # the counter did not move
+        elif how == "its last element":
+            weight.data[-1, -1] += 1.0
         else:
             weight[0, 0] = -0.0
     after = weight.detach().clone()

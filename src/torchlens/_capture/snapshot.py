@@ -169,7 +169,8 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def _c_memcmp() -> Any:
     """The C library's `memcmp` through ctypes, or None where it cannot be loaded."""
     try:
-        lib = ctypes.cdll.msvcrt if sys.platform == "win32" else ctypes.CDLL(None)
+        # a library object of our own, so the signature set below changes no one else's
+        lib = ctypes.CDLL("msvcrt") if sys.platform == "win32" else ctypes.CDLL(None)
         fn = lib.memcmp
     except (OSError, AttributeError):  # pragma: no cover - found on Linux, macOS and Windows
         return None
@@ -254,6 +255,7 @@ def _same_bits(a: Tensor, b: Tensor) -> bool:
             and a.is_contiguous()
             and b.is_contiguous()
             and not (a.is_conj() or b.is_conj() or a.is_neg() or b.is_neg())
+            and not (a._is_zerotensor() or b._is_zerotensor())  # no memory behind its data_ptr
         ):  # same dtype and shape: the same number of bytes, one run each, read as they are
             return _memcmp(a.data_ptr(), b.data_ptr(), a.numel() * a.element_size()) == 0
         a, b = a.detach().view(as_int), b.detach().view(as_int)
