@@ -343,11 +343,12 @@ class _RecordMode(torch.overrides.TorchFunctionMode):
         return out
 
 
-def record_forward(model, run):
-    """`run()` under `_RecordMode`, with a pre- and a post-hook on every module keeping the stack
-    of module calls and a list of them: the least any capture that records every op and module
-    call of a forward in Python does (`floor_record`, `floor_record_generate`). Returns the mode."""
-    mode, handles = _RecordMode(), []
+def record_forward(model, run, mode: _RecordMode | None = None):
+    """`run()` under `_RecordMode` (or `mode`, one made from it), with a pre- and a post-hook on
+    every module keeping the stack of module calls and a list of them: the least any capture that
+    records every op and module call of a forward in Python does (`floor_record`,
+    `floor_record_generate`). Returns the mode."""
+    mode, handles = mode if mode is not None else _RecordMode(), []
 
     def pre(module, args):
         mode.stack.append(module)
@@ -421,13 +422,7 @@ def keep_generate(model, run):
     pays that keeps every op output of every step and copies, once the step's forward is over,
     what the caller could still write into (`floor_keep_generate`): nothing resolved, checked or
     assembled, and no copy before a write during the forward. Returns the steps' kept tensors."""
-    mode, handles, steps = _KeepMode(), [], []
-
-    def pre(module, args):
-        mode.stack.append(module)
-
-    def post(module, args, out):
-        mode.stack.pop()
+    mode, steps = _KeepMode(), []
 
     def step_end(module, args, kwargs, out):
         with torch._C.DisableTorchFunction(), torch.no_grad():  # the floor's own calls: unrecorded
@@ -437,16 +432,11 @@ def keep_generate(model, run):
             steps.append(_copied([t for _, t in mode.kept], live))
         mode.kept = []
 
-    for m in model.modules():
-        handles.append(m.register_forward_pre_hook(pre))
-        handles.append(m.register_forward_hook(post))
-    handles.append(model.register_forward_hook(step_end, with_kwargs=True))
+    handle = model.register_forward_hook(step_end, with_kwargs=True)
     try:
-        with _collector_off(), mode:
-            run()
+        record_forward(model, run, mode)
     finally:
-        for h in handles:
-            h.remove()
+        handle.remove()
     return steps
 
 

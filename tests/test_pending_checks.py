@@ -155,6 +155,18 @@ def test_a_write_into_a_cpu_stored_view_is_caught_on_an_accelerator():
         t.modules["ln"].facets["inv_std"]
 
 
+def _int32_op_outputs(t) -> list[torch.Tensor]:
+    """The int32 op outputs the trace keeps."""
+    return [op.tensor for op in t.ops if op.tensor is not None and op.tensor.dtype == torch.int32]
+
+
+def _write_through_is_caught(bits: torch.Tensor, norm_facets) -> None:
+    """A write into `bits` (an int32 view of the norm's input memory) refuses its derived facet."""
+    bits[0, 0].add_(1 << 20)  # changes the float bits the norm's input holds
+    with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
+        norm_facets["inv_std"]
+
+
 def test_a_write_through_another_dtype_of_a_copied_storage_is_caught():
     """Tensors of one storage held in two dtypes get a version counter each once copied: the
     check falls back to a fingerprint of its input's values, so a write through the other dtype
@@ -171,12 +183,9 @@ def test_a_write_through_another_dtype_of_a_copied_storage_is_caught():
     torch.manual_seed(0)
     model, x = Bits().eval(), torch.randn(3, 8)
     t = tl.trace(model, x)
-    fm = t.modules["ln"].facets
-    ints = [op.tensor for op in t.ops if op.tensor is not None and op.tensor.dtype == torch.int32]
+    ints = _int32_op_outputs(t)
     assert ints, "the trace keeps the int32 view"
-    ints[0][0, 0].add_(1 << 20)  # changes the float bits the norm's input holds
-    with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
-        fm["inv_std"]
+    _write_through_is_caught(ints[0], t.modules["ln"].facets)
 
 
 def test_a_write_through_another_dtype_that_only_an_op_holds_is_caught():
@@ -197,11 +206,9 @@ def test_a_write_through_another_dtype_that_only_an_op_holds_is_caught():
     t = tl.trace(model, x)
     fm = t.modules["ln"].facets
     assert all(s.dtype != torch.int32 for s in fm.sites.values())  # metadata: runs no check
-    ints = [op.tensor for op in t.ops if op.tensor is not None and op.tensor.dtype == torch.int32]
+    ints = _int32_op_outputs(t)
     assert ints, "the trace keeps the int32 view as an op output"
-    ints[0][0, 0].add_(1 << 20)  # changes the float bits the norm's input holds
-    with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
-        fm["inv_std"]
+    _write_through_is_caught(ints[0], fm)
 
 
 def test_a_write_through_another_dtype_that_only_a_facet_holds_is_caught():
@@ -231,11 +238,8 @@ def test_a_write_through_another_dtype_that_only_a_facet_holds_is_caught():
     t = tl.trace(model, torch.zeros(3, 8), save=["inner"])
     bits = t.modules["inner"].facets["input"]
     assert bits.dtype == torch.int32
-    assert not any(op.tensor is not None and op.tensor.dtype == torch.int32 for op in t.ops)
-    fm = t.modules["inner.ln"].facets
-    bits[0, 0].add_(1 << 20)  # changes the float bits the norm's input holds
-    with pytest.raises(tl.FacetNotFound, match="written after the trace returned"):
-        fm["inv_std"]
+    assert not _int32_op_outputs(t)
+    _write_through_is_caught(bits, t.modules["inner.ln"].facets)
 
 
 def test_check_before_the_write_keeps_every_facet():
