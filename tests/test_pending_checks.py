@@ -391,3 +391,47 @@ def test_a_weight_changed_between_traces_gets_a_copy_of_its_own(how, compare, mo
     for t, w in ((t1, before), (t2, after)):
         expected = _result_by_hand(t[attn + ":z"].double(), w.double())
         assert torch.allclose(t[attn + ":result"].double(), expected, atol=1e-5)
+
+
+def test_the_weight_copies_one_trace_makes_share_one_block():
+    """The weights a trace's pending checks read that no alive trace has copied are copied into
+    one new block of memory (one per dtype), each on a 64-byte boundary, with exactly the weight's
+    bits; a later trace that finds one weight changed copies that one alone, and keeps sharing the
+    others, which still serve the values recomputed by hand once the first trace is gone."""
+    model = seeded_gpt2()
+    attns = ["transformer.h.0.attn", "transformer.h.1.attn"]
+    weights = [model.get_submodule(a).c_proj.weight for a in attns]
+    t1 = tl.trace(model, IDS)
+    (c0,), (c1,) = (_weight_inputs(t1, a) for a in attns)
+    assert c0.untyped_storage().data_ptr() == c1.untyped_storage().data_ptr()
+    for c, w in zip((c0, c1), weights):
+        assert c.data_ptr() % 64 == 0 and c.data_ptr() != w.data_ptr()
+        assert torch.equal(c.view(torch.int32), w.detach().view(torch.int32))
+    with torch.no_grad():
+        weights[1].data.mul_(0.5)
+    t2 = tl.trace(model, IDS)
+    (d0,), (d1,) = (_weight_inputs(t2, a) for a in attns)
+    assert d0 is c0 and d1 is not c1
+    assert torch.equal(d1.view(torch.int32), weights[1].detach().view(torch.int32))
+    del t1, c0, c1
+    for a, w in zip(attns, weights):
+        expected = _result_by_hand(t2[a + ":z"].double(), w.detach().double())
+        assert torch.allclose(t2[a + ":result"].double(), expected, atol=1e-5)
+
+
+def test_fresh_copies_take_one_block_per_dtype_and_clone_the_rest():
+    """`_fresh_copies`: the contiguous CPU tensors of one dtype share one block; a non-contiguous
+    tensor is cloned on its own (its strides kept), as is the only tensor of its dtype."""
+    a, b = torch.randn(3, 5), torch.randn(7)
+    half = torch.randn(4).to(torch.float16)
+    strided = torch.randn(4, 6).t()
+    out = snapshot._fresh_copies([a, strided, b, half])
+    assert [torch.equal(x, y) for x, y in zip(out, (a, strided, b, half))] == [True] * 4
+    assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()
+    assert out[2].data_ptr() - out[0].data_ptr() == 64  # 15 floats, rounded up to 16
+    assert out[1].stride() == strided.stride()
+    for i in (1, 3):
+        assert out[i].untyped_storage().data_ptr() not in {
+            out[0].untyped_storage().data_ptr(),
+            *(t.untyped_storage().data_ptr() for t in (a, strided, b, half)),
+        }
