@@ -18,6 +18,7 @@ from fixtures.seeded import IDS, hooked, seeded_gpt2
 
 import torchlens as tl
 from torchlens._capture import snapshot
+from torchlens._core.holdings import Holding
 
 # -- writes after the trace ----------------------------------------------------------------------
 
@@ -395,28 +396,50 @@ def test_a_weight_changed_between_traces_gets_a_copy_of_its_own(how, compare, mo
 
 def test_the_weight_copies_one_trace_makes_share_one_block():
     """The weights a trace's pending checks read that no alive trace has copied are copied into
-    one new block of memory (one per dtype), each on a 64-byte boundary, with exactly the weight's
-    bits; a later trace that finds one weight changed copies that one alone, and keeps sharing the
-    others, which still serve the values recomputed by hand once the first trace is gone."""
+    one new block of memory (one per dtype), each 64 bytes after the last, with exactly the
+    weight's bits. A later trace that finds one weight changed reuses nothing of that block (its
+    copy of the changed weight is stale, and reusing the rest would keep it alive): it copies every
+    weight into a block of its own, and serves the values recomputed by hand once the first trace
+    is gone."""
     model = seeded_gpt2()
     attns = ["transformer.h.0.attn", "transformer.h.1.attn"]
     weights = [model.get_submodule(a).c_proj.weight for a in attns]
     t1 = tl.trace(model, IDS)
     (c0,), (c1,) = (_weight_inputs(t1, a) for a in attns)
-    assert c0.untyped_storage().data_ptr() == c1.untyped_storage().data_ptr()
+    block = c0.untyped_storage().data_ptr()
+    assert c1.untyped_storage().data_ptr() == block
+    assert (c1.data_ptr() - c0.data_ptr()) % 64 == 0
     for c, w in zip((c0, c1), weights):
-        assert c.data_ptr() % 64 == 0 and c.data_ptr() != w.data_ptr()
+        assert c.data_ptr() != w.data_ptr()
         assert torch.equal(c.view(torch.int32), w.detach().view(torch.int32))
     with torch.no_grad():
         weights[1].data.mul_(0.5)
     t2 = tl.trace(model, IDS)
     (d0,), (d1,) = (_weight_inputs(t2, a) for a in attns)
-    assert d0 is c0 and d1 is not c1
-    assert torch.equal(d1.view(torch.int32), weights[1].detach().view(torch.int32))
+    assert d0 is not c0 and d1 is not c1
+    assert d0.untyped_storage().data_ptr() == d1.untyped_storage().data_ptr() != block
+    for d, w in zip((d0, d1), weights):
+        assert torch.equal(d.view(torch.int32), w.detach().view(torch.int32))
     del t1, c0, c1
     for a, w in zip(attns, weights):
         expected = _result_by_hand(t2[a + ":z"].double(), w.detach().double())
         assert torch.allclose(t2[a + ":result"].double(), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("view", ["conjugate", "negative"])
+def test_views_of_one_weight_seen_two_ways_get_a_copy_each(view):
+    """Two pending inputs on the same bytes, one read through a conjugate (or negative) view,
+    are not one copy: each input's copy holds the values that input had."""
+    w = torch.randn(4, 6, dtype=torch.complex64)
+    a, b = (w, w.conj()) if view == "conjugate" else (w.imag, w.conj().imag)
+    assert b.is_conj() or b.is_neg()  # the case at hand: a view, not a copy
+    inputs = [a, b]
+    expected = [a.clone(), b.resolve_conj().resolve_neg()]
+    holdings = [Holding(inputs, i, t) for i, t in enumerate(inputs)]
+    snapshot._share_copies([holdings])
+    for got, want in zip(inputs, expected):
+        assert torch.equal(got.resolve_conj().resolve_neg(), want)
+        assert got.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
 
 
 def test_fresh_copies_take_one_block_per_dtype_and_clone_the_rest():
@@ -435,3 +458,14 @@ def test_fresh_copies_take_one_block_per_dtype_and_clone_the_rest():
             out[0].untyped_storage().data_ptr(),
             *(t.untyped_storage().data_ptr() for t in (a, strided, b, half)),
         }
+
+
+def test_the_steps_of_a_generation_share_one_block_of_weight_copies():
+    """Every step of a generation reads the same weights, so the block of copies the first step
+    makes serves every later one whole: one copy per weight for the generation, not one per step."""
+    model = seeded_gpt2()
+    attn = "transformer.h.1.attn"
+    with torch.no_grad():
+        gen = tl.trace_generate(model, IDS, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    copies = [_weight_inputs(step, attn)[0] for step in gen.steps]
+    assert len(copies) == 4 and all(c is copies[0] for c in copies)

@@ -152,8 +152,9 @@ def _copy_group(key: Any, items: list[Holding]) -> int:
 
 
 #: The copies `_share_copies` made, by where their source was: (device, storage pointer, storage
-#: offset, shape, strides, dtype) -> the copy, held weakly (an entry goes when the last trace
-#: holding its copy does).
+#: offset, shape, strides, dtype, conjugate bit, negative bit, type) -> the copy, held weakly (an
+#: entry goes when the last trace holding its copy does; its memory, a block `_fresh_copies` made,
+#: when the last copy in it does).
 _SHARED: weakref.WeakValueDictionary[tuple, Tensor] = weakref.WeakValueDictionary()
 try:  # `_same_bits`'s faster comparison on the CPU; torch does not require numpy
     import numpy as _numpy
@@ -204,14 +205,19 @@ def _share_copies(groups: list[list[Holding]]) -> int:
     A copy is reused only when its bits equal the tensor's (an integer view of both, so a -0.0 for
     a 0.0 or another NaN payload is a change): whatever changed the weight in between (even a write
     no version counter sees, through `.data` or numpy), the copy holds what the forward read.
+
+    The copies `_fresh_copies` made together are one block of memory, alive while any of them is:
+    a block is reused whole or not at all (every copy in it still holds its weight's bits, and this
+    trace reads each), so a trace never keeps alive the copy of a weight that changed since, nor a
+    store writes one. Tensors of one call on the same bytes, seen the same way (the same offset,
+    shape, strides, dtype, conjugate and negative bits and type), share one copy.
     """
     found: dict[int, Tensor] = {}  # id(tensor) -> its copy
     fresh: dict[tuple, list[Tensor]] = {}  # key -> the tensors there that need a new copy
+    hits: dict[tuple, tuple[list[Tensor], Tensor]] = {}  # key -> (its tensors, an alive copy)
     for items in groups:
         for h in items:
             t = h.tensor
-            if id(t) in found:
-                continue
             key = (
                 t.device,
                 storage_ptr(t),
@@ -219,17 +225,31 @@ def _share_copies(groups: list[list[Holding]]) -> int:
                 tuple(t.shape),
                 t.stride(),
                 t.dtype,
+                t.is_conj(),
+                t.is_neg(),
+                type(t),
             )
-            same = fresh.get(key)
-            if same is not None:  # another tensor object on the same bytes: one copy serves both
+            same = fresh.get(key) or hits.get(key, ((), None))[0]
+            if same:  # another holding of a tensor seen, or another tensor object on the same bytes
                 if all(x is not t for x in same):
                     same.append(t)
                 continue
             c = _SHARED.get(key)
             if c is not None and _same_bits(t, c):
-                found[id(t)] = c
+                hits[key] = ([t], c)
             else:
                 fresh[key] = [t]
+    # A block this trace would reuse only in part is not reused: its other copies are stale.
+    reused: dict[int, int] = {}  # storage of a block -> the bytes this trace reuses there
+    for _, c in hits.values():
+        ptr = c.untyped_storage().data_ptr()
+        reused[ptr] = reused.get(ptr, 0) + _span(c)
+    for key, (same, c) in hits.items():
+        if reused[c.untyped_storage().data_ptr()] >= c.untyped_storage().nbytes():
+            for t in same:
+                found[id(t)] = c
+        else:
+            fresh[key] = same
     copied = 0
     for (key, same), c in zip(fresh.items(), _fresh_copies([same[0] for same in fresh.values()])):
         _SHARED[key] = c
@@ -246,19 +266,25 @@ def _share_copies(groups: list[list[Holding]]) -> int:
 _ALIGN = 64
 
 
+def _span(t: Tensor) -> int:
+    """The bytes `_fresh_copies` gives `t` in a block: its own, rounded up to `_ALIGN`."""
+    return -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+
+
 def _fresh_copies(tensors: list[Tensor]) -> list[Tensor]:
     """A new copy of each of `tensors` (no two of them the same tensor), for `_share_copies`.
 
     The contiguous CPU tensors of plain tensor types and one dtype are copied into one new block
-    of memory, each a view of it starting on a 64-byte boundary; anything else is cloned on its
-    own. One block costs a quarter of the separate clones: measured on this project's CPU machine
-    (torch 2.13, one thread, a fresh process, a logits-sized tensor made and freed before each
-    round, as a forward does), copying the 37 weights the checks of GPT-2 small read (27 MiB) took
-    4.1 to 4.5 ms into one block against 17.4 to 17.9 ms as 37 clones, whose new memory the kernel
-    maps page by page as it is first written (13,200 minor page faults a round against 900 to
-    1,800). The copies of one block are views of one tensor, so they share its version counter;
-    nothing writes into them (a pending check's inputs are never served), and a check's seal reads
-    the counter of each of its inputs, which moves only when one of them is written.
+    of memory, each a view of it starting a multiple of 64 bytes after the block's start (`_span`);
+    anything else, and the only such tensor of its dtype, is cloned on its own. One block costs a
+    quarter of the separate clones: measured on this project's CPU machine (torch 2.13, one thread,
+    a fresh process, a logits-sized tensor made and freed before each round, as a forward does),
+    copying the 37 weights the checks of GPT-2 small read (27 MiB) took 4.1 to 4.5 ms into one
+    block against 17.4 to 17.9 ms as 37 clones, whose new memory the kernel maps page by page as it
+    is first written (13,200 minor page faults a round against 900 to 1,800). The copies of one
+    block are views of one tensor, so they share its version counter: a write through any of them
+    would refuse every check that holds one, in every trace. Nothing writes into them (a pending
+    check's inputs are never served); a check's seal reads the counter of each of its inputs.
     """
     out: list[Tensor | None] = [None] * len(tensors)
     blocks: dict[torch.dtype, list[int]] = {}
@@ -278,12 +304,12 @@ def _fresh_copies(tensors: list[Tensor]) -> list[Tensor]:
         if len(idx) == 1:
             out[idx[0]] = tensors[idx[0]].clone()
             continue
-        step = max(1, _ALIGN // tensors[idx[0]].element_size())
+        size = tensors[idx[0]].element_size()
         starts, n = [], 0
         for i in idx:
             starts.append(n)
-            n += -(-tensors[i].numel() // step) * step
-        block = torch.empty(n, dtype=dtype)
+            n += _span(tensors[i]) // size
+        block = torch.empty(n, dtype=dtype, device=tensors[idx[0]].device)
         for i, start in zip(idx, starts):
             t = tensors[i]
             out[i] = block[start : start + t.numel()].view(t.shape).copy_(t)
