@@ -394,13 +394,14 @@ def test_a_weight_changed_between_traces_gets_a_copy_of_its_own(how, compare, mo
         assert torch.allclose(t[attn + ":result"].double(), expected, atol=1e-5)
 
 
-def test_the_weight_copies_one_trace_makes_share_one_block():
+def test_the_weight_copies_one_trace_makes_share_one_block(monkeypatch):
     """The weights a trace's pending checks read that no alive trace has copied are copied into
     one new block of memory (one per dtype), each 64 bytes after the last, with exactly the
     weight's bits. A later trace that finds one weight changed reuses nothing of that block (its
     copy of the changed weight is stale, and reusing the rest would keep it alive): it copies every
     weight into a block of its own, and serves the values recomputed by hand once the first trace
-    is gone."""
+    is gone. (The seeded model's weights are small: every one goes in the block here.)"""
+    monkeypatch.setattr(snapshot, "_BLOCK_FROM", 0)
     model = seeded_gpt2()
     attns = ["transformer.h.0.attn", "transformer.h.1.attn"]
     weights = [model.get_submodule(a).c_proj.weight for a in attns]
@@ -443,20 +444,25 @@ def test_views_of_one_weight_seen_two_ways_get_a_copy_each(view):
 
 
 def test_fresh_copies_take_one_block_per_dtype_and_clone_the_rest():
-    """`_fresh_copies`: the contiguous CPU tensors of one dtype share one block; a non-contiguous
-    tensor is cloned on its own (its strides kept), as is the only tensor of its dtype."""
-    a, b = torch.randn(3, 5), torch.randn(7)
-    half = torch.randn(4).to(torch.float16)
-    strided = torch.randn(4, 6).t()
-    out = snapshot._fresh_copies([a, strided, b, half])
-    assert [torch.equal(x, y) for x, y in zip(out, (a, strided, b, half))] == [True] * 4
-    assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()
-    assert out[2].data_ptr() - out[0].data_ptr() == 64  # 15 floats, rounded up to 16
+    """`_fresh_copies`: the contiguous CPU tensors of one dtype and `_BLOCK_FROM` bytes or more
+    share one block, each starting a multiple of 64 bytes after the last; a smaller tensor, a
+    non-contiguous one (its strides kept) and the only large one of its dtype are cloned alone."""
+    floats = snapshot._BLOCK_FROM // 4
+    a, b = torch.randn(floats + 1), torch.randn(2, floats // 2)
+    small = torch.randn(7)
+    half = torch.randn(floats * 2).to(torch.float16)
+    strided = torch.randn(2, floats).t()
+    given = (a, strided, b, small, half)
+    out = snapshot._fresh_copies(list(given))
+    assert [torch.equal(x, y) for x, y in zip(out, given)] == [True] * 5
+    block = out[0].untyped_storage().data_ptr()
+    assert out[2].untyped_storage().data_ptr() == block
+    assert out[2].data_ptr() - out[0].data_ptr() == (floats + 1) * 4 + 60  # rounded up to 64
     assert out[1].stride() == strided.stride()
-    for i in (1, 3):
+    for i in (1, 3, 4):
         assert out[i].untyped_storage().data_ptr() not in {
-            out[0].untyped_storage().data_ptr(),
-            *(t.untyped_storage().data_ptr() for t in (a, strided, b, half)),
+            block,
+            *(t.untyped_storage().data_ptr() for t in given),
         }
 
 
