@@ -282,12 +282,12 @@ def _fresh_copies(tensors: list[Tensor]) -> list[Tensor]:
     The contiguous CPU tensors of plain tensor types, of one dtype and `_BLOCK_FROM` bytes or more,
     are copied into one new block of memory, each a view of it starting a multiple of 64 bytes
     after the block's start (`_span`); anything else, and the only such tensor of its dtype, is
-    cloned on its own. One block costs a
-    quarter of the separate clones: measured on this project's CPU machine (torch 2.13, one thread,
-    a fresh process, a logits-sized tensor made and freed before each round, as a forward does),
-    copying the 37 weights the checks of GPT-2 small read (27 MiB) took 4.1 to 4.5 ms into one
-    block against 17.4 to 17.9 ms as 37 clones, whose new memory the kernel maps page by page as it
-    is first written (13,200 minor page faults a round against 900 to 1,800). The copies of one
+    cloned on its own. The block is the cheaper where the copies are large: measured on this
+    project's CPU machine (torch 2.13, one thread, a fresh process, a logits-sized tensor made and
+    freed before each round, as a forward does), copying the 37 weights the checks of GPT-2 small
+    read (27 MiB) took 17.4 to 17.9 ms as 37 clones, whose new memory the kernel maps page by page
+    as it is first written (13,200 minor page faults a round), and 3.2 ms with the 12 output
+    projections in one block and the 25 gains and biases cloned (874 faults). The copies of one
     block are views of one tensor, so they share its version counter: a write through any of them
     would refuse every check that holds one, in every trace. Nothing writes into them (a pending
     check's inputs are never served); a check's seal reads the counter of each of its inputs.
