@@ -466,12 +466,47 @@ def test_fresh_copies_take_one_block_per_dtype_and_clone_the_rest():
         }
 
 
-def test_the_steps_of_a_generation_share_one_block_of_weight_copies():
+def test_the_steps_of_a_generation_share_one_block_of_weight_copies(monkeypatch):
     """Every step of a generation reads the same weights, so the block of copies the first step
-    makes serves every later one whole: one copy per weight for the generation, not one per step."""
+    makes serves every later one whole: one copy per weight for the generation, not one per step.
+    (The seeded model's weights are small: every one goes in the block here.)"""
+    monkeypatch.setattr(snapshot, "_BLOCK_FROM", 0)
     model = seeded_gpt2()
     attn = "transformer.h.1.attn"
     with torch.no_grad():
         gen = tl.trace_generate(model, IDS, max_new_tokens=4, do_sample=False, pad_token_id=0)
     copies = [_weight_inputs(step, attn)[0] for step in gen.steps]
     assert len(copies) == 4 and all(c is copies[0] for c in copies)
+    assert copies[0].untyped_storage().nbytes() > copies[0].numel() * 4  # a view of a block
+
+
+def _copies_of(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What `_share_copies` puts in a pending input list holding `weights` (one storage each)."""
+    inputs = list(weights)
+    snapshot._share_copies([[Holding(inputs, i, w)] for i, w in enumerate(weights)])
+    return inputs
+
+
+def test_a_block_is_reused_whole_or_not_at_all():
+    """Copies past `_BLOCK_FROM` (sizes that are not multiples of 64 bytes) made together are one
+    block. A later call that reads every weight of the block gets the same copies back; one that
+    reads only some of them gets new copies, so the block's other copies are not kept alive by it."""
+    n = snapshot._BLOCK_FROM // 4 + 1
+    weights = [torch.randn(n), torch.randn(n + 3), torch.randn(2 * n)]
+    first = _copies_of(weights)
+    assert len({c.untyped_storage().data_ptr() for c in first}) == 1
+    again = _copies_of(weights)
+    assert all(a is b for a, b in zip(again, first))
+    part = _copies_of(weights[:2])
+    assert all(a is not b for a, b in zip(part, first))
+    assert all(torch.equal(c, w) for c, w in zip(part, weights))
+
+
+def test_the_block_is_made_where_its_tensors_are():
+    """`_fresh_copies` makes the block on its tensors' device, whatever the default device is."""
+    n = snapshot._BLOCK_FROM // 4
+    weights = [torch.randn(n), torch.randn(n)]
+    with torch.device("meta"):
+        out = snapshot._fresh_copies(weights)
+    assert [c.device.type for c in out] == ["cpu", "cpu"]
+    assert all(torch.equal(c, w) for c, w in zip(out, weights))

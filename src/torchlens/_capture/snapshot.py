@@ -152,9 +152,9 @@ def _copy_group(key: Any, items: list[Holding]) -> int:
 
 
 #: The copies `_share_copies` made, by where their source was: (device, storage pointer, storage
-#: offset, shape, strides, dtype, conjugate bit, negative bit, type) -> the copy, held weakly (an
-#: entry goes when the last trace holding its copy does; its memory, a block `_fresh_copies` made,
-#: when the last copy in it does).
+#: offset, shape, strides, dtype, conjugate bit, negative bit, type, and a quantized tensor's id)
+#: -> the copy, held weakly (an entry goes when the last trace holding its copy does; its memory, a
+#: block `_fresh_copies` made, when the last copy in it does).
 _SHARED: weakref.WeakValueDictionary[tuple, Tensor] = weakref.WeakValueDictionary()
 try:  # `_same_bits`'s faster comparison on the CPU; torch does not require numpy
     import numpy as _numpy
@@ -206,11 +206,13 @@ def _share_copies(groups: list[list[Holding]]) -> int:
     a 0.0 or another NaN payload is a change): whatever changed the weight in between (even a write
     no version counter sees, through `.data` or numpy), the copy holds what the forward read.
 
-    The copies `_fresh_copies` made together are one block of memory, alive while any of them is:
-    a block is reused whole or not at all (every copy in it still holds its weight's bits, and this
-    trace reads each), so a trace never keeps alive the copy of a weight that changed since, nor a
-    store writes one. Tensors of one call on the same bytes, seen the same way (the same offset,
-    shape, strides, dtype, conjugate and negative bits and type), share one copy.
+    The large copies `_fresh_copies` made together share one block of memory, alive while any of
+    them is: a block is reused whole or not at all (every copy in it still holds its weight's bits,
+    and this trace reads each), so a trace never keeps alive the copy of a weight that changed
+    since, nor a store writes one; a copy cloned on its own is reused alone. Tensors of one call on
+    the same bytes, seen the same way (the same offset, shape, strides, dtype, conjugate and
+    negative bits and type), share one copy; a quantized tensor gets a copy of its own (its scale
+    is not in that key).
     """
     found: dict[int, Tensor] = {}  # id(tensor) -> its copy
     fresh: dict[tuple, list[Tensor]] = {}  # key -> the tensors there that need a new copy
@@ -228,6 +230,7 @@ def _share_copies(groups: list[list[Holding]]) -> int:
                 t.is_conj(),
                 t.is_neg(),
                 type(t),
+                id(t) if t.is_quantized else None,
             )
             same = fresh.get(key) or hits.get(key, ((), None))[0]
             if same:  # another holding of a tensor seen, or another tensor object on the same bytes
@@ -240,12 +243,12 @@ def _share_copies(groups: list[list[Holding]]) -> int:
             else:
                 fresh[key] = [t]
     # A block this trace would reuse only in part is not reused: its other copies are stale.
-    reused: dict[int, int] = {}  # storage of a block -> the bytes this trace reuses there
+    reused: dict[tuple, int] = {}  # (device, storage) of a block -> the bytes reused there
     for _, c in hits.values():
-        ptr = c.untyped_storage().data_ptr()
-        reused[ptr] = reused.get(ptr, 0) + _span(c)
+        where = (c.device, c.untyped_storage().data_ptr())
+        reused[where] = reused.get(where, 0) + _span(c)
     for key, (same, c) in hits.items():
-        if reused[c.untyped_storage().data_ptr()] >= c.untyped_storage().nbytes():
+        if reused[c.device, c.untyped_storage().data_ptr()] >= c.untyped_storage().nbytes():
             for t in same:
                 found[id(t)] = c
         else:
@@ -265,9 +268,9 @@ def _share_copies(groups: list[list[Holding]]) -> int:
 #: Where `_fresh_copies` starts each copy in the memory they share: a multiple of 64 bytes.
 _ALIGN = 64
 #: From how many bytes `_fresh_copies` puts a tensor's copy in the block: a smaller one is cloned.
-#: Measured on this project's CPU machine (torch 2.13, one thread): the two 32 x 32 weights and 12
-#: gains and biases of 32 of the tiny GPT-2 took 138 us into one block (three torch calls each)
-#: against 23 us as clones, whose memory the allocator takes from what it already holds.
+#: Measured on this project's CPU machine (torch 2.13, one thread): the tiny GPT-2's 14 (two 32 x
+#: 32 weights, 12 vectors of 32) took 138 us into one block (three torch calls each, at
+#: `accf85e`) against 23 us as clones, whose memory the allocator takes from what it holds.
 _BLOCK_FROM = 1 << 16
 
 
@@ -284,13 +287,14 @@ def _fresh_copies(tensors: list[Tensor]) -> list[Tensor]:
     after the block's start (`_span`); anything else, and the only such tensor of its dtype, is
     cloned on its own. The block is the cheaper where the copies are large: measured on this
     project's CPU machine (torch 2.13, one thread, a fresh process, a logits-sized tensor made and
-    freed before each round, as a forward does), copying the 37 weights the checks of GPT-2 small
-    read (27 MiB) took 17.4 to 17.9 ms as 37 clones, whose new memory the kernel maps page by page
-    as it is first written (13,200 minor page faults a round), and 3.2 ms with the 12 output
-    projections in one block and the 25 gains and biases cloned (874 faults). The copies of one
-    block are views of one tensor, so they share its version counter: a write through any of them
-    would refuse every check that holds one, in every trace. Nothing writes into them (a pending
-    check's inputs are never served); a check's seal reads the counter of each of its inputs.
+    freed before each round, as a forward does), copying the 74 tensors the checks of GPT-2 small
+    read (27 MiB: the 12 output projections, their biases, and the 25 norms' gains and biases)
+    took 17.8 to 18.0 ms as clones, whose new memory the kernel maps page by page as it is first
+    written (13,159 minor page faults a round), and 3.5 to 3.7 ms with the 12 projections in one
+    block (874 faults). The copies of one block are views of one tensor, so they share its version
+    counter: a write through any of them would refuse every check that holds one, in every trace.
+    Nothing writes into them (a pending check's inputs are never served); a check's seal reads the
+    counter of each of its inputs.
     """
     out: list[Tensor | None] = [None] * len(tensors)
     blocks: dict[torch.dtype, list[int]] = {}
