@@ -379,13 +379,7 @@ class _KeepMode(_RecordMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = super().__torch_function__(func, types, args, kwargs)
-        for t in (
-            (out,)
-            if isinstance(out, torch.Tensor)
-            else out
-            if isinstance(out, (tuple, list))
-            else ()
-        ):
+        for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self.kept.append((weakref.ref(t), t.detach()))
         return out

@@ -396,11 +396,11 @@ def test_a_weight_changed_between_traces_gets_a_copy_of_its_own(how, compare, mo
 
 def test_the_weight_copies_one_trace_makes_share_one_block(monkeypatch):
     """The weights a trace's pending checks read that no alive trace has copied are copied into
-    one new block of memory (one per dtype), each 64 bytes after the last, with exactly the
-    weight's bits. A later trace that finds one weight changed reuses nothing of that block (its
-    copy of the changed weight is stale, and reusing the rest would keep it alive): it copies every
-    weight into a block of its own, and serves the values recomputed by hand once the first trace
-    is gone. (The seeded model's weights are small: every one goes in the block here.)"""
+    one new block of memory (one per dtype), each a multiple of 64 bytes after the last, with the
+    weight's exact bits. A later trace that finds one weight changed reuses nothing of that block
+    (its copy of the changed weight is stale, and reusing the rest would keep it alive): it copies
+    every weight into a block of its own, and serves the values recomputed by hand once the first
+    trace is gone. (The seeded model's weights are small: every one goes in the block here.)"""
     monkeypatch.setattr(snapshot, "_BLOCK_FROM", 0)
     model = seeded_gpt2()
     attns = ["transformer.h.0.attn", "transformer.h.1.attn"]

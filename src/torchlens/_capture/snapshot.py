@@ -191,6 +191,20 @@ _memcmp = _c_memcmp()
 _PLAIN = (Tensor, nn.Parameter)
 
 
+def _flat_cpu(t: Tensor) -> bool:
+    """Whether `t`'s values are its bytes in one run from `data_ptr` on the CPU, read as they are:
+    a contiguous strided CPU tensor of a plain type, with no conjugate or negative bit, and not an
+    efficient zero tensor (no memory behind its `data_ptr`). `_same_bits` compares two such with
+    `memcmp`; `_fresh_copies` puts such copies in a block."""
+    return (
+        t.device.type == "cpu"
+        and type(t) in _PLAIN
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not (t.is_conj() or t.is_neg() or t._is_zerotensor())
+    )
+
+
 def _share_copies(groups: list[list[Holding]]) -> int:
     """`_copy_group` for the storages only pending checks' input lists hold (a weight a derived
     facet is computed from: an attention output projection for the per-head results, a norm's
@@ -214,54 +228,48 @@ def _share_copies(groups: list[list[Holding]]) -> int:
     negative bits and type), share one copy; a quantized tensor gets a copy of its own (its scale
     is not in that key).
     """
-    found: dict[int, Tensor] = {}  # id(tensor) -> its copy
-    fresh: dict[tuple, list[Tensor]] = {}  # key -> the tensors there that need a new copy
-    hits: dict[tuple, tuple[list[Tensor], Tensor]] = {}  # key -> (its tensors, an alive copy)
+    keys: dict[int, tuple] = {}  # id(tensor) -> where its bytes are, as it reads them
+    first: dict[tuple, Tensor] = {}  # such a key -> the first tensor seen there
     for items in groups:
         for h in items:
             t = h.tensor
-            key = (
-                t.device,
-                storage_ptr(t),
-                t.storage_offset(),
-                tuple(t.shape),
-                t.stride(),
-                t.dtype,
-                t.is_conj(),
-                t.is_neg(),
-                type(t),
-                id(t) if t.is_quantized else None,
-            )
-            same = fresh.get(key) or hits.get(key, ((), None))[0]
-            if same:  # another holding of a tensor seen, or another tensor object on the same bytes
-                if all(x is not t for x in same):
-                    same.append(t)
-                continue
-            c = _SHARED.get(key)
-            if c is not None and _same_bits(t, c):
-                hits[key] = ([t], c)
-            else:
-                fresh[key] = [t]
+            if id(t) not in keys:
+                key = keys[id(t)] = (
+                    t.device,
+                    storage_ptr(t),
+                    t.storage_offset(),
+                    tuple(t.shape),
+                    t.stride(),
+                    t.dtype,
+                    t.is_conj(),
+                    t.is_neg(),
+                    type(t),
+                    id(t) if t.is_quantized else None,
+                )
+                first.setdefault(key, t)
+    hits: dict[tuple, Tensor] = {}  # key -> an alive copy that holds its tensor's bits
+    for key, t in first.items():
+        c = _SHARED.get(key)
+        if c is not None and _same_bits(t, c):
+            hits[key] = c
     # A block this trace would reuse only in part is not reused: its other copies are stale.
     reused: dict[tuple, int] = {}  # (device, storage) of a block -> the bytes reused there
-    for _, c in hits.values():
+    for c in hits.values():
         where = (c.device, c.untyped_storage().data_ptr())
         reused[where] = reused.get(where, 0) + _span(c)
-    for key, (same, c) in hits.items():
-        if reused[c.device, c.untyped_storage().data_ptr()] >= c.untyped_storage().nbytes():
-            for t in same:
-                found[id(t)] = c
-        else:
-            fresh[key] = same
+    copies = {
+        key: c
+        for key, c in hits.items()
+        if reused[c.device, c.untyped_storage().data_ptr()] >= c.untyped_storage().nbytes()
+    }
+    fresh = [key for key in first if key not in copies]
     copied = 0
-    for (key, same), c in zip(fresh.items(), _fresh_copies([same[0] for same in fresh.values()])):
-        _SHARED[key] = c
+    for key, c in zip(fresh, _fresh_copies([first[key] for key in fresh])):
+        copies[key] = _SHARED[key] = c
         copied += c.numel() * c.element_size()
-        for t in same:
-            found[id(t)] = c
     for items in groups:
         for h in items:
-            h.put(found[id(h.tensor)])
+            h.put(copies[keys[id(h.tensor)]])
     return copied
 
 
@@ -299,14 +307,7 @@ def _fresh_copies(tensors: list[Tensor]) -> list[Tensor]:
     out: list[Tensor | None] = [None] * len(tensors)
     blocks: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
-        if (
-            t.numel() * t.element_size() >= _BLOCK_FROM
-            and t.device.type == "cpu"
-            and type(t) in _PLAIN
-            and t.layout == torch.strided
-            and t.is_contiguous()
-            and not (t.is_conj() or t.is_neg() or t.is_quantized or t._is_zerotensor())
-        ):
+        if t.numel() * t.element_size() >= _BLOCK_FROM and not t.is_quantized and _flat_cpu(t):
             blocks.setdefault(t.dtype, []).append(i)
         else:
             out[i] = t.clone()
@@ -348,14 +349,7 @@ def _same_bits(a: Tensor, b: Tensor) -> bool:
         return False
     try:
         if (
-            _memcmp is not None
-            and a.device.type == "cpu"
-            and type(a) in _PLAIN
-            and type(b) in _PLAIN
-            and a.is_contiguous()
-            and b.is_contiguous()
-            and not (a.is_conj() or b.is_conj() or a.is_neg() or b.is_neg())
-            and not (a._is_zerotensor() or b._is_zerotensor())  # no memory behind its data_ptr
+            _memcmp is not None and _flat_cpu(a) and _flat_cpu(b)
         ):  # same dtype and shape: the same number of bytes, one run each, read as they are
             return _memcmp(a.data_ptr(), b.data_ptr(), a.numel() * a.element_size()) == 0
         a, b = a.detach().view(as_int), b.detach().view(as_int)
