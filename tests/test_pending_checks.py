@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+import transformers
 from fixtures.seeded import IDS, hooked, seeded_gpt2
 
 import torchlens as tl
@@ -510,3 +511,126 @@ def test_the_block_is_made_where_its_tensors_are():
         out = snapshot._fresh_copies(weights)
     assert [c.device.type for c in out] == ["cpu", "cpu"]
     assert all(torch.equal(c, w) for c, w in zip(out, weights))
+
+
+# -- within a generation: a copy compared or made by one step serves the next uncompared ---------
+
+
+class _WriteAfterStep(transformers.LogitsProcessor):
+    """Runs `write` between two forwards of a generation: after step `step`'s logits."""
+
+    def __init__(self, step: int, write):
+        self.calls, self.step, self.write = 0, step, write
+
+    def __call__(self, input_ids, scores):
+        if self.calls == self.step:
+            self.write()
+        self.calls += 1
+        return scores
+
+
+def _generate(model, **kwargs):
+    with torch.no_grad():
+        return tl.trace_generate(
+            model, IDS, max_new_tokens=4, do_sample=False, pad_token_id=0, **kwargs
+        )
+
+
+def _served_results(gen, attn: str) -> list:
+    """Each step's `result` of `attn` as served: the tensor, or the refusal's reason."""
+    out = []
+    for step in gen.steps:
+        refused = step.modules[attn].facets.check("result")
+        out.append(refused["result"] if "result" in refused else step[attn + ":result"])
+    return out
+
+
+def test_the_steps_of_a_generation_compare_their_weight_copies_once_at_the_end(monkeypatch):
+    """Between the steps of one generation nothing writes the weights: the first step copies them,
+    no later step compares its copy bit for bit (the weights' counters have not moved and the
+    recorder saw no write), and each copy is compared once, as `trace_generate` returns. Every
+    step's `result` is still the value recomputed by hand from the weight."""
+    model = seeded_gpt2()
+    attn = "transformer.h.1.attn"
+    w = model.transformer.h[1].attn.c_proj.weight.detach().clone()
+    where: list[str] = []
+    state = {"in": "steps"}
+    same_bits, verify = snapshot._same_bits, snapshot.SharedWeights.verify
+
+    def counted(a, b):
+        where.append(state["in"])
+        return same_bits(a, b)
+
+    def verifying(self, steps):
+        state["in"] = "verify"
+        return verify(self, steps)
+
+    monkeypatch.setattr(snapshot, "_same_bits", counted)
+    monkeypatch.setattr(snapshot.SharedWeights, "verify", verifying)
+    gen = _generate(model)
+    assert len(gen.steps) == 4
+    assert where and set(where) == {"verify"}
+    copies = [_weight_inputs(step, attn)[0] for step in gen.steps]
+    assert all(c is copies[0] for c in copies)
+    for step, served in zip(gen.steps, _served_results(gen, attn)):
+        expected = _result_by_hand(step[attn + ":z"].double(), w.double())
+        assert torch.allclose(served.double(), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["through .data", "in place"])
+def test_a_weight_written_between_two_steps_is_never_served_for_the_later_steps_unseen(how):
+    """A weight written between step 1 and step 2 (by a logits processor): in place, its counter
+    moves, so step 2 compares its copy, finds it stale and copies again, and every step serves the
+    `result` of the weight its own forward read (by hand); through `.data`, which moves no counter,
+    steps 1 to 3 took step 0's copy uncompared, and the comparison as `trace_generate` returns
+    finds it stale: which of them read the old weight cannot be told, so their checks refuse,
+    saying so, while step 0, whose copy was made from the weight as its forward left it, serves."""
+    model = seeded_gpt2()
+    attn = "transformer.h.1.attn"
+    weight = model.transformer.h[1].attn.c_proj.weight
+    before = weight.detach().clone()
+
+    def write():
+        with torch.no_grad():
+            (weight.data if how == "through .data" else weight).mul_(0.5)
+
+    gen = _generate(model, logits_processor=[_WriteAfterStep(1, write)])
+    after = weight.detach().clone()
+    assert not torch.equal(before, after)
+    served = _served_results(gen, attn)
+    for i, (step, value) in enumerate(zip(gen.steps, served)):
+        if how == "through .data" and i >= 1:
+            assert isinstance(value, str) and "changed during the generation" in value, value
+            continue
+        w = before if i < 2 else after
+        expected = _result_by_hand(step[attn + ":z"].double(), w.double())
+        assert torch.allclose(value.double(), expected, atol=1e-5)
+
+
+def test_a_weight_written_inside_a_step_through_data_is_compared_at_that_step():
+    """A forward pre-hook that halves a weight through `.data` at step 2 (no counter moves): the
+    step's recorder sees the write into the weight's memory, so that step compares its copy, finds
+    it stale and copies again; steps 2 and 3 serve the `result` of the halved weight (by hand)."""
+    model = seeded_gpt2()
+    attn = "transformer.h.1.attn"
+    proj = model.transformer.h[1].attn.c_proj
+    before = proj.weight.detach().clone()
+    calls = {"n": 0}
+
+    def halve(module, args):
+        calls["n"] += 1
+        if calls["n"] == 3:  # step 2's call
+            module.weight.data.mul_(0.5)
+
+    handle = proj.register_forward_pre_hook(halve)
+    try:
+        gen = _generate(model)
+    finally:
+        handle.remove()
+    after = proj.weight.detach().clone()
+    assert torch.equal(after, before * 0.5)
+    for i, (step, value) in enumerate(zip(gen.steps, _served_results(gen, attn))):
+        assert not isinstance(value, str), (i, value)
+        w = before if i < 2 else after
+        expected = _result_by_hand(step[attn + ":z"].double(), w.double())
+        assert torch.allclose(value.double(), expected, atol=1e-5)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from torchlens._core.holdings import Holding, held_tensors, storage_ptr
+from torchlens._core.holdings import Holding, held_tensors, memory_key, storage_ptr
 from torchlens._core.pending import _RUN_LOCK
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from torchlens._capture.recorder import Recorder
 
-__all__ = ["Guarded", "arm_guards", "snapshot"]
+__all__ = ["Guarded", "SharedWeights", "arm_guards", "snapshot"]
 
 
 def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
@@ -82,6 +82,8 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     # Every place the finished trace holds a tensor (op outputs, kept kernel arguments, facets and
     # the inputs of their pending checks), grouped by the live storage it is on. Most saved
     # tensors are intermediates nothing else holds, and are left as they are.
+    if rec.shared_weights is not None and rec._writes:  # a step that keeps nothing too
+        rec.shared_weights.forget(rec._writes)
     held = held_tensors(rec.ops, rec.calls)
     if not held:  # a save="none" trace: nothing to copy, no storage to look up
         return 0
@@ -105,7 +107,7 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
         else:
             copied += _copy_group(key, items)
     if weights:
-        copied += _share_copies(weights)
+        copied += _share_copies(weights, rec.shared_weights)
     if guarded:
         rec.guarded = [Guarded(items) for items in guarded.values()]
     return copied
@@ -205,7 +207,116 @@ def _flat_cpu(t: Tensor) -> bool:
     )
 
 
-def _share_copies(groups: list[list[Holding]]) -> int:
+class SharedWeights:
+    """The weight copies the steps of one `trace_generate` call share, and what lets a step reuse
+    one without comparing its bits (`_share_copies`).
+
+    Every step of a generation reads the same weights for its pending checks (each attention's
+    output projection, each norm's gain and bias), and they do not change between steps unless
+    something writes into them. Comparing a copy with its weight costs a pass over both (2.6 ms a
+    step for GPT-2 small's 27 MiB), so a step reuses the copy an earlier step compared or made
+    (`note`) without comparing it when the weight's version counter is where it was then
+    (`unchanged`) and no step's recorder has seen a write into its memory since (`forget`): an
+    in-place write through the weight or any view of it moves the counter, and one inside a forward
+    through `.data` (which has a counter of its own) is seen by the recorder. What neither sees is a write between two
+    forwards through `.data` or numpy: `verify`, once `generate` returns, compares each such copy
+    with its weight, and where one differs, every check a step read it without comparing refuses,
+    saying why. A weight changed that way and changed back before `generate` returned is not
+    caught there; a derived facet's own check (per-head results that must sum to the attention's
+    output, a normalized input that must give the norm's output) refuses where the values the
+    forward used differ.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        #: key (`_share_copies`'s) -> [copy, weight, its version when compared or copied (None
+        #: once a recorder saw a write into it), the pending checks' input lists that took the
+        #: copy without a comparison]
+        self._entries: dict[tuple, list] = {}
+
+    def unchanged(self, key: tuple, copy: Tensor, weight: Tensor) -> bool:
+        """Whether `copy` may stand for `weight` without comparing their bits: it is the copy
+        last compared or made for this key, and the weight's version counter has not moved since
+        (nor did a recorder see a write into its memory since: `forget`)."""
+        entry = self._entries.get(key)
+        return (
+            entry is not None
+            and entry[0] is copy
+            and not weight.is_inference()
+            and weight._version == entry[2]
+        )
+
+    def forget(self, written: Mapping[int, int]) -> None:
+        """The copies of the weights whose memory a step's recorder saw written (`written`, its
+        writes by storage) are compared again at their next reuse, whatever the step did with them
+        (a weight written inside the forward may be held there by something besides a check)."""
+        for entry in self._entries.values():
+            if memory_key(entry[1]) in written:
+                entry[2] = None
+
+    def note(
+        self,
+        first: dict[tuple, Tensor],
+        copies: dict[tuple, Tensor],
+        unread: set[tuple],
+        groups: list[list[Holding]],
+        keys: dict[int, tuple],
+    ) -> None:
+        """After a step's `_share_copies`: the copies it compared or made become the reference
+        (their weight's version taken now), those it reused uncompared are noted for `verify`."""
+        entries = self._entries
+        for key, c in copies.items():
+            t = first[key]
+            if key in unread or t.is_inference():
+                continue
+            entry = entries.get(key)
+            if entry is not None and entry[0] is c:  # compared again: what it was read for stands
+                entry[1], entry[2] = t, t._version
+            else:
+                entries[key] = [c, t, t._version, []]
+        for items in groups:
+            for h in items:
+                key = keys[id(h.tensor)]
+                entry = entries.get(key) if key in unread else None
+                if entry is not None and entry[0] is copies[key]:
+                    entry[3].append(h.holder)
+
+    def verify(self, steps: list) -> None:
+        """Compare each copy that a step took uncompared with its weight, once `generate` has
+        returned; where they differ, every check that took it so refuses (`Pending.void`).
+
+        Args:
+            steps: the generation's step traces.
+        """
+        void: set[int] = set()  # the pending input lists that took a copy now found stale
+        for c, t, _, uncompared in self._entries.values():
+            if uncompared and not _same_bits(t, c):
+                void.update(id(inputs) for inputs in uncompared)
+        self._entries.clear()
+        if not void:
+            return
+        reason = (
+            "a weight it is computed from changed during the generation through a write no "
+            "version counter shows (through .data or numpy), and this step read the copy taken "
+            "before that write without comparing it, so the weight its forward used cannot be "
+            "told; trace the generation again without writing into the weights while it runs"
+        )
+        for step in steps:
+            for call in step.modules._every_call():
+                if call.facets is None:
+                    continue
+                for site in call.facets._sites.values():
+                    pending = site._pending
+                    if (
+                        pending is not None
+                        and pending.fn is not None
+                        and id(pending.inputs) in void
+                    ):
+                        pending.void(reason)
+
+
+def _share_copies(groups: list[list[Holding]], watch: SharedWeights | None = None) -> int:
     """`_copy_group` for the storages only pending checks' input lists hold (a weight a derived
     facet is computed from: an attention output projection for the per-head results, a norm's
     gain), one list of holdings per storage: each tensor is replaced by a copy, which is an earlier
@@ -227,6 +338,11 @@ def _share_copies(groups: list[list[Holding]]) -> int:
     the same bytes, seen the same way (the same offset, shape, strides, dtype, conjugate and
     negative bits and type), share one copy; a quantized tensor gets a copy of its own (its scale
     is not in that key).
+
+    Within one generation (`watch`, see `SharedWeights`), a copy an earlier step compared or made
+    is reused without comparing its bits again while its weight's version counter has not moved
+    and no step's recorder saw a write into the weight's memory; `SharedWeights.verify` compares
+    them once when the generation ends.
     """
     keys: dict[int, tuple] = {}  # id(tensor) -> where its bytes are, as it reads them
     first: dict[tuple, Tensor] = {}  # such a key -> the first tensor seen there
@@ -248,9 +364,15 @@ def _share_copies(groups: list[list[Holding]]) -> int:
                 )
                 first.setdefault(key, t)
     hits: dict[tuple, Tensor] = {}  # key -> an alive copy that holds its tensor's bits
+    unread: set[tuple] = set()  # the hits `watch` vouched for, their bits not compared
     for key, t in first.items():
         c = _SHARED.get(key)
-        if c is not None and _same_bits(t, c):
+        if c is None:
+            continue
+        if watch is not None and watch.unchanged(key, c, t):
+            hits[key] = c
+            unread.add(key)
+        elif _same_bits(t, c):
             hits[key] = c
     # A block this trace would reuse only in part is not reused: its other copies are stale.
     reused: dict[tuple, int] = {}  # (device, storage) of a block -> the bytes reused there
@@ -267,6 +389,8 @@ def _share_copies(groups: list[list[Holding]]) -> int:
     for key, c in zip(fresh, _fresh_copies([first[key] for key in fresh])):
         copies[key] = _SHARED[key] = c
         copied += c.numel() * c.element_size()
+    if watch is not None:
+        watch.note(first, copies, unread, groups, keys)
     for items in groups:
         for h in items:
             h.put(copies[keys[id(h.tensor)]])

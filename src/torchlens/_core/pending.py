@@ -39,7 +39,7 @@ class Pending:
     strong). A site nothing holds any more needs no value: a check that runs skips it.
     """
 
-    __slots__ = ("fn", "inputs", "_sites", "_owner", "after", "marks", "__weakref__")
+    __slots__ = ("fn", "inputs", "_sites", "_owner", "after", "marks", "voided", "__weakref__")
 
     def __init__(
         self, fn: Any, inputs: list, sites: list[FacetSite], after: tuple[FacetSite, ...] = ()
@@ -53,6 +53,8 @@ class Pending:
         # (into a tensor the caller was served, which may share memory with an input) is caught.
         # None until sealed: `trace` seals every pending check as its last step.
         self.marks: list | None = None
+        #: why the check refuses whatever its inputs hold (`void`), or None
+        self.voided: str | None = None
         for s in sites:
             s._pending, s._inputs = self, inputs
 
@@ -140,8 +142,15 @@ class Pending:
             if refusal is not None and owner is not None:
                 owner._refuse(sites, refusal)
 
+    def void(self, reason: str) -> None:
+        """Make the check refuse with `reason` when it runs, whatever its inputs hold now (an
+        input found, after the trace, not to be what the forward used: `SharedWeights.verify`)."""
+        self.voided = reason
+
     def _written(self) -> str | None:
         """Why the check must not run: an input no longer holds what the forward left in it."""
+        if self.voided is not None:
+            return self.voided
         if self.marks is None:  # not sealed (a check made outside `trace`): nothing to compare with
             return None
         for i, (t, mark) in enumerate(zip(self.inputs, self.marks)):

@@ -179,6 +179,7 @@ def trace_generate(
             )
         raise
     session.remove()
+    session.shared_weights.verify(session.steps)
     ran = len(session.steps)
     if keep_steps is not None and max(keep_steps, default=-1) >= ran:
         raise GenerateSpecError(

@@ -44,6 +44,7 @@ from torchlens._analysis.selection import plan_capture
 from torchlens._capture.accelerate import accelerate_hooks
 from torchlens._capture.compiled import CompiledRunsEagerly
 from torchlens._capture.recorder import Recorder
+from torchlens._capture.snapshot import SharedWeights
 from torchlens._capture.stores import DirectoryStore
 from torchlens._edits import EditPlan, plan_edits
 from torchlens._generation.encdec_edits import (
@@ -180,6 +181,8 @@ class Session:
         self.where: str | None = None  # the part of a step under way, for an error's note
         #: an encoder-decoder model's `edit=` entries, resolved before the encoder's call
         self.encdec_keys: list | None = None
+        #: the weight copies the steps' pending checks share, compared once at the end (`finish`)
+        self.shared_weights = SharedWeights()
 
     # -- installing --------------------------------------------------------------------------
 
@@ -286,6 +289,7 @@ class Session:
             edit_plan,
             store if isinstance(store, DirectoryStore) else None,
         )
+        rec.shared_weights = self.shared_weights
         capture = _Capture(rec, plan, store, edit_plan)
         capture.top = module
         capture.kind = "encoder" if encoder else "step"
