@@ -18,7 +18,7 @@ import transformers
 from fixtures.seeded import IDS, hooked, seeded_gpt2
 
 import torchlens as tl
-from torchlens._capture import snapshot
+from torchlens._capture import snapshot, step_copies
 from torchlens._core.holdings import Holding
 
 # -- writes after the trace ----------------------------------------------------------------------
@@ -555,7 +555,7 @@ def test_the_steps_of_a_generation_compare_their_weight_copies_once_at_the_end(m
     w = model.transformer.h[1].attn.c_proj.weight.detach().clone()
     where: list[str] = []
     state = {"in": "steps"}
-    same_bits, verify = snapshot._same_bits, snapshot.SharedWeights.verify
+    same_bits, verify = snapshot._same_bits, step_copies.SharedWeights.verify
 
     def counted(a, b):
         where.append(state["in"])
@@ -566,7 +566,8 @@ def test_the_steps_of_a_generation_compare_their_weight_copies_once_at_the_end(m
         return verify(self, steps)
 
     monkeypatch.setattr(snapshot, "_same_bits", counted)
-    monkeypatch.setattr(snapshot.SharedWeights, "verify", verifying)
+    monkeypatch.setattr(step_copies, "_same_bits", counted)
+    monkeypatch.setattr(step_copies.SharedWeights, "verify", verifying)
     gen = _generate(model)
     assert len(gen.steps) == 4
     assert where and set(where) == {"verify"}

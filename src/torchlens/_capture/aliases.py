@@ -78,6 +78,10 @@ class KeptAliases:
         self._spill_hooks = 0  # the same for `_hook_aliases`
         #: the gradient edges of what the trace keeps (`grads=`), or None
         self.edges: Edges | None = Edges() if grads else None
+        #: the earlier steps' tensors a generation left uncopied
+        #: (`_capture.step_copies.DeferredCopies`), set by `trace_generate`'s session; None for a
+        #: `trace` call
+        self.deferred: Any = None
 
     def _stamp(self, t: Tensor) -> tuple:
         """What changes when `t` is written in place: `(version, writes)`, its version counter
@@ -138,6 +142,8 @@ class KeptAliases:
         for ptr in ptrs:
             if ptr:  # every empty tensor has pointer 0: a write into one changes no other
                 writes[ptr] = writes.get(ptr, 0) + 1
+        if self.deferred is not None:  # an earlier step's tensors there are copied first
+            self.deferred.before_write(ptrs)
         ops, cow = self.ops, self._cow
         for n in range(self._cow_upto, len(ops)):
             for out_slot, t in enumerate(ops[n].tensors):

@@ -23,21 +23,22 @@ import itertools
 import sys
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from torchlens._core.holdings import Holding, held_tensors, memory_key, storage_ptr
+from torchlens._core.holdings import Holding, held_tensors, storage_ptr
 from torchlens._core.pending import _RUN_LOCK
 
 if TYPE_CHECKING:
     from torch.autograd.graph import Node
 
     from torchlens._capture.recorder import Recorder
+    from torchlens._capture.step_copies import SharedWeights
 
-__all__ = ["Guarded", "SharedWeights", "arm_guards", "snapshot"]
+__all__ = ["Guarded", "arm_guards", "reachable_tensors", "snapshot"]
 
 
 def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
@@ -87,7 +88,9 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     held = held_tensors(rec.ops, rec.calls)
     if not held:  # a save="none" trace: nothing to copy, no storage to look up
         return 0
-    live, shared = _live_storages(rec, model, reachable)
+    later = rec.deferred  # a generation's step: what the model keeps is not copied now
+    holders: dict[int, list[Tensor]] | None = {} if later is not None else None
+    live, shared, fixed = _live_storages(rec, model, reachable, holders)
     groups: dict[Any, list[Holding]] = {}
     guarded: dict[
         Any, list[Holding]
@@ -100,16 +103,25 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
             ptr = storage_ptr(h.tensor)
             if shared is EVERY_STORAGE or ptr in shared:
                 guarded.setdefault(ptr, []).append(h)
-    copied, weights = 0, []
+    copied, weights, deferred = 0, [], []
     for key, items in groups.items():
         if type(key) is int and all(isinstance(h.holder, list) for h in items):
             weights.append(items)  # weights only pending checks read (`_share_copies`)
+        elif (
+            later is not None
+            and type(key) is int
+            and key not in fixed
+            and not any(h.tensor.is_inference() for h in items)  # no counter to guard them by
+        ):
+            group = Guarded(items)
+            deferred.append(group)
+            later.defer(key, group, holders.get(key, ()) if holders else ())
         else:
             copied += _copy_group(key, items)
     if weights:
         copied += _share_copies(weights, rec.shared_weights)
-    if guarded:
-        rec.guarded = [Guarded(items) for items in guarded.values()]
+    if guarded or deferred:
+        rec.guarded = [Guarded(items) for items in guarded.values()] + deferred
     return copied
 
 
@@ -205,115 +217,6 @@ def _flat_cpu(t: Tensor) -> bool:
         and t.is_contiguous()
         and not (t.is_conj() or t.is_neg() or t._is_zerotensor())
     )
-
-
-class SharedWeights:
-    """The weight copies the steps of one `trace_generate` call share, and what lets a step reuse
-    one without comparing its bits (`_share_copies`).
-
-    Every step of a generation reads the same weights for its pending checks (each attention's
-    output projection, each norm's gain and bias), and they do not change between steps unless
-    something writes into them. Comparing a copy with its weight costs a pass over both (2.6 ms a
-    step for GPT-2 small's 27 MiB), so a step reuses the copy an earlier step compared or made
-    (`note`) without comparing it when the weight's version counter is where it was then
-    (`unchanged`) and no step's recorder has seen a write into its memory since (`forget`): an
-    in-place write through the weight or any view of it moves the counter, and one inside a forward
-    through `.data` (which has a counter of its own) is seen by the recorder. What neither sees is a write between two
-    forwards through `.data` or numpy: `verify`, once `generate` returns, compares each such copy
-    with its weight, and where one differs, every check a step read it without comparing refuses,
-    saying why. A weight changed that way and changed back before `generate` returned is not
-    caught there; a derived facet's own check (per-head results that must sum to the attention's
-    output, a normalized input that must give the norm's output) refuses where the values the
-    forward used differ.
-    """
-
-    __slots__ = ("_entries",)
-
-    def __init__(self) -> None:
-        #: key (`_share_copies`'s) -> [copy, weight, its version when compared or copied (None
-        #: once a recorder saw a write into it), the pending checks' input lists that took the
-        #: copy without a comparison]
-        self._entries: dict[tuple, list] = {}
-
-    def unchanged(self, key: tuple, copy: Tensor, weight: Tensor) -> bool:
-        """Whether `copy` may stand for `weight` without comparing their bits: it is the copy
-        last compared or made for this key, and the weight's version counter has not moved since
-        (nor did a recorder see a write into its memory since: `forget`)."""
-        entry = self._entries.get(key)
-        return (
-            entry is not None
-            and entry[0] is copy
-            and not weight.is_inference()
-            and weight._version == entry[2]
-        )
-
-    def forget(self, written: Mapping[int, int]) -> None:
-        """The copies of the weights whose memory a step's recorder saw written (`written`, its
-        writes by storage) are compared again at their next reuse, whatever the step did with them
-        (a weight written inside the forward may be held there by something besides a check)."""
-        for entry in self._entries.values():
-            if memory_key(entry[1]) in written:
-                entry[2] = None
-
-    def note(
-        self,
-        first: dict[tuple, Tensor],
-        copies: dict[tuple, Tensor],
-        unread: set[tuple],
-        groups: list[list[Holding]],
-        keys: dict[int, tuple],
-    ) -> None:
-        """After a step's `_share_copies`: the copies it compared or made become the reference
-        (their weight's version taken now), those it reused uncompared are noted for `verify`."""
-        entries = self._entries
-        for key, c in copies.items():
-            t = first[key]
-            if key in unread or t.is_inference():
-                continue
-            entry = entries.get(key)
-            if entry is not None and entry[0] is c:  # compared again: what it was read for stands
-                entry[1], entry[2] = t, t._version
-            else:
-                entries[key] = [c, t, t._version, []]
-        for items in groups:
-            for h in items:
-                key = keys[id(h.tensor)]
-                entry = entries.get(key) if key in unread else None
-                if entry is not None and entry[0] is copies[key]:
-                    entry[3].append(h.holder)
-
-    def verify(self, steps: list) -> None:
-        """Compare each copy that a step took uncompared with its weight, once `generate` has
-        returned; where they differ, every check that took it so refuses (`Pending.void`).
-
-        Args:
-            steps: the generation's step traces.
-        """
-        void: set[int] = set()  # the pending input lists that took a copy now found stale
-        for c, t, _, uncompared in self._entries.values():
-            if uncompared and not _same_bits(t, c):
-                void.update(id(inputs) for inputs in uncompared)
-        self._entries.clear()
-        if not void:
-            return
-        reason = (
-            "a weight it is computed from changed during the generation through a write no "
-            "version counter shows (through .data or numpy), and this step read the copy taken "
-            "before that write without comparing it, so the weight its forward used cannot be "
-            "told; trace the generation again without writing into the weights while it runs"
-        )
-        for step in steps:
-            for call in step.modules._every_call():
-                if call.facets is None:
-                    continue
-                for site in call.facets._sites.values():
-                    pending = site._pending
-                    if (
-                        pending is not None
-                        and pending.fn is not None
-                        and id(pending.inputs) in void
-                    ):
-                        pending.void(reason)
 
 
 def _share_copies(groups: list[list[Holding]], watch: SharedWeights | None = None) -> int:
@@ -485,7 +388,9 @@ def _same_bits(a: Tensor, b: Tensor) -> bool:
 
 
 class Guarded:
-    """The trace's tensors on one storage that only the autograd graph shares (`_snapshot`).
+    """The trace's tensors on one storage that only the autograd graph shares (`_snapshot`), or
+    that a generation's step leaves uncopied (`torchlens._capture.step_copies.DeferredCopies`,
+    which also resolves it before a later step's write and when `generate` returns).
 
     Nothing is copied when `trace` returns. `arm_guards` takes each tensor's version; the first
     read of any of them (`OpRecord.tensors`, which also stands for the op's kept arguments,
@@ -569,8 +474,14 @@ class Guarded:
         if not self.done and self._written(self._entries()):
             self.resolve()
 
-    def resolve(self) -> None:
-        """Copy the group, or refuse all of it if one was written (see the class docstring)."""
+    def resolve(self, copy: bool = True) -> None:
+        """Copy the group, or refuse all of it if one was written (see the class docstring).
+
+        Args:
+            copy: False where nothing but the trace can reach the group's memory any more (a
+                generation's cache tensors no one holds once `generate` returned:
+                `DeferredCopies.finish`): an unwritten group is then served as it is, uncopied.
+        """
         with _RUN_LOCK:
             if self.done:
                 return
@@ -589,7 +500,7 @@ class Guarded:
                 elif not isinstance(h.holder, list):
                     owner._guard = tuple(g for g in owner._guard or () if g is not self) or None
             if not written:
-                if same:
+                if same and copy:
                     with torch.no_grad():
                         _copy_group(storage_ptr(same[0][0].tensor), [h for h, _ in same])
                     for h, owner in same:  # a sealed check's input is the copy now: its version
@@ -641,36 +552,50 @@ def _live_key(t: Tensor, live: set[int]) -> Any:
     return ptr if ptr in live else None
 
 
+def reachable_tensors(reachable: Any) -> Iterator[Tensor]:
+    """Every tensor in `reachable`, through tuples, lists and mappings (eight levels deep, at most
+    100,000 values)."""
+    todo, seen = [(reachable, 0)], 0
+    while todo and seen < 100_000:
+        value, depth = todo.pop()
+        seen += 1
+        if isinstance(value, Tensor):
+            yield value
+        elif depth < 8 and isinstance(value, (Mapping, tuple, list)):
+            items = value.values() if isinstance(value, Mapping) else value
+            todo.extend((v, depth + 1) for v in items)
+
+
 def _live_storages(
-    rec: Recorder, model: nn.Module, reachable: Any
-) -> tuple[set[int], set[int] | frozenset[int]]:
+    rec: Recorder, model: nn.Module, reachable: Any, holders: dict[int, list[Tensor]] | None = None
+) -> tuple[set[int], set[int] | frozenset[int], set[int]]:
     """The storages (data pointers) the caller can still write into: the model's parameters and
-    buffers, every tensor in `reachable` (through tuples, lists and mappings), and every recorded
-    tensor still alive, but those that only the autograd graph holds; and, apart, the storages of
-    those and every other storage the autograd graph saved (`_autograd_holders`), which nothing
-    alive but the graph shares (`EVERY_STORAGE` when the graph cannot be read)."""
+    buffers, every tensor in `reachable` (`reachable_tensors`), and every recorded tensor still
+    alive, but those that only the autograd graph holds; apart, the storages of those and every
+    other storage the autograd graph saved (`_autograd_holders`), which nothing alive but the
+    graph shares (`EVERY_STORAGE` when the graph cannot be read); and the parameters' and buffers'
+    storages among the first. With `holders`, each storage of the first but the parameters' and
+    buffers' gets there the tensors that hold it (`DeferredCopies`)."""
     live: set[int] = set()
 
     def add(t: Tensor) -> None:
         ptr = storage_ptr(t)
         if ptr is not None:  # one without a storage of its own is copied whatever holds it
             live.add(ptr)
+            if holders is not None:
+                holders.setdefault(ptr, []).append(t)
 
     for (
         m
     ) in rec.names:  # every module of the model (`model.parameters()` and `buffers()`, in one pass)
         for t in itertools.chain(m._parameters.values(), m._buffers.values()):
             if t is not None:
-                add(t)
-    todo, seen = [(reachable, 0)], 0
-    while todo and seen < 100_000:
-        value, depth = todo.pop()
-        seen += 1
-        if isinstance(value, Tensor):
-            add(value)
-        elif depth < 8 and isinstance(value, (Mapping, tuple, list)):
-            items = value.values() if isinstance(value, Mapping) else value
-            todo.extend((v, depth + 1) for v in items)
+                ptr = storage_ptr(t)
+                if ptr is not None:
+                    live.add(ptr)
+    fixed = set(live)
+    for t in reachable_tensors(reachable):
+        add(t)
     alive = [t for t in (ref() for _, ref, _ in rec.producer.values()) if t is not None]
     graph_only, graph = _autograd_holders(alive) if alive else (set(), set())
     if graph is EVERY_STORAGE:  # the graph could not be read: copy every alive one, guard the rest
@@ -678,7 +603,7 @@ def _live_storages(
             add(t)
         alive.clear()
         live.discard(0)
-        return live, EVERY_STORAGE
+        return live, EVERY_STORAGE, fixed
     shared: set[int] = set(graph)  # what the graph can hand out (a node's saved result included)
     for t in alive:
         if id(t) in graph_only:
@@ -691,7 +616,7 @@ def _live_storages(
     live.discard(0)  # empty tensors own no memory
     shared -= live  # a storage something else holds too is copied
     shared.discard(0)
-    return live, shared
+    return live, shared, fixed
 
 
 #: Per autograd node type, the attributes that unpack what it saved (`_saved_self`, ...).

@@ -44,7 +44,7 @@ from torchlens._analysis.selection import plan_capture
 from torchlens._capture.accelerate import accelerate_hooks
 from torchlens._capture.compiled import CompiledRunsEagerly
 from torchlens._capture.recorder import Recorder
-from torchlens._capture.snapshot import SharedWeights
+from torchlens._capture.step_copies import DeferredCopies, SharedWeights
 from torchlens._capture.stores import DirectoryStore
 from torchlens._edits import EditPlan, plan_edits
 from torchlens._generation.encdec_edits import (
@@ -181,8 +181,11 @@ class Session:
         self.where: str | None = None  # the part of a step under way, for an error's note
         #: an encoder-decoder model's `edit=` entries, resolved before the encoder's call
         self.encdec_keys: list | None = None
-        #: the weight copies the steps' pending checks share, compared once at the end (`finish`)
+        #: the weight copies the steps' pending checks share, compared once `generate` returns
         self.shared_weights = SharedWeights()
+        #: the steps' tensors the model kept, copied before a later step writes into them, or once
+        #: `generate` returns where the caller can still reach them
+        self.deferred = DeferredCopies()
 
     # -- installing --------------------------------------------------------------------------
 
@@ -289,7 +292,7 @@ class Session:
             edit_plan,
             store if isinstance(store, DirectoryStore) else None,
         )
-        rec.shared_weights = self.shared_weights
+        rec.shared_weights, rec.deferred = self.shared_weights, self.deferred
         capture = _Capture(rec, plan, store, edit_plan)
         capture.top = module
         capture.kind = "encoder" if encoder else "step"

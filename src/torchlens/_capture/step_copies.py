@@ -1,0 +1,215 @@
+"""What the steps of one generation share of the copies a trace makes when it is returned.
+
+A `trace` call copies, as it returns, every saved tensor the caller could still write into
+(`torchlens._capture.snapshot`). The steps of `trace_generate` are traces too, but between two of
+them only the model's next forward runs, which each step's recorder sees: two things are shared by
+the steps of one generation instead (one object of each per `trace_generate` call, set on each
+step's recorder by `torchlens._generation.session.Session`):
+
+- `SharedWeights`: the copies of the weights the steps' pending checks read, compared with their
+  weights once, when `generate` returns, instead of at every step;
+- `DeferredCopies`: the tensors the model keeps from one forward to the next (the KV cache, the
+  step's output) are not copied at the step's end; they are guarded (`snapshot.Guarded`), and
+  copied before a later step's forward writes into them, when `generate` returns if the caller can
+  still reach them, or on their first read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from torch import Tensor
+
+from torchlens._capture.snapshot import Guarded, _same_bits, reachable_tensors
+from torchlens._core.holdings import Holding, memory_key, storage_ptr
+
+__all__ = ["DeferredCopies", "SharedWeights"]
+
+
+class SharedWeights:
+    """The weight copies the steps of one `trace_generate` call share, and what lets a step reuse
+    one without comparing its bits (`_capture.snapshot._share_copies`).
+
+    Every step of a generation reads the same weights for its pending checks (each attention's
+    output projection, each norm's gain and bias), and they do not change between steps unless
+    something writes into them. Comparing a copy with its weight costs a pass over both (2.6 ms a
+    step for GPT-2 small's 27 MiB), so a step reuses the copy an earlier step compared or made
+    (`note`) without comparing it when the weight's version counter is where it was then
+    (`unchanged`) and no step's recorder has seen a write into its memory since (`forget`): an
+    in-place write through the weight or any view of it moves the counter, and one inside a forward
+    through `.data` (which has a counter of its own) is seen by the recorder. What neither sees is a write between two
+    forwards through `.data` or numpy: `verify`, once `generate` returns, compares each such copy
+    with its weight, and where one differs, every check a step read it without comparing refuses,
+    saying why. A weight changed that way and changed back before `generate` returned is not
+    caught there; a derived facet's own check (per-head results that must sum to the attention's
+    output, a normalized input that must give the norm's output) refuses where the values the
+    forward used differ.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        #: key (`_share_copies`'s) -> [copy, weight, its version when compared or copied (None
+        #: once a recorder saw a write into it), the pending checks' input lists that took the
+        #: copy without a comparison]
+        self._entries: dict[tuple, list] = {}
+
+    def unchanged(self, key: tuple, copy: Tensor, weight: Tensor) -> bool:
+        """Whether `copy` may stand for `weight` without comparing their bits: it is the copy
+        last compared or made for this key, and the weight's version counter has not moved since
+        (nor did a recorder see a write into its memory since: `forget`)."""
+        entry = self._entries.get(key)
+        return (
+            entry is not None
+            and entry[0] is copy
+            and not weight.is_inference()
+            and weight._version == entry[2]
+        )
+
+    def forget(self, written: Mapping[int, int]) -> None:
+        """The copies of the weights whose memory a step's recorder saw written (`written`, its
+        writes by storage) are compared again at their next reuse, whatever the step did with them
+        (a weight written inside the forward may be held there by something besides a check)."""
+        for entry in self._entries.values():
+            if memory_key(entry[1]) in written:
+                entry[2] = None
+
+    def note(
+        self,
+        first: dict[tuple, Tensor],
+        copies: dict[tuple, Tensor],
+        unread: set[tuple],
+        groups: list[list[Holding]],
+        keys: dict[int, tuple],
+    ) -> None:
+        """After a step's `_share_copies`: the copies it compared or made become the reference
+        (their weight's version taken now), those it reused uncompared are noted for `verify`."""
+        entries = self._entries
+        for key, c in copies.items():
+            t = first[key]
+            if key in unread or t.is_inference():
+                continue
+            entry = entries.get(key)
+            if entry is not None and entry[0] is c:  # compared again: what it was read for stands
+                entry[1], entry[2] = t, t._version
+            else:
+                entries[key] = [c, t, t._version, []]
+        for items in groups:
+            for h in items:
+                key = keys[id(h.tensor)]
+                entry = entries.get(key) if key in unread else None
+                if entry is not None and entry[0] is copies[key]:
+                    entry[3].append(h.holder)
+
+    def verify(self, steps: list) -> None:
+        """Compare each copy that a step took uncompared with its weight, once `generate` has
+        returned; where they differ, every check that took it so refuses (`Pending.void`).
+
+        Args:
+            steps: the generation's step traces.
+        """
+        void: set[int] = set()  # the pending input lists that took a copy now found stale
+        for c, t, _, uncompared in self._entries.values():
+            if uncompared and not _same_bits(t, c):
+                void.update(id(inputs) for inputs in uncompared)
+        self._entries.clear()
+        if not void:
+            return
+        reason = (
+            "a weight it is computed from changed during the generation through a write no "
+            "version counter shows (through .data or numpy), and this step read the copy taken "
+            "before that write without comparing it, so the weight its forward used cannot be "
+            "told; trace the generation again without writing into the weights while it runs"
+        )
+        for step in steps:
+            for call in step.modules._every_call():
+                if call.facets is None:
+                    continue
+                for site in call.facets._sites.values():
+                    pending = site._pending
+                    if (
+                        pending is not None
+                        and pending.fn is not None
+                        and id(pending.inputs) in void
+                    ):
+                        pending.void(reason)
+
+
+class DeferredCopies:
+    """The saved tensors of a generation's steps that the model still held when their step ended
+    (the KV cache it reads at the next step, the step's output), left uncopied (`_snapshot`).
+
+    A step of `trace_generate` holds aliases of what its forward computed. Those the model keeps
+    are copied by `trace` as it returns, since the caller could write into them; a generation
+    reads the cache again at every step, and copying it at each step's end costs a pass over the
+    whole cache (at 128 prompt tokens, GPT-2 small's 24 tensors, 9.4 MiB, 3.6 ms a step on this
+    project's CPU machine). Here each such storage's tensors become one `snapshot.Guarded` group
+    instead, armed with their versions when the step is returned (`snapshot.arm_guards`), and are
+    copied, as they were when the step ended, at the first of:
+
+    - a later step's forward writing into that memory: its recorder asks first (`before_write`),
+      so a cache updated in place (a static cache's `index_copy_`) is copied before the write;
+    - `generate` returning (`finish`), for the storages the caller can still reach: the model's
+      weights and buffers, what `generate` returned and was given, and any tensor that held the
+      storage when a step ended and is still alive (a cache object the caller passed in).
+
+    What nothing outside the trace holds any more once `generate` returns (a dynamic cache's
+    earlier tensors, replaced by their concatenation with the next step's keys) is never copied:
+    its guard is taken off then, and the trace's tensors are the only ones on that memory. A write
+    between two forwards that moves the memory's version counter refuses the group's values, as
+    `Guarded` does (at the latest when `generate` returns); one that moves no counter (through
+    `.data` or numpy, between two forwards of `generate`) is not seen.
+    """
+
+    __slots__ = ("_groups", "_holders")
+
+    def __init__(self) -> None:
+        #: storage (data pointer) -> the groups on it not copied yet
+        self._groups: dict[int, list[Guarded]] = {}
+        #: storage -> the tensors outside the traces that held it when a step ended, weakly
+        self._holders: dict[int, list[weakref.ref]] = {}
+
+    def defer(self, ptr: int, group: Guarded, holders: Iterable[Tensor]) -> None:
+        """Leave `group` (a step's tensors on storage `ptr`) uncopied; `holders` held `ptr` then."""
+        self._groups.setdefault(ptr, []).append(group)
+        self._holders.setdefault(ptr, []).extend(weakref.ref(t) for t in holders)
+
+    def before_write(self, ptrs: Iterable[int | None]) -> None:
+        """A recorded op is about to write into the storages `ptrs`: copy the groups on them."""
+        for ptr in ptrs:
+            if ptr is None:
+                continue
+            groups = self._groups.pop(ptr, None)
+            if groups:
+                self._holders.pop(ptr, None)
+                for group in groups:
+                    group.resolve()
+
+    def finish(self, modules: Iterable[Any], reachable: Any) -> None:
+        """`generate` returned: copy the groups whose storage the caller can still reach.
+
+        Args:
+            modules: every module of the model (their parameters and buffers).
+            reachable: what `generate` was given and returned, in any nesting of containers.
+        """
+        reached = {
+            storage_ptr(t)
+            for t in itertools.chain(_model_tensors(modules), reachable_tensors(reachable))
+        }
+        for ptr, groups in self._groups.items():
+            held = ptr in reached or any(r() is not None for r in self._holders.get(ptr, ()))
+            for group in groups:  # a group written since its step is refused either way
+                group.resolve(copy=held)
+        self._groups.clear()
+        self._holders.clear()
+
+
+def _model_tensors(modules: Iterable[Any]) -> Iterator[Tensor]:
+    """The parameters and buffers of `modules` (each module's own)."""
+    for m in modules:
+        for t in itertools.chain(m._parameters.values(), m._buffers.values()):
+            if t is not None:
+                yield t
