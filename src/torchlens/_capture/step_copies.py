@@ -1,10 +1,11 @@
 """What the steps of one generation share of the copies a trace makes when it is returned.
 
 A `trace` call copies, as it returns, every saved tensor the caller could still write into
-(`torchlens._capture.snapshot`). The steps of `trace_generate` are traces too, but between two of
-them only the model's next forward runs, which each step's recorder sees: two things are shared by
-the steps of one generation instead (one object of each per `trace_generate` call, set on each
-step's recorder by `torchlens._generation.session.Session`):
+(`torchlens._capture.snapshot`). The steps of `trace_generate` are traces too, and between two
+of them run `generate`'s own code and the model's next forward, whose writes the next step's
+recorder sees. Two things are shared by the steps of one generation instead of copied at each
+step's end (one object of each per `trace_generate` call, set on each step's recorder by
+`torchlens._generation.session.Session`):
 
 - `SharedWeights`: the copies of the weights the steps' pending checks read, compared with their
   weights once, when `generate` returns, instead of at every step;
@@ -39,11 +40,11 @@ class SharedWeights:
     step for GPT-2 small's 27 MiB), so a step reuses the copy an earlier step compared or made
     (`note`) without comparing it when the weight's version counter is where it was then
     (`unchanged`) and no step's recorder has seen a write into its memory since (`forget`): an
-    in-place write through the weight or any view of it moves the counter, and one inside a forward
-    through `.data` (which has a counter of its own) is seen by the recorder. What neither sees is a write between two
-    forwards through `.data` or numpy: `verify`, once `generate` returns, compares each such copy
-    with its weight, and where one differs, every check a step read it without comparing refuses,
-    saying why. A weight changed that way and changed back before `generate` returned is not
+    in-place write through the weight or any view of it moves the counter, and one inside a
+    forward through `.data` (which has a counter of its own) is seen by the recorder. What neither
+    sees is a write between two forwards through `.data` or numpy: `verify`, once `generate`
+    returns, compares each such copy with its weight, and where one differs, every check a step
+    read it without comparing refuses, saying why. A weight changed that way and changed back before `generate` returned is not
     caught there; a derived facet's own check (per-head results that must sum to the attention's
     output, a normalized input that must give the norm's output) refuses where the values the
     forward used differ.
@@ -145,10 +146,11 @@ class DeferredCopies:
     A step of `trace_generate` holds aliases of what its forward computed. Those the model keeps
     are copied by `trace` as it returns, since the caller could write into them; a generation
     reads the cache again at every step, and copying it at each step's end costs a pass over the
-    whole cache (at 128 prompt tokens, GPT-2 small's 24 tensors, 9.4 MiB, 3.6 ms a step on this
-    project's CPU machine). Here each such storage's tensors become one `snapshot.Guarded` group
-    instead, armed with their versions when the step is returned (`snapshot.arm_guards`), and are
-    copied, as they were when the step ended, at the first of:
+    whole cache (at 128 prompt tokens, GPT-2 small's 24 tensors, 9.2 MiB at the first decode step,
+    3.6 ms a step on this project's CPU machine, one torch thread). Here each such storage's
+    tensors become one `snapshot.Guarded` group instead, armed with their versions when the step
+    is returned (`snapshot.arm_guards`), and are copied, as they were when the step ended, at the
+    first of:
 
     - a later step's forward writing into that memory: its recorder asks first (`before_write`),
       so a cache updated in place (a static cache's `index_copy_`) is copied before the write;
