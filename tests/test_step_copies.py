@@ -67,18 +67,22 @@ def test_a_dynamic_caches_keys_are_copied_only_where_something_besides_the_trace
         assert torch.equal(keys, clone)
 
 
-def test_a_static_caches_keys_written_in_place_by_the_next_step_are_copied_before_the_write():
+@pytest.mark.parametrize("steps", [None, [0, 2]])
+def test_a_static_caches_keys_written_in_place_by_the_next_step_are_copied_before_the_write(steps):
     """A static cache writes each step's keys into the same tensor (`index_copy_`): the next step's
-    recorder copies the earlier step's saved keys before that write, so every step serves the
-    keys as its own forward left them (no saved output is dropped for a later write)."""
+    recorder copies the earlier step's saved keys before that write, also when that next step
+    keeps nothing (`steps=`), so every kept step serves the keys as its own forward left them (no
+    saved output is dropped for a later write)."""
     model = testing.build("gpt2")
     seen, handle = _cache_at_each_step(model)
     try:
-        gen = _generate(model, cache_implementation="static")
+        gen = _generate(model, cache_implementation="static", steps=steps)
     finally:
         handle.remove()
     assert len({ptr for ptr, _ in seen}) == 1  # one tensor, written at every step
-    for step, (ptr, clone) in zip(gen.steps, seen):
+    for i, (step, (ptr, clone)) in enumerate(zip(gen.steps, seen)):
+        if steps is not None and i not in steps:
+            continue
         keys = _outputs(step, "index_copy_")[0]
         assert keys is not None and keys.data_ptr() != ptr
         assert torch.equal(keys, clone)

@@ -78,9 +78,11 @@ class KeptAliases:
         self._spill_hooks = 0  # the same for `_hook_aliases`
         #: the gradient edges of what the trace keeps (`grads=`), or None
         self.edges: Edges | None = Edges() if grads else None
-        #: the earlier steps' tensors a generation left uncopied
-        #: (`_capture.step_copies.DeferredCopies`), set by `trace_generate`'s session; None for a
-        #: `trace` call
+        #: What the steps of a generation share of the copies a trace makes when it returns, set
+        #: by `trace_generate`'s session (`_capture.step_copies`); None for a `trace` call: the
+        #: weight copies their pending checks read (`SharedWeights`), and the earlier steps'
+        #: tensors left uncopied, which a write into their memory copies first (`DeferredCopies`).
+        self.shared_weights: Any = None
         self.deferred: Any = None
 
     def _stamp(self, t: Tensor) -> tuple:

@@ -110,10 +110,6 @@ class Recorder(OpRecorder):
         self.failure: tuple[BaseException, list[str]] | None = None
         #: the `_capture.snapshot.Guarded` groups the snapshot left, until `arm_guards` arms them
         self.guarded: list = []
-        #: the weight copies the steps of a generation share
-        #: (`_capture.step_copies.SharedWeights`), set by `trace_generate`'s session; None for a
-        #: `trace` call
-        self.shared_weights: Any = None
 
     # -- modules -------------------------------------------------------------------------------
 

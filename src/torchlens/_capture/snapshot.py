@@ -115,7 +115,7 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
         ):
             group = Guarded(items)
             deferred.append(group)
-            later.defer(key, group, holders.get(key, ()) if holders else ())
+            later.defer(key, group, holders.get(key, ()) if holders is not None else ())
         else:
             copied += _copy_group(key, items)
     if weights:
