@@ -532,7 +532,13 @@ class _WriteAfterStep(transformers.LogitsProcessor):
 def _generate(model, **kwargs):
     with torch.no_grad():
         return tl.trace_generate(
-            model, IDS, max_new_tokens=4, do_sample=False, pad_token_id=0, **kwargs
+            model,
+            IDS,
+            max_new_tokens=4,
+            min_new_tokens=4,  # four steps whatever tokens come out (no early end of sequence)
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
         )
 
 
@@ -599,6 +605,7 @@ def test_a_weight_written_between_two_steps_is_never_served_for_the_later_steps_
     after = weight.detach().clone()
     assert not torch.equal(before, after)
     served = _served_results(gen, attn)
+    assert len(served) == 4
     for i, (step, value) in enumerate(zip(gen.steps, served)):
         if how == "through .data" and i >= 1:
             assert isinstance(value, str) and "changed during the generation" in value, value
@@ -629,7 +636,7 @@ def test_a_weight_written_inside_a_step_through_data_is_compared_at_that_step():
     finally:
         handle.remove()
     after = proj.weight.detach().clone()
-    assert torch.equal(after, before * 0.5)
+    assert torch.equal(after, before * 0.5) and len(gen.steps) == 4
     for i, (step, value) in enumerate(zip(gen.steps, _served_results(gen, attn))):
         assert not isinstance(value, str), (i, value)
         w = before if i < 2 else after
