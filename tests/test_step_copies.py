@@ -9,10 +9,12 @@ import warnings
 
 import pytest
 import torch
+import transformers
 from transformers import DynamicCache
 
 import torchlens as tl
 from torchlens import testing
+from torchlens._capture import step_copies
 
 IDS = testing.token_ids(length=6, seed=3, vocab=60) + 3
 GREEDY = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -108,3 +110,84 @@ def test_a_cache_the_caller_holds_is_copied_when_generate_returns(how):
     assert keys.data_ptr() != held.data_ptr()
     assert torch.equal(keys, seen[-1][1])
     assert not torch.equal(held, seen[-1][1])
+
+
+class _KeepDetached(transformers.LogitsProcessor):
+    """After each forward, keeps a detached alias of layer 0's cached keys (same memory, and it
+    does not keep the cache's own tensor alive), or writes into them in place after step `write`."""
+
+    def __init__(self, cache, write: int | None = None):
+        self.cache, self.kept, self.write = cache, [], write
+
+    def __call__(self, input_ids, scores):
+        keys = self.cache.layers[0].keys
+        if self.write is not None and len(self.kept) == self.write:
+            with torch.no_grad():
+                keys.add_(1.0)
+        self.kept.append(keys.detach())
+        return scores
+
+
+def test_memory_a_callback_kept_a_detached_alias_of_is_copied_when_generate_returns():
+    """A logits processor keeps `keys.detach()` of the caller's cache at every step: those aliases
+    hold each step's keys after the cache has moved on, so `generate` returning copies them; a
+    write into one afterwards leaves what its step serves as the hook cloned it."""
+    model = testing.build("gpt2")
+    cache = DynamicCache()
+    keep = _KeepDetached(cache)
+    seen, handle = _cache_at_each_step(model)
+    try:
+        gen = _generate(model, past_key_values=cache, logits_processor=[keep])
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        keep.kept[1].zero_()
+    keys = _outputs(gen.steps[1], "cat")[0]
+    assert keys.data_ptr() != keep.kept[1].data_ptr()
+    assert torch.equal(keys, seen[1][1])
+
+
+def test_a_write_between_two_forwards_refuses_the_earlier_steps_keys_saying_so():
+    """A logits processor writes into the caller's cache in place after step 1: step 1's saved
+    keys, left uncopied, no longer hold what its forward computed, so they are not served, and
+    the warning says the write came between two forwards of generate."""
+    model = testing.build("gpt2")
+    cache = DynamicCache()
+    with pytest.warns(UserWarning, match="between two forwards of generate"):
+        gen = tl.trace_generate(
+            model,
+            IDS,
+            **GREEDY,
+            past_key_values=cache,
+            logits_processor=[_KeepDetached(cache, write=1)],
+        )
+    assert _outputs(gen.steps[1], "cat")[0] is None
+    assert _outputs(gen.steps[2], "cat")[0] is not None
+
+
+@pytest.mark.parametrize(
+    "other, held",
+    [
+        ("nothing", False),
+        ("a detached alias", True),
+        ("a view", True),
+        ("a .data alias", True),
+        ("a numpy array", True),
+        ("its storage object", True),
+    ],
+)
+def test_held_elsewhere_counts_every_holder_of_the_storage_but_the_traces_tensors(other, held):
+    """`_held_elsewhere` tells whether anything but the given tensors holds their storage."""
+    t = torch.randn(8)
+    ours = [t, t.detach()]
+    keep = {
+        "nothing": lambda: None,
+        "a detached alias": t.detach,
+        "a view": lambda: t[2:],
+        "a .data alias": lambda: t.data,
+        "a numpy array": t.numpy,
+        "its storage object": t.untyped_storage,
+    }[other]()
+    assert step_copies._held_elsewhere(ours) is held
+    del keep
+    assert step_copies._held_elsewhere(ours) is False

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from torchlens._capture.recorder import Recorder
     from torchlens._capture.step_copies import SharedWeights
 
-__all__ = ["Guarded", "arm_guards", "reachable_tensors", "snapshot"]
+__all__ = ["Guarded", "arm_guards", "snapshot"]
 
 
 def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
@@ -89,8 +89,7 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     if not held:  # a save="none" trace: nothing to copy, no storage to look up
         return 0
     later = rec.deferred  # a generation's step: what the model keeps is not copied now
-    holders: dict[int, list[Tensor]] | None = {} if later is not None else None
-    live, shared, fixed = _live_storages(rec, model, reachable, holders)
+    live, shared, fixed = _live_storages(rec, model, reachable)
     groups: dict[Any, list[Holding]] = {}
     guarded: dict[
         Any, list[Holding]
@@ -113,9 +112,9 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
             and key not in fixed
             and not any(h.tensor.is_inference() for h in items)  # no counter to guard them by
         ):
-            group = Guarded(items)
+            group = Guarded(items, DEFERRED_REASON)
             deferred.append(group)
-            later.defer(key, group, holders.get(key, ()) if holders is not None else ())
+            later.defer(key, group)
         else:
             copied += _copy_group(key, items)
     if weights:
@@ -402,9 +401,9 @@ class Guarded:
     refuses by its seal.
     """
 
-    __slots__ = ("_items", "marks", "_owners", "done")
+    __slots__ = ("_items", "marks", "_owners", "done", "reason")
 
-    def __init__(self, items: list[Holding]):
+    def __init__(self, items: list[Holding], reason: str | None = None):
         # Until `arm`: the holdings `_snapshot` found. From `arm` on: per item, `(holder, key,
         # tensor)` with the holder held weakly where it holds this group itself (an `OpRecord`, a
         # `FacetSite`), so that the group, its ops and its sites form no reference cycle, and a
@@ -417,6 +416,8 @@ class Guarded:
         #: it is
         self._owners: list[weakref.ref] = []
         self.done = False
+        #: what a refusal says happened (`GUARD_REASON` for memory the autograd graph shares)
+        self.reason = GUARD_REASON if reason is None else reason
 
     def arm(self, owners: dict[int, Any]) -> None:
         """Take each tensor's identity and version (once the store has placed them).
@@ -445,6 +446,10 @@ class Guarded:
             # a pending check's input: its seal refuses the check if it was written
         self._items, self.marks, self._owners = items, marks, found
         self.done = not items
+
+    def tensors(self) -> list[Tensor]:
+        """The tensors the armed group still holds on its storage (until it is resolved)."""
+        return [] if self.done else [t for _, _, t in self._items]
 
     def _entries(self) -> list[tuple[Holding, Any, tuple[int, int]]]:
         """`(holding, owner, mark)` for each armed item whose holder is still alive, its owner
@@ -519,14 +524,14 @@ class Guarded:
                 ):  # a kept argument: its op's rebuild is gone with it
                     owner.extra = None
                 elif h.key == "tensor":
-                    reason = f"its tensor {GUARD_REASON}"
+                    reason = f"its tensor {self.reason}"
                     h.holder._refusal = reason
                     h.holder._value = None
                     if owner is not None:  # the site's `FacetMap`, while it is alive
                         owner._refuse([h.holder], reason)
             if dropped:
                 warnings.warn(
-                    f"torchlens: the saved outputs of op {', '.join(dropped[:5])} {GUARD_REASON}; they are "
+                    f"torchlens: the saved outputs of op {', '.join(dropped[:5])} {self.reason}; they are "
                     "not served.",
                     stacklevel=4,
                 )
@@ -552,7 +557,7 @@ def _live_key(t: Tensor, live: set[int]) -> Any:
     return ptr if ptr in live else None
 
 
-def reachable_tensors(reachable: Any) -> Iterator[Tensor]:
+def _reachable_tensors(reachable: Any) -> Iterator[Tensor]:
     """Every tensor in `reachable`, through tuples, lists and mappings (eight levels deep, at most
     100,000 values)."""
     todo, seen = [(reachable, 0)], 0
@@ -567,23 +572,20 @@ def reachable_tensors(reachable: Any) -> Iterator[Tensor]:
 
 
 def _live_storages(
-    rec: Recorder, model: nn.Module, reachable: Any, holders: dict[int, list[Tensor]] | None = None
+    rec: Recorder, model: nn.Module, reachable: Any
 ) -> tuple[set[int], set[int] | frozenset[int], set[int]]:
     """The storages (data pointers) the caller can still write into: the model's parameters and
-    buffers, every tensor in `reachable` (`reachable_tensors`), and every recorded tensor still
+    buffers, every tensor in `reachable` (`_reachable_tensors`), and every recorded tensor still
     alive, but those that only the autograd graph holds; apart, the storages of those and every
     other storage the autograd graph saved (`_autograd_holders`), which nothing alive but the
     graph shares (`EVERY_STORAGE` when the graph cannot be read); and the parameters' and buffers'
-    storages among the first. With `holders`, each storage of the first but the parameters' and
-    buffers' gets there the tensors that hold it (`DeferredCopies`)."""
+    storages among the first."""
     live: set[int] = set()
 
     def add(t: Tensor) -> None:
         ptr = storage_ptr(t)
         if ptr is not None:  # one without a storage of its own is copied whatever holds it
             live.add(ptr)
-            if holders is not None:
-                holders.setdefault(ptr, []).append(t)
 
     for (
         m
@@ -594,7 +596,7 @@ def _live_storages(
                 if ptr is not None:
                     live.add(ptr)
     fixed = set(live)
-    for t in reachable_tensors(reachable):
+    for t in _reachable_tensors(reachable):
         add(t)
     alive = [t for t in (ref() for _, ref, _ in rec.producer.values()) if t is not None]
     graph_only, graph = _autograd_holders(alive) if alive else (set(), set())
@@ -774,6 +776,12 @@ def arm_guards(rec: Recorder, trace: Any) -> None:
     rec.guarded = []
 
 
+#: Why a generation step's tensor that `DeferredCopies` left uncopied is not served.
+DEFERRED_REASON = (
+    "was written in place between two forwards of generate, before it was copied: the model kept "
+    "its memory after the step (a KV cache, the step's output), and the write was not made by a "
+    "forward the generation recorded, so it no longer holds what the step's forward computed there"
+)
 GUARD_REASON = (
     "was written in place after the trace returned, before it was first read: its memory is shared "
     "with the autograd graph of the traced forward (a tensor autograd saved for the backward pass, "

@@ -17,15 +17,14 @@ step's end (one object of each per `trace_generate` call, set on each step's rec
 
 from __future__ import annotations
 
-import itertools
-import weakref
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+import sys
+from collections.abc import Iterable, Mapping
 
+import torch
 from torch import Tensor
 
-from torchlens._capture.snapshot import Guarded, _same_bits, reachable_tensors
-from torchlens._core.holdings import Holding, memory_key, storage_ptr
+from torchlens._capture.snapshot import Guarded, _same_bits
+from torchlens._core.holdings import Holding, memory_key
 
 __all__ = ["DeferredCopies", "SharedWeights"]
 
@@ -149,69 +148,66 @@ class DeferredCopies:
     whole cache (at 128 prompt tokens, GPT-2 small's 24 tensors, 9.2 MiB at the first decode step,
     3.6 ms a step on this project's CPU machine, one torch thread). Here each such storage's
     tensors become one `snapshot.Guarded` group instead, armed with their versions when the step
-    is returned (`snapshot.arm_guards`), and are copied, as they were when the step ended, at the
-    first of:
+    is returned (`snapshot.arm_guards`), and are copied, as they were when the step ended:
 
-    - a later step's forward writing into that memory: its recorder asks first (`before_write`),
-      so a cache updated in place (a static cache's `index_copy_`) is copied before the write;
-    - `generate` returning (`finish`), for the storages the caller can still reach: the model's
-      weights and buffers, what `generate` returned and was given, and any tensor that held the
-      storage when a step ended and is still alive (a cache object the caller passed in).
+    - before a later step's forward writes into that memory: its recorder asks first
+      (`before_write`), so a cache updated in place (a static cache's `index_copy_`) is copied
+      before the write;
+    - when `generate` returns (`finish`), if anything but the traces' own tensors still holds that
+      memory (`_held_elsewhere`: a cache object the caller passed in, every step's `output`, a
+      tensor a logits processor kept).
 
-    What nothing outside the trace holds any more once `generate` returns (a dynamic cache's
-    earlier tensors, replaced by their concatenation with the next step's keys) is never copied:
-    its guard is taken off then, and the trace's tensors are the only ones on that memory. A write
-    between two forwards that moves the memory's version counter refuses the group's values, as
-    `Guarded` does (at the latest when `generate` returns); one that moves no counter (through
-    `.data` or numpy, between two forwards of `generate`) is not seen.
+    Memory nothing else holds by then (a dynamic cache's earlier tensors, replaced by their
+    concatenation with the next step's keys) is never copied: its guard is taken off, and the
+    trace's tensors are the only ones on it. A write between two forwards that moves the memory's
+    version counter refuses the group's values when `generate` returns (`DEFERRED_REASON`); one
+    that moves no counter (through `.data` or numpy, between two forwards of `generate`) is not
+    seen.
     """
 
-    __slots__ = ("_groups", "_holders")
+    __slots__ = ("_groups",)
 
     def __init__(self) -> None:
         #: storage (data pointer) -> the groups on it not copied yet
         self._groups: dict[int, list[Guarded]] = {}
-        #: storage -> the tensors outside the traces that held it when a step ended, weakly
-        self._holders: dict[int, list[weakref.ref]] = {}
 
-    def defer(self, ptr: int, group: Guarded, holders: Iterable[Tensor]) -> None:
-        """Leave `group` (a step's tensors on storage `ptr`) uncopied; `holders` held `ptr` then."""
+    def defer(self, ptr: int, group: Guarded) -> None:
+        """Leave `group` (a step's tensors on storage `ptr`) uncopied."""
         self._groups.setdefault(ptr, []).append(group)
-        self._holders.setdefault(ptr, []).extend(weakref.ref(t) for t in holders)
 
     def before_write(self, ptrs: Iterable[int | None]) -> None:
         """A recorded op is about to write into the storages `ptrs`: copy the groups on them."""
         for ptr in ptrs:
             if ptr is None:
                 continue
-            groups = self._groups.pop(ptr, None)
-            if groups:
-                self._holders.pop(ptr, None)
-                for group in groups:
-                    group.resolve()
+            for group in self._groups.pop(ptr, ()):
+                group.resolve()
 
-    def finish(self, modules: Iterable[Any], reachable: Any) -> None:
-        """`generate` returned: copy the groups whose storage the caller can still reach.
-
-        Args:
-            modules: every module of the model (their parameters and buffers).
-            reachable: what `generate` was given and returned, in any nesting of containers.
-        """
-        reached = {
-            storage_ptr(t)
-            for t in itertools.chain(_model_tensors(modules), reachable_tensors(reachable))
-        }
-        for ptr, groups in self._groups.items():
-            held = ptr in reached or any(r() is not None for r in self._holders.get(ptr, ()))
+    def finish(self) -> None:
+        """`generate` returned: copy the groups whose memory anything but the traces holds."""
+        for groups in self._groups.values():
+            ours = {id(t): t for group in groups for t in group.tensors()}
+            copy = _held_elsewhere(list(ours.values()))
             for group in groups:  # a group written since its step is refused either way
-                group.resolve(copy=held)
+                group.resolve(copy=copy)
         self._groups.clear()
-        self._holders.clear()
 
 
-def _model_tensors(modules: Iterable[Any]) -> Iterator[Tensor]:
-    """The parameters and buffers of `modules` (each module's own)."""
-    for m in modules:
-        for t in itertools.chain(m._parameters.values(), m._buffers.values()):
-            if t is not None:
-                yield t
+def _held_elsewhere(tensors: list[Tensor]) -> bool:
+    """Whether anything but `tensors` (the traces' own tensors, all on one storage) holds that
+    storage: another tensor on it (the model's, the caller's, a detached alias a callback kept), a
+    numpy array made from one, or its storage object. Told from the storage's reference count
+    (each tensor on a storage holds one reference, as does its Python storage object) and the
+    Python references to that object, each measured against a fresh tensor's; True where torch
+    gives no count, so the memory is then copied."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or not tensors:
+        return True
+    probe_tensor = torch.empty(1)
+    probe = probe_tensor.untyped_storage()  # a storage one tensor and this object hold
+    base_refs, base_uses = sys.getrefcount(probe), use_count(probe._cdata)
+    storage = tensors[0].untyped_storage()
+    return (
+        use_count(storage._cdata) - base_uses > len(tensors) - 1
+        or sys.getrefcount(storage) > base_refs
+    )

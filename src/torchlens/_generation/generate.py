@@ -180,7 +180,7 @@ def trace_generate(
         raise
     session.remove()
     session.shared_weights.verify(session.steps)
-    session.deferred.finish(names, (output, input_ids, generate_kwargs))
+    session.deferred.finish()
     ran = len(session.steps)
     if keep_steps is not None and max(keep_steps, default=-1) >= ran:
         raise GenerateSpecError(
