@@ -23,7 +23,7 @@ import itertools
 import sys
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -557,26 +557,12 @@ def _live_key(t: Tensor, live: set[int]) -> Any:
     return ptr if ptr in live else None
 
 
-def _reachable_tensors(reachable: Any) -> Iterator[Tensor]:
-    """Every tensor in `reachable`, through tuples, lists and mappings (eight levels deep, at most
-    100,000 values)."""
-    todo, seen = [(reachable, 0)], 0
-    while todo and seen < 100_000:
-        value, depth = todo.pop()
-        seen += 1
-        if isinstance(value, Tensor):
-            yield value
-        elif depth < 8 and isinstance(value, (Mapping, tuple, list)):
-            items = value.values() if isinstance(value, Mapping) else value
-            todo.extend((v, depth + 1) for v in items)
-
-
 def _live_storages(
     rec: Recorder, model: nn.Module, reachable: Any
 ) -> tuple[set[int], set[int] | frozenset[int], set[int]]:
     """The storages (data pointers) the caller can still write into: the model's parameters and
-    buffers, every tensor in `reachable` (`_reachable_tensors`), and every recorded tensor still
-    alive, but those that only the autograd graph holds; apart, the storages of those and every
+    buffers, every tensor in `reachable` (through tuples, lists and mappings), and every recorded
+    tensor still alive, but those that only the autograd graph holds; apart, the storages of those and every
     other storage the autograd graph saved (`_autograd_holders`), which nothing alive but the
     graph shares (`EVERY_STORAGE` when the graph cannot be read); and the parameters' and buffers'
     storages among the first."""
@@ -592,12 +578,17 @@ def _live_storages(
     ) in rec.names:  # every module of the model (`model.parameters()` and `buffers()`, in one pass)
         for t in itertools.chain(m._parameters.values(), m._buffers.values()):
             if t is not None:
-                ptr = storage_ptr(t)
-                if ptr is not None:
-                    live.add(ptr)
-    fixed = set(live)
-    for t in _reachable_tensors(reachable):
-        add(t)
+                add(t)
+    fixed = set(live)  # the parameters' and buffers' storages
+    todo, seen = [(reachable, 0)], 0
+    while todo and seen < 100_000:
+        value, depth = todo.pop()
+        seen += 1
+        if isinstance(value, Tensor):
+            add(value)
+        elif depth < 8 and isinstance(value, (Mapping, tuple, list)):
+            items = value.values() if isinstance(value, Mapping) else value
+            todo.extend((v, depth + 1) for v in items)
     alive = [t for t in (ref() for _, ref, _ in rec.producer.values()) if t is not None]
     graph_only, graph = _autograd_holders(alive) if alive else (set(), set())
     if graph is EVERY_STORAGE:  # the graph could not be read: copy every alive one, guard the rest

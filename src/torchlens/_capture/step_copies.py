@@ -11,8 +11,8 @@ step's end (one object of each per `trace_generate` call, set on each step's rec
   weights once, when `generate` returns, instead of at every step;
 - `DeferredCopies`: the tensors the model keeps from one forward to the next (the KV cache, the
   step's output) are not copied at the step's end; they are guarded (`snapshot.Guarded`), and
-  copied before a later step's forward writes into them, when `generate` returns if the caller can
-  still reach them, or on their first read.
+  copied before a later step's forward writes into them, or when `generate` returns if anything
+  but the traces still holds them.
 """
 
 from __future__ import annotations
@@ -185,29 +185,42 @@ class DeferredCopies:
 
     def finish(self) -> None:
         """`generate` returned: copy the groups whose memory anything but the traces holds."""
+        base = _baseline()
         for groups in self._groups.values():
             ours = {id(t): t for group in groups for t in group.tensors()}
-            copy = _held_elsewhere(list(ours.values()))
+            copy = _held_elsewhere(list(ours.values()), base)
             for group in groups:  # a group written since its step is refused either way
                 group.resolve(copy=copy)
         self._groups.clear()
 
 
-def _held_elsewhere(tensors: list[Tensor]) -> bool:
+#: `torch._C._storage_Use_Count`: how many references a storage has; None where torch lacks it.
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _baseline() -> tuple[int, int] | None:
+    """(Python references, storage references) of a storage that one tensor and its Python storage
+    object hold, as `_held_elsewhere` counts them; None where torch gives no count."""
+    if _USE_COUNT is None:
+        return None
+    probe_tensor = torch.empty(1)
+    probe = probe_tensor.untyped_storage()
+    return sys.getrefcount(probe), _USE_COUNT(probe._cdata)
+
+
+def _held_elsewhere(tensors: list[Tensor], base: tuple[int, int] | None = None) -> bool:
     """Whether anything but `tensors` (the traces' own tensors, all on one storage) holds that
     storage: another tensor on it (the model's, the caller's, a detached alias a callback kept), a
     numpy array made from one, or its storage object. Told from the storage's reference count
     (each tensor on a storage holds one reference, as does its Python storage object) and the
-    Python references to that object, each measured against a fresh tensor's; True where torch
-    gives no count, so the memory is then copied."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None or not tensors:
+    Python references to that object, each measured against `base` (`_baseline`, taken here when
+    not given); True where torch gives no count, so the memory is then copied."""
+    base = _baseline() if base is None else base
+    if base is None or _USE_COUNT is None or not tensors:
         return True
-    probe_tensor = torch.empty(1)
-    probe = probe_tensor.untyped_storage()  # a storage one tensor and this object hold
-    base_refs, base_uses = sys.getrefcount(probe), use_count(probe._cdata)
+    base_refs, base_uses = base
     storage = tensors[0].untyped_storage()
     return (
-        use_count(storage._cdata) - base_uses > len(tensors) - 1
+        _USE_COUNT(storage._cdata) - base_uses > len(tensors) - 1
         or sys.getrefcount(storage) > base_refs
     )
