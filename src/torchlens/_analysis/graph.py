@@ -3,6 +3,7 @@ which call ran inside which, and the questions the structure and facet rules ask
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,10 +39,15 @@ class Graph:
         self.modules = modules if modules is not None else {}
         #: op index -> the indices of the ops that read one of its outputs
         self.consumers: dict[int, list[int]] = {}
-        for op in ops:
+        #: the positions of the attention kernels (`is_kernel`) in `ops`, ascending
+        self._kernel_at: list[int] = []
+        consumers, is_kernel = self.consumers, self.is_kernel
+        for at, op in enumerate(ops):
             for r in op.inputs:
                 if type(r) is Ref:
-                    self.consumers.setdefault(r.op, []).append(op.index)
+                    consumers.setdefault(r.op, []).append(op.index)
+            if op.name in _KERNEL_OPS and is_kernel(op):
+                self._kernel_at.append(at)
         #: id(call) -> the calls made directly inside it
         self.kids: dict[int, list[ModuleCall]] = {}
         for c in calls:
@@ -117,11 +123,12 @@ class Graph:
 
     def descendants(self, call: ModuleCall) -> list[ModuleCall]:
         """Every call made inside `call`, breadth first."""
-        out, todo = [], list(self.kids.get(id(call), []))
-        while todo:
-            c = todo.pop(0)
-            out.append(c)
-            todo.extend(self.kids.get(id(c), []))
+        kids = self.kids
+        out = list(kids.get(id(call), ()))
+        for c in out:  # `out` grows as it is read: each call's kids join the end of the queue
+            more = kids.get(id(c))
+            if more:
+                out.extend(more)
         return out
 
     # -- questions the rules ask -------------------------------------------------------------
@@ -134,7 +141,11 @@ class Graph:
 
     def kernels(self, call: ModuleCall) -> list[OpRecord]:
         """The attention kernels that ran inside `call`."""
-        return [op for op in self.ops[call.first_op : call.end_op] if self.is_kernel(op)]
+        at, end = self._kernel_at, call.end_op
+        if end < 0:  # as the slice `ops[first_op:end_op]` reads it (a call left open is -1)
+            end += len(self.ops)
+        lo = bisect_left(at, call.first_op)
+        return [self.ops[i] for i in at[lo : bisect_left(at, end, lo)]]
 
     def follows(self, prev: ModuleCall, call: ModuleCall) -> bool:
         """Whether `call` reads `prev`'s output as the next layer would: computed from it, with no

@@ -47,11 +47,20 @@ def _sublayer(flow: Graph, layer: ModuleCall, pick) -> list[ModuleCall]:
     todo = list(
         flow.kids.get(id(layer), [])
     )  # iterative: a recursive closure would make a reference cycle
+    # id(call) -> pick(call): a child is asked again when its parent is descended through
+    answers: dict[int, bool] = {}
+
+    def picked(call: ModuleCall) -> bool:
+        answer = answers.get(id(call))
+        if answer is None:
+            answer = answers[id(call)] = bool(pick(call))
+        return answer
+
     while todo:
         node = todo.pop(0)
-        if not pick(node):
+        if not picked(node):
             continue
-        inner = [k for k in flow.kids.get(id(node), []) if pick(k)]
+        inner = [k for k in flow.kids.get(id(node), []) if picked(k)]
         if inner and flow.adds_own_input(node):
             todo[:0] = inner
             continue
