@@ -7,6 +7,8 @@ model, or recomputation from the inputs and weights.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -262,6 +264,83 @@ def test_snapshot_copies_only_what_the_caller_can_reach():
     assert copied[0] >= logits.numel() * logits.element_size() + ids_bytes
     # ... and far from everything that was saved.
     assert copied[0] < saved / 2
+
+
+class _AttributeCache(nn.Module):
+    """Keeps its keys in a plain tensor attribute (no parameter, no buffer), as reference
+    implementations of decoders do: written with `__setitem__`, read back through a slice."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.cache = torch.zeros(1, 8, 4)
+
+    def forward(self, x, pos: int = 0):
+        self.cache[:, pos : pos + x.shape[1]] = self.proj(x)
+        return (self.cache[:, : pos + x.shape[1]] * 2.0).sum(1)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_tensor_a_module_keeps_as_an_attribute_is_copied_where_the_trace_saved_it(grad):
+    """The slice the forward read back from a cache the module keeps as a plain attribute shares
+    that memory, which no input, output, parameter or buffer reaches: a second forward writes into
+    it. The first trace still serves what its forward read (a clone taken then), with no warning."""
+    torch.manual_seed(0)
+    model = _AttributeCache().eval()
+    with torch.set_grad_enabled(grad), _no_warning():
+        first = torchlens.trace(model, torch.randn(1, 3, 4))
+        truth = model.cache[:, :3].detach().clone()
+        torchlens.trace(model, torch.randn(1, 3, 4))  # writes the same positions
+        read = next(op for op in first.ops if op.name == "__getitem__").tensors[0]
+    assert torch.equal(read, truth)
+
+
+@pytest.mark.parametrize("how", ["in place", "through .data"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_passed_caches_cross_attention_keys_are_copied_where_the_trace_saved_them(how, grad):
+    """A decoder forward given a cache whose cross-attention keys an earlier forward filled reads
+    them through a view (a transpose) the trace saves: the caller's write into its cache after the
+    trace leaves that view as the forward read it (a clone of the keys taken before the trace)."""
+    model = testing.build("bart")
+    ids = torch.tensor([[5, 9, 3, 7, 2, 1]])
+    with torch.no_grad():
+        out = model(input_ids=ids, decoder_input_ids=torch.tensor([[0]]), use_cache=True)
+    cache = out.past_key_values
+    keys = cache.cross_attention_cache.layers[0].keys
+    before = keys.detach().clone()
+    with torch.set_grad_enabled(grad), _no_warning():
+        t = torchlens.trace(
+            model,
+            encoder_outputs=(out.encoder_last_hidden_state,),
+            decoder_input_ids=torch.tensor([[5]]),
+            past_key_values=cache,
+            use_cache=True,
+        )
+    view = next(
+        op
+        for op in t.ops
+        if op.module == "model.decoder.layers.0.encoder_attn"
+        and op.name == "transpose"
+        and op.shapes[0][-1] == before.shape[-2]
+    )
+    with torch.no_grad():
+        (keys if how == "in place" else keys.data).add_(1.0)  # the caller writes into its cache
+    assert torch.equal(view.tensors[0], before.transpose(-1, -2))
+
+
+class _no_warning:
+    """Fail on any TorchLens warning raised inside the block."""
+
+    def __enter__(self):
+        self._catch = warnings.catch_warnings(record=True)
+        self.caught = self._catch.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._catch.__exit__(*exc)
+        ours = [str(w.message) for w in self.caught if "torchlens" in str(w.message)]
+        assert not ours, ours
 
 
 def _copied_bytes(model, ids, grad: bool) -> int:

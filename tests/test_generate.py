@@ -902,3 +902,39 @@ def test_generate_raising_in_a_step_propagates_with_a_note_and_leaves_nothing():
         tl.trace_generate(model, IDS, save="none", **GREEDY).sequences,
         model.generate(IDS, **GREEDY),
     )
+
+
+def test_a_state_space_models_generation_is_traced_with_its_positions_counted():
+    """Mamba's cache keeps a convolution and a scan state per layer, and no positions
+    (`get_seq_length` raises): `trace_generate` still runs `generate` as it runs alone (the same
+    sequences), counts each step's cached positions from the positions generate passed (0, then
+    the prompt's 5, then 6), and every step's `resid_post` is what a plain forward hook cloned at
+    that call; each decode step agrees with a full forward on its prefix."""
+    model = testing.build("mamba")
+    ids = torch.tensor([[5, 9, 3, 7, 2]])
+    kwargs = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **kwargs)
+    blocks = [f"backbone.layers.{i}" for i in range(len(model.backbone.layers))]
+    seen: list[torch.Tensor] = []
+    handles = [
+        model.get_submodule(b).register_forward_hook(
+            lambda m, a, out: seen.append(_first(out).detach().clone())
+        )
+        for b in blocks
+    ]
+    try:
+        gen = tl.trace_generate(model, ids, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(gen.sequences, expected)
+    assert [i.past_length for i in gen.info] == [0, 5, 6]
+    served = [step[b + ":resid_post"] for step in gen.steps for b in blocks]
+    assert len(served) == len(seen) == 3 * len(blocks)
+    for got, truth in zip(served, seen):
+        assert torch.equal(got, truth)
+    assert gen.check_decode().ok
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out

@@ -586,12 +586,14 @@ def test_the_steps_of_a_generation_compare_their_weight_copies_once_at_the_end(m
 
 @pytest.mark.parametrize("how", ["through .data", "in place"])
 def test_a_weight_written_between_two_steps_is_never_served_for_the_later_steps_unseen(how):
-    """A weight written between step 1 and step 2 (by a logits processor): in place, its counter
-    moves, so step 2 compares its copy, finds it stale and copies again, and every step serves the
-    `result` of the weight its own forward read (by hand); through `.data`, which moves no counter,
-    steps 1 to 3 took step 0's copy uncompared, and the comparison as `trace_generate` returns
-    finds it stale: which of them read the old weight cannot be told, so their checks refuse,
-    saying so, while step 0, whose copy was made from the weight as its forward left it, serves."""
+    """A weight written between step 1 and step 2 (by a logits processor). In place, its counter
+    moves, so step 2 compares its copy, finds it stale and copies again: steps 2 and 3 serve the
+    `result` of the weight their forwards read (by hand), and step 1, which took step 0's copy
+    uncompared, refuses, saying why: a write through `.data` before step 1 followed by this one
+    would look the same, so whether step 1 read the weight before the change cannot be told.
+    Through `.data`, which moves no counter, steps 1 to 3 took step 0's copy uncompared, and the
+    comparison as `trace_generate` returns finds it stale: they refuse the same way. Step 0, whose
+    copy was made from the weight as its forward left it, serves in both."""
     model = seeded_gpt2()
     attn = "transformer.h.1.attn"
     weight = model.transformer.h[1].attn.c_proj.weight
@@ -607,7 +609,7 @@ def test_a_weight_written_between_two_steps_is_never_served_for_the_later_steps_
     served = _served_results(gen, attn)
     assert len(served) == 4
     for i, (step, value) in enumerate(zip(gen.steps, served)):
-        if how == "through .data" and i >= 1:
+        if i == 1 or (how == "through .data" and i >= 1):
             assert isinstance(value, str) and "changed during the generation" in value, value
             continue
         w = before if i < 2 else after
@@ -642,3 +644,37 @@ def test_a_weight_written_inside_a_step_through_data_is_compared_at_that_step():
         w = before if i < 2 else after
         expected = _result_by_hand(step[attn + ":z"].double(), w.double())
         assert torch.allclose(value.double(), expected, atol=1e-5)
+
+
+def test_a_copy_a_step_took_uncompared_is_judged_when_a_later_step_replaces_it():
+    """A weight changed through `.data` after step 0 (no counter moves), then touched in place with
+    its values unchanged after step 1 (its counter moves): step 1 took step 0's copy uncompared;
+    step 2 compares, finds that copy stale and makes a new one. Step 1's read is judged as that
+    copy is replaced: its check refuses, saying why, instead of serving the `result` of a weight
+    its forward did not read; steps 2 and 3, which compared, serve their weight's (by hand)."""
+    model = seeded_gpt2()
+    attn = "transformer.h.1.attn"
+    weight = model.transformer.h[1].attn.c_proj.weight
+    before = weight.detach().clone()
+    calls = {"n": 0}
+
+    class Write(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            with torch.no_grad():
+                if calls["n"] == 0:
+                    weight.data[:8].mul_(1.5)  # no counter moves
+                elif calls["n"] == 1:
+                    weight.mul_(1.0)  # the counter moves, the values do not
+            calls["n"] += 1
+            return scores
+
+    gen = _generate(model, logits_processor=[Write()])
+    after = weight.detach().clone()
+    assert not torch.equal(before, after)
+    served = _served_results(gen, attn)
+    assert len(served) == 4
+    assert isinstance(served[1], str) and "changed during the generation" in served[1], served[1]
+    for i in (0, 2, 3):
+        w = before if i == 0 else after
+        expected = _result_by_hand(gen.steps[i][attn + ":z"].double(), w.double())
+        assert torch.allclose(served[i].double(), expected, atol=1e-5), i

@@ -165,6 +165,43 @@ def test_a_write_between_two_forwards_refuses_the_earlier_steps_keys_saying_so()
     assert _outputs(gen.steps[2], "cat")[0] is not None
 
 
+@pytest.mark.parametrize("how", ["in place", "through .data"])
+def test_the_cross_attention_keys_every_decode_step_reads_are_copied_once_for_all_steps(how):
+    """An encoder-decoder's decode steps read the cross-attention keys the first decoder forward
+    cached, through a view each step saves. The memory was made by an earlier forward, and only the
+    cache object holds it: once `generate` returns, the caller's write into the cache leaves every
+    step's view as the hook cloned the keys at that step's end, and the steps' views share one
+    copy, not one a step."""
+    model = testing.build("bart")
+    seen: list[torch.Tensor] = []
+
+    def hook(module, args, kwargs, output):
+        cache = kwargs.get("past_key_values") or kwargs.get("cache")
+        seen.append(cache.cross_attention_cache.layers[0].keys.detach().clone())
+
+    handle = model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        gen = _generate(model, decoder_start_token_id=0)
+    finally:
+        handle.remove()
+    assert len(gen.steps) == len(seen) == 4
+    keys = gen.steps[-1].output.past_key_values.cross_attention_cache.layers[0].keys
+    with torch.no_grad():
+        (keys if how == "in place" else keys.data).add_(1.0)  # the caller writes into its cache
+    views = []
+    for step, truth in zip(gen.steps[1:], seen[1:]):
+        view = next(
+            op.tensors[0]
+            for op in step.ops
+            if op.module == "model.decoder.layers.0.encoder_attn"
+            and op.name == "transpose"
+            and op.shapes[0][-1] == truth.shape[-2]
+        )
+        assert torch.equal(view, truth.transpose(-1, -2))
+        views.append(view.untyped_storage().data_ptr())
+    assert len(set(views)) == 1 and views[0] != keys.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize(
     "other, held",
     [

@@ -84,6 +84,11 @@ class KeptAliases:
         #: tensors left uncopied, which a write into their memory copies first (`DeferredCopies`).
         self.shared_weights: Any = None
         self.deferred: Any = None
+        #: the storages of the tensors the forward read that it did not make and that are no
+        #: parameter (a model input, a buffer, a cache's tensors from an earlier forward, a tensor
+        #: a module keeps as a plain attribute): whatever holds them may write into them after the
+        #: trace, so a saved tensor on one is copied as the trace returns (`snapshot`)
+        self.external: set[int | None] = set()
 
     def _stamp(self, t: Tensor) -> tuple:
         """What changes when `t` is written in place: `(version, writes)`, its version counter
@@ -146,6 +151,8 @@ class KeptAliases:
                 writes[ptr] = writes.get(ptr, 0) + 1
         if self.deferred is not None:  # an earlier step's tensors there are copied first
             self.deferred.before_write(ptrs)
+        if self.shared_weights is not None:  # and the reads of a weight there judged
+            self.shared_weights.before_write(ptrs)
         ops, cow = self.ops, self._cow
         for n in range(self._cow_upto, len(ops)):
             for out_slot, t in enumerate(ops[n].tensors):

@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 from torchlens._capture.aliases import KeptAliases
 from torchlens._capture.values import tensor_args, writes_inputs
 from torchlens._core.errors import EditSpecError
+from torchlens._core.holdings import storage_ptr
 from torchlens._core.ops import INPLACE, REBUILT_OPS, REPOINT, SKIP, classify
 from torchlens._core.records import ModuleCall, OpRecord, Ref
 
@@ -332,7 +333,10 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
             ):  # written in place (or given other memory) since its producer recorded it
                 return self._record("written_in_place", (t,), (), True, refs=(entry[0],))
             return entry[0]
-        return self.param_names.get(id(t))
+        name = self.param_names.get(id(t))
+        if name is None:  # made outside this forward: its storage may be written after it
+            self.external.add(storage_ptr(t))
+        return name
 
     def _refs(self, ins: list) -> tuple:
         """`tuple(self._ref(t) for t in ins)`, with the common case inlined: no write seen yet
@@ -344,7 +348,10 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
         for t in ins:
             entry = producer.get(id(t))
             if entry is None:
-                found.append(params.get(id(t)))
+                name = params.get(id(t))
+                if name is None:  # made outside this forward (`_ref`)
+                    self.external.add(storage_ptr(t))
+                found.append(name)
                 continue
             if entry[1]() is t:
                 stamp = entry[2]

@@ -40,8 +40,9 @@ that move the version counter. A write that moves nothing the stamp holds (into 
 NumPy, `x.numpy()[:] = 0`) is not seen at all: the values served there are the later ones.
 
 When `trace` returns, every saved alias that still shares storage with a tensor the caller can
-reach (the model's inputs, parameters and buffers, the returned output, or any recorded tensor
-still alive) is replaced by a copy, so later in-place writes by the caller (an optimizer step, a
+reach (the model's inputs, parameters and buffers, the returned output, any recorded tensor
+still alive, or any tensor the forward read but did not make: a cache's keys from an earlier
+forward, a module's plain tensor attribute) is replaced by a copy, so later in-place writes by the caller (an optimizer step, a
 corrupted prompt built in the same `ids` tensor) leave the finished trace unchanged
 (`torchlens._capture.snapshot.snapshot`).
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from torchlens._capture.recorder import Recorder
     from torchlens._capture.step_copies import SharedWeights
 
-__all__ = ["Guarded", "arm_guards", "snapshot"]
+__all__ = ["Guarded", "arm_guards", "resolve_groups", "snapshot"]
 
 
 def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
@@ -54,8 +54,10 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     A saved tensor is a detached alias of what the model computed. Once the forward is over,
     most of those tensors are referenced by nothing but the trace; the others share storage
     with something the caller still holds: the model's parameters and buffers, the inputs
-    and the returned output (`reachable`, walked through tuples, lists and mappings), or any
-    recorded tensor still alive (a cache the model keeps, a tensor a hook stashed). Those
+    and the returned output (`reachable`, walked through tuples, lists and mappings), any
+    recorded tensor still alive (a cache the model keeps, a tensor a hook stashed), or any tensor
+    the forward read but did not make (`rec.external`: a cache object's keys from an earlier
+    forward, which the walk does not enter; a module's plain tensor attribute). Those
     aliases are replaced by copies, so no later in-place write (an optimizer step, editing
     `ids` to build a corrupted prompt, `trace.output.logits.zero_()`) changes the trace. The
     tensors a pending facet check will compute from (`FacetSite._inputs`: recorded tensors and
@@ -487,54 +489,71 @@ class Guarded:
                 generation's cache tensors no one holds once `generate` returned:
                 `DeferredCopies.finish`): an unwritten group is then served as it is, uncopied.
         """
-        with _RUN_LOCK:
-            if self.done:
-                return
-            self.done = True
-            entries = self._entries()
-            self._items, self._owners, self.marks = [], [], []
-            written = self._written(entries)
-            same = [
-                (h, owner)
-                for h, owner, (ident, _) in entries
-                if id(h.current()) == ident and _live_input(h, owner)
-            ]  # what a check let go of is left alone
-            for h, owner, _ in entries:
-                if h.key == "tensor":
-                    h.holder._guard = None
-                elif not isinstance(h.holder, list):
-                    owner._guard = tuple(g for g in owner._guard or () if g is not self) or None
-            if not written:
-                if same and copy:
-                    with torch.no_grad():
-                        _copy_group(storage_ptr(same[0][0].tensor), [h for h, _ in same])
-                    for h, owner in same:  # a sealed check's input is the copy now: its version
-                        if isinstance(h.holder, list) and owner.marks is not None:
-                            mark = owner.marks[h.key]
-                            if mark is not None and mark[0] == "version":
-                                owner.marks[h.key] = ("version", h.current()._version)
-                return
-            dropped = []
-            for h, owner in same:
-                if _is_output(h):
-                    h.put(None)
-                    dropped.append(f"#{h.holder.index} {h.holder.name}")
-                elif isinstance(
-                    h.holder, dict
-                ):  # a kept argument: its op's rebuild is gone with it
-                    owner.extra = None
-                elif h.key == "tensor":
-                    reason = f"its tensor {self.reason}"
-                    h.holder._refusal = reason
-                    h.holder._value = None
-                    if owner is not None:  # the site's `FacetMap`, while it is alive
-                        owner._refuse([h.holder], reason)
-            if dropped:
-                warnings.warn(
-                    f"torchlens: the saved outputs of op {', '.join(dropped[:5])} {self.reason}; they are "
-                    "not served.",
-                    stacklevel=4,
-                )
+        resolve_groups([self], copy)
+
+    def _take(self) -> tuple[bool, list[tuple[Holding, Any]]]:
+        """Disarm the group (`resolve`'s first half): whether one of its tensors was written, and
+        the holdings that still serve, each with its owner."""
+        self.done = True
+        entries = self._entries()
+        self._items, self._owners, self.marks = [], [], []
+        written = self._written(entries)
+        same = [
+            (h, owner)
+            for h, owner, (ident, _) in entries
+            if id(h.current()) == ident and _live_input(h, owner)
+        ]  # what a check let go of is left alone
+        for h, owner, _ in entries:
+            if h.key == "tensor":
+                h.holder._guard = None
+            elif not isinstance(h.holder, list):
+                owner._guard = tuple(g for g in owner._guard or () if g is not self) or None
+        return written, same
+
+    def _refuse(self, same: list[tuple[Holding, Any]]) -> None:
+        """A written group's tensors are not served (`resolve`'s second half, when written)."""
+        dropped = []
+        for h, owner in same:
+            if _is_output(h):
+                h.put(None)
+                dropped.append(f"#{h.holder.index} {h.holder.name}")
+            elif isinstance(h.holder, dict):  # a kept argument: its op's rebuild is gone with it
+                owner.extra = None
+            elif h.key == "tensor":
+                reason = f"its tensor {self.reason}"
+                h.holder._refusal = reason
+                h.holder._value = None
+                if owner is not None:  # the site's `FacetMap`, while it is alive
+                    owner._refuse([h.holder], reason)
+        if dropped:
+            warnings.warn(
+                f"torchlens: the saved outputs of op {', '.join(dropped[:5])} {self.reason}; they are "
+                "not served.",
+                stacklevel=6,
+            )
+
+
+def resolve_groups(groups: list[Guarded], copy: bool = True) -> None:
+    """`Guarded.resolve` of several groups on one storage at once: the unwritten ones share one
+    copy (`_copy_group`: one copy of the storage where their views cover it), as the aliases they
+    replace shared its memory; each written one is refused. The steps of a generation that read
+    the same memory (the cross-attention keys the first decoder forward cached) are resolved so
+    when `generate` returns (`DeferredCopies.finish`), one copy for all of them, not one a step."""
+    with _RUN_LOCK:
+        taken = [(g, *g._take()) for g in groups if not g.done]
+        kept = [h for _, written, same in taken if not written for h, _ in same]
+        if kept and copy:
+            with torch.no_grad():
+                _copy_group(storage_ptr(kept[0].tensor), kept)
+        for g, written, same in taken:
+            if written:
+                g._refuse(same)
+            elif copy:
+                for h, owner in same:  # a sealed check's input is the copy now: its version
+                    if isinstance(h.holder, list) and owner.marks is not None:
+                        mark = owner.marks[h.key]
+                        if mark is not None and mark[0] == "version":
+                            owner.marks[h.key] = ("version", h.current()._version)
 
 
 def _is_output(h: Holding) -> bool:
@@ -561,11 +580,12 @@ def _live_storages(
     rec: Recorder, model: nn.Module, reachable: Any
 ) -> tuple[set[int], set[int] | frozenset[int], set[int]]:
     """The storages (data pointers) the caller can still write into: the model's parameters and
-    buffers, every tensor in `reachable` (through tuples, lists and mappings), and every recorded
-    tensor still alive, but those that only the autograd graph holds; apart, the storages of those and every
-    other storage the autograd graph saved (`_autograd_holders`), which nothing alive but the
-    graph shares (`EVERY_STORAGE` when the graph cannot be read); and the parameters' and buffers'
-    storages among the first."""
+    buffers, every tensor in `reachable` (through tuples, lists and mappings), every tensor the
+    forward read but did not make (`rec.external`), and every recorded tensor still alive but
+    those that only the autograd graph holds; apart, the storages of those and every other storage
+    the autograd graph saved (`_autograd_holders`), which nothing alive but the graph shares
+    (`EVERY_STORAGE` when the graph cannot be read); and the parameters' and buffers' storages
+    among the first."""
     live: set[int] = set()
 
     def add(t: Tensor) -> None:
@@ -580,6 +600,8 @@ def _live_storages(
             if t is not None:
                 add(t)
     fixed = set(live)  # the parameters' and buffers' storages
+    # what the forward read that it did not make (a cache's keys from an earlier forward)
+    live.update(p for p in rec.external if p is not None)
     todo, seen = [(reachable, 0)], 0
     while todo and seen < 100_000:
         value, depth = todo.pop()

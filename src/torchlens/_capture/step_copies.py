@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
-from torchlens._capture.snapshot import Guarded, _same_bits
+from torchlens._capture.snapshot import Guarded, _same_bits, resolve_groups
 from torchlens._core.holdings import Holding, memory_key
 
 __all__ = ["DeferredCopies", "SharedWeights"]
@@ -49,13 +49,31 @@ class SharedWeights:
     forward used differ.
     """
 
-    __slots__ = ("_entries",)
+    __slots__ = ("_entries", "_stale", "_by_memory")
 
     def __init__(self) -> None:
         #: key (`_share_copies`'s) -> [copy, weight, its version when compared or copied (None
         #: once a recorder saw a write into it), the pending checks' input lists that took the
         #: copy without a comparison]
         self._entries: dict[tuple, list] = {}
+        #: the ids of the input lists that took a copy found stale before `verify`
+        self._stale: set[int] = set()
+        #: a weight's memory (`memory_key`) -> the keys of the entries of the weights there
+        self._by_memory: dict[int | None, set[tuple]] = {}
+
+    def before_write(self, ptrs: Iterable[int | None]) -> None:
+        """A step's recorder is about to let an op write into the memory `ptrs` (a `.data` write
+        inside a forward): the reads that took a copy of a weight there uncompared are judged now,
+        while the weight still holds what they read (stale if it differs from the copy), and the
+        next step to read it compares it again."""
+        for ptr in ptrs:
+            for key in self._by_memory.get(ptr, ()):
+                entry = self._entries.get(key)
+                if entry is None:
+                    continue
+                if entry[3] and not _same_bits(entry[1], entry[0]):
+                    self._stale.update(id(inputs) for inputs in entry[3])
+                entry[2], entry[3] = None, []
 
     def unchanged(self, key: tuple, copy: Tensor, weight: Tensor) -> bool:
         """Whether `copy` may stand for `weight` without comparing their bits: it is the copy
@@ -96,7 +114,13 @@ class SharedWeights:
             if entry is not None and entry[0] is c:  # compared again: what it was read for stands
                 entry[1], entry[2] = t, t._version
             else:
+                # A new copy replaces one that steps took uncompared: their reads are judged now,
+                # as `verify` judges them (stale if the weight changed since, whenever that was;
+                # not if only another weight of the copy's block did).
+                if entry is not None and entry[3] and not _same_bits(entry[1], entry[0]):
+                    self._stale.update(id(inputs) for inputs in entry[3])
                 entries[key] = [c, t, t._version, []]
+                self._by_memory.setdefault(memory_key(t), set()).add(key)
         for items in groups:
             for h in items:
                 key = keys[id(h.tensor)]
@@ -111,18 +135,19 @@ class SharedWeights:
         Args:
             steps: the generation's step traces.
         """
-        void: set[int] = set()  # the pending input lists that took a copy now found stale
+        void = self._stale  # the pending input lists that took a copy now found stale
         for c, t, _, uncompared in self._entries.values():
             if uncompared and not _same_bits(t, c):
                 void.update(id(inputs) for inputs in uncompared)
-        self._entries.clear()
+        self._entries, self._stale, self._by_memory = {}, set(), {}
         if not void:
             return
         reason = (
-            "a weight it is computed from changed during the generation through a write no "
-            "version counter shows (through .data or numpy), and this step read the copy taken "
-            "before that write without comparing it, so the weight its forward used cannot be "
-            "told; trace the generation again without writing into the weights while it runs"
+            "a weight it is computed from changed during the generation, and this step read a "
+            "copy of it taken earlier without comparing the two (its version counter had not "
+            "moved, and a write through .data or numpy moves none), so whether its forward read "
+            "the weight before or after the change cannot be told; trace the generation again "
+            "without writing into the weights while it runs"
         )
         for step in steps:
             for call in step.modules._every_call():
@@ -180,17 +205,15 @@ class DeferredCopies:
         for ptr in ptrs:
             if ptr is None:
                 continue
-            for group in self._groups.pop(ptr, ()):
-                group.resolve()
+            resolve_groups(self._groups.pop(ptr, []))
 
     def finish(self) -> None:
         """`generate` returned: copy the groups whose memory anything but the traces holds."""
         base = _baseline()
         for groups in self._groups.values():
             ours = {id(t): t for group in groups for t in group.tensors()}
-            copy = _held_elsewhere(list(ours.values()), base)
-            for group in groups:  # a group written since its step is refused either way
-                group.resolve(copy=copy)
+            # a group written since its step is refused either way; the others share one copy
+            resolve_groups(groups, copy=_held_elsewhere(list(ours.values()), base))
         self._groups.clear()
 
 

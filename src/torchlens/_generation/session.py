@@ -71,6 +71,19 @@ def _cache_of(kwargs: dict) -> tuple[str | None, Any]:
     return None, None
 
 
+def _past_length(cache: Any, kwargs: dict, earlier: list[StepInfo]) -> int:
+    """The positions `cache` holds before a step: its own count where it keeps one; for a cache
+    that keeps none (a state-space model's, Mamba's: `get_seq_length` raises), the step's first
+    `cache_position`, else the tokens the earlier steps ran on."""
+    try:
+        return int(cache.get_seq_length())
+    except (ValueError, NotImplementedError, TypeError, AttributeError):
+        position = kwargs.get("cache_position")
+        if isinstance(position, Tensor) and position.numel():
+            return int(position.reshape(-1)[0])
+        return sum(int(i.input_ids.shape[-1]) for i in earlier if i.input_ids is not None)
+
+
 def _copy_roles(roles: Roles) -> Roles:
     """A fresh copy of the roles found before the forward, for one step (`find` settles them in place)."""
     out = Roles(roles, roles.overrides)
@@ -313,7 +326,7 @@ class Session:
             if "decoder_input_ids" in kwargs
             else kwargs.get("attention_mask")
         )
-        past = int(cache.get_seq_length()) if cache is not None else 0
+        past = _past_length(cache, kwargs, self.info) if cache is not None else 0
         self.info.append(
             StepInfo(
                 step,
