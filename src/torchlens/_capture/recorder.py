@@ -42,9 +42,9 @@ NumPy, `x.numpy()[:] = 0`) is not seen at all: the values served there are the l
 When `trace` returns, every saved alias that still shares storage with a tensor the caller can
 reach (the model's inputs, parameters and buffers, the returned output, any recorded tensor
 still alive, or any tensor the forward read but did not make: a cache's keys from an earlier
-forward, a module's plain tensor attribute) is replaced by a copy, so later in-place writes by the caller (an optimizer step, a
-corrupted prompt built in the same `ids` tensor) leave the finished trace unchanged
-(`torchlens._capture.snapshot.snapshot`).
+forward, a module's plain tensor attribute) is replaced by a copy, so later in-place writes by
+the caller (an optimizer step, a corrupted prompt built in the same `ids` tensor) leave the
+finished trace unchanged (`torchlens._capture.snapshot.snapshot`).
 
 The recorder is built in three parts, one class on another: `Recorder` (this module) adds the
 module hooks to `torchlens._capture.op_recorder.OpRecorder`, the torch function mode that records

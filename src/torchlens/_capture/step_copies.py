@@ -43,10 +43,14 @@ class SharedWeights:
     forward through `.data` (which has a counter of its own) is seen by the recorder. What neither
     sees is a write between two forwards through `.data` or numpy: `verify`, once `generate`
     returns, compares each such copy with its weight, and where one differs, every check a step
-    read it without comparing refuses, saying why. A weight changed that way and changed back before `generate` returned is not
-    caught there; a derived facet's own check (per-head results that must sum to the attention's
-    output, a normalized input that must give the norm's output) refuses where the values the
-    forward used differ.
+    read it without comparing refuses, saying why. The reads of a copy that a later step replaces
+    (its weight's counter moved, so it compared and found the copy stale) are judged the same way
+    then, since an unseen write may have come before them; a write a recorder sees inside a
+    forward has them judged just before it (`before_write`), while the weight still holds what
+    they read. A weight changed through `.data` and changed back before `generate` returned is not
+    caught by any of these; a derived facet's own check (per-head results that must sum to the
+    attention's output, a normalized input that must give the norm's output) refuses where the
+    values the forward used differ.
     """
 
     __slots__ = ("_entries", "_stale", "_by_memory")
