@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -293,6 +294,70 @@ def test_a_tensor_a_module_keeps_as_an_attribute_is_copied_where_the_trace_saved
         torchlens.trace(model, torch.randn(1, 3, 4))  # writes the same positions
         read = next(op for op in first.ops if op.name == "__getitem__").tensors[0]
     assert torch.equal(read, truth)
+
+
+class _NumpyTable(nn.Module):
+    """Reads a NumPy table through `torch.as_tensor` / `torch.asarray`: the tensors share the
+    array's memory, which the module's owner may write into later."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.table = numpy.arange(8, dtype=numpy.float32).reshape(2, 4)
+        self.how = how
+
+    def forward(self, x):
+        rows = getattr(torch, self.how)(self.table)
+        return x + rows[0] * rows[1]
+
+
+@pytest.mark.parametrize("how", ["as_tensor", "asarray"])
+def test_a_tensor_sharing_a_numpy_arrays_memory_is_copied_where_the_trace_saved_it(how):
+    """The array is written after the trace: every op output the trace serves is still what a
+    clone taken right after the forward holds, with no warning."""
+    model = _NumpyTable(how)
+    x = torch.zeros(4)
+    with _no_warning():
+        t = torchlens.trace(model, x)
+    truth = [op.tensors[0].clone() for op in t.ops]
+    assert t.ops[1].name == how
+    model.table[:] = 100.0
+    assert all(torch.equal(op.tensors[0], want) for op, want in zip(t.ops, truth))
+
+
+class _Memory(nn.Module):
+    """Keeps its last activation by pointing a plain tensor attribute at it (`x.data = h`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = nn.Tanh()
+        self.state = torch.zeros(2, 4)
+
+    def forward(self, x):
+        h = self.act(self.lin(x))
+        self.state.data = h
+        return h.sum(-1)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_an_activation_a_module_points_an_attribute_at_is_copied_where_the_trace_saved_it(grad):
+    """After `state.data = h`, a write into the module's `state` writes `h`'s memory: once the
+    trace has returned, zeroing `state` leaves the activation's output as a plain forward hook
+    cloned it, with no warning."""
+    torch.manual_seed(0)
+    model = _Memory()
+    seen = {}
+    handle = model.act.register_forward_hook(
+        lambda m, a, out: seen.update(out=out.detach().clone())
+    )
+    try:
+        with torch.set_grad_enabled(grad), _no_warning():
+            t = torchlens.trace(model, torch.randn(2, 4))
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        model.state.zero_()
+    assert torch.equal(t.modules["act"].facets["output"], seen["out"])
 
 
 @pytest.mark.parametrize("how", ["in place", "through .data"])

@@ -15,6 +15,7 @@ Ground truth:
 from __future__ import annotations
 
 import gc
+import warnings
 
 import pytest
 import torch
@@ -412,6 +413,33 @@ def test_bad_loss_is_a_torchlens_error_and_leaves_nothing(bad, match):
     assert torch._C._len_torch_function_stack() == 0
     assert not any(p.requires_grad for p in model.parameters())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_loss_that_writes_into_the_output_through_data_leaves_the_saved_output_as_computed():
+    """The loss function runs inside `trace`, after the forward: a write it makes into the
+    model's output through `.data` (no version counter moves) is seen as the forward's writes are,
+    so the unembedding's saved output is still what a plain forward hook cloned, with no warning;
+    the caller's output holds the written values."""
+    model = build("gpt2", "eager").requires_grad_(False)
+    seen = {}
+    handle = model.lm_head.register_forward_hook(
+        lambda m, a, out: seen.update(out=out.detach().clone())
+    )
+
+    def doubling(out):
+        out.logits.data.mul_(2.0)
+        return out.logits[0, -1].max()
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t = tl.trace(model, testing.token_ids(1, 7), grads=doubling)
+    finally:
+        handle.remove()
+    assert not [w for w in caught if "torchlens" in str(w.message)]
+    assert torch.equal(t.modules["lm_head"].facets["output"], seen["out"])
+    assert torch.equal(t.output.logits, 2.0 * seen["out"])
+    assert torch._C._len_torch_function_stack() == 0
 
 
 def test_inference_mode_refused_with_reason():

@@ -191,7 +191,7 @@ def trace(
                 h.remove()
         loss = None
         if grads is not None:
-            with torch.enable_grad():
+            with torch.enable_grad(), rec.watching():  # a write the loss makes is seen
                 loss = loss_of(grads, output, loss_name)
             if not caller_grad:  # the caller asked for no graph: the output it gets holds none
                 output = _detached(output)

@@ -21,7 +21,7 @@ from torchlens._capture.aliases import KeptAliases
 from torchlens._capture.values import tensor_args, writes_inputs
 from torchlens._core.errors import EditSpecError
 from torchlens._core.holdings import storage_ptr
-from torchlens._core.ops import INPLACE, REBUILT_OPS, REPOINT, SKIP, classify
+from torchlens._core.ops import FOREIGN_MEMORY_OPS, INPLACE, REBUILT_OPS, REPOINT, SKIP, classify
 from torchlens._core.records import ModuleCall, OpRecord, Ref
 
 __all__ = ["OpRecorder"]
@@ -105,6 +105,19 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
         """A context in which the recorder's own torch calls reach no outer torch function mode."""
         return torch._C.DisableTorchFunction() if self.nested else _NO_HIDING
 
+    @contextlib.contextmanager
+    def watching(self):
+        """The recorder's mode on again after its forward, recording nothing (`_quiet_call`): code
+        that runs inside `trace` after the forward (a `grads=` loss function) has its writes into
+        the memory the trace saved seen, so the saved values are cloned first, as in the forward."""
+        quiet = self._quiet
+        self._quiet = True
+        try:
+            with self:
+                yield
+        finally:
+            self._quiet = quiet
+
     # -- ops -----------------------------------------------------------------------------------
 
     def _classify(self, func) -> tuple[str, int]:
@@ -117,7 +130,10 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
             return classify(func)
 
     def _repointed(self, args: tuple) -> None:
-        """`x.data = y` ran: `x` holds other values now, and no counter says so."""
+        """`x.data = y` ran: `x` holds other values now, and no counter says so; and `y`'s memory
+        can be written through `x` after the forward (a module keeping `x` as an attribute)."""
+        if len(args) > 1 and isinstance(args[1], Tensor):
+            self.external.add(storage_ptr(args[1]))
         entry = self.producer.get(id(args[0])) if args else None
         if entry is not None:
             self.producer[id(args[0])] = (
@@ -192,6 +208,8 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
             outs = tuple(o for o in out if isinstance(o, Tensor))
         else:
             return out
+        if info[0] in FOREIGN_MEMORY_OPS:  # its memory may be a NumPy array's, written later
+            self.external.update(storage_ptr(o) for o in outs)
         if self.edges is not None and not mutated and not outs[0].requires_grad:
             out, outs = self._grad_leaves(out, outs, ins)
         if self.edits is not None and self.edits.ops and not mutated and isinstance(out, Tensor):

@@ -26,6 +26,12 @@ SKIP, PLAIN, INPLACE, REPOINT = 0, 1, 2, 3
 #: counter; the others (`x.grad = g`, `x.requires_grad = b`) change no values. (`x.real = y` does
 #: not reach a torch function mode on torch 2.13: a write the mode cannot see.)
 SETTERS = {"data": REPOINT}
+#: Ops whose output can be memory they did not allocate: a NumPy array's, a buffer's, another
+#: library's (`torch.as_tensor(array)` shares the array's memory). Their output's memory is
+#: treated as made outside the forward, since whatever holds it may write into it later. (On torch
+#: 2.13 only `as_tensor` and `asarray` reach a torch function mode; a tensor the others made is an
+#: input from outside the forward where an op reads it.)
+FOREIGN_MEMORY_OPS = frozenset({"as_tensor", "asarray", "from_numpy", "frombuffer", "from_dlpack"})
 #: Attribute reads that never produce a tensor: answered without any bookkeeping.
 METADATA_GETTERS = frozenset(
     {
