@@ -7,6 +7,7 @@ model, or recomputation from the inputs and weights.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import numpy
@@ -267,6 +268,16 @@ def test_snapshot_copies_only_what_the_caller_can_reach():
     assert copied[0] < saved / 2
 
 
+@contextlib.contextmanager
+def _no_warning():
+    """Fail on any TorchLens warning raised inside the block."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    ours = [str(w.message) for w in caught if "torchlens" in str(w.message)]
+    assert not ours, ours
+
+
 class _AttributeCache(nn.Module):
     """Keeps its keys in a plain tensor attribute (no parameter, no buffer), as reference
     implementations of decoders do: written with `__setitem__`, read back through a slice."""
@@ -391,21 +402,6 @@ def test_a_passed_caches_cross_attention_keys_are_copied_where_the_trace_saved_t
     with torch.no_grad():
         (keys if how == "in place" else keys.data).add_(1.0)  # the caller writes into its cache
     assert torch.equal(view.tensors[0], before.transpose(-1, -2))
-
-
-class _no_warning:
-    """Fail on any TorchLens warning raised inside the block."""
-
-    def __enter__(self):
-        self._catch = warnings.catch_warnings(record=True)
-        self.caught = self._catch.__enter__()
-        warnings.simplefilter("always")
-        return self
-
-    def __exit__(self, *exc):
-        self._catch.__exit__(*exc)
-        ours = [str(w.message) for w in self.caught if "torchlens" in str(w.message)]
-        assert not ours, ours
 
 
 def _copied_bytes(model, ids, grad: bool) -> int:

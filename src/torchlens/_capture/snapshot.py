@@ -85,8 +85,6 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     # Every place the finished trace holds a tensor (op outputs, kept kernel arguments, facets and
     # the inputs of their pending checks), grouped by the live storage it is on. Most saved
     # tensors are intermediates nothing else holds, and are left as they are.
-    if rec.shared_weights is not None and rec._writes:  # a step that keeps nothing too
-        rec.shared_weights.forget(rec._writes)
     held = held_tensors(rec.ops, rec.calls)
     if not held:  # a save="none" trace: nothing to copy, no storage to look up
         return 0

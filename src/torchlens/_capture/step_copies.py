@@ -18,7 +18,7 @@ step's end (one object of each per `trace_generate` call, set on each step's rec
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -38,7 +38,7 @@ class SharedWeights:
     something writes into them. Comparing a copy with its weight costs a pass over both (2.6 ms a
     step for GPT-2 small's 27 MiB), so a step reuses the copy an earlier step compared or made
     (`note`) without comparing it when the weight's version counter is where it was then
-    (`unchanged`) and no step's recorder has seen a write into its memory since (`forget`): an
+    (`unchanged`) and no step's recorder has seen a write into its memory since (`before_write`): an
     in-place write through the weight or any view of it moves the counter, and one inside a
     forward through `.data` (which has a counter of its own) is seen by the recorder. What neither
     sees is a write between two forwards through `.data` or numpy: `verify`, once `generate`
@@ -73,16 +73,20 @@ class SharedWeights:
         for ptr in ptrs:
             for key in self._by_memory.get(ptr, ()):
                 entry = self._entries.get(key)
-                if entry is None:
-                    continue
-                if entry[3] and not _same_bits(entry[1], entry[0]):
-                    self._stale.update(id(inputs) for inputs in entry[3])
-                entry[2], entry[3] = None, []
+                if entry is not None:
+                    self._judge(entry)
+                    entry[2], entry[3] = None, []
+
+    def _judge(self, entry: list) -> None:
+        """The reads that took `entry`'s copy uncompared are stale if the copy no longer holds its
+        weight's bits (the weight changed since the copy was compared or made, whenever that was)."""
+        if entry[3] and not _same_bits(entry[1], entry[0]):
+            self._stale.update(id(inputs) for inputs in entry[3])
 
     def unchanged(self, key: tuple, copy: Tensor, weight: Tensor) -> bool:
         """Whether `copy` may stand for `weight` without comparing their bits: it is the copy
         last compared or made for this key, and the weight's version counter has not moved since
-        (nor did a recorder see a write into its memory since: `forget`)."""
+        (nor did a recorder see a write into its memory since: `before_write`)."""
         entry = self._entries.get(key)
         return (
             entry is not None
@@ -90,14 +94,6 @@ class SharedWeights:
             and not weight.is_inference()
             and weight._version == entry[2]
         )
-
-    def forget(self, written: Mapping[int, int]) -> None:
-        """The copies of the weights whose memory a step's recorder saw written (`written`, its
-        writes by storage) are compared again at their next reuse, whatever the step did with them
-        (a weight written inside the forward may be held there by something besides a check)."""
-        for entry in self._entries.values():
-            if memory_key(entry[1]) in written:
-                entry[2] = None
 
     def note(
         self,
@@ -118,11 +114,10 @@ class SharedWeights:
             if entry is not None and entry[0] is c:  # compared again: what it was read for stands
                 entry[1], entry[2] = t, t._version
             else:
-                # A new copy replaces one that steps took uncompared: their reads are judged now,
-                # as `verify` judges them (stale if the weight changed since, whenever that was;
-                # not if only another weight of the copy's block did).
-                if entry is not None and entry[3] and not _same_bits(entry[1], entry[0]):
-                    self._stale.update(id(inputs) for inputs in entry[3])
+                # A new copy replaces one that steps may have taken uncompared: their reads are
+                # judged now (not stale if only another weight of the copy's block changed).
+                if entry is not None:
+                    self._judge(entry)
                 entries[key] = [c, t, t._version, []]
                 self._by_memory.setdefault(memory_key(t), set()).add(key)
         for items in groups:
@@ -139,10 +134,9 @@ class SharedWeights:
         Args:
             steps: the generation's step traces.
         """
+        for entry in self._entries.values():
+            self._judge(entry)
         void = self._stale  # the pending input lists that took a copy now found stale
-        for c, t, _, uncompared in self._entries.values():
-            if uncompared and not _same_bits(t, c):
-                void.update(id(inputs) for inputs in uncompared)
         self._entries, self._stale, self._by_memory = {}, set(), {}
         if not void:
             return
