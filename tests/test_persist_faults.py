@@ -657,6 +657,7 @@ def test_the_stored_fields_are_the_record_classes_fields():
     assert set(schema.FIELDS) == set(classes)
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     trace = tl.trace(model, torch.ones(1, 2))
+    trace.output
     for name, cls in classes.items():
         fields = set(schema.FIELDS[name])
         if dataclasses.is_dataclass(cls):
@@ -665,8 +666,9 @@ def test_the_stored_fields_are_the_record_classes_fields():
             want = set(cls._PERSISTED)
         elif getattr(cls, "__slots__", None):
             want = set(cls.__slots__)
-        else:
-            want = set(vars(trace))  # Trace: the attributes its __init__ sets
+        else:  # Trace: the attributes its __init__ sets, under their stored names
+            stored = {a: f for f, a in getattr(cls, "_persist_renames", {}).items()}
+            want = {stored.get(a, a) for a in vars(trace)}
         assert fields == want, name
         for f in fields:
             attr = getattr(cls, getattr(cls, "_persist_renames", {}).get(f, f), None)

@@ -58,12 +58,51 @@ class Trace:
     ):
         self.ops: list[OpRecord] = ops
         self.modules: ModuleMap = modules
-        self.output = output
+        self._output = output
         self.blocks: list[str] = blocks
         self.model_class: str = model_class
         self.save_spec = save
         self.structure = structure
         self.edits: tuple = ()
+
+    #: The `_capture.snapshot.Guarded` groups of the trace's tensors on memory only the output
+    #: shares, copied on the first read of `output` (`_capture.output_copies`); None when there
+    #: are none left.
+    _output_guards: list | None = None
+    #: Stored field -> attribute: a saved trace's `output` is loaded into `_output` (no guard).
+    _persist_renames = {"output": "_output"}
+
+    @property
+    def output(self) -> Any:
+        """What the model returned.
+
+        Where nothing but the trace held the output when `trace` returned, the trace's own tensors
+        on its memory (the logits op, the `logits` facet) still share it, and the first read of
+        `output` (or of one of those tensors) copies them first; otherwise they were copied when
+        `trace` returned. Either way, a write into the output never changes what the trace serves.
+        """
+        self._release_output()
+        return self._output
+
+    @output.setter
+    def output(self, value: Any) -> None:
+        self._release_output()  # the guarded tensors copied before the output they share goes
+        self._output = value
+
+    def _release_output(self) -> None:
+        """Copy the trace's tensors on memory only the output shares (`_output_guards`), once."""
+        guards = self._output_guards
+        if guards is not None:
+            for group in guards:  # under the groups' lock: another thread reading waits for it
+                group.resolve()
+            self.__dict__.pop("_output_guards", None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For pickling and copying: the output's memory copied first (`output`), no guard kept."""
+        self._release_output()
+        state = dict(self.__dict__)
+        state.pop("_output_guards", None)
+        return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Trace:
         """`copy.deepcopy(trace)`: every record copied, as for any object. The model's output is

@@ -17,6 +17,7 @@ from torchlens._assemble import assemble, note_edited_refusals
 from torchlens._capture.accelerate import accelerate_hooks
 from torchlens._capture.collector import paused
 from torchlens._capture.compiled import CompiledRunsEagerly, compiled_module_class
+from torchlens._capture.output_copies import settle
 from torchlens._capture.recorder import Recorder
 from torchlens._capture.snapshot import arm_guards, snapshot
 from torchlens._capture.stores import DirectoryStore, apply_store, parse_store
@@ -195,7 +196,7 @@ def trace(
                 loss = loss_of(grads, output, loss_name)
             if not caller_grad:  # the caller asked for no graph: the output it gets holds none
                 output = _detached(output)
-        return finish(
+        result = finish(
             rec,
             model,
             names,
@@ -209,6 +210,10 @@ def trace(
             loss,
             loss_name,
         )
+        del output, loss  # the returned trace is the output's only holder here
+        settle(result, rec.output_groups)  # see `_capture.output_copies`
+        rec.output_groups = []
+        return result
 
 
 def module_names(model: nn.Module) -> tuple[dict[nn.Module, str], dict[str, str]]:
@@ -275,7 +280,9 @@ def finish(
             io.clear()
             grad_maps(rec.calls, found, loss_name)
             rec.edges = loss = None  # the graph is held no longer than the caller's output holds it
-        snapshot(rec, model, call)  # after assembly: only what the trace keeps is copied
+        # after assembly: only what the trace keeps is copied; what only the output shares is
+        # decided when `trace` returns (`output_copies.settle`), a step's output is generate's
+        snapshot(rec, model, call, own_output=rec.deferred is None)
         if plan is not None:
             result.edits = tuple(plan.records)
             note_edited_refusals(result)

@@ -111,6 +111,8 @@ class Recorder(OpRecorder):
         self.failure: tuple[BaseException, list[str]] | None = None
         #: the `_capture.snapshot.Guarded` groups the snapshot left, until `arm_guards` arms them
         self.guarded: list = []
+        #: the groups of those on memory only the output shares (`output_copies.settle` decides)
+        self.output_groups: list = []
 
     # -- modules -------------------------------------------------------------------------------
 

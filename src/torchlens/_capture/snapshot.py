@@ -18,6 +18,7 @@ way is dropped with a warning, a facet is refused with the reason, a pending che
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import sys
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from torchlens._core.holdings import Holding, held_tensors, storage_ptr
+from torchlens._core.ownership import tree_children
 from torchlens._core.pending import _RUN_LOCK
 
 if TYPE_CHECKING:
@@ -41,14 +43,14 @@ if TYPE_CHECKING:
 __all__ = ["Guarded", "arm_guards", "resolve_groups", "snapshot"]
 
 
-def snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
+def snapshot(rec: Recorder, model: nn.Module, reachable: Any, own_output: bool = False) -> int:
     """`_snapshot` under `torch.no_grad()`: the copies record no autograd history, whatever the
     caller's grad mode (see `_snapshot`)."""
     with torch.no_grad():
-        return _snapshot(rec, model, reachable)
+        return _snapshot(rec, model, reachable, own_output)
 
 
-def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
+def _snapshot(rec: Recorder, model: nn.Module, reachable: Any, own_output: bool = False) -> int:
     """Copy every tensor the finished trace holds that the caller could still write into.
 
     A saved tensor is a detached alias of what the model computed. Once the forward is over,
@@ -71,14 +73,23 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     that costs no more than copying each view; they are views of one base tensor on the copy
     (per dtype), so they share its version counter, as the aliases they replace did.
 
+    With `own_output` (a plain `trace`: its last item, the output, goes to the caller only as
+    `Trace.output`), a storage that only the output's tensors share with the trace is left
+    uncopied too, as one `Guarded` group (`OUTPUT_REASON`) noted in `rec.output_groups`:
+    `torchlens._capture.output_copies.settle` then copies it when the trace is returned unless it
+    proves that nothing but the trace holds the output, in which case the first read of
+    `Trace.output`, or of any of the trace's tensors on it, copies it.
+
     Args:
         model: the traced model.
-        reachable: the forward's inputs and output, in any nesting of containers.
+        reachable: `(args, kwargs, output)` of the forward, in any nesting of containers.
+        own_output: whether the output may be the trace's alone (see above).
 
     Returns:
         The number of bytes copied (the memory this costs on top of the saved aliases).
     """
     rec.guarded = []
+    rec.output_groups = []
     for op in rec.ops:  # an op whose output was not kept: its arguments serve no rebuild
         if op.extra is not None and all(t is None for t in op._tensors):
             op.extra = None
@@ -89,15 +100,18 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
     if not held:  # a save="none" trace: nothing to copy, no storage to look up
         return 0
     later = rec.deferred  # a generation's step: what the model keeps is not copied now
-    live, shared, fixed = _live_storages(rec, model, reachable)
+    live, shared, fixed, own = _live_storages(rec, model, reachable, own_output)
     groups: dict[Any, list[Holding]] = {}
     guarded: dict[
         Any, list[Holding]
     ] = {}  # storages only the autograd graph holds besides the trace
+    owned: dict[int, list[Holding]] = {}  # storages only the output holds besides the trace
     for h in held:
         key = _live_key(h.tensor, live)
         if key is not None:
             groups.setdefault(key, []).append(h)
+        elif own and storage_ptr(h.tensor) in own:
+            owned.setdefault(storage_ptr(h.tensor), []).append(h)  # type: ignore[arg-type]  # in `own`: not None
         elif shared:
             ptr = storage_ptr(h.tensor)
             if shared is EVERY_STORAGE or ptr in shared:
@@ -119,8 +133,18 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any) -> int:
             copied += _copy_group(key, items)
     if weights:
         copied += _share_copies(weights, rec.shared_weights)
-    if guarded or deferred:
-        rec.guarded = [Guarded(items) for items in guarded.values()] + deferred
+    if owned:
+        armable = _owners(rec.ops, rec.calls)
+        for ptr, items in owned.items():
+            if all(_is_output(h) or id(h.holder) in armable for h in items) and not any(
+                h.tensor.is_inference()
+                for h in items  # no counter to guard them by
+            ):
+                rec.output_groups.append(Guarded(items, OUTPUT_REASON))
+            else:  # a holder no guard can tell (a gradient's site): copied now
+                copied += _copy_group(ptr, items)
+    if guarded or deferred or rec.output_groups:
+        rec.guarded = [Guarded(items) for items in guarded.values()] + deferred + rec.output_groups
     return copied
 
 
@@ -541,7 +565,9 @@ def resolve_groups(groups: list[Guarded], copy: bool = True) -> None:
         taken = [(g, *g._take()) for g in groups if not g.done]
         kept = [h for _, written, same in taken if not written for h, _ in same]
         if kept and copy:
-            with torch.no_grad():
+            # on a first read inside another trace's forward, the copy is none of its ops
+            nested = torch._C._len_torch_function_stack() > 0
+            with torch.no_grad(), torch._C.DisableTorchFunction() if nested else _NOTHING:
                 _copy_group(storage_ptr(kept[0].tensor), kept)
         for g, written, same in taken:
             if written:
@@ -575,15 +601,18 @@ def _live_key(t: Tensor, live: set[int]) -> Any:
 
 
 def _live_storages(
-    rec: Recorder, model: nn.Module, reachable: Any
-) -> tuple[set[int], set[int] | frozenset[int], set[int]]:
+    rec: Recorder, model: nn.Module, reachable: Any, own_output: bool = False
+) -> tuple[set[int], set[int] | frozenset[int], set[int], set[int]]:
     """The storages (data pointers) the caller can still write into: the model's parameters and
     buffers, every tensor in `reachable` (through tuples, lists and mappings), every tensor the
     forward read but did not make (`rec.external`), and every recorded tensor still alive but
     those that only the autograd graph holds; apart, the storages of those and every other storage
     the autograd graph saved (`_autograd_holders`), which nothing alive but the graph shares
-    (`EVERY_STORAGE` when the graph cannot be read); and the parameters' and buffers' storages
-    among the first."""
+    (`EVERY_STORAGE` when the graph cannot be read); the parameters' and buffers' storages
+    among the first; and, with `own_output`, the storages of the tensors the output (the last
+    item of `reachable`) holds through the containers `ownership.tree_children` enters, which are
+    in none of the others (nothing else alive, not the graph): left out of the first, since the
+    caller may reach them only through `Trace.output`."""
     live: set[int] = set()
 
     def add(t: Tensor) -> None:
@@ -600,12 +629,16 @@ def _live_storages(
     fixed = set(live)  # the parameters' and buffers' storages
     # what the forward read that it did not make (a cache's keys from an earlier forward)
     live.update(p for p in rec.external if p is not None)
+    out: dict[int, Tensor] = {}  # id -> each tensor the output holds (with `own_output`)
+    if own_output:
+        out = _output_tensors(reachable[2])
     todo, seen = [(reachable, 0)], 0
     while todo and seen < 100_000:
         value, depth = todo.pop()
         seen += 1
         if isinstance(value, Tensor):
-            add(value)
+            if id(value) not in out:  # an output's tensor is decided below
+                add(value)
         elif depth < 8 and isinstance(value, (Mapping, tuple, list)):
             items = value.values() if isinstance(value, Mapping) else value
             todo.extend((v, depth + 1) for v in items)
@@ -614,23 +647,72 @@ def _live_storages(
     if graph is EVERY_STORAGE:  # the graph could not be read: copy every alive one, guard the rest
         for t in alive:
             add(t)
+        for t in out.values():
+            add(t)
         alive.clear()
+        out.clear()
         live.discard(0)
-        return live, EVERY_STORAGE, fixed
+        return live, EVERY_STORAGE, fixed, set()
     shared: set[int] = set(graph)  # what the graph can hand out (a node's saved result included)
     for t in alive:
         if id(t) in graph_only:
             ptr = storage_ptr(t)
             if ptr is not None:
                 shared.add(ptr)
-        else:
+        elif id(t) not in out:
             add(t)
     alive.clear()
+    own: set[int] = set()
+    for t in out.values():
+        ptr = storage_ptr(t)
+        if ptr is None or ptr in live or ptr in graph:
+            add(t)
+        else:
+            own.add(ptr)
+    out.clear()
+    own -= live  # another tensor of the output on that storage is live
     live.discard(0)  # empty tensors own no memory
+    own.discard(0)
     shared -= live  # a storage something else holds too is copied
+    shared -= own
     shared.discard(0)
-    return live, shared, fixed
+    return live, shared, fixed, own
 
+
+def _output_tensors(output: Any) -> dict[int, Tensor]:
+    """id -> every tensor `output` holds through the containers `ownership.tree_children` enters
+    (tuples, lists, dicts, a `ModelOutput`'s items and attributes)."""
+    found: dict[int, Tensor] = {}
+    todo, seen = [output], 0
+    while todo and seen < 100_000:
+        value = todo.pop()
+        seen += 1
+        if isinstance(value, Tensor):
+            found[id(value)] = value
+        else:
+            todo.extend(tree_children(value) or ())
+    return found
+
+
+def _owners(ops: list, calls: list) -> dict[int, Any]:
+    """Each holder that is not an op (a site, a pending check's input list, an op's kept
+    arguments) -> what its guard tells (`Guarded._owners`): the holders a guard can arm."""
+    owners: dict[int, Any] = {}
+    for op in ops:
+        if op.extra is not None:
+            owners[id(op.extra)] = op
+    for call in calls:
+        if call.facets is None:
+            continue
+        fmap = weakref.ref(call.facets)
+        for site in call.facets._sites.values():
+            owners[id(site)] = fmap
+            if site._inputs is not None and site._pending is not None:
+                owners[id(site._inputs)] = site._pending
+    return owners
+
+
+_NOTHING = contextlib.nullcontext()
 
 #: Per autograd node type, the attributes that unpack what it saved (`_saved_self`, ...).
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
@@ -770,18 +852,7 @@ def arm_guards(rec: Recorder, trace: Any) -> None:
     and is left out)."""
     if not rec.guarded:
         return
-    owners: dict[int, Any] = {}  # holder id -> what a guard tells (see `Guarded._owners`)
-    for op in trace.ops:
-        if op.extra is not None:
-            owners[id(op.extra)] = op
-    for call in rec.calls:
-        if call.facets is None:
-            continue
-        fmap = weakref.ref(call.facets)
-        for site in call.facets._sites.values():
-            owners[id(site)] = fmap
-            if site._inputs is not None and site._pending is not None:
-                owners[id(site._inputs)] = site._pending
+    owners = _owners(trace.ops, rec.calls)  # holder id -> what a guard tells
     for group in rec.guarded:
         group.arm(owners)
     rec.guarded = []
@@ -792,6 +863,13 @@ DEFERRED_REASON = (
     "was written in place between two forwards of generate, before it was copied: the model kept "
     "its memory after the step (a KV cache, the step's output), and the write was not made by a "
     "forward the generation recorded, so it no longer holds what the step's forward computed there"
+)
+#: Why a tensor on memory only the model's output shared is not served (nothing can write there
+#: before it is copied: `output_copies.settle` proved the trace alone holds the output, and the
+#: first read of `Trace.output` or of the tensor copies it first; kept for `Guarded`'s protocol).
+OUTPUT_REASON = (
+    "was written in place after the trace returned, before it was first read: its memory is the "
+    "model's output's, which only the trace held, so it no longer holds what the forward computed there"
 )
 GUARD_REASON = (
     "was written in place after the trace returned, before it was first read: its memory is shared "
