@@ -784,3 +784,105 @@ def test_resid_mid_and_mlp_in_edits_reach_what_transformer_lens_edits(family):
             tr = tl.trace(model, ids, edit={name: torch.zeros_like})
         got = tr.modules[block].facets["resid_post"]
         assert torch.allclose(got, truth, atol=1e-6), (name, float((got - truth).abs().max()))
+
+
+class _LoopedBias(nn.Module):
+    """Multi-head attention whose scores get one or three per-key bias adds, by its input (the
+    same op name in the same call each time): an edit upstream changes how many."""
+
+    def __init__(self, d: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.bias = nn.Parameter(torch.randn(3, 5) * 0.5)
+
+    def forward(self, x):
+        b, p, d = x.shape
+        q, k, v = (
+            f(x).view(b, p, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v)
+        )
+        scores = q @ k.transpose(-1, -2) * (d // self.heads) ** -0.5
+        for i in range(1 if x[..., 0].mean() < 1.0 else 3):
+            scores = scores + self.bias[i]
+        z = torch.softmax(scores, -1) @ v
+        return self.o(z.transpose(1, 2).reshape(b, p, d))
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = _LoopedBias(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 32), nn.ReLU(), nn.Linear(32, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class _TwoStages(nn.Module):
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(20, d)
+        self.blocks = nn.ModuleList([_Block(d), _Block(d)])
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, 20)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def test_an_op_edit_a_changed_path_would_misplace_raises():
+    """The locating pass places the second edit on the first bias add (the one whose output its
+    site names there); the first edit makes the path add three biases, so that position is no
+    longer the site's. The trace raises instead of serving a forward whose edit replaced another
+    tensor (it did, silently, before)."""
+    torch.manual_seed(0)
+    model, ids = _TwoStages().eval(), torch.tensor([[1, 2, 3, 4, 5]])
+    steer = torch.zeros(16)
+    steer[0] = 10.0  # block 1's attention then adds three biases, not one
+    ops_before = [op.name for op in tl.trace(model, ids).ops]
+    with pytest.raises(EditSpecError, match="disagree on where the site is"):
+        tl.trace(
+            model,
+            ids,
+            edit={
+                "blocks.0:resid_post": lambda t: t + steer,
+                "blocks.1.attn:scores": lambda t: t * 2,
+            },
+        )
+    assert [op.name for op in tl.trace(model, ids).ops] == ops_before  # nothing left behind
+    # an edit that leaves the path alone is placed, and served
+    edited = tl.trace(
+        model,
+        ids,
+        edit={"blocks.0:resid_post": lambda t: t * 1.01, "blocks.1.attn:scores": lambda t: t * 2},
+    )
+    assert edited.edits[1].applied == 1
+
+
+def test_two_names_of_one_module_output_are_refused():
+    """`output` and `resid_post` of a block are one tensor: two edits of it would be composed in
+    the dict's order, so two keys naming it are refused, as two keys of one site are."""
+    model = testing.build("gpt2")
+    ids = testing.token_ids(length=5)
+    with pytest.raises(EditSpecError, match="name one tensor"):
+        tl.trace(
+            model,
+            ids,
+            edit={
+                "transformer.h.0:output": lambda t: t * 2,
+                "transformer.h.0:resid_post": lambda t: t + 1,
+            },
+        )
+    with pytest.raises(EditSpecError, match="name one tensor"):
+        tl.trace(
+            model,
+            ids,
+            edit={
+                "transformer.h.1:input": lambda t: t * 2,
+                "transformer.h.1:resid_pre": lambda t: t + 1,
+            },
+        )

@@ -938,3 +938,46 @@ def test_a_state_space_models_generation_is_traced_with_its_positions_counted():
 
 def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def test_one_site_keyed_for_every_step_and_for_a_step_is_refused():
+    """`{key: f, (2, key): g}` would run only one of them at step 2 (the later entry replaced the
+    earlier, silently): two edits of one site at one step are refused, as `trace` refuses two
+    edits of one site, before generate runs."""
+    model = testing.build("gpt2")
+    key = "transformer.h.0:resid_post"
+    for edit in (
+        {key: lambda t: t * 0.5, (2, key): lambda t: t + 1},
+        {(range(0, 3), key): lambda t: t, (range(2, 4), key): lambda t: t},
+    ):
+        with pytest.raises(tl.EditSpecError, match="give one edit per site and step"):
+            tl.trace_generate(model, IDS, edit=edit, **GREEDY)
+        assert not model._forward_hooks and not model._forward_pre_hooks
+    # disjoint steps are two edits, each at its own steps
+    gen = tl.trace_generate(
+        model,
+        IDS,
+        edit={(0, key): lambda t: t, (range(1, 6), key): lambda t: t},
+        **GREEDY,
+    )
+    assert [len(e) for e in gen.edits.values()] == [1] * 6
+
+
+def test_a_cross_attention_key_edited_at_every_step_says_to_key_it_at_step_0():
+    """A decoder's cross-attention computes its keys and values from the encoder's output at step
+    0 only; a key for every step fails at step 1 with a note that says so and how to key it."""
+    model = t5()
+    ids = testing.token_ids(batch=2, length=6, seed=5, vocab=60) + 3
+    kw = dict(
+        max_new_tokens=3,
+        do_sample=False,
+        eos_token_id=None,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    key = "decoder.block.1.layer.1.EncDecAttention:k"
+    with pytest.raises(tl.FacetNotFound) as info:
+        tl.trace_generate(model, ids, edit={key: lambda x: x * 0}, **kw)
+    assert any("key such an edit as (0, key)" in n for n in info.value.__notes__)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    tl.trace_generate(model, ids, edit={(0, key): lambda x: x * 0}, **kw)  # keyed at step 0: placed

@@ -257,3 +257,45 @@ def test_a_format_version_mismatch_says_what_differs(saved):
     msg = str(info.value)
     assert "version 99" in msg and f"torchlens 9.9.0 there, {tl.__version__} here" in msg
     assert "torch " not in msg  # torch did not differ
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_a_float64_norms_computed_statistics_load_back(norm, tmp_path):
+    """A fused norm's `inv_std` / `inv_rms` and `scale` are computed in float64 for a float64
+    model, and say so: the saved trace loads (it was refused as malformed: the site said float32)
+    and serves what recomputation from the norm's input gives."""
+    torch.manual_seed(0)
+    layer = torch.nn.LayerNorm(8) if norm == "layer" else torch.nn.RMSNorm(8, eps=1e-6)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), layer).double()
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    trace = tl.trace(model, x)
+    name = "inv_std" if norm == "layer" else "inv_rms"
+    with torch.no_grad():
+        h = model[0](x)
+        centred = h - h.mean(-1, keepdim=True) if norm == "layer" else h
+        truth = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + layer.eps)
+    for t in (trace, _round_trip(trace, tmp_path)):
+        site = t.modules["1"].facets.sites[name]
+        assert site.dtype == torch.float64 == t.modules["1"].facets[name].dtype
+        assert torch.allclose(t.modules["1"].facets[name], truth, rtol=1e-12, atol=0)
+
+
+def _round_trip(trace, tmp_path):
+    trace.save(tmp_path / "t")
+    return tl.load(tmp_path / "t")
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_trace_whose_pending_check_fails_while_it_is_copied_copies(how):
+    """A write into a served tensor after the trace makes the pending checks that read it refuse;
+    pickling or copying the trace runs them, and used to fail half-way through the sites
+    ('dictionary changed size during iteration'). The copy and the trace both refuse them."""
+    import copy
+
+    model = testing.build("gpt2")
+    with torch.no_grad():
+        trace = tl.trace(model, IDS)
+    trace["transformer.h.0:resid_pre"].mul_(2)
+    other = pickle.loads(pickle.dumps(trace)) if how == "pickle" else copy.deepcopy(trace)
+    for t in (trace, other):
+        assert "normalized" in t.modules["transformer.h.0.ln_1"].facets.refused

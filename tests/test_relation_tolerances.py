@@ -190,3 +190,20 @@ def test_norm_facets_verdict_does_not_depend_on_dtype(arch):
     assert float((got - truth).abs().max()) <= 8 * torch.finfo(torch.float32).eps * float(
         truth.abs().max()
     )
+
+
+def test_torchs_rms_norm_without_eps_is_checked_with_its_dtypes_eps():
+    """`nn.RMSNorm(eps=None)` (torch's default) adds `finfo(dtype).eps` under the root: its
+    `normalized` is served, equal to recomputation, not refused as not fitting an eps of 1e-5."""
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8)).to(dtype)
+        x = torch.randn(2, 3, 8, dtype=dtype) * 1e-3  # small: the eps matters
+        facets = tl.trace(model, x).modules["1"].facets
+        with torch.no_grad():
+            h = model[0](x)
+            truth = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + torch.finfo(dtype).eps)
+        assert "normalized" not in facets.refused, facets.refused
+        assert torch.allclose(
+            facets["normalized"], truth, rtol=1e-5 if dtype == torch.float32 else 1e-12
+        )

@@ -337,3 +337,82 @@ def test_a_check_computes_the_same_bits_wherever_its_inputs_sit():
             ref_value, ref_error = reference[key]
             assert value is None or torch.equal(value, ref_value), (shift, key)
             assert error == ref_error, (shift, key)
+
+
+def test_a_file_renamed_over_a_stores_file_never_changes_its_trace(tmp_path, monkeypatch):
+    """Two traces storing into one directory at the same time write files of the same names: each
+    renames its file over the name, and the other may rename its own over it a moment later. A
+    trace's tensors are mapped from the file it wrote, so whatever lands on the name afterwards
+    (here: another trace's file of the same layout, renamed over each file as soon as it is in
+    place) changes none of its values."""
+    from torchlens._capture import stores
+
+    model = testing.build("gpt2")
+    blocks = [f"transformer.h.{i}" for i in range(len(model.transformer.h))]
+    other_ids = testing.token_ids(length=6, seed=7)
+    decoy_dir = tmp_path / "decoy"
+    tl.trace(model, other_ids, save=["resid_post"], store=str(decoy_dir))
+    decoys = sorted(decoy_dir.glob("tensors-*.safetensors"))
+    real_replace = os.replace
+
+    def then_the_other_store(src, dst):
+        real_replace(src, dst)
+        decoy = decoys[int(pathlib.Path(dst).name.split("-")[1].split(".")[0])]
+        copy = f"{dst}.decoy"
+        with open(decoy, "rb") as f, open(copy, "wb") as g:
+            g.write(f.read())
+        real_replace(copy, dst)
+
+    truth = testing.hooked_outputs(model, blocks, IDS)
+    monkeypatch.setattr(stores.os, "replace", then_the_other_store)
+    trace = tl.trace(model, IDS, save=["resid_post"], store=str(tmp_path / "shared"))
+    monkeypatch.undo()
+    for b in blocks:
+        assert torch.equal(trace.modules[b].facets["resid_post"], truth[b])
+
+
+def test_a_failed_forward_leaves_no_file_of_its_store(tmp_path):
+    """A forward that raises after the first block's tensors were written leaves nothing in the
+    store's directory: the files serve no trace."""
+
+    class Fails(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = testing.build("gpt2")
+
+        def forward(self, ids):
+            self.inner(ids)
+            raise ValueError("after the blocks")
+
+    where = tmp_path / "store"
+    with pytest.raises(ValueError, match="after the blocks"):
+        tl.trace(Fails(), IDS, store=str(where))
+    assert not list(where.glob("*")) if where.exists() else True
+
+
+def test_a_complex_view_of_a_float_storage_is_stored_aligned(tmp_path):
+    """Rotary embeddings written with `view_as_complex` (Meta's Llama) read a float32 storage as
+    complex64, 8 bytes an element: the store lays each storage out at the widest element a tensor
+    on it reads, so an odd-sized float32 storage before it no longer breaks the trace."""
+
+    class Rotates(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 3), torch.nn.Linear(8, 8)  # a: 12 bytes a row
+
+        def forward(self, x):
+            c = torch.view_as_complex(self.b(x).reshape(1, 4, 2))
+            c = c * torch.polar(torch.ones(4), torch.arange(4.0))
+            return torch.view_as_real(c).flatten(1) + self.a(x).sum()
+
+    torch.manual_seed(0)
+    model, x = Rotates().eval(), torch.randn(1, 8)
+    with torch.no_grad():
+        truth = model(x)
+    plain = tl.trace(model, x)
+    stored = tl.trace(model, x, store=str(tmp_path / "s"))
+    assert torch.equal(stored.output, truth)
+    for a, b in zip(plain.ops, stored.ops):
+        assert (a.tensor is None) == (b.tensor is None)
+        if a.tensor is not None:
+            assert torch.equal(a.tensor, b.tensor), a.name

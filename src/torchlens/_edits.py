@@ -207,8 +207,10 @@ class EditPlan:
                 raise EditSpecError(
                     f"the edit {r.key!r} of {r.module_address or '<root>'}:{r.facet} replaced the op(s) at "
                     f"position(s) {planned}, but the edited forward's trace finds that site at {found}: the "
-                    f"locating pass and the edited forward disagree on where the site is, so the step is not "
-                    f"served."
+                    f"locating pass and the edited forward disagree on where the site is (an earlier edit "
+                    f"changed the forward's path), so the edit replaced another tensor and this forward is "
+                    f"not served. Edit the later site in a trace of its own, or edit a site whose path "
+                    f"does not depend on the earlier edit."
                 )
 
     def check_applied(self) -> None:
@@ -370,6 +372,8 @@ def plan_edits(trace: Any, edit: Any) -> EditPlan:
         raise EditSpecError("edit= is an empty dict: name at least one site, or leave edit= out.")
     plan = EditPlan()
     seen: dict[tuple[str, int, str], Any] = {}
+    #: (side, address, call) -> the key whose hook edit replaces that module input or output
+    hooked: dict[tuple[str, str, int], Any] = {}
     for key, value in edit.items():
         if not (callable(value) or isinstance(value, Tensor)):
             raise EditSpecError(
@@ -409,6 +413,14 @@ def plan_edits(trace: Any, edit: Any) -> EditPlan:
             base = dict(record=record, value=value, shape=tuple(site.shape), dtype=site.dtype)
             side = _HOOK_FACETS.get(facet)
             if side is not None:
+                first = hooked.setdefault((side, address, c), key)
+                if first != key:  # `output` and `resid_post` of a block: one tensor, two names
+                    raise EditSpecError(
+                        f"edit= keys {first!r} and {key!r} both replace the "
+                        f"{'input' if side == 'in' else 'output'} of {address or '<root>'}"
+                        f"{f' (call {c})' if len(rec.calls) > 1 else ''}: they name one tensor; give "
+                        f"one edit per tensor."
+                    )
                 target = plan.hook_in if side == "in" else plan.hook_out
                 target.setdefault((address, c), []).append(_Edit(**base))
                 wheres.append("pre-hook" if side == "in" else "forward hook")

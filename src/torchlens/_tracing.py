@@ -186,6 +186,8 @@ def trace(
                 output = model(*args, **kwargs)
         except BaseException as exc:
             annotate(exc, rec)
+            if isinstance(store_to, DirectoryStore):  # what it wrote serves no trace
+                store_to.discard()
             raise
         finally:
             for h in handles:
@@ -285,6 +287,7 @@ def finish(
         snapshot(rec, model, call, own_output=rec.deferred is None)
         if plan is not None:
             result.edits = tuple(plan.records)
+            plan.check_placed(result)  # each op edit replaced the op its site is in this forward
             note_edited_refusals(result)
         result = apply_store(result, store_to)
         arm_guards(

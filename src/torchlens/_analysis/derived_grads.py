@@ -153,7 +153,7 @@ def norm_grads(plan: Plan, g_out: Tensor | None) -> Deferred | str:
     forward's graph is there."""
     assert plan.x is not None
     (out_edge, out), (x_edge, x) = plan.grad_of, plan.x
-    kind, eps, n_dims, groups = norm_form(plan.module, plan.ops)
+    kind, eps, n_dims, groups = norm_form(plan.module, plan.ops, x.dtype)
     unused = g_out is None
     dx: Tensor | None = None
     if not unused:

@@ -195,6 +195,8 @@ class DirectoryStore:
         self._bases: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         #: the files this store wrote, removed if a later write fails (the trace then fails)
         self._paths: list[str] = []
+        #: each of those files -> (device, inode) of the file this store wrote there
+        self._inodes: dict[str, tuple[int, int]] = {}
 
     def write(self, found: list[Holding]) -> None:
         """Write the storages of the tensors in `found` and put each tensor's view on its file
@@ -227,7 +229,12 @@ class DirectoryStore:
             else:
                 fresh[key] = (st, dtype, t)
         if fresh:
-            written = self._write({k: v[:2] for k, v in fresh.items()})
+            widest: dict[tuple[str, int | None], int] = {}  # the widest element read there
+            for _, _, t in found:
+                key = (str(t.device), storage_ptr(t))
+                if key in fresh:
+                    widest[key] = max(widest.get(key, 1), t.element_size())
+            written = self._write({k: v[:2] for k, v in fresh.items()}, widest)
             for key, (st, _, t) in fresh.items():
                 version = -1 if t.is_inference() else t._version
                 self._written[key] = (
@@ -239,15 +246,21 @@ class DirectoryStore:
             placed.update(written)
         _replace(found, placed, self._bases)
 
-    def _write(self, storages: dict) -> dict:
+    def discard(self) -> None:
+        """Remove the files this store wrote (the trace it stored for failed: they serve nothing).
+        A file another store has renamed over its name since is that store's, and left alone."""
+        for name in self._paths:
+            with contextlib.suppress(OSError):
+                if _same_file(name, self._inodes.get(name)):
+                    os.remove(name)
+        self._paths.clear()
+
+    def _write(self, storages: dict, widest: dict | None = None) -> dict:
         try:
-            return self._write_files(storages)
+            return self._write_files(storages, widest or {})
         except OSError as exc:
             # The trace being captured fails with this error: the files it wrote are of no use.
-            for name in self._paths:
-                with contextlib.suppress(OSError):
-                    os.remove(name)
-            self._paths.clear()
+            self.discard()
             raise StoreSpecError(
                 f"store={self.path!r}: writing the trace's tensors there failed: {exc.strerror or exc} "
                 f"({errno.errorcode.get(exc.errno or 0, exc.errno)}"
@@ -257,14 +270,19 @@ class DirectoryStore:
                 "directory with room, or store='cpu'."
             ) from exc
 
-    def _write_files(self, storages: dict) -> dict:
+    def _write_files(self, storages: dict, widest: dict) -> dict:
         os.makedirs(self.path, exist_ok=True)
         shards: list[dict[str, torch.Tensor]] = [{}]
         names: dict[tuple[str, int], tuple[int, str]] = {}
+        #: each entry's alignment in its file: the widest element a tensor on it reads (a complex
+        #: view of a float storage: 8 bytes), 1 for a storage whose bytes are not whole elements
+        aligns: dict[str, int] = {}
         size = 0
         for n, (key, (st, dtype)) in enumerate(storages.items()):
             flat = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).cpu()
             item = torch.empty(0, dtype=dtype).element_size()
+            wide = max(item, widest.get(key, 1))
+            aligns[f"s{n}"] = 1 if flat.numel() % wide else wide
             if dtype.is_complex or flat.numel() % item:
                 dtype = torch.uint8
             else:
@@ -275,24 +293,27 @@ class DirectoryStore:
             shards[-1][f"s{n}"] = flat
             names[key] = (len(shards) - 1, f"s{n}")
             size += st.nbytes()
-        files = []
+        maps = []
         for tensors in shards:
             name = os.path.join(self.path, f"tensors-{self._files:05d}.safetensors")
             self._files += 1
-            # Written beside, then renamed over the name: a trace stored here before keeps its
-            # memory maps on the file it wrote (the old inode), so its tensors never change.
+            # Written beside under a name no other store uses, memory-mapped, then renamed over
+            # the name: the maps are on the file this store wrote (its inode), so its tensors never
+            # change, whatever is renamed over the name later (a trace stored here before keeps
+            # its maps on its file; another trace storing here at the same time, its own).
             part = f"{name}.{os.getpid()}-{id(self):x}.part"
             try:
-                _save_file(tensors, part)
+                _save_file(tensors, part, aligns)
+                maps.append(_mapped(part))
+                info = os.stat(part)
                 os.replace(part, name)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.remove(part)
                 raise
             self._paths.append(name)
-            files.append(name)
+            self._inodes[name] = (info.st_dev, info.st_ino)
         del shards
-        maps = [_mapped(f) for f in files]
         for storage, _ in maps:
             self._mapped.add(storage.data_ptr())
         placed = {}
@@ -327,13 +348,20 @@ for _name, _code in (
         SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
 
 
-def _save_file(tensors: dict[str, torch.Tensor], file: str) -> None:
+def _save_file(
+    tensors: dict[str, torch.Tensor], file: str, aligns: dict[str, int] | None = None
+) -> None:
     """Write 1-d CPU tensors to `file` in the safetensors format, streaming each tensor's bytes
-    from its own memory (no serialized copy of the whole shard is built first)."""
+    from its own memory (no serialized copy of the whole shard is built first). `aligns` gives
+    the alignment a tensor's bytes need (a complex storage written as bytes: its element size),
+    its element size where it gives none."""
     header: dict[str, Any] = {"__metadata__": {"format": "torchlens-store"}}
     offset, parts = 0, []
-    # widest elements first: every tensor then starts at a multiple of its element size
-    for name, t in sorted(tensors.items(), key=lambda kv: -kv[1].element_size()):
+    aligns = aligns or {}
+    # widest alignment first: each tensor's bytes are a whole number of its alignment, so every
+    # tensor then starts at a multiple of its own
+    order = sorted(tensors.items(), key=lambda kv: -aligns.get(kv[0], kv[1].element_size()))
+    for name, t in order:
         dtype = SAFETENSORS_DTYPES.get(t.dtype)
         raw = (
             t.contiguous().view(torch.uint8)
@@ -357,6 +385,14 @@ def _save_file(tensors: dict[str, torch.Tensor], file: str) -> None:
         for raw in parts:
             if raw.numel():
                 f.write(raw.numpy().data)
+
+
+def _same_file(path: str, ident: tuple[int, int] | None) -> bool:
+    """Whether `path` is still the file `ident` (device, inode) names."""
+    if ident is None:
+        return False
+    info = os.stat(path)
+    return (info.st_dev, info.st_ino) == ident
 
 
 def _mapped(file: str) -> tuple[torch.UntypedStorage, dict[str, int]]:

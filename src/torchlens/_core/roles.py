@@ -88,12 +88,15 @@ def weight_layout(module: nn.Module) -> str | None:
     )
 
 
-def norm_eps(module: nn.Module) -> float:
-    """The epsilon a norm adds under its square root (read from the module, default 1e-5)."""
+def norm_eps(module: nn.Module) -> float | None:
+    """The epsilon a norm adds under its square root (read from the module, default 1e-5); None
+    for torch's `nn.RMSNorm` given `eps=None`, which adds its input dtype's `finfo.eps`."""
     for attr in EPS_ATTRS:
         value = getattr(module, attr, None)
         if isinstance(value, (int, float)):
             return float(value)
+    if hasattr(nn, "RMSNorm") and isinstance(module, nn.RMSNorm) and module.eps is None:
+        return None
     return 1e-5
 
 

@@ -304,6 +304,12 @@ class FacetMap(Mapping):
                 self._explain = {}
             self._explain[facet] = self._explain.get(facet, "") + text
 
+    def __getstate__(self) -> dict[str, Any]:
+        """For pickling and copying: every pending check runs first, so that a failing one moves
+        its site to `refused` before the sites are copied, not while they are."""
+        self.check()
+        return dict(self.__dict__)
+
     def check(self, name: str | None = None) -> dict[str, str]:
         """Run the pending checks: every one of this call, or that of the facet `name`.
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from torchlens._core.errors import GenerateSpecError
+from torchlens._core.errors import EditSpecError, GenerateSpecError
 
 __all__ = ["check_settings", "split_edits", "step_set"]
 
@@ -133,4 +133,30 @@ def split_edits(
             out.append((key[1], step_set(key[0], f"edit= key {key!r}: the step", limit), value))
         else:
             out.append((key, None, value))
+    _one_edit_per_step(edit, out)
     return dict(edit), out
+
+
+def _one_edit_per_step(edit: Mapping, entries: list[tuple[Any, set[int] | None, Any]]) -> None:
+    """Refuse two entries of one site key whose steps meet (a key for every step and a `(step,
+    key)` one, two overlapping ranges): each step takes one edit per site, as `trace` does."""
+    keys = list(edit)
+    for i, (site, steps, _) in enumerate(entries):
+        for j in range(i):
+            other, other_steps, _ = entries[j]
+            if other != site:
+                continue
+            both = (
+                steps
+                if other_steps is None
+                else other_steps
+                if steps is None
+                else steps & other_steps
+            )
+            if both is None or both:
+                where = "every step" if both is None else f"step(s) {sorted(both)}"
+                raise EditSpecError(
+                    f"edit= keys {keys[j]!r} and {keys[i]!r} both edit {site!r} at {where}; give one "
+                    f"edit per site and step (write one function that does both at the steps they "
+                    f"share, and key the rest by their own steps)."
+                )

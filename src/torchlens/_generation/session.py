@@ -46,6 +46,7 @@ from torchlens._capture.compiled import CompiledRunsEagerly
 from torchlens._capture.recorder import Recorder
 from torchlens._capture.step_copies import DeferredCopies, SharedWeights
 from torchlens._capture.stores import DirectoryStore
+from torchlens._core.errors import FacetNotFound
 from torchlens._edits import EditPlan, plan_edits
 from torchlens._generation.encdec_edits import (
     decoder_sites,
@@ -288,7 +289,18 @@ class Session:
             edit_plan, part, applied = self._locate_encoder(module, args, kwargs)
         else:  # a decoder forward after step 0
             wanted = decoder_sites(self.encdec_keys or [], step)
-            edit_plan = plan_edits(self._located(args, kwargs), wanted) if wanted else None
+            try:
+                edit_plan = plan_edits(self._located(args, kwargs), wanted) if wanted else None
+            except FacetNotFound as exc:
+                if not hasattr(exc, "add_note"):  # Python before 3.11
+                    raise
+                exc.add_note(
+                    f"torchlens: step {step} is a decode forward of an encoder-decoder model: its "
+                    f"cross-attention reads the keys and values cached at step 0 instead of computing "
+                    f"them, so a cross-attention k or v (or anything computed from the encoder's "
+                    f"output alone) exists at step 0 only; key such an edit as (0, key)."
+                )
+                raise
             if edit_plan is not None:
                 given_keys(edit_plan, self.encdec_keys or [])
             applied = tuple(r.key for r in edit_plan.records) if edit_plan is not None else ()
@@ -463,9 +475,7 @@ class Session:
         capture.exit()
         if capture.edit_plan is not None and not capture.edit_plan.records:
             capture.edit_plan = None  # an encoder-decoder step none of the keys edits
-        step = self._assemble(capture, module, args, kwargs, output)
-        if capture.edit_plan is not None:
-            capture.edit_plan.check_placed(step)
+        step = self._assemble(capture, module, args, kwargs, output)  # checks the edits' places
         self.steps.append(step)
         self.where = None
         return None

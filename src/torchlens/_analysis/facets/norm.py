@@ -103,13 +103,17 @@ def affine_gain(
     return min(_affine_errors(normalized, out, w, b, kind), key=lambda found: found[1])
 
 
-def norm_form(module: nn.Module, ops: list[OpRecord]) -> tuple[str, float, int, int | None]:
+def norm_form(
+    module: nn.Module, ops: list[OpRecord], dtype: torch.dtype = torch.float32
+) -> tuple[str, float, int, int | None]:
     """What a norm call computes: `(kind, eps, n_dims, groups)`: `"rms"`, `"std"` or `"group"`
-    (what it divides by, from the ops it ran), the epsilon under its square root, how many
-    trailing dimensions it normalizes over, and its number of groups (GroupNorm, else None)."""
+    (what it divides by, from the ops it ran), the epsilon under its square root (the `finfo.eps`
+    of its input's `dtype` for a norm that takes it from there), how many trailing dimensions it
+    normalizes over, and its number of groups (GroupNorm, else None)."""
+    eps = _roles.norm_eps(module)
     return (
         _norm_kind(module, ops),
-        _roles.norm_eps(module),
+        torch.finfo(dtype).eps if eps is None else eps,
         _n_normalized(module),
         getattr(module, "num_groups", None),
     )
@@ -141,7 +145,7 @@ def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
     if xm is None or om is None or xm[0] != om[0]:
         return {}
     ops = g.ops[call.first_op : call.end_op]
-    kind, eps, n_dims, groups = norm_form(module, ops)
+    kind, eps, n_dims, groups = norm_form(module, ops, xm[1])
     inv_name = "inv_rms" if kind == "rms" else "inv_std"
     names = ("normalized",) if kind == "group" else ("normalized", inv_name, "scale")
     rsqrt = next((op for op in ops if op.name == "rsqrt"), None) if kind != "group" else None
@@ -164,7 +168,9 @@ def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
         stat_shape = tuple(1 if i in dims else d for i, d in enumerate(xm[0]))
         sites["normalized"] = FacetSite("normalized", "computed", xm[0], xm[1], note=note)
         if kind != "group":
-            sites[inv_name] = FacetSite(inv_name, "computed", stat_shape, torch.float32, note=note)
+            # `_normalize` computes it as `wide` does: float64 stays float64, the rest float32
+            wide_dtype = torch.float64 if xm[1] == torch.float64 else torch.float32
+            sites[inv_name] = FacetSite(inv_name, "computed", stat_shape, wide_dtype, note=note)
     if kind != "group":
         inv_site = sites[inv_name]
         sites["scale"] = FacetSite(
