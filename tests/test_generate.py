@@ -981,3 +981,25 @@ def test_a_cross_attention_key_edited_at_every_step_says_to_key_it_at_step_0():
     assert any("key such an edit as (0, key)" in n for n in info.value.__notes__)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     tl.trace_generate(model, ids, edit={(0, key): lambda x: x * 0}, **kw)  # keyed at step 0: placed
+
+
+def test_a_k_read_back_from_a_sliding_window_static_cache_is_refused_for_what_it_is():
+    """With a sliding-window static cache, a decode step's kernel reads the keys from the cache the
+    forward rolled and wrote in place: k per head is refused, and the reason says that (it said the
+    keys were cut from a fused projection, which Mistral's separate k_proj is not)."""
+    config = transformers.MistralConfig(
+        **{**testing.LLAMA_LIKE, "max_position_embeddings": 64, "sliding_window": 3}
+    )
+    model = testing.from_config(config, transformers.MistralForCausalLM, "sdpa")
+    ids = testing.token_ids(batch=2, length=6, seed=3, vocab=60) + 3
+    gen = tl.trace_generate(
+        model,
+        ids,
+        max_new_tokens=2,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        cache_implementation="static",
+    )
+    facets = gen.steps[1].modules["model.layers.0.self_attn"].facets
+    assert "wrote in place" in facets.refused["k"] and "fused projection" not in facets.refused["k"]

@@ -148,11 +148,20 @@ def unsplit(g: Graph, call: ModuleCall, name: str, ref: Ref) -> dict[str, FacetS
     """
     op = g.op(ref)
     how = "" if op is None else f" (it reaches the kernel from op #{op.index} {op.name})"
-    reason = (
-        f"the model computes {name}{how}, but not as one projection viewed per head: it is cut from a "
-        f"fused projection or put together from parts, and that split is not proven from the data flow, "
-        f"so {name} per head is not served"
-    )
+    if op is not None and (op.mutated or op.name == "written_in_place"):
+        # a static or sliding-window cache the forward wrote the new keys into, then read whole
+        reason = (
+            f"the model computes {name}{how}, but the kernel reads it from memory the forward wrote "
+            f"in place (a static or sliding-window KV cache), not from its projection viewed per "
+            f"head, and the path from the projection through that write is not proven from the "
+            f"data flow, so {name} per head is not served"
+        )
+    else:
+        reason = (
+            f"the model computes {name}{how}, but not as one projection viewed per head: it is cut "
+            f"from a fused projection or put together from parts, and that split is not proven from "
+            f"the data flow, so {name} per head is not served"
+        )
     out = refused((name,), reason)
     if name in ("q", "k"):
         math = path_math(g, call.first_op - 1, ref)
