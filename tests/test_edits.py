@@ -863,26 +863,18 @@ def test_an_op_edit_a_changed_path_would_misplace_raises():
     assert edited.edits[1].applied == 1
 
 
-def test_two_names_of_one_module_output_are_refused():
-    """`output` and `resid_post` of a block are one tensor: two edits of it would be composed in
-    the dict's order, so two keys naming it are refused, as two keys of one site are."""
+@pytest.mark.parametrize(
+    "names",
+    [
+        ("transformer.h.0:output", "transformer.h.0:resid_post"),
+        ("transformer.h.1:input", "transformer.h.1:resid_pre"),
+    ],
+)
+def test_two_names_of_one_module_output_are_refused(names):
+    """`output` and `resid_post` of a block (`input` and `resid_pre`) are one tensor: two edits of
+    it would be composed in the dict's order, so two keys naming it are refused, as two keys of
+    one site are."""
     model = testing.build("gpt2")
-    ids = testing.token_ids(length=5)
+    edit = {names[0]: lambda t: t * 2, names[1]: lambda t: t + 1}
     with pytest.raises(EditSpecError, match="name one tensor"):
-        tl.trace(
-            model,
-            ids,
-            edit={
-                "transformer.h.0:output": lambda t: t * 2,
-                "transformer.h.0:resid_post": lambda t: t + 1,
-            },
-        )
-    with pytest.raises(EditSpecError, match="name one tensor"):
-        tl.trace(
-            model,
-            ids,
-            edit={
-                "transformer.h.1:input": lambda t: t * 2,
-                "transformer.h.1:resid_pre": lambda t: t + 1,
-            },
-        )
+        tl.trace(model, testing.token_ids(length=5), edit=edit)
