@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -165,3 +166,54 @@ def test_the_output_still_leads_back_through_the_model(gpt2):
     logits.sum().backward()
     assert gpt2.lm_head.weight.grad is not None
     gpt2.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("what", ["logits", "output"])
+def test_an_output_a_weak_reference_reaches_is_copied_when_the_trace_returns(what):
+    """A weak reference (a cache keyed weakly by tensors) reaches the output without counting as a
+    reference: the trace copies as it returns, so a write through it changes nothing served."""
+    torch.manual_seed(0)
+
+    class KeepsWeakly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 8)
+            self.ref = None
+
+        def forward(self, x):
+            out = _Out(logits=self.body(x))
+            self.ref = weakref.ref(out["logits"] if what == "logits" else out)
+            return out
+
+    model, x = KeepsWeakly(), torch.randn(3, 4)
+    with torch.no_grad():
+        truth = model.body(x).clone()
+    trace = torchlens.trace(model, x, save="all")
+    assert trace._output_guards is None
+    kept = model.ref() if what == "logits" else model.ref()["logits"]
+    kept.detach().numpy()[...] = 0.0
+    assert torch.equal(trace.modules["body"].facets["output"], truth)
+
+
+class _Out(dict):
+    """A dict output that can be referenced weakly (as a `ModelOutput` can)."""
+
+
+def test_an_input_the_model_returns_is_copied_when_the_trace_returns():
+    """A tensor in the output that is also the model's input is the caller's: copied at once."""
+
+    class ReturnsItsInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return {"x": x, "y": self.body(x)}
+
+    torch.manual_seed(0)
+    model, x = ReturnsItsInput(), torch.randn(2, 4)
+    truth = x.clone()
+    trace = torchlens.trace(model, x, save="all")
+    x.add_(1.0)  # the caller's input, written after the trace
+    assert torch.equal(trace.modules[""].facets["input"], truth)
+    assert torch.equal(trace.ops[0].tensor, truth)

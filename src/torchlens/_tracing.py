@@ -213,6 +213,8 @@ def trace(
             loss_name,
         )
         del output, loss  # the returned trace is the output's only holder here
+        rec.producer.clear()  # the recorder's weak references to the op outputs, the output's too
+        rec._frozen_only.clear()
         settle(result, rec.output_groups)  # see `_capture.output_copies`
         rec.output_groups = []
         return result

@@ -630,18 +630,20 @@ def _live_storages(
     # what the forward read that it did not make (a cache's keys from an earlier forward)
     live.update(p for p in rec.external if p is not None)
     out: dict[int, Tensor] = {}  # id -> each tensor the output holds (with `own_output`)
+    todo: list[tuple[Any, int, bool]] = [(reachable, 0, False)]  # (value, depth, in the output)
     if own_output:
         out = _output_tensors(reachable[2])
-    todo, seen = [(reachable, 0)], 0
+        todo = [(reachable[0], 1, False), (reachable[1], 1, False), (reachable[2], 1, True)]
+    seen = 0
     while todo and seen < 100_000:
-        value, depth = todo.pop()
+        value, depth, in_output = todo.pop()
         seen += 1
         if isinstance(value, Tensor):
-            if id(value) not in out:  # an output's tensor is decided below
+            if not (in_output and id(value) in out):  # an output's own tensor is decided below
                 add(value)
         elif depth < 8 and isinstance(value, (Mapping, tuple, list)):
             items = value.values() if isinstance(value, Mapping) else value
-            todo.extend((v, depth + 1) for v in items)
+            todo.extend((v, depth + 1, in_output) for v in items)
     alive = [t for t in (ref() for _, ref, _ in rec.producer.values()) if t is not None]
     graph_only, graph = _autograd_holders(alive) if alive else (set(), set())
     if graph is EVERY_STORAGE:  # the graph could not be read: copy every alive one, guard the rest

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -101,7 +102,8 @@ def _base() -> int | None:
 def sole_tree(owner: dict, key: str) -> tuple[list, list] | None:
     """The tensors of the tree at `owner[key]` that nothing but the tree holds, and the others,
     when nothing but that slot holds the tree's containers (see the module docstring); None when
-    something else holds one of them (then it can reach every tensor below it).
+    something else holds one of them (then it can reach every tensor below it). A weak reference
+    to an object counts as something else holding it.
 
     A tensor that C++ owns too (a view made of it holds it as its base) reads one more reference
     than the tree gives it, and is among the others.
@@ -119,9 +121,12 @@ def sole_tree(owner: dict, key: str) -> tuple[list, list] | None:
     sole: list = []
     others: list = []
     for x, extra in zip(nodes, _each_extra(nodes, given)):
+        # a weak reference (a cache keyed weakly by tensors, a callback's `weakref.ref`) reaches
+        # the object without counting as a reference
+        alone = extra == base and not weakref.getweakrefcount(x)
         if isinstance(x, torch.Tensor):
-            (sole if extra == base else others).append(x)
-        elif extra != base:
+            (sole if alone else others).append(x)
+        elif not alone:
             return None
     return sole, others
 
