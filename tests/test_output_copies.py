@@ -217,3 +217,57 @@ def test_an_input_the_model_returns_is_copied_when_the_trace_returns():
     x.add_(1.0)  # the caller's input, written after the trace
     assert torch.equal(trace.modules[""].facets["input"], truth)
     assert torch.equal(trace.ops[0].tensor, truth)
+
+
+def test_an_output_whose_storage_is_referred_to_weakly_is_copied_when_the_trace_returns():
+    """A weak reference to the logits' storage object reaches that memory with no reference count
+    to show it: the trace copies as it returns, so a write through it changes nothing served."""
+    torch.manual_seed(0)
+
+    class KeepsStorageWeakly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 8)
+            self.ref = None
+
+        def forward(self, x):
+            y = self.body(x)
+            self.ref = weakref.ref(y.untyped_storage())
+            return {"logits": y}
+
+    model, x = KeepsStorageWeakly(), torch.randn(3, 4)
+    with torch.no_grad():
+        truth = model.body(x).clone()
+    trace = torchlens.trace(model, x, save="all")
+    assert trace._output_guards is None
+    torch.empty(0).set_(model.ref(), 0, (3, 8), (8, 1)).numpy()[...] = 0.0
+    assert torch.equal(trace.modules["body"].facets["output"], truth)
+
+
+def test_an_empty_tuple_in_the_output_does_not_force_the_copy(gpt2):
+    """GPT-2 with `output_attentions` returns `cross_attentions=()`, the one empty tuple Python
+    shares: it reaches no tensor, and the logits still wait for the first read."""
+    trace = torchlens.trace(gpt2, IDS, save="all", output_attentions=True)
+    assert trace._output_guards
+
+
+def test_a_guard_stays_on_its_sites_until_the_copy_is_in_place(gpt2, monkeypatch):
+    """Another thread that reads a facet while the first read of `output` copies must find the
+    guard (and wait for the copy), never a site already disarmed and still on the output's memory:
+    the sites and ops keep their guard until the copy has replaced their tensors."""
+    from torchlens._capture import snapshot
+
+    trace = torchlens.trace(gpt2, IDS, save="all")
+    site = trace.modules[""].facets._sites["logits"]
+    op = _logits_op(trace)
+    seen = []
+    real = snapshot._copy_group
+
+    def copy_group(key, items):
+        seen.append((site._guard is not None, op._guard is not None))
+        return real(key, items)
+
+    monkeypatch.setattr(snapshot, "_copy_group", copy_group)
+    trace.output
+    assert seen == [(True, True)]
+    assert site._guard is None and op._guard is None

@@ -29,6 +29,7 @@ the copy; one who does pays it then, as before.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import torch
@@ -83,6 +84,8 @@ def _sole(group: Guarded, sole: list, others: list, base: Any) -> bool:
     ptr = storage_ptr(mine[0])
     if any(storage_ptr(t) == ptr for t in others):
         return False
+    if weakref.getweakrefcount(mine[0].untyped_storage()):  # one Python object per storage
+        return False  # a weak reference to the storage reaches it without counting
     on_it = {id(t): t for t in mine}
     on_it.update((id(t), t) for t in sole if storage_ptr(t) == ptr)
     return not _held_elsewhere(list(on_it.values()), base)

@@ -513,9 +513,10 @@ class Guarded:
         """
         resolve_groups([self], copy)
 
-    def _take(self) -> tuple[bool, list[tuple[Holding, Any]]]:
-        """Disarm the group (`resolve`'s first half): whether one of its tensors was written, and
-        the holdings that still serve, each with its owner."""
+    def _take(self) -> tuple[bool, list[tuple[Holding, Any]], list]:
+        """`resolve`'s first half: whether one of the group's tensors was written, the holdings
+        that still serve (each with its owner), and every entry, for `_disarm` once they are
+        copied or refused."""
         self.done = True
         entries = self._entries()
         self._items, self._owners, self.marks = [], [], []
@@ -525,12 +526,16 @@ class Guarded:
             for h, owner, (ident, _) in entries
             if id(h.current()) == ident and _live_input(h, owner)
         ]  # what a check let go of is left alone
+        return written, same, entries
+
+    def _disarm(self, entries: list) -> None:
+        """Take the group off its sites and ops (`resolve`'s last step, after the copy): a reader in
+        another thread that finds no guard there reads the copy, never the memory before it."""
         for h, owner, _ in entries:
             if h.key == "tensor":
                 h.holder._guard = None
             elif not isinstance(h.holder, list):
                 owner._guard = tuple(g for g in owner._guard or () if g is not self) or None
-        return written, same
 
     def _refuse(self, same: list[tuple[Holding, Any]]) -> None:
         """A written group's tensors are not served (`resolve`'s second half, when written)."""
@@ -563,13 +568,13 @@ def resolve_groups(groups: list[Guarded], copy: bool = True) -> None:
     when `generate` returns (`DeferredCopies.finish`), one copy for all of them, not one a step."""
     with _RUN_LOCK:
         taken = [(g, *g._take()) for g in groups if not g.done]
-        kept = [h for _, written, same in taken if not written for h, _ in same]
+        kept = [h for _, written, same, _ in taken if not written for h, _ in same]
         if kept and copy:
             # on a first read inside another trace's forward, the copy is none of its ops
             nested = torch._C._len_torch_function_stack() > 0
             with torch.no_grad(), torch._C.DisableTorchFunction() if nested else _NOTHING:
                 _copy_group(storage_ptr(kept[0].tensor), kept)
-        for g, written, same in taken:
+        for g, written, same, entries in taken:
             if written:
                 g._refuse(same)
             elif copy:
@@ -578,6 +583,7 @@ def resolve_groups(groups: list[Guarded], copy: bool = True) -> None:
                         mark = owner.marks[h.key]
                         if mark is not None and mark[0] == "version":
                             owner.marks[h.key] = ("version", h.current()._version)
+            g._disarm(entries)
 
 
 def _is_output(h: Holding) -> bool:

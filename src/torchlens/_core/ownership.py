@@ -14,7 +14,9 @@ exclusive tree, never take a shared one for exclusive: the items of tuples and l
 values of dicts, and the instance dictionary of a container that has one (itself a node, whose
 only reference is its object's). Any other object in the tree is a leaf, neither entered nor
 counted: a tensor it holds is not part of the tree, and one of the tree's objects it holds adds a
-reference the count sees.
+reference the count sees. An empty container reaches no tensor and is not counted either (the
+one empty tuple Python shares has references everywhere). A weak reference to an object of the
+tree reaches it without a reference, so it too counts as something else holding it.
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ def _visit(x: Any, nodes: list, given: dict[int, int]) -> None:
     """Count the references container `x` gives, adding the objects first met to `nodes` (a
     function of its own: no local of it still holds an object when the counts are read)."""
     for child in tree_children(x) or ():
-        if not isinstance(child, torch.Tensor) and tree_children(child) is None:
-            continue  # a leaf the count does not enter (a string, a cache object)
+        if not isinstance(child, torch.Tensor) and not tree_children(child):
+            continue  # a leaf the count does not enter (a string, a cache object), or an empty
+            # container, which reaches no tensor (the shared `()` has references everywhere)
         n = given.get(id(child))
         if n is None:
             nodes.append(child)
