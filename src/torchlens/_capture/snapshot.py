@@ -106,16 +106,23 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any, own_output: bool 
         Any, list[Holding]
     ] = {}  # storages only the autograd graph holds besides the trace
     owned: dict[int, list[Holding]] = {}  # storages only the output holds besides the trace
+    ptrs: dict[
+        int, int | None
+    ] = {}  # id(tensor) -> its storage (a tensor is held in several places)
     for h in held:
-        key = _live_key(h.tensor, live)
-        if key is not None:
-            groups.setdefault(key, []).append(h)
-        elif own and storage_ptr(h.tensor) in own:
-            owned.setdefault(storage_ptr(h.tensor), []).append(h)  # type: ignore[arg-type]  # in `own`: not None
-        elif shared:
-            ptr = storage_ptr(h.tensor)
-            if shared is EVERY_STORAGE or ptr in shared:
-                guarded.setdefault(ptr, []).append(h)
+        t = h.tensor
+        ptr = ptrs.get(id(t), -1)
+        if ptr == -1:
+            ptr = ptrs[id(t)] = storage_ptr(t)
+        if ptr is None:  # no storage of its own: whether the caller holds it cannot be told, so
+            groups.setdefault(("own", id(t)), []).append(h)  # it is copied
+        elif ptr in live:
+            groups.setdefault(ptr, []).append(h)
+        elif ptr in own:
+            owned.setdefault(ptr, []).append(h)
+        elif shared and (shared is EVERY_STORAGE or ptr in shared):
+            guarded.setdefault(ptr, []).append(h)
+    ptrs.clear()
     copied, weights, deferred = 0, [], []
     for key, items in groups.items():
         if type(key) is int and all(isinstance(h.holder, list) for h in items):
@@ -594,16 +601,6 @@ def _is_output(h: Holding) -> bool:
 def _live_input(h: Holding, owner: Any) -> bool:
     """Whether a holding still serves: a pending input list only while its check has not run."""
     return not isinstance(h.holder, list) or owner.inputs is h.holder
-
-
-def _live_key(t: Tensor, live: set[int]) -> Any:
-    """The group key of a saved tensor that must be copied: its storage's data pointer when the
-    caller can still reach that storage, `("own", id(t))` for a tensor with no storage of its own
-    (whether the caller holds it cannot be told, so it is copied), else None."""
-    ptr = storage_ptr(t)
-    if ptr is None:
-        return ("own", id(t))
-    return ptr if ptr in live else None
 
 
 def _live_storages(
