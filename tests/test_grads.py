@@ -807,3 +807,50 @@ def test_padding_mask_is_not_made_to_require_grad(family, impl):
         .sum()
         > 0
     )
+
+
+class _KeepRotatedKeys(torch.overrides.TorchFunctionMode):
+    """A plain forward's tensor hook on layer 0's rotated keys: the second RoPE `add` whose output
+    has the broadcast key's shape (the first rotates the queries)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.seen, self.grad = shape, 0, None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", "") == "add" and isinstance(out, torch.Tensor):
+            if tuple(out.shape) == self.shape and out.requires_grad:
+                self.seen += 1
+                if self.seen == 2:
+                    out.register_hook(lambda g: setattr(self, "grad", g))
+        return out
+
+
+def test_a_key_broadcast_before_rope_gets_the_sum_of_its_copies_gradients():
+    """Falcon's new layout broadcasts each key/value group to its query heads before RoPE, so the
+    rotated key exists only as copies; `rot_k` serves the group's key (the first copy), and its
+    gradient is d loss / d that key: the sum over the copies (it was the first copy's alone, off
+    by up to 100%). Ground truth: a tensor hook on the model's broadcast rotated keys."""
+    model = testing.build("falcon_new_layout", dtype=torch.float64)
+    ids = testing.token_ids(1, 7)
+
+    def loss(out):
+        return out.logits[0, -1, 3] - out.logits[0, -1, 5]
+
+    trace = tl.trace(model.requires_grad_(False), ids, grads=loss)
+    site = "transformer.h.0.self_attention"
+    served = trace.modules[site].grads["rot_k"]  # [1, 7, kv, d]
+    kv, d = served.shape[2], served.shape[3]
+    heads = model.config.num_attention_heads
+    keep = _KeepRotatedKeys((1, heads, 7, d))
+    model.requires_grad_(True)
+    try:
+        with keep:
+            loss(model(ids)).backward()
+    finally:
+        model.requires_grad_(False)
+        model.zero_grad(set_to_none=True)
+    truth = keep.grad.unflatten(1, (kv, heads // kv)).sum(2).transpose(1, 2)
+    assert torch.allclose(served, truth, rtol=1e-10, atol=1e-14)
+    assert "sum" in trace.modules[site].grads.site("rot_k").note

@@ -198,14 +198,15 @@ def backward(
         unused = g is None
         if unused:
             g = torch.zeros_like(h)
-        mapped = _view_like(g, h, t)
+        copies = site._copies
+        mapped = _sum_copies(g, h, t, copies) if copies else _view_like(g, h, t)
         if mapped is None:
             found[id(site)] = (
                 "its tensor is not laid out as a view of the tensor the model used, so which "
                 "element's gradient is which cannot be told"
             )
             continue
-        found[id(site)] = (mapped, unused)
+        found[id(site)] = (mapped, unused, copies)
     for i, sites, plan in kernel_plans:
         bound, (_, z), (_, q), (_, v) = plan
         got = [grads[id(x)] for x in (z, q, v)]
@@ -496,6 +497,23 @@ def _index_map(h: Tensor, t: Tensor) -> Tensor | None:
     return idx
 
 
+def _sum_copies(g: Tensor, h: Tensor, t: Tensor, copies: int) -> Tensor | None:
+    """The gradient of a site holding the first of each `copies` consecutive heads of `h` (`[b,
+    heads, t, d]`, a key the model broadcast to its group's query heads before RoPE), token-major
+    as the site is: the sum of `g` (d loss / d `h`) over each group's copies, d loss / d the
+    group's tensor the copies were made from. None unless `t` is that selection."""
+    if (
+        h.dim() != 4
+        or h.shape[1] % copies
+        or not torch.equal(
+            torch.tensor(t.shape),
+            torch.tensor([h.shape[0], h.shape[2], h.shape[1] // copies, h.shape[3]]),
+        )
+    ):
+        return None
+    return g.unflatten(1, (h.shape[1] // copies, copies)).sum(2).transpose(1, 2)
+
+
 def _view_like(g: Tensor, h: Tensor, t: Tensor) -> Tensor | None:
     """The gradient of `t` from the gradient `g` of `h`, where `t`'s elements are elements of `h`."""
     if t is h or (
@@ -545,11 +563,14 @@ def grad_maps(calls: list[ModuleCall], found: dict[int, Any], loss: str) -> None
                 deferred.setdefault(id(how), (how, []))[1].append(site)
                 sites[name] = site
             else:
-                g, unused = got
+                g, unused, copies = got
                 note = (
                     "zeros: the loss does not depend on this tensor (not on any path to it)"
                     if unused
                     else "autograd's gradient at the tensor the model used"
+                    if not copies
+                    else f"the sum of autograd's gradients at the {copies} copies of each head the "
+                    "model read (it broadcast the tensor to its group's query heads before this site)"
                 )
                 sites[name] = FacetSite(name, "real", s.shape, s.dtype, g, s.op, None, note)
         for how, group in deferred.values():

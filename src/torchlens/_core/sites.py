@@ -84,6 +84,7 @@ class FacetSite:
         "_inputs",
         "_refusal",
         "_guard",
+        "_copies",
         "__weakref__",
     )
     _pending: Pending | None
@@ -92,6 +93,10 @@ class FacetSite:
     # the `_capture.snapshot.Guarded` group of a tensor on memory only the autograd graph shares,
     # copied on the first read instead of when the trace is returned; None otherwise
     _guard: Any
+    # how many consecutive heads of the op output are copies of each of this site's heads (a key
+    # the model broadcast to the query heads of its group before RoPE): the site holds the first
+    # copy, and its gradient is the sum over the copies; None for a site that is no such selection
+    _copies: int | None
 
     @classmethod
     def _blank(cls) -> FacetSite:
@@ -99,6 +104,7 @@ class FacetSite:
         what `torchlens.load` fills in with the stored fields."""
         site = object.__new__(cls)
         site._pending = site._inputs = site._refusal = site._guard = site._value = None
+        site._copies = None
         return site
 
     def __init__(
@@ -112,7 +118,7 @@ class FacetSite:
         check_error: float | None = None,
         note: str = "",
     ):
-        self._pending = self._inputs = self._refusal = self._guard = None
+        self._pending = self._inputs = self._refusal = self._guard = self._copies = None
         self.name = name
         self.kind = kind
         self.shape = shape
@@ -176,7 +182,7 @@ class FacetSite:
         return {k: getattr(self, k) for k in _SITE_STATE}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._pending = self._inputs = self._guard = None
+        self._pending = self._inputs = self._guard = self._copies = None
         for k in _SITE_STATE:
             setattr(self, k, state[k])
 

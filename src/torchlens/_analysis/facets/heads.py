@@ -281,13 +281,12 @@ def rot_site(
         return None
     t = g.value(kernel_ref)
     kv = shape[2]
+    copies = m[0][1] // kv if m[0][1] != kv and m[0][1] % kv == 0 else None
     if t is not None:
-        if (
-            t.shape[1] != kv and t.shape[1] % kv == 0
-        ):  # GQA-expanded kernel input: one copy per kv head
-            t = t[:, :: t.shape[1] // kv]
+        if copies:  # GQA-expanded kernel input: one copy per kv head
+            t = t[:, ::copies]
         t = t.transpose(1, 2)
-    return FacetSite(
+    site = FacetSite(
         name,
         "real",
         (m[0][0], m[0][2], kv, m[0][3]),
@@ -298,3 +297,5 @@ def rot_site(
         f"attention kernel input, token-major: the projection after {', '.join(math)} "
         "(RoPE, a QK-norm or a scale)",
     )
+    site._copies = copies  # its gradient sums those of the copies (`_analysis.grads`)
+    return site
