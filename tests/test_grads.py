@@ -854,3 +854,54 @@ def test_a_key_broadcast_before_rope_gets_the_sum_of_its_copies_gradients():
     truth = keep.grad.unflatten(1, (kv, heads // kv)).sum(2).transpose(1, 2)
     assert torch.allclose(served, truth, rtol=1e-10, atol=1e-14)
     assert "sum" in trace.modules[site].grads.site("rot_k").note
+
+
+class _ReverseGrad(torch.autograd.Function):
+    """The usual gradient reversal layer: its forward returns a view of its input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+class _Reversed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(_ReverseGrad.apply(torch.tanh(self.a(x))))
+
+
+def test_a_custom_function_returning_a_view_traces_with_grads():
+    """The view a custom `autograd.Function` makes in its forward (under no_grad) has no gradient
+    edge of its own; `trace(grads=)` raised torch's bare AssertionError there. The sites on either
+    side of the Function get autograd's gradients, the reversal included. Ground truth: tensor
+    hooks in a plain forward."""
+    torch.manual_seed(0)
+    model, x = _Reversed(), torch.randn(2, 4)
+    model.requires_grad_(False)
+    trace = tl.trace(model, x, grads=lambda out: out.sum())
+    seen = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            out.register_hook(lambda g: seen.__setitem__(name, g))
+
+        return hook
+
+    model.requires_grad_(True)
+    handles = [model.a.register_forward_hook(keep("a")), model.b.register_forward_hook(keep("b"))]
+    try:
+        model(x).sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+        model.requires_grad_(False)
+        model.zero_grad(set_to_none=True)
+    assert torch.allclose(trace.modules["a"].grads["output"], seen["a"])
+    assert torch.allclose(trace.modules["b"].grads["output"], seen["b"])

@@ -118,8 +118,10 @@ class KeptAliases:
             kept = seen.get(id(a))
             if kept is None:
                 kept = seen[id(a)] = a.detach()
-                if self.edges is not None and a.requires_grad:
-                    self.edges.args[idx, id(kept)] = self.edges.of(a)
+                edges = self.edges
+                edge = edges.of(a) if edges is not None and a.requires_grad else None
+                if edges is not None and edge is not None:
+                    edges.args[idx, id(kept)] = edge
             return kept
 
         extra = {
@@ -215,8 +217,10 @@ class KeptAliases:
         if op.tensors[ref.slot] is not None:
             return
         kept = t.detach()
-        if self.edges is not None and t.requires_grad:
-            self.edges.ops[ref.op, ref.slot] = (self.edges.of(t), kept)
+        edges = self.edges
+        edge = edges.of(t) if edges is not None and t.requires_grad else None
+        if edges is not None and edge is not None:
+            edges.ops[ref.op, ref.slot] = (edge, kept)
         tensors = list(op.tensors)
         tensors[ref.slot] = kept
         op.tensors = tuple(tensors)

@@ -43,9 +43,14 @@ class Edges:
         self.args: dict[tuple[int, int], GradientEdge] = {}
 
     @staticmethod
-    def of(t: Tensor) -> GradientEdge:
-        """The gradient edge of `t` (which requires grad) as it is now."""
-        return get_gradient_edge(t)
+    def of(t: Tensor) -> GradientEdge | None:
+        """The gradient edge of `t` (which requires grad) as it is now; None where autograd has
+        none for it (a view made under no_grad of a tensor that requires grad: a custom
+        `autograd.Function` whose forward returns a view of its input)."""
+        try:
+            return get_gradient_edge(t)
+        except (AssertionError, RuntimeError):  # torch's "Expected gradient function to be set"
+            return None
 
     def keep_alias(self, alias: Tensor, edge: GradientEdge) -> None:
         self.aliases[id(alias)] = (alias, edge)

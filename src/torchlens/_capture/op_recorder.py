@@ -414,7 +414,9 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
                 ):  # a detached alias shares the counter: its version when saved
                     self.versions[idx, 0] = stamp[0]
                 if self.edges is not None and o0.requires_grad:
-                    self.edges.ops[idx, 0] = (self.edges.of(o0), kept0)
+                    edge = self.edges.of(o0)
+                    if edge is not None:
+                        self.edges.ops[idx, 0] = (edge, kept0)
             else:
                 tensors = (None,)
             first = _FIRST_REFS[idx] if idx < len(_FIRST_REFS) else _first_ref(idx)
@@ -439,8 +441,9 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
                         self.versions[idx, slot] = stamp[0]
                 if self.edges is not None:
                     for slot, o in enumerate(outs):
-                        if o.requires_grad:
-                            self.edges.ops[idx, slot] = (self.edges.of(o), kept[slot])
+                        edge = self.edges.of(o) if o.requires_grad else None
+                        if edge is not None:
+                            self.edges.ops[idx, slot] = (edge, kept[slot])
             else:
                 tensors = (None,) * len(outs)
             first = _first_ref(idx)
