@@ -361,3 +361,36 @@ def test_softmax_columns_that_cannot_be_told_keys_are_refused_not_served():
     for name in ("scores", "pattern"):
         with pytest.raises(tl.FacetNotFound, match="which columns are keys"):
             fm[name]
+
+
+class _OneTensor:
+    """The part of a `Graph` `rot_site` reads: one op output's meta and value."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def meta(self, ref):
+        return tuple(self.t.shape), self.t.dtype
+
+    def value(self, ref):
+        return self.t
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_rot_k_from_repeated_heads_is_served_only_when_they_are_copies(apart):
+    """A kernel input with more heads than the keys (each key repeated for its group's query heads
+    before RoPE) serves the first copy of each as `rot_k` only where the copies are equal: a model
+    that made them differ after repeating has no one rotated key per key/value head."""
+    from torchlens._analysis.facets.heads import rot_site
+    from torchlens._core.records import Ref
+
+    torch.manual_seed(0)
+    keys = torch.randn(1, 2, 5, 8)  # [batch, kv heads, tokens, dim]
+    repeated = keys.repeat_interleave(2, dim=1)  # 4 heads, group-major
+    if apart:
+        repeated = repeated * torch.tensor([1.0, 1.0, 1.0, 0.5]).view(1, 4, 1, 1)
+    site = rot_site(_OneTensor(repeated), "rot_k", Ref(3, 0), (1, 5, 2, 8), ["mul"])
+    if apart:
+        assert site.kind == "refused" and "not copies of one tensor" in site.note
+    else:
+        assert site.kind == "real" and torch.equal(site.tensor, keys.transpose(1, 2))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+import torch
+
 from torchlens._analysis.facets.common import io_ref, refused
 from torchlens._analysis.graph import Graph
 from torchlens._core import ops as _ops
@@ -284,6 +286,19 @@ def rot_site(
     copies = m[0][1] // kv if m[0][1] != kv and m[0][1] % kv == 0 else None
     if t is not None:
         if copies:  # GQA-expanded kernel input: one copy per kv head
+            grouped = t.unflatten(1, (kv, copies))
+            if not torch.equal(grouped, grouped[:, :, :1].expand_as(grouped)):
+                return FacetSite(
+                    name,
+                    "refused",
+                    (m[0][0], m[0][2], kv, m[0][3]),
+                    m[1],
+                    note=(
+                        f"the kernel reads {m[0][1]} heads, {copies} for each of the {kv} key/value "
+                        f"heads, and they are not copies of one tensor (the model made them differ "
+                        f"after repeating it), so there is no one {name} per key/value head to serve"
+                    ),
+                )
             t = t[:, ::copies]
         t = t.transpose(1, 2)
     site = FacetSite(
