@@ -905,3 +905,56 @@ def test_a_custom_function_returning_a_view_traces_with_grads():
         model.zero_grad(set_to_none=True)
     assert torch.allclose(trace.modules["a"].grads["output"], seen["a"])
     assert torch.allclose(trace.modules["b"].grads["output"], seen["b"])
+
+
+class _RoundThrough(torch.autograd.Function):
+    """A straight-through estimator: rounds forward, passes the gradient through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _Quantize(torch.nn.Module):
+    def forward(self, x):
+        return _RoundThrough.apply(x)
+
+
+class _Quantized(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.q, self.b = torch.nn.Linear(4, 4), _Quantize(), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.q(self.a(x)))
+
+
+def test_a_tensor_made_inside_a_custom_function_is_refused_for_that_reason():
+    """The output of a custom `autograd.Function`'s forward is computed with autograd off, so
+    autograd has no gradient at the op that made it: it is refused, saying so (it said nothing it
+    is computed from requires grad, which is false), and the gradient at its input, through the
+    Function's backward, equals a tensor hook's."""
+    torch.manual_seed(0)
+    model, x = _Quantized(), torch.randn(2, 4)
+    model.requires_grad_(False)
+    trace = tl.trace(model, x, grads=lambda out: out.square().sum())
+    grads = trace.modules["q"].grads
+    assert "autograd was off" in grads.refused["output"]
+    seen = {}
+
+    def keep(module, args, out):
+        out.register_hook(lambda g: seen.__setitem__("a", g))
+
+    model.requires_grad_(True)
+    handle = model.a.register_forward_hook(keep)
+    try:
+        model(x).square().sum().backward()
+    finally:
+        handle.remove()
+        model.requires_grad_(False)
+        model.zero_grad(set_to_none=True)
+    assert torch.allclose(trace.modules["a"].grads["output"], seen["a"])

@@ -432,6 +432,13 @@ def _base_of(
     if not candidates:
         if _from_parameters(site, t, ops, frozen):
             return _FROZEN_ONLY
+        if site.op is not None and site.op in edges.off:
+            return (
+                "its tensor was computed where autograd was off in the model's own forward (inside "
+                "a custom autograd.Function's forward, or under the model's torch.no_grad()), so "
+                "autograd keeps no gradient at it; the gradients at the tensors around that region "
+                "are served"
+            )
         return (
             "its tensor does not require grad: nothing it is computed from requires grad (no input that "
             "requires grad, and no parameter together with the input, on its path)"

@@ -35,12 +35,15 @@ class Edges:
             (`OpRecord.extra`), as the op read it.
     """
 
-    __slots__ = ("ops", "aliases", "args")
+    __slots__ = ("ops", "aliases", "args", "off")
 
     def __init__(self) -> None:
         self.ops: dict[tuple[int, int], tuple[GradientEdge, Tensor]] = {}
         self.aliases: dict[int, tuple[Tensor, GradientEdge]] = {}
         self.args: dict[tuple[int, int], GradientEdge] = {}
+        #: the ops that ran with autograd off in the model's own forward (inside a custom
+        #: `autograd.Function`'s forward, under the model's `torch.no_grad()`): no gradient there
+        self.off: set[int] = set()
 
     @staticmethod
     def of(t: Tensor) -> GradientEdge | None:

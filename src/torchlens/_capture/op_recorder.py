@@ -393,6 +393,8 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
     def _record(self, name, outs, ins, mutated, args=(), kwargs=None, refs=None):
         inputs = self._refs(ins) if refs is None else refs
         idx = len(self.ops)  # after the inputs: a stale input appends a `written_in_place` op first
+        if self.edges is not None and not torch.is_grad_enabled():  # the model's no-grad region
+            self.edges.off.add(idx)
         stack = self.stack
         call = stack[-1] if stack else None
         producer = self.producer
