@@ -99,10 +99,8 @@ class Trace:
 
     def __getstate__(self) -> dict[str, Any]:
         """For pickling and copying: the output's memory copied first (`output`), no guard kept."""
-        self._release_output()
-        state = dict(self.__dict__)
-        state.pop("_output_guards", None)
-        return state
+        self._release_output()  # which takes `_output_guards` out of the instance's dict
+        return dict(self.__dict__)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Trace:
         """`copy.deepcopy(trace)`: every record copied, as for any object. The model's output is

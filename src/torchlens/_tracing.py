@@ -216,7 +216,6 @@ def trace(
         rec.producer.clear()  # the recorder's weak references to the op outputs, the output's too
         rec._frozen_only.clear()
         settle(result, rec.output_groups)  # see `_capture.output_copies`
-        rec.output_groups = []
         return result
 
 

@@ -509,14 +509,9 @@ def _sum_copies(g: Tensor, h: Tensor, t: Tensor, copies: int) -> Tensor | None:
     heads, t, d]`, a key the model broadcast to its group's query heads before RoPE), token-major
     as the site is: the sum of `g` (d loss / d `h`) over each group's copies, d loss / d the
     group's tensor the copies were made from. None unless `t` is that selection."""
-    if (
-        h.dim() != 4
-        or h.shape[1] % copies
-        or not torch.equal(
-            torch.tensor(t.shape),
-            torch.tensor([h.shape[0], h.shape[2], h.shape[1] // copies, h.shape[3]]),
-        )
-    ):
+    if h.dim() != 4 or h.shape[1] % copies:
+        return None
+    if tuple(t.shape) != (h.shape[0], h.shape[2], h.shape[1] // copies, h.shape[3]):
         return None
     return g.unflatten(1, (h.shape[1] // copies, copies)).sum(2).transpose(1, 2)
 

@@ -118,10 +118,8 @@ class KeptAliases:
             kept = seen.get(id(a))
             if kept is None:
                 kept = seen[id(a)] = a.detach()
-                edges = self.edges
-                edge = edges.of(a) if edges is not None and a.requires_grad else None
-                if edges is not None and edge is not None:
-                    edges.args[idx, id(kept)] = edge
+                if self.edges is not None:
+                    self.edges.keep_arg(idx, kept, a)
             return kept
 
         extra = {
@@ -217,10 +215,8 @@ class KeptAliases:
         if op.tensors[ref.slot] is not None:
             return
         kept = t.detach()
-        edges = self.edges
-        edge = edges.of(t) if edges is not None and t.requires_grad else None
-        if edges is not None and edge is not None:
-            edges.ops[ref.op, ref.slot] = (edge, kept)
+        if self.edges is not None:
+            self.edges.keep_op(ref.op, ref.slot, t, kept)
         tensors = list(op.tensors)
         tensors[ref.slot] = kept
         op.tensors = tuple(tensors)

@@ -47,16 +47,33 @@ class Edges:
 
     @staticmethod
     def of(t: Tensor) -> GradientEdge | None:
-        """The gradient edge of `t` (which requires grad) as it is now; None where autograd has
-        none for it (a view made under no_grad of a tensor that requires grad: a custom
-        `autograd.Function` whose forward returns a view of its input)."""
+        """The gradient edge of `t` as it is now; None where it does not require grad, or where
+        autograd has none for it (a view made under no_grad of a tensor that requires grad: a
+        custom `autograd.Function` whose forward returns a view of its input)."""
+        if not t.requires_grad:
+            return None
         try:
             return get_gradient_edge(t)
         except (AssertionError, RuntimeError):  # torch's "Expected gradient function to be set"
             return None
 
-    def keep_alias(self, alias: Tensor, edge: GradientEdge) -> None:
-        self.aliases[id(alias)] = (alias, edge)
+    def keep_op(self, op: int, slot: int, t: Tensor, kept: Tensor) -> None:
+        """Note the edge of op output `t` (saved as `kept`), where it has one (`of`)."""
+        edge = self.of(t)
+        if edge is not None:
+            self.ops[op, slot] = (edge, kept)
+
+    def keep_arg(self, op: int, kept: Tensor, t: Tensor) -> None:
+        """Note the edge of a rebuilt op's argument `t` (kept as `kept`), as `keep_op`."""
+        edge = self.of(t)
+        if edge is not None:
+            self.args[op, id(kept)] = edge
+
+    def keep_alias(self, alias: Tensor, t: Tensor) -> None:
+        """Note the edge of a module input/output `t` the hook kept as `alias`, as `keep_op`."""
+        edge = self.of(t)
+        if edge is not None:
+            self.aliases[id(alias)] = (alias, edge)
 
     def moved(self, old: Tensor, new: Tensor) -> None:
         """A kept alias was replaced by a copy (before a write): the copy has its edge."""

@@ -415,10 +415,8 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
                     stamp[0] is not None
                 ):  # a detached alias shares the counter: its version when saved
                     self.versions[idx, 0] = stamp[0]
-                if self.edges is not None and o0.requires_grad:
-                    edge = self.edges.of(o0)
-                    if edge is not None:
-                        self.edges.ops[idx, 0] = (edge, kept0)
+                if self.edges is not None:
+                    self.edges.keep_op(idx, 0, o0, kept0)
             else:
                 tensors = (None,)
             first = _FIRST_REFS[idx] if idx < len(_FIRST_REFS) else _first_ref(idx)
@@ -443,9 +441,7 @@ class OpRecorder(KeptAliases, TorchFunctionMode):
                         self.versions[idx, slot] = stamp[0]
                 if self.edges is not None:
                     for slot, o in enumerate(outs):
-                        edge = self.edges.of(o) if o.requires_grad else None
-                        if edge is not None:
-                            self.edges.ops[idx, slot] = (edge, kept[slot])
+                        self.edges.keep_op(idx, slot, o, kept[slot])
             else:
                 tensors = (None,) * len(outs)
             first = _first_ref(idx)

@@ -260,10 +260,8 @@ class Recorder(OpRecorder):
             alias = t.detach()
             setattr(call, side, alias)
             self._hook_aliases.append((call, side))
-            edges = self.edges
-            edge = edges.of(t) if edges is not None and t.requires_grad else None
-            if edges is not None and edge is not None:
-                edges.keep_alias(alias, edge)
+            if self.edges is not None:
+                self.edges.keep_alias(alias, t)
             self._note_hook_version(call, side, alias)
         elif not self.retain_all and call.address in self._hold[side]:
             self._hold_output(ref, t)

@@ -122,7 +122,6 @@ def _snapshot(rec: Recorder, model: nn.Module, reachable: Any, own_output: bool 
             owned.setdefault(ptr, []).append(h)
         elif shared and (shared is EVERY_STORAGE or ptr in shared):
             guarded.setdefault(ptr, []).append(h)
-    ptrs.clear()
     copied, weights, deferred = 0, [], []
     for key, items in groups.items():
         if type(key) is int and all(isinstance(h.holder, list) for h in items):
@@ -670,7 +669,7 @@ def _live_storages(
     own: set[int] = set()
     for t in out.values():
         ptr = storage_ptr(t)
-        if ptr is None or ptr in live or ptr in graph:
+        if ptr is None or ptr in live or ptr in shared:  # the graph can hand it out too: copied
             add(t)
         else:
             own.add(ptr)
@@ -679,7 +678,6 @@ def _live_storages(
     live.discard(0)  # empty tensors own no memory
     own.discard(0)
     shared -= live  # a storage something else holds too is copied
-    shared -= own
     shared.discard(0)
     return live, shared, fixed, own
 
