@@ -416,3 +416,16 @@ def test_a_complex_view_of_a_float_storage_is_stored_aligned(tmp_path):
         assert (a.tensor is None) == (b.tensor is None)
         if a.tensor is not None:
             assert torch.equal(a.tensor, b.tensor), a.name
+
+
+def test_a_directory_in_the_way_of_a_store_file_is_named_in_the_error(tmp_path):
+    """A directory where the store's first file goes: the error names that, not a full disk, and
+    the forward's files are gone."""
+    store = tmp_path / "store"
+    (store / "tensors-00000.safetensors").mkdir(parents=True)
+    with pytest.raises(tl.StoreSpecError) as info:
+        tl.trace(testing.build("gpt2", "sdpa"), IDS, save="all", store=store)
+    message = str(info.value)
+    assert "A directory is in the way" in message and "free space" not in message.lower()
+    assert "store='cpu'" in message
+    assert sorted(p.name for p in store.iterdir()) == ["tensors-00000.safetensors"]

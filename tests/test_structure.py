@@ -18,6 +18,7 @@ from torch import nn
 
 import torchlens as tl
 import torchlens.mechinterp as mi
+from torchlens import testing
 
 V = 16
 
@@ -139,6 +140,23 @@ def test_a_wrapper_around_a_causal_lm_keeps_its_logits():
     assert r.status == "real" and r.module_address == "inner.lm_head"
     torch.testing.assert_close(t.modules[""].facets["logits"], t.output, rtol=0, atol=0)
     assert mi.resolve_alias(t, "blocks.1.hook_resid_post").module_address == "inner.transformer.h.1"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_model_given_inputs_embeds_keeps_its_unembedding_and_logits(family):
+    """No token embedding runs, so the unembedding is known by the vocabulary of the embedding
+    that did not run (GPT-2's wte, where wpe ran): logits are the model's own; hook_embed is
+    absent, and its reason says why and what to do."""
+    model = testing.build(family, "sdpa")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    emb = model.get_input_embeddings()(ids).detach()
+    t = tl.trace(model, inputs_embeds=emb)
+    with torch.no_grad():
+        expected = model(inputs_embeds=emb).logits
+    assert t.structure.token_embed is None and t.structure.unembed.address == "lm_head"
+    torch.testing.assert_close(t.modules[""].facets["logits"], expected, rtol=0, atol=0)
+    r = mi.resolve_alias(t, "hook_embed")
+    assert r.status == "structurally_absent" and "inputs_embeds=" in r.reason
 
 
 class Classifier(nn.Module):

@@ -26,7 +26,9 @@ Roles are found in two passes:
      (`torchlens._analysis.sublayers.fill_layer`, where the rules are told).
    - The **token embedding** is the first `nn.Embedding` outside every layer whose input is a
      model input. The **unembedding** is the last linear layer outside every layer whose output
-     width is the token embedding's vocabulary and whose output reaches the model output.
+     width is the token embedding's vocabulary and whose output reaches the model output (where
+     no token embedding ran, a model given `inputs_embeds=`, the vocabulary is that of the
+     embedding modules outside the layers that did not run, when they have one size).
    - The **language-model stack** is the stack whose last layer's output reaches the
      unembedding; without an unembedding, the only stack. A stack's **final norm** is the last
      norm outside every layer that runs after the stack's last layer, reads from its output, and
@@ -326,7 +328,11 @@ def find(
         ),
         None,
     )
-    vocab = modules[struct.token_embed.address].num_embeddings if struct.token_embed else None
+    vocab = (
+        modules[struct.token_embed.address].num_embeddings
+        if struct.token_embed
+        else _unrun_vocab(modules, calls, struct)
+    )
     named_unembed = [c for c in outside if overrides.get(c.address) == "unembed"]
     if named_unembed:
         struct.unembed = named_unembed[-1]
@@ -428,6 +434,25 @@ def _encoder_named(model: nn.Module, stack: Stack, modules: dict[str, nn.Module]
         for h in holders
         if h in modules
     )
+
+
+def _unrun_vocab(
+    modules: dict[str, nn.Module], calls: list[ModuleCall], struct: Structure
+) -> int | None:
+    """The vocabulary of a model given embeddings instead of token ids (`inputs_embeds=`): no
+    token embedding ran, so the unembedding is known by the size of the one vocabulary among the
+    `nn.Embedding` modules outside every layer that did not run in this forward (GPT-2's `wte`
+    where its `wpe` ran); None where there is no such module, or several sizes."""
+    ran = {c.address for c in calls}
+    in_layers = tuple(
+        layer.call.address + "." for s in struct.stacks.values() for layer in s.layers + s.repeats
+    )
+    sizes = {
+        m.num_embeddings
+        for a, m in modules.items()
+        if isinstance(m, nn.Embedding) and a not in ran and not a.startswith(in_layers)
+    }
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def from_model_input(ops: list[OpRecord], ref: Any) -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from torchlens._core.errors import TorchLensError
+from torchlens._core.errors import TorchLensError, write_remedy
 from torchlens._core.holdings import Holding, storage_ptr, trace_holdings
 
 __all__ = ["DirectoryStore", "StoreSpecError", "apply_store", "parse_store"]
@@ -266,8 +266,8 @@ class DirectoryStore:
                 f"({errno.errorcode.get(exc.errno or 0, exc.errno)}"
                 + (f", at {exc.filename!r}" if exc.filename else "")
                 + "). The trace was not made, and the files it had written there were removed. "
-                "Free space there, or pass a writable "
-                "directory with room, or store='cpu'."
+                + (write_remedy(exc.errno) or "Pass a writable directory with room.")
+                + " Or keep the tensors in memory: store='cpu' or store=None."
             ) from exc
 
     def _write_files(self, storages: dict, widest: dict) -> dict:

@@ -8,6 +8,7 @@ from `ValueError`, so code written against plain mappings keeps working.
 from __future__ import annotations
 
 import difflib
+import errno
 from collections.abc import Iterable
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "NotEditable",
     "GenerateSpecError",
     "close_matches",
+    "write_remedy",
 ]
 
 
@@ -51,6 +53,30 @@ def close_matches(word: str, choices: Iterable[str], n: int = 3) -> list[str]:
         by_norm.setdefault(norm(c), c)
     hits = difflib.get_close_matches(norm(word), list(by_norm), n=n, cutoff=0.6)
     return [by_norm[h] for h in hits]
+
+
+def write_remedy(code: int | None) -> str:
+    """What to do about a failed file write whose `OSError.errno` is `code`: one sentence, or ""
+    for an errno with no advice of its own (the caller words its general remedy then).
+
+    Examples:
+        >>> write_remedy(errno.EISDIR)
+        'A directory is in the way of a file of that name: remove it, or write elsewhere.'
+    """
+    if code is not None and code == getattr(errno, "EDQUOT", None):
+        return "The disk quota is used up: free space there or write elsewhere."
+    return _WRITE_REMEDIES.get(code or 0, "")
+
+
+_WRITE_REMEDIES = {
+    errno.ENOSPC: "The disk is full: free space there or write elsewhere.",
+    errno.EROFS: "The file system is read-only: write to a writable directory.",
+    errno.EACCES: "This process may not write there: write to a directory it may write to.",
+    errno.EPERM: "This process may not write there: write to a directory it may write to.",
+    errno.EFBIG: "The file is larger than this process or file system allows (see `ulimit -f`).",
+    errno.ENOTDIR: "A part of the path is a file, not a directory: write to another path.",
+    errno.EISDIR: "A directory is in the way of a file of that name: remove it, or write elsewhere.",
+}
 
 
 def _suggest(word: str, choices: Iterable[str]) -> str:

@@ -28,7 +28,9 @@ def resolve_row(
 ) -> AliasResolution:
     """The resolution of one row at `layer`. With `force`, the site's pending check runs first
     (so the status is final); without, nothing is computed and a pending site says so. Where the
-    row's site is structurally absent and the row has an `or_else`, that site is read instead."""
+    row's site is structurally absent and the row has an `or_else`, that site is read instead (and
+    where it is absent too, its reason is the one given: the `or_else` is the general site, whose
+    absence is why the special one is absent as well)."""
     first = _status_of_site(trace, table, row, layer, query, address, force)
     if first.status != "structurally_absent" or row.or_else is None or address is not None:
         return first
@@ -42,7 +44,7 @@ def resolve_row(
         None,
         force,
     )
-    return first if other.status == "structurally_absent" else other
+    return other
 
 
 def _status_of_site(

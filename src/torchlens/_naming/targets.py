@@ -190,7 +190,8 @@ TARGETS: dict[str, Target] = check_targets(
             find=lambda t, i: token_embed(t),
             per_layer=False,
             roles=("embedding",),
-            absent="no embedding module read the model's input ids",
+            absent="no embedding module read the model's input ids (a model given inputs_embeds= runs no token "
+            "embedding: call it with input_ids for this site)",
         ),
         Target(
             name="pos_embed",

@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 
+from torchlens._core.errors import write_remedy
 from torchlens._persist.format import (
     CHUNK,
     FORMAT,
@@ -104,16 +105,7 @@ def fsync_dir(fd: int | None) -> None:
 
 def os_error(call: str, path: str, exc: OSError, what: str, had_trace: bool) -> TraceFileError:
     name = errno.errorcode.get(exc.errno or 0, "")
-    remedy = {
-        errno.ENOSPC: "The disk is full: free space there or save elsewhere.",
-        errno.EROFS: "The file system is read-only: save to a writable directory.",
-        errno.EACCES: "This process may not write there: save to a directory it may write to.",
-        errno.EPERM: "This process may not write there: save to a directory it may write to.",
-        errno.EFBIG: "The file is larger than this process or file system allows (see `ulimit -f`).",
-        errno.ENOTDIR: "A part of the path is a file, not a directory: save to another path.",
-    }.get(exc.errno or 0, "")
-    if getattr(errno, "EDQUOT", None) == exc.errno:
-        remedy = "The disk quota is used up: free space there or save elsewhere."
+    remedy = write_remedy(exc.errno)
     kept = (
         f"The trace that was in {path!r} is unchanged."
         if had_trace
