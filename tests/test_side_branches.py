@@ -229,3 +229,47 @@ def test_attention_contribution_excludes_the_residual_it_adds_itself():
                 f"blocks.{layer}.hook_attn_out -> {r.module_address}:{r.facet} [{r.status}]"
             )
     assert not wrong, "\n".join(wrong)
+
+
+class _RoutedAttention(torch.nn.Module):
+    """Attention whose call first takes a router's softmax over 2 experts per token (JetMoe's
+    mixture of attention heads), then the attention's own softmax over keys."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.heads, self.d_head = heads, d // heads
+        self.router = torch.nn.Linear(d, 2)
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.o = torch.nn.Linear(d, d)
+        self.seen: dict = {}
+
+    def forward(self, x):
+        b, t, d = x.shape
+        gate = torch.softmax(self.router(x), dim=-1)
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (y.view(b, t, self.heads, self.d_head).transpose(1, 2) for y in (q, k, v))
+        pattern = torch.softmax(q @ k.transpose(-1, -2) / self.d_head**0.5, dim=-1)
+        self.seen["pattern"] = pattern.detach()
+        z = (pattern @ v).transpose(1, 2).reshape(b, t, d)
+        return self.o(z) * gate[..., :1]
+
+
+class _RoutedBlock(torch.nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.attn = _RoutedAttention(d)
+
+    def forward(self, x):
+        return x + self.attn(self.ln(x))
+
+
+def test_a_routers_softmax_in_the_attention_is_not_served_as_its_pattern():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_RoutedBlock(), _RoutedBlock()).eval()
+    x = torch.randn(1, 5, 16)
+    t = tl.trace(model, x, roles={"*.attn": "attention"})
+    for i in range(2):
+        facets = t.modules[f"{i}.attn"].facets
+        assert facets.sites["pattern"].kind == "real"
+        torch.testing.assert_close(facets["pattern"], model[i].attn.seen["pattern"], rtol=0, atol=0)

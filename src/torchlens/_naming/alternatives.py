@@ -12,7 +12,18 @@ from torch import Tensor
 from torchlens._core.ops import PASS_THROUGH_OPS, RESHAPE_OPS, SCALE_OPS
 from torchlens._core.records import Ref
 from torchlens._naming.layouts import apply, conversions
-from torchlens._naming.pool import NEAR, Entry, Found, Pool, label_of, op_path, rel, through, within
+from torchlens._naming.pool import (
+    NEAR,
+    Entry,
+    Found,
+    Pool,
+    label_of,
+    op_path,
+    rel,
+    same_mask,
+    through,
+    within,
+)
 
 # The layout sets (token-major, head-major, kv-head and per-head facets) come from the facet rows.
 
@@ -47,6 +58,7 @@ def roundings(found, expected, e, norm_e, engine_dtype, pool, shape, vis):
             # Finite values only: |x - inf| <= eps * inf holds for an infinite entry (a masked score).
             if (
                 math.isfinite(err)
+                and same_mask(r, vis)
                 and bool(torch.isfinite(rr).all())
                 and bool(((ee - rr).abs() <= eps * rr.abs() + 1e-30).all())
             ):

@@ -51,6 +51,7 @@ from torchlens._naming.pool import (
     Pool,
     fmt,
     label_of,
+    mask_floor,
     names_in,
     pool_of,
     rel,
@@ -140,9 +141,7 @@ def diagnose(
     n = e.numel()
     if n == 0:
         return "", ()
-    masked = (
-        e <= torch.finfo(torch.float32).min / 2
-    )  # masked attention scores: compare the visible ones
+    masked = e <= mask_floor(engine.dtype)  # masked attention scores: compare the visible ones
     vis = ~masked if bool(masked.any()) else None
     shown = e if vis is None else e[vis]
     norm_e = float(torch.linalg.vector_norm(shown, dtype=torch.float64))

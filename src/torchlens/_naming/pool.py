@@ -469,10 +469,31 @@ def rel(
     return norm / max(norm_e, 1e-30), float(d.abs().max())
 
 
+def mask_floor(dtype: torch.dtype) -> float:
+    """Below this a score counts as masked (a fill of -inf or the dtype's minimum, or near it):
+    half `dtype`'s minimum for a floating dtype (float16's is -65504), else float32's."""
+    return (
+        torch.finfo(dtype).min if dtype.is_floating_point else torch.finfo(torch.float32).min
+    ) / 2
+
+
+def same_mask(other: Tensor, vis: Tensor | None) -> bool:
+    """Whether `other` masks every entry the engine's tensor masks (those not in `vis`): each is
+    below `other`'s `mask_floor` too (a candidate that explains masked scores on the entries both
+    leave visible is no explanation where the engine masks more)."""
+    return vis is None or bool((other[~vis].float() <= mask_floor(other.dtype)).all())
+
+
 def within(
-    engine: Tensor, other: Tensor, atol: float, rtol: float, vis: Tensor | None = None
+    engine: Tensor,
+    other: Tensor,
+    atol: float,
+    rtol: float,
+    vis: Tensor | None = None,
 ) -> bool:
     if vis is not None:
+        if not same_mask(other, vis):
+            return False
         engine, other = engine[vis], other[vis]
     o = other.float()
     return bool(((engine - o).abs() <= atol + rtol * o.abs()).all())

@@ -29,8 +29,7 @@ def resolve_row(
     """The resolution of one row at `layer`. With `force`, the site's pending check runs first
     (so the status is final); without, nothing is computed and a pending site says so. Where the
     row's site is structurally absent and the row has an `or_else`, that site is read instead (and
-    where it is absent too, its reason is the one given: the `or_else` is the general site, whose
-    absence is why the special one is absent as well)."""
+    where it is absent too, both reasons are given)."""
     first = _status_of_site(trace, table, row, layer, query, address, force)
     if first.status != "structurally_absent" or row.or_else is None or address is not None:
         return first
@@ -44,7 +43,11 @@ def resolve_row(
         None,
         force,
     )
-    return other
+    if other.status != "structurally_absent":
+        return other
+    # Both absent: the row's own reason, and the general site's (often why both are absent)
+    why = f"{first.reason.rstrip('. ')}; and its other site is absent too: {other.reason}"
+    return replace(first, reason=why)
 
 
 def _status_of_site(

@@ -24,12 +24,14 @@ from torchlens._naming.finders.block_children import (
     attn_out_proj,
     post_ln,
     post_ln_block,
+    post_ln_of,
     pre_ln_mlp,
     split_mlp,
 )
-from torchlens._naming.finders.calls import layer_of, stack_of_kind, sublayer
+from torchlens._naming.finders.calls import layer_of, own_output, stack_of_kind, sublayer
 from torchlens._naming.finders.embeddings import (
     embed_norm,
+    embedded,
     pos_embed,
     scaled_embed_block,
     token_embed,
@@ -115,6 +117,24 @@ TARGETS: dict[str, Target] = check_targets(
             absent="the block has no attention sublayer",
         ),
         Target(
+            name="attention_own",
+            find=lambda t, i: own_output(t, i, "attention"),
+            per_layer=True,
+            roles=("attention",),
+            absent="the block has no attention sublayer, or its attention module adds the residual itself (BLOOM), "
+            "so its output is the residual stream after attention, not the attention's own output (the output "
+            "projection's is blocks.<L>.attn.o.hook_out in generation='4.x')",
+        ),
+        Target(
+            name="mlp_own",
+            find=lambda t, i: own_output(t, i, "mlp"),
+            per_layer=True,
+            roles=("mlp",),
+            absent="the block has no MLP sublayer, or its MLP module adds the residual itself (BLOOM), so its "
+            "output is the residual stream after the MLP, not the MLP's own output (the down projection's is "
+            "blocks.<L>.mlp.out.hook_out in generation='4.x')",
+        ),
+        Target(
             name="cross_attention",
             find=lambda t, i: sublayer(t, i, "cross_attention"),
             per_layer=True,
@@ -190,6 +210,22 @@ TARGETS: dict[str, Target] = check_targets(
             find=lambda t, i: token_embed(t),
             per_layer=False,
             roles=("embedding",),
+            absent="no embedding module read the model's input ids (a model given inputs_embeds= runs no token "
+            "embedding: call it with input_ids for this site)",
+        ),
+        Target(
+            name="embedded_tokens",
+            find=lambda t, i: embedded(t, alone=True),
+            per_layer=False,
+            roles=("embedding", "norm"),
+            absent="no embedding module read the model's input ids (a model given inputs_embeds= runs no token "
+            "embedding: call it with input_ids for this site)",
+        ),
+        Target(
+            name="embedded_sum",
+            find=lambda t, i: embedded(t, alone=False),
+            per_layer=False,
+            roles=("embedding", "norm"),
             absent="no embedding module read the model's input ids (a model given inputs_embeds= runs no token "
             "embedding: call it with input_ids for this site)",
         ),
@@ -299,6 +335,41 @@ TARGETS: dict[str, Target] = check_targets(
             per_layer=True,
             roles=("norm",),
             absent="no norm feeds the cross-attention input",
+        ),
+        Target(
+            name="dec_ln1",
+            find=lambda t, i: post_ln_of(t, i, 0) or norm_where(t, i, feeds, "attention"),
+            per_layer=True,
+            roles=("norm",),
+            absent="no norm feeds the self-attention input, and the block is not post-LN with a norm after each "
+            "of its three sublayers",
+        ),
+        Target(
+            name="dec_ln2",
+            find=lambda t, i: post_ln_of(t, i, 1) or norm_where(t, i, feeds, "cross_attention"),
+            per_layer=True,
+            roles=("norm",),
+            absent="no norm feeds the cross-attention input, and the block is not post-LN with a norm after each "
+            "of its three sublayers",
+        ),
+        Target(
+            name="dec_ln3",
+            find=lambda t, i: (
+                post_ln_of(t, i, 2) or norm_where(t, i, feeds, "mlp") or pre_ln_mlp(0)(t, i)
+            ),
+            per_layer=True,
+            roles=("norm",),
+            absent="no norm feeds the MLP input, and the block is not post-LN with a norm after each of its three "
+            "sublayers",
+        ),
+        Target(
+            name="cross_kv_source",
+            find=lambda t, i: None,
+            per_layer=True,
+            roles=("attention",),
+            absent="the cross-attention's keys and values are projected from the encoder's output, which is not "
+            "an input TorchLens records for the cross-attention module (its input is the decoder's stream); the "
+            "projected keys and values are cross_attn.k.hook_out and cross_attn.v.hook_out",
         ),
         Target(
             name="first_block",

@@ -118,6 +118,13 @@ def compare(
         CompareSpecError: `of` is not `"value"` or `"grad"`; `of="grad"` on a trace taken without
             `grads=`, or with `tolerance="auto"`.
     """
+    if not isinstance(engine_values, Mapping):
+        raise CompareSpecError(
+            f"compare takes a dict from names to the engine's tensors ({{'blocks.0.hook_resid_post': t}}), got a "
+            f"{type(engine_values).__name__}"
+            + (": pass dict(pairs)" if isinstance(engine_values, (list, tuple)) else "")
+            + "."
+        )
     if of not in ("value", "grad"):
         raise CompareSpecError(
             f"of={of!r} is not accepted: pass 'value' (the engine's tensors are activations) or "

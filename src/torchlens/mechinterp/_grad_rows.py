@@ -73,7 +73,15 @@ def _grad_row(
             "that never ran in the backward",
             ref_shape=tuple(ref.shape),
         )
-    engine, _, tuple_hint = engine_tensor(value)
+    try:
+        engine, _, tuple_hint = engine_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return row(
+            False,
+            f"the engine's gradient is not a tensor ({type(value).__name__}: {exc}): compare takes a tensor, "
+            "or a tuple or list whose element 0 is one, per name",
+            ref_shape=tuple(ref.shape),
+        )
     hints = [tuple_hint] if tuple_hint else []
 
     def why() -> tuple:

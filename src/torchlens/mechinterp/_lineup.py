@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from torchlens._naming.layouts import fitting
+from torchlens._naming.pool import mask_floor
 
 
 def layouts(
@@ -37,8 +38,8 @@ def diff(engine: Tensor, ref: Tensor, facet: str) -> tuple[float, Tensor]:
     infinitely far); for `scores`, a masked entry equals a masked entry whatever the fill."""
     e, r = engine.float(), ref.float()
     if facet == "scores":  # a masked entry is masked whichever fill each side uses
-        floor = torch.finfo(torch.float32).min / 2
-        e_masked, r_masked = e <= floor, r <= floor
+        # (-inf or the minimum of each side's own dtype: float16's is -65504)
+        e_masked, r_masked = e <= mask_floor(engine.dtype), r <= mask_floor(ref.dtype)
         same_mask = e_masked == r_masked
         d = torch.where(e_masked & r_masked, torch.zeros_like(e), (e - r).abs())
         d = torch.where(same_mask, d, torch.full_like(d, float("inf")))
@@ -49,13 +50,22 @@ def diff(engine: Tensor, ref: Tensor, facet: str) -> tuple[float, Tensor]:
 
 
 def engine_tensor(value: Any) -> tuple[Tensor, tuple, str]:
-    """(element 0 as a CPU tensor, the other elements, hint) for what the engine handed."""
+    """(element 0 as a CPU tensor, the other elements, hint) for what the engine handed.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: what it handed holds no tensor (None, an empty
+            tuple, an object torch cannot make a tensor of); `compare` makes that a failed row.
+    """
     rest: tuple = ()
     hint = ""
+    if isinstance(value, (tuple, list)) and not value:
+        raise TypeError(f"an empty {type(value).__name__}")
     if isinstance(value, (tuple, list)):
         hint = f"engine value is a {type(value).__name__} of {len(value)}: compared element 0"
         value, rest = value[0], tuple(value[1:])
     if not isinstance(value, Tensor):
         value = getattr(value, "value", value)  # proxies that wrap a saved value
+    if value is None:
+        raise TypeError("None")
     engine = torch.as_tensor(value) if not isinstance(value, Tensor) else value
     return engine.detach().cpu(), tuple(getattr(r, "value", r) for r in rest), hint

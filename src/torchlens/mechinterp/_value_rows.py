@@ -27,7 +27,25 @@ def value_row(
     """
     atol, rtol, auto_dtype, auto_note = tol
     hints = [auto_note] if auto_note else []
-    engine, rest, tuple_hint = engine_tensor(value)
+    try:
+        engine, rest, tuple_hint = engine_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return Comparison(
+            name,
+            res.status,
+            res.module_address,
+            res.facet,
+            (),
+            None,
+            "as is",
+            None,
+            False,
+            f"the engine's value is not a tensor ({type(value).__name__}: {exc}): compare takes a tensor, "
+            "or a tuple or list whose element 0 is one, per name",
+            "",
+            (),
+            (atol, rtol),
+        )
     if tuple_hint:
         hints.append(tuple_hint)
 
@@ -94,7 +112,22 @@ def value_row(
     scale = t.float().abs().nan_to_num(posinf=0.0, neginf=0.0)
     passed = bool((d <= atol + rtol * scale).all())
     hint = ""
-    if not passed:
+    others = [
+        o for o in options if o[1] is not t and not _fits(engine, o[1], res.facet, atol, rtol)
+    ]
+    if passed and others:
+        # The engine's shape fits several layouts that read the values differently (heads and
+        # positions of one size): which one the engine meant cannot be told from it, so a match
+        # under one is no proof (a forgotten transpose matches the other).
+        passed = False
+        hint = (
+            f"ambiguous layout: the values match read {label}, but the engine's shape "
+            f"{list(engine.shape)} also fits {', '.join(sorted({repr(o[0]) for o in others}))}, where they "
+            "differ "
+            "(two axes of one size, such as heads and positions): compare on an input whose length "
+            "differs from the head count to tell the layouts apart"
+        )
+    elif not passed:
         hint = _mismatch_hint(trace, res, d, atol, rtol, scale, engine, t)
         if (
             auto_dtype is not None
@@ -102,6 +135,12 @@ def value_row(
             note = f"tolerance='auto' at {auto_dtype} precision: atol {atol:.2g}, rtol {rtol:.2g}"
             hint = note if hint.startswith("half-precision") else f"{note}; {hint}"
     return row(res.status, passed, hint, tuple(ref.shape), label, err)
+
+
+def _fits(engine: Tensor, t: Tensor, facet: str, atol: float, rtol: float) -> bool:
+    """Whether `engine` equals `t` within `atol` and `rtol` (as `value_row` passes a row)."""
+    _, d = diff(engine, t, facet)
+    return bool((d <= atol + rtol * t.float().abs().nan_to_num(posinf=0.0, neginf=0.0)).all())
 
 
 def _equals_facet(trace, res: AliasResolution, facet: str, engine: Tensor, atol, rtol) -> bool:

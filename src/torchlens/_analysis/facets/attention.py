@@ -27,8 +27,21 @@ from torchlens._analysis.graph import Graph
 from torchlens._core import ops as _ops
 from torchlens._core import roles as _roles
 from torchlens._core.pending import Pending
-from torchlens._core.records import ModuleCall, Ref
+from torchlens._core.records import ModuleCall, OpRecord, Ref
 from torchlens._core.sites import FacetSite
+
+
+def _feeds_matmul(g: Graph, op: OpRecord) -> bool:
+    """Whether `op`'s output reaches a matmul within a few steps through dropout, casts, reshapes
+    and indexing (a softmax's pattern on its way to pattern @ v)."""
+    through = _ops.PASS_THROUGH_OPS | _ops.RESHAPE_OPS | _ops.CAST_OPS | {"__getitem__"}
+    frontier = [op.index]
+    for _ in range(4):
+        nxt = [c for f in frontier for c in g.consumers.get(f, [])]
+        if any(g.ops[c].name in _ops.MATMUL_OPS for c in nxt):
+            return True
+        frontier = [c for c in nxt if g.ops[c].name in through]
+    return False
 
 
 def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str, FacetSite]:
@@ -37,7 +50,12 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
     if mha is not None:
         return mha_facets(g, mha, getattr(g.modules[call.address], "num_heads", None))
     fused = next((op for op in ops if op.name in _ops.FUSED_ATTENTION_OPS), None)
-    soft = next((op for op in ops if op.name in _ops.SOFTMAX_OPS), None)
+    # The attention's softmax is an attention kernel (`Graph.is_kernel`: over 3 or more
+    # dimensions), and the one whose output reaches a matmul (pattern @ v) where there are
+    # several: a router's softmax over experts in the same call (JetMoe's mixture of attention
+    # heads) is neither.
+    softs = [op for op in ops if op.name in _ops.SOFTMAX_OPS and g.is_kernel(op)]
+    soft = next((op for op in softs if _feeds_matmul(g, op)), softs[0] if softs else None)
     sites: dict[str, FacetSite | None] = {}  # None for a site not found, dropped at the end
     z_ref = q_ref = k_ref = v_ref = unpacked = None
     if soft is not None and fused is None:

@@ -42,6 +42,29 @@ def post_ln(trace: Trace, layer: int, which: int) -> ModuleCall | None:
     return norms[which]
 
 
+def post_ln_of(trace: Trace, layer: int, which: int) -> ModuleCall | None:
+    """A post-LN block's norm after its sublayer number `which` (0: the attention, 1: the
+    cross-attention, 2: the MLP), in the order they run: for a block whose output is its last
+    norm's output, with exactly one norm outside its sublayers after each of its three sublayers
+    (BART's decoder layer, whose MLP may be held by no module); None otherwise (a pre-LN block,
+    T5's)."""
+    lay = layer_of(trace, layer)
+    if lay.attention is None or lay.cross_attention is None:
+        return None
+    # the MLP may be held by no module of its own (BART's fc1 and fc2 are the layer's)
+    subs = [s for s in (lay.attention, lay.cross_attention, lay.mlp) if s is not None]
+    inside = {id(c) for s in subs for c in [s, *calls_below(trace, s)]}
+    norms = [c for c in calls_below(trace, lay.call) if c.role == "norm" and id(c) not in inside]
+    if (
+        len(norms) != 3
+        or type(norms[-1].output_ref) is not Ref
+        or norms[-1].output_ref != lay.call.output_ref
+        or not all(s.end_op <= n.first_op for s, n in zip(subs, norms))
+    ):
+        return None
+    return norms[which]
+
+
 def split_mlp(trace: Trace, layer: int, which: int) -> ModuleCall | None:
     """The two weighted layers of an MLP held by no module of its own, between a post-LN block's two norms."""
     ln1, ln2 = post_ln(trace, layer, 0), post_ln(trace, layer, -1)

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 from torchlens._analysis.structure import Layer, Structure
 from torchlens._core.errors import TorchLensError
-from torchlens._core.records import ModuleCall
+from torchlens._core.ops import ADD_OPS
+from torchlens._core.records import ModuleCall, Ref
 from torchlens._core.roles import WEIGHT_LAYOUT
 
 if TYPE_CHECKING:
@@ -53,6 +54,26 @@ def calls_below(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
 def sublayer(trace: Trace, layer: int, which: str) -> ModuleCall | None:
     """The layer's sublayer `which` (`"attention"`, `"cross_attention"`, `"mlp"`), or None."""
     return getattr(layer_of(trace, layer), which)
+
+
+def own_output(trace: Trace, layer: int, which: str) -> ModuleCall | None:
+    """The layer's sublayer `which` where its output is its own, or None where the module adds the
+    residual itself (BLOOM's attention and MLP end in `dropout_add(x, residual)`): its last op is
+    an add of a tensor made inside it and a tensor of its output's shape made before it ran."""
+    sub = sublayer(trace, layer, which)
+    if sub is None or type(sub.output_ref) is not Ref:
+        return sub
+    op = trace.ops[sub.output_ref.op]
+    if op.name not in ADD_OPS or not (
+        op.module == sub.address or op.module.startswith(sub.address + ".")
+    ):
+        return sub
+    refs = [r for r in op.inputs if type(r) is Ref]
+    inside = any(r.op >= sub.first_op for r in refs)
+    before = any(
+        r.op < sub.first_op and trace.ops[r.op].shapes[r.slot] == op.shapes[0] for r in refs
+    )
+    return None if inside and before else sub
 
 
 def outside_layers(trace: Trace, role: str) -> list[ModuleCall]:

@@ -1,6 +1,6 @@
 """The targets one per model, around the embeddings: the token, position and token-type
-embeddings, the norm over their sum (BERT), and the first block when what it reads is the token
-embedding scaled outside its module (Gemma)."""
+embeddings, the norm over their sum (BERT), the norm over the token embedding alone (BLOOM), and
+the first block when what it reads is the token embedding scaled outside its module (Gemma)."""
 
 from __future__ import annotations
 
@@ -106,3 +106,29 @@ def type_embed(trace: Trace) -> ModuleCall | None:
         if c is not pos and (token is None or c.address != token.address)
     ]
     return others[0] if len(others) == 1 else None
+
+
+def embed_ln(trace: Trace, alone: bool) -> ModuleCall | None:
+    """The embedding norm (`embed_norm`) where the token embedding ran; with `alone`, only where
+    what it normalizes is the token embedding's output itself (through casts and dropout: BLOOM's
+    `word_embeddings_layernorm`), not a sum with position or token-type embeddings (BERT's)."""
+    token, norm = token_embed(trace), embed_norm(trace)
+    if token is None or norm is None or type(token.output_ref) is not Ref:
+        return None
+    if not alone:
+        return norm
+    ref = norm.input_ref
+    for _ in range(4):
+        if ref == token.output_ref or type(ref) is not Ref:
+            break
+        op = trace.ops[ref.op]
+        if (op.name not in PASS_THROUGH_OPS and op.name not in CAST_OPS) or not op.inputs:
+            break
+        ref = op.inputs[0]
+    return norm if ref == token.output_ref else None
+
+
+def embedded(trace: Trace, alone: bool) -> ModuleCall | None:
+    """The module whose output is the token embedding as the model passes it on: the embedding
+    norm over it (`embed_ln`, `alone` as there) where there is one, else the token embedding."""
+    return embed_ln(trace, alone) or token_embed(trace)

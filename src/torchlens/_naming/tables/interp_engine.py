@@ -75,7 +75,7 @@ ROWS = (
     ),
     Row(
         name="attn_out.{L}",
-        target="attention",
+        target="attention_own",
         facet="output",
         meaning="raw attention sublayer output",
     ),
@@ -84,7 +84,9 @@ ROWS = (
         target=None,
         facet=None,
         meaning="attention's residual contribution after a post-attention norm",
-        note="TorchLens has no facet for the post-sublayer norm output (on GPT-2 and Llama it equals attn_out)",
+        note="not mapped: TorchLens has not checked what interp-engine adds here where a block scales the "
+        "sublayer's output (Granite's residual multiplier); the post-attention norm's output is "
+        "blocks.{L}.hook_attn_out in generation='2.x' (on GPT-2 and Llama it equals attn_out)",
     ),
     Row(
         name="resid_mid.{L}",
@@ -93,8 +95,20 @@ ROWS = (
         meaning="residual between attention and MLP",
         note="absent on parallel attention+MLP blocks",
     ),
-    Row(name="mlp_in.{L}", target="mlp", facet="input", meaning="MLP input (pre-MLP norm output)"),
-    Row(name="mlp_pre.{L}", target="mlp", facet="pre", meaning="activation input"),
+    Row(
+        name="mlp_in.{L}",
+        target="mlp",
+        facet="input",
+        meaning="MLP input (pre-MLP norm output)",
+        or_else=("pre_ln_mlp_in", "input"),
+    ),
+    Row(
+        name="mlp_pre.{L}",
+        target="mlp",
+        facet="pre",
+        meaning="activation input",
+        or_else=("pre_ln_mlp_in", "output"),
+    ),
     Row(
         name="mlp_pre_linear.{L}",
         target="mlp",
@@ -107,6 +121,7 @@ ROWS = (
         target="mlp",
         facet="post",
         meaning="down projection input (activation output, times the linear branch if gated)",
+        or_else=("pre_ln_mlp_out", "input"),
     ),
     Row(name="router_logits.{L}", target=None, facet=None, meaning="MoE router logits", note=_MOE),
     Row(
@@ -119,13 +134,21 @@ ROWS = (
     Row(
         name="expert_indices.{L}", target=None, facet=None, meaning="MoE chosen experts", note=_MOE
     ),
-    Row(name="mlp_out.{L}", target="mlp", facet="output", meaning="raw MLP sublayer output"),
+    Row(
+        name="mlp_out.{L}",
+        target="mlp_own",
+        facet="output",
+        meaning="raw MLP sublayer output",
+        or_else=("pre_ln_mlp_out", "output"),
+    ),
     Row(
         name="mlp_out_post.{L}",
         target=None,
         facet=None,
         meaning="MLP's residual contribution after a post-MLP norm",
-        note="TorchLens has no facet for the post-sublayer norm output (on GPT-2 and Llama it equals mlp_out)",
+        note="not mapped: TorchLens has not checked what interp-engine adds here where a block scales the "
+        "sublayer's output (Granite's residual multiplier); the post-MLP norm's output is "
+        "blocks.{L}.hook_mlp_out in generation='2.x' (on GPT-2 and Llama it equals mlp_out)",
     ),
     Row(
         name="resid_post.{L}",
@@ -135,10 +158,9 @@ ROWS = (
     ),
     Row(
         name="final_norm",
-        target=None,
-        facet=None,
+        target="final_norm",
+        facet="output",
         meaning="final norm output",
-        note="no facet names the final norm's output; TorchLens has final_norm_input instead (no interp-engine point)",
     ),
     Row(name="lm_head", target="unembed", facet="output", meaning="logits"),
     Row(

@@ -30,10 +30,11 @@ ROWS = (
         target="scaled_embed_block",
         facet="resid_pre",
         meaning="token embedding as it enters the residual stream",
-        note="after any constant scaling (TransformerLens folds Gemma's sqrt(d_model) into W_E), before a position "
-        "embedding is added: the embedding module's output, or where the model scales outside that module, "
-        "the first block's input",
-        or_else=("token_embed", "output"),
+        note="after any constant scaling (TransformerLens folds Gemma's sqrt(d_model) into W_E) and a norm over the "
+        "token embedding alone (BLOOM's post-embedding LayerNorm), before a position embedding is added: the "
+        "embedding module's output, that norm's output, or where the model scales outside the embedding "
+        "module, the first block's input",
+        or_else=("embedded_tokens", "output"),
     ),
     Row(
         name="hook_pos_embed",

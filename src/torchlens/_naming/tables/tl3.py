@@ -37,10 +37,13 @@ ROWS = (
     + (
         Row(
             name="hook_embed",
-            target="token_embed",
+            target="embedded_sum",
             facet="output",
-            meaning="token embedding (alias of embed.hook_out)",
-            note="the embedding module's output: after Gemma's sqrt(d_model) scaling where that module applies it",
+            meaning="token embedding (alias of embed_ln.hook_out where the model has an embedding norm, else of "
+            "embed.hook_out)",
+            note="the embedding norm's output where a norm outside the layers feeds the first block (BLOOM's "
+            "post-embedding LayerNorm, BERT's and BART's over the summed embeddings), else the embedding "
+            "module's output: after Gemma's sqrt(d_model) scaling where that module applies it",
         ),
         Row(
             name="hook_unembed",

@@ -241,16 +241,18 @@ ROWS = (
         meaning="output projection output, before dropout",
     ),
     Row(
-        name="blocks.{L}.attn.hook_hidden_states",
-        target="attn_o",
-        facet="output",
-        meaning="output projection output (fires on GPT-2's bridge)",
-    ),
-    Row(
         name="blocks.{L}.attn.hook_out",
         target="attention",
         facet="output",
         meaning="attention module output (element 0)",
+    ),
+    Row(
+        name="blocks.{L}.attn.hook_hidden_states",
+        target="attention",
+        facet="output",
+        meaning="attention module output, element 0 (the bridge fires it on joint-QKV attention: GPT-2, BLOOM)",
+        note="the attention module's output as the bridge's joint-QKV attention returns it: the output "
+        "projection's on GPT-2, and with the residual already added on BLOOM, whose attention adds it",
     ),
     Row(
         name="blocks.{L}.ln2.hook_in",

@@ -66,19 +66,28 @@ def encoder_decoder_rows(rows: tuple[Row, ...]) -> tuple[Row, ...]:
         if rest.startswith("attn."):
             out.append(_moved(r, "decoder_blocks.{L}.self_attn." + rest[len("attn.") :], "decoder"))
             if r.target == "attention":
+                # the key and value projections read the encoder's output, not the module's input
+                kv_in = rest in ("attn.k.hook_in", "attn.v.hook_in")
                 out.append(
                     _moved(
                         r,
                         "decoder_blocks.{L}.cross_attn." + rest[len("attn.") :],
                         "decoder",
-                        "cross_attention",
+                        "cross_kv_source" if kv_in else "cross_attention",
                     )
                 )
+        elif rest.startswith("ln1."):  # the norms by the sublayer they go with: before it
+            # (pre-LN, T5), or after it (post-LN, BART), as the bridge's adapters number them
+            out.append(
+                _moved(r, "decoder_blocks.{L}.ln1." + rest[len("ln1.") :], "decoder", "dec_ln1")
+            )
         elif rest.startswith("ln2."):
             out.append(
-                _moved(r, "decoder_blocks.{L}.ln2." + rest[len("ln2.") :], "decoder", "ln_cross")
+                _moved(r, "decoder_blocks.{L}.ln2." + rest[len("ln2.") :], "decoder", "dec_ln2")
             )
-            out.append(_moved(r, "decoder_blocks.{L}.ln3." + rest[len("ln2.") :], "decoder"))
+            out.append(
+                _moved(r, "decoder_blocks.{L}.ln3." + rest[len("ln2.") :], "decoder", "dec_ln3")
+            )
         else:  # T5 adds each residual inside the sublayer wrapper: the MLP's input residual is its output
             out.append(
                 _moved(
