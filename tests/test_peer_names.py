@@ -161,16 +161,24 @@ def _o_proj_input(model, ids) -> torch.Tensor:
 
 
 def test_compare_does_not_pass_a_layout_it_cannot_tell_from_the_shape():
-    """With as many heads as positions, token-major and head-major z have one shape: a tensor with
-    the transpose forgotten is not passed (nor is the right one: the row says why and what to do);
+    """With as many heads as positions, token-major and head-major z have one shape: the right
+    (token-major) tensor passes, one with the transpose forgotten does not, and its row says why;
     with another length the right one passes and the wrong one fails."""
     model = testing.build("llama", "eager")  # 4 heads, head_dim 8
     ids = IDS[:, :4]
     t = tl.trace(model, ids)
     token_major = _o_proj_input(model, ids).view(1, 4, 4, 8)  # [batch, pos, head, d_head]
-    for value in (token_major, token_major.transpose(1, 2).contiguous()):
-        row = mi.compare(t, {"blocks.0.attn.hook_z": value}, generation="2.x", explain=False)[0]
-        assert not row.passed and "ambiguous layout" in row.hint
+    assert mi.compare(t, {"blocks.0.attn.hook_z": token_major}, generation="2.x")[0].passed
+    flat = token_major.reshape(4, 32)
+    assert mi.compare(t, {"z.0": flat}, generation="interp-engine")[0].passed
+    forgot = token_major.transpose(1, 2).contiguous()
+    for name, gen, value in (
+        ("blocks.0.attn.hook_z", "2.x", forgot),
+        ("z.0", "interp-engine", forgot[0].reshape(4, 32)),
+        ("blocks.0.attn.o.hook_in", "4.x", forgot.reshape(1, 4, 32)),
+    ):
+        row = mi.compare(t, {name: value}, generation=gen, explain=False)[0]
+        assert not row.passed and "ambiguous layout" in row.hint, (name, row)
     t6 = tl.trace(model, IDS)
     right = _o_proj_input(model, IDS).view(1, 6, 4, 8)
     assert mi.compare(t6, {"blocks.0.attn.hook_z": right}, generation="2.x")[0].passed

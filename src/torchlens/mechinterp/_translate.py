@@ -62,8 +62,38 @@ SHARED_MODULES = frozenset(
         frozenset({"first_block", "post_ln_block"}),
         # DistilBERT's norm after the attention's residual add is the one its MLP reads
         frozenset({"ln2", "post_ln1"}),
+        # the token embedding as passed on is the embedding itself where no norm follows it, and
+        # the embedding norm where one does (BLOOM's over the embedding alone, BERT's over a sum)
+        frozenset({"embedded_sum", "embedded_tokens"}),
+        frozenset({"embedded_sum", "token_embed"}),
+        frozenset({"embedded_tokens", "token_embed"}),
+        frozenset({"embed_norm", "embedded_sum"}),
+        frozenset({"embed_norm", "embedded_tokens"}),
+        # a sublayer's own output is the sublayer's, except where the module adds the residual
+        frozenset({"attention", "attention_own"}),
+        frozenset({"attention_own", "attn_out_final"}),
+        frozenset({"mlp", "mlp_own"}),
+        frozenset({"mlp_gated", "mlp_own"}),
+        frozenset({"mlp_out_final", "mlp_own"}),
+        # a decoder layer's norms by sublayer: before each (pre-LN: the norms feeding them; on a
+        # decoder-only model, ln1 and ln2), after each on post-LN BART
+        frozenset({"dec_ln1", "dec_ln3"}),
+        frozenset({"dec_ln1", "ln1"}),
+        frozenset({"dec_ln1", "ln2"}),
+        frozenset({"dec_ln1", "ln_cross"}),
+        frozenset({"dec_ln2", "ln2"}),
+        frozenset({"dec_ln2", "ln_cross"}),
+        frozenset({"dec_ln3", "ln1"}),
+        frozenset({"dec_ln3", "ln2"}),
+        frozenset({"dec_ln3", "post_ln1"}),
     }
 )
+
+
+def _one_module(a: str | None, b: str | None) -> bool:
+    """Whether targets `a` and `b` are one module on every model (the same target) or on some
+    (`SHARED_MODULES`)."""
+    return a == b or frozenset({a, b}) in SHARED_MODULES
 
 
 class UnknownFamily(AliasError, ValueError):
@@ -243,7 +273,7 @@ def _from_tables(query: str, src: Table, dst: Table) -> Translation:
             )
         elif (
             row.or_else is not None
-            and row.or_else[0] == other.target
+            and _one_module(row.or_else[0], other.target)
             and row.or_else[1] in other.facets
         ):
             maybe.append(other)
@@ -253,7 +283,7 @@ def _from_tables(query: str, src: Table, dst: Table) -> Translation:
             )
         elif (
             other.or_else is not None
-            and other.or_else[0] == row.target
+            and _one_module(other.or_else[0], row.target)
             and other.or_else[1] in row.facets
         ):
             maybe.append(other)

@@ -10,7 +10,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from torchlens._core.facet_spec import KERNEL_REBUILT
+from torchlens._core.facet_spec import HEAD_MAJOR, KERNEL_REBUILT
 from torchlens._naming.diagnose import diagnose
 from torchlens._naming.results import AliasResolution
 from torchlens.mechinterp._comparison import Comparison
@@ -115,10 +115,10 @@ def value_row(
     others = [
         o for o in options if o[1] is not t and not _fits(engine, o[1], res.facet, atol, rtol)
     ]
-    if passed and others:
+    if passed and others and not _names_layout(label, res.facet):
         # The engine's shape fits several layouts that read the values differently (heads and
-        # positions of one size): which one the engine meant cannot be told from it, so a match
-        # under one is no proof (a forgotten transpose matches the other).
+        # positions of one size), and it matches under one the names do not use (every naming
+        # generation is token-major): a forgotten transpose matches there, so that is no proof.
         passed = False
         hint = (
             f"ambiguous layout: the values match read {label}, but the engine's shape "
@@ -135,6 +135,15 @@ def value_row(
             note = f"tolerance='auto' at {auto_dtype} precision: atol {atol:.2g}, rtol {rtol:.2g}"
             hint = note if hint.startswith("half-precision") else f"{note}; {hint}"
     return row(res.status, passed, hint, tuple(ref.shape), label, err)
+
+
+def _names_layout(label: str, facet: str) -> bool:
+    """Whether the conversion `label` gives the layout the naming generations use for `facet`:
+    token-major (TorchLens keeps z head-major, so its token-major conversion is theirs; a repeated
+    key or value, labelled alike either way, cannot be told)."""
+    if label.startswith("kv heads repeated"):
+        return False
+    return "token-major" in label if facet in HEAD_MAJOR else "head-major" not in label
 
 
 def _fits(engine: Tensor, t: Tensor, facet: str, atol: float, rtol: float) -> bool:
