@@ -273,3 +273,73 @@ def test_a_routers_softmax_in_the_attention_is_not_served_as_its_pattern():
         facets = t.modules[f"{i}.attn"].facets
         assert facets.sites["pattern"].kind == "real"
         torch.testing.assert_close(facets["pattern"], model[i].attn.seen["pattern"], rtol=0, atol=0)
+
+
+class _StreamMixer(torch.nn.Module):
+    """A hyper-connection: a softmax over residual streams ([batch, tokens, streams, streams]),
+    of three or more dimensions like an attention kernel's, but not over the tokens."""
+
+    def __init__(self, d=16, streams=4):
+        super().__init__()
+        self.w = torch.nn.Linear(d, streams)
+
+    def forward(self, x):  # x: [batch, tokens, streams, d]
+        logits = self.w(x).mean(dim=2)  # [batch, tokens, streams]
+        mix = torch.softmax(logits[..., :, None] * logits[..., None, :], dim=-1)
+        return (mix @ x).mean(dim=2)
+
+
+class _StreamBlock(torch.nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.hc = _StreamMixer(d)
+        self.attn = _RoutedAttention(d)
+
+    def forward(self, x):  # [batch, tokens, streams, d] -> the same
+        return x + self.attn(self.hc(x))[:, :, None, :]
+
+
+def test_a_softmax_over_streams_is_not_the_layers_attention():
+    """The layer's attention is the call whose kernel's queries are the tokens (DeepSeek-V4's
+    hyper-connection mixes streams with a 4-dimensional softmax first)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_StreamBlock(), _StreamBlock()).eval()
+    t = tl.trace(model, torch.randn(1, 5, 4, 16))
+    assert t.blocks == ["0", "1"]
+    for i in range(2):
+        assert t.modules[f"{i}.hc"].role != "attention"
+        assert t.modules[f"{i}.attn"].role == "attention"
+        torch.testing.assert_close(
+            t.modules[f"{i}.attn"].facets["pattern"], model[i].attn.seen["pattern"], rtol=0, atol=0
+        )
+
+
+class _SumNorm(torch.nn.Module):
+    """`x * rsqrt(sum(x^2) + eps) * w`, an L2 normalization (Dory's q_norm), or with `mean`, the
+    same written as an RMS norm dividing the sum by the width."""
+
+    def __init__(self, d=16, mean=False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(d) + 0.5)
+        self.eps, self.mean = 1e-6, mean
+
+    def forward(self, x):
+        s = x.pow(2).sum(-1, keepdim=True)
+        if self.mean:
+            s = s / x.shape[-1]
+        return x * torch.rsqrt(s + self.eps) * self.weight
+
+
+@pytest.mark.parametrize("mean", [False, True])
+def test_an_l2_normalization_serves_no_rms_statistics(mean):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_SumNorm(mean=mean), torch.nn.Linear(16, 16)).eval()
+    x = torch.randn(2, 3, 16)
+    t = tl.trace(model, x, roles={"0": "norm"})
+    facets = t.modules["0"].facets
+    if not mean:
+        with pytest.raises(tl.FacetNotFound, match="L2 norm"):
+            facets["inv_rms"]
+    else:  # the RMS, written out with a sum: served, and it is 1 / RMS
+        expected = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        torch.testing.assert_close(facets["inv_rms"], expected, rtol=1e-6, atol=0)

@@ -792,3 +792,19 @@ def test_find_walks_the_module_tree_when_the_roles_carry_no_groups(monkeypatch):
 
     monkeypatch.setattr(tracing, "static_roles", without_groups)
     assert tl.trace(model, ids).blocks == expected == ["body.0", "body.1", "body.2"]
+
+
+def test_sublayers_in_parallel_module_lists_are_not_taken_for_blocks():
+    """XLM keeps its attentions, norms and feed-forward networks in separate module lists, with no
+    module per layer: the attentions chain only through the feed-forward networks, so they are not
+    layers, and no resid_post is served that is not the residual stream (HF's hidden states)."""
+    cfg = tf.XLMConfig(n_layers=2, emb_dim=32, n_heads=4, vocab_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = tf.XLMWithLMHeadModel(cfg).eval()
+    ids = torch.tensor([[5, 9, 12, 7, 30, 2, 8]])
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states
+    t = tl.trace(model, ids)
+    assert "transformer.attentions.0" not in t.blocks
+    for i, block in enumerate(t.blocks):
+        torch.testing.assert_close(t.modules[block].facets["resid_post"], hidden[i + 1])

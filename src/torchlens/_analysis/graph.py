@@ -149,7 +149,7 @@ class Graph:
 
     def follows(self, prev: ModuleCall, call: ModuleCall) -> bool:
         """Whether `call` reads `prev`'s output as the next layer would: computed from it, with no
-        attention kernel on the way. The query/value and output projections of one attention (same
+        attention kernel and no op reading a parameter on the way. The query/value and output projections of one attention (same
         class, same width, wrapped as TransformerLens's bridge wraps them) are linked through the
         attention kernel, so they do not chain as layers do."""
         src, dst = prev.output_ref, call.input_ref
@@ -162,8 +162,13 @@ class Graph:
         )  # one walk answers both questions (`reaches` would walk it again)
         if src.op not in upstream:
             return False
+        # nor with a weight on the way: a layer's successor reads its output, not what a sublayer
+        # between them made of it (XLM's attention modules, whose layers are no module of their
+        # own, chain through the feed-forward network)
         return not any(
-            self.is_kernel(self.ops[i]) for i in upstream if prev.end_op <= i < call.first_op
+            self.is_kernel(self.ops[i]) or any(type(r) is str for r in self.ops[i].inputs)
+            for i in upstream
+            if prev.end_op <= i < call.first_op
         )
 
     def adds_own_input(self, call: ModuleCall) -> bool:

@@ -134,7 +134,7 @@ class Structure:
     @property
     def layers(self) -> list[Layer]:
         """The language-model stack's layers (empty when there is none)."""
-        return self.stacks[self.lm_stack].layers if self.lm_stack else []
+        return self.stacks[self.lm_stack].layers if self.lm_stack is not None else []
 
     def describe(self) -> str:
         """`'encoder.block (2 layers), decoder.block (2 layers)'`."""
@@ -362,7 +362,7 @@ def find(
         struct.lm_stack = feeding[-1].name
     elif len(struct.stacks) == 1:
         struct.lm_stack = next(iter(struct.stacks))
-    lm = struct.stacks[struct.lm_stack] if struct.lm_stack else None
+    lm = struct.stacks[struct.lm_stack] if struct.lm_stack is not None else None
     if lm is not None and lm.passes > 1 and struct.unembed is not None:
         # the stack ran once per decoding step: the unembedding is its call after the first pass,
         # as the layers are the first pass's

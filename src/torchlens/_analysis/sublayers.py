@@ -29,7 +29,7 @@ from torch import nn
 
 from torchlens._analysis.graph import Graph
 from torchlens._core import ops as _ops
-from torchlens._core.records import ModuleCall, Ref
+from torchlens._core.records import ModuleCall, OpRecord, Ref
 
 if TYPE_CHECKING:
     from torchlens._analysis.structure import Layer
@@ -85,6 +85,19 @@ def _param_ops(flow: Graph, call: ModuleCall, roles: dict[str, str]) -> int:
     )
 
 
+def _over_tokens(kernel: OpRecord, tokens: set[int] | None) -> bool:
+    """Whether an attention kernel's queries are the layer's tokens: its query axis (the
+    softmax's or the fused kernel's second to last) has the layer input's token count (`tokens`:
+    the sizes the token axis may have, None where the input's shape does not tell). A softmax
+    over something else of three or more dimensions (DeepSeek-V4's hyper-connection mixing its
+    residual streams, a softmax over earlier blocks' outputs) is not the layer's attention. A
+    fused attention kernel always is: where its heads and positions are mixed up, its facets are
+    refused with that reason (`facets.heads.head_guard`)."""
+    if tokens is None or kernel.name in _ops.FUSED_ATTENTION_OPS:
+        return True  # a fused attention kernel is attention (its layout is checked with its facets)
+    return len(kernel.shape) >= 2 and kernel.shape[-2] in tokens
+
+
 def fill_layer(
     flow: Graph,
     layer: Layer,
@@ -97,11 +110,22 @@ def fill_layer(
     if named:
         attns = [c for c in below if named.get(c.address) in ("attention", "cross_attention")]
     else:
+        shape = flow.shape(layer.call.input_ref)
+        # the token axis: [batch, tokens, d] or [tokens, batch, d] (sequence-first); with more
+        # axes, [batch, tokens, streams, d] (DeepSeek-V4's hyper-connections)
+        tokens = (
+            None
+            if shape is None or len(shape) < 3
+            else {shape[0], shape[1]}
+            if len(shape) == 3
+            else {shape[1]}
+        )
         attns = _sublayer(
             flow,
             layer.call,
             lambda c: (
-                bool(flow.kernels(c)) or isinstance(modules.get(c.address), nn.MultiheadAttention)
+                any(_over_tokens(k, tokens) for k in flow.kernels(c))
+                or isinstance(modules.get(c.address), nn.MultiheadAttention)
             ),
         )
     # a picked call that holds an attention and an MLP after it is a block inside the block

@@ -254,6 +254,8 @@ def resolve_alias(trace: Trace, name: str, generation: str | None = None) -> Ali
     results = [resolve_row(trace, t, row, layer, query) for t, row, layer in found]
     if len({_same_tensor_key(trace, r) for r in results}) == 1:
         return results[0]
+    if all(r.module_address is None for r in results):  # no generation's site is here
+        return results[0]
     listing = "; ".join(f"{r.generation}: {r.module_address}:{r.facet}" for r in results)
     first = results[0]
     return AliasResolution(

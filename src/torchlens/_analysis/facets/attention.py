@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchlens._analysis.facets.common import fits, held, io_ref, make_site, wide
+from torchlens._analysis.facets.common import fits, held, io_ref, make_site, refused, wide
 from torchlens._analysis.facets.heads import (
     before_cache,
     gqa_packed,
@@ -58,6 +58,13 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
     soft = next((op for op in softs if _feeds_matmul(g, op)), softs[0] if softs else None)
     sites: dict[str, FacetSite | None] = {}  # None for a site not found, dropped at the end
     z_ref = q_ref = k_ref = v_ref = unpacked = None
+    # more than one attention kernel in the call (DiffLlama's differential attention runs two):
+    # what one of them computed is part of the attention, not its pattern or z
+    two_kernels = (
+        len([op for op in ops if op.name in _ops.FUSED_ATTENTION_OPS])
+        + len([op for op in softs if _feeds_matmul(g, op)])
+        > 1
+    )
     if soft is not None and fused is None:
         scores_ref = soft.inputs[0]
         pattern_ref = g.follow(Ref(soft.index, 0), _ops.CAST_OPS)
@@ -69,7 +76,10 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
         p_meta = g.meta(pattern_ref)
         for _ in range(4):
             nxt = [c for f in frontier for c in g.consumers.get(f, [])]
-            z_op = next((c for c in nxt if g.ops[c].name in _ops.MATMUL_OPS), None)
+            z_ops = [c for c in nxt if g.ops[c].name in _ops.MATMUL_OPS]
+            z_op = z_ops[0] if z_ops else None
+            if len(z_ops) > 1:  # pattern @ v1 and pattern @ v2 (DiffLlama): no one of them is z
+                two_kernels = True
             if z_op is not None:
                 break
             # through dropout, and a reshape merging batch and heads (DeBERTa's bmm over [b * h, q, k])
@@ -196,6 +206,15 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
             )
     sites = head_guard(sites)
     sites.update(_result_site(g, call, kids, sites.get("z")))
+    if two_kernels:
+        sites.update(
+            refused(
+                tuple(n for n in ("scores", "pattern", "z", "result") if sites.get(n) is not None),
+                "the attention runs more than one attention kernel, or multiplies its pattern by more "
+                "than one value tensor (differential attention: DiffLlama), so no single pattern or z "
+                "is the attention's",
+            )
+        )
     return {k: v for k, v in sites.items() if v is not None}
 
 

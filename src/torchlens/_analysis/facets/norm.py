@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from torchlens._analysis.facets.common import held, io_ref, make_site, wide
+from torchlens._analysis.facets.common import held, io_ref, make_site, refused, wide
 from torchlens._analysis.graph import Graph
 from torchlens._core import ops as _ops
 from torchlens._core import roles as _roles
@@ -129,6 +129,20 @@ def norm_precision(dtypes: list[torch.dtype]) -> torch.dtype:
     return max(floats, key=lambda d: torch.finfo(d).eps) if floats else dtypes[-1]
 
 
+def _reads_a_sum(g: Graph, rsqrt: OpRecord) -> bool:
+    """Whether `rsqrt`'s argument is a sum reduction plus at most an epsilon and casts (an L2
+    norm's `rsqrt(sum(x^2) + eps)`), not a mean (`sum(x^2) / d` is one: a division on the way)."""
+    ref = rsqrt.inputs[0] if rsqrt.inputs else None
+    for _ in range(4):
+        if type(ref) is not Ref:
+            return False
+        op = g.ops[ref.op]
+        if op.name not in _ops.ADD_OPS and op.name not in _ops.CAST_OPS:
+            return op.name == "sum"
+        ref = next((r for r in op.inputs if type(r) is Ref), None)
+    return False
+
+
 def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
     """`normalized`, `inv_rms`/`inv_std` and `scale` of a norm call, each checked.
 
@@ -149,6 +163,14 @@ def norm_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
     inv_name = "inv_rms" if kind == "rms" else "inv_std"
     names = ("normalized",) if kind == "group" else ("normalized", inv_name, "scale")
     rsqrt = next((op for op in ops if op.name == "rsqrt"), None) if kind != "group" else None
+    if rsqrt is not None and _reads_a_sum(g, rsqrt):
+        # x * rsqrt(sum(x^2) + eps): an L2 normalization (Dory's q_norm and k_norm), whose
+        # divisor is no RMS or standard deviation, the statistics these facets are defined by
+        return refused(
+            names,
+            "the norm divides by its input's L2 norm (its rsqrt reads a sum, not a mean): the norm facets "
+            "are defined by the RMS or the standard deviation, which this module never computes",
+        )
     sites: dict[str, FacetSite] = {}
     if rsqrt is not None:
         sites[inv_name] = make_site(g, inv_name, Ref(rsqrt.index, 0), note="the norm's rsqrt op")
