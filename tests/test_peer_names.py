@@ -214,3 +214,10 @@ def test_compare_makes_a_failed_row_of_a_value_that_is_not_a_tensor():
         assert not row.passed and "not a tensor" in row.hint
     with pytest.raises(mi.CompareSpecError, match="dict"):
         mi.compare(t, [("blocks.0.hook_resid_pre", torch.zeros(1))])
+
+
+def test_an_interp_engine_address_asked_of_another_generation_says_whose_it_is():
+    t = tl.trace(testing.build("gpt2", "sdpa"), IDS)
+    for name in ("resid_pre.0.stream-1", "path.transformer"):
+        with pytest.raises(mi.UnknownAlias, match="generation='interp-engine'"):
+            mi.resolve_alias(t, name, generation="2.x")

@@ -136,6 +136,13 @@ def _unknown(query: str, tables: list[Table], trace: Trace) -> AliasError:
         elsewhere = _other_generation_hint(query, tables[0], trace)
         if elsewhere:
             return UnknownAlias(f"{query!r} is not a name in {where}: {elsewhere}")
+        if tables[0].generation != interp_engine.TABLE.generation and (
+            query.startswith("path.") or re.search(r"\.[a-z][a-z0-9_]*-\d+$", query)
+        ):
+            return UnknownAlias(
+                f"{query!r} is not a name in {where}: it is an interp-engine address (a path. "
+                "address or a .stream-K coordinate); pass generation='interp-engine'."
+            )
     hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
     return UnknownAlias(
         f"{query!r} is not a name in {where}.{hint} Generations: {', '.join(GENERATIONS)}; "
