@@ -124,10 +124,20 @@ def fill_layer(
             flow,
             layer.call,
             lambda c: (
-                any(_over_tokens(k, tokens) for k in flow.kernels(c))
-                or isinstance(modules.get(c.address), nn.MultiheadAttention)
+                bool(flow.kernels(c)) or isinstance(modules.get(c.address), nn.MultiheadAttention)
             ),
         )
+        # Of several, those whose kernel's queries are the tokens: a softmax over something else
+        # (streams, earlier blocks' outputs) in a call beside the attention is not the attention.
+        # One alone stays (a windowed attention's queries are its window's tokens: Swin).
+        over = [
+            c
+            for c in attns
+            if any(_over_tokens(k, tokens) for k in flow.kernels(c))
+            or isinstance(modules.get(c.address), nn.MultiheadAttention)
+        ]
+        if over and len(over) < len(attns):
+            attns = over
     # a picked call that holds an attention and an MLP after it is a block inside the block
     # (Zamba's shared transformer): its attention is the attention, its MLP is looked for too
     inner_blocks = []
