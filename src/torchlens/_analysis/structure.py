@@ -20,7 +20,9 @@ Roles are found in two passes:
     modules in the order they ran, one layer per
      call (a block object run three times gives three layers). A group is a stack when every
      call returns a tensor of the shape it received and each call's input is computed from the
-     previous call's output. Where a stack's layers contain another stack, the inner one is kept.
+     previous call's output, with no attention kernel and no op reading a weight on the way (a
+     sublayer between them: XLM's attention modules, chained through the feed-forward network,
+     are no stack). Where a stack's layers contain another stack, the inner one is kept.
    - In each layer, the **attention**, the **cross-attention** (a second attention whose keys do
      not come from the layer's input) and the **MLP** are found from the data flow
      (`torchlens._analysis.sublayers.fill_layer`, where the rules are told).

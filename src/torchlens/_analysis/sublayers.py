@@ -5,7 +5,9 @@
 - The **attention** is found from an attention kernel (a softmax over a
   `[batch, heads, query, key]` tensor, or a fused attention op): it is the layer's child call
   that ran the kernel, or, when that child adds its own input back (a residual inside it, as in
-  T5's `T5LayerSelfAttention` or BERT's `BertAttention`), its child that ran the kernel. A second
+  T5's `T5LayerSelfAttention` or BERT's `BertAttention`), its child that ran the kernel. Where
+  several children ran a kernel, those whose kernel's queries are the layer's tokens are taken (a
+  softmax over residual streams, DeepSeek-V4's hyper-connection, is no attention). A second
   attention whose keys do not come from the layer's input is the **cross-attention**.
 - The **MLP** is a child call of a layer (found with the same descent through residual
   wrappers, T5's `T5LayerFF` -> `DenseReluDense`): not a norm, no kernel, at least two ops
