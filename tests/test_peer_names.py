@@ -67,6 +67,25 @@ def test_bloom_hook_embed_is_the_embedding_after_its_layernorm():
         )
 
 
+def test_hook_embed_of_the_bridge_is_the_encoders_embedding_norm_on_bart():
+    """3.x hook_embed aliases embed_ln.hook_out, which the bridge's BART adapter puts on the
+    encoder's layernorm_embedding (not the decoder's); 2.x's is the token embedding."""
+    model = testing.build("bart", "eager")
+    args, kwargs = testing.inputs("bart", length=5)
+    seen = _hooked(
+        model,
+        {"enc": model.model.encoder.layernorm_embedding, "tok": model.model.encoder.embed_tokens},
+        lambda: model(*args, **kwargs),
+    )
+    t = tl.trace(model, *args, **kwargs)
+    torch.testing.assert_close(
+        mi.resolve_alias(t, "hook_embed", generation="3.x").tensor, seen["enc"][1], rtol=0, atol=0
+    )
+    torch.testing.assert_close(
+        mi.resolve_alias(t, "hook_embed", generation="2.x").tensor, seen["tok"][1], rtol=0, atol=0
+    )
+
+
 def test_bloom_attention_hidden_states_is_the_attention_output_with_the_residual():
     """The bridge fires attn.hook_hidden_states on the joint-QKV attention's output element 0:
     on BLOOM, whose attention adds the residual itself, that is not the dense projection's output."""
@@ -179,6 +198,13 @@ def test_compare_does_not_pass_a_layout_it_cannot_tell_from_the_shape():
     ):
         row = mi.compare(t, {name: value}, generation=gen, explain=False)[0]
         assert not row.passed and "ambiguous layout" in row.hint, (name, row)
+    # the keys and values repeated per query head, token-major as the names lay them out, pass;
+    # in the kernel's head-major layout the shape cannot tell, and the row says so
+    seen = _hooked(model, {"k": model.model.layers[0].self_attn.k_proj}, lambda: model(ids))
+    k = seen["k"][1].view(1, 4, 2, 8).repeat_interleave(2, dim=2)  # [batch, pos, heads, d_head]
+    assert mi.compare(t, {"blocks.0.attn.hook_k": k}, generation="2.x")[0].passed
+    row = mi.compare(t, {"blocks.0.attn.hook_k": k.transpose(1, 2)}, generation="2.x")[0]
+    assert not row.passed and "ambiguous layout" in row.hint and row.explanation == ""
     t6 = tl.trace(model, IDS)
     right = _o_proj_input(model, IDS).view(1, 6, 4, 8)
     assert mi.compare(t6, {"blocks.0.attn.hook_z": right}, generation="2.x")[0].passed

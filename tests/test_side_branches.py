@@ -343,3 +343,32 @@ def test_an_l2_normalization_serves_no_rms_statistics(mean):
     else:  # the RMS, written out with a sum: served, and it is 1 / RMS
         expected = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
         torch.testing.assert_close(facets["inv_rms"], expected, rtol=1e-6, atol=0)
+
+
+class _TwoValueAttention(_RoutedAttention):
+    """One softmax whose pattern multiplies two value halves, combined after (DiffLlama's eager
+    differential attention): the pattern is the attention's, no one product is its z."""
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k = (y.view(b, t, self.heads, self.d_head).transpose(1, 2) for y in (q, k))
+        v1, v2 = (
+            y.reshape(b, t, self.heads, self.d_head // 2).transpose(1, 2) for y in v.chunk(2, -1)
+        )
+        pattern = torch.softmax(q @ k.transpose(-1, -2) / self.d_head**0.5, dim=-1)
+        self.seen["pattern"] = pattern.detach()
+        z = torch.cat([pattern @ v1, 0.5 * (pattern @ v2)], dim=-1)
+        return self.o(z.transpose(1, 2).reshape(b, t, d))
+
+
+def test_a_pattern_multiplying_two_value_tensors_has_no_z():
+    torch.manual_seed(0)
+    block = _RoutedBlock()
+    block.attn = _TwoValueAttention()
+    model = torch.nn.Sequential(block).eval()
+    t = tl.trace(model, torch.randn(1, 5, 16), roles={"*.attn": "attention"})
+    facets = t.modules["0.attn"].facets
+    torch.testing.assert_close(facets["pattern"], block.attn.seen["pattern"], rtol=0, atol=0)
+    with pytest.raises(tl.FacetNotFound, match="more than one value tensor"):
+        facets["z"]

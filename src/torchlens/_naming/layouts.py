@@ -120,7 +120,10 @@ def conversions(
                         repeated and ok
                     ):  # the major axis is the kernel's own: the row names what was repeated
                         rest = ", ".join(x for x in (blabel, flabel) if x) or "as is"
-                        label = f"kv heads repeated, {rest}"
+                        # head-major (the kernel's [batch, heads, pos, d_head]) said, so that
+                        # `compare` can tell it from token-major where the two have one shape
+                        major = "head-major, " if mlabel else ""
+                        label = f"kv heads repeated, {major}{rest}"
                     else:
                         label = (
                             ", ".join(x for x in (mlabel, klabel, blabel, flabel) if x) or "as is"

@@ -49,9 +49,15 @@ def value_row(
     if tuple_hint:
         hints.append(tuple_hint)
 
-    def row(status, passed, hint, ref_shape=None, layout="as is", err=None):
+    def row(status, passed, hint, ref_shape=None, layout="as is", err=None, ambiguous=False):
         explanation, candidates = "", cast(tuple, ())
-        if not passed and explain and engine.is_floating_point() and engine.numel() > 1:
+        if (
+            not passed
+            and not ambiguous  # the values match: the hint says why the row does not pass
+            and explain
+            and engine.is_floating_point()
+            and engine.numel() > 1
+        ):
             try:
                 explanation, candidates = diagnose(
                     trace,
@@ -115,7 +121,8 @@ def value_row(
     others = [
         o for o in options if o[1] is not t and not _fits(engine, o[1], res.facet, atol, rtol)
     ]
-    if passed and others and not _names_layout(label, res.facet):
+    ambiguous = passed and bool(others) and not _names_layout(label, res.facet)
+    if ambiguous:
         # The engine's shape fits several layouts that read the values differently (heads and
         # positions of one size), and it matches under one the names do not use (every naming
         # generation is token-major): a forgotten transpose matches there, so that is no proof.
@@ -134,15 +141,13 @@ def value_row(
         ):  # the precision is accounted for: keep only a hint about something else
             note = f"tolerance='auto' at {auto_dtype} precision: atol {atol:.2g}, rtol {rtol:.2g}"
             hint = note if hint.startswith("half-precision") else f"{note}; {hint}"
-    return row(res.status, passed, hint, tuple(ref.shape), label, err)
+    return row(res.status, passed, hint, tuple(ref.shape), label, err, ambiguous)
 
 
 def _names_layout(label: str, facet: str) -> bool:
     """Whether the conversion `label` gives the layout the naming generations use for `facet`:
-    token-major (TorchLens keeps z head-major, so its token-major conversion is theirs; a repeated
-    key or value, labelled alike either way, cannot be told)."""
-    if label.startswith("kv heads repeated"):
-        return False
+    token-major (TorchLens keeps z head-major, so its token-major conversion is theirs; q, k and v
+    token-major, so theirs is any conversion not labelled head-major)."""
     return "token-major" in label if facet in HEAD_MAJOR else "head-major" not in label
 
 

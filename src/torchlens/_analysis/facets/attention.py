@@ -65,6 +65,7 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
         + len([op for op in softs if _feeds_matmul(g, op)])
         > 1
     )
+    two_values = False  # the pattern multiplies more than one value tensor
     if soft is not None and fused is None:
         scores_ref = soft.inputs[0]
         pattern_ref = g.follow(Ref(soft.index, 0), _ops.CAST_OPS)
@@ -79,7 +80,7 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
             z_ops = [c for c in nxt if g.ops[c].name in _ops.MATMUL_OPS]
             z_op = z_ops[0] if z_ops else None
             if len(z_ops) > 1:  # pattern @ v1 and pattern @ v2 (DiffLlama): no one of them is z
-                two_kernels = True
+                two_values = True
             if z_op is not None:
                 break
             # through dropout, and a reshape merging batch and heads (DeBERTa's bmm over [b * h, q, k])
@@ -206,13 +207,16 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
             )
     sites = head_guard(sites)
     sites.update(_result_site(g, call, kids, sites.get("z")))
-    if two_kernels:
+    if two_kernels or two_values:
+        names = ("scores", "pattern", "z", "result") if two_kernels else ("z", "result")
         sites.update(
             refused(
-                tuple(n for n in ("scores", "pattern", "z", "result") if sites.get(n) is not None),
-                "the attention runs more than one attention kernel, or multiplies its pattern by more "
-                "than one value tensor (differential attention: DiffLlama), so no single pattern or z "
-                "is the attention's",
+                tuple(n for n in names if sites.get(n) is not None),
+                "the attention runs more than one attention kernel (differential attention: DiffLlama), "
+                "so no single pattern or z is the attention's"
+                if two_kernels
+                else "the attention multiplies its pattern by more than one value tensor (differential "
+                "attention: DiffLlama), so no one product is its z",
             )
         )
     return {k: v for k, v in sites.items() if v is not None}

@@ -8,7 +8,7 @@ import math
 from typing import TYPE_CHECKING
 
 from torchlens._analysis.structure import from_model_input
-from torchlens._core.ops import CAST_OPS, PASS_THROUGH_OPS, SCALE_OPS
+from torchlens._core.ops import ADD_OPS, CAST_OPS, PASS_THROUGH_OPS, SCALE_OPS
 from torchlens._core.records import ModuleCall, Ref
 from torchlens._naming.finders.calls import outside_layers, structure_of
 
@@ -109,23 +109,38 @@ def type_embed(trace: Trace) -> ModuleCall | None:
 
 
 def embed_ln(trace: Trace, alone: bool) -> ModuleCall | None:
-    """The embedding norm (`embed_norm`) where the token embedding ran; with `alone`, only where
-    what it normalizes is the token embedding's output itself (through casts and dropout: BLOOM's
-    `word_embeddings_layernorm`), not a sum with position or token-type embeddings (BERT's)."""
-    token, norm = token_embed(trace), embed_norm(trace)
-    if token is None or norm is None or type(token.output_ref) is not Ref:
+    """The norm outside the layers over the token embedding: the first to run whose input is
+    computed from the token embedding's output by casts, dropout, scaling and additions (of
+    position and token-type embeddings: BERT's `embeddings.LayerNorm`, BART's encoder
+    `layernorm_embedding`, not its decoder's, which reads the decoder's lookup), before every
+    stack's first layer; with `alone`,
+    by casts and dropout only (BLOOM's `word_embeddings_layernorm` over the lookup itself)."""
+    token = token_embed(trace)
+    if token is None or type(token.output_ref) is not Ref:
         return None
-    if not alone:
-        return norm
-    ref = norm.input_ref
-    for _ in range(4):
-        if ref == token.output_ref or type(ref) is not Ref:
-            break
-        op = trace.ops[ref.op]
-        if (op.name not in PASS_THROUGH_OPS and op.name not in CAST_OPS) or not op.inputs:
-            break
-        ref = op.inputs[0]
-    return norm if ref == token.output_ref else None
+    # before every stack's first layer: the final norm also reads the embedding, through the layers
+    firsts = [s.layers[0].call.first_op for s in structure_of(trace).stacks.values() if s.layers]
+    start = min(firsts, default=len(trace.ops))
+    through = (
+        PASS_THROUGH_OPS | CAST_OPS if alone else PASS_THROUGH_OPS | CAST_OPS | SCALE_OPS | ADD_OPS
+    )
+    for norm in outside_layers(trace, "norm"):
+        if norm.end_op > start:
+            continue
+        todo, seen = [norm.input_ref], 0
+        while todo and seen < 16:
+            ref = todo.pop()
+            seen += 1
+            if ref == token.output_ref:
+                return norm
+            if type(ref) is not Ref:
+                continue
+            op = trace.ops[ref.op]
+            if op.name in through:
+                todo.extend(
+                    r for r in (op.inputs if not alone else op.inputs[:1]) if type(r) is Ref
+                )
+    return None
 
 
 def embedded(trace: Trace, alone: bool) -> ModuleCall | None:
