@@ -149,9 +149,9 @@ class Graph:
 
     def follows(self, prev: ModuleCall, call: ModuleCall) -> bool:
         """Whether `call` reads `prev`'s output as the next layer would: computed from it, with no
-        attention kernel and no op reading a parameter on the way. The query/value and output projections of one attention (same
-        class, same width, wrapped as TransformerLens's bridge wraps them) are linked through the
-        attention kernel, so they do not chain as layers do."""
+        attention kernel and no op reading a parameter on the way. The query/value and output
+        projections of one attention (same class, same width, wrapped as TransformerLens's bridge
+        wraps them) are linked through the attention kernel, so they do not chain as layers do."""
         src, dst = prev.output_ref, call.input_ref
         if type(src) is not Ref or type(dst) is not Ref:
             return False

@@ -109,12 +109,12 @@ def type_embed(trace: Trace) -> ModuleCall | None:
 
 
 def embed_ln(trace: Trace, alone: bool) -> ModuleCall | None:
-    """The norm outside the layers over the token embedding: the first to run whose input is
-    computed from the token embedding's output by casts, dropout, scaling and additions (of
-    position and token-type embeddings: BERT's `embeddings.LayerNorm`, BART's encoder
-    `layernorm_embedding`, not its decoder's, which reads the decoder's lookup), before every
-    stack's first layer; with `alone`,
-    by casts and dropout only (BLOOM's `word_embeddings_layernorm` over the lookup itself)."""
+    """The norm outside the layers over the token embedding: the first to run, before every
+    stack's first layer, whose input is computed from the token embedding's output by casts,
+    dropout, scaling and additions (of position and token-type embeddings: BERT's
+    `embeddings.LayerNorm`, BART's encoder `layernorm_embedding`, not its decoder's, which reads
+    the decoder's lookup); with `alone`, by casts and dropout only (BLOOM's
+    `word_embeddings_layernorm` over the lookup itself)."""
     token = token_embed(trace)
     if token is None or type(token.output_ref) is not Ref:
         return None
@@ -124,7 +124,7 @@ def embed_ln(trace: Trace, alone: bool) -> ModuleCall | None:
     through = (
         PASS_THROUGH_OPS | CAST_OPS if alone else PASS_THROUGH_OPS | CAST_OPS | SCALE_OPS | ADD_OPS
     )
-    for norm in outside_layers(trace, "norm"):
+    for norm in sorted(outside_layers(trace, "norm"), key=lambda c: c.first_op):
         if norm.end_op > start:
             continue
         todo, seen = [norm.input_ref], 0
