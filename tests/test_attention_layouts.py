@@ -394,3 +394,41 @@ def test_rot_k_from_repeated_heads_is_served_only_when_they_are_copies(apart):
         assert site.kind == "refused" and "not copies of one tensor" in site.note
     else:
         assert site.kind == "real" and torch.equal(site.tensor, keys.transpose(1, 2))
+
+
+def test_merged_batch_head_rows_are_served_as_batch_and_heads():
+    """XGLM's eager attention runs softmax and pattern @ v on [batch * heads] rows: scores,
+    pattern and z are served [batch, heads, ...], equal to HF's attentions and to the output
+    projection's input; an edit of the pattern is given that view and lands in the model."""
+    cfg = transformers.XGLMConfig(
+        num_layers=2,
+        d_model=32,
+        attention_heads=4,
+        ffn_dim=48,
+        vocab_size=64,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = transformers.XGLMForCausalLM(cfg).eval()
+    ids = torch.tensor([[5, 9, 12, 7, 30, 2, 8], [3, 4, 5, 6, 7, 8, 9]])
+    seen = {}
+    attn = model.model.layers[0].self_attn
+    handle = attn.out_proj.register_forward_pre_hook(lambda m, a: seen.update(z=a[0].detach()))
+    try:
+        with torch.no_grad():
+            hf = model(ids, output_attentions=True)
+    finally:
+        handle.remove()
+    t = tl.trace(model, ids)
+    facets = t.modules["model.layers.0.self_attn"].facets
+    assert facets["pattern"].shape == (2, 4, 7, 7) and facets["scores"].shape == (2, 4, 7, 7)
+    torch.testing.assert_close(facets["pattern"], hf.attentions[0], rtol=0, atol=0)
+    z = facets["z"]  # head-major [batch, heads, query, d_head], checked as pattern @ v
+    torch.testing.assert_close(z.transpose(1, 2).reshape(2, 7, 32), seen["z"], rtol=0, atol=0)
+    key = ("model.layers.0.self_attn", "pattern")
+    same = tl.trace(model, ids, edit={key: lambda p: p})
+    torch.testing.assert_close(same.output.logits, hf.logits, rtol=0, atol=0)
+    zeroed = tl.trace(model, ids, edit={key: lambda p: p * 0})
+    assert not torch.equal(zeroed.output.logits, hf.logits)
+    assert float(zeroed.modules["model.layers.0.self_attn"].facets["z"].abs().max()) == 0.0

@@ -44,6 +44,18 @@ def _feeds_matmul(g: Graph, op: OpRecord) -> bool:
     return False
 
 
+def _split_rows(site: FacetSite | None, batch_heads: tuple[int, ...]) -> None:
+    """`site` (a tensor over merged [batch * heads] rows) served as [batch, heads, ...]: the same
+    values, viewed (an edit is given that view and its result is viewed back)."""
+    if site is None:
+        return
+    shape = tuple(batch_heads) + tuple(site.shape[1:])
+    t = held(site)
+    site.shape = shape
+    site.tensor = None if t is None else t.reshape(shape)
+    site.note = f"{site.note}; its [batch * heads] rows split into [batch, heads]"
+
+
 def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict[str, FacetSite]:
     ops = g.ops[call.first_op : call.end_op]
     mha = next((op for op in ops if op.name == "multi_head_attention_forward"), None)
@@ -118,6 +130,30 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
                     ),
                     z_ref,
                 )
+            elif (
+                p_meta is not None
+                and len(p_meta[0]) == 3
+                and len(zs) == 3
+                and zs[0] == p_meta[0][0]
+            ):
+                # the softmax and pattern @ v both ran on merged [batch * heads] rows (XGLM's
+                # bmm): the view of z that splits them back gives batch and heads, and scores
+                # and pattern are served split the same way ([batch, heads, query, key])
+                split = next(
+                    (
+                        c
+                        for c in g.consumers.get(z_op, [])
+                        if g.ops[c].name in _ops.RESHAPE_OPS
+                        and len(g.ops[c].shape) == 4
+                        and g.ops[c].shape[0] * g.ops[c].shape[1] == zs[0]
+                        and tuple(g.ops[c].shape[2:]) == zs[1:]
+                    ),
+                    None,
+                )
+                if split is not None:
+                    z_ref = Ref(split, 0)
+                    for name in ("scores", "pattern"):
+                        _split_rows(sites.get(name), tuple(g.ops[split].shape[:2]))
             iv = _ops.MATMUL_OPERANDS.get(g.ops[z_op].name, (0, 1))[1]
             v_ref = next((r for r in g.ops[z_op].inputs[iv : iv + 1]), None)
         # q and k: the matmul upstream of the scores.

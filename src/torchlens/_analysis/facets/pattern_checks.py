@@ -110,6 +110,8 @@ def check_z(
 
     def run(inputs: list) -> tuple:
         p, v, zt = inputs
+        if p.dim() == 4 and v.dim() == 3 and v.shape[0] == p.shape[0] * p.shape[1]:
+            v = v.reshape(p.shape[0], p.shape[1], *v.shape[1:])  # merged [batch * heads] rows
         if v.shape[-3] != p.shape[-3] and v.dim() == 4 and p.shape[-3] % v.shape[-3] == 0:
             v = v.repeat_interleave(p.shape[-3] // v.shape[-3], dim=-3)
         try:
