@@ -57,6 +57,13 @@ def _root(trace: Trace, layer: int) -> ModuleCall | None:
     return trace.modules[""].calls[0] if trace.modules[""].calls else None
 
 
+#: Why a target read from the token embedding is absent: no embedding module read the input ids.
+_NO_TOKEN_EMBEDDING = (
+    "no embedding module read the model's input ids (a model given inputs_embeds= runs no token "
+    "embedding: call it with input_ids for this site)"
+)
+
+
 @dataclass(frozen=True)
 class Target:
     """What a naming row's `target` names: one kind of module a trace may have.
@@ -210,24 +217,21 @@ TARGETS: dict[str, Target] = check_targets(
             find=lambda t, i: token_embed(t),
             per_layer=False,
             roles=("embedding",),
-            absent="no embedding module read the model's input ids (a model given inputs_embeds= runs no token "
-            "embedding: call it with input_ids for this site)",
+            absent=_NO_TOKEN_EMBEDDING,
         ),
         Target(
             name="embedded_tokens",
             find=lambda t, i: embedded(t, alone=True),
             per_layer=False,
             roles=("embedding", "norm"),
-            absent="no embedding module read the model's input ids (a model given inputs_embeds= runs no token "
-            "embedding: call it with input_ids for this site)",
+            absent=_NO_TOKEN_EMBEDDING,
         ),
         Target(
             name="embedded_sum",
             find=lambda t, i: embedded(t, alone=False),
             per_layer=False,
             roles=("embedding", "norm"),
-            absent="no embedding module read the model's input ids (a model given inputs_embeds= runs no token "
-            "embedding: call it with input_ids for this site)",
+            absent=_NO_TOKEN_EMBEDDING,
         ),
         Target(
             name="pos_embed",
