@@ -57,8 +57,11 @@ def compare(
     Each name is resolved with [`resolve_alias`][torchlens.mechinterp.resolve_alias]. The
     TorchLens tensor is converted to the engine's layout when the shapes say how: a batch axis of
     1 dropped, heads flattened into the width, z moved from head-major to token-major, k/v
-    repeated from kv heads to query heads. Both sides are compared in float32; a masked attention
-    score counts as equal whether its fill is `-inf` or the dtype minimum.
+    repeated from kv heads to query heads. Where the engine's shape fits two layouts that read the
+    values differently (as many heads as positions), a match passes only under the token-major
+    layout the naming generations use; a match under the head-major one alone (a forgotten
+    transpose) fails, and its hint says so. Both sides are compared in float32; a masked attention
+    score counts as equal whether its fill is `-inf` or its own dtype's minimum (float16's too).
 
     A row that fails is explained: the trace is searched for what the engine's tensor equals
     (every saved facet and op output under layout conversions, the neighbouring layers, the site
