@@ -63,6 +63,10 @@ def _matches(query: str, tables: list[Table], trace: Trace) -> list[tuple[Table,
     return found
 
 
+#: An interp-engine address with a coordinate: `point[.layer].coordinate-K` (`resid_pre.0.stream-1`).
+_COORDINATE = re.compile(r"^([a-z][a-z0-9_]*)(?:\.(\d+))?\.([a-z][a-z0-9_]*)-(\d+)$")
+
+
 def _interp_engine_special(query: str, trace: Trace) -> AliasResolution | None:
     """`path.<module>` addresses and `.stream-K` coordinates of interp-engine."""
     table = interp_engine.TABLE
@@ -83,7 +87,7 @@ def _interp_engine_special(query: str, trace: Trace) -> AliasResolution | None:
             raise UnknownAlias(f"{query!r}: no module at address {address!r} in this trace.{hint}")
         row = Row(query, None, "output", "module output (interp-engine path address)")
         return resolve_row(trace, table, row, None, query, trace.modules[address].address)
-    m = re.match(r"^([a-z][a-z0-9_]*)(?:\.(\d+))?\.([a-z][a-z0-9_]*)-(\d+)$", query)
+    m = _COORDINATE.match(query)
     if not m:
         return None
     name, layer, coord, stream = m.groups()
@@ -137,7 +141,7 @@ def _unknown(query: str, tables: list[Table], trace: Trace) -> AliasError:
         if elsewhere:
             return UnknownAlias(f"{query!r} is not a name in {where}: {elsewhere}")
         if tables[0].generation != interp_engine.TABLE.generation and (
-            query.startswith("path.") or re.search(r"\.[a-z][a-z0-9_]*-\d+$", query)
+            query.startswith("path.") or _COORDINATE.match(query)
         ):
             return UnknownAlias(
                 f"{query!r} is not a name in {where}: it is an interp-engine address (a path. "

@@ -64,6 +64,10 @@ _NO_TOKEN_EMBEDDING = (
 )
 
 
+#: Why a decoder layer has no norm after one of its sublayers (`post_ln_of`), either.
+_NOT_POST_LN = "the block is not post-LN with a norm after each of its three sublayers"
+
+
 @dataclass(frozen=True)
 class Target:
     """What a naming row's `target` names: one kind of module a trace may have.
@@ -345,16 +349,14 @@ TARGETS: dict[str, Target] = check_targets(
             find=lambda t, i: post_ln_of(t, i, 0) or norm_where(t, i, feeds, "attention"),
             per_layer=True,
             roles=("norm",),
-            absent="no norm feeds the self-attention input, and the block is not post-LN with a norm after each "
-            "of its three sublayers",
+            absent=f"no norm feeds the self-attention input, and {_NOT_POST_LN}",
         ),
         Target(
             name="dec_ln2",
             find=lambda t, i: post_ln_of(t, i, 1) or norm_where(t, i, feeds, "cross_attention"),
             per_layer=True,
             roles=("norm",),
-            absent="no norm feeds the cross-attention input, and the block is not post-LN with a norm after each "
-            "of its three sublayers",
+            absent=f"no norm feeds the cross-attention input, and {_NOT_POST_LN}",
         ),
         Target(
             name="dec_ln3",
@@ -363,8 +365,7 @@ TARGETS: dict[str, Target] = check_targets(
             ),
             per_layer=True,
             roles=("norm",),
-            absent="no norm feeds the MLP input, and the block is not post-LN with a norm after each of its three "
-            "sublayers",
+            absent=f"no norm feeds the MLP input, and {_NOT_POST_LN}",
         ),
         Target(
             name="cross_kv_source",

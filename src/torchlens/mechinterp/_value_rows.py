@@ -27,24 +27,14 @@ def value_row(
     """
     atol, rtol, auto_dtype, auto_note = tol
     hints = [auto_note] if auto_note else []
+    not_a_tensor = ""
     try:
         engine, rest, tuple_hint = engine_tensor(value)
     except (TypeError, ValueError, RuntimeError) as exc:
-        return Comparison(
-            name,
-            res.status,
-            res.module_address,
-            res.facet,
-            (),
-            None,
-            "as is",
-            None,
-            False,
+        engine, rest, tuple_hint = torch.empty(()), (), ""  # a 0-d stand-in: its row has shape ()
+        not_a_tensor = (
             f"the engine's value is not a tensor ({type(value).__name__}: {exc}): compare takes a tensor, "
-            "or a tuple or list whose element 0 is one, per name",
-            "",
-            (),
-            (atol, rtol),
+            "or a tuple or list whose element 0 is one, per name"
         )
     if tuple_hint:
         hints.append(tuple_hint)
@@ -87,6 +77,8 @@ def value_row(
             (atol, rtol),
         )
 
+    if not_a_tensor:
+        return row(res.status, False, not_a_tensor)
     if not res.readable:
         return row(
             res.status, False, f"no readable TorchLens site: {res.reason} {res.remedy}".strip()
@@ -116,12 +108,15 @@ def value_row(
         )
     label, err, t, d = closest(engine, options, res.facet)
     scale = t.float().abs().nan_to_num(posinf=0.0, neginf=0.0)
-    passed = bool((d <= atol + rtol * scale).all())
+    passed = _within(d, scale, atol, rtol)
     hint = ""
-    others = [
-        o for o in options if o[1] is not t and not _fits(engine, o[1], res.facet, atol, rtol)
-    ]
-    ambiguous = passed and bool(others) and not _names_layout(label, res.facet)
+    # the layouts of the same shape that read the values differently (asked only of a match)
+    others = (
+        [o for o in options if o[1] is not t and not _fits(engine, o[1], res.facet, atol, rtol)]
+        if passed and len(options) > 1
+        else []
+    )
+    ambiguous = bool(others) and not _names_layout(label, res.facet)
     if ambiguous:
         # The engine's shape fits several layouts that read the values differently (heads and
         # positions of one size), and it matches under one the names do not use (every naming
@@ -130,8 +125,7 @@ def value_row(
         hint = (
             f"ambiguous layout: the values match read {label}, but the engine's shape "
             f"{list(engine.shape)} also fits {', '.join(sorted({repr(o[0]) for o in others}))}, where they "
-            "differ "
-            "(two axes of one size, such as heads and positions): compare on an input whose length "
+            "differ (two axes of one size, such as heads and positions): compare on an input whose length "
             "differs from the head count to tell the layouts apart"
         )
     elif not passed:
@@ -151,10 +145,15 @@ def _names_layout(label: str, facet: str) -> bool:
     return "token-major" in label if facet in HEAD_MAJOR else "head-major" not in label
 
 
+def _within(d: Tensor, scale: Tensor, atol: float, rtol: float) -> bool:
+    """Whether the differences `d` pass: each at most `atol + rtol * scale`."""
+    return bool((d <= atol + rtol * scale).all())
+
+
 def _fits(engine: Tensor, t: Tensor, facet: str, atol: float, rtol: float) -> bool:
-    """Whether `engine` equals `t` within `atol` and `rtol` (as `value_row` passes a row)."""
+    """Whether `engine` equals `t` as `value_row` passes a row (`_within` of their `diff`)."""
     _, d = diff(engine, t, facet)
-    return bool((d <= atol + rtol * t.float().abs().nan_to_num(posinf=0.0, neginf=0.0)).all())
+    return _within(d, t.float().abs().nan_to_num(posinf=0.0, neginf=0.0), atol, rtol)
 
 
 def _equals_facet(trace, res: AliasResolution, facet: str, engine: Tensor, atol, rtol) -> bool:

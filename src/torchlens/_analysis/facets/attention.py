@@ -67,16 +67,13 @@ def attention_facets(g: Graph, call: ModuleCall, kids: list[ModuleCall]) -> dict
     # several: a router's softmax over experts in the same call (JetMoe's mixture of attention
     # heads) is neither.
     softs = [op for op in ops if op.name in _ops.SOFTMAX_OPS and g.is_kernel(op)]
-    soft = next((op for op in softs if _feeds_matmul(g, op)), softs[0] if softs else None)
+    feeding = [op for op in softs if _feeds_matmul(g, op)]
+    soft = feeding[0] if feeding else (softs[0] if softs else None)
     sites: dict[str, FacetSite | None] = {}  # None for a site not found, dropped at the end
     z_ref = q_ref = k_ref = v_ref = unpacked = None
     # more than one attention kernel in the call (DiffLlama's differential attention runs two):
     # what one of them computed is part of the attention, not its pattern or z
-    two_kernels = (
-        len([op for op in ops if op.name in _ops.FUSED_ATTENTION_OPS])
-        + len([op for op in softs if _feeds_matmul(g, op)])
-        > 1
-    )
+    two_kernels = len([op for op in ops if op.name in _ops.FUSED_ATTENTION_OPS]) + len(feeding) > 1
     two_values = False  # the pattern multiplies more than one value tensor
     if soft is not None and fused is None:
         scores_ref = soft.inputs[0]
