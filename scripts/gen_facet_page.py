@@ -69,6 +69,8 @@ def found_as(f: spec.FacetSpec) -> str:
     text = _SOURCE[f.source]
     if f.hooks:
         text += ": " + ", or ".join(_hook(f, role, side) for role, side in f.hooks)
+        if f.found_in:  # an io facet the module may compute itself (an embedding's positions)
+            text += "; an op's output where the module computes it from its input"
     if f.fused is not None:
         text += f"; {_SOURCE[f.fused]} where the module runs as one fused op"
     return text

@@ -76,3 +76,42 @@ def test_indices_are_the_indices_looked_up(arch, address, source):
     assert got.shape == truth.shape and torch.equal(got.long(), truth.long()), (
         f"{address} indices {got.tolist()} are not the rows looked up {truth.tolist()}"
     )
+
+
+@pytest.mark.parametrize("arch,address,source", CASES, ids=[f"{a}-{s}" for a, s, _ in CASES])
+def test_a_save_list_keeps_the_indices(arch, address, source):
+    """`save=["indices"]` keeps them, also where the module computes them itself (the positions
+    are then an op of the embedding, not its input, which capture must keep)."""
+    model, args, kwargs, full = traced(arch)
+    served = full.modules[address].calls[-1].facets.sites.get("indices")
+    if served is None or served.tensor is None:
+        return
+    trace = tl.trace(model, *args, **kwargs, save=["indices"])
+    site = trace.modules[address].calls[-1].facets.sites["indices"]
+    assert site.saved, f"{address}: save=['indices'] dropped them"
+    torch.testing.assert_close(site.tensor, served.tensor, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch,address,source", CASES, ids=[f"{a}-{s}" for a, s, _ in CASES])
+def test_an_indices_edit_changes_the_rows_looked_up(arch, address, source):
+    """An edit of `indices` replaces the tensor the lookup reads, wherever it is made: a plain
+    forward hook on the module in the edited forward sees the weight rows at the new indices."""
+    model, args, kwargs, full = traced(arch)
+    served = full.modules[address].calls[-1].facets.sites.get("indices")
+    if served is None or served.tensor is None:
+        return
+    module = model.get_submodule(address)
+    seen = []
+    handle = module.register_forward_hook(lambda m, a, o: seen.append(o.detach().clone()))
+    try:
+        trace = tl.trace(model, *args, **kwargs, edit={f"{address}:indices": torch.zeros_like})
+    finally:
+        handle.remove()
+    rows = seen[-1].reshape(-1, seen[-1].shape[-1])
+    weight = module.weight.detach()
+    scale = rows[0] / weight[0]  # a token embedding that scales its rows (all by one factor)
+    torch.testing.assert_close(rows, (weight[0] * scale).expand_as(rows))
+    assert torch.equal(
+        trace.modules[address].calls[-1].facets["indices"],
+        torch.zeros_like(served.tensor),
+    )

@@ -574,6 +574,45 @@ def test_edit_gives_the_gradient_of_the_edited_forward():
     )
 
 
+@pytest.mark.parametrize("value", ["tensor", "zeros_like"])
+def test_a_constant_edit_names_itself_where_it_cuts_the_gradient(value):
+    """An edit whose tensor has no autograd history (a given tensor, `torch.zeros_like(x)`)
+    cuts autograd's path: the edited site and what is computed from it alone have no gradient,
+    and their refusal names the edit. Upstream of it, the loss no longer depends on the block:
+    its input's gradient is zeros (ground truth: a plain forward hook making the same edit,
+    under which the block's input gets no gradient at all)."""
+    ids = testing.token_ids(1, 7)
+    model = build("gpt2", "eager").requires_grad_(False)
+    const = torch.randn(1, 7, model.config.n_embd, generator=torch.Generator().manual_seed(3))
+    edit = const if value == "tensor" else torch.zeros_like
+    key = "transformer.h.0:resid_post"
+    t = tl.trace(model, ids, grads=loss_fn, edit={key: edit})
+    for address, facet in (("transformer.h.0", "resid_post"), ("transformer.h.1", "resid_pre")):
+        with pytest.raises(tl.GradNotFound, match=f"edit=.{{1,2}}{key}"):
+            t.modules[address].grads[facet]
+    plain = build("gpt2", "eager")
+    inputs = {}
+
+    def leaf(m, a):
+        inputs["x"] = a[0].detach().requires_grad_()
+        return (inputs["x"],) + tuple(a[1:])
+
+    def replace(m, a, o):
+        t = o[0] if isinstance(o, tuple) else o
+        new = const if value == "tensor" else torch.zeros_like(t)
+        return (new,) + tuple(o[1:]) if isinstance(o, tuple) else new
+
+    h1 = plain.transformer.h[0].register_forward_pre_hook(leaf)
+    h2 = plain.transformer.h[0].register_forward_hook(replace)
+    try:
+        loss = loss_fn(plain(ids))
+    finally:
+        h1.remove()
+        h2.remove()
+    assert torch.autograd.grad(loss, inputs["x"], allow_unused=True) == (None,)
+    assert torch.count_nonzero(t.modules["transformer.h.0"].grads["resid_pre"]) == 0
+
+
 # -- where the graph starts: frozen parameters stay frozen, the first activations require grad ---
 
 

@@ -247,3 +247,85 @@ def test_an_interp_engine_address_asked_of_another_generation_says_whose_it_is()
     for name in ("resid_pre.0.stream-1", "path.transformer"):
         with pytest.raises(mi.UnknownAlias, match="generation='interp-engine'"):
             mi.resolve_alias(t, name, generation="2.x")
+
+
+class _IdsOnlyTokenizer:
+    """What interp-engine's EagerModel reads from a tokenizer when it is given token ids."""
+
+    bos_token_id, eos_token_id, pad_token_id = 1, 2, 3
+    chat_template = None
+
+
+@pytest.mark.parametrize("arch", ["granite", "minicpm3", "gemma2", "olmo2", "gpt2", "llama"])
+def test_interp_engine_sublayer_contributions_are_what_the_layer_adds(arch):
+    """interp-engine's `attn_out_post.L`/`mlp_out_post.L` are the sublayer's residual
+    contribution: after a sandwich norm (Gemma-2, OLMo-2), times the residual multiplier (Granite's
+    0.22, MiniCPM3's scale_depth / sqrt(layers)). Ground truth: interp-engine's own capture, and the
+    residual stream itself (what the layer adds is resid_mid - resid_pre, and resid_post - resid_mid),
+    from plain hooks."""
+    pytest.importorskip("interp_engine")
+    import asyncio
+
+    import _edge_models as em
+    from interp_engine import EagerModel
+
+    model = em.build(arch) if arch in em.CONFIGS else testing.build(arch, "eager")
+    layers = model.model.layers if hasattr(model, "model") else model.transformer.h
+    # the module whose input is resid_mid: the MLP's norm, or the MLP itself (OLMo-2 norms after)
+    norm2 = {"gpt2": "ln_2", "gemma2": "pre_feedforward_layernorm", "olmo2": "mlp"}.get(
+        arch, "post_attention_layernorm"
+    )
+    ids = IDS[:, :5]
+    seen = _hooked(
+        model,
+        {f"mid{i}": getattr(layer, norm2) for i, layer in enumerate(layers)}
+        | {f"post{i}": layer for i, layer in enumerate(layers)},
+        lambda: model(ids),
+    )
+    pre = {}
+    handles = [
+        layer.register_forward_pre_hook(
+            lambda m, a, kw, i=i: pre.__setitem__(i, (a[0] if a else kw["hidden_states"]).detach()),
+            with_kwargs=True,
+        )
+        for i, layer in enumerate(layers)
+    ]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    t = tl.trace(model, ids)
+    names = [f"{p}.{i}" for i in range(len(layers)) for p in ("attn_out_post", "mlp_out_post")]
+    engine = EagerModel(
+        f"local-{arch}", hf_model=model, tokenizer=_IdsOnlyTokenizer(), device="cpu"
+    )
+    theirs = {str(k): v for k, v in asyncio.run(engine.capture(ids[0].tolist(), names)).items()}
+    for name in names:
+        r = mi.resolve_alias(t, name, generation="interp-engine")
+        assert r.status == "real", (name, r.reason)
+        ours = r.tensor[0]
+        torch.testing.assert_close(ours, theirs[name], rtol=0, atol=0)
+        i = int(name.split(".")[1])
+        mid, post = seen[f"mid{i}"][0][0], seen[f"post{i}"][1][0]
+        added = mid - pre[i][0] if name.startswith("attn") else post - mid
+        torch.testing.assert_close(ours, added, rtol=1e-5, atol=1e-6)
+
+
+def test_a_contribution_summed_with_another_branch_after_a_multiplier_is_absent():
+    """Falcon-H1 multiplies its attention's output by `attention_out_multiplier` and sums it with
+    the Mamba mixer's before the residual add: no one tensor of the forward is the attention's
+    contribution, and the attention's output is not it (it was served as such)."""
+    import _edge_models as em
+    import transformers as tf
+
+    config = tf.FalconH1Config(
+        **em._LL, head_dim=8, mamba_d_ssm=32, **em._MAMBA, attention_out_multiplier=0.7
+    )
+    model = testing.from_config(config, tf.FalconH1ForCausalLM, "eager", torch.float32)
+    t = tl.trace(model, IDS[:, :5])
+    for name, gen in (("attn_out_post.0", "interp-engine"), ("blocks.0.hook_attn_out", "2.x")):
+        r = mi.resolve_alias(t, name, generation=gen)
+        assert r.status == "structurally_absent", (name, r.status)
+        assert "Falcon-H1" in r.reason

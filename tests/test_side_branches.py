@@ -372,3 +372,46 @@ def test_a_pattern_multiplying_two_value_tensors_has_no_z():
     torch.testing.assert_close(facets["pattern"], block.attn.seen["pattern"], rtol=0, atol=0)
     with pytest.raises(tl.FacetNotFound, match="more than one value tensor"):
         facets["z"]
+
+
+class _LowRankOutAttention(_RoutedAttention):
+    """An attention whose output path is two projections (`o_a` to a narrow width, then `o_b`
+    back), as DeepSeek-V4's grouped `o_a_proj`/`o_b_proj`: the first projection after z is not
+    the map from the heads to the attention's output that `result` splits per head."""
+
+    def __init__(self, d=16, heads=2, rank=4):
+        super().__init__(d, heads)
+        self.o_a, self.o_b = torch.nn.Linear(d, rank), torch.nn.Linear(rank, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (y.view(b, t, self.heads, self.d_head).transpose(1, 2) for y in (q, k, v))
+        pattern = torch.softmax(q @ k.transpose(-1, -2) / self.d_head**0.5, dim=-1)
+        z = pattern @ v
+        self.seen["z"] = z.detach()
+        return self.o_b(self.o_a(z.transpose(1, 2).reshape(b, t, d)))
+
+
+@pytest.mark.parametrize("low_rank", [True, False])
+def test_result_is_served_only_where_one_projection_maps_the_heads_to_the_output(low_rank):
+    torch.manual_seed(0)
+    block = _RoutedBlock()
+    block.attn = _LowRankOutAttention() if low_rank else _RoutedAttention()
+    model = torch.nn.Sequential(block).eval()
+    x = torch.randn(1, 5, 16)
+    t = tl.trace(model, x, roles={"*.attn": "attention"})
+    facets = t.modules["0.attn"].facets
+    if low_rank:
+        torch.testing.assert_close(facets["z"], block.attn.seen["z"], rtol=0, atol=0)
+        with pytest.raises(tl.FacetNotFound, match="not one map from all 2 heads' z"):
+            facets["result"]
+        return
+    # one output projection: the heads' contributions, recomputed from its weight, sum to its output
+    seen = {}
+    block.attn.o.register_forward_hook(lambda m, a, o: seen.update(x=a[0], y=o))
+    model(x)
+    w = block.attn.o.weight.view(16, 2, 8)
+    expected = torch.einsum("bthd,ohd->btho", seen["x"].view(1, 5, 2, 8), w)
+    torch.testing.assert_close(facets["result"], expected)
+    torch.testing.assert_close(facets["result"].sum(2) + block.attn.o.bias, seen["y"])

@@ -24,17 +24,18 @@ import torch
 from torch import nn
 
 from torchlens._analysis.facets import derive
+from torchlens._analysis.grads import NO_GRAD_PATH
 from torchlens._analysis.graph import Graph
 from torchlens._analysis.role_rules import Roles
 from torchlens._analysis.selection import CapturePlan
 from torchlens._analysis.structure import find as find_structure
 from torchlens._capture.compiled import check_compiled
 from torchlens._capture.recorder import Recorder
-from torchlens._core.records import ModuleMap
+from torchlens._core.records import ModuleMap, Ref
 from torchlens._core.sites import FacetMap
 from torchlens._trace import Trace
 
-__all__ = ["assemble", "note_edited_refusals"]
+__all__ = ["assemble", "note_cut_gradients", "note_edited_refusals"]
 
 
 def assemble(
@@ -117,6 +118,42 @@ def module_records(
         call._in = call._out = None
     layout = tuple([(addr, type(m).__name__, roles[addr]) for m, addr in names.items()])
     return ModuleMap._deferred(layout, aliases, calls)
+
+
+def note_cut_gradients(result: Trace) -> None:
+    """A gradient refused because nothing on its tensor's path requires grad, where an edit of
+    this trace lies on that path, says which edit: an edit that puts a tensor without autograd
+    history in the forward (a constant, `torch.zeros_like(x)`) cuts autograd's path there, so
+    the edited site and everything computed from it alone have no gradient."""
+    cut: dict[int, Any] = {}  # op index -> the key of the edit on its path
+    for r in result.edits:
+        calls = result.modules[r.module_address].calls
+        for c in r.calls:
+            facets = calls[c].facets if c < len(calls) else None
+            site = facets._sites.get(r.facet) if facets is not None else None
+            if site is not None and site.op is not None:
+                cut.setdefault(site.op, r.key)
+    if not cut:
+        return
+    for op in result.ops[min(cut) :]:
+        if op.index not in cut:
+            key = next((cut[i.op] for i in op.inputs if type(i) is Ref and i.op in cut), None)
+            if key is not None:
+                cut[op.index] = key
+    for rec in result.modules.values():
+        for call in rec.calls:
+            grads, facets = getattr(call, "grads", None), call.facets
+            if grads is None or facets is None:
+                continue
+            for name, reason in list(grads.refused.items()):
+                site = facets._sites.get(name)
+                if reason == NO_GRAD_PATH and site is not None and site.op in cut:
+                    grads.explain_refusal(
+                        name,
+                        f" (this trace's edit={{{cut[site.op]!r}: ...}} lies on its path: an edit whose "
+                        "tensor does not require grad, a constant or a function's result made without "
+                        "autograd such as torch.zeros_like(x), cuts autograd's path there)",
+                    )
 
 
 def note_edited_refusals(result: Trace) -> None:

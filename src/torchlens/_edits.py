@@ -35,6 +35,7 @@ from torch import Tensor
 from torchlens._core.errors import EditSpecError, NotEditable
 from torchlens._core.facet_spec import HOOK_SIDES, REMEDIES
 from torchlens._core.persisted import persisted
+from torchlens._core.records import Ref
 from torchlens._naming.resolver import resolve_alias
 
 __all__ = ["EditPlan", "EditRecord", "check_inputs", "plan_edits", "resolve_key"]
@@ -275,6 +276,14 @@ def resolve_key(trace: Any, key: Any) -> tuple[str, str, int | None]:
     return r.module_address, r.facet, r.call
 
 
+def _is_hooks_tensor(call: Any, side: str, site: Any) -> bool:
+    """Whether `site` of `call` is the tensor its forward pre-hook (`side` "in") or forward hook
+    ("out") sees: an io facet's site is, except an embedding's `indices` where the module computes
+    the index tensor itself from its input (a learned positional embedding's positions)."""
+    ref = call.input_ref if side == "in" else call.output_ref
+    return site.op is None or type(ref) is not Ref or ref.op == site.op
+
+
 def _site_name(address: str, facet: str, call: int, n_calls: int) -> str:
     where = address or "<root>"
     return f"{where}:{facet}" + (f" (call {call})" if n_calls > 1 else "")
@@ -412,6 +421,8 @@ def plan_edits(trace: Any, edit: Any) -> EditPlan:
             seen[address, c, facet] = key
             base = dict(record=record, value=value, shape=tuple(site.shape), dtype=site.dtype)
             side = _HOOK_FACETS.get(facet)
+            if side is not None and not _is_hooks_tensor(rec.calls[c], side, site):
+                side = None  # computed inside the module (BART's positions): edited at its op
             if side is not None:
                 first = hooked.setdefault((side, address, c), key)
                 if first != key:  # `output` and `resid_post` of a block: one tensor, two names

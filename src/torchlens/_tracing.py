@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torchlens._analysis.grads import backward, grad_maps, loss_of
 from torchlens._analysis.role_rules import parse_roles, static_roles
 from torchlens._analysis.selection import parse_save, plan_capture
-from torchlens._assemble import assemble, note_edited_refusals
+from torchlens._assemble import assemble, note_cut_gradients, note_edited_refusals
 from torchlens._capture.accelerate import accelerate_hooks
 from torchlens._capture.collector import paused
 from torchlens._capture.compiled import CompiledRunsEagerly, compiled_module_class
@@ -276,6 +276,7 @@ def finish(
         # derived gradient finds its edges there where no op output was kept (`save=` a facet)
         io = {id(c): (c._in, c._out) for c in rec.calls} if loss is not None else {}
         result = assemble(rec, model, names, aliases, roles, capture, output, overwritten)
+        grads_taken = loss is not None
         if loss is not None:
             assert rec.edges is not None
             modules = {addr: m for m, addr in names.items()}
@@ -290,6 +291,8 @@ def finish(
             result.edits = tuple(plan.records)
             plan.check_placed(result)  # each op edit replaced the op its site is in this forward
             note_edited_refusals(result)
+            if grads_taken:
+                note_cut_gradients(result)
         result = apply_store(result, store_to)
         arm_guards(
             rec, result

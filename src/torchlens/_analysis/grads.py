@@ -439,14 +439,18 @@ def _base_of(
                 "autograd keeps no gradient at it; the gradients at the tensors around that region "
                 "are served"
             )
-        return (
-            "its tensor does not require grad: nothing it is computed from requires grad (no input that "
-            "requires grad, and no parameter together with the input, on its path)"
-        )
+        return NO_GRAD_PATH
     return (
         "its tensor is not the tensor the model used there nor a view of it (a copy rearranged from it), so "
         "which element's gradient is which cannot be told"
     )
+
+
+#: Why a site's gradient is refused where nothing on its tensor's path requires grad.
+NO_GRAD_PATH = (
+    "its tensor does not require grad: nothing it is computed from requires grad (no input that "
+    "requires grad, and no parameter together with the input, on its path)"
+)
 
 
 def _from_parameters(site: FacetSite, t: Tensor, ops: list[OpRecord], frozen: set[int]) -> bool:

@@ -113,8 +113,10 @@ class FacetSpec:
             facets are found at all); the resolver's `structurally_absent` reason.
         remedy: for a facet that is not always an op output, what to edit instead (empty for
             the facets an edit can always replace).
-        found_in: roles beyond `roles` whose calls run the ops the facet is found from (a
-            sublayer's `contribution` is an op of its block); capture keeps their op outputs too.
+        found_in: roles whose calls run ops the facet may be found from beyond what `source`
+            says: a sublayer's `contribution` is an op of its block; an embedding's `indices`
+            (an `"io"` facet) are an op of its own where it computes them from its input (a
+            learned positional embedding's positions). Capture keeps their op outputs too.
         prose: what the tensor is, in one or two sentences (Markdown: code in backticks).
     """
 
@@ -161,10 +163,10 @@ class FacetSpec:
 
     @property
     def retain(self) -> tuple[str, ...]:
-        """The roles whose calls capture must keep the op outputs of to serve the facet: none
-        for an `"io"` facet (its `hooks` serve it), the reporting roles (and `found_in`) for
-        every other one."""
-        return () if self.source == "io" else self.roles + self.found_in
+        """The roles whose calls capture must keep the op outputs of to serve the facet: for an
+        `"io"` facet only its `found_in` (its `hooks` serve it otherwise), the reporting roles
+        and `found_in` for every other one."""
+        return self.found_in if self.source == "io" else self.roles + self.found_in
 
 
 _ROPE = "nothing transforms the {what} between the projection and the kernel (no RoPE)"
@@ -462,8 +464,10 @@ SPECS: tuple[FacetSpec, ...] = (
         heads_axis=None,
         kv_heads=False,
         source="io",
-        prose="the token ids entering the embedding",
+        prose="the index tensor the embedding's lookup reads: the token ids entering it, or the "
+        "positions a learned positional embedding computes from its input (BART's)",
         hooks=(("embedding", "in"),),
+        found_in=("embedding",),
     ),
     FacetSpec(
         name="lookup",

@@ -193,14 +193,18 @@ TARGETS: dict[str, Target] = check_targets(
             find=out_final("attention"),
             per_layer=True,
             roles=("norm", "attention"),
-            absent="no attention sublayer whose output is added to the residual stream",
+            absent="no attention sublayer whose output the layer adds to the residual stream, as it is or "
+            "changed on the way (times a constant, through a sandwich norm) into one operand TorchLens "
+            "found (Falcon-H1 scales its attention's output and sums it with its mixer's first)",
         ),
         Target(
             name="mlp_out_final",
             find=out_final("mlp"),
             per_layer=True,
             roles=("norm", "mlp"),
-            absent="no MLP sublayer whose output is added to the residual stream",
+            absent="no MLP sublayer whose output the layer adds to the residual stream, as it is or "
+            "changed on the way (times a constant, through a sandwich norm) into one operand TorchLens "
+            "found (a layer may scale its MLP's output and sum it with another branch first)",
         ),
         Target(
             name="attn_o",

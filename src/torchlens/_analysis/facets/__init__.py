@@ -172,6 +172,8 @@ def _embedding_facets(g: Graph, call: ModuleCall) -> dict[str, FacetSite]:
             (lookup.inputs[0] if lookup.inputs else None),
             "the index tensor of the embedding op",
         )
+        if type(ref) is Ref and ref == call.input_ref:  # the module's input: the hook's tensor
+            ref = x_ref  # (its alias where capture kept no op output outside the module)
         if (
             ref is None
         ):  # a tensor from outside the forward: the module's own input, if it is that tensor

@@ -281,6 +281,17 @@ def _result_site(
     if layout is None or out_m is None or not isinstance(weight, Tensor):
         return {}
     d_out = out_m[0][-1]
+    attn_m = g.meta(io_ref(g, call, "out"))
+    width = attn_m[0][-1] if attn_m is not None and len(attn_m[0]) else None
+    if tuple(weight.shape) != ((d_out, h * dh) if layout == "out_in" else (h * dh, d_out)) or (
+        width is not None and width != d_out
+    ):
+        return refused(
+            ("result",),
+            f"the first projection after z ({proj.address}, weight {tuple(weight.shape)}) is not one "
+            f"map from all {h} heads' z (width {h * dh}) to the attention's output (width {width}): "
+            "a grouped or low-rank output path (DeepSeek-V4's o_a_proj), so no per-head W_O splits it",
+        )
     site = FacetSite(
         "result", "computed", (b, t, h, d_out), z.dtype, note="z per head times W_O per head"
     )

@@ -44,6 +44,8 @@ def added_to_residual(
             if any(_holds_stream(trace, r, reads.input_ref) for r in op.inputs if r not in refs):
                 return "changed" if any(r in changed for r in hit) else "as_is"
             refs.add(out)
+            if any(r in changed for r in hit):  # a sum holding the changed output (Falcon-H1's
+                changed.add(out)  # attention times its multiplier, plus the mixer's output)
         elif (
             op.name in PASS_THROUGH_OPS and op.inputs[0] in refs
         ):  # (`y.type_as(x)` passes y on, not x)

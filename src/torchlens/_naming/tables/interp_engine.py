@@ -81,12 +81,12 @@ ROWS = (
     ),
     Row(
         name="attn_out_post.{L}",
-        target=None,
-        facet=None,
-        meaning="attention's residual contribution after a post-attention norm",
-        note="not mapped: TorchLens has not checked what interp-engine adds here where a block scales the "
-        "sublayer's output (Granite's residual multiplier); the post-attention norm's output is "
-        "blocks.{L}.hook_attn_out in generation='2.x' (on GPT-2 and Llama it equals attn_out)",
+        target="attn_out_final",
+        facet=("contribution", "output"),
+        meaning="attention's residual contribution",
+        note="what the block adds to the residual for the attention: after the post-attention norm on "
+        "sandwich-norm families (Gemma-2, OLMo-2), times the residual multiplier where the block scales "
+        "it (Granite); on GPT-2 and Llama it equals attn_out",
     ),
     Row(
         name="resid_mid.{L}",
@@ -143,12 +143,12 @@ ROWS = (
     ),
     Row(
         name="mlp_out_post.{L}",
-        target=None,
-        facet=None,
-        meaning="MLP's residual contribution after a post-MLP norm",
-        note="not mapped: TorchLens has not checked what interp-engine adds here where a block scales the "
-        "sublayer's output (Granite's residual multiplier); the post-MLP norm's output is "
-        "blocks.{L}.hook_mlp_out in generation='2.x' (on GPT-2 and Llama it equals mlp_out)",
+        target="mlp_out_final",
+        facet=("contribution", "output"),
+        meaning="MLP's residual contribution",
+        note="what the block adds to the residual for the MLP: after the post-MLP norm on sandwich-norm "
+        "families, times the residual multiplier where the block scales it (Granite); on GPT-2 and "
+        "Llama it equals mlp_out",
     ),
     Row(
         name="resid_post.{L}",
