@@ -286,3 +286,95 @@ def test_an_accelerate_hook_that_changes_values_is_recorded_as_computing_them(
     ]
     before = t.ops[changed[0].inputs[0].op]
     assert torch.equal(before.tensor, hook.received)
+
+
+def _conv_bn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3)
+    ).eval()
+
+
+def test_a_buffer_loaded_where_a_freed_weight_was_is_not_named_as_that_weight(tmp_path):
+    """With `offload_buffers`, accelerate frees each meta placeholder as it loads the weight, then
+    loads the buffers, which can take a freed placeholder's address: the op reading a buffer must
+    not name it as the weight that address once held (it named `running_mean` `1.bias` in about
+    one trace in five). Ground truth: the undispatched model's op inputs, and its own structure."""
+    x = torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(1))
+    want = [op.inputs for op in tl.trace(_conv_bn(), x).ops]
+    assert ("1.weight", "1.bias") == tuple(
+        i
+        for i in next(o for o in tl.trace(_conv_bn(), x).ops if o.name == "batch_norm").inputs
+        if isinstance(i, str)
+    )
+    for i in range(12):
+        offload = cpu_offload if i % 2 else disk_offload
+        extra = {} if i % 2 else {"offload_dir": str(tmp_path / f"o{i}")}
+        model = offload(
+            _conv_bn(), execution_device=torch.device("cpu"), offload_buffers=True, **extra
+        )
+        for _ in range(2):
+            assert [op.inputs for op in tl.trace(model, x).ops] == want
+
+
+def test_a_generation_on_an_offloaded_model_records_each_steps_inputs(tmp_path):
+    """Each decode step's inputs are new tensors, which can take the address of a weight an
+    earlier step loaded and freed: they must be recorded as the step's `input` ops, not named as
+    that weight (29 of 80 steps were, and an edit then found its op moved). Ground truth: the same
+    generation of the undispatched model."""
+    ids = testing.token_ids(batch=2, length=6, seed=3, vocab=60) + 3
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    twin = tl.trace_generate(testing.build("llama", "eager"), ids, **kw)
+    want = [[(o.name, o.module, o.inputs) for o in s.ops] for s in twin.steps]
+    for i in range(6):
+        model = testing.build("llama", "eager")
+        model = (
+            cpu_offload(model, execution_device=torch.device("cpu"))
+            if i % 2
+            else disk_offload(model, str(tmp_path / f"o{i}"), execution_device=torch.device("cpu"))
+        )
+        g = tl.trace_generate(model, ids, **kw)
+        assert torch.equal(g.sequences, twin.sequences)
+        assert [[(o.name, o.module, o.inputs) for o in s.ops] for s in g.steps] == want
+
+
+class _HalveAndDrop(ModelHook):
+    """Halves the block's hidden states and drops (or adds) a tensor keyword argument."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+
+    def pre_forward(self, module, *args, **kwargs):
+        if args:
+            args = (args[0] * 0.5, *args[1:])
+        else:
+            kwargs["hidden_states"] = kwargs["hidden_states"] * 0.5
+        if self.mode == "drop":
+            kwargs.pop("position_ids", None)
+        else:
+            kwargs["extra"] = torch.zeros(1)
+        return args, kwargs
+
+
+@pytest.mark.parametrize("mode", ["drop", "add"])
+def test_a_hook_that_adds_or_drops_a_tensor_argument_is_recorded_as_computing_its_tensors(mode):
+    """A hook that changes how many tensors the module gets pairs none of them with what it was
+    given: each tensor it passes on that it was not given is an `accelerate_hook` op (it was left
+    unrecorded, so the next op read it as a model input). Ground truth: a plain pre-hook on the
+    block's first norm sees the halved tensor."""
+    model = testing.build("llama", "eager")
+    add_hook_to_module(model.model.layers[0], _HalveAndDrop(mode), append=True)
+    seen = {}
+    handle = model.model.layers[0].input_layernorm.register_forward_pre_hook(
+        lambda m, a: seen.setdefault("x", a[0].detach().clone())
+    )
+    try:
+        model(IDS)
+    finally:
+        handle.remove()
+    t = tl.trace(model, IDS, save="all")
+    norm = t.modules["model.layers.0.input_layernorm"].calls[0]
+    source = t.ops[norm.input_ref.op]
+    assert source.name == "accelerate_hook" and source.inputs == ()
+    torch.testing.assert_close(source.tensor, seen["x"], rtol=0, atol=0)

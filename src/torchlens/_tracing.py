@@ -155,12 +155,10 @@ def trace(
         store_to = parse_store(store)
         capture = plan_capture(spec, roles, {addr: m for m, addr in names.items()})
         # `named_parameters` in one pass over the modules already listed: a shared (tied) weight
-        # keeps its first, canonical name
-        params: dict[int, str] = {}
-        for m, addr in names.items():
-            for n, p in m._parameters.items():
-                if p is not None:
-                    params.setdefault(id(p), f"{addr}.{n}" if addr else n)
+        # keeps its first, canonical name. Each stays alive until `trace` returns, so its id names
+        # no other tensor meanwhile (accelerate replaces a meta placeholder by the loaded weight,
+        # freeing the placeholder, and a buffer it loads next may take its address).
+        params, held = parameter_names(names)
         # A directory store writes as capture goes; "cpu" moves the tensors once the trace is assembled.
         rec = Recorder(
             names,
@@ -213,10 +211,25 @@ def trace(
             loss_name,
         )
         del output, loss  # the returned trace is the output's only holder here
+        del held  # the parameters named for the forward (see above)
         rec.producer.clear()  # the recorder's weak references to the op outputs, the output's too
         rec._frozen_only.clear()
         settle(result, rec.output_groups)  # see `_capture.output_copies`
         return result
+
+
+def parameter_names(names: dict[nn.Module, str]) -> tuple[dict[int, str], list[Tensor]]:
+    """`id(parameter) -> qualified name` of every parameter of the modules in `names` (a shared,
+    tied, weight by its first name), and the parameters themselves: the caller holds them while
+    the ids name them, so that no other tensor takes one of those ids meanwhile."""
+    params: dict[int, str] = {}
+    held: list[Tensor] = []
+    for m, addr in names.items():
+        for n, p in m._parameters.items():
+            if p is not None and id(p) not in params:
+                params[id(p)] = f"{addr}.{n}" if addr else n
+                held.append(p)
+    return params, held
 
 
 def module_names(model: nn.Module) -> tuple[dict[nn.Module, str], dict[str, str]]:

@@ -21,7 +21,7 @@ wrapped (on that module only, restored before `trace` returns or raises) so that
   Hugging Face model declares in `all_tied_weights_keys` are used), and kept until the
   facets are derived: while they are, the modules hold the weights the forward used instead of
   the meta placeholders (facets such as a norm's gain check or an attention head's result read
-  them).
+  them). Its name is dropped with it, so a later tensor at its address is not taken for it.
 """
 
 from __future__ import annotations
@@ -96,11 +96,19 @@ class _Quiet:
         as an accelerate `ModelHook`) computed something: its result is recorded as an
         `accelerate_hook` op whose input is the tensor it replaced, so the trace holds the values
         the next module received. On one device, accelerate's own hooks return the tensors
-        themselves.
+        themselves. A hook that adds or drops a tensor argument pairs nothing by position: each
+        tensor it returns that it was not given is an `accelerate_hook` op with no input.
         """
-        if len(before) != len(after):
-            return
         rec = self.rec
+        if len(before) != len(after):  # a hook that added or dropped a tensor argument
+            with self._quiet(hide=True):
+                kept = {id(t) for t in before}
+                for new in after:
+                    # each tensor it did not pass on as it was: from what, no position tells, so
+                    # it is recorded as computed by the hook (never as the model's input)
+                    if isinstance(new, Tensor) and id(new) not in kept:
+                        rec._record("accelerate_hook", (new,), (), False)
+            return
         with self._quiet(hide=True):
             for old, new in zip(before, after):
                 if new is old or not isinstance(new, Tensor):
@@ -147,8 +155,13 @@ class _Quiet:
 
 
 class _Dispatch:
-    def __init__(self) -> None:
+    def __init__(self, param_names: dict[int, str]) -> None:
         self.used: dict = {}
+        #: the recorder's `id -> parameter name`: each weight a hook loaded or moved is named there
+        #: while `used` keeps it alive, and no longer once `used` lets it go (`weights`), so a
+        #: tensor made later at its address (a generation's next inputs, a loaded buffer) is not
+        #: taken for it
+        self.param_names = param_names
 
     @contextlib.contextmanager
     def weights(self) -> Iterator[None]:
@@ -171,6 +184,9 @@ class _Dispatch:
         finally:
             for owner, leaf, meta in swapped:
                 owner._parameters[leaf] = meta
+            for key in self.used:
+                if key[0] in ("loaded", "moved"):
+                    self.param_names.pop(key[1], None)
             self.used.clear()
 
 
@@ -180,7 +196,7 @@ def accelerate_hooks(names: dict[nn.Module, str], rec: Any) -> Iterator[_Dispatc
 
     Yields an object whose `weights()` context puts the used weights back for deriving facets.
     """
-    dispatch = _Dispatch()
+    dispatch = _Dispatch(rec.param_names)
     # accelerate sets `module._hf_hook` as a plain attribute (in the instance dict); reading it
     # there costs no `Module.__getattr__` miss per module of a model that is not dispatched
     wrapped = [(m, m.__dict__["_hf_hook"]) for m in names if m.__dict__.get("_hf_hook") is not None]

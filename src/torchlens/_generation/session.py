@@ -57,7 +57,7 @@ from torchlens._generation.encdec_edits import (
 )
 from torchlens._generation.result import StepInfo
 from torchlens._trace import Trace
-from torchlens._tracing import annotate, finish, trace
+from torchlens._tracing import annotate, finish, parameter_names, trace
 
 __all__ = ["Session"]
 
@@ -181,11 +181,9 @@ class Session:
         self.roles_arg = roles_arg
         self.encoder = encoder
         self.thread = threading.get_ident()
-        self.params: dict[int, str] = {}
-        for m, addr in names.items():
-            for n, p in m._parameters.items():
-                if p is not None:
-                    self.params.setdefault(id(p), f"{addr}.{n}" if addr else n)
+        #: the parameters' names by id, and the parameters, held for the generation so that no
+        #: other tensor takes one of those ids meanwhile (`torchlens._tracing.parameter_names`)
+        self.params, self.held_params = parameter_names(names)
         self.capture: _Capture | None = None
         self.locating = False
         self.steps: list[Trace] = []
