@@ -19,6 +19,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import torch
+import transformers
 
 import torchlens as tl
 from torchlens import _draw, testing
@@ -161,6 +162,77 @@ def test_a_sliding_window_layer_is_drawn_apart():
     trace = _trace("gemma2", save="none")
     groups = trace.draw().groups
     assert [g[1] for g in groups] == [(0,), (1,)] and groups[1][2].startswith("its op "), groups
+
+
+class _TwoStreamBlock(torch.nn.Module):
+    """Takes and returns (hidden, residual), adding them first (the fused add-and-norm layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = torch.nn.LayerNorm(8), torch.nn.Linear(8, 8)
+
+    def forward(self, h, res):
+        res = h + res
+        return self.lin(self.norm(res)), res
+
+
+class _TwoStream(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_TwoStreamBlock() for _ in range(4)])
+
+    def forward(self, x):
+        h, res = x, torch.zeros_like(x)
+        for layer in self.layers:
+            h, res = layer(h, res)
+        return h + res
+
+
+def test_layers_handed_the_layer_befores_residual_are_drawn_once():
+    """A layer's second input made by the layer before (its residual) is the same place for every
+    layer: layers 1-3 are one group; layer 0 reads a tensor made outside the stack and is apart,
+    saying so (it was every layer apart, blamed on "a mask, bias or table")."""
+    torch.manual_seed(0)
+    trace = tl.trace(_TwoStream().eval(), torch.randn(2, 8))
+    groups = trace.draw().groups
+    assert [g[1] for g in groups] == [(0,), (1, 2, 3)], groups
+    assert "computed outside the layers" in groups[0][2] and "the layer before" in groups[0][2]
+
+
+def test_layers_reading_equal_constants_made_outside_are_drawn_once():
+    """A cache makes one `torch.tensor(window)` per layer outside the layers; with their values
+    kept, equal ones do not split identical layers (Mistral's sliding window: 3 groups before).
+    Ground truth: the attention patterns HF returns are the same shape of band in every layer."""
+    config = transformers.MistralConfig(
+        num_hidden_layers=3,
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=testing.VOCAB,
+        max_position_embeddings=32,
+        sliding_window=2,
+    )
+    model = testing.from_config(config, transformers.MistralForCausalLM, "eager")
+    ids = testing.token_ids(length=6)
+    with torch.no_grad():
+        zeros = {int((a == 0).sum()) for a in model(ids, output_attentions=True).attentions}
+    assert len(zeros) == 1
+    groups = tl.trace(model, ids).draw().groups
+    assert [g[1] for g in groups] == [(0, 1, 2)], groups
+
+
+def test_highlight_facets_marks_a_site_whose_check_fails_refused_before_it_is_read():
+    """DistilBERT's resid_mid check fails (the block's residual add is followed by its norm
+    before the MLP): the drawing runs the pending checks of what it marks, so it does not show
+    the site as real until someone reads it."""
+    trace = tl.trace(testing.build("distilbert"), testing.token_ids(length=4))
+    block = "distilbert.transformer.layer.0"
+    first = trace.draw(focus=block, highlight="facets")
+    with pytest.raises(tl.FacetNotFound):
+        trace.modules[block].calls[0].facets["resid_mid"]
+    assert trace.draw(focus=block, highlight="facets") == first
+    assert f"{block}:resid_mid is refused" in first
 
 
 # -- highlight ------------------------------------------------------------------------------------
@@ -404,9 +476,12 @@ def test_in_place_writes_are_drawn_as_such():
     trace = tl.trace(Model(), torch.ones(2, 4))
     svg = trace.draw()
     texts = " ".join(t.text or "" for t in ET.fromstring(svg).iter(SVG + "text"))
-    assert any(op.mutated for op in trace.ops)
-    assert "writes its input in place" in texts
-    assert sum(op.mutated for op in trace.ops) == texts.count("writes its input in place")
+    writes = [op for op in trace.ops if op.mutated and op.name != "written_in_place"]
+    after = [op for op in trace.ops if op.name == "written_in_place"]
+    assert writes and after
+    assert len(writes) == texts.count("writes its input in place")
+    # the entry for a tensor used after a write no recorded op returned (y[0] = 0) writes nothing
+    assert len(after) == texts.count("a tensor after an in-place write")
 
 
 def test_files_are_written_in_the_format_their_name_says(gpt2, tmp_path):
@@ -454,6 +529,7 @@ def test_files_are_written_in_the_format_their_name_says(gpt2, tmp_path):
         ({"highlight": {"2.x": []}, "generation": "2.x"}, _draw.DrawSpecError, "drop generation="),
         ({"highlight": 5}, _draw.DrawSpecError, '"facets"'),
         ({"max_nodes": 0}, _draw.DrawSpecError, "positive whole number or None"),
+        ({"path": b"g.svg"}, _draw.DrawSpecError, "a str or a pathlib.Path"),
     ],
 )
 def test_bad_input_raises_and_says_what_to_pass(gpt2, options, error, words):

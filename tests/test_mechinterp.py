@@ -249,7 +249,7 @@ def test_report_count_literals(family, n_layers, attn):
     assert len(mi.alias_report(trace, generation="nnterp")) == 7 * L + 5
     ie = mi.alias_report(trace, generation="interp-engine")
     assert len(ie) == 2 + 14 * L + 18
-    assert sum(r.facet is None for r in ie) == 17
+    assert sum(r.facet is None for r in ie) == 18
     assert all(r.layer is None for r in ie if r.facet is None)
     pre_linear = [r for r in ie if r.pattern == "mlp_pre_linear.{L}"]
     assert len(pre_linear) == L
@@ -276,7 +276,7 @@ def test_seed_interp_engine_gpt2_eager():
     _, trace = traced("gpt2", 2, "eager")
     report = mi.alias_report(trace, generation="interp-engine")
     assert len(report) == 48
-    assert sum(r.facet is None for r in report) == 17
+    assert sum(r.facet is None for r in report) == 18
     not_live = sorted(r.query for r in report if r.facet is not None and r.status not in HAS_SITE)
     assert not_live == ["mlp_pre_linear.0", "mlp_pre_linear.1"]
     assert mi.resolve_alias(trace, "resid_post.1").module_address == "transformer.h.1"

@@ -185,6 +185,9 @@ def _place_marks(scene: Scene, names, several_generations: bool) -> None:
         for call in _drawn_calls(scene):
             if call.facets is None:
                 continue
+            # the pending checks first, as resolve_alias runs the one of its site: a site whose
+            # check fails is marked refused, whether or not it was read before the drawing
+            call.facets.check()
             for facet, site in call.facets.sites.items():
                 if facet in ("input", "output"):
                     continue
@@ -344,6 +347,11 @@ def draw(
         _check_generation(generation, "generation=")
     fmt = None
     if path is not None:
+        if not isinstance(os.fspath(path) if isinstance(path, os.PathLike) else path, str):
+            raise DrawSpecError(
+                f"path= takes a str or a pathlib.Path ending in .svg, .png or .pdf, not "
+                f"{type(path).__name__}."
+            )
         fmt = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
         if fmt not in ("svg", "png", "pdf"):
             raise DrawSpecError(

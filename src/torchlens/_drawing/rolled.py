@@ -25,11 +25,35 @@ class Group:
         return self.calls[0]
 
 
-def op_signature(trace: Trace, call: ModuleCall) -> tuple:
+#: How many elements of a constant made outside the layers `op_signature` compares by value.
+_CONSTANT_NUMEL = 64
+
+
+def _outside(trace: Trace, r: Ref, prev: ModuleCall | None) -> tuple:
+    """Where a layer's input from outside the layer came from, as `op_signature` compares it: an
+    op of the layer before by offset (a layer handed the residual of the previous one besides its
+    input); a small constant made from nothing in the forward (`torch.tensor(2)`, one per layer of
+    a cache) by its values, where they were kept; else the op itself."""
+    if prev is not None and prev.first_op <= r.op < prev.end_op:
+        return ("previous_layer", r.op - prev.first_op, r.slot)
+    op = trace.ops[r.op]
+    t = op.tensors[r.slot] if r.slot < len(op.tensors) else None
+    if (
+        t is not None
+        and not any(type(i) is Ref or isinstance(i, str) for i in op.inputs)
+        and t.numel() <= _CONSTANT_NUMEL
+    ):
+        return ("constant", op.name, tuple(t.shape), str(t.dtype), tuple(t.flatten().tolist()))
+    return ("outside", r.op, r.slot)
+
+
+def op_signature(trace: Trace, call: ModuleCall, prev: ModuleCall | None = None) -> tuple:
     """What a layer call computed, with nothing layer-specific in it: per op its name, its module
     (relative to the layer) and class, output shapes and dtypes, whether it wrote in place, and
     where each input came from (an op of the layer by offset, the layer's input, a parameter of
-    the layer by relative name, or an op or parameter outside the layer by identity)."""
+    the layer by relative name, an op of the layer before, `prev`, by offset, a small constant
+    made outside by its values, or another op or parameter outside the layer by identity). A
+    tensor made outside the forward (a buffer) is not told apart: its values are not recorded."""
     lo, hi = call.first_op, call.end_op
     prefix = call.address + "."
     sig = []
@@ -49,7 +73,7 @@ def op_signature(trace: Trace, call: ModuleCall) -> tuple:
                 elif r == call.input_ref:
                     ins.append(("input",))
                 else:
-                    ins.append(("outside", r.op, r.slot))
+                    ins.append(_outside(trace, r, prev))
             elif isinstance(r, str):
                 ins.append(
                     ("param", r[len(prefix) :]) if r.startswith(prefix) else ("outside_param", r)
@@ -68,6 +92,23 @@ def op_signature(trace: Trace, call: ModuleCall) -> tuple:
             )
         )
     return tuple(sig)
+
+
+_FROM_OUTSIDE = ("outside", "constant", "previous_layer")
+
+
+def _source(trace: Trace, entry: tuple) -> str:
+    """An input's place in an op signature, in words."""
+    kind = entry[0]
+    if kind == "outside":
+        return f"{describe_op(trace, entry[1])} (computed outside the layers)"
+    if kind == "constant":
+        return f"a `{entry[1]}` of value {list(entry[4])} made outside the layers"
+    if kind == "previous_layer":
+        return f"op {entry[1]} of the layer before"
+    if kind == "input":
+        return "the layer's input"
+    return "a tensor of the layer"
 
 
 def describe_op(trace: Trace, i: int) -> str:
@@ -121,15 +162,13 @@ def difference(trace: Trace, a: ModuleCall, b: ModuleCall, sa: tuple, sb: tuple,
         outside = [
             (p, q)
             for p, q in zip(x[6], y[6])
-            if p != q and (p[0] == "outside" or q[0] == "outside")
+            if p != q and (p[0] in _FROM_OUTSIDE or q[0] in _FROM_OUTSIDE)
         ]
         if outside:
             p, q = outside[0]
-            theirs = describe_op(trace, q[1]) if q[0] == "outside" else "an input of the layer"
-            ours = describe_op(trace, p[1]) if p[0] == "outside" else "an input of the layer"
             return (
-                f"its op {k} (`{name_y}` in {where(rel_y, cls_y)}) reads {theirs} where layer {la}'s reads "
-                f"{ours} (a mask, bias or table computed outside the layers)"
+                f"its op {k} (`{name_y}` in {where(rel_y, cls_y)}) reads {_source(trace, q)} where "
+                f"layer {la}'s reads {_source(trace, p)}"
             )
         return f"its op {k} (`{name_y}`) reads its inputs from other places than layer {la}'s"
     return f"it runs {len(sb)} ops, layer {la} {len(sa)}; the first {min(len(sa), len(sb))} are the same"
@@ -165,11 +204,13 @@ def roll(trace: Trace) -> dict[str, list[Group]]:
         by_key: dict[tuple, Group] = {}
         sigs: dict[int, tuple] = {}
         groups: list[Group] = []
+        prev: ModuleCall | None = None
         for i, layer in enumerate(stack.layers):
             call = layer.call
             if call.end_op <= call.first_op:
                 continue
-            sig = op_signature(trace, call)
+            sig = op_signature(trace, call, prev)
+            prev = call
             again = seen_address.get(call.address)
             seen_address.setdefault(call.address, i)
             key = (sig, again is not None)

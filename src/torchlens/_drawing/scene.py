@@ -330,10 +330,10 @@ class Scene:
             shape += f" {fmt_dtype(op.dtype)}"
         lines = [(head, FS, True), (shape, FS_SMALL, False)]
         inplace = bool(op.mutated) or op.name == "written_in_place"
-        if op.mutated:
-            lines.append(("writes its input in place", FS_SMALL, False))
-        elif op.name == "written_in_place":
+        if op.name == "written_in_place":  # recorded as mutated: it stands for the write
             lines.append(("a tensor after an in-place write", FS_SMALL, False))
+        elif op.mutated:
+            lines.append(("writes its input in place", FS_SMALL, False))
         title = repr(op)
         node = Node(f"o{i}", "op", lines, parent, op=i, title=title, inplace=inplace)
         node.attrs["data-op"] = str(i)

@@ -81,12 +81,11 @@ ROWS = (
     ),
     Row(
         name="attn_out_post.{L}",
-        target="attn_out_final",
-        facet=("contribution", "output"),
-        meaning="attention's residual contribution",
-        note="what the block adds to the residual for the attention: after the post-attention norm on "
-        "sandwich-norm families (Gemma-2, OLMo-2), times the residual multiplier where the block scales "
-        "it (Granite); on GPT-2 and Llama it equals attn_out",
+        target=None,
+        facet=None,
+        meaning="attention's residual contribution (after a post-attention norm, times a residual multiplier)",
+        note="no site under this name; the tensor is what blocks.{L}.hook_attn_out reads in generation='2.x' "
+        "(checked equal to interp-engine's capture, bit for bit, on 24 decoder families)",
     ),
     Row(
         name="resid_mid.{L}",
@@ -143,12 +142,11 @@ ROWS = (
     ),
     Row(
         name="mlp_out_post.{L}",
-        target="mlp_out_final",
-        facet=("contribution", "output"),
-        meaning="MLP's residual contribution",
-        note="what the block adds to the residual for the MLP: after the post-MLP norm on sandwich-norm "
-        "families, times the residual multiplier where the block scales it (Granite); on GPT-2 and "
-        "Llama it equals mlp_out",
+        target=None,
+        facet=None,
+        meaning="MLP's residual contribution (after a post-MLP norm, times a residual multiplier)",
+        note="no site under this name; the tensor is what blocks.{L}.hook_mlp_out reads in generation='2.x' "
+        "(checked equal to interp-engine's capture, bit for bit, on 24 decoder families)",
     ),
     Row(
         name="resid_post.{L}",
@@ -158,9 +156,11 @@ ROWS = (
     ),
     Row(
         name="final_norm",
-        target="final_norm",
-        facet="output",
+        target=None,
+        facet=None,
         meaning="final norm output",
+        note="no site under this name; the tensor is the final norm module's output facet (its input is "
+        "the root's final_norm_input)",
     ),
     Row(name="lm_head", target="unembed", facet="output", meaning="logits"),
     Row(
