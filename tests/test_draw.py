@@ -560,6 +560,14 @@ def test_a_large_drawing_is_refused_before_its_layout_with_smaller_ones(gpt2, mo
     assert "max_nodes=None" in message
     sizes = [int(n) for n in re.findall(r"\((\d+) nodes", message)]
     assert sizes and all(n < int(re.search(r"has (\d+) nodes", message).group(1)) for n in sizes)
+    # a drawing already narrowed is offered only drawings smaller still (depth=2 was offered at its
+    # own size)
+    for options in ({"depth": 2}, {"depth": 1}, {}):
+        with pytest.raises(_draw.DrawingTooLarge) as info:
+            gpt2.draw(max_nodes=2, **options)
+        message = str(info.value)
+        count = int(re.search(r"has (\d+) nodes", message).group(1))
+        assert all(int(n) < count for n in re.findall(r"\((\d+) nodes", message)), message
 
 
 def test_gpt2_small_unrolled_is_within_the_default_limit():

@@ -434,23 +434,25 @@ def _too_large(trace, scene, count, max_nodes, rolled, depth, focus) -> str:
         s = Scene(trace, **args)
         return len(s.nodes) + len(s.boxes)
 
+    # only drawings smaller than this one are offered
     if not rolled and trace.structure is not None and trace.structure.stacks:
-        options.append(
-            f"rolled=True ({size(rolled=True)} nodes: each stack's repeated layers drawn once)"
-        )
-    for d in (2, 1):
+        n = size(rolled=True)
+        if n < count:
+            options.append(f"rolled=True ({n} nodes: each stack's repeated layers drawn once)")
+    for d in (2, 1, 0):
         if depth is None or depth > d:
-            options.append(
-                f"depth={d} ({size(depth=d)} nodes: modules below {d} levels drawn as one node each)"
-            )
-            break
+            n = size(depth=d)
+            if n < count:
+                options.append(
+                    f"depth={d} ({n} nodes: modules below {d} levels drawn as one node each)"
+                )
+                break
     if trace.blocks:
         block = trace.blocks[0]
         calls = list(trace.modules[block].calls)
-        options.append(
-            f"focus={block!r} ({size(focus_calls=calls, focus_label=block)} nodes; any module address "
-            f"or hook name)"
-        )
+        n = size(focus_calls=calls, focus_label=block)
+        if n < count:
+            options.append(f"focus={block!r} ({n} nodes; any module address or hook name)")
     return (
         f"this drawing has {count} nodes and boxes ({len(scene.visible)} ops"
         f"{', unrolled' if not rolled else ''}{', focus=' + repr(focus) if focus else ''}); more than "
