@@ -617,3 +617,17 @@ def test_a_drawing_is_the_same_bytes_in_every_process():
     trace = _trace("llama", save="none")
     here = [trace.draw(depth=2), trace.draw(focus="model.layers.1", depth=1, highlight="facets")]
     assert first == second == here
+
+
+def test_a_mark_on_part_of_an_ops_output_says_so():
+    """GPT-NeoX's q is a third of its fused query_key_value projection viewed per head: its mark
+    sits on that view, whose output holds q, k and v, and the drawing's notes say the mark reads
+    part of it (ground truth: the model's own fused projection is 3 x hidden wide)."""
+    model = testing.build("gpt_neox", "eager")
+    fused = model.gpt_neox.layers[0].attention.query_key_value
+    assert fused.out_features == 3 * model.config.hidden_size
+    trace = tl.trace(model, testing.token_ids(length=4))
+    svg = trace.draw(highlight=["blocks.0.attn.hook_q", "blocks.0.hook_resid_post"])
+    notes = [t.text or "" for t in ET.fromstring(svg).iter(SVG + "text")]
+    assert any("blocks.0.attn.hook_q is a part" in n and "not all of it" in n for n in notes)
+    assert not any("hook_resid_post is" in n for n in notes)

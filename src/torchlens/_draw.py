@@ -194,7 +194,7 @@ def _place_marks(scene: Scene, names, several_generations: bool) -> None:
                 mark = Mark(
                     facet, _status_of_site(site), facet, None, f"{call.address or '<root>'}:{facet}"
                 )
-                _put(scene, mark, call, site.op)
+                _put(scene, mark, call, site.op, site)
             for facet, why in call.facets.refused.items():
                 mark = Mark(facet, "refused", facet, None, f"{call.address or '<root>'}:{facet}")
                 _put(scene, mark, call, None)
@@ -219,7 +219,7 @@ def _place_marks(scene: Scene, names, several_generations: bool) -> None:
         mark = Mark(
             label, r.status, name, r.generation, f"{r.module_address or '<root>'}:{r.facet}"
         )
-        if not _put(scene, mark, read, hit.op if hit is not None else None):
+        if not _put(scene, mark, read, hit.op if hit is not None else None, hit):
             where = f"{r.module_address or '<root>'}:{r.facet}"
             scene.unplaced[label] = (
                 f"{r.status}: it reads {where}, outside this drawing "
@@ -230,11 +230,23 @@ def _place_marks(scene: Scene, names, several_generations: bool) -> None:
             scene.notes.append(f"{label}: refused: {r.reason}")
 
 
-def _put(scene: Scene, mark: Mark, call: ModuleCall, op: int | None) -> bool:
+def _put(scene: Scene, mark: Mark, call: ModuleCall, op: int | None, site: Any = None) -> bool:
+    """Put `mark` on the node of op `op` (or the holder of `call`); where the site's tensor is
+    not that op's whole output (GPT-NeoX's q, a third of a fused projection viewed per head; one
+    output of a chunk), the drawing's notes say so."""
     target = scene.node_of_site_op(op) if op is not None else scene.holder_of_call(call)
     if target is None:
         return False
     target.marks.append(mark)
+    if op is not None and site is not None:
+        rec = scene.trace.ops[op]
+        whole = tuple(rec.shapes[0]) if len(rec.shapes) == 1 else None
+        if whole != tuple(site.shape):
+            part = "one output" if whole is None else "a part or rearrangement"
+            scene.notes.append(
+                f"{mark.text} is {part} of #{op} `{rec.name}`'s output "
+                f"({'x'.join(map(str, site.shape)) or 'scalar'}), not all of it"
+            )
     return True
 
 
