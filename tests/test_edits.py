@@ -569,6 +569,16 @@ def test_bad_keys_and_values_teach():
                 ("transformer.h.0", "resid_post"): lambda x: x,
             },
         )
+    # a result on another device surfaced as a bare error from the next op; a meta tensor given
+    # as the value, as NotImplementedError; True was taken for call 1
+    with pytest.raises(EditSpecError, match="on meta, the site on cpu"):
+        tl.trace(model, IDS, edit={"blocks.0.hook_resid_post": lambda x: x.to("meta")})
+    with pytest.raises(EditSpecError, match="meta device, which holds no values"):
+        tl.trace(
+            model, IDS, edit={"blocks.0.hook_resid_post": torch.empty(1, 6, 32, device="meta")}
+        )
+    with pytest.raises(EditSpecError, match="a tuple key is"):
+        tl.trace(model, IDS, edit={("transformer.h.0", "resid_post", True): lambda x: x})
     _nothing_installed(model)
 
 

@@ -115,3 +115,29 @@ def test_an_indices_edit_changes_the_rows_looked_up(arch, address, source):
         trace.modules[address].calls[-1].facets["indices"],
         torch.zeros_like(served.tensor),
     )
+
+
+@pytest.mark.parametrize("arch", ["pegasus", "blenderbot"])
+def test_indices_computed_by_the_parent_are_edited_at_their_op_and_refused_unkept(arch):
+    """Pegasus's and Blenderbot's decoders compute the positions themselves (an add in
+    `model.decoder`) and pass them to `embed_positions` after a shape: the edit was planned on the
+    embedding's pre-hook, which replaced nothing, and failed as "ran 0 times"; save=['indices']
+    left them silently "not saved". The edit is now placed at their op (ground truth: the rows a
+    plain forward hook sees the embedding return are the weight rows at the edited indices), and
+    a save list that cannot keep them says why."""
+    model = em.build(arch)
+    args, kwargs = em.inputs(arch)
+    address = "model.decoder.embed_positions"
+    module = model.get_submodule(address)
+    seen = []
+    handle = module.register_forward_hook(lambda m, a, o: seen.append(o.detach().clone()))
+    try:
+        trace = tl.trace(model, *args, **kwargs, edit={f"{address}:indices": torch.zeros_like})
+    finally:
+        handle.remove()
+    assert trace.edits[0].where.startswith("op #") and trace.edits[0].applied == 1
+    rows = seen[-1].reshape(-1, seen[-1].shape[-1])
+    torch.testing.assert_close(rows, module.weight.detach()[0].expand_as(rows), rtol=0, atol=0)
+    some = tl.trace(model, *args, **kwargs, save=["indices", "resid_post"])
+    with pytest.raises(tl.FacetNotFound, match="computed in 'model.decoder'"):
+        some.modules[address].calls[0].facets["indices"]

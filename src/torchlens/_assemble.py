@@ -10,7 +10,8 @@ The steps, in order (`assemble`):
 5. `CapturePlan.trim` (`torchlens._analysis.selection`): what `save=` does not keep is dropped.
 6. `module_records`: each call's `FacetMap`; the `ModuleMap`, whose `ModuleRecord`s (one per
    canonical address, its calls) are made when it is first read.
-7. `CapturePlan.check_kept`: a selection that kept nothing in this forward raises.
+7. `CapturePlan.check_kept`: a selection that kept nothing in this forward raises; so does, in a
+   trace, one naming a facet no module of the forward has (`check_each_named`).
 
 `note_edited_refusals` words the refusal of a site an edit broke, on an edited trace.
 """
@@ -75,6 +76,8 @@ def assemble(
     plan.trim(rec.ops, rec.calls, sites)
     modules_map = module_records(names, aliases, roles, rec.calls, sites)
     plan.check_kept(rec.calls)
+    if rec.deferred is None:  # a trace, not a generation's step (`check_each_named`)
+        plan.check_each_named(rec.calls)
     blocks = [layer.call.address for layer in structure.layers]
     return Trace(
         rec.ops,

@@ -107,6 +107,11 @@ class _Edit:
                 )
             what = "the function's result"
         else:
+            if self.value.is_meta:
+                raise EditSpecError(
+                    f"edit of {site}: the tensor given is on the meta device, which holds no values; "
+                    f"give a tensor with the values to put there."
+                )
             new = self.value.to(
                 t.device, copy=True
             )  # the model may write into it; the caller's stays as it was
@@ -120,6 +125,11 @@ class _Edit:
             raise EditSpecError(
                 f"edit of {site}: {what} is {new.dtype}, the site is {self.dtype}; convert it with "
                 f".to({self.dtype})."
+            )
+        if new.device != t.device:
+            raise EditSpecError(
+                f"edit of {site}: {what} is on {new.device}, the site on {t.device}; return it on "
+                f"the site's device (.to(x.device))."
             )
         self.record.applied += 1
         out = self.from_facet(new)
@@ -238,7 +248,7 @@ def resolve_key(trace: Any, key: Any) -> tuple[str, str, int | None]:
             2 <= len(key) <= 3
             and isinstance(key[0], str)
             and isinstance(key[1], str)
-            and (len(key) == 2 or isinstance(key[2], int))
+            and (len(key) == 2 or (isinstance(key[2], int) and not isinstance(key[2], bool)))
         ):
             raise EditSpecError(
                 f"edit= key {key!r}: a tuple key is (module_address, facet) or (module_address, facet, call), "
@@ -278,10 +288,11 @@ def resolve_key(trace: Any, key: Any) -> tuple[str, str, int | None]:
 
 def _is_hooks_tensor(call: Any, side: str, site: Any) -> bool:
     """Whether `site` of `call` is the tensor its forward pre-hook (`side` "in") or forward hook
-    ("out") sees: an io facet's site is, except an embedding's `indices` where the module computes
-    the index tensor itself from its input (a learned positional embedding's positions)."""
+    ("out") sees: an io facet's site is, except an embedding's `indices` where the index tensor is
+    computed elsewhere than the hook sees (by the module from its input, BART's learned positions;
+    by its parent and passed as another argument, Pegasus's)."""
     ref = call.input_ref if side == "in" else call.output_ref
-    return site.op is None or type(ref) is not Ref or ref.op == site.op
+    return site.op is None or (type(ref) is Ref and ref.op == site.op)
 
 
 def _site_name(address: str, facet: str, call: int, n_calls: int) -> str:

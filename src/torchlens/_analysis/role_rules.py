@@ -171,8 +171,21 @@ def static_roles(model: nn.Module, names: dict[nn.Module, str], overrides: dict[
         ):
             roles[addr] = "attention"
     roles.groups = groups(model, names)
-    for _, group in roles.groups:
+    by_address = {addr: m for m, addr in names.items()}
+    listed = {
+        id(m)
+        for holder, group in roles.groups
+        if isinstance(by_address[holder], (nn.ModuleList, nn.Sequential))
+        for m in group
+    }  # the layers of some list of layers
+    for holder, group in roles.groups:
+        in_list = isinstance(by_address[holder], (nn.ModuleList, nn.Sequential))
         for block in group:
+            if not in_list and (
+                roles[names[block]] == "attention"  # BART's self_attn and encoder_attn, one class
+                or any(id(m) in listed for m in block.modules() if m is not block)
+            ):  # a stack holding a list of layers (T5's encoder and decoder) is no block
+                continue
             roles[names[block]] = "block"
             for attr, child in block.named_children():
                 role = _roles.child_role(attr, child)

@@ -39,6 +39,7 @@ from torch import nn
 from torchlens._core.errors import SaveSpecError, close_matches
 from torchlens._core.facet_spec import ALL_FACETS, BY_NAME, EVERY_MODULE
 from torchlens._core.persisted import persisted
+from torchlens._core.sites import FacetSite
 
 __all__ = ["CapturePlan", "SaveSpec", "parse_save", "plan_capture"]
 
@@ -197,6 +198,8 @@ class CapturePlan:
     op_modules: frozenset[str] = frozenset()
     hold_in: frozenset[str] = frozenset()
     hold_out: frozenset[str] = frozenset()
+    #: the roles the plan was made from (guessed before the forward), for `trim`'s reasons
+    guessed: Mapping[str, str] = field(default_factory=dict)
 
     def trim(self, ops: list, calls: list, sites: list[dict]) -> None:
         """Drop what capture held but the spec does not keep: a facet's tensor unless
@@ -221,12 +224,18 @@ class CapturePlan:
         facets, predicate = spec.facets, spec.predicate
         for call, call_sites in zip(calls, sites):
             for name, site in call_sites.items():
-                if site.saved and not (
+                wanted = (
                     name in facets
                     or covers(call.address)
                     or (predicate is not None and predicate(call.address, name))
-                ):
+                )
+                if site.saved and not wanted:
                     site.tensor = None  # drops a pending check, and what it would compute from, too
+                elif wanted and not site.saved and site.kind != "refused":
+                    # selected, but capture did not keep it: never silently "not saved"
+                    call_sites[name] = FacetSite(
+                        name, "refused", site.shape, site.dtype, note=self._unkept(ops, call, site)
+                    )
         for op in ops:
             tensors = op.tensors
             held = (tensors[0] is not None or len(tensors) > 1) and any(
@@ -235,16 +244,73 @@ class CapturePlan:
             if held and not covers(op.module):
                 op.tensors = (None,) * len(tensors)
 
+    def _unkept(self, ops: list, call: Any, site: Any) -> str:
+        """Why a site `save=` selected has no tensor: the plan, made before the forward from
+        guessed roles, kept nothing it is found from."""
+        guess = self.guessed.get(call.address, "other")
+        head = f"{_UNKEPT}save={self.spec.describe()} selected it, but capture did not keep its tensor: "
+        if guess != call.role:
+            return (
+                f"{head}before the forward, TorchLens took {call.address or '<root>'} for a {guess!r} "
+                f"module (it is {call.role!r}), and a save= selection keeps only what the roles it "
+                f"guessed need. Pass roles={{{call.address!r}: {call.role!r}}} with this save=, or "
+                f"save='all'"
+            )
+        where = ops[site.op].module if site.op is not None and site.op < len(ops) else None
+        return (
+            f"{head}it is computed in {where or '<root>'!r}"
+            + (f" (op #{site.op})" if site.op is not None else "")
+            + f", whose ops this selection does not keep. Add {where or '<root>'!r} to save= (an "
+            "address keeps every op inside it), or save='all'"
+            if where is not None and where != call.address
+            else f"{head}its op ran where this selection keeps no op outputs; save='all' keeps it"
+        )
+
     def check_kept(self, calls: list) -> None:
         """Raise `SaveSpecError` when a selection kept no facet of any call (known only after the
         forward: a facet its modules turned out not to have, a predicate that refused all)."""
         if not self.spec.selects or any(len(c.facets) for c in calls):
             return
+        unkept = [
+            (c.address, name, why)
+            for c in calls
+            for name, why in c.facets.refused.items()
+            if why.startswith(_UNKEPT)
+        ]
+        if unkept:  # the facets exist, and the plan kept none of them: say why
+            address, name, why = unkept[0]
+            more = f" ({len(unkept) - 1} more sites likewise)" if len(unkept) > 1 else ""
+            raise SaveSpecError(
+                f"save={self.spec.describe()} kept nothing in this forward: {address or '<root>'}:{name}"
+                f"{more}: {why[len(_UNKEPT) :]}."
+            )
         exist = sorted({n for c in calls for n in c.facets.sites})
         raise SaveSpecError(
             f"save={self.spec.describe()} kept nothing in this forward: no module that ran has those facets. "
             f"Facets that exist here: {', '.join(exist)}."
         )
+
+    def check_each_named(self, calls: list) -> None:
+        """Raise `SaveSpecError` when a facet the selection names exists on no call of this
+        forward, though others it names do (`check_kept` raises only when nothing was kept): a
+        name that reaches nothing is never ignored silently. A trace's check; a generation's
+        steps are not held to it (a step may lack what another has)."""
+        if not self.spec.facets:
+            return
+        exist = {
+            n for c in calls if c.facets is not None for n in (*c.facets.sites, *c.facets.refused)
+        }
+        missing = sorted(self.spec.facets - exist)
+        if missing:
+            raise SaveSpecError(
+                f"save={self.spec.describe()} names {', '.join(repr(m) for m in missing)}, which no module "
+                f"that ran in this forward has; drop {'it' if len(missing) == 1 else 'them'}. Facets that "
+                f"exist here: {', '.join(sorted(exist))}."
+            )
+
+
+#: How a selected site's refusal starts where capture kept nothing it is found from (`trim`).
+_UNKEPT = "not kept: "
 
 
 def _runs(module: nn.Module) -> bool:
@@ -307,7 +373,12 @@ def plan_capture(
     if not possible:
         _kept_nothing_before(spec, roles, modules, present)
     return CapturePlan(
-        spec, False, frozenset(op_modules), frozenset(hold["in"]), frozenset(hold["out"])
+        spec,
+        False,
+        frozenset(op_modules),
+        frozenset(hold["in"]),
+        frozenset(hold["out"]),
+        dict(roles),
     )
 
 

@@ -18,10 +18,10 @@ from torch import nn
 #: Attribute names under which decoder blocks keep their attention sublayer.
 ATTENTION_ATTRS = ("attn", "self_attn", "attention", "self_attention")
 #: Attribute names under which decoder blocks keep their MLP sublayer.
-MLP_ATTRS = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
+MLP_ATTRS = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "mlp_block", "DenseReluDense")
 #: Class-name fragments that mark an attention or MLP child of a block.
 ATTENTION_CLASS_FRAGMENTS = ("Attention",)
-MLP_CLASS_FRAGMENTS = ("MLP", "FeedForward")
+MLP_CLASS_FRAGMENTS = ("MLP", "Mlp", "FeedForward")
 #: Norm classes by type, and by class-name suffix (covers every `*RMSNorm` of transformers).
 NORM_CLASSES = (nn.LayerNorm, nn.GroupNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 NORM_SUFFIXES = ("RMSNorm", "LayerNorm", "Norm")
