@@ -8,6 +8,7 @@ intervention mechanisms.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import time
 import warnings
@@ -888,3 +889,17 @@ def test_two_names_of_one_module_output_are_refused(names):
     edit = {names[0]: lambda t: t * 2, names[1]: lambda t: t + 1}
     with pytest.raises(EditSpecError, match="name one tensor"):
         tl.trace(model, testing.token_ids(length=5), edit=edit)
+
+
+def test_an_ambiguous_hook_name_as_an_edit_key_names_the_sites_to_key_instead():
+    """ALBERT runs one layer module per layer: 'blocks.1.hook_resid_post' has a site in 3.x and
+    none in 2.x. The refusal suggested generation=, which edit= does not take; it now lists each
+    generation's site as a key, and that key edits (applied once, at layer 1's call)."""
+    model = testing.build("albert")
+    ids = testing.token_ids(length=5)
+    with pytest.raises(EditSpecError, match="Name the site itself as the key") as info:
+        tl.trace(model, ids, edit={"blocks.1.hook_resid_post": lambda x: x + 1})
+    assert "None:" not in str(info.value) and "pass generation=" not in str(info.value)
+    key = ast.literal_eval(str(info.value).split("3.x: ")[-1].rstrip("."))  # the suggested key
+    t = tl.trace(model, ids, edit={key: lambda x: x + 1})
+    assert t.edits[0].applied == 1 and t.edits[0].calls == (key[2],)

@@ -320,3 +320,32 @@ def test_a_save_list_naming_a_facet_no_module_has_raises_also_beside_others():
         assert all(repr(f) in str(info.value) for f in missing), str(info.value)
     kept = tl.trace(model, IDS, save=["resid_post", "inv_std"])
     assert kept.modules["transformer.h.0.ln_1"].facets.sites["inv_std"].saved
+
+
+@pytest.mark.parametrize("arch", ["granite", "minicpm3"])
+def test_resid_mid_of_a_scaled_branch_is_served_by_a_save_list_as_by_all(arch):
+    """Granite and MiniCPM3 scale each sublayer's output before the residual add. Under a save=
+    list the block's input is not kept as an op output, and the check then took the scaled chain
+    for a plain branch and refused resid_mid (off by 0.0237 on Granite); under save='all' it was
+    served. Ground truth: the input of the MLP's norm, from a plain pre-hook."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    import _edge_models as em
+
+    model = em.build(arch)
+    args, kwargs = em.inputs(arch)
+    block = "model.layers.0"
+    seen = {}
+    norm = model.get_submodule(block + ".post_attention_layernorm")
+    handle = norm.register_forward_pre_hook(lambda m, a: seen.setdefault("mid", a[0].detach()))
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        handle.remove()
+    for save in ("all", ["resid_mid"], ["resid_mid", "contribution"]):
+        t = tl.trace(model, *args, **kwargs, save=save)
+        torch.testing.assert_close(
+            t.modules[block].facets["resid_mid"], seen["mid"], rtol=0, atol=0
+        )

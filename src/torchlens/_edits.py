@@ -32,11 +32,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchlens._core.errors import EditSpecError, NotEditable
+from torchlens._core.errors import EditSpecError, NotEditable, TorchLensError
 from torchlens._core.facet_spec import HOOK_SIDES, REMEDIES
 from torchlens._core.persisted import persisted
 from torchlens._core.records import Ref
-from torchlens._naming.resolver import resolve_alias
+from torchlens._naming.resolver import GENERATIONS, resolve_alias
 
 __all__ = ["EditPlan", "EditRecord", "check_inputs", "plan_edits", "resolve_key"]
 
@@ -280,6 +280,17 @@ def resolve_key(trace: Any, key: Any) -> tuple[str, str, int | None]:
         or r.facet is None
     ):
         remedy = f" {r.remedy}." if r.remedy else ""
+        if r.status == "ambiguous":  # edit= takes no generation=: name the site itself
+            sites = []
+            for generation in GENERATIONS:
+                try:
+                    g = resolve_alias(trace, key, generation=generation)
+                except TorchLensError:
+                    continue
+                if g.module_address is not None and g.facet is not None:
+                    call = f", {g.call}" if g.call is not None else ""
+                    sites.append(f"{generation}: ({g.module_address!r}, {g.facet!r}{call})")
+            remedy = f" Name the site itself as the key: {'; '.join(sites)}." if sites else ""
         raise EditSpecError(
             f"edit= key {key!r} names no single site in this model ({r.status}): {r.reason}{remedy}"
         )

@@ -267,7 +267,15 @@ def resolve_alias(trace: Trace, name: str, generation: str | None = None) -> Ali
         return results[0]
     if all(r.module_address is None for r in results):  # no generation's site is here
         return results[0]
-    listing = "; ".join(f"{r.generation}: {r.module_address}:{r.facet}" for r in results)
+    listing = "; ".join(
+        f"{r.generation}: "
+        + (
+            f"{r.module_address or '<root>'}:{r.facet}"
+            if r.module_address is not None
+            else r.status
+        )
+        for r in results
+    )  # a generation without a site here says its status (ALBERT's 2.x resid_post: absent)
     first = results[0]
     return AliasResolution(
         query,

@@ -291,9 +291,12 @@ def _check_resid_mid(
     sides: list[
         tuple[str, list[Any]]
     ] = []  # per side: ("chain", [(operand, output, scaled)]) or ("any", [branch outputs])
+    # The call's own refs, not the aliases its hooks kept (as `_contributions` reads them): which
+    # relation is checked must not depend on what save= holds (the block's input is an op outside
+    # it, kept only by some selections: Granite's scaled chain was checked as a plain branch).
     for start, end, branch in (
-        (io_ref(g, call, "in"), mid_ref, attn_branch),
-        (mid_ref, io_ref(g, call, "out"), mlp_branch),
+        (call.input_ref, mid_ref, attn_branch),
+        (mid_ref, call.output_ref, mlp_branch),
     ):
         chain = (
             None
