@@ -92,6 +92,19 @@ def test_a_save_list_keeps_the_indices(arch, address, source):
     torch.testing.assert_close(site.tensor, served.tensor, rtol=0, atol=0)
 
 
+def _zeroed_indices(model, args, kwargs, address):
+    """(the trace with `address`'s indices edited to zeros, the rows the module returned in that
+    forward as a plain forward hook saw them, one per position)."""
+    seen = []
+    module = model.get_submodule(address)
+    handle = module.register_forward_hook(lambda m, a, o: seen.append(o.detach().clone()))
+    try:
+        trace = tl.trace(model, *args, **kwargs, edit={f"{address}:indices": torch.zeros_like})
+    finally:
+        handle.remove()
+    return trace, seen[-1].reshape(-1, seen[-1].shape[-1])
+
+
 @pytest.mark.parametrize("arch,address,source", CASES, ids=[f"{a}-{s}" for a, s, _ in CASES])
 def test_an_indices_edit_changes_the_rows_looked_up(arch, address, source):
     """An edit of `indices` replaces the tensor the lookup reads, wherever it is made: a plain
@@ -100,15 +113,8 @@ def test_an_indices_edit_changes_the_rows_looked_up(arch, address, source):
     served = full.modules[address].calls[-1].facets.sites.get("indices")
     if served is None or served.tensor is None:
         return
-    module = model.get_submodule(address)
-    seen = []
-    handle = module.register_forward_hook(lambda m, a, o: seen.append(o.detach().clone()))
-    try:
-        trace = tl.trace(model, *args, **kwargs, edit={f"{address}:indices": torch.zeros_like})
-    finally:
-        handle.remove()
-    rows = seen[-1].reshape(-1, seen[-1].shape[-1])
-    weight = module.weight.detach()
+    trace, rows = _zeroed_indices(model, args, kwargs, address)
+    weight = model.get_submodule(address).weight.detach()
     scale = rows[0] / weight[0]  # a token embedding that scales its rows (all by one factor)
     torch.testing.assert_close(rows, (weight[0] * scale).expand_as(rows))
     assert torch.equal(
@@ -128,16 +134,10 @@ def test_indices_computed_by_the_parent_are_edited_at_their_op_and_refused_unkep
     model = em.build(arch)
     args, kwargs = em.inputs(arch)
     address = "model.decoder.embed_positions"
-    module = model.get_submodule(address)
-    seen = []
-    handle = module.register_forward_hook(lambda m, a, o: seen.append(o.detach().clone()))
-    try:
-        trace = tl.trace(model, *args, **kwargs, edit={f"{address}:indices": torch.zeros_like})
-    finally:
-        handle.remove()
+    trace, rows = _zeroed_indices(model, args, kwargs, address)
     assert trace.edits[0].where.startswith("op #") and trace.edits[0].applied == 1
-    rows = seen[-1].reshape(-1, seen[-1].shape[-1])
-    torch.testing.assert_close(rows, module.weight.detach()[0].expand_as(rows), rtol=0, atol=0)
+    weight = model.get_submodule(address).weight.detach()
+    torch.testing.assert_close(rows, weight[0].expand_as(rows), rtol=0, atol=0)
     some = tl.trace(model, *args, **kwargs, save=["indices", "resid_post"])
     with pytest.raises(tl.FacetNotFound, match="computed in 'model.decoder'"):
         some.modules[address].calls[0].facets["indices"]
