@@ -108,7 +108,11 @@ def _source(trace: Trace, entry: tuple) -> str:
         return f"op {entry[1]} of the layer before"
     if kind == "input":
         return "the layer's input"
-    return "a tensor of the layer"
+    if kind in ("param", "outside_param"):
+        return f"parameter {entry[1]}"
+    if kind == "op":
+        return f"its own op {entry[1]}"
+    return "a tensor made outside the forward"
 
 
 def describe_op(trace: Trace, i: int) -> str:
