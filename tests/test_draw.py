@@ -631,3 +631,18 @@ def test_a_mark_on_part_of_an_ops_output_says_so():
     notes = [t.text or "" for t in ET.fromstring(svg).iter(SVG + "text")]
     assert any("blocks.0.attn.hook_q is a part" in n and "not all of it" in n for n in notes)
     assert not any("hook_resid_post is" in n for n in notes)
+
+
+def test_layers_reading_buffers_say_the_buffers_are_not_compared():
+    """GPT-Neo's global and local layers run one op sequence and differ only in the mask buffer
+    each reads (ground truth: HF's attention patterns have different numbers of zeros). No record
+    holds a buffer's values, so the rolled group says they are not compared; a stack whose layers
+    read no buffer says nothing of the kind."""
+    model = testing.build("gpt_neo", "eager")
+    ids = testing.token_ids(length=6)
+    with torch.no_grad():
+        zeros = [int((a == 0).sum()) for a in model(ids, output_attentions=True).attentions]
+    assert len(set(zeros)) > 1
+    svg = tl.trace(model, ids).draw()
+    assert "buffers they read are not compared" in svg
+    assert "buffers they read are not compared" not in _trace("gpt2").draw()

@@ -19,6 +19,9 @@ class Group:
     layers: list[int]  # layer indices in the stack
     calls: list[ModuleCall]
     reason: str = ""
+    #: its layers read a tensor made outside the forward (a buffer), whose values no record holds,
+    #: so two layers reading different ones (GPT-Neo's global and local masks) look the same
+    buffers: bool = False
 
     @property
     def rep(self) -> ModuleCall:
@@ -220,7 +223,7 @@ def roll(trace: Trace) -> dict[str, list[Group]]:
             key = (sig, again is not None)
             g = by_key.get(key)
             if g is None:
-                g = by_key[key] = Group(name, [], [])
+                g = by_key[key] = Group(name, [], [], buffers=any(("none",) in op[6] for op in sig))
                 groups.append(g)
                 sigs[id(g)] = sig
             g.layers.append(i)

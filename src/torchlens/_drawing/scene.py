@@ -236,6 +236,8 @@ class Scene:
                             False,
                         )
                     )
+                if group.buffers:  # what the records cannot compare, said where it matters
+                    lines.append(("(buffers they read are not compared)", FS_SMALL, False))
             else:
                 lines.append((f"layer {group.layers[0]} of {stack or '<root>'}", FS_SMALL, False))
             if group.reason:
