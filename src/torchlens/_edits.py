@@ -444,7 +444,7 @@ def plan_edits(trace: Any, edit: Any) -> EditPlan:
             base = dict(record=record, value=value, shape=tuple(site.shape), dtype=site.dtype)
             side = _HOOK_FACETS.get(facet)
             if side is not None and not _is_hooks_tensor(rec.calls[c], side, site):
-                side = None  # computed inside the module (BART's positions): edited at its op
+                side = None  # computed where the hook does not see it: edited at its op
             if side is not None:
                 first = hooked.setdefault((side, address, c), key)
                 if first != key:  # `output` and `resid_post` of a block: one tensor, two names
