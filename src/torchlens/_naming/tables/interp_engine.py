@@ -85,7 +85,7 @@ ROWS = (
         facet=None,
         meaning="attention's residual contribution (after a post-attention norm, times a residual multiplier)",
         note="no site under this name; the tensor is what blocks.{L}.hook_attn_out reads in generation='2.x' "
-        "(checked equal to interp-engine's capture, bit for bit, on 24 decoder families)",
+        "(checked equal to interp-engine's capture, bit for bit, on every decoder family tested)",
     ),
     Row(
         name="resid_mid.{L}",
@@ -146,7 +146,7 @@ ROWS = (
         facet=None,
         meaning="MLP's residual contribution (after a post-MLP norm, times a residual multiplier)",
         note="no site under this name; the tensor is what blocks.{L}.hook_mlp_out reads in generation='2.x' "
-        "(checked equal to interp-engine's capture, bit for bit, on 24 decoder families)",
+        "(checked equal to interp-engine's capture, bit for bit, on every decoder family tested)",
     ),
     Row(
         name="resid_post.{L}",
