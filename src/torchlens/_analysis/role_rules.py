@@ -172,14 +172,12 @@ def static_roles(model: nn.Module, names: dict[nn.Module, str], overrides: dict[
             roles[addr] = "attention"
     roles.groups = groups(model, names)
     by_address = {addr: m for m, addr in names.items()}
-    listed = {
-        id(m)
+    kinds = [  # (whether the holder is a list of layers, the group)
+        (isinstance(by_address[holder], (nn.ModuleList, nn.Sequential)), group)
         for holder, group in roles.groups
-        if isinstance(by_address[holder], (nn.ModuleList, nn.Sequential))
-        for m in group
-    }  # the layers of some list of layers
-    for holder, group in roles.groups:
-        in_list = isinstance(by_address[holder], (nn.ModuleList, nn.Sequential))
+    ]
+    listed = {id(m) for in_list, group in kinds if in_list for m in group}  # listed layers
+    for in_list, group in kinds:
         for block in group:
             if not in_list and (
                 roles[names[block]] == "attention"  # BART's self_attn and encoder_attn, one class

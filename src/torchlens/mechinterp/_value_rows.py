@@ -107,7 +107,7 @@ def value_row(
             tuple(ref.shape),
         )
     label, err, t, d = closest(engine, options, res.facet)
-    scale = t.float().abs().nan_to_num(posinf=0.0, neginf=0.0)
+    scale = _scale(t)
     passed = _within(d, scale, atol, rtol)
     hint = ""
     # the layouts of the same shape that read the values differently (asked only of a match)
@@ -145,6 +145,12 @@ def _names_layout(label: str, facet: str) -> bool:
     return "token-major" in label if facet in HEAD_MAJOR else "head-major" not in label
 
 
+def _scale(t: Tensor) -> Tensor:
+    """The magnitudes `rtol` is taken of: TorchLens's values, infinities (a masked score's
+    fill) and NaNs counted as 0."""
+    return t.float().abs().nan_to_num(posinf=0.0, neginf=0.0)
+
+
 def _within(d: Tensor, scale: Tensor, atol: float, rtol: float) -> bool:
     """Whether the differences `d` pass: each at most `atol + rtol * scale`."""
     return bool((d <= atol + rtol * scale).all())
@@ -153,7 +159,7 @@ def _within(d: Tensor, scale: Tensor, atol: float, rtol: float) -> bool:
 def _fits(engine: Tensor, t: Tensor, facet: str, atol: float, rtol: float) -> bool:
     """Whether `engine` equals `t` as `value_row` passes a row (`_within` of their `diff`)."""
     _, d = diff(engine, t, facet)
-    return _within(d, t.float().abs().nan_to_num(posinf=0.0, neginf=0.0), atol, rtol)
+    return _within(d, _scale(t), atol, rtol)
 
 
 def _equals_facet(trace, res: AliasResolution, facet: str, engine: Tensor, atol, rtol) -> bool:
@@ -166,11 +172,10 @@ def _equals_facet(trace, res: AliasResolution, facet: str, engine: Tensor, atol,
     if not isinstance(other, Tensor):
         return False
     other = other.detach().cpu()
-    for _, t in layouts(other, engine.shape, facet, broadcasts=False):
-        err, d = diff(engine, t, facet)
-        if bool((d <= atol + rtol * t.float().abs().nan_to_num(posinf=0.0, neginf=0.0)).all()):
-            return True
-    return False
+    return any(
+        _fits(engine, t, facet, atol, rtol)
+        for _, t in layouts(other, engine.shape, facet, broadcasts=False)
+    )
 
 
 def _mismatch_hint(
