@@ -223,25 +223,31 @@ class CapturePlan:
 
         facets, predicate = spec.facets, spec.predicate
         for call, call_sites in zip(calls, sites):
+            whole = covers(call.address)  # every facet of the call is kept
             for name, site in call_sites.items():
                 wanted = (
-                    name in facets
-                    or covers(call.address)
+                    whole
+                    or name in facets
                     or (predicate is not None and predicate(call.address, name))
                 )
-                if site.saved and not wanted:
+                if wanted:
+                    if site.kind != "refused" and not site.saved:
+                        # selected, but capture did not keep it: never silently "not saved"
+                        call_sites[name] = FacetSite(
+                            name,
+                            "refused",
+                            site.shape,
+                            site.dtype,
+                            note=self._unkept(ops, call, site),
+                        )
+                elif site._value is not None or site._pending is not None:  # `saved`, cheaply
                     site.tensor = None  # drops a pending check, and what it would compute from, too
-                elif wanted and not site.saved and site.kind != "refused":
-                    # selected, but capture did not keep it: never silently "not saved"
-                    call_sites[name] = FacetSite(
-                        name, "refused", site.shape, site.dtype, note=self._unkept(ops, call, site)
-                    )
         for op in ops:
             tensors = op.tensors
-            held = (tensors[0] is not None or len(tensors) > 1) and any(
-                t is not None for t in tensors
-            )
-            if held and not covers(op.module):
+            if len(tensors) == 1:  # most ops: one output
+                if tensors[0] is not None and not covers(op.module):
+                    op.tensors = (None,)
+            elif any(t is not None for t in tensors) and not covers(op.module):
                 op.tensors = (None,) * len(tensors)
 
     def _unkept(self, ops: list, call: Any, site: Any) -> str:

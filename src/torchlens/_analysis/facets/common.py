@@ -48,6 +48,24 @@ def make_site(
     )
 
 
+def io_site(g: Graph, call: ModuleCall, which: str, name: str, note: str) -> FacetSite | None:
+    """`make_site(g, name, io_ref(g, call, which), "real", note)`, with the common case inlined
+    (an op produced the tensor and the hook kept no alias of it: the site is that op's output)."""
+    ref, alias = (call.input_ref, call._in) if which == "in" else (call.output_ref, call._out)
+    if alias is not None or type(ref) is not Ref:
+        return make_site(g, name, io_ref(g, call, which), "real", note)
+    op = g.ops[ref.op]
+    slot = ref.slot
+    value = op.tensors[slot]
+    if value is None and g.dropped and ref in g.dropped:
+        return FacetSite(
+            name, "refused", tuple(op.shapes[slot]), op.dtypes[slot], note=g.dropped[ref]
+        )
+    return FacetSite(
+        name, "real", tuple(op.shapes[slot]), op.dtypes[slot], value, ref.op, None, note
+    )
+
+
 def io_ref(g: Graph, call: ModuleCall, which: str) -> Any:
     """A module call's input or output: the producing op's Ref, or the alias the hook kept.
 
