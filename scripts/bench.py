@@ -820,6 +820,92 @@ def profile(name: str, top: int = 25, grad: bool = False) -> dict:
     }
 
 
+#: The phases `phases` times: (module, attribute, label). Each is a function `trace` or a
+#: generation's step calls once per forward call; `finish` holds the others but `setup` ones.
+PHASES = [
+    ("torchlens._tracing", "module_names", "setup: module_names"),
+    ("torchlens._tracing", "static_roles", "setup: static_roles"),
+    ("torchlens._tracing", "parameter_names", "setup: parameter_names"),
+    ("torchlens._tracing", "finish", "finish"),
+    ("torchlens._generation.session", "finish", "finish"),
+    ("torchlens._assemble", "Graph", "finish: graph"),
+    ("torchlens._assemble", "find_structure", "finish: structure"),
+    ("torchlens._assemble", "derive", "finish: derive"),
+    ("torchlens._assemble", "module_records", "finish: module_records"),
+    ("torchlens._tracing", "snapshot", "finish: snapshot"),
+    ("torchlens._tracing", "seal_checks", "finish: seal_checks"),
+    ("torchlens._tracing", "arm_guards", "finish: arm_guards"),
+]
+
+
+def phases(name: str, save: str, calls: int, new_tokens: int = 0) -> dict:
+    """Milliseconds per forward call in each phase of `PHASES` (wall clock, median over `calls`
+    runs after warm-up): `trace(model, ids, save=save)` on `name`, or with `new_tokens`,
+    `trace_generate` of that many tokens (each step one forward call). A diagnostic run of its
+    own: the phases are timed by wrapping the functions in this process only, which is not
+    free, so its totals are not the benchmark's; it says where a trace's own time goes."""
+    import importlib
+
+    import torchlens as tl
+
+    spent: dict[str, float] = {}
+    for module, attr, label in PHASES:
+        mod = importlib.import_module(module)
+        fn = getattr(mod, attr)
+
+        def timed(*a, __fn=fn, __label=label, **k):
+            t0 = time.perf_counter()
+            try:
+                return __fn(*a, **k)
+            finally:
+                spent[__label] = spent.get(__label, 0.0) + time.perf_counter() - t0
+
+        setattr(mod, attr, timed)
+    selection = save if save in ("all", "none") else save.split(",")
+    model, ids = build(name)
+    if new_tokens:
+        kwargs = dict(  # as `generation_modes` calls it
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+        def run():
+            return tl.trace_generate(model, ids, save=selection, **kwargs)
+
+        per_run = new_tokens  # forward calls per run: the prefill and new_tokens - 1 decodes
+    else:
+
+        def run():
+            return tl.trace(model, ids, save=selection)
+
+        per_run = 1
+    with torch.no_grad():
+        for _ in range(3):
+            run()
+        totals, runs = [], []
+        for _ in range(calls):
+            spent.clear()
+            t0 = time.perf_counter()
+            run()
+            totals.append(time.perf_counter() - t0)
+            runs.append(dict(spent))
+    labels = [label for _, _, label in PHASES if any(label in r for r in runs)]
+    return {
+        "model": name,
+        "save": save,
+        "new_tokens": new_tokens,
+        "forward_calls_per_run": per_run,
+        "run_ms": 1000 * statistics.median(totals),
+        "ms_per_forward_call": {
+            label: 1000 * statistics.median(r.get(label, 0.0) for r in runs) / per_run
+            for label in dict.fromkeys(labels)
+        },
+    }
+
+
 def format_profile(p: dict) -> str:
     lines = [
         f"profile of trace(save='all') on {p['model']}: {p['profiled_s']:.2f} s under cProfile "
@@ -1466,6 +1552,19 @@ def main(argv=None) -> int:
         "--new-tokens", type=int, default=32, help="new tokens per generation (default 32)"
     )
     parser.add_argument(
+        "--phases",
+        nargs=2,
+        metavar=("MODEL", "SAVE"),
+        help="a diagnostic: milliseconds per forward call in each phase of trace(model, ids, "
+        "save=SAVE) (SAVE 'all', 'none' or a comma-separated list), or of each step of "
+        "trace_generate with --phases-generate; print the JSON and exit",
+    )
+    parser.add_argument(
+        "--phases-generate",
+        action="store_true",
+        help="with --phases: time trace_generate of --new-tokens tokens instead of one trace",
+    )
+    parser.add_argument(
         "--gradients",
         metavar="MODEL",
         nargs="+",
@@ -1531,6 +1630,15 @@ def main(argv=None) -> int:
                 os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
                 with open(args.json, "w") as f:
                     json.dump(out, f, indent=1)
+        print(json.dumps(out, indent=1))
+        return 0
+    if args.phases:
+        out = phases(
+            args.phases[0],
+            args.phases[1],
+            args.rounds or 9,
+            args.new_tokens if args.phases_generate else 0,
+        )
         print(json.dumps(out, indent=1))
         return 0
     if args.generation:
