@@ -20,6 +20,10 @@ import sys
 
 import pytest
 
+import torchlens
+import torchlens.mechinterp
+import torchlens.testing
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = ("api/torchlens/index.html", "api/mechinterp/index.html")
 
@@ -159,6 +163,23 @@ def test_entry_points_type_their_parameters(api):
     assert not found, found
 
 
+def missing_names(pages: dict[str, str]) -> dict[str, list[str]]:
+    """The names in `__all__` of torchlens, torchlens.mechinterp and torchlens.testing that no API page
+    has an anchor for (mkdocstrings gives each documented object the id of its full name)."""
+    ids = {i for page in pages.values() for i in re.findall(r'id="([^"]+)"', page)}
+    out = {}
+    for module in (torchlens, torchlens.mechinterp, torchlens.testing):
+        missing = [n for n in module.__all__ if f"{module.__name__}.{n}" not in ids]
+        if missing:
+            out[module.__name__] = missing
+    return out
+
+
+def test_every_public_name_has_an_entry(api):
+    """Getting started and the home page say the API reference lists every public name."""
+    assert not missing_names(api), missing_names(api)
+
+
 def test_the_api_index_lists_compare():
     index = (ROOT / "docs" / "api" / "index.md").read_text(encoding="utf-8")
     assert "compare" in index and "resolve_alias" in index and "trace" in index
@@ -180,3 +201,6 @@ def test_the_checks_catch_what_they_look_for():
     assert dunders(page) == ["torchlens.FacetSite.__getstate__"]
     assert any_parameters(page) == ["trace: save"]
     assert quoted_doctests(page) == ["import torchlens as tl"]
+    assert missing_names({"page": '<h2 id="torchlens.trace">trace</h2>'})["torchlens"] == [
+        n for n in torchlens.__all__ if n != "trace"
+    ]
