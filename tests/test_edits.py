@@ -903,3 +903,107 @@ def test_an_ambiguous_hook_name_as_an_edit_key_names_the_sites_to_key_instead():
     key = ast.literal_eval(str(info.value).split("3.x: ")[-1].rstrip("."))  # the suggested key
     t = tl.trace(model, ids, edit={key: lambda x: x + 1})
     assert t.edits[0].applied == 1 and t.edits[0].calls == (key[2],)
+
+
+# -- the locating pass leaves no state behind ---------------------------------------------------
+
+
+class _WritesInput(nn.Module):
+    """Multiplies its input in place, then a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(3)
+        return self.l(x)
+
+
+class _Steps(nn.Module):
+    """Replaces a buffer by assignment each call (`self.steps = self.steps + 1`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps = self.steps + 1
+        return self.l(x) * self.steps
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same_state(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize(
+    "build, x, key, module",
+    [
+        (  # BatchNorm in training mode: running statistics written by the kernel, counter by add_
+            lambda: nn.Sequential(
+                nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1)
+            ).train(),
+            lambda: torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1)),
+            "0:output",
+            lambda m: m[0],
+        ),
+        (  # an embedding with max_norm renormalizes rows of its weight in place
+            lambda: nn.Sequential(nn.Embedding(10, 4, max_norm=0.5), nn.Linear(4, 4)),
+            lambda: torch.tensor([[1, 2, 3, 2]]),
+            "0:output",
+            lambda m: m[0],
+        ),
+        (
+            _Steps,
+            lambda: torch.randn(2, 4, generator=torch.Generator().manual_seed(2)),
+            "l:output",
+            lambda m: m.l,
+        ),
+    ],
+    ids=["batchnorm-train", "embedding-max-norm", "buffer-reassigned"],
+)
+def test_an_edited_trace_leaves_the_state_of_one_edited_forward(build, x, key, module):
+    """The locating pass's writes (a BatchNorm's running statistics and counter, a max_norm
+    embedding's renormalized rows, a buffer a module replaces) are undone before the edited
+    forward: the model's state afterwards, and the output, equal those of one forward with the
+    same edit made by a plain forward hook."""
+    torch.manual_seed(0)
+    ref = build()
+    torch.manual_seed(0)
+    model = build()
+    _same_state(_state(ref), _state(model))
+    h = module(ref).register_forward_hook(lambda m, a, o: o * 0.5)
+    try:
+        expected = ref(x())
+    finally:
+        h.remove()
+    tr = tl.trace(model, x(), edit={key: lambda t: t * 0.5})
+    assert torch.allclose(tr.output, expected, atol=ATOL)
+    _same_state(_state(model), _state(ref))
+
+
+def test_an_edited_trace_of_a_model_writing_its_input_sees_the_input_once():
+    """A model that writes its input in place (`x.mul_(3)`): the locating pass's write is undone,
+    so the edited forward reads the caller's tensor as the caller passed it, and the caller's
+    tensor is left as one forward leaves it."""
+    torch.manual_seed(0)
+    ref, model = _WritesInput(), _WritesInput()
+    model.load_state_dict(ref.state_dict())
+    x0 = torch.randn(2, 4, generator=torch.Generator().manual_seed(3))
+    x_ref, x = x0.clone(), x0.clone()
+    h = ref.l.register_forward_hook(lambda m, a, o: o + 1)
+    try:
+        expected = ref(x_ref)
+    finally:
+        h.remove()
+    tr = tl.trace(model, x, edit={"l:output": lambda t: t + 1})
+    assert torch.allclose(tr.output, expected, atol=ATOL)
+    assert torch.equal(x, x_ref)  # 3 * x0, as after one forward (not 9 * x0)
+    assert torch.allclose(tr["l:input"], x0 * 3)

@@ -21,6 +21,7 @@ from torchlens._capture.output_copies import settle
 from torchlens._capture.recorder import Recorder
 from torchlens._capture.snapshot import arm_guards, snapshot
 from torchlens._capture.stores import DirectoryStore, apply_store, parse_store
+from torchlens._capture.undo import writes_undone
 from torchlens._core.errors import GradientError, TorchLensError
 from torchlens._core.pending import seal_checks
 from torchlens._edits import check_inputs, plan_edits
@@ -72,7 +73,10 @@ def trace(
             of the site's shape. A site of a module that runs several times is edited on every call
             unless the key names one. The returned trace records the edited forward and lists the
             edits in `trace.edits`. An edited trace first runs one locating pass (`save="none"`)
-            to find each site's hook or op; see [Interventions](../guides/interventions.md).
+            to find each site's hook or op; what that pass writes into the inputs, the buffers
+            (a `BatchNorm`'s running statistics in training mode) and parameters is restored
+            before the edited forward, so the model's state afterwards is that of one edited
+            forward; see [Interventions](../guides/interventions.md).
         grads: a loss function `loss_fn(output) -> scalar tensor` of the model's return value.
             The forward then runs with autograd on (also when the caller is under
             `torch.no_grad()`), and one backward of the loss gives, for every kept facet,
@@ -351,10 +355,11 @@ def _detached(output: Any) -> Any:
 
 def _locate(model: nn.Module, args: tuple, kwargs: dict, edit: Any, roles: Any):
     """The locating pass of an edited trace: one `save="none"` trace, RNG state restored after it
-    (so dropout in training mode draws the same masks in the edited run), and the edit plan."""
+    (so dropout in training mode draws the same masks in the edited run) and the tensors it wrote
+    (the inputs, buffers, parameters: `_capture.undo`) restored too, and the edit plan."""
     check_inputs(args, kwargs)
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), writes_undone(model.modules(), args, kwargs):
         located = trace(model, *args, save="none", roles=roles, **kwargs)
     return plan_edits(located, edit)
 

@@ -15,6 +15,7 @@ from typing import Any
 from torch import Tensor
 
 from torchlens._capture.edges import Edges
+from torchlens._capture.values import written_tensors
 from torchlens._core.holdings import (
     Holding,
     arg_slots,
@@ -134,11 +135,7 @@ class KeptAliases:
     def _before_write(self, args, kwargs) -> None:
         """Clone every saved alias (op outputs, kept kernel arguments, hook aliases) that shares
         storage with a tensor an op is about to write."""
-        targets = [args[0]] if args and isinstance(args[0], Tensor) else []
-        out = kwargs.get("out")
-        targets += (
-            [out] if isinstance(out, Tensor) else [t for t in (out or ()) if isinstance(t, Tensor)]
-        )
+        targets = written_tensors(args, kwargs)
         if not targets:
             return
         writes = self._writes

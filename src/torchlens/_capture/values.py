@@ -35,6 +35,24 @@ def tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
     return found
 
 
+def written_tensors(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors a writing op (in place, `out=`, `inplace=True`) is given to write: its first
+    argument (its first tensor keyword argument when it has no positional one: `nn.init.uniform_`
+    hands on `tensor=` as a keyword) and its `out=` tensors."""
+    first = (
+        args[0]
+        if args
+        else next((v for k, v in kwargs.items() if k != "out" and isinstance(v, Tensor)), None)
+    )
+    targets: list[Tensor] = [first] if isinstance(first, Tensor) else []
+    out = kwargs.get("out")
+    if isinstance(out, Tensor):
+        targets.append(out)
+    elif isinstance(out, (list, tuple)):
+        targets += [t for t in out if isinstance(t, Tensor)]
+    return targets
+
+
 def writes_inputs(kind: int, kwargs: dict | None) -> bool:
     """Whether a call of this `classify` kind with these keyword arguments writes into a tensor
     it was given: an in-place function, or one called with `out=` or `inplace=True`."""

@@ -75,7 +75,9 @@ def trace_generate(
         edit: sites to replace as the model computes them, as for `trace`: `{key: fn}` edits the
             site at every step; `{(step, key): fn}` (`step` an int, a range or a tuple of ints)
             only at those steps. `fn` receives the site's tensor of that step (`[batch, 1, ...]` at
-            a decode step). Each edited step runs one locating pass first, on a copy of its cache.
+            a decode step). Each edited step runs one locating pass first, on a copy of its cache;
+            what that pass writes into the step's inputs and the model's buffers and
+            parameters is restored before the step's edited forward.
             On an encoder-decoder model, an encoder site is edited in the encoder's one call
             (step 0; key it without a step or at step 0), a decoder site at every decoder forward
             (or at the steps its key names); the keys are resolved before the encoder runs, on one

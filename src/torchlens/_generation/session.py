@@ -46,6 +46,7 @@ from torchlens._capture.compiled import CompiledRunsEagerly
 from torchlens._capture.recorder import Recorder
 from torchlens._capture.step_copies import DeferredCopies, SharedWeights
 from torchlens._capture.stores import DirectoryStore
+from torchlens._capture.undo import writes_undone
 from torchlens._core.errors import FacetNotFound
 from torchlens._edits import EditPlan, plan_edits
 from torchlens._generation.encdec_edits import (
@@ -364,7 +365,10 @@ class Session:
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
         self.locating = True
         try:
-            with torch.random.fork_rng(devices=devices):
+            with (
+                torch.random.fork_rng(devices=devices),
+                writes_undone(self.names, args, located_kwargs),
+            ):
                 return trace(self.model, *args, save="none", roles=self.roles_arg, **located_kwargs)
         finally:
             self.locating = False
