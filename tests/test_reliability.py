@@ -1259,6 +1259,43 @@ def test_in_place_write_unseen_by_the_mode_warns():
     assert written.inputs[0].op == 1
     torch.testing.assert_close(written.tensors[0], before + 1, rtol=0, atol=0)  # what `y * 2` read
     torch.testing.assert_close(tr.output, (before + 1) * 2, rtol=0, atol=0)
+    # the module's output is that dropped value: refused with the reason, never "not saved"
+    facets = tr.modules["lin"].calls[0].facets
+    assert (
+        "written in place after it ran by code the capture could not see"
+        in facets.refused["output"]
+    )
+    with pytest.raises(torchlens.FacetNotFound, match="saving more cannot bring it back"):
+        facets["output"]
+
+
+def test_an_in_place_write_given_its_tensor_by_keyword_is_seen():
+    """`nn.init.uniform_(h)` hands `h` on to the torch function as a keyword (`tensor=h`): the
+    write is seen as one into `h`, so the linear's saved output is copied first and served as
+    the op returned it (ground truth: a plain forward hook's clone), with no warning."""
+
+    class Init(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.a(x)
+            nn.init.uniform_(h)
+            return self.b(h)
+
+    model, x = Init(), torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    seen = []
+    handle = model.a.register_forward_hook(lambda m, a, o: seen.append(o.detach().clone()))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "written by code the capture could not see"
+            tr = torchlens.trace(model, x)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(tr["a:output"], seen[0], rtol=0, atol=0)
+    assert any(op.name == "uniform_" and op.mutated for op in tr.ops)
 
 
 # ----------------------------------------------------------------------------------------------

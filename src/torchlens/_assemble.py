@@ -4,7 +4,8 @@ The steps, in order (`assemble`):
 
 1. `check_compiled`: refuse a trace with a hole where compiled code ran unseen.
 2. `drop_overwritten`: a saved op output that a write the mode could not see changed is dropped,
-   with a warning, so no value the model did not produce there is served.
+   with a warning, so no value the model did not produce there is served; a facet on it is
+   refused, saying so (`OVERWRITTEN`).
 3. the structure (`_analysis.structure.find`: stacks, layers, final norm, unembedding; settles roles).
 4. the facets of every call (`_analysis.facets.derive`).
 5. `CapturePlan.trim` (`torchlens._analysis.selection`): what `save=` does not keep is dropped.
@@ -71,6 +72,9 @@ def assemble(
     drop_overwritten(rec, overwritten)
     with torch.no_grad():
         flow = Graph(rec.ops, rec.calls, modules)  # one data-flow graph for both steps
+        for i in overwritten:  # a facet on a dropped output is refused, saying why
+            for slot in range(len(rec.ops[i].shapes)):
+                flow.dropped[Ref(i, slot)] = OVERWRITTEN
         structure = find_structure(rec.ops, rec.calls, modules, roles, model, names, flow)
         sites = derive(rec.ops, rec.calls, modules, None, structure, flow)
     plan.trim(rec.ops, rec.calls, sites)
@@ -88,6 +92,15 @@ def assemble(
         plan.spec,
         structure,
     )
+
+
+#: Why a facet on an op output `drop_overwritten` dropped is refused.
+OVERWRITTEN = (
+    "the op's output was written in place after it ran by code the capture could not see (under "
+    "torch._C.DisableTorchFunction(), in C++ code) or as a sparse tensor, so the value it returned "
+    "is gone and TorchLens does not serve the later contents (it warned when the trace ran); saving "
+    "more cannot bring it back"
+)
 
 
 def drop_overwritten(rec: Recorder, overwritten: list[int]) -> None:
