@@ -808,3 +808,60 @@ def test_sublayers_in_parallel_module_lists_are_not_taken_for_blocks():
     assert "transformer.attentions.0" not in t.blocks
     for i, block in enumerate(t.blocks):
         torch.testing.assert_close(t.modules[block].facets["resid_post"], hidden[i + 1])
+
+
+def test_a_named_attention_or_mlp_outside_any_layer_keeps_its_role():
+    """`roles=` names an attention and an MLP that lie in no layer (a wrapper around one
+    `nn.MultiheadAttention`, then an MLP): the named role wins, so their facets are found and
+    served, checked against the module's own attention weights and plain forward hooks."""
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
+            self.ff = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+        def forward(self, x):
+            return self.ff(self.attn(x, x, x)[0])
+
+    torch.manual_seed(0)
+    model = Wrap().eval()
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    seen = {}
+    handles = [
+        model.ff[i].register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o.clone()))
+        for i in range(3)
+    ]
+    try:
+        with torch.no_grad():
+            _, weights = model.attn(x, x, x, need_weights=True, average_attn_weights=False)
+            tr = tl.trace(model, x, roles={"attn": "attention", "ff": "mlp"})
+    finally:
+        for h in handles:
+            h.remove()
+    assert tr.modules["attn"].role == "attention" and tr.modules["ff"].role == "mlp"
+    torch.testing.assert_close(tr["attn:pattern"], weights, rtol=1e-5, atol=1e-6)
+    for name, i in (("pre", 0), ("act", 1), ("post", 1), ("down_out", 2)):
+        torch.testing.assert_close(tr[f"ff:{name}"], seen[i], rtol=0, atol=0)
+    # without roles=, neither is an attention or an MLP (no layer confirms them)
+    with torch.no_grad():
+        plain = tl.trace(model, x)
+    assert plain.modules["attn"].role == "other"
+
+
+def test_weight_parametrizations_named_like_norms_are_not_norms():
+    """`spectral_norm` and `weight_norm` parametrizations rescale a weight, not activations:
+    their modules (`_SpectralNorm`, `_WeightNorm`) are not norms, so no norm facet is listed for
+    them (each was listed and refused on every read)."""
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        parametrizations.spectral_norm(nn.Linear(4, 4)),
+        parametrizations.weight_norm(nn.Linear(4, 4)),
+        nn.LayerNorm(4),
+    )
+    tr = tl.trace(model, torch.randn(2, 4, generator=torch.Generator().manual_seed(1)))
+    roles = {a: r.role for a, r in tr.modules.items() if ".parametrizations." in a}
+    assert roles and set(roles.values()) == {"other"}, roles
+    assert tr.modules["2"].role == "norm"  # a real norm still is one

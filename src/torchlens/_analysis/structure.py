@@ -302,11 +302,22 @@ def find(
             ):
                 if sub is not None:
                     confirmed[id(sub)] = role
+    # an attention or MLP the caller named keeps its role outside any layer too (a named role
+    # wins over every rule): its facets are found from its own ops, as a sublayer's are
+    named = {
+        a: ("attention" if r == "cross_attention" else r)
+        for a, r in overrides.items()
+        if r in ("attention", "cross_attention", "mlp")
+    }
     for addr, role in list(roles.items()):
-        if role in ("block", "attention", "mlp"):
+        if role in ("block", "attention", "mlp") and named.get(addr) != role:
             roles[addr] = "other"
     for c in calls:
-        if c.role in ("block", "attention", "mlp") and id(c) not in confirmed:
+        if (
+            c.role in ("block", "attention", "mlp")
+            and id(c) not in confirmed
+            and named.get(c.address) != c.role
+        ):
             c.role = "other"
     for c in calls:
         if id(c) in confirmed:

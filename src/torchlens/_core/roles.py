@@ -25,6 +25,10 @@ MLP_CLASS_FRAGMENTS = ("MLP", "Mlp", "FeedForward")
 #: Norm classes by type, and by class-name suffix (covers every `*RMSNorm` of transformers).
 NORM_CLASSES = (nn.LayerNorm, nn.GroupNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 NORM_SUFFIXES = ("RMSNorm", "LayerNorm", "Norm")
+#: Class names ending like a norm's that are none: batch statistics, and the weight
+#: parametrizations of `torch.nn.utils.parametrizations` (`spectral_norm`, `weight_norm`), which
+#: rescale a weight, not the activations.
+NOT_NORMS = ("BatchNorm", "_SpectralNorm", "_WeightNorm")
 #: Attribute names a norm keeps its epsilon under.
 EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps")
 #: Names of the output projection (unembedding), a hint used before the forward only: after it the
@@ -68,7 +72,7 @@ def is_norm(module: nn.Module) -> bool:
     if isinstance(module, NORM_CLASSES):
         return True
     name = type(module).__name__
-    return name.endswith(NORM_SUFFIXES) and not name.endswith("BatchNorm")
+    return name.endswith(NORM_SUFFIXES) and not name.endswith(NOT_NORMS)
 
 
 def child_role(attr: str, module: nn.Module) -> str | None:
