@@ -426,3 +426,17 @@ def test_trace_html_folds_the_rolled_op_graph_under_the_table(trace):
         assert "trace.draw(focus=" in "".join(footer.itertext())
     finally:
         type(trace).REPR_DRAWING_NODES = small
+
+
+def test_a_module_with_no_facet_saved_still_lists_its_facets_starred(partial):
+    """Under `save=["resid_post"]` the attention saves nothing: `summary()` and the notebook
+    table still list every facet it has, each starred (exists, not saved), as the docs say."""
+    attn = partial.modules["transformer.h.0.attn"].calls[0].facets
+    assert len(attn) == 0 and attn.sites  # nothing saved, facets exist
+    row = next(
+        line for line in partial.summary().splitlines() if line.startswith("transformer.h.0.attn ")
+    )
+    for name, site in attn.sites.items():
+        assert f"{name}{list(site.shape)}*" in row
+    html_table = partial._repr_html_()
+    assert "pattern[1, 2, 4, 4]*" in html_table

@@ -319,7 +319,7 @@ class Trace:
             fac = rec.calls[0].facets
             facets = ", ".join(
                 f"{n}{list(s.shape)}" + ("" if s.saved else "*")
-                for n, s in (fac.sites.items() if fac else [])
+                for n, s in (fac.sites.items() if fac is not None else [])
             )
             rows.append((rec.address or "<root>", rec.role, str(len(rec.calls)), facets))
         if max_rows is not None:
@@ -351,7 +351,7 @@ class Trace:
         for rec in ran[:max_rows]:
             facets = rec.calls[0].facets
             cells = []
-            for name, site in facets.sites.items() if facets else []:
+            for name, site in facets.sites.items() if facets is not None else []:
                 style = (
                     "white-space:nowrap;"
                     + ("" if site.saved else "color:#8c959f;")
@@ -380,7 +380,7 @@ class Trace:
             not s.saved
             for rec in ran
             for c in rec.calls[:1]
-            if c.facets
+            if c.facets is not None
             for s in c.facets.sites.values()
         ):
             notes.append("* exists but not saved.")

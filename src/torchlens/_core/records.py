@@ -53,7 +53,9 @@ class OpRecord:
         call (int): which call of that module (0 for the first).
         inputs (tuple[Ref | str | None, ...]): for each tensor argument, in order, a
             [`Ref`][torchlens.Ref] to the op that produced it, the parameter's qualified
-            name (a `str`), or None for a tensor from outside the forward (a model input).
+            name (a `str`), or None for any other tensor from outside the forward: a model
+            input, a buffer (BatchNorm's running statistics, a rotary table), a tensor the model
+            keeps as a plain attribute or in a cache from an earlier call.
         shapes (tuple[torch.Size, ...]): the shape of each tensor output.
         dtypes (tuple[torch.dtype, ...]): the dtype of each tensor output.
         device (torch.device): the device of the first output.
