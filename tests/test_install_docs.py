@@ -20,8 +20,9 @@ import pytest
 from docs_harness import ci_is_on
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-#: The install commands a page may print for TorchLens itself.
-THE_PATH = ("pip install -e .", "pip install dist/torchlens-*.whl")
+#: The install commands a page may print for TorchLens itself. The first adds the `examples` extra
+#: (pyproject.toml): `transformers`, which the pages' examples import.
+THE_PATH = ('pip install -e ".[examples]"', "pip install -e .", "pip install dist/torchlens-*.whl")
 _PIP_INSTALL = re.compile(r"\bpip3?\s+install\b([^\n`]*)")
 _BARE = re.compile(r"""^["']?torchlens(\[[^\]]*\])?(\s*[=<>!~].*)?["']?$""", re.I)
 
@@ -91,7 +92,10 @@ def test_every_page_installs_torchlens_the_one_way():
                     re.search(r"\bpip3? install\b", command)
                     and (
                         "torchlens" in command
-                        or re.search(r"(^|\s)(-e|--editable)?\s*\.(/\S*)?$", command)
+                        or re.search(
+                            r"""(^|\s)(-e|--editable)?\s*["']?\.(/\S*)?(\[[^\]]*\])?["']?$""",
+                            command,
+                        )
                     )
                     and command not in THE_PATH
                 ):
@@ -100,9 +104,32 @@ def test_every_page_installs_torchlens_the_one_way():
             odd.setdefault(path, []).append("a <repository URL> placeholder")
     assert not odd, odd
     getting_started = (REPO / "docs" / "getting-started.md").read_text(encoding="utf-8")
-    assert (
-        all(command in getting_started for command in THE_PATH) and "make wheel" in getting_started
+    assert THE_PATH[0] in getting_started and THE_PATH[2] in getting_started
+    assert "make wheel" in getting_started
+
+
+def test_the_documented_install_gives_what_the_examples_import():
+    """Getting started installs the `examples` extra, and that extra holds every module outside the
+    standard library and TorchLens that the site's Python blocks import (torch comes first, on its own
+    line; numpy comes with transformers)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and newer
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"][
+        "optional-dependencies"
+    ]
+    examples = {re.split(r"[<>=!~\[ ]", req, maxsplit=1)[0].lower() for req in extras["examples"]}
+    getting_started = (REPO / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", getting_started, re.S)
+    blocks += re.findall(
+        r"```python\n(.*?)```", (REPO / "docs" / "index.md").read_text("utf-8"), re.S
     )
+    imported = {
+        name.split(".")[0]
+        for block in blocks
+        for name in re.findall(r"^\s*(?:import|from)\s+([\w.]+)", block, re.M)
+    }
+    third_party = imported - set(sys.stdlib_module_names) - {"torchlens", "torch", "numpy"}
+    assert third_party and third_party <= examples, (third_party, examples)
+    assert 'pip install -e ".[examples]"' in getting_started
 
 
 def test_make_wheel_then_pip_install_dist_wheel_works_as_printed(tmp_path):
