@@ -21,7 +21,9 @@ values of each copied tensor that the pass changed (its version counter moved, i
 other memory). The edited forward then starts from what the caller passed, and the model's
 state after the trace is that of one edited forward.
 
-What no tensor holds is not undone: a counter kept as a Python number, a hook of the caller's own
+The cost is one copy of each buffer and input the pass reads (on a GPT-2-small shape at 128
+tokens an edited `trace` took 1% longer with it, on the 2-layer test GPT-2 7%), and of each
+parameter it writes. What no tensor holds is not undone: a counter kept as a Python number, a hook of the caller's own
 (it runs in both passes), a parameter written by a kernel that was not given it as the tensor it
 writes in place.
 """
