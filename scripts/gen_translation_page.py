@@ -15,7 +15,9 @@ Usage:
     python scripts/gen_translation_page.py          # rewrite the page
     python scripts/gen_translation_page.py --check  # exit 1 if the committed page is stale
 
-`tests/test_translation_page.py` runs the check.
+The page says which transformers and torch versions it was made with (a model's code, and so a
+status, can change with them); `tests/test_translation_page.py` runs the check and compares those
+versions with constraints.txt.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import transformers
 from markdown.extensions.toc import slugify
 
 import torchlens as tl
@@ -229,6 +233,10 @@ def generated_section(families=None) -> str:
     families = list(families or testing.FAMILIES)
     lines = [
         BEGIN,
+        "",
+        f"The tables were made with transformers {transformers.__version__} and torch "
+        f"{torch.__version__}. A model's code can change between transformers versions, and with it "
+        "what TorchLens finds: with another version a site's status can differ from the one given here.",
         "",
         "Families: "
         + ", ".join(f"[{TITLES.get(f, f)}](#{slugify(TITLES.get(f, f), '-')})" for f in families)

@@ -50,6 +50,24 @@ def test_the_committed_page_is_current(capsys):
     assert gen.PAGE.read_text(encoding="utf-8") == before, "--check must not write the page"
 
 
+def test_the_page_says_which_versions_it_was_made_with_the_pinned_ones():
+    """A status can change with transformers (a model's code changes), so the page names the versions it
+    was computed with; the committed page is made in the environment constraints.txt pins."""
+    pins = dict(
+        re.findall(
+            r"^(torch|transformers)==(\S+)$", (gen.ROOT / "constraints.txt").read_text(), re.M
+        )
+    )
+    said = re.search(
+        r"made with transformers (\S+) and torch (\S+?)\.\s", gen.PAGE.read_text(encoding="utf-8")
+    )
+    assert said, "the page does not say which transformers and torch it was made with"
+    assert (said[1], said[2].split("+")[0]) == (pins["transformers"], pins["torch"]), (
+        said.groups(),
+        pins,
+    )
+
+
 def test_every_family_has_a_table_with_a_column_per_generation():
     text = gen.PAGE.read_text(encoding="utf-8")
     for family in testing.FAMILIES:
