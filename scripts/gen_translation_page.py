@@ -4,16 +4,24 @@ For every family of `torchlens.testing.FAMILIES` the script builds the family's 
 (`torchlens.testing.build`: two layers, seeded weights, eager attention), traces it with
 `save="all"` and runs its checks, then resolves every name of every naming generation on the
 trace (`torchlens.mechinterp._translate.names_by_site`, through the one resolver, as
-`mi.translate(..., family=...)` does). One row per site the names reach: its module and facet,
-its status, and each generation's names for it, so a row is a translation. For GPT-2, Llama
-and Qwen3 a last column gives the vLLM hook that reads the site, from the table of
-docs/guides/serving-engines.md (the recipe that page runs), matched by its "3.x" names.
+`mi.translate(..., family=...)` does). One row per site the names reach: its module, call and
+facet, its status (`resolve_alias`'s, at layers 0 and 1), and each generation's names for it, so a
+row is a translation. For GPT-2, Llama and Qwen3 a last column gives the vLLM hook that reads the
+site, from the table of docs/guides/serving-engines.md (the recipe that page runs), matched by its
+"3.x" names.
 
 The page has a hand-written part (kept as is) and a generated part between two marker comments.
 
 Usage:
     python scripts/gen_translation_page.py          # rewrite the page
     python scripts/gen_translation_page.py --check  # exit 1 if the committed page is stale
+
+A per-layer name's row is where it resolves at layer 0, written for layer `{L}` from where it
+resolves at layer 1: the part of the module address that is `0` and `1` becomes `{L}` (in every
+stack of layers, not only the one `trace.blocks` lists), and where both layers are calls of one
+module (weights shared across layers, as ALBERT's) the row gives the call, `{L}`. A model with
+several stacks and none feeding a language-model head (CLIP) has no block `{L}`: its per-layer
+names resolve `ambiguous`, and the page lists them so.
 
 The page says which transformers and torch versions it was made with (a model's code, and so a
 status, can change with them); `tests/test_translation_page.py` runs the check and compares those
@@ -58,7 +66,8 @@ TITLES = {name: f.title for name, f in testing.FAMILIES.items()}
 
 @dataclass
 class Site:
-    address: str  # with `{L}` for block 0's part of the address, `<root>` for the root module
+    address: str  # with `{L}` where layer L's address differs from layer 0's, `<root>` for the root
+    call: str | None  # which call of the module: `{L}` where layer L is call L of one module
     facet: str
     order: tuple
     status: set
@@ -90,10 +99,31 @@ def serving_hooks(text: str) -> tuple[dict[str, dict[str, str]], list[str]]:
     return out, names
 
 
-def _template(address: str, block0: str | None) -> str:
-    if block0 is not None and (address == block0 or address.startswith(block0 + ".")):
-        return block0[: -len("0")] + "{L}" + address[len(block0) :]
-    return address or "<root>"
+def _template(at0: tuple[str, int | None], at1: tuple[str, int | None]) -> tuple[str, str | None]:
+    """Layer L's module address and call, from where a name resolves at layers 0 and 1.
+
+    `at0` and `at1` are `(module address, call)`. Where the two addresses differ in one part, `0`
+    against `1` (`transformer.h.0.attn`, `transformer.h.1.attn`), that part is written `{L}`; where
+    they are one address and the calls are 0 and 1 (one module run once per layer), the call is
+    `{L}`.
+
+    Raises:
+        ValueError: the two sites differ in some other way.
+    """
+    (a0, c0), (a1, c1) = at0, at1
+    p0, p1 = a0.split("."), a1.split(".")
+    differ = [i for i, (x, y) in enumerate(zip(p0, p1)) if x != y]
+    if (
+        len(p0) == len(p1)
+        and c0 == c1
+        and len(differ) == 1
+        and (p0[differ[0]], p1[differ[0]]) == ("0", "1")
+    ):
+        p0[differ[0]] = "{L}"
+        return ".".join(p0), None if c0 is None else str(c0)
+    if a0 == a1 and (c0, c1) == (0, 1):
+        return a0, "{L}"
+    raise ValueError(f"layer 0 reads {a0} (call {c0}), layer 1 reads {a1} (call {c1})")
 
 
 #: Facets in the order of the facet specification, a module's input first and its output last.
@@ -106,51 +136,81 @@ def _rank(facet: str) -> int:
     return _ORDER.index(facet) if facet in _ORDER else len(_ORDER)
 
 
-def family_sites(family: str) -> tuple[tl.Trace, list[Site], dict[str, list[str]]]:
-    """The family's sites at layer 0 and the global ones, with every generation's names; and the names with no site."""
+def family_sites(family: str) -> tuple[tl.Trace, list[Site], dict[str, list[tuple[str, str]]]]:
+    """The family's sites, per layer and global, with every generation's names; and the names with no site.
+
+    A per-layer name's site is where it resolves at layer 0, its address and call written for
+    layer `{L}` from where it resolves at layer 1 (`_template`); its status is `resolve_alias`'s
+    at both layers. The names with no site are grouped by generation and by the status
+    `resolve_alias` gives them at layer 0 (`structurally_absent`, or `ambiguous` where the model has
+    several stacks of layers and none is the language model's).
+    """
     args, kwargs = testing.inputs(family)
     trace = tl.trace(testing.build(family), *args, save="all", **kwargs)
     trace.check()
-    block0 = trace.blocks[0] if trace.blocks else None
     sites: dict[tuple, Site] = {}
     placed: dict[str, set[str]] = {g: set() for g in GENERATIONS}
     for generation in GENERATIONS:
-        for (address, call, facet), resolutions in names_by_site(trace, generation).items():
-            for r in resolutions:
-                if r.layer not in (None, 0):
-                    placed[generation].add(r.pattern)
-                    continue
-                key = (_template(address, block0), facet)
-                if key not in sites:
-                    record = trace.modules[address].calls[call or 0]
-                    # a refused facet has no site: it is placed with its module's output
-                    site = record.facets.sites.get(facet)
-                    # forward order: an op's output where it was made; a derived facet with its module's output
-                    where = (
-                        site.op
-                        if site is not None and site.kind == "real" and site.op is not None
-                        else record.end_op - 1
+        found = [r for rs in names_by_site(trace, generation).values() for r in rs]
+        at_layer = {(r.pattern, r.layer): r for r in found}
+        for r in found:
+            placed[generation].add(r.pattern)
+            if r.layer not in (None, 0):
+                continue
+            here = (r.module_address, r.call)
+            if r.layer is None:
+                address, call = (
+                    r.module_address or "<root>",
+                    None if r.call is None else str(r.call),
+                )
+                queries = [r.query]
+            else:
+                if (r.pattern, 1) not in at_layer:
+                    raise SystemExit(
+                        f"{family}: {r.pattern} reads a site at layer 0 but none at layer 1"
                     )
-                    sites[key] = Site(
-                        key[0],
-                        facet,
-                        (where, record.first_op, _rank(facet)),
-                        set(),
-                        {g: [] for g in GENERATIONS},
-                    )
-                    sites[key].status.add(
-                        mi.resolve_alias(trace, r.query, generation=generation).status
-                    )
-                name = r.pattern if r.layer is not None else r.query
-                if name not in sites[key].names[generation]:
-                    sites[key].names[generation].append(name)
-                placed[generation].add(r.pattern)
+                r1 = at_layer[(r.pattern, 1)]
+                try:
+                    address, call = _template(here, (r1.module_address, r1.call))
+                except ValueError as e:
+                    raise SystemExit(f"{family}: {r.pattern}: {e}") from None
+                queries = [r.query, r1.query]
+            key = (address, call, r.facet)
+            if key not in sites:
+                record = trace.modules[r.module_address].calls[r.call or 0]
+                # a refused facet has no site: it is placed with its module's output
+                site = record.facets.sites.get(r.facet)
+                # forward order: an op's output where it was made; a derived facet with its module's output
+                where = (
+                    site.op
+                    if site is not None and site.kind == "real" and site.op is not None
+                    else record.end_op - 1
+                )
+                sites[key] = Site(
+                    address,
+                    call,
+                    r.facet,
+                    (where, record.first_op, _rank(r.facet)),
+                    set(),
+                    {g: [] for g in GENERATIONS},
+                )
+            sites[key].status.update(
+                mi.resolve_alias(trace, q, generation=generation).status for q in queries
+            )
+            name = r.pattern if r.layer is not None else r.query
+            if name not in sites[key].names[generation]:
+                sites[key].names[generation].append(name)
     table_kind = trace.structure.kind
-    unplaced = {}
+    unplaced: dict[str, list[tuple[str, str]]] = {}
     for generation in GENERATIONS:
         table = dict(mi.GENERATIONS[generation].by_kind).get(table_kind, mi.GENERATIONS[generation])
         unplaced[generation] = [
-            row.name for row in table.rows if row.name not in placed[generation]
+            (
+                row.name,
+                mi.resolve_alias(trace, row.name.replace("{L}", "0"), generation=generation).status,
+            )
+            for row in table.rows
+            if row.name not in placed[generation]
         ]
     return trace, sorted(sites.values(), key=lambda s: (s.order, s.facet)), unplaced
 
@@ -163,32 +223,92 @@ def _status(words: set) -> str:
     return " ".join(f'<span class="tl-status tl-status--{w}">{w}</span>' for w in sorted(words))
 
 
+def _stacks(trace: tl.Trace) -> list[tuple[str, str | None, list[str]]]:
+    """Each stack of layers the trace found: layer `{L}`'s address and call, and its layers' addresses."""
+    out = []
+    for stack in trace.structure.stacks.values():
+        # a call index counts only where one module runs several layers (as `resolve_alias`'s `call`)
+        calls = [(layer.call.address, layer.call.index) for layer in stack.layers]
+        if len({address for address, _ in calls}) == len(calls):
+            calls = [(address, None) for address, _ in calls]
+        address, call = _template(calls[0], calls[1]) if len(calls) > 1 else (calls[0][0], None)
+        out.append((address, call, [a for a, _ in calls]))
+    return out
+
+
+def _shown(address: str, call: str | None) -> str:
+    return address if call is None else f"{address}` call `{call}"
+
+
+def _intro(
+    family: str, trace: tl.Trace, n_sites: int, column: str | None
+) -> tuple[str, str | None]:
+    """The section's first paragraph, and the shorthand's prefix (block `{L}`'s address) or None."""
+    spec = testing.FAMILIES[family]
+    stacks = _stacks(trace)
+    head = f'`testing.build("{family}")`: `{spec.model}`, '
+    tail = (
+        f"{n_sites} sites have a name in some generation: the first table gives TransformerLens's "
+        f"names, the second each site's status and the other libraries' names for it."
+    )
+    listed = " and ".join(f"`{_shown(a, c)}` ({len(b)} layers)" for a, c, b in stacks)
+    if not trace.blocks:
+        return (
+            head
+            + f"{len(stacks)} stacks of layers, {listed}. None feeds a language-model head, so "
+            f"`trace.blocks` is empty, and the per-layer names that resolve `ambiguous` (listed below "
+            f"the tables) could each mean a layer of {'either' if len(stacks) == 2 else 'any'} stack. "
+            + tail,
+            None,
+        )
+    ((address, call, _),) = [s for s in stacks if s[2] == list(trace.blocks)]
+    if len(stacks) > 1:
+        lm_stack = trace.structure.stacks.get(trace.structure.lm_stack or "")
+        if lm_stack is None or [layer.call.address for layer in lm_stack.layers] != list(
+            trace.blocks
+        ):
+            raise SystemExit(f"{family}: trace.blocks is not the stack that feeds the LM head")
+        head += (
+            f"{len(stacks)} stacks of layers, {listed}; `{_shown(address, call)}` is the stack that "
+            f"feeds the language-model head (`trace.blocks`), and the sites of the other are written "
+            f"in full. "
+        )
+    else:
+        head += f"{len(trace.blocks)} layers"
+    vllm = (
+        f" The vLLM column is the hook of the [serving-engines recipe](../guides/serving-engines.md) "
+        f"for vLLM's {VLLM_FAMILIES[family]} model (module names inside `{address}` are relative to it)."
+        if column
+        else ""
+    )
+    if call is not None:
+        return (
+            head
+            + f", all run by one module: layer `{{L}}` is call `{{L}}` of `{address}` (the layers "
+            f"share its weights), so a site inside a layer is written as its module's full address "
+            f"and the call (`trace.modules[address].calls[L]`). {tail}{vllm}",
+            None,
+        )
+    return (
+        head
+        + ("; b" if len(stacks) == 1 else "B")
+        + f"lock `{{L}}` is `{address}`, and a site inside "
+        f"it is written from it (`{{L}}.mlp` is `{address}.mlp`). {tail}{vllm}",
+        address,
+    )
+
+
 def family_section(family: str, vllm: dict[str, dict[str, str]]) -> list[str]:
     trace, sites, unplaced = family_sites(family)
-    spec = testing.FAMILIES[family]
     title = TITLES.get(family, family)
     legacy_only = all(set(s.names["4.x"]) <= set(s.names["3.x"]) for s in sites)
     column = next((c for c in vllm if VLLM_FAMILIES.get(family, "\0") in c), None)
-    block = trace.blocks[0][:-1] + "{L}" if trace.blocks else "(none)"
+    intro, block = _intro(family, trace, len(sites), column)
     tl_headers = ["site", "2.x", "3.x, besides the 4.x names" if legacy_only else "3.x", "4.x"]
     other_headers = ["site", "status", "nnterp", "interp-engine"] + (
         ["vLLM hook"] if column else []
     )
-    lines = [
-        f"## {title}",
-        "",
-        f'`testing.build("{family}")`: `{spec.model}`, {len(trace.blocks)} layers; block `{{L}}` is '
-        f"`{block}`, and a site inside it is written from it (`{{L}}.mlp` is `{block}.mlp`). "
-        f"{len(sites)} sites have a name in some generation: the first table gives TransformerLens's "
-        f"names, the second each site's status and the other libraries' names for it."
-        + (
-            f" The vLLM column is the hook of the [serving-engines recipe](../guides/serving-engines.md) "
-            f"for vLLM's {VLLM_FAMILIES[family]} model (module names inside `{block}` are relative to it)."
-            if column
-            else ""
-        ),
-        "",
-    ]
+    lines = [f"## {title}", "", intro, ""]
     tl_rows, other_rows = [], []
     for s in sites:
         legacy = (
@@ -198,10 +318,12 @@ def family_section(family: str, vllm: dict[str, dict[str, str]]) -> list[str]:
         )
         address = (
             "{L}" + s.address[len(block) :]
-            if trace.blocks and (s.address == block or s.address.startswith(block + "."))
+            if block is not None and (s.address == block or s.address.startswith(block + "."))
             else s.address
         )
-        site = f"`{address}`<br>`{s.facet}`"
+        site = f"`{address}`<br>`{s.facet}`" + (
+            f"<br>call `{s.call}`" if s.call is not None else ""
+        )
         tl_rows.append([site, _code(s.names["2.x"]), _code(legacy), _code(s.names["4.x"])])
         cells = [site, _status(s.status), _code(s.names["nnterp"]), _code(s.names["interp-engine"])]
         if column:
@@ -216,12 +338,24 @@ def family_section(family: str, vllm: dict[str, dict[str, str]]) -> list[str]:
         lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |" for cells in rows]
         lines += ["", "</div>", ""]
+    ambiguous = {g: [n for n, status in unplaced[g] if status == "ambiguous"] for g in GENERATIONS}
+    if any(ambiguous.values()):
+        lines += [
+            f"Names that resolve `ambiguous` on {title} (layer `{{L}}` could be a layer of any of its stacks):",
+            "",
+        ]
+        lines += [
+            f"- {g}: " + ", ".join(f"`{n}`" for n in names)
+            for g, names in ambiguous.items()
+            if names
+        ]
+        lines.append("")
     lines += [
         f"Names with no site on {title} (each generation's own table, listed [here](index.md), gives each one's reason):",
         "",
     ]
     for generation in GENERATIONS:
-        names = unplaced[generation]
+        names = [n for n, status in unplaced[generation] if status != "ambiguous"]
         lines.append(
             f"- {generation}: " + (", ".join(f"`{n}`" for n in names) if names else "none")
         )

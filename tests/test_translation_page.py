@@ -126,6 +126,101 @@ def test_a_row_says_what_translate_says_gemma2_hook_mlp_out():
     )
 
 
+def disagreements(section: str, trace: tl.Trace) -> list[tuple]:
+    """Where a family's section and `resolve_alias` disagree: each name of a row, at layers 0 and 1, must
+    resolve to the row's module (block `{L}`'s shorthand and `{L}` filled in), facet and call, with one of
+    the row's statuses; each name listed as `ambiguous` must resolve `ambiguous` at both layers."""
+    block = re.search(r"lock `\{L\}` is `([^`]+)`, and a site inside", section)
+    found, kind = [], None
+    for line in section.splitlines():
+        if line.startswith("| site |"):
+            kind = "status" if "status" in line else "names"
+        if not line.startswith("| `"):
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        address, facet, *call = re.findall(r"`([^`]+)`", cells[0])
+        if block and address.startswith("{L}"):
+            address = block[1] + address[len("{L}") :]
+        if kind == "names":
+            names = dict(zip(("2.x", "3.x", "4.x"), cells[1:4]))
+            statuses = None
+        else:
+            names = dict(zip(("nnterp", "interp-engine"), cells[2:4]))
+            statuses = set(re.findall(r">(\w+)</span>", cells[1]))
+        for generation, cell in names.items():
+            for name in re.findall(r"`([^`]+)`", cell):
+                for layer in ("0", "1") if "{L}" in name else ("",):
+                    r = mi.resolve_alias(trace, name.replace("{L}", layer), generation=generation)
+                    want = (
+                        address.replace("{L}", layer),
+                        facet,
+                        int(call[0].replace("{L}", layer)) if call else None,
+                    )
+                    if (r.module_address or "<root>", r.facet, r.call) != want or (
+                        statuses and r.status not in statuses
+                    ):
+                        found.append(
+                            (name, layer, want, (r.module_address, r.facet, r.call, r.status))
+                        )
+    listed = section.split("resolve `ambiguous` on", 1)[1:]
+    for generation, names in re.findall(
+        r"^- ([\w.-]+): (.*)$", "".join(listed).split("\n\nNames with no site")[0], re.M
+    ):
+        for name in re.findall(r"`([^`]+)`", names):
+            for layer in ("0", "1"):
+                status = mi.resolve_alias(
+                    trace, name.replace("{L}", layer), generation=generation
+                ).status
+                if status != "ambiguous":
+                    found.append((name, layer, "ambiguous", status))
+    return found
+
+
+@pytest.mark.parametrize(
+    "family", ["gpt2", "llama", "bert", "albert", "t5", "bart", "clip", "llava"]
+)
+def test_every_name_resolves_where_its_row_says_at_layers_0_and_1(family):
+    """Shared-layer (ALBERT), two-stack (T5, BART, LLaVA), no-block (CLIP) and plain families."""
+    args, kwargs = testing.inputs(family)
+    trace = tl.trace(testing.build(family), *args, save="all", **kwargs)
+    section = _section(gen.PAGE.read_text(encoding="utf-8"), gen.TITLES[family])
+    assert not disagreements(section, trace)
+
+
+def test_the_page_writes_layer_l_of_every_stack_and_call_l_of_a_shared_layer():
+    text = gen.PAGE.read_text(encoding="utf-8")
+    t5 = _section(text, "T5")
+    assert "| `encoder.block.{L}`<br>`resid_pre` | `encoder.{L}.hook_resid_pre` |" in t5
+    assert "encoder.block.0" not in t5
+    albert = _section(text, "ALBERT")
+    assert (
+        "layer `{L}` is call `{L}` of `albert.encoder.albert_layer_groups.0.albert_layers.0`"
+        in albert
+    )
+    assert "albert_layers.{L}" not in albert and "albert_layers.1" not in albert
+    assert (
+        "| `albert.encoder.albert_layer_groups.0.albert_layers.0`<br>`resid_pre`<br>call `{L}` |"
+        in albert
+    )
+    # a global name that reads block 0 only has a row of its own, not the per-layer one
+    bert = _section(text, "BERT")
+    assert "| `bert.encoder.layer.0`<br>`resid_pre` | `hook_full_embed` |" in bert
+    clip = _section(text, "CLIP")
+    assert "2 stacks of layers, `vision_model.encoder.layers.{L}` (2 layers) and" in clip
+    assert "(none)" not in clip and "0 layers" not in clip
+    ambiguous = clip.split("resolve `ambiguous` on CLIP", 1)[1].split("Names with no site", 1)[0]
+    assert "`blocks.{L}.hook_resid_pre`" in ambiguous
+
+
+def test_the_disagreement_check_finds_a_layer_0_address_and_a_missing_call():
+    trace = tl.trace(testing.build("albert"), testing.token_ids(length=3))
+    row = "| `albert.encoder.albert_layer_groups.0.albert_layers.{L}`<br>`resid_pre` | `blocks.{L}.hook_resid_pre` | — | — |"
+    assert [d[1] for d in disagreements("| site |\n" + row, trace)] == ["0", "1"]
+    trace = tl.trace(testing.build("t5"), *testing.inputs("t5")[0], **testing.inputs("t5")[1])
+    row = "| `encoder.block.0`<br>`resid_pre` | `encoder.{L}.hook_resid_pre` | — | — |"
+    assert [d[1] for d in disagreements("| site |\n" + row, trace)] == ["1"]
+
+
 def test_an_edited_table_changes_the_page(monkeypatch):
     vllm, _ = gen.serving_hooks(gen.SERVING.read_text(encoding="utf-8"))
     before = "\n".join(gen.family_section("gpt2", vllm))
