@@ -13,6 +13,11 @@ on the generation's alias page; the layer number itself is not required, since t
 `{L}`. A last test shows that Material's default separator (whitespace and hyphens) does not find
 them, so the checks can fail. tests/test_browser.py types names into the real search box. The
 same build's sitemap must list every page (it is empty without `site_url`).
+
+Material's search matches each part of a query on its own (a page need not hold every part) and
+never the name as a whole, so the page that holds a name is not always the first result: one test
+runs Material's own search worker under node on the built index and checks the ranks mkdocs.yml
+states (an alias page first or second, the name's own page within the first six).
 """
 
 from __future__ import annotations
@@ -179,6 +184,81 @@ def test_the_default_separator_finds_none_of_them(index):
     ):
         where = found_in(index, query, DEFAULT_SEPARATOR)
         assert not any(w.startswith("aliases/") for w in where), (query, where[:5])
+
+
+#: Runs Material's own search worker under node on the built index: one line per query, the
+#: result pages best first (a page's sections grouped, as the search box lists them).
+RANK_JS = r"""
+const fs = require("fs"), vm = require("vm");
+const [worker, indexPath, queriesPath] = process.argv.slice(2);
+let handler = null; const out = [];
+const ctx = {console, setTimeout, Promise};
+ctx.self = ctx; ctx.addEventListener = (t, f) => { handler = f; };
+ctx.postMessage = (m) => out.push(m); ctx.importScripts = () => {};
+vm.createContext(ctx); vm.runInContext(fs.readFileSync(worker, "utf8"), ctx);
+const idx = JSON.parse(fs.readFileSync(indexPath, "utf8"));
+const queries = fs.readFileSync(queriesPath, "utf8").split("\n").filter(Boolean);
+(async () => {
+  await handler({data: {type: 0, data: {config: idx.config, docs: idx.docs, options: {suggest: true}}}});
+  for (const q of queries) {
+    out.length = 0; await handler({data: {type: 2, data: q}});
+    console.log(JSON.stringify((out[0].data.items || []).map((g) => g[0].location.split("#")[0])));
+  }
+})();
+"""
+
+
+def material_ranks(site: pathlib.Path, queries: list[str]) -> list[list[str]]:
+    """Each query's result pages, best first, from Material's search worker run under node."""
+    import shutil
+
+    import material
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed (the ranks are measured with Material's search worker)")
+    workers = (
+        pathlib.Path(material.__file__).parent / "templates" / "assets" / "javascripts" / "workers"
+    )
+    script, listed = site / "rank.js", site / "queries.txt"
+    script.write_text(RANK_JS, encoding="utf-8")
+    listed.write_text("\n".join(queries) + "\n", encoding="utf-8")
+    worker = next(workers.glob("search.*.min.js"))
+    done = subprocess.run(
+        [node, str(script), str(worker), str(site / "search" / "search_index.json"), str(listed)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return [list(dict.fromkeys(json.loads(line))) for line in done.stdout.splitlines()]
+
+
+def test_material_search_puts_an_alias_page_first_or_second_and_the_names_page_in_six(site):
+    """What mkdocs.yml and the alias pages' front matter say: search matches a name's parts, not the
+    whole name, so the page of the name's generation is not always first; with the alias pages' boost
+    an alias page is first or second, and the generation's page within the first six, for every name
+    of every table written with layer 3."""
+    queries = {
+        row.name.replace("{L}", "3"): PAGE_OF[generation]
+        for generation, table in mi.GENERATIONS.items()
+        for row in table.rows
+    }
+    ranks = material_ranks(site, list(queries))
+    assert len(ranks) == len(queries)
+    own, alias = {}, {}
+    for (query, page), pages in zip(queries.items(), ranks):
+        own[query] = pages.index(page) + 1 if page in pages else 0
+        alias[query] = next((i + 1 for i, p in enumerate(pages) if p.startswith("aliases/")), 0)
+    assert all(0 < r <= 2 for r in alias.values()), {
+        q: r for q, r in alias.items() if not 0 < r <= 2
+    }
+    assert all(0 < r <= 6 for r in own.values()), {q: r for q, r in own.items() if not 0 < r <= 6}
+    # "names rank first" would be false: some name's own page is not the first result
+    assert any(r > 1 for r in own.values())
+    # a module address before `:facet` is lost, so Getting started is not first for its own name
+    (pages,) = material_ranks(site, ["transformer.h.1:resid_post"])
+    assert pages[0] != "getting-started/"
 
 
 def test_names_are_whole_in_the_index_and_may_wrap_on_the_page(site, index):
