@@ -176,11 +176,10 @@ def disagreements(section: str, trace: tl.Trace) -> list[tuple]:
     return found
 
 
-@pytest.mark.parametrize(
-    "family", ["gpt2", "llama", "bert", "albert", "t5", "bart", "clip", "llava"]
-)
+@pytest.mark.parametrize("family", sorted(testing.FAMILIES))
 def test_every_name_resolves_where_its_row_says_at_layers_0_and_1(family):
-    """Shared-layer (ALBERT), two-stack (T5, BART, LLaVA), no-block (CLIP) and plain families."""
+    """Every family of the page: shared-layer (ALBERT), two-stack (T5, BART, LLaVA), no-block
+    (CLIP) and plain ones."""
     args, kwargs = testing.inputs(family)
     trace = tl.trace(testing.build(family), *args, save="all", **kwargs)
     section = _section(gen.PAGE.read_text(encoding="utf-8"), gen.TITLES[family])
