@@ -564,7 +564,7 @@ def test_bad_encoder_decoder_edits_are_refused_saying_what_is_accepted_and_leave
     assert len(tl.trace_generate(model, ENCDEC_IDS[:1], save="none", **kwargs).steps) == 1
     with pytest.raises(
         GenerateSpecError,
-        match=r"steps \[3\]: none of them ran: generation stopped after 1 .*\(steps 0..0\)",
+        match=r"steps \[3\]: step 3 never ran: generation stopped after 1 .*\(steps 0..0;",
     ):
         tl.trace_generate(
             model, ENCDEC_IDS[:1], edit={(3, f"{dec}.0:resid_post"): lambda x: x}, **kwargs
@@ -865,7 +865,7 @@ def test_a_step_that_never_ran_is_refused_after_an_early_stop():
     assert len(tl.trace_generate(model, IDS[:1], save="none", **kwargs).steps) == 2
     with pytest.raises(
         GenerateSpecError,
-        match=r"edit= key .*steps \[4\]: none of them ran: generation stopped after 2",
+        match=r"edit= key .*steps \[4\]: step 4 never ran: generation stopped after 2",
     ):
         tl.trace_generate(
             model, IDS[:1], edit={(4, "model.layers.0:resid_post"): lambda x: x}, **kwargs

@@ -25,6 +25,7 @@ remedy.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,7 +96,14 @@ class _Edit:
         site = f"{self.record.module_address or '<root>'}:{self.record.facet}"
         if callable(self.value):
             arg = self.to_facet(t).clone()
-            new = self.value(arg)
+            try:
+                new = self.value(arg)
+            except BaseException as exc:
+                if hasattr(exc, "add_note"):
+                    exc.add_note(
+                        f"torchlens: raised by the edit= function for {self.record.key!r} ({site})"
+                    )
+                raise
             if isinstance(new, Tensor) and new is not arg:
                 new = (
                     new.clone()
@@ -134,6 +142,27 @@ class _Edit:
         self.record.applied += 1
         out = self.from_facet(new)
         return out.contiguous() if t.is_contiguous() else out
+
+
+def _check_given(site_name: str, value: Tensor, site: Any) -> None:
+    """Refuse a tensor given as an edit whose shape or dtype is not the site's, or on the meta
+    device, from the locating pass (as `apply` of the edit would, once the edited forward reached it)."""
+    what = "the tensor given"
+    if value.is_meta:
+        raise EditSpecError(
+            f"edit of {site_name}: {what} is on the meta device, which holds no values; give a "
+            f"tensor with the values to put there."
+        )
+    if tuple(value.shape) != tuple(site.shape):
+        raise EditSpecError(
+            f"edit of {site_name}: {what} has shape {list(value.shape)}, but the site is "
+            f"{list(site.shape)} (TorchLens layout; see torchlens.FACETS). Give a tensor of that shape."
+        )
+    if value.dtype != site.dtype:
+        raise EditSpecError(
+            f"edit of {site_name}: {what} is {value.dtype}, the site is {site.dtype}; convert it "
+            f"with .to({site.dtype})."
+        )
 
 
 @dataclass
@@ -411,6 +440,16 @@ def plan_edits(trace: Any, edit: Any) -> EditPlan:
                 f"edit= value for {key!r} is {type(value).__name__}: give a function fn(value) -> tensor "
                 f"(e.g. lambda x: x * 0) or a tensor of the site's shape."
             )
+        if callable(value) and not isinstance(value, Tensor):
+            try:
+                inspect.signature(value).bind(torch.empty(0))
+            except TypeError as exc:  # it cannot be called as fn(value)
+                raise EditSpecError(
+                    f"edit= function for {key!r} is called with one argument, the site's tensor "
+                    f"(fn(value) -> tensor, e.g. lambda x: x * 0), and this one cannot take it ({exc})."
+                ) from None
+            except ValueError:  # no signature to read (a builtin): it is called as it is
+                pass
         address, facet, only = resolve_key(trace, key)
         rec = trace.modules[address]
         if not rec.calls:
@@ -442,6 +481,8 @@ def plan_edits(trace: Any, edit: Any) -> EditPlan:
                 )
             seen[address, c, facet] = key
             base = dict(record=record, value=value, shape=tuple(site.shape), dtype=site.dtype)
+            if isinstance(value, Tensor):  # refused now, before the edited forward runs
+                _check_given(_site_name(address, facet, c, len(rec.calls)), value, site)
             side = _HOOK_FACETS.get(facet)
             if side is not None and not _is_hooks_tensor(rec.calls[c], side, site):
                 side = None  # computed where the hook does not see it: edited at its op

@@ -13,9 +13,10 @@ import torch
 
 from torchlens import _draw, _persist
 from torchlens._core import html
-from torchlens._core.errors import LookupFailed
+from torchlens._core.errors import LookupFailed, RoleSpecError, TorchLensError, close_matches
 from torchlens._core.persisted import persisted
 from torchlens._core.records import ModuleMap, OpRecord
+from torchlens._core.roles import ROLES
 from torchlens._drawing.errors import DrawingTooLarge, LayoutEngineMissing
 from torchlens._naming.resolver import resolve_alias
 from torchlens._naming.results import AliasError
@@ -295,12 +296,36 @@ class Trace:
         )
 
     def by_role(self, role: str) -> list[str]:
-        """Addresses of the modules with `role` that ran, in the order they first ran."""
+        """Addresses of the modules with `role` that ran, in the order they first ran.
+
+        Raises:
+            RoleSpecError: `role` is not one of `"root"`, `"block"`, `"attention"`, `"mlp"`,
+                `"norm"`, `"embedding"`, `"unembed"`, `"other"` (with the close matches).
+        """
+        if role not in ROLES:
+            hits = close_matches(str(role).lower(), ROLES)
+            hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+            raise RoleSpecError(
+                f"by_role({role!r}): not a role.{hint} Roles: {', '.join(repr(r) for r in ROLES)}."
+            )
         recs = [r for r in self.modules.values() if r.role == role and r.calls]
         return [r.address for r in sorted(recs, key=lambda r: r.calls[0].first_op)]
 
     def __repr__(self) -> str:
-        saved = sum(t is not None for op in self.ops for t in op._tensors)  # no guarded copy made
+        # every tensor the trace holds once: op outputs, and facets that are none of them (a
+        # `save=` list keeps a block's output as its facet alone; a pending facet counts, as it
+        # is served on read); computing nothing, no guarded copy made
+        held = {id(t) for op in self.ops for t in op._tensors if t is not None}
+        saved = len(held)
+        for rec in self.modules.values():
+            for call in rec.calls:
+                for site in call.facets._sites.values() if call.facets is not None else ():
+                    if site._pending is not None or (
+                        site._value is not None and id(site._value) not in held
+                    ):
+                        saved += 1
+                        if site._value is not None:
+                            held.add(id(site._value))
         return (
             f"Trace({self.model_class}: {len(self.ops)} ops, {len(self.modules)} modules, "
             f"{len(self.blocks)} blocks, {saved} tensors saved)"
@@ -312,6 +337,13 @@ class Trace:
         It computes nothing: the last line counts the facets whose check is still pending (they
         are computed and checked on first read, or by `check()`).
         """
+        if max_rows is not None and (
+            isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1
+        ):
+            raise TorchLensError(
+                f"summary(max_rows={max_rows!r}): pass a whole number of rows, 1 or more, or None "
+                "for every module."
+            )
         rows = [("module", "role", "calls", "facets")]
         for rec in self.modules.values():
             if not rec.calls:

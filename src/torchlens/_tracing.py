@@ -195,25 +195,30 @@ def trace(
             for h in handles:
                 h.remove()
         loss = None
-        if grads is not None:
-            with torch.enable_grad(), rec.watching():  # a write the loss makes is seen
-                loss = loss_of(grads, output, loss_name)
-            if not caller_grad:  # the caller asked for no graph: the output it gets holds none
-                output = _detached(output)
-        result = finish(
-            rec,
-            model,
-            names,
-            aliases,
-            roles,
-            capture,
-            plan,
-            store_to,
-            dispatch,
-            (args, kwargs, output),
-            loss,
-            loss_name,
-        )
+        try:
+            if grads is not None:
+                with torch.enable_grad(), rec.watching():  # a write the loss makes is seen
+                    loss = loss_of(grads, output, loss_name)
+                if not caller_grad:  # the caller asked for no graph: the output it gets holds none
+                    output = _detached(output)
+            result = finish(
+                rec,
+                model,
+                names,
+                aliases,
+                roles,
+                capture,
+                plan,
+                store_to,
+                dispatch,
+                (args, kwargs, output),
+                loss,
+                loss_name,
+            )
+        except BaseException:  # a refusal after the forward (save=, grads=, an edit's place)
+            if isinstance(store_to, DirectoryStore):  # what it wrote serves no trace
+                store_to.discard()
+            raise
         del output, loss  # the returned trace is the output's only holder here
         del held  # the parameters named for the forward (see above)
         rec.producer.clear()  # the recorder's weak references to the op outputs, the output's too

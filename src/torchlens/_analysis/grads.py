@@ -99,6 +99,13 @@ def loss_of(loss_fn: Callable[[Any], Any], output: Any, name: str) -> Tensor:
             "parameter of the model and no input requires grad along a path to it (integer outputs, or a loss "
             "computed from a detached tensor)."
         )
+    if loss.grad_fn is None:  # a leaf: made outside the forward, it depends on none of it
+        raise GradientError(
+            f"grads={name} returned a tensor that requires grad but was computed from nothing (an "
+            "autograd leaf, such as torch.tensor(1.0, requires_grad=True)): it depends on no tensor "
+            "of the forward, so every gradient would be zero. Compute it from the model's output, "
+            "e.g. grads=lambda out: out.logits[0, -1].max()."
+        )
     return loss
 
 

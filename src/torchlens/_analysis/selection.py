@@ -30,6 +30,7 @@ capture and drops what it refuses afterwards.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,6 +152,16 @@ def parse_save(
             return SaveSpec(everything=True)
         save = [save]
     if callable(save):
+        try:
+            inspect.signature(save).bind("address", "facet")
+        except TypeError as exc:  # it cannot be called as predicate(address, facet)
+            raise SaveSpecError(
+                f"save={getattr(save, '__name__', save)!r}: a save= function is called as "
+                f"predicate(address, facet) -> bool (e.g. lambda address, facet: facet == "
+                f"'resid_post'), and this one cannot take those two arguments ({exc})."
+            ) from None
+        except ValueError:  # no signature to read (a builtin): it is asked as it is
+            pass
         return SaveSpec(predicate=save)
     if not isinstance(save, (list, tuple, set, frozenset)):
         raise SaveSpecError(f"save={save!r} is of type {type(save).__name__}; {accepted}.")
@@ -170,6 +181,14 @@ def parse_save(
         elif item in ALL_FACETS:
             picked_facets.add(item)
         else:
+            address, colon, facet = item.rpartition(":")
+            if colon and (address in addr_set or address == "") and facet in ALL_FACETS:
+                raise SaveSpecError(
+                    f"save= item {item!r}: save= takes module addresses and facet names, not "
+                    f"'address:facet' keys. To keep that one facet, pass a predicate: save=lambda "
+                    f"address, facet: (address, facet) == ({address!r}, {facet!r}); or keep the "
+                    f"module, save=[{address!r}], or the facet everywhere, save=[{facet!r}]."
+                )
             hits = close_matches(item, list(ALL_FACETS) + addresses)
             hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
             raise SaveSpecError(
@@ -296,11 +315,11 @@ class CapturePlan:
             f"Facets that exist here: {', '.join(exist)}."
         )
 
-    def check_each_named(self, calls: list) -> None:
+    def check_each_named(self, calls: list, where: str = "in this forward") -> None:
         """Raise `SaveSpecError` when a facet the selection names exists on no call of this
         forward, though others it names do (`check_kept` raises only when nothing was kept): a
-        name that reaches nothing is never ignored silently. A trace's check; a generation's
-        steps are not held to it (a step may lack what another has)."""
+        name that reaches nothing is never ignored silently. A generation holds all its steps'
+        calls to it together (a step may lack what another has), `where` saying so."""
         if not self.spec.facets:
             return
         exist = {
@@ -310,7 +329,7 @@ class CapturePlan:
         if missing:
             raise SaveSpecError(
                 f"save={self.spec.describe()} names {', '.join(repr(m) for m in missing)}, which no module "
-                f"that ran in this forward has; drop {'it' if len(missing) == 1 else 'them'}. Facets that "
+                f"that ran {where} has; drop {'it' if len(missing) == 1 else 'them'}. Facets that "
                 f"exist here: {', '.join(sorted(exist))}."
             )
 

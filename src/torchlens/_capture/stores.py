@@ -56,6 +56,11 @@ def parse_store(store: Any) -> Any:
         return "cpu"
     if isinstance(store, os.PathLike) or (isinstance(store, str) and store):
         path = os.fspath(store)
+        if isinstance(store, str) and store.lower() in ("cpu", "device"):  # "CPU", "Device"
+            raise StoreSpecError(
+                f"store={store!r}: store names are lower case; did you mean {store.lower()!r}? "
+                f"{accepted}. To write to a directory named {store!r}, pass pathlib.Path({store!r})."
+            )
         if isinstance(store, str) and store.lower() in ("gpu", "cuda", "disk", "mmap", "meta"):
             raise StoreSpecError(
                 f"store={store!r} is not a store name; {accepted}. To write to a directory "

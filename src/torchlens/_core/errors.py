@@ -33,6 +33,16 @@ __all__ = [
 ]
 
 
+def bad_tolerance(name: str, value: object) -> str | None:
+    """Why `value` cannot be the tolerance `name` (`atol`, `rtol`): it must be a real number, zero
+    or more; None when it can."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{name}={value!r} is not a number; pass a float such as 1e-5"
+    if not value >= 0:  # also NaN
+        return f"{name}={value!r}: a tolerance is zero or more"
+    return None
+
+
 def close_matches(word: str, choices: Iterable[str], n: int = 3) -> list[str]:
     """Return up to `n` entries of `choices` that look like `word`, best first.
 

@@ -321,7 +321,14 @@ class FacetMap(Mapping):
 
         Returns:
             `refused`: the facets not served, with the reason.
+
+        Raises:
+            FacetNotFound: `name` is no facet of this call (with the close matches).
         """
+        if name is not None and not (
+            isinstance(name, str) and (name in self._sites or name in self.refused)
+        ):
+            raise self._not_found(name)
         todo = (
             [self._sites[name]]
             if isinstance(name, str) and name in self._sites

@@ -46,6 +46,12 @@ def _max_steps(model: nn.Module, prompt_length: int | None, kwargs: dict) -> int
 
 
 def check_settings(model: nn.Module, kwargs: dict, prompt_length: int | None) -> int | None:
+    if "grads" in kwargs:  # trace's argument, which generate would take for a model keyword
+        raise GenerateSpecError(
+            "grads=: trace_generate takes no gradients (generate runs without autograd). Trace one "
+            "forward with grads= instead: torchlens.trace(model, ids, grads=loss_fn) on the prefix "
+            "you want, e.g. gen.sequences[:, :n]."
+        )
     beams = _setting(model, kwargs, "num_beams", 1)
     if beams is not None and int(beams) > 1:
         raise GenerateSpecError(

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchlens._core.errors import GenerateSpecError
+from torchlens._core.errors import GenerateSpecError, bad_tolerance
 from torchlens._generation.decode_explain import SHIFTS, key_hypotheses, shift_hypotheses
 from torchlens._generation.decode_reference import reference_kwargs, rerun, saved_sites
 from torchlens._generation.decode_report import DecodeReport, StepVerdict
@@ -47,6 +47,19 @@ if TYPE_CHECKING:
     from torchlens._generation.result import GenerationTrace
 
 __all__ = ["check_decode"]
+
+
+def weights_now(model: torch.nn.Module) -> list:
+    """(name, tensor, version counter, data pointer) of each parameter of `model` (not its buffers,
+    which a forward may recompute: a dynamic rotary table)."""
+    out = []
+    for name, t in model.named_parameters():
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor
+            version = None
+        out.append((name, t, version, t.data_ptr()))
+    return out
 
 
 def _step_list(gen: GenerationTrace, steps: Any) -> list[int]:
@@ -109,17 +122,46 @@ def check_decode(
 
     Raises:
         GenerateSpecError: `steps` names a step outside the generation or one that kept no
-            tensors; `tolerance` is not `"auto"` or None; the generation was edited (a full forward
-            cannot replay edits made per step); the model was not kept.
+            tensors; `tolerance` is not `"auto"` or None; `atol`/`rtol` given with `"auto"`, or
+            not a number of zero or more; the generation was edited (a full forward
+            cannot replay edits made per step); the model was not kept, or its weights changed
+            since the generation (an optimizer step).
     """
     if tolerance not in ("auto", None):
         raise GenerateSpecError(
             f"tolerance={tolerance!r}: pass 'auto' (per site, from a float64 rerun) or None "
             "(atol/rtol)."
         )
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        if value is None:
+            continue
+        why = bad_tolerance(name, value)
+        if why:
+            raise GenerateSpecError(f"{why}.")
+        if tolerance == "auto":
+            raise GenerateSpecError(
+                f"{name}={value!r} sets the tolerance only with tolerance=None; with the default "
+                "tolerance='auto' each site's is set from a float64 rerun. Pass tolerance=None with "
+                f"{name}=, or leave {name}= out."
+            )
     if gen.model is None:
         raise GenerateSpecError(
             "model: this GenerationTrace holds no model (a loaded one), so no full forward can run."
+        )
+    now = {name: (t, version, ptr) for name, t, version, ptr in weights_now(gen.model)}
+    changed = []
+    for name, t, version, ptr in gen._weights:
+        seen = now.get(name)
+        if seen is None or seen[0] is not t or seen[1:] != (version, ptr):
+            changed.append(name)
+    if changed or len(now) != len(gen._weights):
+        what = ", ".join(changed[:3]) + (
+            f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        )
+        raise GenerateSpecError(
+            f"model: its weights changed since trace_generate returned ({what or 'parameters added or removed'}: "
+            "written in place, replaced or moved, e.g. by an optimizer step), so a full forward now would not "
+            "compute what the generation did. Run check_decode before changing the model, or generate again."
         )
     if gen.edits:
         raise GenerateSpecError(

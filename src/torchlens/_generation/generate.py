@@ -21,6 +21,7 @@ from torchlens._capture.collector import paused
 from torchlens._capture.compiled import compiled_module_class
 from torchlens._capture.stores import parse_store
 from torchlens._core.errors import GenerateSpecError, TorchLensError
+from torchlens._core.holdings import trace_calls
 from torchlens._generation.arguments import check_settings, split_edits, step_set
 from torchlens._generation.result import GenerationTrace
 from torchlens._generation.session import Session
@@ -42,6 +43,25 @@ def _sequences(output: Any) -> Tensor:
             f"model.generate returned {type(output).__name__}, which holds no `sequences` tensor."
         )
     return seq
+
+
+def _check_ran(done: list, keep_steps: Any, steps: Any, edits: list) -> None:
+    """Raise `GenerateSpecError` for a `steps=` step or an `edit=` step that never ran (the
+    generation stopped before it: an end-of-sequence token, a stopping criterion)."""
+    ran = len(done)
+    stopped = (
+        f"generation stopped after {ran} forward calls (steps 0..{ran - 1}; an end-of-sequence "
+        "token or a stopping criterion ended it early)"
+    )
+    if keep_steps is not None and max(keep_steps, default=-1) >= ran:
+        raise GenerateSpecError(f"steps={steps!r}: step {max(keep_steps)} never ran: {stopped}.")
+    for key, wanted, _ in edits:
+        missing = sorted(s for s in wanted if s >= ran) if wanted is not None else []
+        if missing:
+            raise GenerateSpecError(
+                f"edit= key for {key!r} at steps {sorted(wanted)}: step"
+                f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never ran: {stopped}."
+            )
 
 
 def trace_generate(
@@ -171,6 +191,7 @@ def trace_generate(
             output = generate(*args, **generate_kwargs)
     except BaseException as exc:
         session.remove(exc)
+        session.discard_stores()
         if hasattr(exc, "add_note"):
             where = (
                 session.where
@@ -181,20 +202,18 @@ def trace_generate(
             )
         raise
     session.remove()
-    session.shared_weights.verify(session.steps)
-    session.deferred.finish()
-    ran = len(session.steps)
-    if keep_steps is not None and max(keep_steps, default=-1) >= ran:
-        raise GenerateSpecError(
-            f"steps={steps!r}: step {max(keep_steps)} never ran: generation stopped after {ran} forward calls "
-            f"(steps 0..{ran - 1}; an end-of-sequence token or a stopping criterion ended it early)."
-        )
-    for key, wanted, _ in edits:
-        if wanted is not None and not any(s < ran for s in wanted):
-            raise GenerateSpecError(
-                f"edit= key for {key!r} at steps {sorted(wanted)}: none of them ran: generation stopped after {ran} "
-                f"forward calls (steps 0..{ran - 1})."
+    try:
+        session.shared_weights.verify(session.steps)
+        session.deferred.finish()
+        _check_ran(session.steps, keep_steps, steps, edits)
+        if keep_steps is None or keep_steps:  # a save= facet that no kept step has
+            kept = [t for i, t in enumerate(session.steps) if keep_steps is None or i in keep_steps]
+            session.plans[True].check_each_named(
+                [c for t in kept for c in trace_calls(t)], "in any step this generation kept"
             )
+    except BaseException:
+        session.discard_stores()
+        raise
     return GenerationTrace(
         session.steps,
         session.info,

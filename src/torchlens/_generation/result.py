@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from torchlens._generation.decode import check_decode
+from torchlens._generation.decode import check_decode, weights_now
 from torchlens._generation.decode_report import DecodeReport
 from torchlens._trace import Trace
 
@@ -85,6 +85,13 @@ class GenerationTrace:
     edits: dict[int, tuple] = field(default_factory=dict)
     model: nn.Module | None = field(default=None, repr=False)
     _call: dict = field(default_factory=dict, repr=False)
+    #: each parameter of `model` as `generate` left it: (name, tensor, version, memory), for
+    #: `check_decode` to refuse a model whose weights changed since (`decode.weights_now`)
+    _weights: list = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not self._weights:
+            self._weights = weights_now(self.model)
 
     def __len__(self) -> int:
         return len(self.steps)

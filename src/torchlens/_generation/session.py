@@ -199,6 +199,8 @@ class Session:
         #: the steps' tensors the model kept, copied before a later step writes into them, or once
         #: `generate` returns where the caller can still reach them
         self.deferred = DeferredCopies()
+        #: each step's directory store (`store=` a directory), whose files a failed call removes
+        self.step_stores: list[DirectoryStore] = []
 
     # -- installing --------------------------------------------------------------------------
 
@@ -225,6 +227,12 @@ class Session:
                     self.close_encoder, with_kwargs=True, always_call=True
                 )
             )
+
+    def discard_stores(self) -> None:
+        """Remove the files every step's directory store wrote: the call failed, and they serve
+        no trace."""
+        for store in self.step_stores:
+            store.discard()
 
     def remove(self, exc: BaseException | None = None) -> None:
         """Remove every hook and close a capture left open (`generate` raised past the hooks, or
@@ -307,6 +315,7 @@ class Session:
         store = self.store
         if isinstance(store, DirectoryStore):  # one directory per step
             store = DirectoryStore(os.path.join(store.path, f"step-{step:04d}"))
+            self.step_stores.append(store)
         plan = self.plans[keep]
         rec = Recorder(
             self.names,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from torchlens._core.errors import close_matches
+from torchlens._core.errors import TorchLensError, close_matches
 from torchlens._naming.layer_index import canonical_index, index_value, layer_value, n_layers
 from torchlens._naming.results import (
     AliasError,
@@ -217,6 +217,21 @@ def table(generation: str) -> tuple[Row, ...]:
     return tables_of(generation)[0].rows
 
 
+def need_trace(trace: object, who: str) -> None:
+    """Raise `TorchLensError` unless `trace` is a `Trace` (what `torchlens.trace` returns), saying
+    what to pass instead of what was given."""
+    if hasattr(trace, "structure") and hasattr(trace, "modules"):
+        return
+    kind = type(trace).__name__
+    if hasattr(trace, "steps") and hasattr(trace, "sequences"):
+        instead = "a GenerationTrace holds one Trace per forward call: pass one, gen.steps[i]"
+    elif hasattr(trace, "named_modules"):
+        instead = "trace the model first: torchlens.trace(model, *inputs)"
+    else:
+        instead = "pass what torchlens.trace(model, *inputs) returns"
+    raise TorchLensError(f"{who}: needs a torchlens.Trace, got {kind}; {instead}.")
+
+
 def resolve_alias(trace: Trace, name: str, generation: str | None = None) -> AliasResolution:
     """Resolve a name from another library to the site it reads in `trace`.
 
@@ -247,6 +262,7 @@ def resolve_alias(trace: Trace, name: str, generation: str | None = None) -> Ali
         >>> resolve_alias(t, "blocks.1.hook_resid_post")
         AliasResolution('blocks.1.hook_resid_post' -> transformer.h.1:resid_post [real], generation='2.x')
     """
+    need_trace(trace, "resolve_alias")
     if not isinstance(name, str):
         raise UnknownAlias(f"a name must be a string, got {type(name).__name__} {name!r}.")
     tables = tables_of(generation, any_generation=True)
@@ -327,6 +343,7 @@ def alias_report(trace: Trace, generation: str = "2.x") -> AliasReport:
         An `AliasReport` (a list of [`AliasResolution`][torchlens.mechinterp.AliasResolution])
         that prints as a table.
     """
+    need_trace(trace, "alias_report")
     table_ = for_trace(tables_of(generation)[0], trace)
     rows = AliasReport()
     for row in table_.rows:

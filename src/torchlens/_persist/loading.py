@@ -89,6 +89,10 @@ def load(path: str | os.PathLike) -> Trace:
         >>> torch.equal(back.modules["0"].facets["output"], t.modules["0"].facets["output"])
         True
     """
+    if not isinstance(path, (str, os.PathLike)) or path == "":
+        raise TraceFileError(
+            f"load({path!r}): pass the directory Trace.save wrote, as a str or os.PathLike."
+        )
     root = os.fspath(path)
     doc_path = os.path.join(root, JSON_NAME)
     if not os.path.isdir(root) or not os.path.isfile(doc_path):

@@ -21,7 +21,13 @@ from torchlens._persist.directory import (
     write_new,
 )
 from torchlens._persist.encode import Encoder
-from torchlens._persist.format import FORMAT, FORMAT_VERSION, JSON_NAME, running_versions
+from torchlens._persist.format import (
+    FORMAT,
+    FORMAT_VERSION,
+    JSON_NAME,
+    TraceFileError,
+    running_versions,
+)
 from torchlens._persist.schema import record_classes
 from torchlens._persist.tensor_files import Digests, layout, tensor_bytes
 
@@ -53,6 +59,10 @@ def save(trace: Any, path: str | os.PathLike, model: Any = None) -> list[str]:
             cannot be written (read-only, no permission, disk full). The trace that was there
             before is then unchanged, and no partial file is left; the OS error is the cause.
     """
+    if not isinstance(path, (str, os.PathLike)) or path == "":
+        raise TraceFileError(
+            f"Trace.save({path!r}): pass a directory to write the trace to, as a str or os.PathLike."
+        )
     path = os.fspath(path)
     call = f"Trace.save({path!r})"
     make_dir(path, call)

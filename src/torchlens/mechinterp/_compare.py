@@ -11,8 +11,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from torchlens._core.errors import TorchLensError
-from torchlens._naming.resolver import resolve_alias
+from torchlens._core.errors import TorchLensError, bad_tolerance
+from torchlens._naming.resolver import need_trace, resolve_alias
 from torchlens._trace import Trace
 from torchlens.mechinterp._auto_tolerance import auto_tolerances
 from torchlens.mechinterp._comparison import ComparisonReport
@@ -117,10 +117,23 @@ def compare(
 
     Raises:
         AliasError: a name is not in any table (or breaks its grammar).
-        ToleranceError: `tolerance` is not None or `"auto"`, or `"auto"` lacks `model`/`inputs`.
+        ToleranceError: `tolerance` is not None or `"auto"`, or `"auto"` lacks `model`/`inputs`;
+            `model`/`inputs` given without `"auto"`; `atol`/`rtol` not a number of zero or more.
+        TorchLensError: `trace` is not a `Trace`.
         CompareSpecError: `of` is not `"value"` or `"grad"`; `of="grad"` on a trace taken without
             `grads=`, or with `tolerance="auto"`.
     """
+    need_trace(trace, "compare")
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        why = bad_tolerance(name, value)
+        if why:
+            raise ToleranceError(f"{why}.")
+    if tolerance != "auto" and (model is not None or inputs is not None):
+        raise ToleranceError(
+            "model= and inputs= are read only with tolerance='auto' (a float64 rerun of a copy of "
+            "the model sets each site's tolerance); pass tolerance='auto' with them, or leave them "
+            "out to compare with atol/rtol."
+        )
     if not isinstance(engine_values, Mapping):
         raise CompareSpecError(
             f"compare takes a dict from names to the engine's tensors ({{'blocks.0.hook_resid_post': t}}), got a "
