@@ -192,3 +192,16 @@ def test_the_trace_repr_counts_the_facets_a_save_list_keeps(gpt2):
     one-line repr counts them (it said 0 tensors saved)."""
     assert repr(tl.trace(gpt2, IDS, save=["resid_post"])).endswith("2 tensors saved)")
     assert repr(tl.trace(gpt2, IDS, save="none")).endswith("0 tensors saved)")
+
+
+def test_near_misses_and_empty_requests_say_what_is_accepted(gpt2, llama):
+    trace = tl.trace(gpt2, IDS)
+    with pytest.raises(tl.LookupFailed, match="module addresses are strings"):
+        trace.modules[0]
+    with pytest.raises(tl.TorchLensError, match="did you mean highlight='facets'"):
+        trace.draw(highlight="facet")
+    with pytest.raises(mi.CompareSpecError, match="nothing to compare"):
+        mi.compare(trace, {})
+    gen = tl.trace_generate(llama, IDS, max_new_tokens=2, do_sample=False)
+    with pytest.raises(tl.GenerateSpecError, match="names no step"):
+        gen.check_decode(steps=[])

@@ -650,10 +650,11 @@ def test_explain_false_and_a_trace_without_tensors():
 
 def test_auto_tolerance_needs_the_model():
     _, trace = traced("gpt2")
+    values = {"blocks.0.hook_resid_post": trace["transformer.h.0:resid_post"]}
     with pytest.raises(ToleranceError, match="model="):
-        mi.compare(trace, {}, tolerance="auto")
+        mi.compare(trace, values, tolerance="auto")
     with pytest.raises(ToleranceError, match="'auto'"):
-        mi.compare(trace, {}, tolerance="loose")
+        mi.compare(trace, values, tolerance="loose")
 
 
 def test_the_norm_output_hint_reads_the_call_a_shared_block_layer_names():

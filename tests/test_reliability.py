@@ -1415,7 +1415,7 @@ def test_unknown_module_address_close_matches(address, suggested):
 def test_non_string_module_address_is_refused():
     with pytest.raises(ModuleNotFoundInTrace) as info:
         gpt2_trace().modules[3]
-    assert "module addresses, e.g." in str(info.value)
+    assert "module addresses are strings" in str(info.value) and "e.g. ['', " in str(info.value)
 
 
 # ----------------------------------------------------------------------------------------------

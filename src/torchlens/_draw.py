@@ -129,7 +129,14 @@ def _highlight_names(
     if highlight is None:
         return None
     if isinstance(highlight, str):
-        return "facets" if highlight == "facets" else [(generation, highlight)]
+        if highlight == "facets":
+            return "facets"
+        if highlight.lower() in ("facet", "facets", "all"):  # a near miss of the one keyword
+            raise DrawSpecError(
+                f"highlight={highlight!r}: did you mean highlight='facets' (mark every op a facet "
+                "is served from)? Otherwise pass hook names, e.g. highlight=['blocks.0.hook_resid_post']."
+            )
+        return [(generation, highlight)]
     if isinstance(highlight, Mapping):
         if generation is not None:
             raise DrawSpecError(

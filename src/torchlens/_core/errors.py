@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import errno
 from collections.abc import Iterable
+from typing import Any
 
 __all__ = [
     "TorchLensError",
@@ -145,9 +146,16 @@ class NotEditable(TorchLensError):
 class ModuleNotFoundInTrace(LookupFailed):
     """A module address is not in the trace."""
 
-    def __init__(self, address: str, known: Iterable[str]):
+    def __init__(self, address: Any, known: Iterable[str]):
         known = list(known)
         self.address = address
+        if not isinstance(address, str):
+            super().__init__(
+                f"modules[{address!r}]: module addresses are strings, as named_modules() gives them "
+                f"('transformer.h.0'; '' is the root), not {type(address).__name__}. The trace has "
+                f"{len(known)}, e.g. {known[:4]!r}."
+            )
+            return
         msg = f"no module at address {address!r} in this trace.{_suggest(address, known)}"
         if not close_matches(address, known):
             msg += f" The trace has {len(known)} module addresses, e.g. {known[:4]!r}."

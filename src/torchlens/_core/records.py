@@ -357,7 +357,7 @@ class ModuleMap(Mapping):
 
     def __getitem__(self, address: str) -> ModuleRecord:
         if not isinstance(address, str):
-            raise ModuleNotFoundInTrace(repr(address), self._records)
+            raise ModuleNotFoundInTrace(address, self._records)  # it says addresses are strings
         rec = self._records.get(address)
         if rec is None and address in self._aliases:
             rec = self._records[self._aliases[address]]

@@ -84,6 +84,11 @@ def _step_list(gen: GenerationTrace, steps: Any) -> list[int]:
         raise GenerateSpecError(
             f"steps={steps!r}: give a step number, a range or a list of them (0 is the prefill)."
         )
+    if not items:
+        raise GenerateSpecError(
+            f"steps={steps!r} names no step, so there is nothing to check; leave steps= out for "
+            "every decode step that kept tensors."
+        )
     for s in items:
         if not 0 <= s < n:
             raise GenerateSpecError(

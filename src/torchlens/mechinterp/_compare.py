@@ -141,6 +141,11 @@ def compare(
             + (": pass dict(pairs)" if isinstance(engine_values, (list, tuple)) else "")
             + "."
         )
+    if not engine_values:
+        raise CompareSpecError(
+            "compare was given no names ({}), so there is nothing to compare; pass "
+            "{'blocks.0.hook_resid_post': tensor, ...} with what the engine read."
+        )
     if of not in ("value", "grad"):
         raise CompareSpecError(
             f"of={of!r} is not accepted: pass 'value' (the engine's tensors are activations) or "
