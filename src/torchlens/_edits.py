@@ -115,25 +115,12 @@ class _Edit:
                 )
             what = "the function's result"
         else:
-            if self.value.is_meta:
-                raise EditSpecError(
-                    f"edit of {site}: the tensor given is on the meta device, which holds no values; "
-                    f"give a tensor with the values to put there."
-                )
+            _check_given(site, self.value, self.shape, self.dtype)
             new = self.value.to(
                 t.device, copy=True
             )  # the model may write into it; the caller's stays as it was
             what = "the tensor given"
-        if tuple(new.shape) != tuple(self.shape):
-            raise EditSpecError(
-                f"edit of {site}: {what} has shape {list(new.shape)}, but the site is {list(self.shape)} "
-                f"(TorchLens layout; see torchlens.FACETS). Give a tensor of that shape."
-            )
-        if new.dtype != self.dtype:
-            raise EditSpecError(
-                f"edit of {site}: {what} is {new.dtype}, the site is {self.dtype}; convert it with "
-                f".to({self.dtype})."
-            )
+        _check_given(site, new, self.shape, self.dtype, what)
         if new.device != t.device:
             raise EditSpecError(
                 f"edit of {site}: {what} is on {new.device}, the site on {t.device}; return it on "
@@ -144,24 +131,30 @@ class _Edit:
         return out.contiguous() if t.is_contiguous() else out
 
 
-def _check_given(site_name: str, value: Tensor, site: Any) -> None:
-    """Refuse a tensor given as an edit whose shape or dtype is not the site's, or on the meta
-    device, from the locating pass (as `apply` of the edit would, once the edited forward reached it)."""
-    what = "the tensor given"
+def _check_given(
+    site_name: str,
+    value: Tensor,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    what: str = "the tensor given",
+) -> None:
+    """Refuse an edit's tensor (given, or a function's result) on the meta device, or whose shape
+    or dtype is not the site's: from the locating pass for a tensor given (before the edited
+    forward runs), and as each edit is applied."""
     if value.is_meta:
         raise EditSpecError(
             f"edit of {site_name}: {what} is on the meta device, which holds no values; give a "
             f"tensor with the values to put there."
         )
-    if tuple(value.shape) != tuple(site.shape):
+    if tuple(value.shape) != tuple(shape):
         raise EditSpecError(
             f"edit of {site_name}: {what} has shape {list(value.shape)}, but the site is "
-            f"{list(site.shape)} (TorchLens layout; see torchlens.FACETS). Give a tensor of that shape."
+            f"{list(shape)} (TorchLens layout; see torchlens.FACETS). Give a tensor of that shape."
         )
-    if value.dtype != site.dtype:
+    if value.dtype != dtype:
         raise EditSpecError(
-            f"edit of {site_name}: {what} is {value.dtype}, the site is {site.dtype}; convert it "
-            f"with .to({site.dtype})."
+            f"edit of {site_name}: {what} is {value.dtype}, the site is {dtype}; convert it "
+            f"with .to({dtype})."
         )
 
 
@@ -482,7 +475,8 @@ def plan_edits(trace: Any, edit: Any) -> EditPlan:
             seen[address, c, facet] = key
             base = dict(record=record, value=value, shape=tuple(site.shape), dtype=site.dtype)
             if isinstance(value, Tensor):  # refused now, before the edited forward runs
-                _check_given(_site_name(address, facet, c, len(rec.calls)), value, site)
+                name = _site_name(address, facet, c, len(rec.calls))
+                _check_given(name, value, tuple(site.shape), site.dtype)
             side = _HOOK_FACETS.get(facet)
             if side is not None and not _is_hooks_tensor(rec.calls[c], side, site):
                 side = None  # computed where the hook does not see it: edited at its op
