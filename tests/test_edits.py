@@ -1007,3 +1007,81 @@ def test_an_edited_trace_of_a_model_writing_its_input_sees_the_input_once():
     assert torch.allclose(tr.output, expected, atol=ATOL)
     assert torch.equal(x, x_ref)  # 3 * x0, as after one forward (not 9 * x0)
     assert torch.allclose(tr["l:input"], x0 * 3)
+
+
+class _WritesViewedInput(nn.Module):
+    """Given a row of a tensor and the tensor, writes the tensor in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(2, 2)
+
+    def forward(self, row, x):
+        x.mul_(3)
+        return self.l(x) + row.sum()
+
+
+class _KeepsTensorAttribute(nn.Module):
+    """Keeps a tensor as a plain attribute (no buffer) and writes it in place each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.acc = torch.zeros(4)
+
+    def forward(self, x):
+        self.acc.add_(x.sum(0))
+        return self.l(x) + self.acc
+
+
+def _hooked_edit(model, module, fn, *inputs):
+    h = module.register_forward_hook(lambda m, a, o: fn(o))
+    try:
+        return model(*inputs)
+    finally:
+        h.remove()
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_the_locating_pass_is_undone_for_an_input_passed_with_a_view_of_it(mode):
+    """The locating pass's write into an input is undone over its whole memory: an input passed
+    with a view of it first (`model(x[0], x)`), and under inference mode, where the input has
+    no version counter."""
+    torch.manual_seed(0)
+    ref, model = _WritesViewedInput(), _WritesViewedInput()
+    model.load_state_dict(ref.state_dict())
+    x0 = torch.randn(3, 2, generator=torch.Generator().manual_seed(4))
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with context():
+        x_ref, x = x0.clone(), x0.clone()
+        expected = _hooked_edit(ref, ref.l, lambda t: t + 1, x_ref[0], x_ref)
+        tr = tl.trace(model, x[0], x, edit={"l:output": lambda t: t + 1})
+    assert torch.allclose(tr.output, expected, atol=ATOL)
+    assert torch.equal(x, x_ref)  # 3 * x0, once
+
+
+def test_the_locating_pass_is_undone_for_a_tensor_kept_as_a_plain_attribute():
+    torch.manual_seed(0)
+    ref, model = _KeepsTensorAttribute(), _KeepsTensorAttribute()
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(5))
+    expected = _hooked_edit(ref, ref.l, lambda t: t * 2, x)
+    tr = tl.trace(model, x, edit={"l:output": lambda t: t * 2})
+    assert torch.allclose(tr.output, expected, atol=ATOL)
+    assert torch.equal(model.acc, ref.acc)
+
+
+def test_an_input_the_locating_pass_only_read_keeps_its_version_also_with_a_nan():
+    """A storage the locating pass did not change is not written back (its bytes are compared,
+    so a NaN equals itself): the caller's autograd graph that saved the input stays usable."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 2)
+    leaf = torch.randn(3, 2, requires_grad=True)
+    x = leaf * 1.0
+    with torch.no_grad():
+        x[0, 0] = float("nan")
+    y = (x * x).sum()  # saves x for the backward
+    version = x._version
+    tl.trace(model, x.detach(), edit={":output": lambda t: t * 0})
+    assert x._version == version
+    y.backward()  # raised "modified by an inplace operation" when the restore wrote x back

@@ -4,6 +4,7 @@ the notebook table) and saved."""
 from __future__ import annotations
 
 import copy
+import numbers
 import os
 import pickle
 from collections.abc import Mapping, Sequence
@@ -338,7 +339,7 @@ class Trace:
         are computed and checked on first read, or by `check()`).
         """
         if max_rows is not None and (
-            isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1
+            isinstance(max_rows, bool) or not isinstance(max_rows, numbers.Integral) or max_rows < 1
         ):
             raise TorchLensError(
                 f"summary(max_rows={max_rows!r}): pass a whole number of rows, 1 or more, or None "
@@ -355,7 +356,7 @@ class Trace:
             )
             rows.append((rec.address or "<root>", rec.role, str(len(rec.calls)), facets))
         if max_rows is not None:
-            rows = rows[: max_rows + 1]
+            rows = rows[: int(max_rows) + 1]
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = ["  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
         pending = self.pending

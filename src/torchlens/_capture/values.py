@@ -37,15 +37,17 @@ def tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
 
 def written_tensors(args: tuple, kwargs: dict) -> list[Tensor]:
     """The tensors a writing op (in place, `out=`, `inplace=True`) is given to write: its first
-    argument (its first tensor keyword argument when it has no positional one: `nn.init.uniform_`
-    hands on `tensor=` as a keyword) and its `out=` tensors."""
+    argument (its first tensor keyword argument when it has neither a positional one nor `out=`:
+    `nn.init.uniform_` hands on `tensor=` as a keyword) and its `out=` tensors."""
+    out = kwargs.get("out")
     first = (
         args[0]
         if args
         else next((v for k, v in kwargs.items() if k != "out" and isinstance(v, Tensor)), None)
+        if out is None  # `torch.mul(input=y, other=2, out=z)` writes z alone
+        else None
     )
     targets: list[Tensor] = [first] if isinstance(first, Tensor) else []
-    out = kwargs.get("out")
     if isinstance(out, Tensor):
         targets.append(out)
     elif isinstance(out, (list, tuple)):

@@ -37,9 +37,13 @@ __all__ = [
 def bad_tolerance(name: str, value: object) -> str | None:
     """Why `value` cannot be the tolerance `name` (`atol`, `rtol`): it must be a real number, zero
     or more; None when it can."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    try:  # a float, an int, a NumPy scalar, a 0-d tensor
+        number = None if isinstance(value, (bool, str, bytes)) else float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        number = None
+    if number is None:
         return f"{name}={value!r} is not a number; pass a float such as 1e-5"
-    if not value >= 0:  # also NaN
+    if not number >= 0:  # also NaN
         return f"{name}={value!r}: a tolerance is zero or more"
     return None
 

@@ -50,15 +50,17 @@ __all__ = ["check_decode"]
 
 
 def weights_now(model: torch.nn.Module) -> list:
-    """(name, tensor, version counter, data pointer) of each parameter of `model` (not its buffers,
-    which a forward may recompute: a dynamic rotary table)."""
+    """(name, parameter, its version counter) of each parameter of `model`. A parameter written
+    in place since (an optimizer step) is the same tensor with another version; one replaced by
+    another tensor (an accelerate offload hook swaps them at each forward) is not compared, and
+    neither are the buffers, which a forward may recompute (a dynamic rotary table)."""
     out = []
     for name, t in model.named_parameters():
         try:
             version = t._version
         except RuntimeError:  # an inference tensor
             version = None
-        out.append((name, t, version, t.data_ptr()))
+        out.append((name, t, version))
     return out
 
 
@@ -153,20 +155,20 @@ def check_decode(
         raise GenerateSpecError(
             "model: this GenerationTrace holds no model (a loaded one), so no full forward can run."
         )
-    now = {name: (t, version, ptr) for name, t, version, ptr in weights_now(gen.model)}
+    now = {name: (t, version) for name, t, version in weights_now(gen.model)}
     changed = []
-    for name, t, version, ptr in gen._weights:
+    for name, t, version in gen._weights:  # a parameter written in place since (an optimizer step)
         seen = now.get(name)
-        if seen is None or seen[0] is not t or seen[1:] != (version, ptr):
+        if seen is not None and seen[0] is t and seen[1] != version:
             changed.append(name)
-    if changed or len(now) != len(gen._weights):
+    if changed:
         what = ", ".join(changed[:3]) + (
             f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         )
         raise GenerateSpecError(
-            f"model: its weights changed since trace_generate returned ({what or 'parameters added or removed'}: "
-            "written in place, replaced or moved, e.g. by an optimizer step), so a full forward now would not "
-            "compute what the generation did. Run check_decode before changing the model, or generate again."
+            f"model: its weights were written since trace_generate returned ({what}, in place: an "
+            "optimizer step, a load_state_dict), so a full forward now would not compute what the "
+            "generation did. Run check_decode before changing the model, or generate again."
         )
     if gen.edits:
         raise GenerateSpecError(

@@ -85,8 +85,8 @@ class GenerationTrace:
     edits: dict[int, tuple] = field(default_factory=dict)
     model: nn.Module | None = field(default=None, repr=False)
     _call: dict = field(default_factory=dict, repr=False)
-    #: each parameter of `model` as `generate` left it: (name, tensor, version, memory), for
-    #: `check_decode` to refuse a model whose weights changed since (`decode.weights_now`)
+    #: each parameter of `model` as `generate` left it: (name, tensor, version), for
+    #: `check_decode` to refuse a model whose weights were written since (`decode.weights_now`)
     _weights: list = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
