@@ -245,3 +245,9 @@ def test_a_keyword_only_out_call_writes_only_its_out_tensor():
         tr = tl.trace(M(), torch.randn(2, 3))
     assert "written_in_place" not in [op.name for op in tr.ops]
     assert tr.modules["b"].calls[0].input_ref.op == 1  # the linear's output, as it was made
+
+
+def test_draw_refuses_a_generation_with_nothing_to_name(gpt2):
+    trace = tl.trace(gpt2, IDS)
+    with pytest.raises(tl.TorchLensError, match="neither is given"):
+        trace.draw(generation="2.x")

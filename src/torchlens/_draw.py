@@ -364,6 +364,12 @@ def draw(
         )
     if generation is not None:
         _check_generation(generation, "generation=")
+        if highlight is None and focus is None:
+            raise DrawSpecError(
+                f"generation={generation!r} names the naming generation of highlight= and focus= "
+                "names, and neither is given; pass highlight=[...] or focus='...' with it, or "
+                "leave it out."
+            )
     fmt = None
     if path is not None:
         if not isinstance(os.fspath(path) if isinstance(path, os.PathLike) else path, str):
