@@ -30,7 +30,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from torchlens._core.errors import close_matches
+from torchlens._core.errors import close_matches, did_you_mean
 from torchlens._core.persisted import PERSISTED
 from torchlens._core.records import ModuleCall
 from torchlens._drawing.errors import DrawingTooLarge, DrawSpecError, LayoutEngineMissing
@@ -114,8 +114,7 @@ def _generations() -> dict:
 def _check_generation(generation: Any, what: str) -> None:
     gens = _generations()
     if not isinstance(generation, str) or generation not in gens:
-        hits = close_matches(str(generation), gens)
-        hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+        hint = did_you_mean(str(generation), gens)
         raise UnknownGeneration(
             f"{what}: unknown generation {generation!r}.{hint} Generations: "
             f"{', '.join(repr(g) for g in gens)}."
@@ -294,8 +293,7 @@ def _focus(trace: Trace, focus: Any, generation: str | None):
         if facet:
             sites = rec.calls[0].facets.sites if rec.calls[0].facets is not None else {}
             if facet not in sites:
-                hits = close_matches(facet, sites)
-                hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+                hint = did_you_mean(facet, sites)
                 raise DrawSpecError(
                     f"focus={focus!r}: {rec.address or '<root>'} has no facet {facet!r}.{hint} "
                     f"Its facets: {', '.join(sites) or '(none)'}."

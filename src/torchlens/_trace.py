@@ -14,7 +14,12 @@ import torch
 
 from torchlens import _draw, _persist
 from torchlens._core import html
-from torchlens._core.errors import LookupFailed, RoleSpecError, TorchLensError, close_matches
+from torchlens._core.errors import (
+    LookupFailed,
+    RoleSpecError,
+    TorchLensError,
+    did_you_mean,
+)
 from torchlens._core.persisted import persisted
 from torchlens._core.records import ModuleMap, OpRecord
 from torchlens._core.roles import ROLES
@@ -304,8 +309,7 @@ class Trace:
                 `"norm"`, `"embedding"`, `"unembed"`, `"other"` (with the close matches).
         """
         if role not in ROLES:
-            hits = close_matches(str(role).lower(), ROLES)
-            hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+            hint = did_you_mean(str(role).lower(), ROLES)
             raise RoleSpecError(
                 f"by_role({role!r}): not a role.{hint} Roles: {', '.join(repr(r) for r in ROLES)}."
             )

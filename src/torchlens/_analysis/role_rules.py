@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from torchlens._core import roles as _roles
-from torchlens._core.errors import RoleSpecError, close_matches
+from torchlens._core.errors import RoleSpecError, did_you_mean
 
 __all__ = ["OVERRIDABLE_ROLES", "Roles", "groups", "parse_roles", "static_roles"]
 
@@ -63,8 +63,7 @@ def parse_roles(roles: Any, addresses: list[str]) -> dict[str, str]:
                 f"roles= key {key!r} is not a string (a module address or a glob pattern)."
             )
         if role not in OVERRIDABLE_ROLES:
-            hits = close_matches(str(role), OVERRIDABLE_ROLES)
-            hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+            hint = did_you_mean(str(role), OVERRIDABLE_ROLES)
             raise RoleSpecError(
                 f"roles={{{key!r}: {role!r}}}: {role!r} is not a role.{hint} "
                 f"Roles: {', '.join(OVERRIDABLE_ROLES)}."
@@ -72,8 +71,7 @@ def parse_roles(roles: Any, addresses: list[str]) -> dict[str, str]:
         rx = _glob(key)
         hit = [a for a in addresses if a == key or rx.fullmatch(a)]
         if not hit:
-            hits = close_matches(key, addresses)
-            hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+            hint = did_you_mean(key, addresses)
             raise RoleSpecError(f"roles= key {key!r} names no module of this model.{hint}")
         for a in hit:
             out[a] = role

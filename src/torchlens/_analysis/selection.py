@@ -37,7 +37,7 @@ from typing import Any
 
 from torch import nn
 
-from torchlens._core.errors import SaveSpecError, close_matches
+from torchlens._core.errors import SaveSpecError, did_you_mean
 from torchlens._core.facet_spec import ALL_FACETS, BY_NAME, EVERY_MODULE
 from torchlens._core.persisted import persisted
 from torchlens._core.sites import FacetSite
@@ -189,8 +189,7 @@ def parse_save(
                     f"address, facet: (address, facet) == ({address!r}, {facet!r}); or keep the "
                     f"module, save=[{address!r}], or the facet everywhere, save=[{facet!r}]."
                 )
-            hits = close_matches(item, list(ALL_FACETS) + addresses)
-            hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+            hint = did_you_mean(item, list(ALL_FACETS) + addresses)
             raise SaveSpecError(
                 f"save= item {item!r} is neither a module address of this model nor a facet name.{hint} "
                 f"Facet names: {', '.join(sorted(ALL_FACETS))}."

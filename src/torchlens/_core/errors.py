@@ -30,6 +30,8 @@ __all__ = [
     "NotEditable",
     "GenerateSpecError",
     "close_matches",
+    "did_you_mean",
+    "hint_of",
     "write_remedy",
 ]
 
@@ -94,9 +96,16 @@ _WRITE_REMEDIES = {
 }
 
 
-def _suggest(word: str, choices: Iterable[str]) -> str:
-    hits = close_matches(word, choices)
+def hint_of(hits: Iterable[str]) -> str:
+    """`" Did you mean 'a', 'b'?"` for the close matches `hits`, or `""` when there are none: the
+    suggestion every lookup error ends its first sentence with."""
+    hits = list(hits)
     return f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`hint_of` the close matches of `word` among `choices`."""
+    return hint_of(close_matches(word, choices))
 
 
 class TorchLensError(Exception):
@@ -160,7 +169,7 @@ class ModuleNotFoundInTrace(LookupFailed):
                 f"{len(known)}, e.g. {known[:4]!r}."
             )
             return
-        msg = f"no module at address {address!r} in this trace.{_suggest(address, known)}"
+        msg = f"no module at address {address!r} in this trace.{did_you_mean(address, known)}"
         if not close_matches(address, known):
             msg += f" The trace has {len(known)} module addresses, e.g. {known[:4]!r}."
         super().__init__(msg)
@@ -183,7 +192,9 @@ def _no_facet(
         ", so no gradient of it" if gradient else ""
     )
     listed = "gradients" if gradient else "facets"
-    return f"{missing}.{_suggest(facet, known)} Its {listed} are: {', '.join(known) or '(none)'}."
+    return (
+        f"{missing}.{did_you_mean(facet, known)} Its {listed} are: {', '.join(known) or '(none)'}."
+    )
 
 
 class FacetNotFound(LookupFailed):

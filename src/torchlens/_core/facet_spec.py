@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchlens._core.errors import TorchLensError, close_matches
+from torchlens._core.errors import TorchLensError, did_you_mean
 from torchlens._core.roles import ROLES
 
 __all__ = [
@@ -612,8 +612,7 @@ def spec(name: str) -> FacetSpec:
     try:
         return BY_NAME[name]
     except KeyError:
-        hits = close_matches(name, BY_NAME)
-        hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+        hint = did_you_mean(name, BY_NAME)
         raise FacetSpecError(
             f"{name!r} is not a facet.{hint} Facets: {', '.join(sorted(BY_NAME))}."
         ) from None

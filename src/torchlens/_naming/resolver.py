@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from torchlens._core.errors import TorchLensError, close_matches
+from torchlens._core.errors import TorchLensError, close_matches, did_you_mean, hint_of
 from torchlens._naming.layer_index import canonical_index, index_value, layer_value, n_layers
 from torchlens._naming.results import (
     AliasError,
@@ -147,7 +147,7 @@ def _unknown(query: str, tables: list[Table], trace: Trace) -> AliasError:
                 f"{query!r} is not a name in {where}: it is an interp-engine address (a path. "
                 "address or a .stream-K coordinate); pass generation='interp-engine'."
             )
-    hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+    hint = hint_of(hits)
     return UnknownAlias(
         f"{query!r} is not a name in {where}.{hint} Generations: {', '.join(GENERATIONS)}; "
         f"list a generation's names with torchlens.mechinterp.table(generation)."
@@ -204,8 +204,7 @@ def tables_of(generation: str | None, *, any_generation: bool = False) -> list[T
     if generation is None and any_generation:
         return list(GENERATIONS.values())
     if not isinstance(generation, str) or generation not in GENERATIONS:
-        hits = close_matches(str(generation), GENERATIONS)
-        hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+        hint = did_you_mean(str(generation), GENERATIONS)
         raise UnknownGeneration(
             f"unknown generation {generation!r}.{hint} Generations: {', '.join(repr(g) for g in GENERATIONS)}."
         )

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 
 from torchlens import testing
-from torchlens._core.errors import close_matches
+from torchlens._core.errors import close_matches, did_you_mean, hint_of
 from torchlens._naming.layer_index import canonical_index, n_layers
 from torchlens._naming.resolver import GENERATIONS, for_trace, resolve_alias, tables_of
 from torchlens._naming.results import AliasError, AliasResolution, MalformedAlias, UnknownAlias
@@ -204,7 +204,7 @@ def _unknown(query: str, table: Table) -> UnknownAlias:
         if others
         else ""
     )
-    hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+    hint = hint_of(hits)
     return UnknownAlias(
         f"{query!r} is not a name in {table.generation}.{elsewhere}{hint} "
         f"List its names with torchlens.mechinterp.table({table.generation!r})."
@@ -483,8 +483,7 @@ def translate(
         if trace is not None:
             raise UnknownFamily("pass trace= or family=, not both: family= traces its own model")
         if family not in testing.FAMILIES:
-            hits = close_matches(str(family), testing.FAMILIES)
-            hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+            hint = did_you_mean(str(family), testing.FAMILIES)
             raise UnknownFamily(
                 f"unknown family {family!r}.{hint} Families (torchlens.testing.FAMILIES): "
                 f"{', '.join(testing.FAMILIES)}."

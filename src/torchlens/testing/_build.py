@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from torchlens._core.errors import LookupFailed, close_matches
+from torchlens._core.errors import LookupFailed, did_you_mean
 from torchlens.testing._inputs import tokenizer
 from torchlens.testing._rows import FAMILIES
 
@@ -112,8 +112,7 @@ def build(
         ValueError: gemma2 runs with 'eager' attention, not 'sdpa': transformers runs Gemma-2 with ...
     """
     if family not in FAMILIES:
-        hits = close_matches(str(family), FAMILIES)
-        hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+        hint = did_you_mean(str(family), FAMILIES)
         raise LookupFailed(
             f"no test family {family!r}.{hint} The families are {', '.join(FAMILIES)}."
         )

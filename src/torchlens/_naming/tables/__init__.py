@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-from torchlens._core.errors import TorchLensError, close_matches
+from torchlens._core.errors import TorchLensError, did_you_mean
 from torchlens._core.facet_spec import ALL_FACETS, BY_NAME, EVERY_MODULE
 from torchlens._naming.targets import TARGETS
 
@@ -268,8 +268,7 @@ def _check_metadata(table: Table) -> None:
 def _check_site(table: Table, row: Row, target: str, facets: tuple[str, ...]) -> None:
     """A row's site (or its `or_else`): the target exists and each facet fits its role."""
     if target not in TARGETS:
-        hits = close_matches(target, TARGETS)
-        hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+        hint = did_you_mean(target, TARGETS)
         raise _row_error(
             table,
             row,
@@ -278,8 +277,7 @@ def _check_site(table: Table, row: Row, target: str, facets: tuple[str, ...]) ->
     roles = TARGETS[target].roles
     for facet in facets:
         if facet not in ALL_FACETS:
-            hits = close_matches(facet, ALL_FACETS)
-            hint = f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+            hint = did_you_mean(facet, ALL_FACETS)
             raise _row_error(
                 table,
                 row,
