@@ -25,7 +25,6 @@ remedy.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchlens._core.errors import EditSpecError, NotEditable, TorchLensError
+from torchlens._core.errors import EditSpecError, NotEditable, TorchLensError, cannot_take
 from torchlens._core.facet_spec import HOOK_SIDES, REMEDIES
 from torchlens._core.persisted import persisted
 from torchlens._core.records import Ref
@@ -433,16 +432,12 @@ def plan_edits(trace: Any, edit: Any) -> EditPlan:
                 f"edit= value for {key!r} is {type(value).__name__}: give a function fn(value) -> tensor "
                 f"(e.g. lambda x: x * 0) or a tensor of the site's shape."
             )
-        if callable(value) and not isinstance(value, Tensor):
-            try:
-                inspect.signature(value).bind(torch.empty(0))
-            except TypeError as exc:  # it cannot be called as fn(value)
-                raise EditSpecError(
-                    f"edit= function for {key!r} is called with one argument, the site's tensor "
-                    f"(fn(value) -> tensor, e.g. lambda x: x * 0), and this one cannot take it ({exc})."
-                ) from None
-            except ValueError:  # no signature to read (a builtin): it is called as it is
-                pass
+        why = None if isinstance(value, Tensor) else cannot_take(value, torch.empty(0))
+        if why:
+            raise EditSpecError(
+                f"edit= function for {key!r} is called with one argument, the site's tensor "
+                f"(fn(value) -> tensor, e.g. lambda x: x * 0), and this one cannot take it ({why})."
+            )
         address, facet, only = resolve_key(trace, key)
         rec = trace.modules[address]
         if not rec.calls:

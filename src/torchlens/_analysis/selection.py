@@ -30,14 +30,13 @@ capture and drops what it refuses afterwards.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from torchlens._core.errors import SaveSpecError, did_you_mean
+from torchlens._core.errors import SaveSpecError, cannot_take, did_you_mean
 from torchlens._core.facet_spec import ALL_FACETS, BY_NAME, EVERY_MODULE
 from torchlens._core.persisted import persisted
 from torchlens._core.sites import FacetSite
@@ -152,16 +151,13 @@ def parse_save(
             return SaveSpec(everything=True)
         save = [save]
     if callable(save):
-        try:
-            inspect.signature(save).bind("address", "facet")
-        except TypeError as exc:  # it cannot be called as predicate(address, facet)
+        why = cannot_take(save, "address", "facet")
+        if why:
             raise SaveSpecError(
                 f"save={getattr(save, '__name__', save)!r}: a save= function is called as "
                 f"predicate(address, facet) -> bool (e.g. lambda address, facet: facet == "
-                f"'resid_post'), and this one cannot take those two arguments ({exc})."
-            ) from None
-        except ValueError:  # no signature to read (a builtin): it is asked as it is
-            pass
+                f"'resid_post'), and this one cannot take those two arguments ({why})."
+            )
         return SaveSpec(predicate=save)
     if not isinstance(save, (list, tuple, set, frozenset)):
         raise SaveSpecError(f"save={save!r} is of type {type(save).__name__}; {accepted}.")

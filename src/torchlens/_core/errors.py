@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import errno
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "NotEditable",
     "GenerateSpecError",
     "close_matches",
+    "cannot_take",
     "did_you_mean",
     "hint_of",
     "write_remedy",
@@ -47,6 +49,18 @@ def bad_tolerance(name: str, value: object) -> str | None:
         return f"{name}={value!r} is not a number; pass a float such as 1e-5"
     if not number >= 0:  # also NaN
         return f"{name}={value!r}: a tolerance is zero or more"
+    return None
+
+
+def cannot_take(fn: Any, *args: Any) -> str | None:
+    """Why the callable `fn` cannot be called with `args` (its signature does not bind them), or
+    None when it can, or when it has no signature to read (a builtin: it is called as it is)."""
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError as exc:
+        return str(exc)
+    except ValueError:
+        return None
     return None
 
 
