@@ -35,7 +35,7 @@ from torch import nn
 
 from torchlens._analysis.facets.attention import attention_facets
 from torchlens._analysis.facets.block import block_facets
-from torchlens._analysis.facets.common import io_ref, io_site, make_site
+from torchlens._analysis.facets.common import io_ref, make_site
 from torchlens._analysis.facets.mlp import mlp_facets
 from torchlens._analysis.facets.norm import norm_facets
 from torchlens._analysis.graph import Graph
@@ -72,7 +72,7 @@ def derive(
         kids = g.kids.get(id(call), no_kids)
         sites: dict[str, FacetSite] = {}
         for name, which, note in _IO_SITES:
-            s = io_site(g, call, which, name, note)
+            s = make_site(g, name, io_ref(g, call, which), "real", note)
             if s:
                 sites[name] = s
         role = call.role

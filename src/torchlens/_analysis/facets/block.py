@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchlens._analysis.facets.common import held, io_ref, io_site, make_site, wide
+from torchlens._analysis.facets.common import held, io_ref, make_site, wide
 from torchlens._analysis.facets.mlp import weighted
 from torchlens._analysis.graph import Graph
 from torchlens._core import ops as _ops
@@ -30,7 +30,7 @@ def block_facets(
     and MLP calls go there too, by `id` of the call (see `_contributions`)."""
     sites = {}
     for name, which in (("resid_pre", "in"), ("resid_post", "out")):
-        s = io_site(g, call, which, name, f"block {which}put")
+        s = make_site(g, name, io_ref(g, call, which), note=f"block {which}put")
         if s:
             sites[name] = s
     attn = next((k for k in kids if k.role == "attention"), None)

@@ -35,35 +35,18 @@ def make_site(
     g: Graph, name: str, ref: Any, kind: str = "real", note: str = ""
 ) -> FacetSite | None:
     """A site for the tensor `ref` names; None when it names none (a `Ref` or `Dropped` always does)."""
+    if type(ref) is Ref:  # most sites: an op's output (`g.meta` and `g.value`, inlined)
+        op = g.ops[ref.op]
+        shape, dtype, value = tuple(op.shapes[ref.slot]), op.dtypes[ref.slot], op.tensors[ref.slot]
+        if value is None and g.dropped and ref in g.dropped:
+            return FacetSite(name, "refused", shape, dtype, note=g.dropped[ref])
+        return FacetSite(name, kind, shape, dtype, value, ref.op, None, note)
     if type(ref) is Dropped:
         return FacetSite(name, "refused", ref.shape, ref.dtype, note=ref.reason)
     m = g.meta(ref)
     if m is None:
         return None
-    value = g.value(ref)
-    if value is None and g.dropped and type(ref) is Ref and ref in g.dropped:
-        return FacetSite(name, "refused", m[0], m[1], note=g.dropped[ref])
-    return FacetSite(
-        name, kind, m[0], m[1], value, ref.op if type(ref) is Ref else None, None, note
-    )
-
-
-def io_site(g: Graph, call: ModuleCall, which: str, name: str, note: str) -> FacetSite | None:
-    """`make_site(g, name, io_ref(g, call, which), "real", note)`, with the common case inlined
-    (an op produced the tensor and the hook kept no alias of it: the site is that op's output)."""
-    ref, alias = (call.input_ref, call._in) if which == "in" else (call.output_ref, call._out)
-    if alias is not None or type(ref) is not Ref:
-        return make_site(g, name, io_ref(g, call, which), "real", note)
-    op = g.ops[ref.op]
-    slot = ref.slot
-    value = op.tensors[slot]
-    if value is None and g.dropped and ref in g.dropped:
-        return FacetSite(
-            name, "refused", tuple(op.shapes[slot]), op.dtypes[slot], note=g.dropped[ref]
-        )
-    return FacetSite(
-        name, "real", tuple(op.shapes[slot]), op.dtypes[slot], value, ref.op, None, note
-    )
+    return FacetSite(name, kind, m[0], m[1], g.value(ref), None, None, note)
 
 
 def io_ref(g: Graph, call: ModuleCall, which: str) -> Any:
