@@ -27,7 +27,7 @@ from torchlens._core.pending import seal_checks
 from torchlens._edits import check_inputs, plan_edits
 from torchlens._trace import Trace
 
-__all__ = ["trace", "finish", "annotate", "module_names"]
+__all__ = ["trace", "finish", "annotate", "locating_trace", "module_names"]
 
 
 def trace(
@@ -359,14 +359,20 @@ def _detached(output: Any) -> Any:
 
 
 def _locate(model: nn.Module, args: tuple, kwargs: dict, edit: Any, roles: Any):
-    """The locating pass of an edited trace: one `save="none"` trace, RNG state restored after it
-    (so dropout in training mode draws the same masks in the edited run) and the tensors it wrote
-    (the inputs, buffers, parameters: `_capture.undo`) restored too, and the edit plan."""
+    """The locating pass of an edited trace (`locating_trace`) and the edit plan."""
     check_inputs(args, kwargs)
+    return plan_edits(locating_trace(model, args, kwargs, roles), edit)
+
+
+def locating_trace(model: nn.Module, args: tuple, kwargs: dict, roles: Any) -> Trace:
+    """A locating pass: one `save="none"` trace of `model(*args, **kwargs)`, the RNG state
+    restored after it (so dropout in training mode draws the same masks in the edited run) and
+    the tensors it wrote (the inputs, buffers, parameters: `_capture.undo`) restored too, so the
+    edited forward starts where the pass did (an edited `trace`, and each edited step of
+    `trace_generate`)."""
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices), writes_undone(model.modules(), args, kwargs):
-        located = trace(model, *args, save="none", roles=roles, **kwargs)
-    return plan_edits(located, edit)
+        return trace(model, *args, save="none", roles=roles, **kwargs)
 
 
 def annotate(exc: BaseException, rec: Recorder) -> None:

@@ -46,7 +46,6 @@ from torchlens._capture.compiled import CompiledRunsEagerly
 from torchlens._capture.recorder import Recorder
 from torchlens._capture.step_copies import DeferredCopies, SharedWeights
 from torchlens._capture.stores import DirectoryStore
-from torchlens._capture.undo import writes_undone
 from torchlens._core.errors import FacetNotFound
 from torchlens._edits import EditPlan, plan_edits
 from torchlens._generation.encdec_edits import (
@@ -58,7 +57,7 @@ from torchlens._generation.encdec_edits import (
 )
 from torchlens._generation.result import StepInfo
 from torchlens._trace import Trace
-from torchlens._tracing import annotate, finish, parameter_names, trace
+from torchlens._tracing import annotate, finish, locating_trace, parameter_names
 
 __all__ = ["Session"]
 
@@ -365,20 +364,15 @@ class Session:
         return {key: value for key, steps, value in self.edits if steps is None or step in steps}
 
     def _located(self, args, kwargs) -> Trace:
-        """The locating pass of one forward call: a `save="none"` trace of the model on the same
-        arguments, on a copy of its cache, the RNG state restored after it."""
+        """The locating pass of one forward call (`torchlens._tracing.locating_trace`) on the same
+        arguments and a copy of its cache."""
         name, cache = _cache_of(kwargs)
         located_kwargs = dict(kwargs)
         if cache is not None:
             located_kwargs[name] = copy.deepcopy(cache)
-        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
         self.locating = True
         try:
-            with (
-                torch.random.fork_rng(devices=devices),
-                writes_undone(self.names, args, located_kwargs),
-            ):
-                return trace(self.model, *args, save="none", roles=self.roles_arg, **located_kwargs)
+            return locating_trace(self.model, args, located_kwargs, self.roles_arg)
         finally:
             self.locating = False
 
