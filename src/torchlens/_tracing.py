@@ -175,27 +175,25 @@ def trace(
         )
         handles = []
         caller_grad = torch.is_grad_enabled()
-        try:
-            for m in names:
-                handles.append(m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True))
-                handles.append(m.register_forward_hook(rec.post_hook, always_call=True))
-            with (
-                CompiledRunsEagerly(),
-                accelerate_hooks(names, rec) as dispatch,
-                rec,
-                torch.enable_grad() if grads is not None else contextlib.nullcontext(),
-            ):
-                output = model(*args, **kwargs)
-        except BaseException as exc:
-            annotate(exc, rec)
-            if isinstance(store_to, DirectoryStore):  # what it wrote serves no trace
-                store_to.discard()
-            raise
-        finally:
-            for h in handles:
-                h.remove()
         loss = None
         try:
+            try:
+                for m in names:
+                    handles.append(m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True))
+                    handles.append(m.register_forward_hook(rec.post_hook, always_call=True))
+                with (
+                    CompiledRunsEagerly(),
+                    accelerate_hooks(names, rec) as dispatch,
+                    rec,
+                    torch.enable_grad() if grads is not None else contextlib.nullcontext(),
+                ):
+                    output = model(*args, **kwargs)
+            except BaseException as exc:
+                annotate(exc, rec)
+                raise
+            finally:
+                for h in handles:
+                    h.remove()
             if grads is not None:
                 with torch.enable_grad(), rec.watching():  # a write the loss makes is seen
                     loss = loss_of(grads, output, loss_name)
@@ -215,7 +213,9 @@ def trace(
                 loss,
                 loss_name,
             )
-        except BaseException:  # a refusal after the forward (save=, grads=, an edit's place)
+        except (
+            BaseException
+        ):  # the forward raised, or the trace was refused after it (save=, grads=)
             if isinstance(store_to, DirectoryStore):  # what it wrote serves no trace
                 store_to.discard()
             raise

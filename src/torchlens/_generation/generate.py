@@ -186,23 +186,24 @@ def trace_generate(
     )
     session.install()
     try:
-        args = () if input_ids is None else (input_ids,)
-        with paused():  # see `_capture.collector`; the steps kept grow, and no pass rescans them
-            output = generate(*args, **generate_kwargs)
-    except BaseException as exc:
-        session.remove(exc)
-        session.discard_stores()
-        if hasattr(exc, "add_note"):
-            where = (
-                session.where
-                or f"generate itself, between forward calls ({len(session.steps)} steps done)"
-            )
-            exc.add_note(
-                f"torchlens: trace_generate raised in {where}; every hook it installed is removed"
-            )
-        raise
-    session.remove()
-    try:
+        try:
+            args = () if input_ids is None else (input_ids,)
+            with (
+                paused()
+            ):  # see `_capture.collector`; the steps kept grow, and no pass rescans them
+                output = generate(*args, **generate_kwargs)
+        except BaseException as exc:
+            session.remove(exc)
+            if hasattr(exc, "add_note"):
+                where = (
+                    session.where
+                    or f"generate itself, between forward calls ({len(session.steps)} steps done)"
+                )
+                exc.add_note(
+                    f"torchlens: trace_generate raised in {where}; every hook it installed is removed"
+                )
+            raise
+        session.remove()
         session.shared_weights.verify(session.steps)
         session.deferred.finish()
         _check_ran(session.steps, keep_steps, steps, edits)
@@ -211,8 +212,8 @@ def trace_generate(
             session.plans[True].check_each_named(
                 [c for t in kept for c in trace_calls(t)], "in any step this generation kept"
             )
-    except BaseException:
-        session.discard_stores()
+    except BaseException:  # generate raised, or the generation was refused after it
+        session.discard_stores()  # what the steps wrote serves no trace
         raise
     return GenerationTrace(
         session.steps,
